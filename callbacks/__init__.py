@@ -1,0 +1,1 @@
+"""Lightning callbacks of kbbq-pl, installed as ``kbbq_pl.callbacks``."""

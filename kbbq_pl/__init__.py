@@ -1,0 +1,3 @@
+"""kbbq-pl: FP4 (NVFP4, MXFP4) W4A4 quantization of HuggingFace transformers with KBBQ."""
+
+__version__ = "0.1.0"

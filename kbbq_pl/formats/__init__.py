@@ -1,0 +1,52 @@
+"""Number formats: NVFP4, MXFP4, FP8 E4M3, integer grids and the generic E2M1 block grid.
+
+``quantize(x, fmt)`` returns a :class:`QuantizedTensor` (codes packed two FP4 per byte, block
+scales, per-tensor scale), ``dequantize(q)`` the values it represents, and
+``fake_quantize(x, fmt)`` both in one fused pass (the hot path).  Formats are looked up by name
+(:func:`get_format`, :func:`list_formats`); see :mod:`kbbq_pl.formats.spec` for the names and
+:mod:`kbbq_pl.formats.kernels` for the rounding conventions.
+"""
+
+from .dispatch import compile_enabled, set_compile
+from .kernels import pack_nibbles, round_e2m1, unpack_nibbles
+from .noise import measure_sigma2, sigma2_fmt
+from .qtensor import (
+    NonFinitePolicy,
+    QuantizedTensor,
+    block_dequant_scale,
+    dequantize,
+    fake_quantize,
+    quantize,
+)
+from .spec import (
+    E8M0_ROUNDINGS,
+    LOG_UNIFORM_INV_M2,
+    Format,
+    get_format,
+    list_formats,
+    register_format,
+    with_block_size,
+)
+
+__all__ = [
+    "E8M0_ROUNDINGS",
+    "LOG_UNIFORM_INV_M2",
+    "Format",
+    "NonFinitePolicy",
+    "QuantizedTensor",
+    "block_dequant_scale",
+    "compile_enabled",
+    "dequantize",
+    "fake_quantize",
+    "get_format",
+    "list_formats",
+    "measure_sigma2",
+    "pack_nibbles",
+    "quantize",
+    "register_format",
+    "round_e2m1",
+    "set_compile",
+    "sigma2_fmt",
+    "unpack_nibbles",
+    "with_block_size",
+]

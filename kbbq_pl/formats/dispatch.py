@@ -1,0 +1,108 @@
+"""Runs the rounding kernels compiled by ``torch.compile`` where it can, eagerly elsewhere.
+
+``torch.compile`` fuses each kernel of :mod:`kbbq_pl.formats.kernels` into one or two passes
+over the data (a C++ loop on CPU, a Triton kernel on CUDA); eager PyTorch makes about ten.  The
+compiled and eager kernels are the same Python functions and agree bit for bit (tested).
+
+``KBBQ_PL_COMPILE`` chooses: ``auto`` (default: compile where a C++ compiler or Triton is
+found), ``1`` (always) or ``0`` (never).  :func:`set_compile` changes it at run time.  If a
+compilation fails, kbbq-pl warns once and stays eager.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_mode = os.environ.get("KBBQ_PL_COMPILE", "auto").strip().lower()
+_broken = False
+_cache: dict[tuple, Callable[..., Any]] = {}
+
+
+def set_compile(mode: bool | str) -> None:
+    """Use compiled kernels always (``True``/``"1"``), never (``False``/``"0"``) or ``"auto"``."""
+    global _mode
+    value = {True: "1", False: "0"}.get(mode, mode) if isinstance(mode, bool) else mode
+    if str(value).lower() not in ("auto", "1", "0"):
+        raise ValueError(f"compile mode must be True, False or 'auto', got {mode!r}")
+    _mode = str(value).lower()
+
+
+@functools.lru_cache(maxsize=None)
+def _backend_available(device_type: str) -> bool:
+    if device_type == "cpu":
+        compiler = os.environ.get("CXX")
+        return any(shutil.which(c) for c in filter(None, (compiler, "g++", "c++", "clang++")))
+    if device_type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return has_triton()
+    return False
+
+
+def compile_enabled(device: torch.device) -> bool:
+    """Whether kernels on ``device`` run compiled under the current mode."""
+    if _broken or _mode in ("0", "off", "false") or torch.compiler.is_compiling():
+        return False
+    if _mode in ("1", "on", "true"):
+        return True
+    return _backend_available(device.type)
+
+
+def _specialize(kernel: Callable[..., Any], static: dict[str, Any]) -> Callable[..., Any]:
+    """``kernel`` with ``static`` bound, under a code object of its own: dynamo keeps its
+    compiled graphs (and counts recompilations) per code object, so each set of options gets
+    its own cache instead of crowding one."""
+
+    def bound(groups: Tensor, *args: Any) -> Any:
+        return kernel(groups, *args, **static)
+
+    code = bound.__code__.replace(co_name=f"{kernel.__name__}_{len(_cache)}")
+    return types.FunctionType(code, bound.__globals__, code.co_name, None, bound.__closure__)
+
+
+def run_kernel(
+    kernel: Callable[..., Any],
+    groups: Tensor,
+    *args: Any,
+    dynamic_group_len: bool = False,
+    **static: Any,
+) -> Any:
+    """Call ``kernel(groups, *args, **static)``, compiled when enabled.
+
+    ``static`` holds the Python-level options (format, policy, dtype): each distinct set gets
+    its own compiled graph.  The number of groups is dynamic, so new shapes do not recompile;
+    the group length is dynamic too when ``dynamic_group_len`` (rows and whole tensors), and
+    static for blocks, which lets the compiler unroll and vectorize over the block.
+    """
+    global _broken
+    if not compile_enabled(groups.device):
+        return kernel(groups, *args, **static)
+    key = (kernel.__name__, groups.device.type, tuple(sorted(static.items())))
+    compiled = _cache.get(key)
+    if compiled is None:
+        compiled = torch.compile(_specialize(kernel, static), dynamic=False, fullgraph=True)
+        _cache[key] = compiled
+    torch._dynamo.maybe_mark_dynamic(groups, 0)
+    if dynamic_group_len:
+        torch._dynamo.maybe_mark_dynamic(groups, 1)
+    try:
+        return compiled(groups, *args)
+    except Exception as error:  # a compiler or backend failure: stay correct, go eager
+        result = kernel(groups, *args, **static)
+        _broken = True
+        warnings.warn(
+            f"torch.compile failed for {kernel.__name__} ({type(error).__name__}: {error}); "
+            "kbbq-pl uses its eager kernels from now on (set KBBQ_PL_COMPILE=0 to skip compiling)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return result

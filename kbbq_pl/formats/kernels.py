@@ -1,0 +1,254 @@
+"""Rounding onto the element grids: pure functions on a 2-D group view ``[groups, group_len]``.
+
+Every granularity is one such view: blocks are ``x.reshape(-1, block_size)``, rows are
+``x.reshape(-1, K)`` and a whole tensor is ``x.reshape(1, -1)``; each function scales every row
+of the view by its own scale.  The functions are written as a short chain of elementwise torch
+ops so that ``torch.compile`` fuses each into one pass over the data (the hot path of
+:func:`kbbq_pl.formats.fake_quantize`); run eagerly they are the reference the compiled kernels
+are tested against, bit for bit.
+
+Numerics (all in FP32, round-to-nearest-even everywhere):
+
+* NVFP4 follows torchao's ``nvfp4_quantize`` with a per-tensor scale, which is also the MSLK /
+  Triton kernel arithmetic: ``pts = amax / (448 * 6)``; block scale
+  ``s = e4m3(clamp((amax_b / 6) / pts, 2^-6, 448))``; elements ``e2m1(x * ((1 / pts) / s))``;
+  dequantization ``q * (pts * s)``.  Block scales never go below the smallest normal E4M3
+  (2^-6), as in torchao; an all-zero tensor gives zeros (torchao gives NaN).  A tensor whose
+  amax is below ``448 * 6 * 2^-122`` (about 5e-34), where the FP32 reciprocal overflows,
+  quantizes to zeros.
+* MXFP4 follows torchao's ``to_mx``: the shared exponent is read off the FP32 bits of the block
+  amax; elements are ``e2m1(x / 2^e)``.  ``no_clip`` multiplies the elements by 3/4 (exact) and
+  dequantizes as ``(q * 2^e) / 0.75``.  Unlike torchao, a block whose exponent clamps to the
+  E8M0 minimum 2^-127 uses 2^-127 both ways (torchao quantizes with 2^-126 there).
+* FP8 E4M3: ``s = amax / 448``, codes ``e4m3(clamp(x / s, +-448))``, values ``code * s``.
+* INT: ``s = amax / qmax``, codes ``clamp(round(x / s), +-qmax)``, values ``code * s``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .spec import E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL
+
+NVFP4_MIN_GLOBAL_SCALE = 2.0**-122
+"""Smallest per-tensor NVFP4 scale whose reciprocal chain stays finite in FP32."""
+
+_F32_MANTISSA_BITS = 23
+_E8M0_BIAS = 127
+_E8M0_NAN = 255
+
+
+def round_e2m1(a: Tensor) -> Tensor:
+    """Round magnitudes ``a >= 0`` to the E2M1 grid {0, .5, 1, 1.5, 2, 3, 4, 6}, ties to even.
+
+    The grid has step 1/2 below 2, 1 on [2, 4) and 2 on [4, 6]; on each piece ``torch.round``
+    (half to even on the scaled value) is the grid's own round-to-nearest-even, and values above
+    6 saturate.
+    """
+    a = a.clamp(max=E2M1_MAX)
+    return torch.where(
+        a < 2.0,
+        torch.round(a * 2.0) * 0.5,
+        torch.where(a < 4.0, torch.round(a), torch.round(a * 0.5) * 2.0),
+    )
+
+
+def e2m1_magnitude_code(q: Tensor) -> Tensor:
+    """Map grid magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6} to their 3-bit codes 0..7 (as floats)."""
+    return torch.where(q < 2.0, q * 2.0, torch.where(q < 4.0, q + 2.0, q * 0.5 + 4.0))
+
+
+def e2m1_code_magnitude(code: Tensor) -> Tensor:
+    """Inverse of :func:`e2m1_magnitude_code` on integer codes 0..7 (returns FP32)."""
+    c = code.to(torch.float32)
+    return torch.where(c < 4.0, c * 0.5, torch.where(c < 6.0, c - 2.0, (c - 4.0) * 2.0))
+
+
+def pack_nibbles(codes: Tensor) -> Tensor:
+    """Pack 4-bit codes (uint8, last dimension even) two per byte, element ``2i`` in the low
+    nibble: the layout of torchao's ``pack_uint4`` and of compressed-tensors' ``weight_packed``."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: Tensor) -> Tensor:
+    """Inverse of :func:`pack_nibbles`."""
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+def _encode_e2m1(y: Tensor) -> Tensor:
+    """E2M1 codes (uint8, sign in bit 3) of the already-scaled values ``y``."""
+    magnitude = e2m1_magnitude_code(round_e2m1(y.abs()))
+    sign = torch.signbit(y).to(torch.uint8) << 3
+    return magnitude.to(torch.uint8) | sign
+
+
+def _clean(x: Tensor, nonfinite: str) -> Tensor:
+    """Zero non-finite inputs under the ``zero`` and ``propagate`` policies."""
+    if nonfinite == "raise":
+        return x
+    return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _bad_groups(x: Tensor) -> Tensor:
+    """Groups (rows of the view) holding a non-finite element, shape ``[groups, 1]``."""
+    return (~torch.isfinite(x)).any(dim=-1, keepdim=True)
+
+
+def _finite_flag(amax: Tensor) -> Tensor:
+    """A scalar that is True when every group amax is finite (max propagates NaN and Inf)."""
+    return torch.isfinite(amax.max())
+
+
+def _pow2(exponent: Tensor) -> Tensor:
+    """Exact ``2^e`` in FP32 for integer ``e`` in [-127, 127] (2^-127 is subnormal)."""
+    normal = ((exponent + _E8M0_BIAS).clamp(min=1) << _F32_MANTISSA_BITS).view(torch.float32)
+    return torch.where(exponent < -126, torch.full_like(normal, 2.0**-127), normal)
+
+
+def e8m0_exponent(amax: Tensor, rounding: str) -> Tensor:
+    """Unbiased shared exponent of MX blocks from their FP32 amax, clamped to [-127, 127].
+
+    ``floor``/``no_clip``: floor(log2 amax) - 2; ``ceil``: ceil(log2 amax) - 2; ``even``:
+    floor(log2 round1(amax)) - 2 with amax rounded to one mantissa bit; ``rceil``:
+    ceil(log2(amax / 6)).  The exponent is read from the FP32 bits, so it is exact.
+    """
+    if rounding == "rceil":
+        descale = amax / E2M1_MAX
+        bits = descale.view(torch.int32)
+        field = (bits >> _F32_MANTISSA_BITS) & 0xFF
+        exponent = field - _E8M0_BIAS + ((bits & 0x7FFFFF) > 0).to(torch.int32)
+        # subnormal descale: ceil(log2) is -127 at or below 2^-127, else -126
+        subnormal = torch.where(descale <= 2.0**-127, -127, -126).to(torch.int32)
+        exponent = torch.where(field == 0, subnormal, exponent)
+    else:
+        bits = amax.view(torch.int32)
+        if rounding == "even":
+            bits = (bits + (1 << (_F32_MANTISSA_BITS - 2))) & (0x1FF << _F32_MANTISSA_BITS)
+        exponent = ((bits >> _F32_MANTISSA_BITS) & 0xFF) - _E8M0_BIAS - 2
+        if rounding == "ceil":
+            exponent = exponent + ((bits & 0x7FFFFF) > 0).to(torch.int32)
+    return exponent.clamp(-_E8M0_BIAS, _E8M0_BIAS)
+
+
+def e2m1_groups(
+    x: Tensor,
+    global_scale: Tensor | None,
+    *,
+    scale_kind: str,
+    e8m0_rounding: str,
+    nonfinite: str,
+    fake: bool,
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, ...]:
+    """Quantize the rows of ``x [groups, block]`` onto E2M1 with one scale per row.
+
+    Returns ``(values, finite)`` when ``fake`` (the dequantized tensor in ``out_dtype``), else
+    ``(packed_codes uint8 [groups, block/2], block_scales [groups, 1], global_scale fp32 [],
+    finite)``; block scales are ``float8_e4m3fn``, uint8 E8M0 exponents or FP32 by
+    ``scale_kind``.  ``finite`` is a scalar bool, False when the input held NaN or Inf.
+    """
+    xf = _clean(x.to(torch.float32), nonfinite)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    gain = None
+    if scale_kind == "e4m3":
+        if global_scale is None:
+            pts = amax.max() / (E4M3_MAX * E2M1_MAX)
+        else:
+            pts = global_scale.to(torch.float32)
+        usable = pts >= NVFP4_MIN_GLOBAL_SCALE
+        pts = torch.where(usable, pts, torch.ones_like(pts))
+        scale_code = ((amax / E2M1_MAX) / pts).clamp(E4M3_MIN_NORMAL, E4M3_MAX)
+        scale_code = scale_code.to(torch.float8_e4m3fn)
+        block = scale_code.to(torch.float32)
+        reciprocal = torch.where(usable, (1.0 / pts) / block, torch.zeros_like(block))
+        dequant_scale = pts * block
+    elif scale_kind == "e8m0":
+        exponent = e8m0_exponent(amax, e8m0_rounding)
+        scale_code = (exponent + _E8M0_BIAS).to(torch.uint8)
+        pts = None
+        block = _pow2(exponent)
+        if e8m0_rounding == "no_clip":
+            gain = 0.75
+            reciprocal = gain / block
+        else:
+            reciprocal = 1.0 / block
+        dequant_scale = block
+    else:
+        scale = amax / E2M1_MAX
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        scale_code = scale
+        pts = None
+        reciprocal = 1.0 / scale
+        dequant_scale = scale
+    y = xf * reciprocal if scale_kind != "fp32" else xf / dequant_scale
+    finite = _finite_flag(amax)
+    if nonfinite == "propagate":
+        bad = _bad_groups(x)
+        nan = torch.full_like(dequant_scale, float("nan"))
+        dequant_scale = torch.where(bad, nan, dequant_scale)
+        if scale_kind == "e8m0":
+            scale_code = torch.where(bad, _E8M0_NAN, scale_code.to(torch.int32)).to(torch.uint8)
+        else:
+            scale_code = torch.where(bad, nan, scale_code.to(torch.float32)).to(scale_code.dtype)
+    if fake:
+        q = torch.copysign(round_e2m1(y.abs()), y)
+        values = q * dequant_scale if gain is None else (q * dequant_scale) / gain
+        return values.to(out_dtype), finite
+    codes = pack_nibbles(_encode_e2m1(y))
+    if pts is None:
+        pts = torch.ones((), dtype=torch.float32, device=x.device)
+    return codes, scale_code, pts, finite
+
+
+def e4m3_groups(
+    x: Tensor, *, nonfinite: str, fake: bool, out_dtype: torch.dtype
+) -> tuple[Tensor, ...]:
+    """FP8 E4M3 with an FP32 scale ``amax / 448`` per row of ``x [groups, len]``.
+
+    Returns ``(values, finite)`` when ``fake``, else ``(codes float8_e4m3fn, scales fp32
+    [groups, 1], finite)``.
+    """
+    xf = _clean(x.to(torch.float32), nonfinite)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = amax / E4M3_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    finite = _finite_flag(amax)
+    if nonfinite == "propagate":
+        scale = torch.where(_bad_groups(x), torch.full_like(scale, float("nan")), scale)
+    if fake:
+        return (codes.to(torch.float32) * scale).to(out_dtype), finite
+    return codes, scale, finite
+
+
+def int_groups(
+    x: Tensor, *, qmax: int, nonfinite: str, fake: bool, out_dtype: torch.dtype
+) -> tuple[Tensor, ...]:
+    """Symmetric restricted-range integers with an FP32 scale ``amax / qmax`` per row.
+
+    Returns ``(values, finite)`` when ``fake``, else ``(codes int8, scales fp32 [groups, 1],
+    finite)``; 4-bit codes are packed two per byte as two's-complement nibbles (uint8).
+    """
+    xf = _clean(x.to(torch.float32), nonfinite)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = amax / float(qmax)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(xf / scale).clamp(-float(qmax), float(qmax))
+    finite = _finite_flag(amax)
+    if nonfinite == "propagate":
+        scale = torch.where(_bad_groups(x), torch.full_like(scale, float("nan")), scale)
+    codes = q.to(torch.int8)
+    if fake:  # from the integer codes, which have no -0, as dequantization sees them
+        return (codes.to(torch.float32) * scale).to(out_dtype), finite
+    if qmax == 7:
+        codes = pack_nibbles(codes.view(torch.uint8) & 0x0F)
+    return codes, scale, finite
+
+
+def int4_unpack(packed: Tensor) -> Tensor:
+    """Signed int4 codes (int8) from two's-complement nibbles packed two per byte."""
+    nibbles = unpack_nibbles(packed).to(torch.int8)
+    return torch.where(nibbles > 7, nibbles - 16, nibbles)

@@ -1,0 +1,296 @@
+"""Quantize, dequantize and fake-quantize; :class:`QuantizedTensor`, the container of codes.
+
+``QuantizedTensor`` is a torchao-style tensor subclass (built on ``TorchAOBaseTensor``, as
+torchao's own ``NVFP4Tensor`` and ``MXTensor`` are) so that ``nn.Parameter``, ``.to()``,
+``.clone()``, ``state_dict`` and ``torch.save`` keep every field: the packed codes, the block
+scales, the per-tensor scale, the format, the original dtype and the unpadded last dimension.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from .._compat import TorchAOBaseTensor
+
+from . import kernels
+from .dispatch import run_kernel
+from .spec import Format, get_format
+
+NonFinitePolicy = Literal["raise", "propagate", "zero"]
+"""What to do with NaN/Inf inputs: ``raise`` (default) a ValueError naming the tensor and the
+count; ``propagate``: every scale group holding one gets a NaN scale (the OCP MX rule), so it
+dequantizes to NaN; ``zero``: quantize them as zeros."""
+
+_POLICIES = ("raise", "propagate", "zero")
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+class QuantizedTensor(TorchAOBaseTensor):
+    """A tensor stored in a kbbq-pl format.
+
+    Attributes:
+        qdata: element codes: uint8 with two 4-bit codes per byte (E2M1, INT4),
+            ``float8_e4m3fn`` (FP8) or int8 (INT8); the last dimension padded to whole blocks.
+        scale: per-group scales: ``float8_e4m3fn`` (NVFP4), ``float8_e8m0fnu`` (MX) or FP32,
+            shaped ``[..., groups]`` for blocks, ``[..., 1]`` for rows, ``[]`` for a tensor.
+        global_scale: the FP32 per-tensor scale above E4M3 block scales (NVFP4), else None.
+        fmt: the :class:`~kbbq_pl.formats.Format`.
+        orig_dtype: dtype of the quantized input; :meth:`dequantize` returns it by default.
+        last_dim: unpadded length of the last dimension.
+    """
+
+    tensor_data_names = ["qdata", "scale"]
+    tensor_attribute_names = ["fmt", "orig_dtype", "last_dim"]
+    optional_tensor_data_names = ["global_scale"]
+
+    def __new__(
+        cls,
+        qdata: Tensor,
+        scale: Tensor,
+        fmt: Format,
+        orig_dtype: torch.dtype,
+        last_dim: int,
+        global_scale: Tensor | None = None,
+    ):
+        shape = (*qdata.shape[:-1], last_dim)
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=orig_dtype, device=qdata.device, requires_grad=False
+        )
+        self.qdata = qdata
+        self.scale = scale
+        self.fmt = fmt
+        self.orig_dtype = orig_dtype
+        self.last_dim = last_dim
+        self.global_scale = global_scale
+        return self
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def dequantize(self, output_dtype: torch.dtype | None = None) -> Tensor:
+        """The represented values in ``output_dtype`` (default: the original dtype)."""
+        return dequantize(self, output_dtype)
+
+    def __repr__(self) -> str:
+        return (
+            f"QuantizedTensor(fmt={self.fmt.name}, shape={tuple(self.shape)}, "
+            f"orig_dtype={self.orig_dtype}, device={self.qdata.device})"
+        )
+
+
+def _check_policy(nonfinite: str) -> None:
+    if nonfinite not in _POLICIES:
+        raise ValueError(f"nonfinite must be one of {_POLICIES}, got {nonfinite!r}")
+
+
+def _raise_nonfinite(x: Tensor, name: str) -> None:
+    nan = int(torch.isnan(x).sum())
+    inf = int(torch.isinf(x).sum())
+    raise ValueError(
+        f"{name}: {nan + inf} non-finite values ({nan} NaN, {inf} Inf) of {x.numel()} "
+        f"in a tensor of shape {tuple(x.shape)}; pass nonfinite='zero' or 'propagate' "
+        "to quantize it anyway"
+    )
+
+
+def _groups(x: Tensor, fmt: Format, pad: bool, name: str) -> tuple[Tensor, int]:
+    """The 2-D group view of ``x`` for ``fmt`` and the padding added to the last dimension."""
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"{name}: cannot quantize dtype {x.dtype}; use fp32, bf16, fp16 or fp64")
+    if fmt.granularity == "tensor":
+        return x.reshape(1, -1), 0
+    if x.dim() == 0:
+        raise ValueError(f"{name}: a 0-d tensor has no last dimension to group ({fmt.name})")
+    length = x.shape[-1]
+    if fmt.granularity == "row":
+        return x.reshape(-1, length), 0
+    block = fmt.block_size
+    assert block is not None
+    extra = -length % block
+    if extra:
+        if not pad:
+            raise ValueError(
+                f"{name}: last dimension {length} of shape {tuple(x.shape)} is not a multiple "
+                f"of the {fmt.name} block size {block}; pass pad=True to zero-pad it to "
+                f"{length + extra}"
+            )
+        x = F.pad(x, (0, extra))
+    return x.reshape(-1, block), extra
+
+
+def _global_scale_arg(fmt: Format, global_scale: Tensor | float | None, name: str):
+    if global_scale is None:
+        return None
+    if not fmt.global_scale:
+        raise ValueError(f"{name}: format {fmt.name} has no per-tensor scale to set")
+    value = torch.as_tensor(global_scale, dtype=torch.float32)
+    if value.numel() != 1:
+        raise ValueError(f"{name}: global_scale must be a scalar, got shape {tuple(value.shape)}")
+    scalar = float(value)
+    if not (math.isfinite(scalar) and scalar >= kernels.NVFP4_MIN_GLOBAL_SCALE):
+        raise ValueError(
+            f"{name}: global_scale must be finite and at least {kernels.NVFP4_MIN_GLOBAL_SCALE:g}, "
+            f"got {scalar!r}"
+        )
+    return value.reshape(())
+
+
+def _run(x: Tensor, fmt: Format, global_scale, pad: bool, nonfinite: str, name: str, fake: bool,
+         out_dtype: torch.dtype):
+    """Group ``x``, run the element kernel of ``fmt``; returns (kernel outputs, padding)."""
+    _check_policy(nonfinite)
+    groups, extra = _groups(x, fmt, pad, name)
+    static = {"nonfinite": nonfinite, "fake": fake, "out_dtype": out_dtype}
+    if fmt.element == "e2m1":
+        gs = _global_scale_arg(fmt, global_scale, name)
+        if gs is not None:
+            gs = gs.to(x.device)
+        out = run_kernel(
+            kernels.e2m1_groups, groups, gs,
+            scale_kind=fmt.scale_kind, e8m0_rounding=fmt.e8m0_rounding, **static,
+        )
+    else:
+        if global_scale is not None:
+            _global_scale_arg(fmt, global_scale, name)
+        dynamic = fmt.granularity != "block"
+        if fmt.element == "e4m3":
+            out = run_kernel(kernels.e4m3_groups, groups, dynamic_group_len=dynamic, **static)
+        else:
+            qmax = int(fmt.element_max)
+            out = run_kernel(kernels.int_groups, groups, dynamic_group_len=dynamic, qmax=qmax,
+                             **static)
+    if nonfinite == "raise" and not bool(out[-1]):
+        _raise_nonfinite(x, name)
+    return out[:-1], extra
+
+
+@torch.no_grad()
+def fake_quantize(
+    x: Tensor,
+    fmt: str | Format,
+    *,
+    global_scale: Tensor | float | None = None,
+    pad: bool = False,
+    nonfinite: NonFinitePolicy = "raise",
+    dtype: torch.dtype | None = None,
+    name: str = "tensor",
+) -> Tensor:
+    """Round ``x`` onto ``fmt`` and back in one pass: ``dequantize(quantize(x))``, bit for bit.
+
+    Blocks run along the last (reduction) dimension.  ``global_scale`` fixes the NVFP4
+    per-tensor scale (a calibrated static scale; values beyond it saturate) instead of the
+    dynamic ``amax / (448 * 6)``.  ``pad`` zero-pads a last dimension that is not a multiple of
+    the block size (the padding is dropped from the result).  The result has ``x``'s dtype
+    unless ``dtype`` is given.  No gradient flows (see :func:`kbbq_pl.formats.ste_fake_quantize`).
+    """
+    fmt = get_format(fmt)
+    out_dtype = dtype or x.dtype
+    if x.numel() == 0:
+        return x.detach().to(out_dtype, copy=True)
+    (values,), extra = _run(x, fmt, global_scale, pad, nonfinite, name, True, out_dtype)
+    if fmt.granularity == "tensor" or fmt.granularity == "row":
+        return values.reshape(x.shape)
+    values = values.reshape(*x.shape[:-1], x.shape[-1] + extra)
+    return values[..., : x.shape[-1]] if extra else values
+
+
+@torch.no_grad()
+def quantize(
+    x: Tensor,
+    fmt: str | Format,
+    *,
+    global_scale: Tensor | float | None = None,
+    pad: bool = False,
+    nonfinite: NonFinitePolicy = "raise",
+    name: str = "tensor",
+) -> QuantizedTensor:
+    """Quantize ``x`` to ``fmt``: codes (4-bit codes packed two per byte), scales, global scale.
+
+    Arguments as in :func:`fake_quantize`.
+    """
+    fmt = get_format(fmt)
+    lead = x.shape[:-1] if x.dim() else ()
+    length = x.shape[-1] if x.dim() else 1
+    padded = length + (-length % fmt.block_size if fmt.granularity == "block" else 0)
+    if fmt.granularity == "block" and padded != length and not pad:
+        _groups(x, fmt, pad, name)  # raises the not-a-multiple error
+    if x.numel() == 0:
+        return _empty(x, fmt, lead, length, padded)
+    out, _ = _run(x, fmt, global_scale, pad, nonfinite, name, False, x.dtype)
+    global_value = None
+    if fmt.element == "e2m1":
+        codes, scales, pts = out
+        if fmt.scale_kind == "e8m0":
+            scales = scales.view(torch.float8_e8m0fnu)
+        if fmt.global_scale:
+            global_value = pts
+    else:
+        codes, scales = out
+    codes = codes.reshape(*lead, -1)
+    if fmt.granularity == "block":
+        scales = scales.reshape(*lead, padded // fmt.block_size)
+    elif fmt.granularity == "row":
+        scales = scales.reshape(*lead, 1)
+    else:
+        scales = scales.reshape(())
+    return QuantizedTensor(codes, scales, fmt, x.dtype, length, global_value)
+
+
+def _empty(x: Tensor, fmt: Format, lead, length: int, padded: int) -> QuantizedTensor:
+    code_dtype = {"e2m1": torch.uint8, "int4": torch.uint8, "e4m3": torch.float8_e4m3fn,
+                  "int8": torch.int8}[fmt.element]
+    codes = torch.empty(*lead, padded // 2 if fmt.packed else padded, dtype=code_dtype,
+                        device=x.device)
+    if fmt.granularity == "block":
+        scale_dtype = {"e4m3": torch.float8_e4m3fn, "e8m0": torch.float8_e8m0fnu,
+                       "fp32": torch.float32}[fmt.scale_kind]
+        scales = torch.empty(*lead, padded // fmt.block_size, dtype=scale_dtype, device=x.device)
+    else:
+        scales = torch.ones(*lead, 1, device=x.device) if fmt.granularity == "row" else (
+            torch.ones((), device=x.device))
+    global_value = torch.ones((), device=x.device) if fmt.global_scale else None
+    return QuantizedTensor(codes, scales, fmt, x.dtype, length, global_value)
+
+
+def block_dequant_scale(q: QuantizedTensor) -> Tensor:
+    """The FP32 multiplier of each scale group (``pts * s`` for NVFP4, ``2^e`` for MX)."""
+    fmt = q.fmt
+    if fmt.scale_kind == "e4m3":
+        return q.global_scale * q.scale.to(torch.float32)
+    if fmt.scale_kind == "e8m0":
+        biased = q.scale.view(torch.uint8).to(torch.int32)
+        value = kernels._pow2(biased - 127)
+        return torch.where(biased == 255, torch.full_like(value, float("nan")), value)
+    return q.scale
+
+
+@torch.no_grad()
+def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> Tensor:
+    """The values ``q`` represents, in ``dtype`` (default: the dtype that was quantized)."""
+    fmt = q.fmt
+    out_dtype = dtype or q.orig_dtype
+    scale = block_dequant_scale(q)
+    if fmt.element == "e2m1":
+        codes = kernels.unpack_nibbles(q.qdata)
+        magnitude = kernels.e2m1_code_magnitude(codes & 0x7)
+        values = torch.where((codes & 0x8) > 0, -magnitude, magnitude)
+    elif fmt.element == "int4":
+        values = kernels.int4_unpack(q.qdata).to(torch.float32)
+    else:
+        values = q.qdata.to(torch.float32)
+    if fmt.granularity == "block":
+        groups = values.shape[-1] // fmt.block_size
+        grouped = values.reshape(*values.shape[:-1], groups, fmt.block_size)
+        out = grouped * scale.unsqueeze(-1)
+        if fmt.scale_kind == "e8m0" and fmt.e8m0_rounding == "no_clip":
+            out = out / 0.75
+        out = out.reshape(values.shape)[..., : q.last_dim]
+    else:
+        out = values * scale
+    return out.to(out_dtype)

@@ -1,0 +1,1 @@
+"""Packaged YAML recipes (``kbbq_pl.recipes``)."""

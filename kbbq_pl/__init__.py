@@ -1,3 +1,5 @@
 """kbbq-pl: FP4 (NVFP4, MXFP4) W4A4 quantization of HuggingFace transformers with KBBQ."""
 
 __version__ = "0.1.0"
+
+from . import _compat  # noqa: F401,E402  (imports torchao quietly before anything else does)

@@ -24,4 +24,5 @@ def quiet_loggers(*names: str, level: int = logging.ERROR) -> Iterator[None]:
 # torchao warns at import about its CUDA-only extension libraries on CPU machines, and torch
 # about torchao's enum registrations; neither concerns kbbq-pl's users.
 with quiet_loggers("torchao", "torch.utils._pytree"):
+    import torchao.prototype.mx_formats  # noqa: F401  (registers its enums with torch now)
     from torchao.utils import TorchAOBaseTensor  # noqa: F401

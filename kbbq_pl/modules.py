@@ -1,0 +1,147 @@
+"""Which modules of a model are quantized, and their weights as ``[out, in]`` matrices.
+
+A *targeted linear* is an ``nn.Linear`` or a transformers ``Conv1D`` (GPT-2, whose weight is
+stored transposed, ``[in, out]``) whose qualified name matches one of the ``targets`` regular
+expressions and none of the ``ignore`` ones (``re.search``).  By default every linear layer is
+a target except the LM head, embeddings and BERT's pooler, which are not part of the
+transformer blocks (llm-compressor ignores ``lm_head`` likewise).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+DEFAULT_TARGETS: tuple[str, ...] = (".*",)
+DEFAULT_IGNORE: tuple[str, ...] = (r"(^|\.)lm_head$", r"embed", r"(^|\.)(wte|wpe)$", r"pooler")
+
+
+def _conv1d_type() -> type | None:
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # transformers is a dependency; guard for partial installs
+        return None
+    return Conv1D
+
+
+def is_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` or a transformers ``Conv1D``."""
+    conv1d = _conv1d_type()
+    return isinstance(module, nn.Linear) or (conv1d is not None and isinstance(module, conv1d))
+
+
+def is_transposed(module: nn.Module) -> bool:
+    """Whether the module stores its weight as ``[in, out]`` (transformers ``Conv1D``)."""
+    conv1d = _conv1d_type()
+    return conv1d is not None and isinstance(module, conv1d)
+
+
+def linear_weight(module: nn.Module) -> Tensor:
+    """The weight as ``[out, in]`` (a view; ``Conv1D`` weights are transposed)."""
+    weight = module.weight
+    return weight.T if is_transposed(module) else weight
+
+
+def in_out_features(module: nn.Module) -> tuple[int, int]:
+    out_features, in_features = linear_weight(module).shape
+    return in_features, out_features
+
+
+def _compile(patterns: Iterable[str] | str | None, default: Sequence[str]) -> list[re.Pattern]:
+    if patterns is None:
+        patterns = default
+    elif isinstance(patterns, str):
+        patterns = [patterns]
+    compiled = []
+    for pattern in patterns:
+        try:
+            compiled.append(re.compile(pattern))
+        except re.error as error:
+            raise ValueError(f"invalid module-name pattern {pattern!r}: {error}") from None
+    return compiled
+
+
+def find_linears(
+    model: nn.Module,
+    targets: Iterable[str] | str | None = None,
+    ignore: Iterable[str] | str | None = None,
+) -> dict[str, nn.Module]:
+    """Targeted linear modules by qualified name, in model order.
+
+    Raises ``ValueError`` when nothing matches, naming the patterns and a few linear layers
+    that exist, so a wrong pattern is caught before any work is done.
+    """
+    target_res = _compile(targets, DEFAULT_TARGETS)
+    ignore_res = _compile(ignore, DEFAULT_IGNORE)
+    found: dict[str, nn.Module] = {}
+    linears = []
+    for name, module in model.named_modules():
+        if not is_linear(module):
+            continue
+        linears.append(name)
+        if any(p.search(name) for p in ignore_res):
+            continue
+        if any(p.search(name) for p in target_res):
+            found[name] = module
+    if not found:
+        examples = ", ".join(linears[:6]) or "none"
+        raise ValueError(
+            f"no linear layer of {type(model).__name__} matches targets "
+            f"{[p.pattern for p in target_res]} without matching ignore "
+            f"{[p.pattern for p in ignore_res]}; its linear layers: {examples}"
+            + (f" (and {len(linears) - 6} more)" if len(linears) > 6 else "")
+        )
+    return found
+
+
+_CELL_PATTERNS = (
+    ("qkv", r"(q_proj|k_proj|v_proj|qkv_proj|query|key|value|c_attn|Wqkv)$"),
+    ("out", r"(o_proj|out_proj|attention\.output\.dense|attn\.c_proj|self_attn\.dense)$"),
+    ("up", r"(gate_proj|up_proj|gate_up_proj|intermediate\.dense|c_fc|fc1|w1|w3)$"),
+    ("down", r"(down_proj|(?<!attention\.)output\.dense|mlp\.c_proj|fc2|w2)$"),
+)
+
+
+def cell_kind(name: str) -> str:
+    """The GEMM cell a linear layer belongs to: ``qkv``, ``out``, ``up``, ``down`` (the four
+    fused GEMMs of a transformer block, paper Sec. 2 Measurement) or ``other``."""
+    for kind, pattern in _CELL_PATTERNS:
+        if re.search(pattern, name):
+            return kind
+    return "other"
+
+
+def parent_and_attr(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The parent module of ``name`` and the attribute under which it holds it."""
+    parent_name, _, attr = name.rpartition(".")
+    return (model.get_submodule(parent_name) if parent_name else model), attr
+
+
+def first_input(args: tuple, kwargs: dict) -> Tensor:
+    """The activation a linear layer receives (positional, or ``input=`` / ``hidden_states=``)."""
+    if args:
+        return args[0]
+    for key in ("input", "x", "hidden_states"):
+        if key in kwargs:
+            return kwargs[key]
+    raise ValueError("could not find the input tensor of a linear layer call")
+
+
+def flatten_tokens(x: Tensor) -> Tensor:
+    """Inputs ``[..., in]`` as ``[tokens, in]``."""
+    return x.reshape(-1, x.shape[-1])
+
+
+@torch.no_grad()
+def check_finite(x: Tensor, layer: str) -> None:
+    """Raise a ValueError naming ``layer`` when ``x`` holds NaN or Inf."""
+    if not torch.isfinite(x).all():
+        nan = int(torch.isnan(x).sum())
+        inf = int(torch.isinf(x).sum())
+        raise ValueError(
+            f"{layer}: its input holds {nan} NaN and {inf} Inf values "
+            f"(shape {tuple(x.shape)}); check the model and the calibration data"
+        )

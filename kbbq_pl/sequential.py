@@ -1,0 +1,168 @@
+"""Run a transformer one block at a time over cached calibration inputs.
+
+The first block's inputs (positional and keyword arguments: attention masks, rotary position
+embeddings, ...) are captured once by running the model up to it; then each block in order
+runs over the cached inputs and its outputs become the next block's inputs.  Only one block's
+inputs and outputs are held (on ``offload_device``), so memory does not grow with depth: the
+sequential pipeline of llm-compressor and of the GPTQ reference loop.
+
+    runner = SequentialRunner(model, batches)
+    for step in runner:                    # step.index, step.name, step.module
+        ...                                # register hooks on step.module's linears
+        outputs = step.run()               # run the block over every cached input
+        ...                                # quantize step.module, maybe run it again
+        step.advance(outputs)              # the outputs feed the next block
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .modules import is_linear
+
+
+class _Stop(Exception):
+    """Raised by the capture hook to end the model's forward at the first block."""
+
+
+def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The model's stack of transformer blocks: the longest ``nn.ModuleList`` whose items
+    hold linear layers (``model.layers``, ``encoder.layer``, ``transformer.h``, ...)."""
+    best: tuple[str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if not all(any(is_linear(m) for m in item.modules()) for item in module):
+            continue
+        if best is None or len(module) > len(best[1]):
+            best = (name, module)
+    if best is None:
+        raise ValueError(f"{type(model).__name__} has no stack of transformer blocks "
+                         "(an nn.ModuleList of modules with linear layers)")
+    return best
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().to(device)
+    if isinstance(value, tuple):
+        return tuple(_to(v, device) for v in value)
+    if isinstance(value, list):
+        return [_to(v, device) for v in value]
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value
+
+
+def _hidden(output: Any) -> Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+@dataclass
+class BlockInput:
+    """One cached call of a block: its positional and keyword arguments."""
+
+    args: tuple
+    kwargs: dict
+
+    def with_hidden(self, hidden: Tensor) -> BlockInput:
+        if self.args:
+            return BlockInput((hidden, *self.args[1:]), self.kwargs)
+        return BlockInput(self.args, {**self.kwargs, "hidden_states": hidden})
+
+    @property
+    def hidden(self) -> Tensor:
+        return self.args[0] if self.args else self.kwargs["hidden_states"]
+
+
+class BlockStep:
+    """One block of a :class:`SequentialRunner`: run it over the cached inputs, then advance."""
+
+    def __init__(self, runner: SequentialRunner, index: int, name: str, module: nn.Module):
+        self.runner = runner
+        self.index = index
+        self.name = name
+        self.module = module
+
+    @property
+    def inputs(self) -> list[BlockInput]:
+        return self.runner.inputs
+
+    def linears(self) -> dict[str, nn.Module]:
+        """The block's linear layers by their qualified name in the whole model."""
+        return {f"{self.name}.{n}": m for n, m in self.module.named_modules() if is_linear(m)}
+
+    @torch.no_grad()
+    def run(self, keep_outputs: bool = True) -> list[Tensor] | None:
+        """Run the block over every cached input (on the runner's device)."""
+        device = self.runner.device
+        outputs = [] if keep_outputs else None
+        for cached in self.inputs:
+            call = _to(cached, device) if device != self.runner.offload_device else cached
+            hidden = _hidden(self.module(*call.args, **call.kwargs))
+            if outputs is not None:
+                outputs.append(hidden.detach().to(self.runner.offload_device))
+        return outputs
+
+    def advance(self, outputs: Sequence[Tensor]) -> None:
+        """Feed ``outputs`` (from :meth:`run`) to the next block."""
+        if len(outputs) != len(self.inputs):
+            raise ValueError(f"{len(outputs)} outputs for {len(self.inputs)} cached inputs")
+        self.runner.inputs = [c.with_hidden(o) for c, o in zip(self.inputs, outputs)]
+
+
+class SequentialRunner:
+    """Iterate over a model's blocks with their calibration inputs (see the module docstring).
+
+    ``batches`` are the model's keyword inputs (dicts such as ``{"input_ids",
+    "attention_mask"}``); ``device`` runs the blocks, ``offload_device`` holds the cached
+    activations between blocks.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batches: Sequence[Mapping[str, Tensor]],
+        device: torch.device | str | None = None,
+        offload_device: torch.device | str = "cpu",
+    ) -> None:
+        self.model = model
+        self.blocks_name, self.blocks = find_blocks(model)
+        self.device = torch.device(device) if device else next(model.parameters()).device
+        self.offload_device = torch.device(offload_device)
+        self.inputs = self._capture(batches)
+
+    @torch.no_grad()
+    def _capture(self, batches: Sequence[Mapping[str, Tensor]]) -> list[BlockInput]:
+        captured: list[BlockInput] = []
+
+        def hook(module, args, kwargs):
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "use_cache")}
+            captured.append(_to(BlockInput(tuple(args), kwargs), self.offload_device))
+            raise _Stop
+
+        handle = self.blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            for batch in batches:
+                batch = {k: v.to(self.device) for k, v in batch.items()}
+                try:
+                    self.model(**batch, use_cache=False)
+                except _Stop:
+                    pass
+        finally:
+            handle.remove()
+        if not captured:
+            raise ValueError("no calibration batches: the calibration set is empty")
+        return captured
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __iter__(self) -> Iterator[BlockStep]:
+        for index, module in enumerate(self.blocks):
+            yield BlockStep(self, index, f"{self.blocks_name}.{index}", module)

@@ -18,6 +18,7 @@ from .qtensor import (
     fake_quantize,
     quantize,
 )
+from .ste import ste_fake_quantize
 from .spec import (
     E8M0_ROUNDINGS,
     LOG_UNIFORM_INV_M2,
@@ -47,6 +48,7 @@ __all__ = [
     "round_e2m1",
     "set_compile",
     "sigma2_fmt",
+    "ste_fake_quantize",
     "unpack_nibbles",
     "with_block_size",
 ]

@@ -1,0 +1,327 @@
+"""Post-training W4A4 quantization of a model: calibrate, fit transforms, quantize, swap.
+
+:func:`quantize_model` is the one implementation behind the ``KBBQ`` Lightning callback and the
+``kbbq-pl quantize`` command:
+
+1. one no-grad pass over the calibration batches with hooks on the targeted linears collects the
+   block second moments of their inputs (:mod:`kbbq_pl.stats`), summed over ranks;
+2. each layer's transform is fitted (:mod:`kbbq_pl.transforms`) and its weight ``W T^-1``
+   rounded (RTN here; the GPTQ family plugs in through ``weight_quantizer``);
+3. for a static NVFP4 activation scale, a second pass records the amax of the transformed
+   inputs ``T x`` of every layer (on the full-precision inputs, each layer in isolation);
+4. every layer is checked in isolation on kept calibration tokens (output SNR), then swapped for
+   a :class:`~kbbq_pl.layers.QuantizedLinear`.
+
+The report holds, per layer, the aggregate participation factor before and after the transform
+(Thm. GL ceiling with the real weights), the paired-ceiling utilization, the block ceiling and
+the output SNR.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from . import law
+from .formats import Format, QuantizedTensor, get_format
+from .formats.kernels import NVFP4_MIN_GLOBAL_SCALE
+from .layers import QuantizedLinear, pad_features, swap_module
+from .modules import cell_kind, find_linears, first_input, in_out_features, linear_weight
+from .stats import LayerStatistics, StatisticsCollector, run_calibration
+from .transforms import TRANSFORMS, fit_transform, transform_inputs
+
+log = logging.getLogger(__name__)
+
+Batches = Iterable[Mapping[str, Tensor]]
+ReduceFn = Callable[[Tensor], Tensor]
+WeightQuantizer = Callable[[str, nn.Module, Tensor, "Tensor | None", LayerStatistics],
+                           QuantizedTensor]
+
+
+@dataclass
+class QuantizationConfig:
+    """What to quantize and how (the fields of a recipe).
+
+    Attributes:
+        format: FP4 format of weights and activations (``nvfp4``, ``mxfp4``, ...).
+        transform: ``identity``, ``haar``, ``hadamard``, ``wush`` or ``kbbq``.
+        lam: the KBBQ brake lambda in [0, 1] (Eq. kbbq).
+        targets, ignore: module-name regular expressions (see :mod:`kbbq_pl.modules`).
+        act_scale: NVFP4 activation per-tensor scale, ``static`` (calibrated) or ``dynamic``.
+        damping: relative damping of the transform fit's Gram matrices.
+        seed: seed of the Haar rotation.
+        unaligned: a layer whose ``in_features`` is not a multiple of the block: ``pad`` it with
+            zero columns (and its inputs with zeros) or ``skip`` it (left in full precision).
+        keep_samples: calibration tokens kept per layer for the report's output SNR.
+    """
+
+    format: str = "nvfp4"
+    transform: str = "kbbq"
+    lam: float = 0.75
+    targets: list[str] | None = None
+    ignore: list[str] | None = None
+    act_scale: Literal["static", "dynamic"] = "static"
+    damping: float = 0.01
+    seed: int = 0
+    unaligned: Literal["pad", "skip"] = "pad"
+    keep_samples: int = 512
+
+    def __post_init__(self) -> None:
+        fmt = get_format(self.format)
+        if fmt.granularity != "block" or fmt.element != "e2m1":
+            raise ValueError(f"W4A4 needs a block FP4 format, got {self.format!r}")
+        if self.transform not in TRANSFORMS:
+            raise ValueError(f"transform must be one of {TRANSFORMS}, got {self.transform!r}")
+        if not 0.0 <= self.lam <= 1.0:
+            raise ValueError(f"the brake lam lies in [0, 1], got {self.lam}")
+        if self.act_scale not in ("static", "dynamic"):
+            raise ValueError(f"act_scale must be 'static' or 'dynamic', got {self.act_scale!r}")
+        if self.unaligned not in ("pad", "skip"):
+            raise ValueError(f"unaligned must be 'pad' or 'skip', got {self.unaligned!r}")
+
+    @property
+    def fmt(self) -> Format:
+        return get_format(self.format)
+
+    @property
+    def block(self) -> int:
+        assert self.fmt.block_size is not None
+        return self.fmt.block_size
+
+    @property
+    def method(self) -> str:
+        """The paper's name of the method (I, HAAR, RTN-WUSH, RTN-KBBQ, ...)."""
+        names = {"identity": "I", "haar": "HAAR", "hadamard": "RTN-HADAMARD",
+                 "wush": "RTN-WUSH", "kbbq": "RTN-KBBQ"}
+        return names[self.transform]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class LayerReport:
+    name: str
+    kind: str
+    in_features: int
+    out_features: int
+    padded_in: int
+    kappa_before: float
+    kappa_after: float
+    utilization: float
+    block_ceiling: float
+    paired_ceiling: float
+    output_snr_db: float
+    act_global_scale: float | None
+    tokens: int
+
+
+@dataclass
+class QuantizationReport:
+    config: dict[str, Any]
+    layers: list[LayerReport] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config, "layers": [asdict(r) for r in self.layers],
+                "skipped": self.skipped, "model": self.model, "seconds": self.seconds}
+
+    def summary(self) -> dict[str, float]:
+        def median(values: list[float]) -> float:
+            finite = [v for v in values if math.isfinite(v)]
+            return float(torch.tensor(finite).median()) if finite else float("nan")
+
+        return {
+            "layers": len(self.layers),
+            "median_kappa_before": median([r.kappa_before for r in self.layers]),
+            "median_kappa_after": median([r.kappa_after for r in self.layers]),
+            "median_utilization": median([r.utilization for r in self.layers]),
+            "median_output_snr_db": median([r.output_snr_db for r in self.layers]),
+        }
+
+
+def _identity(t: Tensor) -> Tensor:
+    return t
+
+
+def layer_kappas(stats: LayerStatistics, weight: Tensor, transform: Tensor | None,
+                 block: int, sigma_full: Tensor | None = None) -> dict[str, float]:
+    """kappa_bar before and after ``transform`` with the layer's real weights, utilization of
+    the paired ceiling, and the mean block ceiling (Thm. GL ceiling, Eqs. blockceiling,
+    wushratio).  The invariant numerator ``tr(G Sigma)`` comes from the output energy."""
+    w = weight.to(torch.float64)
+    out_features = w.shape[0]
+    numerator = stats.output_energy / (stats.tokens * out_features)
+    sigma_blocks = stats.sigma_blocks()
+    gram = law.weight_gram(w)
+    sigma = sigma_full if sigma_full is not None else torch.block_diag(*sigma_blocks)
+    before = numerator / law._denominator(sigma, gram, None)
+    after = numerator / law._denominator(sigma, gram, transform)
+    spectrum = law.paired_spectrum(law.diagonal_blocks(sigma, block),
+                                   law.diagonal_blocks(gram, block), damping=1e-12)
+    best = law.optimal_block_denominator(spectrum)
+    block_ceiling = law.block_kappa_star(sigma, block)
+    return {
+        "kappa_before": float(before),
+        "kappa_after": float(after),
+        "utilization": float(best / law._denominator(sigma, gram, transform)),
+        "block_ceiling": float(block_ceiling[torch.isfinite(block_ceiling)].mean()),
+        "paired_ceiling": float(numerator / best),
+    }
+
+
+def output_snr_db(layer: QuantizedLinear, weight: Tensor, bias: Tensor | None, x: Tensor) -> float:
+    """SNR of the quantized layer's output against the original on inputs ``x`` (isolation)."""
+    if x.numel() == 0:
+        return float("nan")
+    with torch.no_grad():
+        exact = x.to(torch.float64) @ weight.to(torch.float64).T
+        approx = layer(x.to(layer.dequantized_weight(torch.float32).dtype)).to(torch.float64)
+        if bias is not None:
+            approx = approx - bias.to(torch.float64)
+        noise = (approx - exact).square().mean()
+        return float(10 * torch.log10(exact.square().mean() / noise))
+
+
+def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[str, nn.Module],
+                                                                           dict[str, str]]:
+    """Targeted layers, and those skipped with the reason."""
+    modules = find_linears(model, config.targets, config.ignore)
+    skipped: dict[str, str] = {}
+    if config.unaligned == "skip":
+        for name, module in list(modules.items()):
+            in_features, _ = in_out_features(module)
+            if in_features % config.block:
+                skipped[name] = (f"in_features {in_features} is not a multiple of the "
+                                 f"{config.format} block {config.block}")
+                del modules[name]
+                log.warning("%s: skipped (%s)", name, skipped[name])
+    if not modules:
+        raise ValueError("every targeted layer was skipped; nothing to quantize")
+    return modules, skipped
+
+
+@torch.no_grad()
+def _static_act_scales(model: nn.Module, modules: Mapping[str, nn.Module],
+                       transforms: Mapping[str, Tensor | None], config: QuantizationConfig,
+                       batches: Batches, reduce_max: ReduceFn) -> dict[str, Tensor]:
+    """Per-tensor NVFP4 scales ``amax(T x) / (448 * 6)`` of every layer's transformed inputs."""
+    amax: dict[str, Tensor] = {}
+    handles = []
+    for name, module in modules.items():
+        in_features, _ = in_out_features(module)
+        padded = pad_features(torch.empty(1, in_features), config.fmt).shape[1]
+
+        def hook(module, args, kwargs, name=name, in_features=in_features, padded=padded):
+            x = first_input(args, kwargs).reshape(-1, in_features)
+            if padded != in_features:
+                x = torch.nn.functional.pad(x, (0, padded - in_features))
+            value = transform_inputs(x.to(torch.float32), transforms[name]).abs().max()
+            amax[name] = value if name not in amax else torch.maximum(amax[name], value)
+
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        run_calibration(model, batches)
+    finally:
+        for handle in handles:
+            handle.remove()
+    scales = {}
+    for name, value in amax.items():
+        value = reduce_max(value.float())
+        scales[name] = (value / (448.0 * 6.0)).clamp(min=NVFP4_MIN_GLOBAL_SCALE).reshape(())
+    return scales
+
+
+def quantize_model(
+    model: nn.Module,
+    batches: Batches,
+    config: QuantizationConfig,
+    *,
+    reduce_sum: ReduceFn = _identity,
+    reduce_max: ReduceFn = _identity,
+    weight_quantizer: WeightQuantizer | None = None,
+    expected_tokens: int | None = None,
+    progress: bool = True,
+) -> QuantizationReport:
+    """Quantize ``model`` in place (see the module docstring); returns the report.
+
+    ``batches`` is re-iterated when a second pass is needed (static activation scales), so pass
+    a list or a DataLoader, not a generator.  ``reduce_sum`` / ``reduce_max`` all-reduce a tensor
+    across data-parallel ranks (identity on one process).
+    """
+    start = time.perf_counter()
+    if isinstance(batches, Iterable) and not isinstance(batches, Sequence) and iter(batches) is batches:
+        batches = list(batches)
+    modules, skipped = select_layers(model, config)
+    report = QuantizationReport(config=config.to_dict(), skipped=skipped)
+    dense = config.transform == "haar"
+    stride = max(1, (expected_tokens or 0) // max(1, config.keep_samples))
+    collector = StatisticsCollector(modules, config.block, config.keep_samples, stride,
+                                    full=dense)
+    with collector.hooks():
+        count = run_calibration(model, batches)
+    if count == 0:
+        raise ValueError("the calibration set is empty: no batches")
+    collector.reduce(reduce_sum)
+    collector.check_nonempty()
+    report.seconds["calibration"] = time.perf_counter() - start
+
+    fit_start = time.perf_counter()
+    transforms: dict[str, Tensor | None] = {}
+    for name, module in modules.items():
+        stats = collector.stats[name]
+        weight = pad_features(linear_weight(module).detach(), config.fmt)
+        transforms[name] = fit_transform(
+            config.transform, weight, stats.sigma_blocks(), block=config.block, lam=config.lam,
+            seed=config.seed, damping=config.damping)
+    report.seconds["fit_transforms"] = time.perf_counter() - fit_start
+
+    scales: dict[str, Tensor] = {}
+    static = config.act_scale == "static" and config.fmt.global_scale
+    if static:
+        scale_start = time.perf_counter()
+        scales = _static_act_scales(model, modules, transforms, config, batches, reduce_max)
+        report.seconds["activation_scales"] = time.perf_counter() - scale_start
+
+    quant_start = time.perf_counter()
+    items = tqdm(modules.items(), desc=f"{config.method} {config.format}", unit="layer",
+                 disable=not progress)
+    for name, module in items:
+        stats = collector.stats[name]
+        transform = transforms[name]
+        weight = linear_weight(module).detach()
+        padded = pad_features(weight, config.fmt)
+        quantized = None
+        if weight_quantizer is not None:
+            quantized = weight_quantizer(name, module, padded, transform, stats)
+        layer = QuantizedLinear.from_linear(
+            module, config.fmt, transform, act_scale="static" if static else "dynamic",
+            name=name, quantized_weight=quantized)
+        if static:
+            layer.act_global_scale = scales[name].to(weight.device)
+        layer.to(weight.device)
+        kappas = layer_kappas(stats, padded, transform, config.block,
+                              stats.sigma_full() if dense else None)
+        sample = stats.sample().to(weight.device)
+        snr = output_snr_db(layer, weight, getattr(module, "bias", None), sample)
+        report.layers.append(LayerReport(
+            name=name, kind=cell_kind(name), in_features=layer.in_features,
+            out_features=layer.out_features, padded_in=layer.padded_in,
+            output_snr_db=snr, tokens=stats.count,
+            act_global_scale=float(scales[name]) if static else None, **kappas,
+        ))
+        swap_module(model, name, layer)
+        collector.release(name)
+    report.seconds["quantize"] = time.perf_counter() - quant_start
+    report.seconds["total"] = time.perf_counter() - start
+    return report

@@ -1,0 +1,200 @@
+"""Calibration statistics of linear-layer inputs, accumulated with forward hooks.
+
+Per targeted linear layer: the ``d x d`` diagonal blocks of the input second moment
+``Sigma = E[x x^T]`` (memory ``O(in * d)``), the token count, the output energy
+``sum ||W x||^2`` (the invariant numerator of kappa_bar, Lemma invariance, which would
+otherwise need the full ``Sigma``), and an evenly spaced sample of input tokens for reports.
+
+Sums are kept in float64: they add up to millions of rank-one terms whose small eigen-directions
+the KBBQ fit inverts (``Lambda^(-lambda/4)``); float32 sums lose those directions to rounding
+once the token count reaches ~10^4.  Across data-parallel ranks the sums and counts are added
+with the caller's reduce function (:meth:`StatisticsCollector.reduce`), e.g. Lightning's
+``trainer.strategy.reduce(t, reduce_op="sum")``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .modules import check_finite, first_input, flatten_tokens, in_out_features, linear_weight
+
+_F64 = torch.float64
+
+
+@dataclass
+class LayerStatistics:
+    """Running sums for one linear layer (see the module docstring)."""
+
+    in_features: int
+    block: int
+    sigma_sum: Tensor                     # [blocks, d, d] float64
+    output_energy: Tensor                 # [] float64, sum over tokens of ||W x||^2
+    tokens: Tensor                        # [] float64 count
+    input_amax: Tensor                    # [] float32
+    samples: list[Tensor] = field(default_factory=list)
+    seen: int = 0                         # tokens seen on this rank (for sampling)
+    full_sum: Tensor | None = None        # [D, D] float64, when the full moment is asked for
+
+    @property
+    def padded_features(self) -> int:
+        return self.sigma_sum.shape[0] * self.block
+
+    @property
+    def count(self) -> int:
+        return int(self.tokens)
+
+    def sigma_blocks(self) -> Tensor:
+        """Diagonal blocks of ``E[x x^T]`` (float64), ``[blocks, d, d]``."""
+        if self.count == 0:
+            raise ValueError("no calibration tokens reached this layer")
+        return self.sigma_sum / self.tokens
+
+    def sigma_full(self) -> Tensor:
+        """The full ``E[x x^T]`` (float64, padded dimension), when collected."""
+        if self.full_sum is None:
+            raise ValueError("the full second moment was not collected (full=False)")
+        if self.count == 0:
+            raise ValueError("no calibration tokens reached this layer")
+        return self.full_sum / self.tokens
+
+    def sample(self) -> Tensor:
+        """The kept input tokens ``[n, in_features]`` (float32)."""
+        if not self.samples:
+            return torch.empty(0, self.in_features)
+        return torch.cat(self.samples)
+
+
+class StatisticsCollector:
+    """Accumulates :class:`LayerStatistics` for ``modules`` (name -> linear) during forwards.
+
+    ``block`` is the transform / quantization block; a layer whose ``in_features`` is not a
+    multiple of it is zero-padded (the quantized layer pads its inputs the same way).
+    ``keep_samples`` tokens per layer are kept for reports, every ``sample_stride``-th token.
+    ``full`` also accumulates the full ``D x D`` second moment (memory ``O(in^2)``: for dense
+    transforms and GPTQ Hessians).
+    """
+
+    def __init__(
+        self,
+        modules: Mapping[str, nn.Module],
+        block: int,
+        keep_samples: int = 256,
+        sample_stride: int = 1,
+        full: bool = False,
+    ) -> None:
+        self.modules = dict(modules)
+        self.block = block
+        self.keep_samples = keep_samples
+        self.sample_stride = max(1, sample_stride)
+        self.stats: dict[str, LayerStatistics] = {}
+        for name, module in self.modules.items():
+            in_features, _ = in_out_features(module)
+            blocks = -(-in_features // block)
+            device = linear_weight(module).device
+            self.stats[name] = LayerStatistics(
+                in_features, block,
+                torch.zeros(blocks, block, block, dtype=_F64, device=device),
+                torch.zeros((), dtype=_F64, device=device),
+                torch.zeros((), dtype=_F64, device=device),
+                torch.zeros((), dtype=torch.float32, device=device),
+            )
+            if full:
+                size = blocks * block
+                self.stats[name].full_sum = torch.zeros(size, size, dtype=_F64, device=device)
+
+    @torch.no_grad()
+    def _update(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Tensor):
+        x = flatten_tokens(first_input(args, kwargs)).detach()
+        check_finite(x, name)
+        stats = self.stats[name]
+        xf = x.to(_F64)
+        extra = stats.padded_features - stats.in_features
+        if extra:
+            xf = F.pad(xf, (0, extra))
+        grouped = xf.reshape(-1, stats.sigma_sum.shape[0], self.block).transpose(0, 1)
+        stats.sigma_sum += grouped.transpose(-1, -2) @ grouped
+        if stats.full_sum is not None:
+            stats.full_sum += xf.T @ xf
+        bias = getattr(module, "bias", None)
+        y = flatten_tokens(output).detach().to(_F64)
+        if bias is not None:
+            y = y - bias.detach().to(_F64)
+        stats.output_energy += y.square().sum()
+        stats.tokens += x.shape[0]
+        stats.input_amax = torch.maximum(stats.input_amax, x.abs().max().float())
+        self._keep(stats, x)
+
+    def _keep(self, stats: LayerStatistics, x: Tensor) -> None:
+        kept = sum(len(s) for s in stats.samples)
+        if kept < self.keep_samples:
+            offset = (-stats.seen) % self.sample_stride
+            picked = x[offset :: self.sample_stride][: self.keep_samples - kept]
+            stats.samples.append(picked.float().cpu())
+        stats.seen += x.shape[0]
+
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[StatisticsCollector]:
+        """Hooks on every module for the duration of the block."""
+        handles = []
+        for name, module in self.modules.items():
+            def hook(module, args, kwargs, output, name=name):
+                self._update(name, module, args, kwargs, output)
+            handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def reduce(self, reduce_sum: Callable[[Tensor], Tensor]) -> None:
+        """Add the sums of all ranks (``reduce_sum`` all-reduces one tensor with SUM)."""
+        for stats in self.stats.values():
+            stats.sigma_sum = reduce_sum(stats.sigma_sum)
+            stats.output_energy = reduce_sum(stats.output_energy)
+            stats.tokens = reduce_sum(stats.tokens)
+            if stats.full_sum is not None:
+                stats.full_sum = reduce_sum(stats.full_sum)
+
+    def release(self, name: str) -> None:
+        """Drop the large sums of a layer that is done with (keeps the counts)."""
+        stats = self.stats[name]
+        stats.sigma_sum = stats.sigma_sum[:0]
+        stats.full_sum = None
+        stats.samples = []
+
+    def check_nonempty(self) -> None:
+        missing = [name for name, s in self.stats.items() if s.count == 0]
+        if missing:
+            raise ValueError(
+                f"{len(missing)} targeted layers saw no calibration tokens (e.g. {missing[0]}); "
+                "the calibration set is empty or those layers are not reached by forward()"
+            )
+
+
+def model_device(model: nn.Module) -> torch.device:
+    for parameter in model.parameters():
+        return parameter.device
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def run_calibration(model: nn.Module, batches: Iterable[Mapping[str, Tensor]]) -> int:
+    """Run ``model(**batch)`` over every batch (eval mode, no grad); returns the batch count."""
+    device = model_device(model)
+    was_training = model.training
+    model.eval()
+    count = 0
+    try:
+        for batch in batches:
+            inputs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
+            model(**inputs)
+            count += 1
+    finally:
+        model.train(was_training)
+    return count

@@ -1,0 +1,185 @@
+"""Function-preserving transforms of a linear layer: identity, Haar, block Hadamard, WUSH, KBBQ.
+
+A transform ``T`` re-embeds the inputs as ``x_hat = T x`` and the weights as ``W_hat = W T^-1``
+so that ``W_hat x_hat = W x`` (paper Sec. "Transforms: invariance, blindness, and the ceiling").
+It is stored as
+
+* ``None``: the identity (I);
+* a dense ``[D, D]`` matrix: the data-free Haar rotation (HAAR);
+* a batch of diagonal blocks ``[D / d, d, d]``, the block matched to the quantization group
+  (16 for NVFP4, 32 for MXFP4): block Hadamard (MR-GPTQ's micro-rotation), WUSH and KBBQ(lambda).
+
+KBBQ (paper Eq. kbbq), per block ``b`` of the input dimension, fitted from the weight block
+``W_b`` and the diagonal block ``Sigma_b`` of the calibration second moment:
+
+    G_W = W_b^T W_b / d_out,  G_X = Sigma_b,  both damped by 0.01 * mean(diag) * I  (float64)
+    W' = cholesky(G_W)  (W' W'^T = G_W)
+    W'^T G_X W' = U Lambda U^T   (Lambda = S^2, S the paired spectrum of Eq. wushmain)
+    T_b(lambda) = H Lambda^(-lambda / 4) U^T W'^T
+
+lambda = 1 is WUSH (Eq. wushopt: full flattening, the paired ceiling); lambda = 0 whitens the
+weight side and keeps the spectrum.  Every block is fitted at once (batched ``cholesky`` and
+``eigh``; no loop over blocks); the eigendecomposition does not depend on lambda, so a grid of
+lambdas shares it (:func:`kbbq_basis`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .law import haar_rotation
+
+TRANSFORMS = ("identity", "haar", "hadamard", "wush", "kbbq")
+DEFAULT_DAMPING = 0.01
+_F64 = torch.float64
+
+
+def hadamard(size: int, dtype: torch.dtype = _F64) -> Tensor:
+    """The normalized Sylvester Hadamard matrix of a power-of-two ``size`` (``H H^T = I``)."""
+    if size < 1 or size & (size - 1):
+        raise ValueError(f"a Sylvester Hadamard matrix needs a power-of-two size, got {size}")
+    h = torch.ones(1, 1, dtype=_F64)
+    while h.shape[0] < size:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(size)).to(dtype)
+
+
+def damp(gram: Tensor, damping: float = DEFAULT_DAMPING) -> Tensor:
+    """``G + damping * mean(diag G) * I`` on a batch of ``[..., d, d]`` matrices."""
+    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+    level = torch.diagonal(gram, dim1=-2, dim2=-1).mean(-1)
+    return gram + damping * level[..., None, None] * eye
+
+
+def weight_block_grams(weight: Tensor, block: int) -> Tensor:
+    """``G_W = W_b^T W_b / d_out`` for every input block: ``[D / d, d, d]`` (float64)."""
+    out_features, in_features = weight.shape
+    if in_features % block:
+        raise ValueError(f"in_features {in_features} is not a multiple of the block size {block}")
+    w = weight.to(_F64).reshape(out_features, in_features // block, block).transpose(0, 1)
+    return w.transpose(-1, -2) @ w / out_features
+
+
+@dataclass
+class KBBQBasis:
+    """The lambda-independent part of KBBQ for every block of a layer.
+
+    ``transform(lam) = H diag(eigenvalues^(-lam / 4)) U^T W'^T`` per block; ``degenerate``
+    marks blocks with no energy in the weights or the inputs, which keep the identity.
+    """
+
+    root_t: Tensor        # U^T W'^T, [blocks, d, d]
+    eigenvalues: Tensor   # Lambda = S^2, [blocks, d]
+    degenerate: Tensor    # [blocks] bool
+
+    @property
+    def paired_spectrum(self) -> Tensor:
+        """The paired singular values ``S`` of Eq. wushsvd, per block."""
+        return self.eigenvalues.clamp(min=0).sqrt()
+
+    def transform(self, lam: float) -> Tensor:
+        """KBBQ(lambda) blocks ``[blocks, d, d]`` (float64), Eq. kbbq."""
+        if not 0.0 <= lam <= 1.0:
+            raise ValueError(f"the brake lambda lies in [0, 1], got {lam}")
+        d = self.root_t.shape[-1]
+        power = self.eigenvalues.clamp(min=torch.finfo(_F64).tiny) ** (-lam / 4.0)
+        blocks = hadamard(d).to(self.root_t.device) @ (power[..., None] * self.root_t)
+        eye = torch.eye(d, dtype=_F64, device=blocks.device).expand_as(blocks)
+        return torch.where(self.degenerate[:, None, None], eye, blocks)
+
+
+def kbbq_basis(weight: Tensor, sigma_blocks: Tensor, damping: float = DEFAULT_DAMPING) -> KBBQBasis:
+    """Fit the shared part of WUSH/KBBQ from ``weight [out, D]`` and the diagonal blocks
+    ``sigma_blocks [D / d, d, d]`` of the input second moment (float64, damped, batched)."""
+    block = sigma_blocks.shape[-1]
+    g_w = weight_block_grams(weight, block)
+    g_x = sigma_blocks.to(_F64)
+    if g_w.shape != g_x.shape:
+        raise ValueError(f"weight blocks {tuple(g_w.shape)} do not match input statistics "
+                         f"{tuple(g_x.shape)}")
+    degenerate = (torch.diagonal(g_w, dim1=-2, dim2=-1).sum(-1) <= 0) | (
+        torch.diagonal(g_x, dim1=-2, dim2=-1).sum(-1) <= 0)
+    eye = torch.eye(block, dtype=_F64, device=g_w.device)
+    g_w = torch.where(degenerate[:, None, None], eye, damp(g_w, damping))
+    g_x = torch.where(degenerate[:, None, None], eye, damp(g_x, damping))
+    if not (torch.isfinite(g_w).all() and torch.isfinite(g_x).all()):
+        raise ValueError("non-finite weight or input statistics: cannot fit the transform")
+    root = torch.linalg.cholesky(g_w)
+    paired = root.transpose(-1, -2) @ g_x @ root
+    eigenvalues, vectors = torch.linalg.eigh(paired)
+    return KBBQBasis(vectors.transpose(-1, -2) @ root.transpose(-1, -2), eigenvalues, degenerate)
+
+
+def fit_transform(
+    kind: str,
+    weight: Tensor,
+    sigma_blocks: Tensor | None = None,
+    *,
+    block: int,
+    lam: float = 1.0,
+    seed: int = 0,
+    damping: float = DEFAULT_DAMPING,
+) -> Tensor | None:
+    """The transform ``kind`` for one layer (``weight [out, D]``), in float64.
+
+    ``identity`` -> None; ``haar`` -> a dense seeded Haar rotation ``[D, D]``; ``hadamard`` ->
+    block Hadamard ``[D / d, d, d]``; ``wush`` and ``kbbq`` (with ``lam``) -> fitted blocks,
+    which need ``sigma_blocks``.
+    """
+    in_features = weight.shape[1]
+    if kind == "identity":
+        return None
+    if kind == "haar":
+        generator = torch.Generator().manual_seed(seed)
+        return haar_rotation(in_features, generator)
+    if in_features % block:
+        raise ValueError(f"in_features {in_features} is not a multiple of the block size {block}")
+    if kind == "hadamard":
+        return hadamard(block).expand(in_features // block, block, block).clone()
+    if kind in ("wush", "kbbq"):
+        if sigma_blocks is None:
+            raise ValueError(f"the {kind} transform is fitted from calibration statistics")
+        basis = kbbq_basis(weight, sigma_blocks, damping)
+        return basis.transform(1.0 if kind == "wush" else lam)
+    raise ValueError(f"unknown transform {kind!r}; choose from {TRANSFORMS}")
+
+
+def transform_inputs(x: Tensor, transform: Tensor | None) -> Tensor:
+    """``x_hat = T x`` for inputs ``x [..., D]`` (blockwise for block transforms)."""
+    if transform is None:
+        return x
+    t = transform.to(x.dtype)
+    if t.dim() == 2:
+        return x @ t.T
+    blocks, d, _ = t.shape
+    grouped = x.reshape(-1, blocks, d).transpose(0, 1)  # [blocks, tokens, d]
+    out = torch.bmm(grouped, t.transpose(-1, -2))
+    return out.transpose(0, 1).reshape(x.shape)
+
+
+def transform_weight(weight: Tensor, transform: Tensor | None) -> Tensor:
+    """``W_hat = W T^-1`` for ``weight [out, D]``, by solving rather than inverting."""
+    if transform is None:
+        return weight
+    t = transform.to(_F64)
+    w = weight.to(_F64)
+    if t.dim() == 2:
+        return torch.linalg.solve(t.T, w.T).T.to(weight.dtype)
+    blocks, d, _ = t.shape
+    grouped = w.reshape(w.shape[0], blocks, d).permute(1, 2, 0)  # [blocks, d, out] = W_b^T
+    solved = torch.linalg.solve(t.transpose(-1, -2), grouped)   # T_b^-T W_b^T
+    return solved.permute(2, 0, 1).reshape(w.shape).to(weight.dtype)
+
+
+def transform_sigma(sigma_blocks: Tensor, transform: Tensor | None) -> Tensor:
+    """Second-moment blocks of the transformed inputs, ``T_b Sigma_b T_b^T``."""
+    if transform is None:
+        return sigma_blocks
+    if transform.dim() == 2:
+        raise ValueError("a dense transform mixes blocks: transform the full second moment")
+    t = transform.to(_F64)
+    return t @ sigma_blocks.to(_F64) @ t.transpose(-1, -2)

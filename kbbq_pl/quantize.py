@@ -19,10 +19,11 @@ the output SNR.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -36,12 +37,20 @@ from .formats.kernels import NVFP4_MIN_GLOBAL_SCALE
 from .layers import QuantizedLinear, pad_features, swap_module
 from .modules import cell_kind, find_linears, first_input, in_out_features, linear_weight
 from .stats import LayerStatistics, StatisticsCollector, run_calibration
-from .transforms import TRANSFORMS, fit_transform, transform_inputs
+from .transforms import (
+    TRANSFORMS,
+    fit_transform,
+    transform_inputs,
+    transform_weight,
+    weight_block_grams,
+)
 
 log = logging.getLogger(__name__)
 
 Batches = Iterable[Mapping[str, Tensor]]
 ReduceFn = Callable[[Tensor], Tensor]
+BroadcastFn = Callable[[Any, int], Any]
+"""``broadcast(obj, src)``: every rank returns rank ``src``'s ``obj`` (identity on one process)."""
 WeightQuantizer = Callable[[str, nn.Module, Tensor, "Tensor | None", LayerStatistics],
                            QuantizedTensor]
 
@@ -61,6 +70,19 @@ class QuantizationConfig:
         unaligned: a layer whose ``in_features`` is not a multiple of the block: ``pad`` it with
             zero columns (and its inputs with zeros) or ``skip`` it (left in full precision).
         keep_samples: calibration tokens kept per layer for the report's output SNR.
+        weight_quantizer: ``rtn`` (round to nearest after one calibration pass) or ``gptq``
+            (the block-sequential GPTQ loop of :mod:`kbbq_pl.sequential_gptq`).
+        gptq_damping: GPTQ's relative Hessian damping (``H + gptq_damping * mean(diag H) I``).
+        act_order: GPTQ rounds columns by decreasing ``diag(H)``.
+        gptq_block_size: GPTQ's lazy-batch width (a multiple of the format's block).
+        scale_search: ``minmax`` block scales from each group's amax, or ``mse`` (the best of
+            100 shrunk amaxes by ``sum |e|^2.4``, FP-Quant's observer); RTN and GPTQ.
+        group_scales: GPTQ block scales computed once from the (transformed) weight before the
+            loop (``static``) or from the error-updated group when GPTQ reaches it (``dynamic``).
+        transform_refit: for ``wush`` / ``kbbq`` with GPTQ: ``fixed`` fits ``T`` once from the
+            calibration statistics and runs GPTQ on ``W T^-1`` with the Hessian ``T H T^T``;
+            ``in_loop`` refits every block ``T_b`` on the error-updated weight inside the loop
+            (the WUSH paper's variant; no act-order).
     """
 
     format: str = "nvfp4"
@@ -73,6 +95,13 @@ class QuantizationConfig:
     seed: int = 0
     unaligned: Literal["pad", "skip"] = "pad"
     keep_samples: int = 512
+    weight_quantizer: Literal["rtn", "gptq"] = "rtn"
+    gptq_damping: float = 0.01
+    act_order: bool = True
+    gptq_block_size: int = 128
+    scale_search: Literal["minmax", "mse"] = "minmax"
+    group_scales: Literal["static", "dynamic"] = "static"
+    transform_refit: Literal["fixed", "in_loop"] = "fixed"
 
     def __post_init__(self) -> None:
         fmt = get_format(self.format)
@@ -86,6 +115,29 @@ class QuantizationConfig:
             raise ValueError(f"act_scale must be 'static' or 'dynamic', got {self.act_scale!r}")
         if self.unaligned not in ("pad", "skip"):
             raise ValueError(f"unaligned must be 'pad' or 'skip', got {self.unaligned!r}")
+        self._check_weight_quantizer(fmt)
+
+    def _check_weight_quantizer(self, fmt: Format) -> None:
+        choices = {"weight_quantizer": ("rtn", "gptq"), "scale_search": ("minmax", "mse"),
+                   "group_scales": ("static", "dynamic"), "transform_refit": ("fixed", "in_loop")}
+        for field_name, allowed in choices.items():
+            if getattr(self, field_name) not in allowed:
+                raise ValueError(f"{field_name} must be one of {allowed}, "
+                                 f"got {getattr(self, field_name)!r}")
+        if not (isinstance(self.gptq_damping, (int, float)) and self.gptq_damping > 0):
+            raise ValueError(f"gptq_damping must be a positive number, got {self.gptq_damping!r}")
+        block = fmt.block_size or 1
+        if self.gptq_block_size < block or self.gptq_block_size % block:
+            raise ValueError(f"gptq_block_size must be a positive multiple of the {fmt.name} "
+                             f"block {block}, got {self.gptq_block_size}")
+        if self.transform_refit == "in_loop":
+            if self.weight_quantizer != "gptq" or self.transform not in ("wush", "kbbq"):
+                raise ValueError("transform_refit='in_loop' refits WUSH / KBBQ blocks inside GPTQ: "
+                                 "it needs weight_quantizer='gptq' and transform 'wush' or 'kbbq', "
+                                 f"got {self.weight_quantizer!r} and {self.transform!r}")
+            if self.act_order:
+                raise ValueError("transform_refit='in_loop' rounds whole blocks in their order: "
+                                 "set act_order=False")
 
     @property
     def fmt(self) -> Format:
@@ -99,8 +151,14 @@ class QuantizationConfig:
     @property
     def method(self) -> str:
         """The paper's name of the method (I, HAAR, RTN-WUSH, RTN-KBBQ, ...)."""
-        names = {"identity": "I", "haar": "HAAR", "hadamard": "RTN-HADAMARD",
-                 "wush": "RTN-WUSH", "kbbq": "RTN-KBBQ"}
+        if self.weight_quantizer == "gptq":
+            if self.transform == "hadamard" and self.scale_search == "mse":
+                return "MR-GPTQ"
+            names = {"identity": "GPTQ", "haar": "GPTQ-HAAR", "hadamard": "GPTQ-HADAMARD",
+                     "wush": "GPTQ-WUSH", "kbbq": "GPTQ-KBBQ"}
+        else:
+            names = {"identity": "I", "haar": "HAAR", "hadamard": "RTN-HADAMARD",
+                     "wush": "RTN-WUSH", "kbbq": "RTN-KBBQ"}
         return names[self.transform]
 
     def to_dict(self) -> dict[str, Any]:
@@ -163,7 +221,9 @@ def layer_kappas(stats: LayerStatistics, weight: Tensor, transform: Tensor | Non
     out_features = w.shape[0]
     numerator = stats.output_energy / (stats.tokens * out_features)
     sigma_blocks = stats.sigma_blocks()
-    gram = law.weight_gram(w)
+    dense = transform is not None and transform.dim() == 2
+    # only the gram's diagonal blocks enter unless the transform is dense: O(out D d), not D^2
+    gram = law.weight_gram(w) if dense else torch.block_diag(*weight_block_grams(w, block))
     sigma = sigma_full if sigma_full is not None else torch.block_diag(*sigma_blocks)
     before = numerator / law._denominator(sigma, gram, None)
     after = numerator / law._denominator(sigma, gram, transform)
@@ -193,6 +253,39 @@ def output_snr_db(layer: QuantizedLinear, weight: Tensor, bias: Tensor | None, x
         return float(10 * torch.log10(exact.square().mean() / noise))
 
 
+def layer_report(name: str, module: nn.Module, layer: QuantizedLinear, stats: LayerStatistics,
+                 transform: Tensor | None, config: QuantizationConfig,
+                 act_global_scale: Tensor | None) -> LayerReport:
+    """The report row of ``module`` quantized as ``layer``: kappas with the real weights, and
+    the output SNR on the kept calibration inputs (the layer in isolation)."""
+    weight = linear_weight(module).detach()
+    padded = pad_features(weight, config.fmt)
+    dense = transform is not None and transform.dim() == 2
+    kappas = layer_kappas(stats, padded, transform, config.block,
+                          stats.sigma_full() if dense else None)
+    sample = stats.sample().to(weight.device)
+    snr = output_snr_db(layer, weight, getattr(module, "bias", None), sample)
+    return LayerReport(
+        name=name, kind=cell_kind(name), in_features=layer.in_features,
+        out_features=layer.out_features, padded_in=layer.padded_in,
+        output_snr_db=snr, tokens=stats.count,
+        act_global_scale=float(act_global_scale) if act_global_scale is not None else None,
+        **kappas,
+    )
+
+
+def _mse_rtn(config: QuantizationConfig) -> WeightQuantizer:
+    """RTN of ``W T^-1`` with MSE-searched block scales (:func:`kbbq_pl.gptq.rtn`)."""
+    from .gptq import rtn
+
+    def quantize_weight(name: str, module: nn.Module, padded: Tensor, transform: Tensor | None,
+                        stats: LayerStatistics) -> QuantizedTensor:
+        transformed = transform_weight(padded, transform)
+        return rtn(transformed, config.fmt, search="mse")[0]
+
+    return quantize_weight
+
+
 def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[str, nn.Module],
                                                                            dict[str, str]]:
     """Targeted layers, and those skipped with the reason."""
@@ -211,17 +304,19 @@ def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[st
     return modules, skipped
 
 
-@torch.no_grad()
-def _static_act_scales(model: nn.Module, modules: Mapping[str, nn.Module],
-                       transforms: Mapping[str, Tensor | None], config: QuantizationConfig,
-                       batches: Batches, reduce_max: ReduceFn) -> dict[str, Tensor]:
-    """Per-tensor NVFP4 scales ``amax(T x) / (448 * 6)`` of every layer's transformed inputs."""
+@contextlib.contextmanager
+def transformed_amax_hooks(modules: Mapping[str, nn.Module],
+                           transforms: Mapping[str, Tensor | None],
+                           fmt: Format) -> Iterator[dict[str, Tensor]]:
+    """Pre-hooks recording, per layer, the amax of its padded, transformed inputs ``T x``
+    during the block; yields the dict they fill."""
     amax: dict[str, Tensor] = {}
     handles = []
     for name, module in modules.items():
         in_features, _ = in_out_features(module)
-        padded = pad_features(torch.empty(1, in_features), config.fmt).shape[1]
+        padded = pad_features(torch.empty(1, in_features), fmt).shape[1]
 
+        @torch.no_grad()
         def hook(module, args, kwargs, name=name, in_features=in_features, padded=padded):
             x = first_input(args, kwargs).reshape(-1, in_features)
             if padded != in_features:
@@ -231,15 +326,29 @@ def _static_act_scales(model: nn.Module, modules: Mapping[str, nn.Module],
 
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     try:
-        run_calibration(model, batches)
+        yield amax
     finally:
         for handle in handles:
             handle.remove()
+
+
+def act_scales_from_amax(amax: Mapping[str, Tensor], reduce_max: ReduceFn) -> dict[str, Tensor]:
+    """Static NVFP4 per-tensor activation scales ``amax / (448 * 6)``, amax maxed over ranks."""
     scales = {}
     for name, value in amax.items():
         value = reduce_max(value.float())
         scales[name] = (value / (448.0 * 6.0)).clamp(min=NVFP4_MIN_GLOBAL_SCALE).reshape(())
     return scales
+
+
+@torch.no_grad()
+def _static_act_scales(model: nn.Module, modules: Mapping[str, nn.Module],
+                       transforms: Mapping[str, Tensor | None], config: QuantizationConfig,
+                       batches: Batches, reduce_max: ReduceFn) -> dict[str, Tensor]:
+    """Per-tensor NVFP4 scales ``amax(T x) / (448 * 6)`` of every layer's transformed inputs."""
+    with transformed_amax_hooks(modules, transforms, config.fmt) as amax:
+        run_calibration(model, batches)
+    return act_scales_from_amax(amax, reduce_max)
 
 
 def quantize_model(
@@ -252,13 +361,30 @@ def quantize_model(
     weight_quantizer: WeightQuantizer | None = None,
     expected_tokens: int | None = None,
     progress: bool = True,
+    broadcast: BroadcastFn | None = None,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> QuantizationReport:
     """Quantize ``model`` in place (see the module docstring); returns the report.
 
     ``batches`` is re-iterated when a second pass is needed (static activation scales), so pass
     a list or a DataLoader, not a generator.  ``reduce_sum`` / ``reduce_max`` all-reduce a tensor
     across data-parallel ranks (identity on one process).
+
+    ``config.weight_quantizer == "gptq"`` runs the block-sequential GPTQ loop instead
+    (:func:`kbbq_pl.sequential_gptq.quantize_model_sequential`), which also takes
+    ``broadcast(obj, src) -> obj``, ``rank`` and ``world_size`` to split its work across ranks.
     """
+    if config.weight_quantizer == "gptq":
+        if weight_quantizer is not None:
+            raise ValueError("a weight_quantizer callable replaces RTN; it cannot be combined "
+                             "with config.weight_quantizer='gptq'")
+        from .sequential_gptq import quantize_model_sequential
+
+        return quantize_model_sequential(
+            model, batches, config, reduce_sum=reduce_sum, reduce_max=reduce_max,
+            broadcast=broadcast, rank=rank, world_size=world_size,
+            expected_tokens=expected_tokens, progress=progress)
     start = time.perf_counter()
     if isinstance(batches, Iterable) and not isinstance(batches, Sequence) and iter(batches) is batches:
         batches = list(batches)
@@ -294,6 +420,8 @@ def quantize_model(
         report.seconds["activation_scales"] = time.perf_counter() - scale_start
 
     quant_start = time.perf_counter()
+    if weight_quantizer is None and config.scale_search == "mse":
+        weight_quantizer = _mse_rtn(config)
     items = tqdm(modules.items(), desc=f"{config.method} {config.format}", unit="layer",
                  disable=not progress)
     for name, module in items:
@@ -310,16 +438,8 @@ def quantize_model(
         if static:
             layer.act_global_scale = scales[name].to(weight.device)
         layer.to(weight.device)
-        kappas = layer_kappas(stats, padded, transform, config.block,
-                              stats.sigma_full() if dense else None)
-        sample = stats.sample().to(weight.device)
-        snr = output_snr_db(layer, weight, getattr(module, "bias", None), sample)
-        report.layers.append(LayerReport(
-            name=name, kind=cell_kind(name), in_features=layer.in_features,
-            out_features=layer.out_features, padded_in=layer.padded_in,
-            output_snr_db=snr, tokens=stats.count,
-            act_global_scale=float(scales[name]) if static else None, **kappas,
-        ))
+        report.layers.append(layer_report(name, module, layer, stats, transform, config,
+                                          scales.get(name)))
         swap_module(model, name, layer)
         collector.release(name)
     report.seconds["quantize"] = time.perf_counter() - quant_start

@@ -147,9 +147,10 @@ class SequentialRunner:
             raise _Stop
 
         handle = self.blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
+        device = next(self.model.parameters()).device  # the layers before the first block
         try:
             for batch in batches:
-                batch = {k: v.to(self.device) for k, v in batch.items()}
+                batch = {k: v.to(device) for k, v in batch.items()}
                 try:
                     self.model(**batch, use_cache=False)
                 except _Stop:

@@ -121,6 +121,11 @@ class StatisticsCollector:
         stats.sigma_sum += grouped.transpose(-1, -2) @ grouped
         if stats.full_sum is not None:
             stats.full_sum += xf.T @ xf
+        self._update_common(stats, module, x, output)
+
+    def _update_common(self, stats: LayerStatistics, module: nn.Module, x: Tensor,
+                       output: Tensor) -> None:
+        """Output energy, token count, input amax and kept samples of one call."""
         bias = getattr(module, "bias", None)
         y = flatten_tokens(output).detach().to(_F64)
         if bias is not None:

@@ -26,6 +26,8 @@ Numerics (all in FP32, round-to-nearest-even everywhere):
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -78,7 +80,7 @@ def unpack_nibbles(packed: Tensor) -> Tensor:
     return torch.stack((low, high), dim=-1).flatten(-2)
 
 
-def _encode_e2m1(y: Tensor) -> Tensor:
+def encode_e2m1(y: Tensor) -> Tensor:
     """E2M1 codes (uint8, sign in bit 3) of the already-scaled values ``y``."""
     magnitude = e2m1_magnitude_code(round_e2m1(y.abs()))
     sign = torch.signbit(y).to(torch.uint8) << 3
@@ -133,6 +135,68 @@ def e8m0_exponent(amax: Tensor, rounding: str) -> Tensor:
     return exponent.clamp(-_E8M0_BIAS, _E8M0_BIAS)
 
 
+class E2M1Scales(NamedTuple):
+    """The scale of every E2M1 group (row of a group view), in every form the arithmetic needs.
+
+    ``code``: the stored block scale (``float8_e4m3fn``, uint8 E8M0 exponent or FP32);
+    ``reciprocal``: what the elements are multiplied by before rounding (E4M3 and E8M0);
+    ``dequant``: what the rounded grid values are multiplied by (``pts * s`` or ``2^e``);
+    ``gain``: the MX ``no_clip`` factor 3/4 (values are ``(q * dequant) / gain``) or None;
+    ``pts``: the NVFP4 per-tensor scale, None for the other kinds.
+    """
+
+    code: Tensor
+    reciprocal: Tensor
+    dequant: Tensor
+    gain: float | None
+    pts: Tensor | None
+
+
+def e2m1_scales(
+    amax: Tensor, global_scale: Tensor | None, *, scale_kind: str, e8m0_rounding: str
+) -> E2M1Scales:
+    """Scales of E2M1 groups from their FP32 amax ``[groups, 1]`` (module docstring numerics).
+
+    ``global_scale`` fixes the NVFP4 per-tensor scale; None takes ``max(amax) / (448 * 6)``.
+    """
+    gain = None
+    pts = None
+    if scale_kind == "e4m3":
+        if global_scale is None:
+            pts = amax.max() / (E4M3_MAX * E2M1_MAX)
+        else:
+            pts = global_scale.to(torch.float32)
+        usable = pts >= NVFP4_MIN_GLOBAL_SCALE
+        pts = torch.where(usable, pts, torch.ones_like(pts))
+        code = ((amax / E2M1_MAX) / pts).clamp(E4M3_MIN_NORMAL, E4M3_MAX)
+        code = code.to(torch.float8_e4m3fn)
+        block = code.to(torch.float32)
+        reciprocal = torch.where(usable, (1.0 / pts) / block, torch.zeros_like(block))
+        dequant = pts * block
+    elif scale_kind == "e8m0":
+        exponent = e8m0_exponent(amax, e8m0_rounding)
+        code = (exponent + _E8M0_BIAS).to(torch.uint8)
+        block = _pow2(exponent)
+        if e8m0_rounding == "no_clip":
+            gain = 0.75
+            reciprocal = gain / block
+        else:
+            reciprocal = 1.0 / block
+        dequant = block
+    else:
+        scale = amax / E2M1_MAX
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        code = scale
+        reciprocal = 1.0 / scale
+        dequant = scale
+    return E2M1Scales(code, reciprocal, dequant, gain, pts)
+
+
+def e2m1_scaled(x: Tensor, scales: E2M1Scales, scale_kind: str) -> Tensor:
+    """The FP32 values ``x`` is rounded from: ``x * reciprocal`` (``x / scale`` for FP32 scales)."""
+    return x * scales.reciprocal if scale_kind != "fp32" else x / scales.dequant
+
+
 def e2m1_groups(
     x: Tensor,
     global_scale: Tensor | None,
@@ -152,38 +216,9 @@ def e2m1_groups(
     """
     xf = _clean(x.to(torch.float32), nonfinite)
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    gain = None
-    if scale_kind == "e4m3":
-        if global_scale is None:
-            pts = amax.max() / (E4M3_MAX * E2M1_MAX)
-        else:
-            pts = global_scale.to(torch.float32)
-        usable = pts >= NVFP4_MIN_GLOBAL_SCALE
-        pts = torch.where(usable, pts, torch.ones_like(pts))
-        scale_code = ((amax / E2M1_MAX) / pts).clamp(E4M3_MIN_NORMAL, E4M3_MAX)
-        scale_code = scale_code.to(torch.float8_e4m3fn)
-        block = scale_code.to(torch.float32)
-        reciprocal = torch.where(usable, (1.0 / pts) / block, torch.zeros_like(block))
-        dequant_scale = pts * block
-    elif scale_kind == "e8m0":
-        exponent = e8m0_exponent(amax, e8m0_rounding)
-        scale_code = (exponent + _E8M0_BIAS).to(torch.uint8)
-        pts = None
-        block = _pow2(exponent)
-        if e8m0_rounding == "no_clip":
-            gain = 0.75
-            reciprocal = gain / block
-        else:
-            reciprocal = 1.0 / block
-        dequant_scale = block
-    else:
-        scale = amax / E2M1_MAX
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        scale_code = scale
-        pts = None
-        reciprocal = 1.0 / scale
-        dequant_scale = scale
-    y = xf * reciprocal if scale_kind != "fp32" else xf / dequant_scale
+    scales = e2m1_scales(amax, global_scale, scale_kind=scale_kind, e8m0_rounding=e8m0_rounding)
+    scale_code, dequant_scale, gain, pts = scales.code, scales.dequant, scales.gain, scales.pts
+    y = e2m1_scaled(xf, scales, scale_kind)
     finite = _finite_flag(amax)
     if nonfinite == "propagate":
         bad = _bad_groups(x)
@@ -197,7 +232,7 @@ def e2m1_groups(
         q = torch.copysign(round_e2m1(y.abs()), y)
         values = q * dequant_scale if gain is None else (q * dequant_scale) / gain
         return values.to(out_dtype), finite
-    codes = pack_nibbles(_encode_e2m1(y))
+    codes = pack_nibbles(encode_e2m1(y))
     if pts is None:
         pts = torch.ones((), dtype=torch.float32, device=x.device)
     return codes, scale_code, pts, finite

@@ -1,0 +1,228 @@
+"""The GPTQ family as a block-sequential loop (kbbq_pl.sequential_gptq), one and two processes."""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+
+import pytest
+import torch
+
+from kbbq_pl.layers import QuantizedLinear, quantized_linears
+from kbbq_pl.models import tiny_model
+from kbbq_pl.quantize import QuantizationConfig, quantize_model
+from kbbq_pl.sequential_gptq import HessianCollector, assign_owners
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small tensors: starting threads costs more than the work, badly so on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def batches_of(ids: torch.Tensor, size: int = 2) -> list[dict[str, torch.Tensor]]:
+    return [{"input_ids": ids[i:i + size]} for i in range(0, len(ids), size)]
+
+
+def calibration_ids(rows: int = 8, length: int = 32, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch,transform", [("llama", "kbbq"), ("qwen3", "identity"),
+                                            ("gpt2", "hadamard")])
+def test_sequential_loop_swaps_every_target_and_stays_finite(arch, transform):
+    model = tiny_model(arch)
+    ids = calibration_ids()
+    reference = model(input_ids=ids).logits
+    config = QuantizationConfig(transform=transform, lam=0.5, weight_quantizer="gptq",
+                                scale_search="mse" if transform == "hadamard" else "minmax")
+    report = quantize_model(model, batches_of(ids), config, progress=False)
+    layers = quantized_linears(model)
+    expected = 8 if arch == "gpt2" else 14
+    assert len(layers) == len(report.layers) == expected
+    assert not isinstance(model.lm_head, QuantizedLinear)
+    logits = model(input_ids=ids).logits
+    assert torch.isfinite(logits).all()
+    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() > 0.5
+    for row in report.layers:
+        assert row.tokens == ids.numel() and row.act_global_scale is not None
+        assert row.output_snr_db > 5 and row.kappa_before > 0 and row.kappa_after > 0
+    assert report.model["peak_rss_mb"] > 0 and report.model["blocks"] == 2
+    assert not any(info["fallback"] for info in report.model["gptq"].values())
+    assert {"calibration", "gptq", "propagation", "total"} <= set(report.seconds)
+
+
+def test_blocks_are_calibrated_on_the_quantized_blocks_outputs():
+    """Block 1's Hessians come from block 0 quantized W4A4 (static activation scales)."""
+    model = tiny_model("llama")
+    ids = calibration_ids(4)
+    seen = []
+    handle = model.model.layers[1].register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(
+            (args[0] if args else kwargs["hidden_states"]).detach().clone())
+        if len(seen) < 2 else None, with_kwargs=True)
+    quantize_model(model, batches_of(ids), QuantizationConfig(transform="identity",
+                                                              weight_quantizer="gptq"),
+                   progress=False)
+    handle.remove()
+    hidden = model(input_ids=ids[:2], output_hidden_states=True).hidden_states[1]
+    assert torch.allclose(seen[0], hidden, atol=1e-6)
+    fp = tiny_model("llama")(input_ids=ids[:2], output_hidden_states=True).hidden_states[1]
+    assert not torch.allclose(seen[0], fp, atol=1e-3)
+
+
+def test_gptq_beats_rtn_in_the_loop_and_is_deterministic():
+    model = tiny_model("llama", hidden_size=128, intermediate_size=256)
+    ids = calibration_ids(8, 64)
+    snrs = {}
+    for quantizer in ("rtn", "gptq", "gptq"):
+        m = copy.deepcopy(model)
+        report = quantize_model(m, batches_of(ids), QuantizationConfig(
+            transform="identity", weight_quantizer=quantizer), progress=False)
+        snrs.setdefault(quantizer, []).append(
+            (report.summary()["median_output_snr_db"], m(input_ids=ids).logits))
+    assert snrs["gptq"][0][0] > snrs["rtn"][0][0]
+    assert torch.equal(snrs["gptq"][0][1], snrs["gptq"][1][1])
+
+
+def test_in_loop_refit_and_unaligned_layers():
+    model = tiny_model("llama", intermediate_size=172)
+    ids = calibration_ids(4)
+    config = QuantizationConfig(transform="wush", weight_quantizer="gptq",
+                                transform_refit="in_loop", act_order=False, format="mxfp4")
+    report = quantize_model(model, batches_of(ids), config, progress=False)
+    down = {r.name: r for r in report.layers}["model.layers.0.mlp.down_proj"]
+    assert (down.in_features, down.padded_in) == (172, 192)
+    assert torch.isfinite(model(input_ids=ids).logits).all()
+    layer = model.model.layers[0].mlp.down_proj
+    assert layer.transform.shape == (6, 32, 32) and layer.act_global_scale is None
+
+
+def test_config_fields_and_validation():
+    assert QuantizationConfig(transform="hadamard", weight_quantizer="gptq",
+                              scale_search="mse").method == "MR-GPTQ"
+    assert QuantizationConfig(transform="kbbq", weight_quantizer="gptq").method == "GPTQ-KBBQ"
+    assert QuantizationConfig(transform="identity", weight_quantizer="gptq").method == "GPTQ"
+    assert QuantizationConfig(transform="wush").method == "RTN-WUSH"
+    for bad, match in [
+        (dict(weight_quantizer="awq"), "weight_quantizer must be one of"),
+        (dict(gptq_damping=0.0), "gptq_damping must be a positive number"),
+        (dict(gptq_block_size=24), "multiple of the nvfp4 block 16"),
+        (dict(scale_search="l2"), "scale_search must be one of"),
+        (dict(group_scales="per_token"), "group_scales must be one of"),
+        (dict(weight_quantizer="gptq", transform="hadamard", transform_refit="in_loop"),
+         "transform 'wush' or 'kbbq'"),
+        (dict(weight_quantizer="gptq", transform="kbbq", transform_refit="in_loop",
+              act_order=True), "set act_order=False"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            QuantizationConfig(**bad)
+
+
+def test_rtn_with_mse_scales_and_errors_of_the_loop():
+    model = tiny_model("llama")
+    ids = calibration_ids(2)
+    minmax = copy.deepcopy(model)
+    quantize_model(minmax, batches_of(ids), QuantizationConfig(transform="identity"),
+                   progress=False)
+    quantize_model(model, batches_of(ids), QuantizationConfig(transform="identity",
+                                                              scale_search="mse"),
+                   progress=False)
+    assert not torch.equal(model.model.layers[0].mlp.up_proj.weight.qdata,
+                           minmax.model.layers[0].mlp.up_proj.weight.qdata)
+    with pytest.raises(ValueError, match="lm_head.*lie outside"):
+        quantize_model(tiny_model("llama"), batches_of(ids), QuantizationConfig(
+            weight_quantizer="gptq", ignore=[r"embed"]), progress=False)
+    with pytest.raises(ValueError, match="calibration set is empty"):
+        quantize_model(tiny_model("llama"), [], QuantizationConfig(weight_quantizer="gptq"),
+                       progress=False)
+    with pytest.raises(ValueError, match="needs broadcast"):
+        quantize_model(tiny_model("llama"), batches_of(ids), QuantizationConfig(
+            weight_quantizer="gptq"), world_size=2, rank=0, progress=False)
+
+
+def test_hessians_are_shared_by_layers_reading_one_input():
+    model = tiny_model("llama")
+    block = model.model.layers[0]
+    linears = {"q": block.self_attn.q_proj, "k": block.self_attn.k_proj}
+    collector = HessianCollector(linears, 16)
+    x = torch.randn(3, 5, 64)
+    with collector.hooks():
+        block.self_attn.q_proj(x)
+        block.self_attn.k_proj(x)
+    collector.reduce(lambda t: t)
+    assert torch.equal(collector.stats["q"].full_sum, collector.stats["k"].full_sum)
+    flat = x.reshape(-1, 64).double()
+    assert torch.allclose(collector.hessian("q").double(), 2 * flat.T @ flat / 15, atol=1e-5)
+    assert collector.stats["q"].count == 15
+
+
+def test_owner_assignment_balances_and_is_deterministic():
+    costs = {"a": 5.0, "b": 4.0, "c": 3.0, "d": 3.0, "e": 1.0}
+    owners = assign_owners(costs, 2)
+    assert owners == assign_owners(dict(reversed(costs.items())), 2)
+    loads = [sum(c for n, c in costs.items() if owners[n] == r) for r in range(2)]
+    assert sorted(loads) == [8.0, 8.0]
+    assert set(assign_owners(costs, 1).values()) == {0}
+
+
+# ----------------------------------------------------------------------- two processes
+
+DDP_CONFIG = dict(transform="kbbq", lam=0.5, weight_quantizer="gptq", format="nvfp4")
+
+
+def _quantized_state(model) -> dict[str, torch.Tensor]:
+    state = {}
+    for name, layer in quantized_linears(model).items():
+        state[f"{name}.qdata"] = layer.weight.qdata
+        state[f"{name}.scale"] = layer.weight.scale.view(torch.uint8)
+        state[f"{name}.global_scale"] = layer.weight.global_scale
+        state[f"{name}.transform"] = layer.transform
+        state[f"{name}.act_global_scale"] = layer.act_global_scale
+    return state
+
+
+def _ddp_worker(rank: int, world_size: int, init_file: str, out_file: str) -> None:
+    import torch.distributed as dist
+
+    from kbbq_pl.sequential_gptq import torch_distributed_collectives
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size)
+    try:
+        model = tiny_model("llama")
+        batches = batches_of(calibration_ids())
+        mine = batches[rank * len(batches) // world_size:(rank + 1) * len(batches) // world_size]
+        quantize_model(model, mine, QuantizationConfig(**DDP_CONFIG), progress=False,
+                       **torch_distributed_collectives())
+        if rank == 0:
+            torch.save(_quantized_state(model), out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_give_the_same_quantized_weights_as_one():
+    import torch.multiprocessing as mp
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same GEMM kernels as the workers
+    try:
+        model = tiny_model("llama")
+        quantize_model(model, batches_of(calibration_ids()), QuantizationConfig(**DDP_CONFIG),
+                       progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    single = _quantized_state(model)
+    with tempfile.TemporaryDirectory() as folder:
+        init_file = os.path.join(folder, "init")
+        out_file = os.path.join(folder, "rank0.pt")
+        mp.spawn(_ddp_worker, args=(2, init_file, out_file), nprocs=2, join=True)
+        double = torch.load(out_file)
+    assert single.keys() == double.keys()
+    for key, value in single.items():
+        assert torch.equal(value, double[key]), key

@@ -251,13 +251,15 @@ def quantize_model(
     reduce_max: ReduceFn = _identity,
     weight_quantizer: WeightQuantizer | None = None,
     expected_tokens: int | None = None,
+    trainable: bool = False,
     progress: bool = True,
 ) -> QuantizationReport:
     """Quantize ``model`` in place (see the module docstring); returns the report.
 
     ``batches`` is re-iterated when a second pass is needed (static activation scales), so pass
     a list or a DataLoader, not a generator.  ``reduce_sum`` / ``reduce_max`` all-reduce a tensor
-    across data-parallel ranks (identity on one process).
+    across data-parallel ranks (identity on one process).  ``trainable`` keeps high-precision
+    master weights ``W T^-1`` for fine-tuning (see :class:`~kbbq_pl.layers.QuantizedLinear`).
     """
     start = time.perf_counter()
     if isinstance(batches, Iterable) and not isinstance(batches, Sequence) and iter(batches) is batches:
@@ -306,7 +308,7 @@ def quantize_model(
             quantized = weight_quantizer(name, module, padded, transform, stats)
         layer = QuantizedLinear.from_linear(
             module, config.fmt, transform, act_scale="static" if static else "dynamic",
-            name=name, quantized_weight=quantized)
+            trainable=trainable and quantized is None, name=name, quantized_weight=quantized)
         if static:
             layer.act_global_scale = scales[name].to(weight.device)
         layer.to(weight.device)

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kbbq-pl", description="FP4 W4A4 quantization with KBBQ (see README.md)"
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("quantize", help="quantize a model with a recipe (see: kbbq-pl quantize -h)")
+    sub.add_parser("sweep", help="run a recipe over lambdas and baselines, one table "
+                                 "(see: kbbq-pl sweep -h)")
     formats = sub.add_parser("formats", help="round test tensors onto every format, print a table")
     formats.add_argument("--size", type=int, default=1024)
     formats.add_argument("--seed", type=int, default=0)
@@ -53,7 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+RECIPE_COMMANDS = ("quantize", "sweep")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in RECIPE_COMMANDS:  # recipe commands parse with jsonargparse
+        from .quantize_cli import main as recipe_main
+
+        return recipe_main(argv)
     args = build_parser().parse_args(argv)
     return args.run(args)
 

@@ -40,6 +40,15 @@ def _formats_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert_llama2c(args: argparse.Namespace) -> int:
+    """Convert a llama2.c checkpoint and tokenizer into a HuggingFace Llama folder."""
+    from kbbq_pl.llama2c import convert_llama2c
+
+    out = convert_llama2c(args.checkpoint, args.tokenizer, args.out, overwrite=args.overwrite)
+    print(f"wrote {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kbbq-pl", description="FP4 W4A4 quantization with KBBQ (see README.md)"
@@ -50,6 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
     formats.add_argument("--seed", type=int, default=0)
     formats.add_argument("--formats", default="", help="comma-separated names (default: a set)")
     formats.set_defaults(run=_formats_demo)
+
+    convert = sub.add_parser(
+        "convert-llama2c", help="convert a llama2.c v0 checkpoint + tokenizer.bin to a HF folder"
+    )
+    convert.add_argument("--checkpoint", required=True, help="llama2.c v0 model .bin")
+    convert.add_argument("--tokenizer", required=True, help="llama2.c tokenizer .bin")
+    convert.add_argument("--out", required=True, help="output folder (must not exist)")
+    convert.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    convert.set_defaults(run=_convert_llama2c)
     return parser
 
 

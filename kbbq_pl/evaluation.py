@@ -14,6 +14,8 @@
 
 * :func:`perplexity` scores a causal LM on a token stream with rolling windows, every token
   scored exactly once.
+* :func:`run_benchmarks` runs MMLU, GSM8K, HellaSwag, WinoGrande and MBPP offline through
+  lm-evaluation-harness on local data files (:mod:`kbbq_pl.benchmarks`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from kbbq_pl.benchmarks import BENCHMARKS, run_benchmarks
+
 __all__ = [
     "wikitext_sentences",
     "split_wikitext_sentences",
@@ -40,6 +44,8 @@ __all__ = [
     "embedding_fidelity",
     "rolling_windows",
     "perplexity",
+    "run_benchmarks",
+    "BENCHMARKS",
 ]
 
 _SENTENCE_END = {".", "!", "?"}
@@ -106,9 +112,9 @@ def wikitext_sentences(
     into sentences by :func:`split_wikitext_sentences`.  A sentence is eligible when it ends with
     ``.``, ``!`` or ``?`` (no paragraph fragments), has ``min_words`` to ``max_words`` words
     (tokens with a letter or digit; clitics such as ``'s`` are not words) and, with
-    ``drop_unk``, no ``<unk>`` token.  Which ``n``: a uniformly random subset of the eligible sentences drawn
-    with ``random.Random(seed)``, returned in file order, so the same arguments always give the
-    same sentences; ``seed=None`` takes the first ``n``, ``n=None`` all of them.  With
+    ``drop_unk``, no ``<unk>`` token.  Which ``n``: a uniformly random subset of the eligible
+    sentences drawn with ``random.Random(seed)``, returned in file order, so the same arguments
+    always give the same sentences; ``seed=None`` takes the first ``n``, ``n=None`` all of them.  With
     ``detokenize`` the sentences are turned back into plain text (:func:`detokenize_wikitext`).
     """
     file = Path(path)

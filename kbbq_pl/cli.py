@@ -40,6 +40,71 @@ def _formats_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert_llama2c(args: argparse.Namespace) -> int:
+    """Convert a llama2.c checkpoint and tokenizer into a HuggingFace Llama folder."""
+    from kbbq_pl.llama2c import convert_llama2c
+
+    out = convert_llama2c(args.checkpoint, args.tokenizer, args.out, overwrite=args.overwrite)
+    print(f"wrote {out}")
+    return 0
+
+
+def _parse_shots(text: str) -> dict[str, int]:
+    shots = {}
+    for item in filter(None, text.split(",")):
+        task, _, count = item.partition("=")
+        if not count.isdigit():
+            raise SystemExit(f"--num-fewshot: expected task=N, got {item!r}")
+        shots[task.strip()] = int(count)
+    return shots
+
+
+def _limit(text: str) -> int | float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"--limit must be > 0, got {text}")
+    return int(value) if value >= 1 else value
+
+
+def _eval(args: argparse.Namespace) -> int:
+    """Run the lm-eval benchmarks on a local causal LM and write the metrics as JSON."""
+    import json
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from kbbq_pl.benchmarks import run_benchmarks
+    from kbbq_pl.models import load_model
+
+    model, tokenizer = load_model(args.model, causal=True)
+    if tokenizer is None:
+        raise SystemExit(f"{args.model}: no tokenizer in the model folder")
+    start = time.perf_counter()
+    results = run_benchmarks(
+        model, tokenizer, tasks=[t.strip() for t in args.tasks.split(",") if t.strip()],
+        limit=args.limit, data_dir=args.data_dir, num_fewshot=_parse_shots(args.num_fewshot),
+        batch_size=args.batch_size, cache_dir=args.cache_dir, max_gen_toks=args.max_gen_toks,
+        mmlu_subjects=args.mmlu_subjects.split(",") if args.mmlu_subjects else None,
+        allow_code_execution=args.allow_code_execution,
+    )
+    results["wall_time_s"] = time.perf_counter() - start
+    results["model"] = str(args.model)
+    print(f"{'task':<12}{'metric':<28}{'score':>8}{'docs':>7}{'shots':>7}")
+    for task, entry in results.items():
+        if isinstance(entry, dict) and "score" in entry:
+            print(f"{task:<12}{entry['metric']:<28}{entry['score']:8.4f}{entry['n_docs']:7d}"
+                  f"{entry['num_fewshot']:7d}")
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(results, handle, indent=2, default=str)
+        os.replace(tmp, out)
+        print(f"wrote {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kbbq-pl", description="FP4 W4A4 quantization with KBBQ (see README.md)"
@@ -53,6 +118,36 @@ def build_parser() -> argparse.ArgumentParser:
     formats.add_argument("--seed", type=int, default=0)
     formats.add_argument("--formats", default="", help="comma-separated names (default: a set)")
     formats.set_defaults(run=_formats_demo)
+
+    convert = sub.add_parser(
+        "convert-llama2c", help="convert a llama2.c v0 checkpoint + tokenizer.bin to a HF folder"
+    )
+    convert.add_argument("--checkpoint", required=True, help="llama2.c v0 model .bin")
+    convert.add_argument("--tokenizer", required=True, help="llama2.c tokenizer .bin")
+    convert.add_argument("--out", required=True, help="output folder (must not exist)")
+    convert.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    convert.set_defaults(run=_convert_llama2c)
+
+    evaluate = sub.add_parser(
+        "eval", help="MMLU, GSM8K, HellaSwag, WinoGrande, MBPP via lm-eval, offline"
+    )
+    evaluate.add_argument("--model", required=True, help="local HF causal-LM folder")
+    evaluate.add_argument("--tasks", default="mmlu,gsm8k,hellaswag,winogrande",
+                          help="comma-separated, from mmlu,gsm8k,hellaswag,winogrande,mbpp")
+    evaluate.add_argument("--limit", type=_limit, default=None,
+                          help="documents per task (MMLU: per subject); <1: a fraction")
+    evaluate.add_argument("--data-dir", default="../shared/data",
+                          help="folder with mmlu/ gsm8k/ hellaswag/ winogrande/ mbpp/")
+    evaluate.add_argument("--out", default=None, help="write the results here as JSON")
+    evaluate.add_argument("--num-fewshot", default="", help="overrides, e.g. mmlu=0,gsm8k=4")
+    evaluate.add_argument("--batch-size", type=int, default=8)
+    evaluate.add_argument("--max-gen-toks", type=int, default=256)
+    evaluate.add_argument("--mmlu-subjects", default="", help="comma-separated (default: all)")
+    evaluate.add_argument("--cache-dir", default=None, help="converted data (default: "
+                          "$KBBQ_PL_CACHE/eval_data or ~/.cache/kbbq_pl/eval_data)")
+    evaluate.add_argument("--allow-code-execution", action="store_true",
+                          help="needed for mbpp: runs model-generated code, unsandboxed")
+    evaluate.set_defaults(run=_eval)
     return parser
 
 

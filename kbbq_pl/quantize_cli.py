@@ -33,7 +33,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser, lazy_instance
 from torch import nn
 
 from .data import CalibrationDataModule, token_blocks
-from .export import save_quantized
+from .export import CheckpointError, save_quantized
 from .models import load_model, resolve_model_path
 from .quantize import QuantizationConfig, quantize_model
 from .report import atomic_write_text, report_markdown, sweep_markdown, write_report
@@ -184,7 +184,27 @@ def run_sweep(argv: list[str]) -> int:
     return 0
 
 
+def resolve_recipes(argv: list[str]) -> list[str]:
+    """``--config NAME`` may name a packaged recipe (``rtn_kbbq_nvfp4_lam0.75``) instead of a
+    file: it resolves to the copy shipped in ``kbbq_pl.recipes``."""
+    from importlib.resources import files
+
+    out = list(argv)
+    for index, value in enumerate(out[:-1]):
+        if value == "--config" and not Path(out[index + 1]).exists():
+            name = Path(out[index + 1]).name
+            packaged = files("kbbq_pl.recipes").joinpath(
+                name if name.endswith(".yaml") else f"{name}.yaml")
+            if packaged.is_file():
+                out[index + 1] = str(packaged)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    command, rest = argv[0], argv[1:]
-    return {"quantize": run_quantize, "sweep": run_sweep}[command](rest)
+    command, rest = argv[0], resolve_recipes(argv[1:])
+    try:
+        return {"quantize": run_quantize, "sweep": run_sweep}[command](rest)
+    except (ValueError, FileNotFoundError, FileExistsError, CheckpointError) as error:
+        print(f"kbbq-pl {command}: error: {error}", file=sys.stderr)
+        return 2

@@ -248,21 +248,30 @@ def _lf(text: str) -> str:
     return text.replace("\r\n", "\n")
 
 
-def _limit_resources() -> None:  # pragma: no cover - runs in the child process
+# Runs in the child: caps memory (2 GiB) and CPU time, then executes the program from stdin.
+_RUNNER = """
+import sys
+try:
     import resource
-
     resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
-    resource.setrlimit(resource.RLIMIT_CPU, (10, 10))
+    resource.setrlimit(resource.RLIMIT_CPU, ({cpu}, {cpu}))
+except (ImportError, ValueError, OSError):
+    pass
+source = sys.stdin.read()
+exec(compile(source, "<generated>", "exec"), {{"__name__": "__main__"}})
+"""
 
 
 def run_python_tests(program: str, timeout: float = 10.0) -> bool:
-    """Whether ``program`` exits cleanly in a fresh isolated Python process (no sandbox)."""
+    """Whether ``program`` exits cleanly in a fresh isolated Python process (in an empty
+    temporary folder, memory and CPU capped, killed after ``timeout`` s; no sandbox)."""
+    runner = _RUNNER.format(cpu=max(1, math.ceil(timeout)))
     with tempfile.TemporaryDirectory(prefix="kbbq_pl_mbpp_") as folder:
         try:
             done = subprocess.run(
-                [sys.executable, "-I", "-c", program], cwd=folder, capture_output=True,
-                timeout=timeout, env={"PATH": os.environ.get("PATH", "")},
-                preexec_fn=_limit_resources if os.name == "posix" else None,
+                [sys.executable, "-I", "-c", runner], input=program.encode("utf-8"),
+                cwd=folder, capture_output=True, timeout=timeout,
+                env={"PATH": os.environ.get("PATH", "")},
             )
         except subprocess.TimeoutExpired:
             return False
@@ -508,6 +517,9 @@ def run_benchmarks(
     """Evaluate an in-memory causal LM on the benchmarks ``tasks`` (names from
     :data:`BENCHMARKS`) with lm-evaluation-harness, offline; see the module documentation.
 
+    ``model`` is a HuggingFace causal LM, run through lm-eval's ``HFLM`` with ``tokenizer``, or
+    any ``lm_eval.api.model.LM`` (then ``tokenizer`` and ``batch_size`` are not used).
+
     ``limit`` caps the documents per lm-eval task (MMLU: per subject), ``num_fewshot``
     overrides :data:`DEFAULT_FEWSHOT` per benchmark.  Generation is greedy with at most
     ``max_gen_toks`` new tokens (less when the model's context is short: at most half of it).
@@ -515,6 +527,7 @@ def run_benchmarks(
     :func:`summarize`'s dict, and keeps lm-eval's full output under the key ``"lm_eval"``.
     """
     from lm_eval import simple_evaluate
+    from lm_eval.api.model import LM
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
@@ -525,11 +538,13 @@ def run_benchmarks(
             "process, time and memory limits, no sandbox). Opt in with "
             f"allow_code_execution=True (CLI: --allow-code-execution) or {CODE_EVAL_ENV}=1"
         )
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    if max_gen_toks >= lm.max_length:
-        reduced = max(1, lm.max_length // 2)
+    lm = model if isinstance(model, LM) else HFLM(pretrained=model, tokenizer=tokenizer,
+                                                   batch_size=batch_size)
+    context = getattr(lm, "max_length", None)
+    if isinstance(context, int) and max_gen_toks >= context:
+        reduced = max(1, context // 2)
         log.warning("max_gen_toks %d >= the model's context %d: generating at most %d tokens",
-                    max_gen_toks, lm.max_length, reduced)
+                    max_gen_toks, context, reduced)
         max_gen_toks = reduced
     configs = task_configs(tasks, data_dir, cache_dir, num_fewshot, max_gen_toks,
                            mmlu_subjects)

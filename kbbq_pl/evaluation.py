@@ -198,18 +198,23 @@ def mean_pooled_embeddings(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     device = _device(model)
+    # batches of similar lengths pad less; the rows go back to the input order at the end
+    order = sorted(range(len(sentences)), key=lambda i: (-len(sentences[i]), i))
     chunks = []
     with _eval_mode(model):
-        for start in range(0, len(sentences), batch_size):
-            batch = tokenizer(list(sentences[start : start + batch_size]), padding=True,
-                              truncation=True, max_length=max_length, return_tensors="pt")
+        for start in range(0, len(order), batch_size):
+            texts = [sentences[i] for i in order[start : start + batch_size]]
+            batch = tokenizer(texts, padding=True, truncation=True, max_length=max_length,
+                              return_tensors="pt")
             batch = {key: value.to(device) for key, value in batch.items()}
             output = model(**batch)
             hidden = getattr(output, "last_hidden_state", None)
             if hidden is None:
                 hidden = output[0]
             chunks.append(mean_pool(hidden, batch["attention_mask"]).cpu())
-    return torch.cat(chunks)
+    embeddings = torch.empty(len(order), chunks[0].shape[-1])
+    embeddings[torch.tensor(order)] = torch.cat(chunks)
+    return embeddings
 
 
 def cosine_summary(embeddings: Tensor, reference: Tensor) -> dict[str, float | int]:

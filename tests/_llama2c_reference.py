@@ -15,6 +15,55 @@ import torch
 from torch import Tensor
 
 
+class Tokenizer:
+    """run.c's ``Tokenizer``: ``build_tokenizer``, ``encode`` and ``decode``."""
+
+    def __init__(self, path: Path, vocab_size: int) -> None:
+        raw = path.read_bytes()
+        offset = 4
+        self.vocab: list[bytes] = []
+        self.scores: list[float] = []
+        for _ in range(vocab_size):
+            score, length = struct.unpack_from("<fi", raw, offset)
+            offset += 8
+            self.vocab.append(raw[offset : offset + length])
+            self.scores.append(score)
+            offset += length
+        self.lookup = {piece: i for i, piece in enumerate(self.vocab)}
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        tokens = [self.lookup[b" "]] if text else []
+        for char in text:
+            piece = char.encode("utf-8")
+            if piece in self.lookup:
+                tokens.append(self.lookup[piece])
+            else:
+                tokens.extend(byte + 3 for byte in piece)
+        while True:
+            best_score, best_id, best_idx = -1e10, -1, -1
+            for i in range(len(tokens) - 1):
+                merged = self.lookup.get(self.vocab[tokens[i]] + self.vocab[tokens[i + 1]])
+                if merged is not None and self.scores[merged] > best_score:
+                    best_score, best_id, best_idx = self.scores[merged], merged, i
+            if best_idx == -1:
+                break
+            tokens[best_idx : best_idx + 2] = [best_id]
+        return ([1] if bos else []) + tokens
+
+    def decode(self, tokens: list[int]) -> str:
+        out = b""
+        for prev, token in zip([None, *tokens], tokens):
+            if token in (0, 1, 2):
+                continue
+            piece = self.vocab[token]
+            if prev == 1 and piece.startswith(b" "):
+                piece = piece[1:]
+            if piece.startswith(b"<0x") and len(piece) == 6:
+                piece = bytes([int(piece[3:5], 16)])
+            out += piece
+        return out.decode("utf-8", errors="replace")
+
+
 class Llama2c:
     def __init__(self, checkpoint: Path, tokenizer: Path) -> None:
         data = checkpoint.read_bytes()
@@ -51,17 +100,9 @@ class Llama2c:
         self.wcls = self.token_embedding_table if vocab > 0 else take(self.vocab_size, d)
         assert self._ptr == floats.numel()
 
-        raw = tokenizer.read_bytes()
-        offset = 4
-        self.vocab: list[bytes] = []
-        self.scores: list[float] = []
-        for _ in range(self.vocab_size):
-            score, length = struct.unpack_from("<fi", raw, offset)
-            offset += 8
-            self.vocab.append(raw[offset : offset + length])
-            self.scores.append(score)
-            offset += length
-        self.lookup = {piece: i for i, piece in enumerate(self.vocab)}
+        self.tokenizer = Tokenizer(tokenizer, self.vocab_size)
+        self.encode = self.tokenizer.encode
+        self.decode = self.tokenizer.decode
 
     @staticmethod
     def rmsnorm(x: Tensor, weight: Tensor) -> Tensor:
@@ -122,35 +163,3 @@ class Llama2c:
                 break
             tokens.append(nxt)
         return tokens
-
-    def encode(self, text: str, bos: bool = True) -> list[int]:
-        tokens = [self.lookup[b" "]] if text else []
-        for char in text:
-            piece = char.encode("utf-8")
-            if piece in self.lookup:
-                tokens.append(self.lookup[piece])
-            else:
-                tokens.extend(byte + 3 for byte in piece)
-        while True:
-            best_score, best_id, best_idx = -1e10, -1, -1
-            for i in range(len(tokens) - 1):
-                merged = self.lookup.get(self.vocab[tokens[i]] + self.vocab[tokens[i + 1]])
-                if merged is not None and self.scores[merged] > best_score:
-                    best_score, best_id, best_idx = self.scores[merged], merged, i
-            if best_idx == -1:
-                break
-            tokens[best_idx : best_idx + 2] = [best_id]
-        return ([1] if bos else []) + tokens
-
-    def decode(self, tokens: list[int]) -> str:
-        out = b""
-        for prev, token in zip([None, *tokens], tokens):
-            if token in (0, 1, 2):
-                continue
-            piece = self.vocab[token]
-            if prev == 1 and piece.startswith(b" "):
-                piece = piece[1:]
-            if piece.startswith(b"<0x") and len(piece) == 6:
-                piece = bytes([int(piece[3:5], 16)])
-            out += piece
-        return out.decode("utf-8", errors="replace")

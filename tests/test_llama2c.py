@@ -8,12 +8,13 @@ import struct
 
 import pytest
 import torch
-from _llama2c_reference import Llama2c
+from _llama2c_reference import Llama2c, Tokenizer
 from conftest import SHARED_DATA
 
 from kbbq_pl.cli import main
 from kbbq_pl.evaluation import perplexity
 from kbbq_pl.llama2c import (
+    build_tokenizer,
     convert_llama2c,
     hf_llama_config,
     hf_state_dict,
@@ -147,6 +148,20 @@ def test_tokenizer_matches_llama2c_and_round_trips(converted, reference, text):
     assert ids == reference.encode(text)
     assert ids[0] == tokenizer.bos_token_id == 1 and tokenizer.eos_token_id == 2
     assert tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
+def test_llama2_tokenizer_bin_encodes_like_llama2c():
+    path = SHARED_DATA / "llama2_tokenizer" / "tokenizer.bin"
+    if not path.is_file():
+        pytest.skip(f"the Llama 2 tokenizer export is absent ({path})")
+    tokenizer = build_tokenizer(read_llama2c_tokenizer(path, 32000), 4096, path)
+    reference = Tokenizer(path, 32000)
+    for text in ["It was the best of times, it was the worst of times.",
+                 "Numbers 1234 and symbols #@% mix with  double  spaces,\ttabs\nand lines.",
+                 " leading space, Ünïcödé → 日本語 and émoji 🙂"]:
+        ids = tokenizer(text)["input_ids"]
+        assert ids == reference.encode(text)
+        assert tokenizer.decode(ids, skip_special_tokens=True) == text
 
 
 def test_perplexity_on_wikitext(converted, shared_data):

@@ -194,3 +194,13 @@ def test_real_tiny_llama_with_unaligned_ffn(shared_data, tmp_path):
     with torch.no_grad():
         agreement = (model(input_ids=probe).logits.argmax(-1) == reference).float().mean()
     assert agreement > 0.6
+
+
+def test_nvfp4_weights_convert_to_torchao_for_its_kernels():
+    from kbbq_pl.layers import to_torchao_nvfp4
+
+    q = F.quantize(torch.randn(32, 64), "nvfp4")
+    converted = to_torchao_nvfp4(q)
+    assert torch.equal(converted.dequantize(torch.float32), q.dequantize())
+    with pytest.raises(ValueError, match="only unpadded nvfp4"):
+        to_torchao_nvfp4(F.quantize(torch.randn(4, 64), "mxfp4"))

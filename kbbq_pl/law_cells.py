@@ -36,7 +36,14 @@ from torch import Tensor, nn
 
 from . import law
 from .formats import fake_quantize, get_format
-from .modules import cell_kind, check_finite, find_linears, first_input, flatten_tokens, linear_weight
+from .modules import (
+    cell_kind,
+    check_finite,
+    find_linears,
+    first_input,
+    flatten_tokens,
+    linear_weight,
+)
 from .sequential import BlockStep, SequentialRunner
 
 _F64 = torch.float64
@@ -110,21 +117,37 @@ def _row_seed(seed: int, cell: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(cell.encode())) % (2**63)
 
 
+def quantized_rows(weight: Tensor, rows: Tensor, fmt: str, name: str = "weight") -> Tensor:
+    """``fake_quantize(weight, fmt, pad=True)[rows]`` without rounding the whole matrix.
+
+    Every format's scales are either per tensor, set by the tensor's amax (FP8 and INT per
+    tensor, NVFP4's FP32 scale), or per row or per block within a row; so rounding the sampled
+    rows together with the row that holds the tensor's amax gives the same values (tested
+    against the whole matrix).
+    """
+    anchor = weight.abs().amax(dim=1).argmax().reshape(1)
+    stacked = weight[torch.cat([rows, anchor])]
+    return fake_quantize(stacked, fmt, pad=True, name=name)[: len(rows)]
+
+
 class _CellAccumulator:
     """Streaming sums of one cell over the forward calls of its block."""
 
     def __init__(self, block: int, layer: str, cell: str, kind: str, members: list[str],
                  weight: Tensor, formats: Sequence[str], rows: int, seed: int) -> None:
-        self.block, self.layer, self.cell, self.kind, self.members = block, layer, cell, kind, members
+        self.block, self.layer, self.cell, self.kind = block, layer, cell, kind
+        self.members = members
         self.formats = list(formats)
         self.weight = weight.detach()
+        if not torch.isfinite(self.weight).all():
+            raise ValueError(f"{cell}: the weight of {', '.join(members)} holds NaN or Inf values")
         out_features, in_features = self.weight.shape
         generator = torch.Generator().manual_seed(_row_seed(seed, cell))
         count = min(rows, out_features)
         self.rows = torch.randperm(out_features, generator=generator)[:count].sort().values
         self.weight_rows = self.weight[self.rows].to(_F64)
         self.quantized_rows = {
-            fmt: fake_quantize(self.weight, fmt, pad=True, name=f"{cell} weight")[self.rows].to(_F64)
+            fmt: quantized_rows(self.weight, self.rows, fmt, name=f"{cell} weight").to(_F64)
             for fmt in self.formats
         }
         self.second_moment = torch.zeros(in_features, in_features, dtype=_F64)
@@ -192,10 +215,10 @@ class _CellAccumulator:
             finite = torch.isfinite(ceilings)
             excluded_blocks = torch.nonzero(~finite).flatten().tolist()
             block_values = ceilings[finite]
-        summary = (
-            (float(block_values.quantile(0.5)), float(block_values.min()), float(block_values.max()))
-            if block_values.numel() else (None, None, None)
-        )
+        summary: tuple[float | None, float | None, float | None] = (None, None, None)
+        if block_values.numel():
+            summary = (float(block_values.quantile(0.5)), float(block_values.min()),
+                       float(block_values.max()))
         return CellReport(
             block=self.block, layer=self.layer, cell=self.cell, kind=self.kind,
             members=list(self.members), in_features=in_features, out_features=out_features,

@@ -280,7 +280,8 @@ def kappa_markdown(summary: dict[str, Any], config: dict[str, Any]) -> str:
         "",
         f"Model `{config['model']}`, data `{config['data']}`, {config['tokens_measured']} tokens.",
         "",
-        f"| cell | D | out | kappa_I | kappa_bar_rot | rot / I (dex) | kappa* | kappa_b* (b={block}) |",
+        "| cell | D | out | kappa_I | kappa_bar_rot | rot / I (dex) | kappa* "
+        f"| kappa_b* (b={block}) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in summary["kappa"]["cells"]:
@@ -427,6 +428,8 @@ def run_law(
         raise ValueError(f"batch size must be at least 1, got {batch_size}")
     formats = [get_format(f).name for f in formats]
     loaded, tokenizer = load_model(model)
+    if tokenizer is not None and len(tokenizer) <= len(tokenizer.all_special_ids):
+        tokenizer = None  # a folder without tokenizer files can load as an empty tokenizer
     vocab = getattr(loaded.config, "vocab_size", None)
     ids = token_blocks(data, tokenizer, n_tokens=tokens, seq_len=seq_len, seed=seed,
                        vocab_size=vocab)

@@ -111,8 +111,8 @@ def test_diagonal_blindness():
     assert torch.allclose(law.kappa_from_samples(w_hat, x_hat),
                           law.kappa_from_samples(weights, x), rtol=1e-10)
     gram = law.weight_gram(weights)
-    assert torch.allclose(law.kappa_bar(sigma, torch.diag(t), gram), law.kappa_bar(sigma, None, gram),
-                          rtol=1e-10)
+    assert torch.allclose(law.kappa_bar(sigma, torch.diag(t), gram),
+                          law.kappa_bar(sigma, None, gram), rtol=1e-10)
     # the integer law is not blind: the amax of each operand, hence the steps, move
     noise = law.integer_noise(weights, sigma, law.integer_step(weights.abs().max(), 8),
                               law.integer_step(x.abs().max(), 8))
@@ -418,8 +418,8 @@ def test_integer_law_predicts_integer_rounding_noise():
     assert math.isclose(float(law.integer_step(1.0, 8)), 2 / 256)
     geometry, concentration = law.cat_factors(x, x.abs().max(), 8)
     step = float(x.abs().max()) / (2**8 - 1)
-    assert math.isclose(geometry * concentration, float(x.double().square().mean()) / (step**2 / 12),
-                        rel_tol=1e-9)
+    assert math.isclose(geometry * concentration,
+                        float(x.double().square().mean()) / (step**2 / 12), rel_tol=1e-9)
 
 
 # ---------------------------------------------------------------- Eq. sigmafmt, Prop. interceptgap

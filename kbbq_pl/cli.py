@@ -40,13 +40,6 @@ def _formats_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _patterns(values: list[str] | None) -> list[str] | None:
-    """Patterns given as repeated flags and/or comma-separated lists."""
-    if not values:
-        return None
-    return [p.strip() for value in values for p in value.split(",") if p.strip()]
-
-
 def _law(args: argparse.Namespace) -> int:
     """Measure the noise law per GEMM cell and write law.json, law.md, law.png, kappa.md."""
     from kbbq_pl.law_report import run_law
@@ -56,8 +49,8 @@ def _law(args: argparse.Namespace) -> int:
         paths, summary = run_law(
             args.model, args.data, args.out, formats=formats, tokens=args.tokens,
             seq_len=args.seq_len, rows=args.rows, seed=args.seed, batch_size=args.batch_size,
-            block_size=args.block_size, targets=_patterns(args.targets),
-            ignore=_patterns(args.ignore), progress=not args.no_progress,
+            block_size=args.block_size, targets=args.targets, ignore=args.ignore,
+            progress=not args.no_progress,
         )
     except (ValueError, FileNotFoundError, ImportError, OSError) as error:
         print(f"kbbq-pl law: error: {error}", file=sys.stderr)
@@ -105,10 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     law.add_argument("--rows", type=int, default=8, help="sampled weight rows per cell")
     law.add_argument("--block-size", type=int, default=16, help="block of the kappa_b* ceiling")
     law.add_argument("--seed", type=int, default=0)
-    law.add_argument("--targets", action="append",
-                     help="regex of linear layers to measure (repeatable or comma-separated)")
-    law.add_argument("--ignore", action="append",
-                     help="regex of linear layers to skip (default: lm_head, embeddings, pooler)")
+    law.add_argument("--targets", nargs="+", action="extend", metavar="REGEX",
+                     help="linear layers to measure (default: all in the blocks)")
+    law.add_argument("--ignore", nargs="+", action="extend", metavar="REGEX",
+                     help="linear layers to skip (default: lm_head, embeddings, pooler)")
     law.add_argument("--out", required=True, help="output folder")
     law.add_argument("--no-progress", action="store_true", help="no progress bar")
     law.set_defaults(run=_law)

@@ -530,6 +530,25 @@ def test_intercept_gap_is_mantissa_arithmetic_on_aligned_synthetic_operands(desi
         assert exact - first_order > 0.03  # the second order is visible, and predicted
 
 
+def test_e4m3_level_on_log_uniform_operands_is_energy_weighted():
+    """The level of r a dot product reaches is the energy-weighted sigma^2 (Eq. fplaw weights
+    each element's noise by the other operand's energy): on log-uniform operands
+    ``4^-p / 12 / E[m^2]`` with ``E[m^2] = 3 / (2 ln 2)``, 0.68 dB above the per-element
+    ``E[1/m^2]`` of Eq. sigmafmt behind the parameter-free 28.51 dB."""
+    g = generator(33)
+    weights = synthetic_operands((256, 256), "log_uniform", g)
+    x = synthetic_operands((2048, 256), "log_uniform", g)
+    kappa = law.kappa_from_samples(weights, x)
+    snr = law.snr_db(weights, x, F.fake_quantize(weights, "fp8_e4m3"),
+                     F.fake_quantize(x, "fp8_e4m3"))
+    level = float(law.residual_db(snr, kappa).mean())
+    energy_weighted = -10 * math.log10(2 * 4.0**-3 / 12 / (3 / (2 * math.log(2))))
+    assert abs(level - energy_weighted) < 0.05
+    shift = 10 * math.log10(F.LOG_UNIFORM_INV_M2 * 3 / (2 * math.log(2)))
+    assert math.isclose(energy_weighted - law.c_fmt("fp8_e4m3"), shift, rel_tol=1e-9)
+    assert 0.68 < shift < 0.69
+
+
 def test_intercept_gap_deviations_on_log_uniform_operands():
     """Where the 6.02 dB per bit of Prop. interceptgap does not hold, and by how much.
 

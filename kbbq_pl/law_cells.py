@@ -162,9 +162,12 @@ class _CellAccumulator:
     def add(self, x: Tensor) -> None:
         x = flatten_tokens(x.detach()).to("cpu")
         exact_input = x.to(_F64)
+        batch_min, batch_max = exact_input.amin(0), exact_input.amax(0)  # NaN propagates
+        if not bool(torch.isfinite(batch_min).all() & torch.isfinite(batch_max).all()):
+            check_finite(x, self.members[0])  # raises, naming the layer
+        self.minimum = torch.minimum(self.minimum, batch_min)
+        self.maximum = torch.maximum(self.maximum, batch_max)
         self.second_moment.addmm_(exact_input.T, exact_input)
-        self.minimum = torch.minimum(self.minimum, exact_input.amin(0))
-        self.maximum = torch.maximum(self.maximum, exact_input.amax(0))
         exact = exact_input @ self.weight_rows.T
         self.signal += exact.square().sum(0)
         for fmt in self.formats:
@@ -251,9 +254,7 @@ class _BlockMeasurement:
 
     def _pre_hook(self, name: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            x = first_input(args, kwargs)
-            check_finite(x, name)
-            self.captured.setdefault(name, []).append(x.detach())
+            self.captured.setdefault(name, []).append(first_input(args, kwargs).detach())
         return hook
 
     def _after_block(self, module: nn.Module, args: tuple, output: Any) -> None:

@@ -170,11 +170,13 @@ def test_memory_holds_one_block_of_statistics(monkeypatch):
     assert seen == [0] * 5
 
 
-def test_non_finite_activations_name_the_layer(minilm):
+@pytest.mark.parametrize("value, count", [(float("nan"), r"64 NaN and 0 Inf"),
+                                          (float("inf"), r"0 NaN and 64 Inf")])
+def test_non_finite_activations_name_the_layer(minilm, value, count):
     model = copy.deepcopy(minilm[0])
     with torch.no_grad():
-        model.encoder.layer[1].intermediate.dense.bias[5] = float("nan")
-    with pytest.raises(ValueError, match=r"encoder\.layer\.1\.output\.dense: .*NaN"):
+        model.encoder.layer[1].intermediate.dense.bias[5] = value  # one coordinate, 64 tokens
+    with pytest.raises(ValueError, match=r"encoder\.layer\.1\.output\.dense: .*" + count):
         measure_law(model, minilm_batches(minilm[1], 64), ["fp8_e4m3"], rows=2)
 
 

@@ -105,6 +105,38 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _law(args: argparse.Namespace) -> int:
+    """Measure the noise law per GEMM cell and write law.json, law.md, law.png, kappa.md."""
+    from kbbq_pl.law_report import run_law
+
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    try:
+        paths, summary = run_law(
+            args.model, args.data, args.out, formats=formats, tokens=args.tokens,
+            seq_len=args.seq_len, rows=args.rows, seed=args.seed, batch_size=args.batch_size,
+            block_size=args.block_size, targets=args.targets, ignore=args.ignore,
+            progress=not args.no_progress,
+        )
+    except (ValueError, FileNotFoundError, ImportError, OSError) as error:
+        print(f"kbbq-pl law: error: {error}", file=sys.stderr)
+        return 2
+    print(f"{'format':<12}{'records':>8}{'slope/dec':>10}{'intercept':>10}{'median r':>9}"
+          f"{'RMS r':>7}{'C_fmt':>7}")
+    for name, fit in summary["formats"].items():
+        def show(value, width):
+            return f"{value:{width}.2f}" if value is not None else f"{'n/a':>{width}}"
+        print(f"{name:<12}{fit['records']:8d}{show(fit['slope_per_decade'], 10)}"
+              f"{show(fit['intercept'], 10)}{show(fit['median_r'], 9)}{show(fit['rms_r'], 7)}"
+              f"{show(fit['predicted_c_fmt'], 7)}")
+    for spacing in summary["spacing"]:
+        median, predicted = spacing["median_db"], spacing["predicted_db"]
+        print(f"spacing {' - '.join(spacing['formats'])}: median "
+              f"{'n/a' if median is None else f'{median:.2f}'} dB, predicted "
+              f"{'n/a' if predicted is None else f'{predicted:.2f}'} dB")
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kbbq-pl", description="FP4 W4A4 quantization with KBBQ (see README.md)"
@@ -148,6 +180,29 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--allow-code-execution", action="store_true",
                           help="needed for mbpp: runs model-generated code, unsandboxed")
     evaluate.set_defaults(run=_eval)
+    law = sub.add_parser(
+        "law", help="measure the noise law per GEMM cell (kappa, SNR per format), write a report"
+    )
+    law.add_argument("--model", required=True, help="local model folder, or 'minilm'")
+    law.add_argument("--data", required=True,
+                     help="calibration text: a .txt/.jsonl file, hf:<dataset>, or 'random' "
+                          "(the paper's random-token corpus)")
+    law.add_argument("--formats", default="fp8_e4m3,nvfp4,mxfp4",
+                     help="comma-separated format names")
+    law.add_argument("--tokens", type=int, default=4096, help="calibration tokens in all")
+    law.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    law.add_argument("--batch-size", type=int, default=4,
+                     help="sequences per forward call (one activation scale per call)")
+    law.add_argument("--rows", type=int, default=8, help="sampled weight rows per cell")
+    law.add_argument("--block-size", type=int, default=16, help="block of the kappa_b* ceiling")
+    law.add_argument("--seed", type=int, default=0)
+    law.add_argument("--targets", nargs="+", action="extend", metavar="REGEX",
+                     help="linear layers to measure (default: all in the blocks)")
+    law.add_argument("--ignore", nargs="+", action="extend", metavar="REGEX",
+                     help="linear layers to skip (default: lm_head, embeddings, pooler)")
+    law.add_argument("--out", required=True, help="output folder")
+    law.add_argument("--no-progress", action="store_true", help="no progress bar")
+    law.set_defaults(run=_law)
     return parser
 
 

@@ -428,8 +428,6 @@ def run_law(
         raise ValueError(f"batch size must be at least 1, got {batch_size}")
     formats = [get_format(f).name for f in formats]
     loaded, tokenizer = load_model(model)
-    if tokenizer is not None and len(tokenizer) <= len(tokenizer.all_special_ids):
-        tokenizer = None  # a folder without tokenizer files can load as an empty tokenizer
     vocab = getattr(loaded.config, "vocab_size", None)
     ids = token_blocks(data, tokenizer, n_tokens=tokens, seq_len=seq_len, seed=seed,
                        vocab_size=vocab)

@@ -22,7 +22,6 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-import torch
 from torch import Tensor, nn
 
 try:
@@ -31,7 +30,7 @@ except ImportError:  # pragma: no cover - lightning is a dependency
     from pytorch_lightning import Callback, LightningModule, Trainer
 
 from kbbq_pl.export import install_empty_layers, layer_metadata
-from kbbq_pl.layers import QuantizedLinear, quantized_linears
+from kbbq_pl.layers import quantized_linears
 from kbbq_pl.modules import find_linears
 from kbbq_pl.quantize import QuantizationConfig, QuantizationReport, quantize_model
 from kbbq_pl.stats import StatisticsCollector, run_calibration

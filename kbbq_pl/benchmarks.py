@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import bz2
 import csv
-import hashlib
 import json
 import logging
 import math
@@ -60,6 +59,8 @@ import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from .fileio import atomic_write_text, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -149,31 +150,14 @@ def _clean(text: str) -> str:
     return re.sub(r"  +", " ", text.strip())
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _write_jsonl(docs: Iterable[Mapping[str, Any]], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=target.parent,
-                                         prefix=f".{target.name}.", delete=False)
-    try:
-        with handle:
-            for doc in docs:
-                handle.write(json.dumps(doc, ensure_ascii=False, sort_keys=True) + "\n")
-        os.replace(handle.name, target)
-    except BaseException:
-        Path(handle.name).unlink(missing_ok=True)
-        raise
+    lines = "".join(json.dumps(doc, ensure_ascii=False, sort_keys=True) + "\n" for doc in docs)
+    atomic_write_text(target, lines)
 
 
 def converted_jsonl(source: Path, reader: Any, cache_dir: Path, name: str) -> Path:
     """``source`` read by ``reader`` and cached as JSON lines, named by its content hash."""
-    target = cache_dir / f"{name}-{_sha256(source)[:16]}.jsonl"
+    target = cache_dir / f"{name}-{sha256_file(source)[:16]}.jsonl"
     if not target.is_file():
         _write_jsonl(reader(source), target)
     return target

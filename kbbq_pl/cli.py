@@ -69,9 +69,6 @@ def _limit(text: str) -> int | float:
 def _eval(args: argparse.Namespace) -> int:
     """Run the lm-eval benchmarks on a local causal LM and write the metrics as JSON."""
     import json
-    import os
-    import tempfile
-    from pathlib import Path
 
     from kbbq_pl.benchmarks import run_benchmarks
     from kbbq_pl.models import load_model
@@ -95,12 +92,9 @@ def _eval(args: argparse.Namespace) -> int:
             print(f"{task:<12}{entry['metric']:<28}{entry['score']:8.4f}{entry['n_docs']:7d}"
                   f"{entry['num_fewshot']:7d}")
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(results, handle, indent=2, default=str)
-        os.replace(tmp, out)
+        from kbbq_pl.fileio import atomic_write_text
+
+        out = atomic_write_text(args.out, json.dumps(results, indent=2, default=str) + "\n")
         print(f"wrote {out}")
     return 0
 

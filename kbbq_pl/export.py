@@ -20,11 +20,7 @@ that was saved.  A truncated or corrupted file gives an error naming it.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from .fileio import sha256_file, write_folder
 from .formats import Format, QuantizedTensor, get_format, quantize
 from .layers import QuantizedLinear, quantized_linears, swap_module
 
@@ -44,14 +41,6 @@ FORMAT_VERSION = 1
 
 class CheckpointError(ValueError):
     """A quantized checkpoint folder that cannot be read: missing, truncated or corrupted."""
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def layer_metadata(layer: QuantizedLinear) -> dict[str, Any]:
@@ -139,17 +128,6 @@ def _flat_tensors(model: nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
     return tensors, tied
 
 
-def _replace_dir(staging: Path, target: Path) -> None:
-    """Move the finished ``staging`` folder to ``target`` (replacing it) with renames only."""
-    backup = None
-    if target.exists():
-        backup = target.with_name(f".{target.name}.old-{os.getpid()}")
-        os.replace(target, backup)
-    os.replace(staging, target)
-    if backup is not None:
-        shutil.rmtree(backup, ignore_errors=True)
-
-
 def save_quantized(
     model: nn.Module,
     out_dir: str | Path,
@@ -168,22 +146,19 @@ def save_quantized(
     target = Path(out_dir).resolve()
     if source_dir is not None and Path(source_dir).resolve() == target:
         raise ValueError(f"refusing to write the quantized model over its source {target}")
-    if target.exists() and not overwrite:
-        raise FileExistsError(f"{target} exists; pass overwrite=True to replace it")
     layers = quantized_linears(model)
     if not layers:
         raise ValueError("the model has no quantized layers to save")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
+
+    def write(staging: Path) -> None:
         config = getattr(model, "config", None)
         if config is not None:
             config.save_pretrained(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         tensors, tied = _flat_tensors(model)
-        save_file(tensors, str(staging / WEIGHTS_NAME), metadata={"format": FORMAT_TAG})
         weights = staging / WEIGHTS_NAME
+        save_file(tensors, str(weights), metadata={"format": FORMAT_TAG})
         metadata = {
             "format": FORMAT_TAG,
             "version": FORMAT_VERSION,
@@ -192,18 +167,14 @@ def save_quantized(
             "recipe": recipe or {},
             "layers": {name: layer_metadata(layer) for name, layer in layers.items()},
             "tied": tied,
-            "files": {WEIGHTS_NAME: {"bytes": weights.stat().st_size, "sha256": _sha256(weights)}},
+            "files": {WEIGHTS_NAME: {"bytes": weights.stat().st_size,
+                                     "sha256": sha256_file(weights)}},
         }
         (staging / CONFIG_NAME).write_text(json.dumps(metadata, indent=2) + "\n")
         for file_name, text in (extra_files or {}).items():
             (staging / file_name).write_text(text)
-        for path in staging.iterdir():
-            with path.open("rb") as handle:
-                os.fsync(handle.fileno())
-        _replace_dir(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+
+    write_folder(target, write, overwrite=overwrite)
     return target
 
 
@@ -231,7 +202,7 @@ def read_metadata(folder: str | Path) -> dict[str, Any]:
         if size != expected["bytes"]:
             raise CheckpointError(f"{file} is truncated or padded: {size} bytes, expected "
                                   f"{expected['bytes']}")
-        if _sha256(file) != expected["sha256"]:
+        if sha256_file(file) != expected["sha256"]:
             raise CheckpointError(f"{file} is corrupted: its SHA-256 does not match "
                                   f"{CONFIG_NAME}")
     return metadata

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
-import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -23,12 +21,11 @@ from typing import Any
 import torch
 
 from . import law
+from .fileio import atomic_write, atomic_write_text
 from .formats import get_format
 from .law_cells import CellReport, LawMeasurement, measure_law
 
 SCHEMA = "kbbq-pl/law/1"
-_UMASK = os.umask(0)
-os.umask(_UMASK)
 
 DEFINITIONS = {
     "record": "one sampled row of the fused weight of one cell (rows per cell: --rows)",
@@ -163,24 +160,6 @@ def summarize(measurement: LawMeasurement) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- files
-
-
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Write ``path`` through a temporary file in the same folder, then ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(handle)
-    try:
-        write(Path(temporary))
-        os.chmod(temporary, 0o666 & ~_UMASK)  # mkstemp makes it private; use the usual mode
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
-def _write_text(path: Path, text: str) -> None:
-    _atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
 
 
 def _finite(value: Any) -> Any:
@@ -365,7 +344,7 @@ def law_figure(measurement: LawMeasurement, summary: dict[str, Any], path: Path)
         ax.text(i, value, f"{value:.2f}", ha="center", va="bottom", fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
-    _atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=110))
+    atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=110))
     plt.close(fig)
 
 
@@ -390,10 +369,10 @@ def write_report(measurement: LawMeasurement, out: str | Path,
         "records": record_dicts(measurement),
     }
     paths = {name: out / name for name in ("law.json", "law.md", "law.png", "kappa.md")}
-    _write_text(paths["law.json"],
+    atomic_write_text(paths["law.json"],
                 json.dumps(_finite(document), indent=1, allow_nan=False) + "\n")
-    _write_text(paths["law.md"], law_markdown(summary, config, len(measurement.records)))
-    _write_text(paths["kappa.md"], kappa_markdown(summary, config))
+    atomic_write_text(paths["law.md"], law_markdown(summary, config, len(measurement.records)))
+    atomic_write_text(paths["kappa.md"], kappa_markdown(summary, config))
     law_figure(measurement, summary, paths["law.png"])
     return paths
 

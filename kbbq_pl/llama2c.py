@@ -15,17 +15,16 @@ space prefix: llama2.c's sentencepiece-style encoder).  BOS is id 1, EOS id 2, U
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from .fileio import write_folder
 
 __all__ = [
     "Llama2cConfig",
@@ -324,27 +323,6 @@ def _portable_tokenizer_class(path: Path) -> None:
     path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _write_folder(out_dir: Path, write: Any, overwrite: bool) -> None:
-    """Run ``write(tmp)`` on a fresh folder next to ``out_dir``, then move it into place."""
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"{out_dir} exists; pass overwrite=True to replace it")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        write(staging)
-        os.chmod(staging, 0o755)
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
-            os.rename(out_dir, old / out_dir.name)
-            os.rename(staging, out_dir)
-            shutil.rmtree(old)
-        else:
-            os.rename(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
 def convert_llama2c(
     checkpoint_path: str | Path,
     tokenizer_path: str | Path,
@@ -375,5 +353,5 @@ def convert_llama2c(
         tokenizer.save_pretrained(folder)
         _portable_tokenizer_class(folder / "tokenizer_config.json")
 
-    _write_folder(out, write, overwrite)
+    write_folder(out, write, overwrite=overwrite)
     return out

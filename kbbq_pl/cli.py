@@ -40,20 +40,175 @@ def _formats_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert_llama2c(args: argparse.Namespace) -> int:
+    """Convert a llama2.c checkpoint and tokenizer into a HuggingFace Llama folder."""
+    from kbbq_pl.llama2c import convert_llama2c
+
+    out = convert_llama2c(args.checkpoint, args.tokenizer, args.out, overwrite=args.overwrite)
+    print(f"wrote {out}")
+    return 0
+
+
+def _parse_shots(text: str) -> dict[str, int]:
+    shots = {}
+    for item in filter(None, text.split(",")):
+        task, _, count = item.partition("=")
+        if not count.isdigit():
+            raise SystemExit(f"--num-fewshot: expected task=N, got {item!r}")
+        shots[task.strip()] = int(count)
+    return shots
+
+
+def _limit(text: str) -> int | float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"--limit must be > 0, got {text}")
+    return int(value) if value >= 1 else value
+
+
+def _eval(args: argparse.Namespace) -> int:
+    """Run the lm-eval benchmarks on a local causal LM and write the metrics as JSON."""
+    import json
+
+    from kbbq_pl.benchmarks import run_benchmarks
+    from kbbq_pl.models import load_model
+
+    model, tokenizer = load_model(args.model, causal=True)
+    if tokenizer is None:
+        raise SystemExit(f"{args.model}: no tokenizer in the model folder")
+    start = time.perf_counter()
+    results = run_benchmarks(
+        model, tokenizer, tasks=[t.strip() for t in args.tasks.split(",") if t.strip()],
+        limit=args.limit, data_dir=args.data_dir, num_fewshot=_parse_shots(args.num_fewshot),
+        batch_size=args.batch_size, cache_dir=args.cache_dir, max_gen_toks=args.max_gen_toks,
+        mmlu_subjects=args.mmlu_subjects.split(",") if args.mmlu_subjects else None,
+        allow_code_execution=args.allow_code_execution,
+    )
+    results["wall_time_s"] = time.perf_counter() - start
+    results["model"] = str(args.model)
+    print(f"{'task':<12}{'metric':<28}{'score':>8}{'docs':>7}{'shots':>7}")
+    for task, entry in results.items():
+        if isinstance(entry, dict) and "score" in entry:
+            print(f"{task:<12}{entry['metric']:<28}{entry['score']:8.4f}{entry['n_docs']:7d}"
+                  f"{entry['num_fewshot']:7d}")
+    if args.out:
+        from kbbq_pl.fileio import atomic_write_text
+
+        out = atomic_write_text(args.out, json.dumps(results, indent=2, default=str) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+def _law(args: argparse.Namespace) -> int:
+    """Measure the noise law per GEMM cell and write law.json, law.md, law.png, kappa.md."""
+    from kbbq_pl.law_report import run_law
+
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    try:
+        paths, summary = run_law(
+            args.model, args.data, args.out, formats=formats, tokens=args.tokens,
+            seq_len=args.seq_len, rows=args.rows, seed=args.seed, batch_size=args.batch_size,
+            block_size=args.block_size, targets=args.targets, ignore=args.ignore,
+            progress=not args.no_progress,
+        )
+    except (ValueError, FileNotFoundError, ImportError, OSError) as error:
+        print(f"kbbq-pl law: error: {error}", file=sys.stderr)
+        return 2
+    print(f"{'format':<12}{'records':>8}{'slope/dec':>10}{'intercept':>10}{'median r':>9}"
+          f"{'RMS r':>7}{'C_fmt':>7}")
+    for name, fit in summary["formats"].items():
+        def show(value, width):
+            return f"{value:{width}.2f}" if value is not None else f"{'n/a':>{width}}"
+        print(f"{name:<12}{fit['records']:8d}{show(fit['slope_per_decade'], 10)}"
+              f"{show(fit['intercept'], 10)}{show(fit['median_r'], 9)}{show(fit['rms_r'], 7)}"
+              f"{show(fit['predicted_c_fmt'], 7)}")
+    for spacing in summary["spacing"]:
+        median, predicted = spacing["median_db"], spacing["predicted_db"]
+        print(f"spacing {' - '.join(spacing['formats'])}: median "
+              f"{'n/a' if median is None else f'{median:.2f}'} dB, predicted "
+              f"{'n/a' if predicted is None else f'{predicted:.2f}'} dB")
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kbbq-pl", description="FP4 W4A4 quantization with KBBQ (see README.md)"
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("quantize", help="quantize a model with a recipe (see: kbbq-pl quantize -h)")
+    sub.add_parser("sweep", help="run a recipe over lambdas and baselines, one table "
+                                 "(see: kbbq-pl sweep -h)")
     formats = sub.add_parser("formats", help="round test tensors onto every format, print a table")
     formats.add_argument("--size", type=int, default=1024)
     formats.add_argument("--seed", type=int, default=0)
     formats.add_argument("--formats", default="", help="comma-separated names (default: a set)")
     formats.set_defaults(run=_formats_demo)
+
+    convert = sub.add_parser(
+        "convert-llama2c", help="convert a llama2.c v0 checkpoint + tokenizer.bin to a HF folder"
+    )
+    convert.add_argument("--checkpoint", required=True, help="llama2.c v0 model .bin")
+    convert.add_argument("--tokenizer", required=True, help="llama2.c tokenizer .bin")
+    convert.add_argument("--out", required=True, help="output folder (must not exist)")
+    convert.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    convert.set_defaults(run=_convert_llama2c)
+
+    evaluate = sub.add_parser(
+        "eval", help="MMLU, GSM8K, HellaSwag, WinoGrande, MBPP via lm-eval, offline"
+    )
+    evaluate.add_argument("--model", required=True, help="local HF causal-LM folder")
+    evaluate.add_argument("--tasks", default="mmlu,gsm8k,hellaswag,winogrande",
+                          help="comma-separated, from mmlu,gsm8k,hellaswag,winogrande,mbpp")
+    evaluate.add_argument("--limit", type=_limit, default=None,
+                          help="documents per task (MMLU: per subject); <1: a fraction")
+    evaluate.add_argument("--data-dir", default="../shared/data",
+                          help="folder with mmlu/ gsm8k/ hellaswag/ winogrande/ mbpp/")
+    evaluate.add_argument("--out", default=None, help="write the results here as JSON")
+    evaluate.add_argument("--num-fewshot", default="", help="overrides, e.g. mmlu=0,gsm8k=4")
+    evaluate.add_argument("--batch-size", type=int, default=8)
+    evaluate.add_argument("--max-gen-toks", type=int, default=256)
+    evaluate.add_argument("--mmlu-subjects", default="", help="comma-separated (default: all)")
+    evaluate.add_argument("--cache-dir", default=None, help="converted data (default: "
+                          "$KBBQ_PL_CACHE/eval_data or ~/.cache/kbbq_pl/eval_data)")
+    evaluate.add_argument("--allow-code-execution", action="store_true",
+                          help="needed for mbpp: runs model-generated code, unsandboxed")
+    evaluate.set_defaults(run=_eval)
+    law = sub.add_parser(
+        "law", help="measure the noise law per GEMM cell (kappa, SNR per format), write a report"
+    )
+    law.add_argument("--model", required=True, help="local model folder, or 'minilm'")
+    law.add_argument("--data", required=True,
+                     help="calibration text: a .txt/.jsonl file, hf:<dataset>, or 'random' "
+                          "(the paper's random-token corpus)")
+    law.add_argument("--formats", default="fp8_e4m3,nvfp4,mxfp4",
+                     help="comma-separated format names")
+    law.add_argument("--tokens", type=int, default=4096, help="calibration tokens in all")
+    law.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    law.add_argument("--batch-size", type=int, default=4,
+                     help="sequences per forward call (one activation scale per call)")
+    law.add_argument("--rows", type=int, default=8, help="sampled weight rows per cell")
+    law.add_argument("--block-size", type=int, default=16, help="block of the kappa_b* ceiling")
+    law.add_argument("--seed", type=int, default=0)
+    law.add_argument("--targets", nargs="+", action="extend", metavar="REGEX",
+                     help="linear layers to measure (default: all in the blocks)")
+    law.add_argument("--ignore", nargs="+", action="extend", metavar="REGEX",
+                     help="linear layers to skip (default: lm_head, embeddings, pooler)")
+    law.add_argument("--out", required=True, help="output folder")
+    law.add_argument("--no-progress", action="store_true", help="no progress bar")
+    law.set_defaults(run=_law)
     return parser
 
 
+RECIPE_COMMANDS = ("quantize", "sweep")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in RECIPE_COMMANDS:  # recipe commands parse with jsonargparse
+        from .quantize_cli import main as recipe_main
+
+        return recipe_main(argv)
     args = build_parser().parse_args(argv)
     return args.run(args)
 

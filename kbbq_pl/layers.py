@@ -103,6 +103,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("act_global_scale", act_global_scale)
         self.observing = False
         self.register_buffer("observed_amax", None, persistent=False)
+        self._dense: Tensor | None = None  # the dequantized weight, kept for emulation
 
     # ------------------------------------------------------------------ construction
 
@@ -160,10 +161,27 @@ class QuantizedLinear(nn.Module):
         return fake_quantize(h, self.fmt, global_scale=static, name=name)
 
     def dequantized_weight(self, dtype: torch.dtype) -> Tensor:
-        """``Q(W T^-1)`` as a dense ``[out, padded_in]`` tensor."""
-        if isinstance(self.weight, QuantizedTensor):
-            return self.weight.dequantize(dtype)
-        return ste_fake_quantize(self.weight, self.fmt, name=f"{self.name}.weight").to(dtype)
+        """``Q(W T^-1)`` as a dense ``[out, padded_in]`` tensor.
+
+        Stored codes are decoded once and the dense copy is kept (exact emulation trades that
+        memory for not decoding in every forward); a trainable master weight is rounded anew
+        in every call, with a straight-through gradient.
+        """
+        if not isinstance(self.weight, QuantizedTensor):
+            return ste_fake_quantize(self.weight, self.fmt, name=f"{self.name}.weight").to(dtype)
+        dense = self._dense
+        if dense is None or dense.dtype != dtype or dense.device != self.weight.device:
+            dense = self._dense = self.weight.dequantize(dtype)
+        return dense
+
+    def _apply(self, fn, recurse: bool = True):
+        self._dense = None  # .to() / .cuda() / .half(): decode again where the codes go
+        return super()._apply(fn, recurse)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "weight":
+            self.__dict__["_dense"] = None
+        super().__setattr__(name, value)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.act_scale == "static" and self.act_global_scale is None and not self.observing:

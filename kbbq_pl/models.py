@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 MINILM = "minilm"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt",
+                   "vocab.json", "spiece.model")
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -70,10 +72,13 @@ def load_model(
     loader = AutoModelForCausalLM if causal else AutoModel
     model = loader.from_pretrained(folder, dtype=dtype)
     model.eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError, TypeError):
-        tokenizer = None
+    tokenizer = None
+    # transformers 5 builds an empty tokenizer for a folder without one: look first
+    if any((folder / name).is_file() for name in TOKENIZER_FILES):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError, TypeError):
+            tokenizer = None
     return model, tokenizer
 
 

@@ -360,6 +360,7 @@ def quantize_model(
     reduce_max: ReduceFn = _identity,
     weight_quantizer: WeightQuantizer | None = None,
     expected_tokens: int | None = None,
+    trainable: bool = False,
     progress: bool = True,
     broadcast: BroadcastFn | None = None,
     rank: int = 0,
@@ -369,7 +370,8 @@ def quantize_model(
 
     ``batches`` is re-iterated when a second pass is needed (static activation scales), so pass
     a list or a DataLoader, not a generator.  ``reduce_sum`` / ``reduce_max`` all-reduce a tensor
-    across data-parallel ranks (identity on one process).
+    across data-parallel ranks (identity on one process).  ``trainable`` keeps high-precision
+    master weights ``W T^-1`` for fine-tuning (see :class:`~kbbq_pl.layers.QuantizedLinear`).
 
     ``config.weight_quantizer == "gptq"`` runs the block-sequential GPTQ loop instead
     (:func:`kbbq_pl.sequential_gptq.quantize_model_sequential`), which also takes
@@ -379,6 +381,9 @@ def quantize_model(
         if weight_quantizer is not None:
             raise ValueError("a weight_quantizer callable replaces RTN; it cannot be combined "
                              "with config.weight_quantizer='gptq'")
+        if trainable:
+            raise ValueError("GPTQ stores rounded codes, not master weights: fine-tune from "
+                             "weight_quantizer='rtn' (trainable=True), or run GPTQ after")
         from .sequential_gptq import quantize_model_sequential
 
         return quantize_model_sequential(
@@ -434,7 +439,7 @@ def quantize_model(
             quantized = weight_quantizer(name, module, padded, transform, stats)
         layer = QuantizedLinear.from_linear(
             module, config.fmt, transform, act_scale="static" if static else "dynamic",
-            name=name, quantized_weight=quantized)
+            trainable=trainable and quantized is None, name=name, quantized_weight=quantized)
         if static:
             layer.act_global_scale = scales[name].to(weight.device)
         layer.to(weight.device)

@@ -34,7 +34,7 @@ def measure_sigma2(
     within-band positions (Eq. sigmafmt: 7.04e-4 for E4M3 on log-uniform data).
     ``weighting="energy"`` is ``sum delta^2 / sum a^2``, the level at which the noise of a dot
     product accumulates (Eq. fplaw); it weights large mantissas more, so on log-uniform data it
-    reads ``4^-p / 12 / E[m^2]`` (``E[m^2] = 3 / (2 ln 2)``), 0.67 dB lower.
+    reads ``4^-p / 12 / E[m^2]`` (``E[m^2] = 3 / (2 ln 2)``), 0.685 dB lower.
     Works for any format, integer ones too.
     """
     fmt = get_format(fmt)

@@ -84,6 +84,10 @@ class QuantizedTensor(TorchAOBaseTensor):
         )
 
 
+# checkpoints holding QuantizedTensor weights load with torch.load(weights_only=True)
+torch.serialization.add_safe_globals([QuantizedTensor, Format])
+
+
 def _check_policy(nonfinite: str) -> None:
     if nonfinite not in _POLICIES:
         raise ValueError(f"nonfinite must be one of {_POLICIES}, got {nonfinite!r}")

@@ -1,0 +1,251 @@
+"""Lightning callbacks: calibration statistics, and KBBQ W4A4 quantization before training.
+
+``KBBQ`` quantizes the model before the strategy configures optimizers and wraps it (the
+model is unwrapped, with no optimizer yet), so that ``Trainer.fit`` trains (fine-tunes through FP4, straight-through) the quantized
+model, and ``Trainer.validate`` / ``test`` / ``predict`` see it too::
+
+    trainer = Trainer(callbacks=[KBBQ(format="nvfp4", transform="kbbq", lam=0.75)])
+    trainer.fit(module, datamodule=dm)        # calibrate, fit transforms, swap, then train
+
+Calibration runs the callback's own no-grad loop over a calibration dataloader (as Lightning's
+``BatchSizeFinder`` runs its own loop; a nested ``trainer.validate`` inside ``fit`` would fail),
+each rank over its share of the batches, with the statistics summed through
+``trainer.strategy``.  The quantization config is saved in every Lightning checkpoint, and
+resuming (``trainer.fit(..., ckpt_path=...)``) rebuilds the quantized layers before the
+weights load, with no new calibration.  For ``LightningModule.load_from_checkpoint``, call
+:func:`restore_quantized` from the module's ``on_load_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from torch import Tensor, nn
+
+try:
+    from lightning.pytorch import Callback, LightningModule, Trainer
+except ImportError:  # pragma: no cover - lightning is a dependency
+    from pytorch_lightning import Callback, LightningModule, Trainer
+
+from kbbq_pl.export import install_empty_layers, layer_metadata
+from kbbq_pl.layers import quantized_linears
+from kbbq_pl.modules import find_linears
+from kbbq_pl.quantize import QuantizationConfig, QuantizationReport, quantize_model
+from kbbq_pl.stats import StatisticsCollector, run_calibration
+
+log = logging.getLogger(__name__)
+CHECKPOINT_KEY = "kbbq"
+
+
+def hf_model(pl_module: nn.Module, attr: str | None = "model") -> nn.Module:
+    """The module calibration batches are fed to: ``pl_module.<attr>`` when it exists (the
+    usual place of a wrapped HuggingFace model), else ``pl_module`` itself."""
+    if attr and isinstance(getattr(pl_module, attr, None), nn.Module):
+        return getattr(pl_module, attr)
+    return pl_module
+
+
+def calibration_batches(trainer: Trainer, source: Any) -> list[Mapping[str, Tensor]]:
+    """This rank's share of the calibration batches.
+
+    ``source``: a dataloader or sequence of batches; else the trainer's datamodule's
+    ``calibration_dataloader()`` (a :class:`~kbbq_pl.data.CalibrationDataModule`) or its
+    ``train_dataloader()``.  Batches are dealt round-robin to the ranks.
+    """
+    if source is None:
+        datamodule = getattr(trainer, "datamodule", None)
+        if datamodule is None:
+            raise ValueError("KBBQ needs calibration data: pass calibration= (a dataloader or a "
+                             "CalibrationDataModule) or fit with a datamodule")
+        loader = getattr(datamodule, "calibration_dataloader", None) or datamodule.train_dataloader
+        source = loader()
+    elif hasattr(source, "calibration_dataloader"):
+        source = source.calibration_dataloader()
+    batches = list(source)
+    if not batches:
+        raise ValueError("the calibration set is empty: no batches")
+    rank, world = trainer.global_rank, trainer.world_size
+    if world > 1 and len(batches) < world:
+        raise ValueError(f"{len(batches)} calibration batches for {world} ranks")
+    return batches[rank::world]
+
+
+def _reduce_sum(trainer: Trainer):
+    if trainer.world_size == 1:
+        return lambda t: t
+    return lambda t: trainer.strategy.reduce(t, reduce_op="sum")
+
+
+def _reduce_max(trainer: Trainer):
+    if trainer.world_size == 1:
+        return lambda t: t
+    return lambda t: trainer.strategy.all_gather(t).max()
+
+
+class CalibrationStatistics(Callback):
+    """Collect per-layer input statistics (:mod:`kbbq_pl.stats`) in ``setup``.
+
+    After ``setup`` the statistics are in ``self.collector.stats`` (layer name -> sums),
+    identical on every rank.
+    """
+
+    def __init__(
+        self,
+        block: int = 16,
+        targets: Sequence[str] | None = None,
+        ignore: Sequence[str] | None = None,
+        calibration: Any = None,
+        model_attr: str | None = "model",
+        keep_samples: int = 0,
+        full: bool = False,
+    ) -> None:
+        self.block = block
+        self.targets = targets
+        self.ignore = ignore
+        self.calibration = calibration
+        self.model_attr = model_attr
+        self.keep_samples = keep_samples
+        self.full = full
+        self.collector: StatisticsCollector | None = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.collector is not None:
+            return
+        model = hf_model(pl_module, self.model_attr)
+        model.to(trainer.strategy.root_device)
+        modules = find_linears(model, self.targets, self.ignore)
+        collector = StatisticsCollector(modules, self.block, self.keep_samples, full=self.full)
+        with collector.hooks():
+            run_calibration(model, calibration_batches(trainer, self.calibration))
+        collector.reduce(_reduce_sum(trainer))
+        collector.check_nonempty()
+        self.collector = collector
+
+
+class KBBQ(Callback):
+    """Quantize the model to W4A4 with a KBBQ-family recipe before training sees it.
+
+    Args:
+        format, transform, lam, targets, ignore, act_scale, damping, seed, unaligned,
+        keep_samples: the :class:`~kbbq_pl.quantize.QuantizationConfig` fields.
+        calibration: calibration batches (a dataloader, a ``CalibrationDataModule`` or a list of
+            dicts); default: the trainer's datamodule.
+        model_attr: attribute of the LightningModule holding the HuggingFace model.
+        calibrate_only: quantize, then end ``fit`` before the first step (post-training
+            quantization through ``Trainer.fit``; ``Trainer.validate`` quantizes too).
+        trainable: keep high-precision master weights that fine-tuning updates through
+            straight-through rounding (default: during ``fit`` unless ``calibrate_only``);
+            they are rounded into stored codes at the end of ``fit``.
+    """
+
+    def __init__(
+        self,
+        format: str = "nvfp4",
+        transform: str = "kbbq",
+        lam: float = 0.75,
+        targets: list[str] | None = None,
+        ignore: list[str] | None = None,
+        act_scale: Literal["static", "dynamic"] = "static",
+        damping: float = 0.01,
+        seed: int = 0,
+        unaligned: Literal["pad", "skip"] = "pad",
+        keep_samples: int = 512,
+        calibration: Any = None,
+        model_attr: str | None = "model",
+        calibrate_only: bool = False,
+        trainable: bool | None = None,
+    ) -> None:
+        self.config = QuantizationConfig(
+            format=format, transform=transform, lam=lam, targets=targets, ignore=ignore,
+            act_scale=act_scale, damping=damping, seed=seed, unaligned=unaligned,
+            keep_samples=keep_samples)
+        self.calibration = calibration
+        self.model_attr = model_attr
+        self.calibrate_only = calibrate_only
+        self.trainable = trainable
+        self.report: QuantizationReport | None = None
+
+    # ------------------------------------------------------------------ the work
+
+    def quantize(self, model: nn.Module, batches: Sequence[Mapping[str, Tensor]], *,
+                 reduce_sum=lambda t: t, reduce_max=lambda t: t, trainable: bool = False,
+                 progress: bool = True) -> QuantizationReport:
+        """Quantize ``model`` in place, outside any Trainer (what ``kbbq-pl quantize`` runs)."""
+        tokens = sum(int(b["input_ids"].numel()) for b in batches if "input_ids" in b)
+        self.report = quantize_model(model, batches, self.config, reduce_sum=reduce_sum,
+                                     reduce_max=reduce_max, expected_tokens=tokens,
+                                     trainable=trainable, progress=progress)
+        return self.report
+
+    # ------------------------------------------------------------------ Lightning hooks
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Lightning restores a checkpoint (fit/validate(ckpt_path=...)) after every setup hook
+        # and before strategy.setup configures optimizers and wraps the model, and it tells
+        # callbacks nothing in between.  So the model is quantized at the start of
+        # strategy.setup, unless the restore (which goes through load_model_state_dict) has
+        # already rebuilt the quantized layers from the checkpoint: no calibration is repeated.
+        if quantized_linears(pl_module):
+            return
+        strategy = trainer.strategy
+        load_state, setup_strategy = strategy.load_model_state_dict, strategy.setup
+
+        def load_model_state_dict(checkpoint, *args, **kwargs):
+            state = checkpoint.get(CHECKPOINT_KEY)
+            if state is not None and not quantized_linears(pl_module):
+                install_empty_layers(pl_module, state["layers"], trainable=state["trainable"])
+                log.info("KBBQ: rebuilt %d quantized layers from the checkpoint",
+                         len(state["layers"]))
+            return load_state(checkpoint, *args, **kwargs)
+
+        def setup_then_restore_methods(trainer_: Trainer) -> None:
+            del strategy.load_model_state_dict, strategy.setup
+            if not quantized_linears(pl_module):
+                self._quantize_in_trainer(trainer, pl_module, stage)
+            setup_strategy(trainer_)
+
+        strategy.load_model_state_dict = load_model_state_dict
+        strategy.setup = setup_then_restore_methods
+
+    def _quantize_in_trainer(self, trainer: Trainer, pl_module: LightningModule,
+                             stage: str) -> None:
+        model = hf_model(pl_module, self.model_attr)
+        model.to(trainer.strategy.root_device)
+        batches = calibration_batches(trainer, self.calibration)
+        trainable = self.trainable if self.trainable is not None else (
+            stage == "fit" and not self.calibrate_only)
+        self.quantize(model, batches, reduce_sum=_reduce_sum(trainer),
+                      reduce_max=_reduce_max(trainer), trainable=trainable,
+                      progress=trainer.is_global_zero)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.calibrate_only:
+            trainer.should_stop = True
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for layer in quantized_linears(pl_module).values():
+            layer.freeze()
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        layers = quantized_linears(pl_module)
+        checkpoint[CHECKPOINT_KEY] = {
+            "config": self.config.to_dict(),
+            "layers": {name: layer_metadata(layer) for name, layer in layers.items()},
+            "trainable": any(layer.trainable for layer in layers.values()),
+        }
+
+
+def restore_quantized(pl_module: nn.Module, checkpoint: Mapping[str, Any]) -> None:
+    """Rebuild the quantized layers a checkpoint holds, so its weights load into them; call it
+    from ``LightningModule.on_load_checkpoint`` to use ``load_from_checkpoint``."""
+    state = checkpoint.get(CHECKPOINT_KEY)
+    if state is None or quantized_linears(pl_module):
+        return
+    install_empty_layers(pl_module, state["layers"], trainable=state["trainable"])
+
+
+__all__ = ["CalibrationStatistics", "KBBQ", "calibration_batches",
+           "restore_quantized"]

@@ -1,0 +1,69 @@
+"""Auto-brake: the held-out split, realized-error scoring and the choice of lambda."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kbbq_pl import law
+from kbbq_pl.autobrake import (
+    DEFAULT_GRID,
+    choice_histogram,
+    realized_output_error,
+    select_lambda,
+    split_sequences,
+)
+from kbbq_pl.formats import fake_quantize
+from kbbq_pl.transforms import kbbq_basis, transform_inputs, transform_weight
+
+
+def test_split_is_deterministic_disjoint_and_complete():
+    ids = torch.arange(40).reshape(10, 4)
+    batches = [{"input_ids": ids[i:i + 3]} for i in range(0, 10, 3)]
+    fit, held = split_sequences(batches, 0.5, seed=1)
+    again = split_sequences(batches, 0.5, seed=1)
+    assert [b["input_ids"].tolist() for b in fit] == [b["input_ids"].tolist() for b in again[0]]
+    fit_rows = torch.cat([b["input_ids"] for b in fit])
+    held_rows = torch.cat([b["input_ids"] for b in held])
+    assert len(fit_rows) == 5 and len(held_rows) == 5
+    assert sorted(torch.cat([fit_rows, held_rows])[:, 0].tolist()) == list(range(0, 40, 4))
+    assert max(len(b["input_ids"]) for b in fit + held) == 3
+    other = split_sequences(batches, 0.5, seed=2)[1]
+    assert torch.cat([b["input_ids"] for b in other]).tolist() != held_rows.tolist()
+    with pytest.raises(ValueError, match="holdout_fraction"):
+        split_sequences(batches, 1.0)
+    with pytest.raises(ValueError, match="at least 2"):
+        split_sequences([{"input_ids": ids[:1]}], 0.5)
+
+
+def test_realized_error_matches_a_direct_computation():
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(24, 32, generator=g)
+    x = torch.randn(64, 32, generator=g)
+    basis = kbbq_basis(weight, law.diagonal_blocks(law.second_moment(x), 16))
+    t = basis.transform(0.5)
+    h = transform_inputs(x, t)
+    scale = h.abs().max() / 2688
+    y_hat = fake_quantize(h, "nvfp4", global_scale=scale).double() @ fake_quantize(
+        transform_weight(weight, t), "nvfp4").double().T
+    y = x.double() @ weight.double().T
+    expected = float((y_hat - y).square().mean() / y.square().mean())
+    assert realized_output_error(weight, x, t, "nvfp4") == pytest.approx(expected, rel=1e-9)
+
+
+def test_select_lambda_takes_the_smallest_held_out_error():
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(48, 64, generator=g)
+    weight[:, 3] *= 10
+    scales = torch.exp(torch.randn(64, generator=g))
+    x = torch.randn(512, 64, generator=g) * scales
+    fit, held = x[:256], x[256:]
+    basis = kbbq_basis(weight, law.diagonal_blocks(law.second_moment(fit), 16))
+    choice = select_lambda(weight, basis, held, "mxfp4")
+    assert set(choice.errors) == set(DEFAULT_GRID)
+    assert choice.errors[choice.lam] == min(choice.errors.values())
+    assert all(v < 0 for v in choice.errors_db.values())
+    text = choice_histogram({"a": choice, "b": choice}, DEFAULT_GRID)
+    assert f"lambda {choice.lam:<6g}" in text and text.count("\n") == len(DEFAULT_GRID) - 1
+    with pytest.raises(ValueError, match="no held-out tokens"):
+        select_lambda(weight, basis, held[:0], "mxfp4")

@@ -1,0 +1,119 @@
+"""The recipe commands: kbbq-pl quantize / sweep, checkpoints on disk, bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kbbq_pl.cli import main
+from kbbq_pl.data import token_blocks
+from kbbq_pl.export import CheckpointError, from_pretrained
+from kbbq_pl.models import load_model, tiny_model
+from kbbq_pl.quantize import QuantizationConfig, quantize_model
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+def folder_digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
+
+
+@pytest.fixture
+def tiny_llama_dir(tmp_path):
+    folder = tmp_path / "tiny-llama"
+    tiny_model("llama").save_pretrained(folder)
+    return folder
+
+
+def test_quantize_recipe_on_a_local_model_reloads_bit_exactly(tiny_llama_dir, tmp_path, capsys):
+    before = folder_digest(tiny_llama_dir)
+    out = tmp_path / "out"
+    code = main(["quantize", "--config", str(RECIPES / "rtn_kbbq_mxfp4_lam0.5.yaml"),
+                 "--model", str(tiny_llama_dir), "--data.init_args.n_tokens", "256",
+                 "--data.init_args.seq_len", "32", "--output_dir", str(out)])
+    assert code == 0
+    assert folder_digest(tiny_llama_dir) == before, "the source model folder was modified"
+    files = {p.name for p in out.iterdir()}
+    assert {"model.safetensors", "quantization_config.json", "report.json", "report.md",
+            "recipe.yaml", "config.json"} <= files
+    report = json.loads((out / "report.json").read_text())
+    assert report["config"]["lam"] == 0.5 and report["config"]["format"] == "mxfp4"
+    assert len(report["layers"]) == 14 and report["model"]["fidelity_mean_cosine"] > 0.5
+    assert "RTN-KBBQ" in capsys.readouterr().out
+
+    # the same recipe in process gives the model that was saved, bit for bit
+    model = tiny_model("llama")
+    batches = [{"input_ids": b, "attention_mask": torch.ones_like(b)}
+               for b in token_blocks("random", None, n_tokens=256, seq_len=32,
+                                     vocab_size=256).split(8)]
+    quantize_model(model, batches, QuantizationConfig(format="mxfp4", transform="kbbq", lam=0.5),
+                   progress=False)
+    reloaded = from_pretrained(out)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_default_main_job_on_minilm(tmp_path, capsys):
+    out = tmp_path / "minilm"
+    assert main(["quantize", "--data.init_args.n_tokens", "512", "--output_dir", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["config"]["format"] == "nvfp4" and report["config"]["transform"] == "kbbq"
+    assert report["model"]["fidelity_data"] == "embedded sentences"
+    assert 0.9 < report["model"]["fidelity_mean_cosine"] <= 1.0
+    assert len(report["layers"]) == 36
+    model, tokenizer = load_model("minilm")
+    reloaded = from_pretrained(out)
+    batch = tokenizer(["a short sentence to embed"], return_tensors="pt")
+    with torch.no_grad():
+        assert torch.isfinite(reloaded(**batch).last_hidden_state).all()
+
+
+def test_packaged_recipe_names_and_sweep(tiny_llama_dir, tmp_path):
+    out = tmp_path / "sweep"
+    code = main(["sweep", "--config", "rtn_kbbq_nvfp4_lam0.75", "--model", str(tiny_llama_dir),
+                 "--data.init_args.n_tokens", "128", "--data.init_args.seq_len", "32",
+                 "--lams", "0,1", "--methods", "I", "--formats", "nvfp4,mxfp4",
+                 "--output_dir", str(out)])
+    assert code == 0
+    rows = json.loads((out / "sweep.json").read_text())
+    assert [(r["method"], r["format"], r["lam"]) for r in rows] == [
+        ("I", "nvfp4", None), ("RTN-KBBQ", "nvfp4", 0.0), ("RTN-KBBQ", "nvfp4", 1.0),
+        ("I", "mxfp4", None), ("RTN-KBBQ", "mxfp4", 0.0), ("RTN-KBBQ", "mxfp4", 1.0)]
+    assert all(0 < r["fidelity_mean_cosine"] <= 1 for r in rows)
+    assert "| RTN-KBBQ | mxfp4 | 1.0000 |" in (out / "sweep.md").read_text()
+
+
+def test_bad_input_is_a_clear_error(tmp_path, capsys, tiny_llama_dir):
+    assert main(["quantize", "--model", str(tmp_path / "missing"),
+                 "--output_dir", str(tmp_path / "o")]) == 2
+    assert "not a local model folder" in capsys.readouterr().err
+    assert main(["quantize", "--model", str(tiny_llama_dir), "--output_dir",
+                 str(tiny_llama_dir), "--data.init_args.n_tokens", "64",
+                 "--data.init_args.seq_len", "32"]) == 2
+    assert "refusing to write the quantized model over its source" in capsys.readouterr().err
+
+
+def test_truncated_or_corrupted_checkpoint(tiny_llama_dir, tmp_path):
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", str(tiny_llama_dir), "--output_dir", str(out),
+                 "--data.init_args.n_tokens", "64", "--data.init_args.seq_len", "32"]) == 0
+    weights = out / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated"):
+        from_pretrained(out)
+    corrupted = bytearray(data)
+    corrupted[-100] ^= 0xFF
+    weights.write_bytes(bytes(corrupted))
+    with pytest.raises(CheckpointError, match="corrupted"):
+        from_pretrained(out)
+    (out / "quantization_config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        from_pretrained(out)
+    with pytest.raises(CheckpointError, match="not a kbbq-pl checkpoint"):
+        from_pretrained(tiny_llama_dir)

@@ -1,0 +1,191 @@
+"""Sentence selection, embedding fidelity and perplexity (kbbq_pl.evaluation)."""
+
+from __future__ import annotations
+
+import copy
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from kbbq_pl.evaluation import (
+    cosine_summary,
+    cosine_to_reference,
+    detokenize_wikitext,
+    embedding_fidelity,
+    mean_pooled_embeddings,
+    perplexity,
+    rolling_windows,
+    split_wikitext_sentences,
+    wikitext_sentences,
+)
+from kbbq_pl.models import load_model, tiny_model
+
+SAMPLE = """ 
+ = Some Title = 
+ 
+ The cat sat on the mat . It was a 3 @.@ 5 @-@ metre mat , said the <unk> . Short one .
+ 
+ = = Section = = 
+ He wrote " Hello there " in 1999 ( not 2000 ) and it 's fine ! Is this the last one of them ?
+ A paragraph fragment that never ends
+"""
+
+
+def test_split_and_detokenize():
+    sentences = split_wikitext_sentences("A b c . D e ? F g")
+    assert sentences == [["A", "b", "c", "."], ["D", "e", "?"], ["F", "g"]]
+    assert detokenize_wikitext("It was a 3 @.@ 5 @-@ metre mat , he said .".split()) == \
+        "It was a 3.5-metre mat, he said."
+    assert detokenize_wikitext('He wrote " Hello there " ( not 2000 ) and it \'s fine !'
+                               .split()) == 'He wrote "Hello there" (not 2000) and it\'s fine!'
+
+
+def test_wikitext_sentences_rules(tmp_path):
+    path = tmp_path / "wiki.txt"
+    path.write_text(SAMPLE, encoding="utf-8")
+    everything = wikitext_sentences(path, None, min_words=1, drop_unk=False, detokenize=False)
+    # headings, blank lines and the unfinished fragment gone; 3 + 2 sentences
+    assert everything == [
+        "The cat sat on the mat .",
+        "It was a 3 @.@ 5 @-@ metre mat , said the <unk> .",
+        "Short one .",
+        'He wrote " Hello there " in 1999 ( not 2000 ) and it \'s fine !',
+        "Is this the last one of them ?",
+    ]
+    # "Short one ." has 2 words, the second sentence an <unk>
+    kept = wikitext_sentences(path, None, min_words=5)
+    assert kept == ["The cat sat on the mat.",
+                    'He wrote "Hello there" in 1999 (not 2000) and it\'s fine!',
+                    "Is this the last one of them?"]
+    assert wikitext_sentences(path, 2, min_words=5, seed=None) == kept[:2]
+    picked = wikitext_sentences(path, 2, min_words=5, seed=3)
+    assert len(picked) == 2 and all(s in kept for s in picked)
+    assert picked == sorted(picked, key=kept.index)  # file order
+    with pytest.raises(ValueError, match="only 3 sentences"):
+        wikitext_sentences(path, 4, min_words=5)
+    with pytest.raises(FileNotFoundError, match="missing.txt"):
+        wikitext_sentences(tmp_path / "missing.txt", 2)
+
+
+def test_wikitext_sentences_real_file(shared_data):
+    path = shared_data / "wikitext2" / "test.txt"
+    first = wikitext_sentences(path, 64, seed=0)
+    assert first == wikitext_sentences(path, 64, seed=0)
+    assert len(first) == 64 and len(set(first)) == 64
+    assert first != wikitext_sentences(path, 64, seed=1)
+    for sentence in first:
+        assert "<unk>" not in sentence and "@-@" not in sentence
+        assert not sentence.startswith("=")
+        assert len(sentence.split()) >= 5
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return load_model("minilm")
+
+
+@pytest.fixture(scope="module")
+def sentences():
+    return ["The cat sat on the mat.", "Quantization rounds every weight onto a small grid.",
+            "A much longer sentence that needs padding when it is batched with short ones, "
+            "because it has many more tokens than the others.", "Hello."]
+
+
+def test_mean_pooling_ignores_padding(minilm, sentences):
+    model, tokenizer = minilm
+    batched = mean_pooled_embeddings(model, tokenizer, sentences, batch_size=4)
+    alone = torch.cat([mean_pooled_embeddings(model, tokenizer, [s]) for s in sentences])
+    assert batched.shape == (4, model.config.hidden_size)
+    assert batched.dtype == torch.float32
+    torch.testing.assert_close(batched, alone, atol=1e-5, rtol=1e-5)
+    # a sentence's embedding is not the pooled padding of another
+    assert cosine_summary(batched[:1], batched[2:3])["mean_cosine"] < 0.9
+
+
+def test_embedding_fidelity(minilm, sentences):
+    model, tokenizer = minilm
+    same = embedding_fidelity(model, model, tokenizer, sentences)
+    assert same["n_sentences"] == 4
+    assert same["mean_cosine"] == pytest.approx(1.0, abs=1e-6)
+    assert same["min_cosine"] == pytest.approx(1.0, abs=1e-6)
+
+    noisy = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in noisy.encoder.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator)
+                           * 0.2 * parameter.std())
+    reference = mean_pooled_embeddings(model, tokenizer, sentences)
+    result = cosine_to_reference(noisy, tokenizer, sentences, reference)
+    assert result == embedding_fidelity(model, noisy, tokenizer, sentences)
+    assert 0.0 < result["min_cosine"] <= result["mean_cosine"] < 0.999
+    with pytest.raises(ValueError, match="3 sentences but 4"):
+        cosine_to_reference(noisy, tokenizer, sentences[:3], reference)
+
+
+@pytest.mark.parametrize("n_tokens,seq_len,stride", [
+    (2, 2, 1), (10, 4, 1), (10, 4, 3), (100, 16, 8), (17, 32, 16), (33, 8, 7),
+])
+def test_rolling_windows_score_every_position_once(n_tokens, seq_len, stride):
+    windows = rolling_windows(n_tokens, seq_len, stride)
+    scored = [t for _, first, end in windows for t in range(first, end)]
+    assert scored == list(range(1, n_tokens))
+    for begin, first, end in windows:
+        assert 0 <= begin < first <= end and end - begin <= seq_len
+        assert begin == 0 or first - begin >= seq_len - stride
+
+
+def test_rolling_windows_errors():
+    with pytest.raises(ValueError, match="stride"):
+        rolling_windows(10, 4, 4)
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        rolling_windows(1, 4, 2)
+
+
+class Bigram(nn.Module):
+    """A causal LM whose next-token distribution depends on the current token only."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(vocab, vocab, generator=torch.Generator()
+                                              .manual_seed(1)))
+        self.config = SimpleNamespace(bos_token_id=0, max_position_embeddings=8)
+
+    def forward(self, input_ids):
+        return SimpleNamespace(logits=self.table[input_ids])
+
+
+def test_perplexity_exact_accounting_with_windows():
+    model = Bigram(11)
+    ids = torch.randint(1, 11, (50,), generator=torch.Generator().manual_seed(2))
+    stream = torch.cat([torch.tensor([0]), ids])
+    logp = torch.log_softmax(model.table.detach().double(), dim=-1)
+    by_hand = -logp[stream[:-1], stream[1:]].mean().item()
+    for seq_len, stride in [(8, 4), (8, 7), (3, 1), (64, 32)]:
+        result = perplexity(model, None, ids, seq_len=seq_len, stride=stride, batch_size=3)
+        assert result["n_tokens"] == 50
+        assert result["nll"] == pytest.approx(by_hand, rel=1e-6)
+        assert result["perplexity"] == pytest.approx(math.exp(by_hand), rel=1e-6)
+    no_bos = perplexity(model, None, ids, seq_len=8, stride=4, add_bos=False, max_tokens=20)
+    assert no_bos["n_tokens"] == 19
+    assert no_bos["nll"] == pytest.approx(-logp[ids[:19], ids[1:20]].mean().item(), rel=1e-6)
+
+
+def test_perplexity_of_a_tiny_llama_by_hand():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(3))
+    result = perplexity(model, None, ids, seq_len=64, stride=32)
+    assert result["n_windows"] == 1 and result["n_tokens"] == 40
+    stream = torch.cat([torch.tensor([model.config.bos_token_id]), ids])
+    with torch.no_grad():
+        logits = model(input_ids=stream[None]).logits[0, :-1].double()
+    by_hand = -torch.log_softmax(logits, -1).gather(1, stream[1:, None]).mean().item()
+    assert result["perplexity"] == pytest.approx(math.exp(by_hand), rel=1e-5)
+    # windows change the context, so the value moves a little, and the count does not
+    windowed = perplexity(model, None, ids, seq_len=16, stride=8)
+    assert windowed["n_tokens"] == 40 and windowed["n_windows"] > 1
+    # a random-initialized model is close to uniform over its 256 tokens
+    assert 128 < result["perplexity"] < 512 and 128 < windowed["perplexity"] < 512

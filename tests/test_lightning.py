@@ -1,0 +1,136 @@
+"""Lightning integration: KBBQ with Trainer.fit, checkpoints, other callbacks, DDP statistics."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
+
+from kbbq_pl.callbacks import KBBQ, CalibrationStatistics
+from kbbq_pl.data import CalibrationDataModule
+from kbbq_pl.formats import QuantizedTensor
+from kbbq_pl.layers import QuantizedLinear, quantized_linears
+from lightning_helpers import SaveStatistics, TinyLM
+
+
+def datamodule(n_tokens: int = 512, seed: int = 0) -> CalibrationDataModule:
+    return CalibrationDataModule("random", None, n_tokens=n_tokens, seq_len=32, batch_size=4,
+                                 seed=seed, vocab_size=256)
+
+
+def trainer(tmp_path, callbacks, **kwargs) -> Trainer:
+    defaults = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, default_root_dir=tmp_path)
+    return Trainer(callbacks=callbacks, **{**defaults, **kwargs})
+
+
+def test_fit_quantizes_before_training_and_fine_tunes_through_fp4(tmp_path):
+    module = TinyLM()
+    dm = datamodule()
+    kbbq = KBBQ(format="nvfp4", transform="kbbq", lam=0.75)
+    seen = {}
+
+    class Probe(Callback):
+        def on_train_start(self, trainer, pl_module):
+            layers = quantized_linears(pl_module)
+            seen["layers"] = len(layers)
+            seen["master"] = {n: l.weight.detach().clone() for n, l in layers.items()}
+            seen["optimized"] = {id(p) for g in trainer.optimizers[0].param_groups
+                                 for p in g["params"]}
+            seen["trainable"] = all(id(l.weight) in seen["optimized"] for l in layers.values())
+
+    trainer(tmp_path, [kbbq, Probe()], max_steps=4, enable_checkpointing=False).fit(
+        module, datamodule=dm)
+    assert seen["layers"] == 14 and seen["trainable"]
+    layers = quantized_linears(module)
+    assert all(isinstance(layer.weight, QuantizedTensor) for layer in layers.values())
+    moved = [not torch.equal(seen["master"][n], layers[n].weight.dequantize(torch.float32))
+             for n in layers]
+    assert any(moved), "fine-tuning did not change any quantized weight"
+    assert kbbq.report is not None and len(kbbq.report.layers) == 14
+
+
+def test_calibrate_only_fit_runs_no_step_and_validate_quantizes(tmp_path):
+    module = TinyLM()
+    fit = trainer(tmp_path, [KBBQ(format="mxfp4", calibrate_only=True)], max_steps=5,
+                  enable_checkpointing=False)
+    fit.fit(module, datamodule=datamodule())
+    assert fit.global_step == 0
+    assert all(isinstance(layer.weight, QuantizedTensor)
+               for layer in quantized_linears(module).values())
+    other = TinyLM()
+    dm = datamodule()
+    trainer(tmp_path, [KBBQ(format="mxfp4", calibration=dm)]).validate(
+        other, dataloaders=dm.calibration_dataloader())
+    assert len(quantized_linears(other)) == 14
+
+
+def test_checkpoint_reload_after_convert(tmp_path):
+    module = TinyLM()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    accumulate = GradientAccumulationScheduler(scheduling={0: 2})
+    fit = trainer(tmp_path, [KBBQ(format="nvfp4"), checkpoint, accumulate],
+                  max_steps=3, enable_checkpointing=True)
+    fit.fit(module, datamodule=datamodule())
+    path = checkpoint.last_model_path
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))
+    module.eval()
+    with torch.no_grad():
+        expected = module(input_ids=ids).logits
+
+    # 1. load_from_checkpoint (the module's on_load_checkpoint calls restore_quantized)
+    restored = TinyLM.load_from_checkpoint(path)
+    restored.eval()
+    with torch.no_grad():
+        assert torch.equal(restored(input_ids=ids).logits, expected)
+
+    # 2. a new trainer resuming from the checkpoint rebuilds the layers without calibrating
+    fresh = TinyLM(seed=1)
+    resumed = KBBQ(format="nvfp4", calibration=[])  # would fail if it tried to calibrate
+    trainer(tmp_path, [resumed]).validate(fresh, dataloaders=datamodule().calibration_dataloader(),
+                                          ckpt_path=path)
+    fresh.eval()
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids=ids).logits, expected)
+
+    # 3. resuming training continues from the quantized state
+    again = TinyLM(seed=2)
+    trainer(tmp_path, [KBBQ(format="nvfp4", calibration=[])], max_steps=5,
+            enable_checkpointing=False).fit(again, datamodule=datamodule(), ckpt_path=path)
+    assert len(quantized_linears(again)) == 14
+
+
+def test_kbbq_errors_without_calibration_data(tmp_path):
+    with pytest.raises(ValueError, match="needs calibration data"):
+        trainer(tmp_path, [KBBQ()]).validate(TinyLM(), dataloaders=datamodule().calibration_dataloader())
+
+
+@pytest.mark.parametrize("arch", ["gpt2"])
+def test_forward_kwargs_and_conv1d_under_fit(tmp_path, arch):
+    module = TinyLM(arch=arch)
+    trainer(tmp_path, [KBBQ(format="mxfp4", transform="wush")], max_steps=2,
+            enable_checkpointing=False).fit(module, datamodule=datamodule())
+    layers = quantized_linears(module)
+    assert len(layers) == 8 and all(isinstance(l, QuantizedLinear) for l in layers.values())
+
+
+def test_ddp_statistics_equal_single_process(tmp_path):
+    dm = datamodule(n_tokens=1024)
+    loader = dm.calibration_dataloader()
+    single_path, ddp_path = tmp_path / "single.pt", tmp_path / "ddp.pt"
+    for devices, strategy, path in ((1, "auto", single_path), (2, "ddp_spawn", ddp_path)):
+        stats = CalibrationStatistics(block=16, calibration=loader)
+        trainer(tmp_path, [stats, SaveStatistics(stats, path)], devices=devices,
+                strategy=strategy).validate(TinyLM(), dataloaders=loader)
+    single, ddp = torch.load(single_path), torch.load(ddp_path)
+    assert single.keys() == ddp.keys() and len(single) == 14
+    for name in single:
+        sigma_1, tokens_1, energy_1 = single[name]
+        sigma_2, tokens_2, energy_2 = ddp[name]
+        assert tokens_1 == tokens_2 == 1024
+        # the same sums added in another order: equal up to float64 round-off of the largest term
+        torch.testing.assert_close(sigma_2, sigma_1, rtol=0, atol=1e-13 * sigma_1.abs().max())
+        torch.testing.assert_close(energy_2, energy_1, rtol=1e-13, atol=0)
+        assert not torch.equal(sigma_1, torch.zeros_like(sigma_1))

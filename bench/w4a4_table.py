@@ -3,26 +3,26 @@
     python bench/w4a4_table.py [--formats nvfp4,mxfp4] [--methods I,HAAR,...] [--extra]
 
 Calibration: WikiText-2 ``valid.txt`` (``--calib-tokens`` tokens in blocks of ``--seq-len``);
-evaluation: ``--sentences`` sentences of WikiText-2 ``test.txt``; metric: the mean cosine
-similarity of mean-pooled sentence embeddings to the full-precision model's (1.0 = identical),
+evaluation: ``--sentences`` sentences of WikiText-2 ``test.txt``
+(:func:`kbbq_pl.evaluation.wikitext_sentences`); metric: the mean cosine similarity of
+mean-pooled sentence embeddings to the full-precision model's (1.0 = identical),
 with the median per-layer output SNR (each layer in isolation, W4A4, on the inputs it saw
-during calibration) beside it.  ``--extra`` adds the GPTQ-WUSH / GPTQ-KBBQ transform variant
-that is not the default (fixed fit vs in-loop refit) and GPTQ without act-order.
+during calibration) beside it.  ``--extra`` adds GPTQ-WUSH / GPTQ-KBBQ with the transform
+fitted once (``transform_refit="fixed"``; the default refits it in the loop), GPTQ without
+act-order and with dynamic block scales.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
-import random
-import re
 import time
 from pathlib import Path
 
 import torch
 
 from kbbq_pl.data import token_blocks
+from kbbq_pl.evaluation import cosine_to_reference, mean_pooled_embeddings, wikitext_sentences
 from kbbq_pl.models import load_model
 from kbbq_pl.quantize import QuantizationConfig, quantize_model
 
@@ -40,52 +40,17 @@ METHODS: dict[str, dict] = {
 }
 
 
-def extra_methods(default_refit: str) -> dict[str, dict]:
-    other = "in_loop" if default_refit == "fixed" else "fixed"
+def extra_methods() -> dict[str, dict]:
+    """Variants beside the default configurations of the table's methods."""
     extra = {}
     for kind in ("wush", "kbbq"):
-        options = dict(transform=kind, weight_quantizer="gptq", transform_refit=other)
-        if other == "in_loop":
-            options["act_order"] = False
-        extra[f"GPTQ-{kind.upper()} ({other})"] = options
+        extra[f"GPTQ-{kind.upper()} (fixed T)"] = dict(transform=kind, weight_quantizer="gptq",
+                                                       transform_refit="fixed")
     extra["GPTQ (no act-order)"] = dict(transform="identity", weight_quantizer="gptq",
                                         act_order=False)
+    extra["GPTQ (dynamic scales)"] = dict(transform="identity", weight_quantizer="gptq",
+                                          group_scales="dynamic")
     return extra
-
-
-def sentences(path: Path, n: int, seed: int = 0) -> list[str]:
-    """``n`` sentences of a WikiText-2 file (kbbq_pl.evaluation's when it is there)."""
-    try:
-        from kbbq_pl.evaluation import wikitext_sentences
-    except ImportError:
-        pass
-    else:
-        return wikitext_sentences(path, n=n, seed=seed)
-    eligible = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if not line or line.startswith("="):
-            continue
-        for part in re.split(r"(?<= [.!?]) ", line):
-            words = part.split()
-            if 5 <= len(words) <= 64 and "<unk>" not in words and part.endswith((".", "!", "?")):
-                eligible.append(part.replace(" @-@ ", "-").replace(" @,@ ", ",")
-                                .replace(" @.@ ", "."))
-    picks = sorted(random.Random(seed).sample(range(len(eligible)), n))
-    return [eligible[i] for i in picks]
-
-
-@torch.no_grad()
-def embeddings(model, tokenizer, texts: list[str], batch_size: int = 64) -> torch.Tensor:
-    """Mean-pooled last hidden states (sentence-transformers pooling of all-MiniLM-L6-v2)."""
-    out = []
-    for start in range(0, len(texts), batch_size):
-        batch = tokenizer(texts[start:start + batch_size], padding=True, truncation=True,
-                          max_length=256, return_tensors="pt")
-        hidden = model(**batch).last_hidden_state
-        mask = batch["attention_mask"].unsqueeze(-1).float()
-        out.append((hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9))
-    return torch.cat(out)
 
 
 def main() -> None:
@@ -109,11 +74,11 @@ def main() -> None:
     batches = [{"input_ids": calib[i:i + args.batch_size],
                 "attention_mask": torch.ones_like(calib[i:i + args.batch_size])}
                for i in range(0, len(calib), args.batch_size)]
-    texts = sentences(args.data / "test.txt", args.sentences, args.seed)
-    reference = embeddings(model, tokenizer, texts)
+    texts = wikitext_sentences(args.data / "test.txt", n=args.sentences, seed=args.seed)
+    reference = mean_pooled_embeddings(model, tokenizer, texts)
     methods = {name: METHODS[name] for name in args.methods.split(",")}
     if args.extra:
-        methods.update(extra_methods(QuantizationConfig.transform_refit))
+        methods.update(extra_methods())
     formats = args.formats.split(",")
     print(f"all-MiniLM-L6-v2 W4A4: calibration {len(calib)} x {args.seq_len} tokens of "
           f"WikiText-2 valid; {len(texts)} WikiText-2 test sentences; lambda {args.lam}; "
@@ -127,8 +92,7 @@ def main() -> None:
             start = time.perf_counter()
             report = quantize_model(quantized, batches, config, progress=False)
             seconds = time.perf_counter() - start
-            cosine = torch.nn.functional.cosine_similarity(
-                embeddings(quantized, tokenizer, texts).double(), reference.double()).mean()
+            cosine = cosine_to_reference(quantized, tokenizer, texts, reference)["mean_cosine"]
             results[(fmt, name)] = (float(cosine), report.summary()["median_output_snr_db"],
                                     seconds)
             print(f"  {fmt:6s} {name:28s} cosine {float(cosine):.5f}  "

@@ -11,8 +11,9 @@ Hessian of the layer-wise loss ``||W x - Q x||^2`` over calibration inputs ``x``
   times) and finally the layer is rounded to nearest (RTN) with a warning naming it;
 * the upper Cholesky factor ``U`` of ``H^-1`` drives the recursion: for column ``j`` the error
   ``e_j = (w_j - q_j) / U_jj`` updates the later columns by ``-e_j U_j,>j``; columns are
-  processed in lazy blocks of ``block_size`` (128): inside a block column by column, the rest of
-  the matrix once per block with one matrix product;
+  processed in lazy blocks of ``block_size`` (128): rank-1 updates inside a scale group, one
+  matrix product for the rest of the block after each group and one for the rest of the matrix
+  after each block (the column recursion is the only Python loop);
 * act-order processes columns by decreasing ``diag(H)`` (stable sort), and the scale groups
   stay the format's contiguous blocks of the original column order;
 * the scale group is the format's block along the input dimension (16 for NVFP4, 32 for MXFP4).
@@ -28,6 +29,9 @@ Hessian of the layer-wise loss ``||W x - Q x||^2`` over calibration inputs ``x``
 Rounding uses the format kernels' arithmetic (:mod:`kbbq_pl.formats.kernels`) with the scales
 held fixed, so the returned :class:`~kbbq_pl.formats.QuantizedTensor` dequantizes bit for bit
 to the weight GPTQ compensated against (``GPTQResult.values``).
+
+Layers reading the same inputs (q/k/v) share ``H``; :func:`gptq_layers` runs them as one GPTQ
+on their stacked rows (rows are independent given ``H``), each keeping its own NVFP4 scale.
 
 Transforms (paper Sec. 4): GPTQ on ``W T^-1`` with the Hessian of the transformed inputs
 ``T H T^T`` (:func:`transform_hessian`) is exact for any invertible ``T`` (``x_hat = T x``).
@@ -48,10 +52,10 @@ from torch import Tensor
 
 from .formats import Format, QuantizedTensor, get_format
 from .formats.kernels import (
-    NVFP4_MIN_GLOBAL_SCALE,
-    E2M1Scales,
     E2M1_MAX,
     E4M3_MAX,
+    NVFP4_MIN_GLOBAL_SCALE,
+    E2M1Scales,
     e2m1_scaled,
     e2m1_scales,
     encode_e2m1,
@@ -72,6 +76,8 @@ MSE_GRID = 100
 MSE_SHRINK = 0.8
 MSE_NORM = 2.4
 """Exponent of the scale-search error ``sum |w - q|^p`` (FP-Quant's ``mse`` observer)."""
+_MSE_CHUNK = 1 << 22
+"""Candidate scales evaluated at once by the MSE search (bounds its memory)."""
 DAMPING_RETRIES = 4
 """Relative dampings tried before the RTN fallback: ``damping * 10^k``, ``k < DAMPING_RETRIES``."""
 
@@ -104,7 +110,7 @@ class GPTQResult:
 # ---------------------------------------------------------------------------------- Hessians
 
 
-def hessian(sum_xxt: Tensor, tokens: int | float | Tensor) -> Tensor:
+def hessian(sum_xxt: Tensor, tokens: float | Tensor) -> Tensor:
     """``H = (2 / n) sum x x^T`` in float32 from the float64 sum of outer products."""
     n = float(tokens)
     if n <= 0:
@@ -227,6 +233,17 @@ def group_scales(
         return best
     if search != "mse":
         raise ValueError(f"scale_search must be 'minmax' or 'mse', got {search!r}")
+    groups_per_row = max(1, amax.numel() // max(1, amax.shape[0])) if amax.dim() > 1 else 1
+    rows = max(1, _MSE_CHUNK // (groups_per_row * MSE_GRID))
+    if amax.dim() > 1 and amax.shape[0] > rows:  # bound the [..., 100] candidate tensors
+        parts = []
+        for start in range(0, amax.shape[0], rows):
+            gs = global_scale
+            if gs is not None and gs.dim() and gs.shape[0] == amax.shape[0]:
+                gs = gs[start:start + rows]
+            parts.append(group_scales(x[start:start + rows], fmt, gs, search, norm))
+        return E2M1Scales(*(torch.cat([getattr(p, f) for p in parts]) for f in
+                            ("code", "reciprocal", "dequant")), best.gain, best.pts)
     best_error = group_error(x, round_to_scales(x, best, fmt), norm)
     for candidate in _distinct_candidates(amax, fmt, global_scale):
         error = group_error(x, round_to_scales(x, candidate, fmt), norm)
@@ -382,6 +399,16 @@ class _ColumnRounder:
         return torch.take(self.grid, torch.bucketize(magnitude, self.bounds))
 
 
+def _round_column(column: Tensor, scales: E2M1Scales, rounder: _ColumnRounder, divide: bool,
+                  out: Tensor) -> None:
+    """One column rounded with its fixed scales into ``out`` (:func:`round_to_scales`'s
+    arithmetic, bit for bit)."""
+    y = column / scales.dequant if divide else column * scales.reciprocal
+    torch.mul(torch.copysign(rounder(y.abs()), y), scales.dequant, out=out)
+    if scales.gain is not None:
+        out.div_(scales.gain)
+
+
 def gptq_layers(
     weights: Sequence[Tensor],
     h: Tensor,
@@ -510,11 +537,8 @@ def _gptq_columns(w: Tensor, upper: Tensor, perm: Tensor | None, fmt: Format,
                                                          row_scale, scale_search))
                     parts[g] = scales
                 column = wt[j]
-                y = column / scales.dequant if divide else column * scales.reciprocal
                 q = values_t[j]
-                torch.mul(torch.copysign(rounder(y.abs()), y), scales.dequant, out=q)
-                if scales.gain is not None:
-                    q.div_(scales.gain)
+                _round_column(column, scales, rounder, divide, q)
                 err = errors[j - i1]
                 torch.sub(column, q, out=err)
                 err.div_(diag[j])
@@ -558,9 +582,13 @@ def gptq_refit(
 ) -> GPTQResult:
     """The WUSH paper's GPTQ: per scale group ``b`` in order, refit ``T_b`` (KBBQ(lam), WUSH at
     ``lam = 1``) from the error-updated weight block ``W_b`` and the calibration block
-    ``Sigma_b = (H / 2)_bb``; round ``W_b T_b^-1`` with one scale per row computed from the whole
-    transformed block; propagate the block's error ``E_b = W_b - Q_b T_b`` to the later columns
-    by ``-E_b U_bb^-1 U_b,>b`` (the joint, block form of the column recursion).
+    ``Sigma_b = (H / 2)_bb``, fix the group's scales from the whole ``W_b T_b^-1``, then round
+    its columns one at a time with GPTQ's updates, in the coordinates ``x_hat_b = T_b x_b``.
+
+    Exact bookkeeping: in those coordinates the rows of the inverse-Hessian factor that belong
+    to the group are ``[U_bb T_b^-1 | U_b,>b]``; with ``U_bb T_b^-1 = Q R`` (QR, ``R`` upper)
+    they are ``Q [R | Q^T U_b,>b]``, so the group's recursion runs on ``R`` and its scaled
+    errors ``E`` reach the later columns as ``E Q^T`` through the original ``U``.
 
     ``weight`` and ``h`` are in the original coordinates (``D`` a multiple of the block).
     Returns the quantized ``W T^-1`` and the fitted ``transform`` blocks.  NVFP4's per-tensor
@@ -569,6 +597,7 @@ def gptq_refit(
     fmt = check_fp4_format(fmt, name)
     _check_inputs(weight, h, fmt, name)
     d = fmt.block_size
+    assert d is not None
     if block_size < d or block_size % d:
         raise ValueError(f"{name}: block_size {block_size} must be a positive multiple of the "
                          f"{fmt.name} group {d}")
@@ -587,9 +616,11 @@ def gptq_refit(
         return GPTQResult(tensor, values, None, float("nan"), True, initial)
     upper, used = factor
 
-    wt = w.T.contiguous()
-    rounded_from = torch.empty_like(w)
-    values = torch.empty_like(w)
+    rounder = _ColumnRounder(w.device)
+    divide = fmt.scale_kind == "fp32"
+    wt = w.T.contiguous()                                           # [D, out]
+    rounded_t = torch.empty_like(wt)
+    values_t = torch.empty_like(wt)
     fitted = torch.empty(groups, d, d, dtype=_F64, device=w.device)
     parts: list[E2M1Scales] = []
     for i1 in range(0, size, block_size):
@@ -598,22 +629,31 @@ def gptq_refit(
         for c0 in range(i1, i2, d):
             c1 = c0 + d
             g = c0 // d
-            block_w = wt[c0:c1].T                                   # [out, d], current
-            t = kbbq_basis(block_w, sigma[g:g + 1], transform_damping).transform(lam)
+            t = kbbq_basis(wt[c0:c1].T, sigma[g:g + 1], transform_damping).transform(lam)
             fitted[g] = t[0]
-            hat = transform_weight(block_w, t)                      # W_b T_b^-1
-            scales = group_scales(hat, fmt, global_scale, scale_search)    # [out, 1]
-            q = round_to_scales(hat, scales, fmt)
-            rounded_from[:, c0:c1] = hat
-            values[:, c0:c1] = q
-            parts.append(_column_scales(scales))
-            error = (block_w.to(_F64) - q.to(_F64) @ t[0]).to(_F32)      # W_b - Q_b T_b
-            scaled = torch.linalg.solve_triangular(upper[c0:c1, c0:c1], error, upper=True,
-                                                   left=False)          # E_b U_bb^-1
-            errors[c0 - i1:c1 - i1] = scaled.T
+            hat_t = rounded_t[c0:c1]
+            hat_t.copy_(transform_weight(wt[c0:c1].T, t).T)          # (W_b T_b^-1)^T
+            scales = _column_scales(group_scales(hat_t.T, fmt, global_scale, scale_search))
+            parts.append(scales)
+            mixed = torch.linalg.solve(t[0].T, upper[c0:c1, c0:c1].to(_F64).T).T  # U_bb T^-1
+            rotation, r = torch.linalg.qr(mixed)
+            signs = torch.where(torch.diagonal(r) < 0, -1.0, 1.0).to(_F64)
+            r, rotation = (signs[:, None] * r).to(_F32), (rotation * signs).to(_F32)
+            scaled = torch.empty(d, out_features, dtype=_F32, device=w.device)
+            work = hat_t.clone()
+            diag = torch.diagonal(r).tolist()
+            for j in range(d):
+                hat_t[j] = work[j]                                  # what is rounded
+                _round_column(work[j], scales, rounder, divide, values_t[c0 + j])
+                torch.sub(work[j], values_t[c0 + j], out=scaled[j])
+                scaled[j].div_(diag[j])
+                if j + 1 < d:
+                    work[j + 1:].addr_(r[j, j + 1:], scaled[j], alpha=-1.0)
+            rotated = rotation @ scaled                             # (E Q^T)^T
+            errors[c0 - i1:c1 - i1] = rotated
             if c1 < i2:
-                wt[c1:i2].addmm_(upper[c0:c1, c1:i2].T, scaled.T, alpha=-1.0)
+                wt[c1:i2].addmm_(upper[c0:c1, c1:i2].T, rotated, alpha=-1.0)
         if i2 < size:
             wt[i2:].addmm_(upper[i1:i2, i2:].T, errors, alpha=-1.0)
-    tensor = assemble(rounded_from, _stack_scales(parts), fmt, weight.dtype, global_scale)
-    return GPTQResult(tensor, values, None, used, False, fitted)
+    tensor = assemble(rounded_t.T, _stack_scales(parts), fmt, weight.dtype, global_scale)
+    return GPTQResult(tensor, values_t.T.contiguous(), None, used, False, fitted)

@@ -73,16 +73,18 @@ class QuantizationConfig:
         weight_quantizer: ``rtn`` (round to nearest after one calibration pass) or ``gptq``
             (the block-sequential GPTQ loop of :mod:`kbbq_pl.sequential_gptq`).
         gptq_damping: GPTQ's relative Hessian damping (``H + gptq_damping * mean(diag H) I``).
-        act_order: GPTQ rounds columns by decreasing ``diag(H)``.
+        act_order: GPTQ rounds columns by decreasing ``diag(H)``; None (default): yes, except
+            for the in-loop refit, which rounds whole blocks in their order.
         gptq_block_size: GPTQ's lazy-batch width (a multiple of the format's block).
         scale_search: ``minmax`` block scales from each group's amax, or ``mse`` (the best of
             100 shrunk amaxes by ``sum |e|^2.4``, FP-Quant's observer); RTN and GPTQ.
         group_scales: GPTQ block scales computed once from the (transformed) weight before the
             loop (``static``) or from the error-updated group when GPTQ reaches it (``dynamic``).
-        transform_refit: for ``wush`` / ``kbbq`` with GPTQ: ``fixed`` fits ``T`` once from the
-            calibration statistics and runs GPTQ on ``W T^-1`` with the Hessian ``T H T^T``;
-            ``in_loop`` refits every block ``T_b`` on the error-updated weight inside the loop
-            (the WUSH paper's variant; no act-order).
+        transform_refit: for ``wush`` / ``kbbq`` with GPTQ (ignored otherwise): ``in_loop``
+            (default) refits every block ``T_b`` on the error-updated weight inside the loop
+            (the WUSH paper's variant); ``fixed`` fits ``T`` once from the calibration
+            statistics and runs GPTQ on ``W T^-1`` with the Hessian ``T H T^T``.  Why
+            ``in_loop`` is the default: :mod:`kbbq_pl.sequential_gptq`.
     """
 
     format: str = "nvfp4"
@@ -97,11 +99,11 @@ class QuantizationConfig:
     keep_samples: int = 512
     weight_quantizer: Literal["rtn", "gptq"] = "rtn"
     gptq_damping: float = 0.01
-    act_order: bool = True
+    act_order: bool | None = None
     gptq_block_size: int = 128
     scale_search: Literal["minmax", "mse"] = "minmax"
     group_scales: Literal["static", "dynamic"] = "static"
-    transform_refit: Literal["fixed", "in_loop"] = "fixed"
+    transform_refit: Literal["fixed", "in_loop"] = "in_loop"
 
     def __post_init__(self) -> None:
         fmt = get_format(self.format)
@@ -130,14 +132,22 @@ class QuantizationConfig:
         if self.gptq_block_size < block or self.gptq_block_size % block:
             raise ValueError(f"gptq_block_size must be a positive multiple of the {fmt.name} "
                              f"block {block}, got {self.gptq_block_size}")
-        if self.transform_refit == "in_loop":
-            if self.weight_quantizer != "gptq" or self.transform not in ("wush", "kbbq"):
-                raise ValueError("transform_refit='in_loop' refits WUSH / KBBQ blocks inside GPTQ: "
-                                 "it needs weight_quantizer='gptq' and transform 'wush' or 'kbbq', "
-                                 f"got {self.weight_quantizer!r} and {self.transform!r}")
-            if self.act_order:
-                raise ValueError("transform_refit='in_loop' rounds whole blocks in their order: "
-                                 "set act_order=False")
+        if self.act_order not in (None, True, False):
+            raise ValueError(f"act_order must be True, False or None (auto), got {self.act_order!r}")
+        if self.refits_in_loop and self.act_order:
+            raise ValueError("transform_refit='in_loop' refits and rounds the blocks in their order: "
+                             "act-order needs transform_refit='fixed' (or act_order=None)")
+
+    @property
+    def refits_in_loop(self) -> bool:
+        """Whether GPTQ refits the WUSH / KBBQ blocks inside its loop."""
+        return (self.weight_quantizer == "gptq" and self.transform in ("wush", "kbbq")
+                and self.transform_refit == "in_loop")
+
+    @property
+    def gptq_act_order(self) -> bool:
+        """The act-order GPTQ runs with (``act_order``, or its automatic choice)."""
+        return (not self.refits_in_loop) if self.act_order is None else self.act_order
 
     @property
     def fmt(self) -> Format:

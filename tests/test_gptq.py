@@ -67,7 +67,7 @@ def test_identity_hessian_is_rtn_bit_for_bit(fmt, mode):
     (False, "static", "minmax"), (True, "static", "mse"), (False, "dynamic", "mse"),
     (True, "dynamic", "minmax")])
 def test_codes_and_scales_dequantize_to_the_compensated_weight(fmt, act_order, mode, search):
-    weight, x, h = correlated_layer(size=96 if fmt == "nvfp4" else 128)
+    weight, _, h = correlated_layer(size=96 if fmt == "nvfp4" else 128)
     result = G.gptq(weight, h, fmt, act_order=act_order, group_scales_mode=mode,
                     scale_search=search, block_size=64 if fmt == "mxfp4" else 32)
     assert not result.fallback and result.damping == 0.01
@@ -230,7 +230,7 @@ def test_inverse_hessian_factor_is_the_upper_cholesky_factor_of_the_inverse():
 def test_lazy_batches_match_the_plain_column_recursion():
     """Act-order with dynamic scales: the scales of a group are computed from its columns as
     they are when its first column is reached, pending lazy updates included."""
-    weight, x, h = correlated_layer(out=16, size=64)
+    weight, _, h = correlated_layer(out=16, size=64)
     fmt = F.get_format("nvfp4")
     result = G.gptq(weight, h, fmt, act_order=True, group_scales_mode="dynamic", block_size=32)
     perm = result.perm
@@ -275,3 +275,38 @@ def test_mse_search_over_distinct_scales_equals_the_full_grid(fmt):
     raw = (lambda t: t.view(torch.uint8)) if fmt.scale_kind == "e4m3" else (lambda t: t)
     assert torch.equal(raw(fast.code), raw(best.code))
     assert torch.equal(fast.dequant, best.dequant)
+
+
+def test_refit_bookkeeping_equals_gptq_on_the_transformed_layer(monkeypatch):
+    """With every block refit to the same T (here a Hadamard), the in-loop variant is GPTQ on
+    W T^-1 with T H T^T (no act-order, scales from each whole group): the QR rotation carries
+    the transformed group's errors exactly."""
+    weight, _, h = correlated_layer(out=24, size=64)
+    blocks = T.hadamard(16).expand(4, 16, 16).clone()
+
+    class Basis:
+        def __init__(self, weight, sigma, damping):
+            self.count = sigma.shape[0]
+
+        def transform(self, lam):
+            return blocks[: self.count].clone()
+
+    monkeypatch.setattr(G, "kbbq_basis", Basis)
+    refit = G.gptq_refit(weight, h, "nvfp4")
+    fixed = G.gptq(T.transform_weight(weight, blocks), G.transform_hessian(h, blocks), "nvfp4",
+                   act_order=False, group_scales_mode="dynamic")
+    assert torch.equal(refit.transform, blocks)
+    assert (refit.values == fixed.values).float().mean() > 0.98
+    assert torch.allclose(refit.values, fixed.values, atol=0.05 * weight.abs().max())
+
+
+def test_mse_search_in_row_chunks_equals_one_piece(monkeypatch):
+    weight, _, _ = correlated_layer(out=40, size=64)
+    fmt = F.get_format("nvfp4")
+    rows = torch.linspace(0.01, 1, 40)[:, None, None]  # per-row global scales, as when stacked
+    grouped = weight.reshape(40, 4, 16)
+    whole = G.group_scales(grouped, fmt, rows, "mse")
+    monkeypatch.setattr(G, "_MSE_CHUNK", 4 * 100 * 7)  # 7 rows per chunk
+    chunked = G.group_scales(grouped, fmt, rows, "mse")
+    assert torch.equal(whole.code.view(torch.uint8), chunked.code.view(torch.uint8))
+    assert torch.equal(whole.dequant, chunked.dequant)

@@ -32,13 +32,16 @@ def calibration_ids(rows: int = 8, length: int = 32, seed: int = 0) -> torch.Ten
     return torch.randint(0, 256, (rows, length), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("arch,transform", [("llama", "kbbq"), ("qwen3", "identity"),
-                                            ("gpt2", "hadamard")])
-def test_sequential_loop_swaps_every_target_and_stays_finite(arch, transform):
+@pytest.mark.parametrize("arch,transform,refit", [("llama", "kbbq", "in_loop"),
+                                                  ("qwen3", "identity", "in_loop"),
+                                                  ("gpt2", "hadamard", "in_loop"),
+                                                  ("gpt2", "wush", "fixed")])
+def test_sequential_loop_swaps_every_target_and_stays_finite(arch, transform, refit):
     model = tiny_model(arch)
     ids = calibration_ids()
     reference = model(input_ids=ids).logits
     config = QuantizationConfig(transform=transform, lam=0.5, weight_quantizer="gptq",
+                                transform_refit=refit,
                                 scale_search="mse" if transform == "hadamard" else "minmax")
     report = quantize_model(model, batches_of(ids), config, progress=False)
     layers = quantized_linears(model)
@@ -92,14 +95,25 @@ def test_gptq_beats_rtn_in_the_loop_and_is_deterministic():
 def test_in_loop_refit_and_unaligned_layers():
     model = tiny_model("llama", intermediate_size=172)
     ids = calibration_ids(4)
-    config = QuantizationConfig(transform="wush", weight_quantizer="gptq",
-                                transform_refit="in_loop", act_order=False, format="mxfp4")
+    config = QuantizationConfig(transform="wush", weight_quantizer="gptq", format="mxfp4")
     report = quantize_model(model, batches_of(ids), config, progress=False)
     down = {r.name: r for r in report.layers}["model.layers.0.mlp.down_proj"]
     assert (down.in_features, down.padded_in) == (172, 192)
     assert torch.isfinite(model(input_ids=ids).logits).all()
     layer = model.model.layers[0].mlp.down_proj
     assert layer.transform.shape == (6, 32, 32) and layer.act_global_scale is None
+
+
+def test_gptq_checkpoints_reload_bit_exactly(tmp_path):
+    from kbbq_pl.export import from_pretrained, save_quantized
+
+    model = tiny_model("llama")
+    ids = calibration_ids(4)
+    config = QuantizationConfig(transform="kbbq", weight_quantizer="gptq", format="mxfp4")
+    quantize_model(model, batches_of(ids), config, progress=False)
+    save_quantized(model, tmp_path / "out", recipe=config.to_dict())
+    reloaded = from_pretrained(tmp_path / "out")
+    assert torch.equal(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
 def test_config_fields_and_validation():
@@ -114,13 +128,19 @@ def test_config_fields_and_validation():
         (dict(gptq_block_size=24), "multiple of the nvfp4 block 16"),
         (dict(scale_search="l2"), "scale_search must be one of"),
         (dict(group_scales="per_token"), "group_scales must be one of"),
-        (dict(weight_quantizer="gptq", transform="hadamard", transform_refit="in_loop"),
-         "transform 'wush' or 'kbbq'"),
         (dict(weight_quantizer="gptq", transform="kbbq", transform_refit="in_loop",
-              act_order=True), "set act_order=False"),
+              act_order=True), "act-order needs transform_refit='fixed'"),
+        (dict(act_order="yes"), "act_order must be True, False or None"),
     ]:
         with pytest.raises(ValueError, match=match):
             QuantizationConfig(**bad)
+    kbbq = QuantizationConfig(transform="kbbq", weight_quantizer="gptq")
+    assert kbbq.refits_in_loop and not kbbq.gptq_act_order
+    fixed = QuantizationConfig(transform="kbbq", weight_quantizer="gptq", transform_refit="fixed")
+    assert not fixed.refits_in_loop and fixed.gptq_act_order
+    plain = QuantizationConfig(transform="hadamard", weight_quantizer="gptq")
+    assert not plain.refits_in_loop and plain.gptq_act_order  # in_loop concerns WUSH / KBBQ
+    assert not QuantizationConfig(transform="kbbq").refits_in_loop
 
 
 def test_rtn_with_mse_scales_and_errors_of_the_loop():
@@ -226,3 +246,46 @@ def test_two_processes_give_the_same_quantized_weights_as_one():
     assert single.keys() == double.keys()
     for key, value in single.items():
         assert torch.equal(value, double[key]), key
+
+
+def test_lightning_collectives_map_onto_the_strategy():
+    from kbbq_pl.sequential_gptq import lightning_collectives
+
+    calls = []
+
+    class Strategy:  # the three methods of a Lightning strategy the loop uses
+        global_rank, world_size = 1, 2
+
+        def reduce(self, t, reduce_op):
+            calls.append(("reduce", reduce_op))
+            return t * 2
+
+        def broadcast(self, obj, src=0):
+            calls.append(("broadcast", src))
+            return obj
+
+    ops = lightning_collectives(Strategy())
+    assert (ops["rank"], ops["world_size"]) == (1, 2)
+    assert ops["reduce_sum"](torch.ones(())) == 2 and ops["reduce_max"](torch.ones(())) == 2
+    assert ops["broadcast"]("payload", 1) == "payload"
+    assert calls == [("reduce", "sum"), ("reduce", "max"), ("broadcast", 1)]
+
+
+def test_gptq_cannot_keep_trainable_master_weights():
+    with pytest.raises(ValueError, match="GPTQ stores rounded codes"):
+        quantize_model(tiny_model("llama"), batches_of(calibration_ids(2)),
+                       QuantizationConfig(weight_quantizer="gptq"), trainable=True,
+                       progress=False)
+
+
+@pytest.mark.gpu
+def test_sequential_loop_moves_each_block_to_the_device_and_back():
+    model = tiny_model("llama")
+    ids = calibration_ids(4)
+    from kbbq_pl.sequential_gptq import quantize_model_sequential
+
+    report = quantize_model_sequential(model, batches_of(ids), QuantizationConfig(
+        transform="kbbq", weight_quantizer="gptq"), device="cuda", progress=False)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert report.model["peak_cuda_mb"] > 0 and len(report.layers) == 14
+    assert torch.isfinite(model(input_ids=ids).logits).all()

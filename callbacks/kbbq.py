@@ -29,6 +29,7 @@ try:
 except ImportError:  # pragma: no cover - lightning is a dependency
     from pytorch_lightning import Callback, LightningModule, Trainer
 
+from kbbq_pl.autobrake import DEFAULT_GRID
 from kbbq_pl.export import install_empty_layers, layer_metadata
 from kbbq_pl.layers import quantized_linears
 from kbbq_pl.modules import find_linears
@@ -129,7 +130,9 @@ class KBBQ(Callback):
 
     Args:
         format, transform, lam, targets, ignore, act_scale, damping, seed, unaligned,
-        keep_samples: the :class:`~kbbq_pl.quantize.QuantizationConfig` fields.
+        keep_samples, auto_grid, auto_holdout, auto_tokens, auto_refit: the
+            :class:`~kbbq_pl.quantize.QuantizationConfig` fields (``lam="auto"``: the
+            auto-brake chooses lambda per layer on held-out calibration tokens).
         calibration: calibration batches (a dataloader, a ``CalibrationDataModule`` or a list of
             dicts); default: the trainer's datamodule.
         model_attr: attribute of the LightningModule holding the HuggingFace model.
@@ -144,7 +147,7 @@ class KBBQ(Callback):
         self,
         format: str = "nvfp4",
         transform: str = "kbbq",
-        lam: float = 0.75,
+        lam: float | Literal["auto"] = 0.75,
         targets: list[str] | None = None,
         ignore: list[str] | None = None,
         act_scale: Literal["static", "dynamic"] = "static",
@@ -152,6 +155,10 @@ class KBBQ(Callback):
         seed: int = 0,
         unaligned: Literal["pad", "skip"] = "pad",
         keep_samples: int = 512,
+        auto_grid: Sequence[float] = DEFAULT_GRID,
+        auto_holdout: float = 0.5,
+        auto_tokens: int = 1024,
+        auto_refit: bool = True,
         calibration: Any = None,
         model_attr: str | None = "model",
         calibrate_only: bool = False,
@@ -160,7 +167,8 @@ class KBBQ(Callback):
         self.config = QuantizationConfig(
             format=format, transform=transform, lam=lam, targets=targets, ignore=ignore,
             act_scale=act_scale, damping=damping, seed=seed, unaligned=unaligned,
-            keep_samples=keep_samples)
+            keep_samples=keep_samples, auto_grid=tuple(auto_grid), auto_holdout=auto_holdout,
+            auto_tokens=auto_tokens, auto_refit=auto_refit)
         self.calibration = calibration
         self.model_attr = model_attr
         self.calibrate_only = calibrate_only

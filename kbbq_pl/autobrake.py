@@ -64,28 +64,34 @@ def split_sequences(
     return rebatch(fit), rebatch(holdout)
 
 
-def static_scale(h: Tensor, fmt: Format) -> Tensor | None:
+def _identity(t: Tensor) -> Tensor:
+    return t
+
+
+def static_scale(h: Tensor, fmt: Format, reduce_max=_identity) -> Tensor | None:
     """The NVFP4 per-tensor activation scale calibration would give for inputs ``h``."""
     if not fmt.global_scale:
         return None
-    return (h.abs().max().float() / (448.0 * 6.0)).clamp(min=NVFP4_MIN_GLOBAL_SCALE)
+    amax = reduce_max(h.abs().max().float())
+    return (amax / (448.0 * 6.0)).clamp(min=NVFP4_MIN_GLOBAL_SCALE)
 
 
 def realized_output_error(
     weight: Tensor, x: Tensor, transform: Tensor | None, fmt: str | Format,
-    act_scale: str = "static",
+    act_scale: str = "static", reduce_sum=_identity, reduce_max=_identity,
 ) -> float:
     """Relative output error ``E||y_hat - y||^2 / E||y||^2`` of a layer with weight
     ``[out, D]`` on inputs ``x [n, D]``, with ``y_hat = Q(W T^-1) Q(T x)`` rounded as deployed
-    (static NVFP4 activation scale from these inputs, or dynamic)."""
+    (static NVFP4 activation scale from these inputs, or dynamic).  With data-parallel ranks,
+    ``reduce_sum`` / ``reduce_max`` pool the energies and the amax so every rank agrees."""
     fmt = get_format(fmt)
     y = x.to(torch.float64) @ weight.to(torch.float64).T
     h = transform_inputs(x.float(), transform)
-    scale = static_scale(h, fmt) if act_scale == "static" else None
+    scale = static_scale(h, fmt, reduce_max) if act_scale == "static" else None
     h_q = fake_quantize(h, fmt, global_scale=scale)
     w_q = fake_quantize(transform_weight(weight.float(), transform), fmt)
-    error = (h_q.to(torch.float64) @ w_q.to(torch.float64).T - y).square().mean()
-    return float(error / y.square().mean())
+    error = reduce_sum((h_q.to(torch.float64) @ w_q.to(torch.float64).T - y).square().sum())
+    return float(error / reduce_sum(y.square().sum()))
 
 
 @dataclass
@@ -104,13 +110,14 @@ class LambdaChoice:
 def select_lambda(
     weight: Tensor, basis: KBBQBasis, x_holdout: Tensor, fmt: str | Format,
     grid: Sequence[float] = DEFAULT_GRID, act_scale: str = "static",
+    reduce_sum=_identity, reduce_max=_identity,
 ) -> LambdaChoice:
     """Score every lambda of ``grid`` on the held-out inputs and keep the smallest error
     (the first in grid order on a tie)."""
     if x_holdout.numel() == 0:
         raise ValueError("no held-out tokens to select lambda on")
     errors = {float(lam): realized_output_error(weight, x_holdout, basis.transform(lam), fmt,
-                                                act_scale)
+                                                act_scale, reduce_sum, reduce_max)
               for lam in grid}
     best = min(errors, key=lambda lam: (errors[lam], list(errors).index(lam)))
     return LambdaChoice(best, errors)

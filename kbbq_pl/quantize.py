@@ -37,9 +37,11 @@ from .formats.kernels import NVFP4_MIN_GLOBAL_SCALE
 from .layers import QuantizedLinear, pad_features, swap_module
 from .modules import cell_kind, find_linears, first_input, in_out_features, linear_weight
 from .stats import LayerStatistics, StatisticsCollector, run_calibration
+from .autobrake import DEFAULT_GRID, LambdaChoice, select_lambda, split_sequences
 from .transforms import (
     TRANSFORMS,
     fit_transform,
+    kbbq_basis,
     transform_inputs,
     transform_weight,
     weight_block_grams,
@@ -70,6 +72,12 @@ class QuantizationConfig:
         unaligned: a layer whose ``in_features`` is not a multiple of the block: ``pad`` it with
             zero columns (and its inputs with zeros) or ``skip`` it (left in full precision).
         keep_samples: calibration tokens kept per layer for the report's output SNR.
+        auto_grid, auto_holdout, auto_tokens, auto_refit, auto_select_on: the auto-brake
+            (``lam="auto"``, :mod:`kbbq_pl.autobrake`): the candidate lambdas; the fraction of
+            calibration sequences held out for selection; the held-out tokens per layer it
+            scores on; whether the chosen lambda is refitted on all tokens (``True``) or the
+            transform fitted on the fitting part is kept; and ``holdout`` (the method) or
+            ``fit`` (scoring on the fitting tokens, only to measure what the split buys).
         weight_quantizer: ``rtn`` (round to nearest after one calibration pass) or ``gptq``
             (the block-sequential GPTQ loop of :mod:`kbbq_pl.sequential_gptq`).
         gptq_damping: GPTQ's relative Hessian damping (``H + gptq_damping * mean(diag H) I``).
@@ -89,7 +97,7 @@ class QuantizationConfig:
 
     format: str = "nvfp4"
     transform: str = "kbbq"
-    lam: float = 0.75
+    lam: float | Literal["auto"] = 0.75
     targets: list[str] | None = None
     ignore: list[str] | None = None
     act_scale: Literal["static", "dynamic"] = "static"
@@ -97,6 +105,11 @@ class QuantizationConfig:
     seed: int = 0
     unaligned: Literal["pad", "skip"] = "pad"
     keep_samples: int = 512
+    auto_grid: tuple[float, ...] = DEFAULT_GRID
+    auto_holdout: float = 0.5
+    auto_tokens: int = 1024
+    auto_refit: bool = True
+    auto_select_on: Literal["holdout", "fit"] = "holdout"
     weight_quantizer: Literal["rtn", "gptq"] = "rtn"
     gptq_damping: float = 0.01
     act_order: bool | None = None
@@ -111,8 +124,16 @@ class QuantizationConfig:
             raise ValueError(f"W4A4 needs a block FP4 format, got {self.format!r}")
         if self.transform not in TRANSFORMS:
             raise ValueError(f"transform must be one of {TRANSFORMS}, got {self.transform!r}")
-        if not 0.0 <= self.lam <= 1.0:
-            raise ValueError(f"the brake lam lies in [0, 1], got {self.lam}")
+        if self.lam == "auto":
+            if self.transform != "kbbq":
+                raise ValueError(f"lam='auto' chooses KBBQ's brake; transform is {self.transform!r}")
+            if not self.auto_grid or not all(0.0 <= float(v) <= 1.0 for v in self.auto_grid):
+                raise ValueError(f"auto_grid holds lambdas in [0, 1], got {self.auto_grid}")
+            if self.auto_select_on not in ("holdout", "fit"):
+                raise ValueError(f"auto_select_on must be 'holdout' or 'fit', "
+                                 f"got {self.auto_select_on!r}")
+        elif not (isinstance(self.lam, (int, float)) and 0.0 <= self.lam <= 1.0):
+            raise ValueError(f"the brake lam lies in [0, 1] or is 'auto', got {self.lam!r}")
         if self.act_scale not in ("static", "dynamic"):
             raise ValueError(f"act_scale must be 'static' or 'dynamic', got {self.act_scale!r}")
         if self.unaligned not in ("pad", "skip"):
@@ -133,10 +154,14 @@ class QuantizationConfig:
             raise ValueError(f"gptq_block_size must be a positive multiple of the {fmt.name} "
                              f"block {block}, got {self.gptq_block_size}")
         if self.act_order not in (None, True, False):
-            raise ValueError(f"act_order must be True, False or None (auto), got {self.act_order!r}")
+            raise ValueError(f"act_order must be True, False or None (auto), "
+                             f"got {self.act_order!r}")
         if self.refits_in_loop and self.act_order:
-            raise ValueError("transform_refit='in_loop' refits and rounds the blocks in their order: "
-                             "act-order needs transform_refit='fixed' (or act_order=None)")
+            raise ValueError("transform_refit='in_loop' refits and rounds the blocks in their "
+                             "order: act-order needs transform_refit='fixed' (or act_order=None)")
+        if self.weight_quantizer == "gptq" and self.lam == "auto":
+            raise ValueError("lam='auto' selects the brake on held-out calibration tokens with "
+                             "RTN; GPTQ-KBBQ takes a number")
 
     @property
     def refits_in_loop(self) -> bool:
@@ -171,8 +196,14 @@ class QuantizationConfig:
                      "wush": "RTN-WUSH", "kbbq": "RTN-KBBQ"}
         return names[self.transform]
 
+    @property
+    def auto(self) -> bool:
+        return self.transform == "kbbq" and self.lam == "auto"
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        data["auto_grid"] = list(self.auto_grid)
+        return data
 
 
 @dataclass
@@ -190,6 +221,7 @@ class LayerReport:
     output_snr_db: float
     act_global_scale: float | None
     tokens: int
+    lam: float | None = None
 
 
 @dataclass
@@ -199,10 +231,15 @@ class QuantizationReport:
     skipped: dict[str, str] = field(default_factory=dict)
     model: dict[str, Any] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    autobrake: dict[str, LambdaChoice] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"config": self.config, "layers": [asdict(r) for r in self.layers],
+        data = {"config": self.config, "layers": [asdict(r) for r in self.layers],
                 "skipped": self.skipped, "model": self.model, "seconds": self.seconds}
+        if self.autobrake:
+            data["autobrake"] = {name: {"lam": c.lam, "held_out_error_db": c.errors_db}
+                                 for name, c in self.autobrake.items()}
+        return data
 
     def summary(self) -> dict[str, float]:
         def median(values: list[float]) -> float:
@@ -265,7 +302,7 @@ def output_snr_db(layer: QuantizedLinear, weight: Tensor, bias: Tensor | None, x
 
 def layer_report(name: str, module: nn.Module, layer: QuantizedLinear, stats: LayerStatistics,
                  transform: Tensor | None, config: QuantizationConfig,
-                 act_global_scale: Tensor | None) -> LayerReport:
+                 act_global_scale: Tensor | None, lam: float | None = None) -> LayerReport:
     """The report row of ``module`` quantized as ``layer``: kappas with the real weights, and
     the output SNR on the kept calibration inputs (the layer in isolation)."""
     weight = linear_weight(module).detach()
@@ -280,7 +317,7 @@ def layer_report(name: str, module: nn.Module, layer: QuantizedLinear, stats: La
         out_features=layer.out_features, padded_in=layer.padded_in,
         output_snr_db=snr, tokens=stats.count,
         act_global_scale=float(act_global_scale) if act_global_scale is not None else None,
-        **kappas,
+        **kappas, lam=lam,
     )
 
 
@@ -361,6 +398,38 @@ def _static_act_scales(model: nn.Module, modules: Mapping[str, nn.Module],
     return act_scales_from_amax(amax, reduce_max)
 
 
+def _stride(expected_tokens: int | None, keep: int, part: Sequence, whole: Sequence) -> int:
+    """Keep every n-th token so that ``keep`` tokens spread over this part of the data."""
+    tokens = (expected_tokens or 0) * len(part) // max(1, len(whole))
+    return max(1, tokens // max(1, keep))
+
+
+def chosen_lambda(config: QuantizationConfig, choice: LambdaChoice | None) -> float | None:
+    if config.transform != "kbbq":
+        return None
+    return choice.lam if choice is not None else float(config.lam)
+
+
+def auto_transform(weight: Tensor, fit: LayerStatistics, held_out: LayerStatistics,
+                   config: QuantizationConfig, reduce_sum: ReduceFn = _identity,
+                   reduce_max: ReduceFn = _identity) -> tuple[Tensor, LambdaChoice]:
+    """KBBQ with the lambda the held-out tokens prefer (:mod:`kbbq_pl.autobrake`).
+
+    The basis (Cholesky and eigendecomposition of every block) is fitted once on the fitting
+    part and shared by every candidate; the chosen lambda is then refitted on all tokens when
+    ``config.auto_refit``."""
+    basis = kbbq_basis(weight, fit.sigma_blocks(), config.damping)
+    samples = (held_out if config.auto_select_on == "holdout" else fit).sample()
+    samples = pad_features(samples, config.fmt).to(weight.device)
+    act_scale = "static" if config.act_scale == "static" and config.fmt.global_scale else "dynamic"
+    choice = select_lambda(weight, basis, samples, config.fmt, config.auto_grid, act_scale,
+                           reduce_sum, reduce_max)
+    if config.auto_refit:
+        pooled = (fit.sigma_sum + held_out.sigma_sum) / (fit.tokens + held_out.tokens)
+        basis = kbbq_basis(weight, pooled, config.damping)
+    return basis.transform(choice.lam), choice
+
+
 def quantize_model(
     model: nn.Module,
     batches: Batches,
@@ -406,15 +475,29 @@ def quantize_model(
     modules, skipped = select_layers(model, config)
     report = QuantizationReport(config=config.to_dict(), skipped=skipped)
     dense = config.transform == "haar"
-    stride = max(1, (expected_tokens or 0) // max(1, config.keep_samples))
-    collector = StatisticsCollector(modules, config.block, config.keep_samples, stride,
-                                    full=dense)
-    with collector.hooks():
-        count = run_calibration(model, batches)
-    if count == 0:
+    batches = list(batches)
+    if not batches:
         raise ValueError("the calibration set is empty: no batches")
+    fit_batches, holdout_batches = (
+        split_sequences(batches, config.auto_holdout, config.seed) if config.auto
+        else (batches, []))
+    keep = config.keep_samples
+    if config.auto and config.auto_select_on == "fit":
+        keep = max(keep, config.auto_tokens)
+    collector = StatisticsCollector(modules, config.block, keep,
+                                    _stride(expected_tokens, keep, fit_batches, batches), full=dense)
+    with collector.hooks():
+        run_calibration(model, fit_batches)
     collector.reduce(reduce_sum)
     collector.check_nonempty()
+    holdout = None
+    if holdout_batches:
+        holdout = StatisticsCollector(
+            modules, config.block, config.auto_tokens,
+            _stride(expected_tokens, config.auto_tokens, holdout_batches, batches))
+        with holdout.hooks():
+            run_calibration(model, holdout_batches)
+        holdout.reduce(reduce_sum)
     report.seconds["calibration"] = time.perf_counter() - start
 
     fit_start = time.perf_counter()
@@ -422,9 +505,14 @@ def quantize_model(
     for name, module in modules.items():
         stats = collector.stats[name]
         weight = pad_features(linear_weight(module).detach(), config.fmt)
-        transforms[name] = fit_transform(
-            config.transform, weight, stats.sigma_blocks(), block=config.block, lam=config.lam,
-            seed=config.seed, damping=config.damping)
+        if config.auto:
+            assert holdout is not None
+            transforms[name], report.autobrake[name] = auto_transform(
+                weight, stats, holdout.stats[name], config, reduce_sum, reduce_max)
+        else:
+            transforms[name] = fit_transform(
+                config.transform, weight, stats.sigma_blocks(), block=config.block,
+                lam=config.lam, seed=config.seed, damping=config.damping)
     report.seconds["fit_transforms"] = time.perf_counter() - fit_start
 
     scales: dict[str, Tensor] = {}
@@ -453,8 +541,9 @@ def quantize_model(
         if static:
             layer.act_global_scale = scales[name].to(weight.device)
         layer.to(weight.device)
-        report.layers.append(layer_report(name, module, layer, stats, transform, config,
-                                          scales.get(name)))
+        report.layers.append(layer_report(
+            name, module, layer, stats, transform, config, scales.get(name),
+            lam=chosen_lambda(config, report.autobrake.get(name))))
         swap_module(model, name, layer)
         collector.release(name)
     report.seconds["quantize"] = time.perf_counter() - quant_start

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .autobrake import choice_histogram
 from .fileio import atomic_write_text
 from .quantize import QuantizationReport
 
@@ -35,6 +36,9 @@ def report_markdown(report: QuantizationReport, title: str = "kbbq-pl quantizati
     method = {"identity": "I", "haar": "HAAR", "hadamard": "RTN-HADAMARD", "wush": "RTN-WUSH",
               "kbbq": "RTN-KBBQ"}.get(config.get("transform"), config.get("transform"))
     brake = f", lambda = {config['lam']}" if config.get("transform") == "kbbq" else ""
+    if config.get("lam") == "auto" and config.get("transform") == "kbbq":
+        brake = (f", lambda chosen per layer from {config['auto_grid']} on "
+                 f"{config['auto_holdout']:.0%} held-out calibration sequences")
     parts = [f"# {title}", "",
              f"**{method}**, {config.get('format')}{brake}, activations: "
              f"{config.get('act_scale')} per-tensor scale", ""]
@@ -47,17 +51,28 @@ def report_markdown(report: QuantizationReport, title: str = "kbbq-pl quantizati
     if report.skipped:
         parts += ["## Skipped layers", ""]
         parts += [f"- `{name}`: {reason}" for name, reason in report.skipped.items()] + [""]
+    if report.autobrake:
+        grid = config["auto_grid"]
+        parts += ["## Auto-brake", "", "Chosen lambda per layer (histogram):", "", "```",
+                  choice_histogram(report.autobrake, grid), "```", "",
+                  "Held-out relative output error (dB) at each lambda; the chosen one is bold:",
+                  "", markdown_table(
+                      ["layer", *[f"{lam:g}" for lam in grid]],
+                      [[f"`{name}`", *[(f"**{choice.errors_db[lam]:.2f}**"
+                                        if lam == choice.lam else f"{choice.errors_db[lam]:.2f}")
+                                       for lam in choice.errors_db]]
+                       for name, choice in report.autobrake.items()]), ""]
     rows = [[f"`{r.name}`", r.kind, f"{r.in_features}->{r.out_features}"
              + (f" (pad {r.padded_in})" if r.padded_in != r.in_features else ""),
-             r.kappa_before, r.kappa_after, r.utilization, r.block_ceiling, r.paired_ceiling,
-             r.output_snr_db, r.act_global_scale] for r in report.layers]
+             r.lam, r.kappa_before, r.kappa_after, r.utilization, r.block_ceiling,
+             r.paired_ceiling, r.output_snr_db, r.act_global_scale] for r in report.layers]
     parts += ["## Layers", "",
               "kappa: aggregate participation factor with the layer's real weights (Thm. GL "
               "ceiling) before and after the transform; utilization: kappa_after over the paired "
               "ceiling that WUSH (lambda = 1) attains (Eq. wushratio); kappa_b*: mean block "
               "ceiling (Eq. blockceiling); SNR: the layer's output against full precision on "
               "calibration tokens, in isolation.", "",
-              markdown_table(["layer", "cell", "shape", "kappa before", "kappa after",
+              markdown_table(["layer", "cell", "shape", "lambda", "kappa before", "kappa after",
                               "utilization", "kappa_b*", "paired ceiling", "SNR dB",
                               "act scale"], rows),
               "", "## Time (s)", "",

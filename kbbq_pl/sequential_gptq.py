@@ -70,6 +70,7 @@ from .quantize import (
     QuantizationReport,
     ReduceFn,
     act_scales_from_amax,
+    chosen_lambda,
     layer_report,
     select_layers,
     transformed_amax_hooks,
@@ -435,7 +436,8 @@ def _quantize_block(step, linears: dict[str, nn.Module], config: QuantizationCon
             layer.act_global_scale = scales[name].to(weight.device)
         layer.to(weight.device)
         report.layers.append(layer_report(name, module, layer, collector.stats[name],
-                                          transforms[name], config, scales.get(name)))
+                                          transforms[name], config, scales.get(name),
+                                          lam=chosen_lambda(config, None)))
         gptq_info[name] = {"damping": payload["damping"], "fallback": payload["fallback"]}
         swap_module(step.module, name[len(step.name) + 1:], layer)
         collector.release(name)

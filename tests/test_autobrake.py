@@ -67,3 +67,40 @@ def test_select_lambda_takes_the_smallest_held_out_error():
     assert f"lambda {choice.lam:<6g}" in text and text.count("\n") == len(DEFAULT_GRID) - 1
     with pytest.raises(ValueError, match="no held-out tokens"):
         select_lambda(weight, basis, held[:0], "mxfp4")
+
+
+def test_auto_lambda_in_the_pipeline_reports_choices():
+    from kbbq_pl.models import tiny_model
+    from kbbq_pl.quantize import QuantizationConfig, quantize_model
+    from kbbq_pl.report import report_markdown
+
+    ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
+    batches = [{"input_ids": ids[i:i + 2]} for i in range(0, 8, 2)]
+    reports = []
+    for _ in range(2):
+        model = tiny_model("llama")
+        reports.append(quantize_model(model, batches, QuantizationConfig(lam="auto"),
+                                      expected_tokens=256, progress=False))
+    report = reports[0]
+    assert [r.lam for r in report.layers] == [r.lam for r in reports[1].layers]
+    assert len(report.autobrake) == 14
+    for row in report.layers:
+        choice = report.autobrake[row.name]
+        assert row.lam == choice.lam and row.lam in DEFAULT_GRID
+        assert choice.errors[choice.lam] == min(choice.errors.values())
+    data = report.to_dict()
+    assert set(data["autobrake"]["model.layers.0.mlp.up_proj"]["held_out_error_db"]) == set(
+        DEFAULT_GRID)
+    text = report_markdown(report)
+    assert "## Auto-brake" in text and "lambda 0.625" in text
+
+
+def test_auto_lambda_configuration_errors():
+    from kbbq_pl.quantize import QuantizationConfig
+
+    with pytest.raises(ValueError, match="chooses KBBQ's brake"):
+        QuantizationConfig(transform="wush", lam="auto")
+    with pytest.raises(ValueError, match="auto_grid holds lambdas"):
+        QuantizationConfig(lam="auto", auto_grid=(0.5, 2.0))
+    with pytest.raises(ValueError, match="lies in \\[0, 1\\] or is 'auto'"):
+        QuantizationConfig(lam="best")

@@ -117,3 +117,16 @@ def test_truncated_or_corrupted_checkpoint(tiny_llama_dir, tmp_path):
         from_pretrained(out)
     with pytest.raises(CheckpointError, match="not a kbbq-pl checkpoint"):
         from_pretrained(tiny_llama_dir)
+
+
+def test_auto_brake_recipe(tiny_llama_dir, tmp_path):
+    out = tmp_path / "auto"
+    assert main(["quantize", "--config", "rtn_kbbq_nvfp4_auto", "--model", str(tiny_llama_dir),
+                 "--data.init_args.n_tokens", "256", "--data.init_args.seq_len", "32",
+                 "--output_dir", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["config"]["lam"] == "auto"
+    assert len(report["autobrake"]) == 14
+    assert all(layer["lam"] in (0.0, 0.25, 0.5, 0.625, 0.75, 0.875, 1.0)
+               for layer in report["layers"])
+    assert "## Auto-brake" in (out / "report.md").read_text()

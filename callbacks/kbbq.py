@@ -34,6 +34,7 @@ from kbbq_pl.export import install_empty_layers, layer_metadata
 from kbbq_pl.layers import quantized_linears
 from kbbq_pl.modules import find_linears
 from kbbq_pl.quantize import QuantizationConfig, QuantizationReport, quantize_model
+from kbbq_pl.sequential_gptq import lightning_collectives
 from kbbq_pl.stats import StatisticsCollector, run_calibration
 
 log = logging.getLogger(__name__)
@@ -73,16 +74,10 @@ def calibration_batches(trainer: Trainer, source: Any) -> list[Mapping[str, Tens
     return batches[rank::world]
 
 
-def _reduce_sum(trainer: Trainer):
-    if trainer.world_size == 1:
-        return lambda t: t
-    return lambda t: trainer.strategy.reduce(t, reduce_op="sum")
-
-
-def _reduce_max(trainer: Trainer):
-    if trainer.world_size == 1:
-        return lambda t: t
-    return lambda t: trainer.strategy.all_gather(t).max()
+def _collectives(trainer: Trainer) -> dict[str, Any]:
+    """The trainer's cross-rank reductions and broadcast for :func:`quantize_model` (none on
+    one process)."""
+    return lightning_collectives(trainer.strategy) if trainer.world_size > 1 else {}
 
 
 class CalibrationStatistics(Callback):
@@ -120,7 +115,7 @@ class CalibrationStatistics(Callback):
         collector = StatisticsCollector(modules, self.block, self.keep_samples, full=self.full)
         with collector.hooks():
             run_calibration(model, calibration_batches(trainer, self.calibration))
-        collector.reduce(_reduce_sum(trainer))
+        collector.reduce(_collectives(trainer).get("reduce_sum", lambda t: t))
         collector.check_nonempty()
         self.collector = collector
 
@@ -130,9 +125,12 @@ class KBBQ(Callback):
 
     Args:
         format, transform, lam, targets, ignore, act_scale, damping, seed, unaligned,
-        keep_samples, auto_grid, auto_holdout, auto_tokens, auto_refit: the
-            :class:`~kbbq_pl.quantize.QuantizationConfig` fields (``lam="auto"``: the
-            auto-brake chooses lambda per layer on held-out calibration tokens).
+        keep_samples, auto_grid, auto_holdout, auto_tokens, auto_refit, weight_quantizer,
+        gptq_damping, act_order, gptq_block_size, scale_search, group_scales,
+        transform_refit: the :class:`~kbbq_pl.quantize.QuantizationConfig` fields
+            (``lam="auto"``: the auto-brake chooses lambda per layer on held-out calibration
+            tokens; ``weight_quantizer="gptq"``: the GPTQ family, block by block, its work
+            split across the trainer's ranks).
         calibration: calibration batches (a dataloader, a ``CalibrationDataModule`` or a list of
             dicts); default: the trainer's datamodule.
         model_attr: attribute of the LightningModule holding the HuggingFace model.
@@ -140,7 +138,8 @@ class KBBQ(Callback):
             quantization through ``Trainer.fit``; ``Trainer.validate`` quantizes too).
         trainable: keep high-precision master weights that fine-tuning updates through
             straight-through rounding (default: during ``fit`` unless ``calibrate_only``);
-            they are rounded into stored codes at the end of ``fit``.
+            they are rounded into stored codes at the end of ``fit``.  GPTQ's codes are
+            final: with ``weight_quantizer="gptq"`` the default is False.
     """
 
     def __init__(
@@ -159,6 +158,13 @@ class KBBQ(Callback):
         auto_holdout: float = 0.5,
         auto_tokens: int = 1024,
         auto_refit: bool = True,
+        weight_quantizer: Literal["rtn", "gptq"] = "rtn",
+        gptq_damping: float = 0.01,
+        act_order: bool | None = None,
+        gptq_block_size: int = 128,
+        scale_search: Literal["minmax", "mse"] = "minmax",
+        group_scales: Literal["static", "dynamic"] = "static",
+        transform_refit: Literal["fixed", "in_loop"] = "in_loop",
         calibration: Any = None,
         model_attr: str | None = "model",
         calibrate_only: bool = False,
@@ -168,7 +174,10 @@ class KBBQ(Callback):
             format=format, transform=transform, lam=lam, targets=targets, ignore=ignore,
             act_scale=act_scale, damping=damping, seed=seed, unaligned=unaligned,
             keep_samples=keep_samples, auto_grid=tuple(auto_grid), auto_holdout=auto_holdout,
-            auto_tokens=auto_tokens, auto_refit=auto_refit)
+            auto_tokens=auto_tokens, auto_refit=auto_refit, weight_quantizer=weight_quantizer,
+            gptq_damping=gptq_damping, act_order=act_order, gptq_block_size=gptq_block_size,
+            scale_search=scale_search, group_scales=group_scales,
+            transform_refit=transform_refit)
         self.calibration = calibration
         self.model_attr = model_attr
         self.calibrate_only = calibrate_only
@@ -178,13 +187,14 @@ class KBBQ(Callback):
     # ------------------------------------------------------------------ the work
 
     def quantize(self, model: nn.Module, batches: Sequence[Mapping[str, Tensor]], *,
-                 reduce_sum=lambda t: t, reduce_max=lambda t: t, trainable: bool = False,
-                 progress: bool = True) -> QuantizationReport:
-        """Quantize ``model`` in place, outside any Trainer (what ``kbbq-pl quantize`` runs)."""
+                 trainable: bool = False, progress: bool = True, **collectives: Any
+                 ) -> QuantizationReport:
+        """Quantize ``model`` in place, outside any Trainer (what ``kbbq-pl quantize`` runs);
+        ``collectives``: ``reduce_sum``, ``reduce_max``, ``broadcast``, ``rank``,
+        ``world_size`` across data-parallel ranks (:func:`quantize_model`)."""
         tokens = sum(int(b["input_ids"].numel()) for b in batches if "input_ids" in b)
-        self.report = quantize_model(model, batches, self.config, reduce_sum=reduce_sum,
-                                     reduce_max=reduce_max, expected_tokens=tokens,
-                                     trainable=trainable, progress=progress)
+        self.report = quantize_model(model, batches, self.config, expected_tokens=tokens,
+                                     trainable=trainable, progress=progress, **collectives)
         return self.report
 
     # ------------------------------------------------------------------ Lightning hooks
@@ -223,10 +233,9 @@ class KBBQ(Callback):
         model.to(trainer.strategy.root_device)
         batches = calibration_batches(trainer, self.calibration)
         trainable = self.trainable if self.trainable is not None else (
-            stage == "fit" and not self.calibrate_only)
-        self.quantize(model, batches, reduce_sum=_reduce_sum(trainer),
-                      reduce_max=_reduce_max(trainer), trainable=trainable,
-                      progress=trainer.is_global_zero)
+            stage == "fit" and not self.calibrate_only and self.config.weight_quantizer == "rtn")
+        self.quantize(model, batches, trainable=trainable, progress=trainer.is_global_zero,
+                      **_collectives(trainer))
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.calibrate_only:

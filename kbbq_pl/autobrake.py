@@ -85,12 +85,23 @@ def realized_output_error(
     (static NVFP4 activation scale from these inputs, or dynamic).  With data-parallel ranks,
     ``reduce_sum`` / ``reduce_max`` pool the energies and the amax so every rank agrees."""
     fmt = get_format(fmt)
+    w_hat = fake_quantize(transform_weight(weight.float(), transform), fmt)
+    return quantized_output_error(weight, w_hat, x, transform, fmt, act_scale, reduce_sum,
+                                  reduce_max)
+
+
+def quantized_output_error(
+    weight: Tensor, w_hat: Tensor, x: Tensor, transform: Tensor | None, fmt: str | Format,
+    act_scale: str = "static", reduce_sum=_identity, reduce_max=_identity,
+) -> float:
+    """:func:`realized_output_error` for a weight already quantized in the transformed
+    coordinates: ``w_hat`` (float32 ``[out, D]``), e.g. GPTQ's ``Q(W T^-1)``."""
+    fmt = get_format(fmt)
     y = x.float() @ weight.float().T  # float32 products: their error is ~1e-6 of FP4's
     h = transform_inputs(x.float(), transform)
     scale = static_scale(h, fmt, reduce_max) if act_scale == "static" else None
     h_q = fake_quantize(h, fmt, global_scale=scale)
-    w_q = fake_quantize(transform_weight(weight.float(), transform), fmt)
-    error = reduce_sum((h_q @ w_q.T - y).square().sum(dtype=torch.float64))
+    error = reduce_sum((h_q @ w_hat.float().T - y).square().sum(dtype=torch.float64))
     return float(error / reduce_sum(y.square().sum(dtype=torch.float64)))
 
 
@@ -107,6 +118,13 @@ class LambdaChoice:
                 for lam, e in self.errors.items()}
 
 
+def best_lambda(errors: Mapping[float, float]) -> LambdaChoice:
+    """The candidate with the smallest held-out error (the first in grid order on a tie)."""
+    order = list(errors)
+    best = min(errors, key=lambda lam: (errors[lam], order.index(lam)))
+    return LambdaChoice(best, dict(errors))
+
+
 def select_lambda(
     weight: Tensor, basis: KBBQBasis, x_holdout: Tensor, fmt: str | Format,
     grid: Sequence[float] = DEFAULT_GRID, act_scale: str = "static",
@@ -119,8 +137,7 @@ def select_lambda(
     errors = {float(lam): realized_output_error(weight, x_holdout, basis.transform(lam), fmt,
                                                 act_scale, reduce_sum, reduce_max)
               for lam in grid}
-    best = min(errors, key=lambda lam: (errors[lam], list(errors).index(lam)))
-    return LambdaChoice(best, errors)
+    return best_lambda(errors)
 
 
 def choice_histogram(choices: Mapping[str, LambdaChoice], grid: Sequence[float]) -> str:

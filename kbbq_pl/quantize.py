@@ -159,9 +159,6 @@ class QuantizationConfig:
         if self.refits_in_loop and self.act_order:
             raise ValueError("transform_refit='in_loop' refits and rounds the blocks in their "
                              "order: act-order needs transform_refit='fixed' (or act_order=None)")
-        if self.weight_quantizer == "gptq" and self.lam == "auto":
-            raise ValueError("lam='auto' selects the brake on held-out calibration tokens with "
-                             "RTN; GPTQ-KBBQ takes a number")
 
     @property
     def refits_in_loop(self) -> bool:

@@ -98,11 +98,13 @@ class BlockStep:
         return {f"{self.name}.{n}": m for n, m in self.module.named_modules() if is_linear(m)}
 
     @torch.no_grad()
-    def run(self, keep_outputs: bool = True) -> list[Tensor] | None:
-        """Run the block over every cached input (on the runner's device)."""
+    def run(self, keep_outputs: bool = True, subset: slice = slice(None)
+            ) -> list[Tensor] | None:
+        """Run the block over the cached inputs (all, or the batches ``subset``) on the
+        runner's device."""
         device = self.runner.device
         outputs = [] if keep_outputs else None
-        for cached in self.inputs:
+        for cached in self.inputs[subset]:
             call = _to(cached, device) if device != self.runner.offload_device else cached
             hidden = _hidden(self.module(*call.args, **call.kwargs))
             if outputs is not None:

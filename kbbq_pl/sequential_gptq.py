@@ -32,7 +32,9 @@ GPTQ-WUSH / GPTQ-KBBQ: ``transform_refit="in_loop"`` (the default; the WUSH pape
 :func:`kbbq_pl.gptq.gptq_refit`) refits each ``T_b`` on the error-updated weight block when GPTQ
 reaches it and rounds the block's columns with GPTQ's updates in its coordinates; ``"fixed"``
 fits ``T`` once from the calibration statistics and runs GPTQ on ``W T^-1`` with ``T H T^T``
-(with act-order).  On all-MiniLM-L6-v2 (``bench/w4a4_table.py``, three calibration seeds) the
+(with act-order).  ``lam="auto"`` (:func:`auto_gptq`) runs the candidates on the fitting part's
+Hessian and keeps the lambda whose GPTQ-quantized layer has the smallest realized W4A4 output
+error on the held-out tokens.  On all-MiniLM-L6-v2 (``bench/w4a4_table.py``, three calibration seeds) the
 in-loop refit gives GPTQ-KBBQ the better embedding fidelity in all six format x seed cases
 (NVFP4 +0.0008 to +0.0015, MXFP4 +0.0027 to +0.0044 in mean cosine) at the same median
 per-layer output SNR (within 0.05 dB), hence the default.  GPTQ-WUSH (lambda = 1) refit in the
@@ -46,12 +48,14 @@ import ctypes
 import resource
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from .autobrake import LambdaChoice, best_lambda, quantized_output_error, split_sequences
 from .formats import QuantizedTensor
 from .gptq import (
     GPTQResult,
@@ -82,6 +86,8 @@ from .transforms import fit_transform, transform_weight
 __all__ = [
     "HessianCollector",
     "assign_owners",
+    "auto_gptq",
+    "gather_rows",
     "lightning_collectives",
     "peak_memory_mb",
     "quantize_layers",
@@ -226,6 +232,45 @@ def quantize_layers(weights: Mapping[str, Tensor], h: Tensor, config: Quantizati
     return {name: (result, transform) for name, result in zip(names, results)}
 
 
+def auto_gptq(name: str, weight: Tensor, h_fit: Tensor, h_all: Tensor, x_select: Tensor,
+              config: QuantizationConfig) -> tuple[tuple[GPTQResult, Tensor | None], LambdaChoice]:
+    """GPTQ-KBBQ with ``lam="auto"``: run GPTQ-KBBQ(lambda) with the fitting part's Hessian
+    ``h_fit`` for every lambda of ``config.auto_grid``, score each quantized weight by its
+    realized output error on ``x_select`` (the held-out inputs, both operands rounded as
+    deployed), and keep the best; with ``config.auto_refit`` the chosen lambda is quantized
+    again with the Hessian of all tokens ``h_all``.  Returns ``(result, transform)`` as
+    :func:`quantize_layers` does, and the choice."""
+    act_scale = "static" if config.act_scale == "static" and config.fmt.global_scale else "dynamic"
+    errors: dict[float, float] = {}
+    best: tuple[GPTQResult, Tensor | None] | None = None
+    for lam in map(float, config.auto_grid):
+        done = quantize_layers({name: weight}, h_fit, replace(config, lam=lam))[name]
+        error = quantized_output_error(weight, done[0].values, x_select, done[1], config.fmt,
+                                       act_scale)
+        if best is None or error < min(errors.values()):  # ties keep the first, as best_lambda
+            best = done
+        errors[lam] = error
+    choice = best_lambda(errors)
+    if config.auto_refit:
+        best = quantize_layers({name: weight}, h_all, replace(config, lam=choice.lam))[name]
+    assert best is not None
+    return best, choice
+
+
+def gather_rows(x: Tensor, reduce_sum: ReduceFn, rank: int, world_size: int) -> Tensor:
+    """The rows of every rank's ``x [n_r, D]`` stacked in rank order, on every rank, through
+    the sum all-reduce (each rank fills its slot of a zero tensor; adding zeros is exact)."""
+    if world_size == 1:
+        return x
+    counts = torch.zeros(world_size, dtype=torch.float64, device=x.device)
+    counts[rank] = x.shape[0]
+    counts = reduce_sum(counts).long()
+    start = int(counts[:rank].sum())
+    stacked = x.new_zeros(int(counts.sum()), x.shape[1])
+    stacked[start:start + x.shape[0]] = x
+    return reduce_sum(stacked)
+
+
 def assign_owners(costs: Mapping[str, float], world_size: int) -> dict[str, int]:
     """Rank that quantizes each layer: largest cost first to the least loaded rank (ties to the
     lower rank, then by name), deterministic."""
@@ -241,13 +286,15 @@ def assign_owners(costs: Mapping[str, float], world_size: int) -> dict[str, int]
 _SCALE_DTYPES = {"e4m3": torch.float8_e4m3fn, "e8m0": torch.float8_e8m0fnu, "fp32": torch.float32}
 
 
-def _payload(result: GPTQResult, transform: Tensor | None) -> dict[str, Any]:
+def _payload(result: GPTQResult, transform: Tensor | None,
+             choice: LambdaChoice | None = None) -> dict[str, Any]:
     """The result as plain tensors for ``broadcast`` (pickle does not carry float8 storages:
     block scales travel as their bytes)."""
     weight = result.weight
     scale = weight.scale if weight.scale.dtype == torch.float32 else weight.scale.view(torch.uint8)
     return {"qdata": weight.qdata, "scale": scale, "global_scale": weight.global_scale,
-            "transform": transform, "damping": result.damping, "fallback": result.fallback}
+            "transform": transform, "damping": result.damping, "fallback": result.fallback,
+            "choice": choice}
 
 
 def _quantized_weight(payload: Mapping[str, Any], config: QuantizationConfig,
@@ -324,6 +371,12 @@ def quantize_model_sequential(
     batches = list(batches)
     if not batches:
         raise ValueError("the calibration set is empty: no batches")
+    select: slice | None = None
+    if config.auto:
+        fit, held_out = split_sequences(batches, config.auto_holdout, config.seed)
+        batches = fit + held_out
+        select = (slice(len(fit), None) if config.auto_select_on == "holdout"
+                  else slice(0, len(fit)))
     modules, skipped = select_layers(model, config)
     runner = SequentialRunner(model, batches, device=device, offload_device=offload_device)
     if runner.device.type == "cuda":
@@ -352,7 +405,8 @@ def quantize_model_sequential(
             step.module.to(runner.device)
             if linears:
                 _quantize_block(step, linears, config, static, stride, reduce_sum, reduce_max,
-                                broadcast, rank, world_size, report, gptq_info, timing, progress)
+                                broadcast, rank, world_size, report, gptq_info, timing, progress,
+                                select)
             if not last:
                 tick = time.perf_counter()
                 step.advance(step.run())
@@ -373,14 +427,25 @@ def _quantize_block(step, linears: dict[str, nn.Module], config: QuantizationCon
                     static: bool, stride: int, reduce_sum: ReduceFn, reduce_max: ReduceFn,
                     broadcast: BroadcastFn, rank: int, world_size: int,
                     report: QuantizationReport, gptq_info: dict[str, dict[str, Any]],
-                    timing: dict[str, float], progress: bool) -> None:
-    """Steps 1-3 of the module docstring for one block, then the swap."""
+                    timing: dict[str, float], progress: bool, select: slice | None = None
+                    ) -> None:
+    """Steps 1-3 of the module docstring for one block, then the swap.  With ``lam="auto"``,
+    ``select`` names the cached batches the brake is selected on (:func:`auto_gptq`)."""
     tick = time.perf_counter()
     collector = HessianCollector(linears, config.block, config.keep_samples, stride)
     with collector.hooks():
         step.run(keep_outputs=False)
     collector.reduce(reduce_sum, reduce_max)
     collector.check_nonempty()
+    selection = None
+    if select is not None:
+        tokens = sum(c.hidden.shape[:-1].numel() for c in step.inputs[select])
+        selection = HessianCollector(linears, config.block, config.auto_tokens,
+                                     max(1, tokens // max(1, config.auto_tokens)))
+        with selection.hooks():
+            step.run(keep_outputs=False, subset=select)
+        selection.reduce(reduce_sum, reduce_max)
+        selection.check_nonempty()
     trim_heap()
     timing["calibration"] += time.perf_counter() - tick
 
@@ -399,12 +464,23 @@ def _quantize_block(step, linears: dict[str, nn.Module], config: QuantizationCon
     dense = config.transform == "haar"
     for group in groups:
         mine = [job for job in jobs if job[0] in group and owners[job[0]] == rank]
+        h_fit = None
+        if selection is not None:
+            x_select = {n: gather_rows(pad_features(selection.stats[n].sample(), config.fmt),
+                                       reduce_sum, rank, world_size) for n in group}
+            if mine:
+                h_fit = _fitting_hessian(collector, selection, group[0], config)
         h = collector.hessian(group[0], keep_sum=dense) if mine else None
         for job in mine:
-            done = quantize_layers({n: weights[n] for n in job}, h, config)
-            payloads.update({n: _payload(*done[n]) for n in job})
+            if h_fit is not None:
+                (name,) = job
+                done, choice = auto_gptq(name, weights[name], h_fit, h, x_select[name], config)
+                payloads[name] = _payload(*done, choice)
+            else:
+                done = quantize_layers({n: weights[n] for n in job}, h, config)
+                payloads.update({n: _payload(*done[n]) for n in job})
             trim_heap()
-        del h
+        del h, h_fit
         bar.update(len(group))
     bar.close()
     for job in jobs:  # every rank walks the jobs in the same order
@@ -437,10 +513,26 @@ def _quantize_block(step, linears: dict[str, nn.Module], config: QuantizationCon
         layer.to(weight.device)
         report.layers.append(layer_report(name, module, layer, collector.stats[name],
                                           transforms[name], config, scales.get(name),
-                                          lam=chosen_lambda(config, None)))
+                                          lam=chosen_lambda(config, payload["choice"])))
+        if payload["choice"] is not None:
+            report.autobrake[name] = payload["choice"]
         gptq_info[name] = {"damping": payload["damping"], "fallback": payload["fallback"]}
         swap_module(step.module, name[len(step.name) + 1:], layer)
         collector.release(name)
+
+
+def _fitting_hessian(collector: HessianCollector, selection: HessianCollector, name: str,
+                     config: QuantizationConfig) -> Tensor:
+    """The Hessian GPTQ-KBBQ's candidates are fitted with: of the tokens not held out (all
+    tokens minus the selection part), or of the selection part itself when
+    ``auto_select_on="fit"``."""
+    chosen = selection.stats[name]
+    assert chosen.full_sum is not None
+    if config.auto_select_on == "fit":
+        return hessian(chosen.full_sum, chosen.tokens)
+    total = collector.stats[name]
+    assert total.full_sum is not None
+    return hessian(total.full_sum - chosen.full_sum, total.tokens - chosen.tokens)
 
 
 def torch_distributed_collectives(group: Any = None) -> dict[str, Any]:

@@ -51,3 +51,22 @@ class SaveStatistics(Callback):
             collector = self.stats.collector
             torch.save({name: (s.sigma_sum.cpu(), s.tokens.cpu(), s.output_energy.cpu())
                         for name, s in collector.stats.items()}, self.path)
+
+
+class SaveQuantized(Callback):
+    """One thread per process (the same GEMM kernels with one or two ranks); writes the
+    quantized layers' codes, scales and transforms from rank 0 once the model is quantized."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def setup(self, trainer, pl_module, stage):
+        torch.set_num_threads(1)
+
+    def on_validation_start(self, trainer, pl_module):
+        from kbbq_pl.layers import quantized_linears
+
+        if trainer.is_global_zero:
+            torch.save({name: (layer.weight.qdata, layer.weight.scale.view(torch.uint8),
+                               layer.transform, layer.act_global_scale)
+                        for name, layer in quantized_linears(pl_module).items()}, self.path)

@@ -12,7 +12,7 @@ import torch
 from kbbq_pl.layers import QuantizedLinear, quantized_linears
 from kbbq_pl.models import tiny_model
 from kbbq_pl.quantize import QuantizationConfig, quantize_model
-from kbbq_pl.sequential_gptq import HessianCollector, assign_owners
+from kbbq_pl.sequential_gptq import HessianCollector, assign_owners, gather_rows
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -190,6 +190,40 @@ def test_owner_assignment_balances_and_is_deterministic():
     assert set(assign_owners(costs, 1).values()) == {0}
 
 
+def test_auto_lambda_picks_the_best_gptq_candidate_per_layer():
+    from kbbq_pl.autobrake import DEFAULT_GRID, split_sequences
+
+    ids = calibration_ids()
+    config = dict(transform="kbbq", weight_quantizer="gptq", format="nvfp4")
+    reports, states = [], []
+    for _ in range(2):
+        model = tiny_model("llama")
+        reports.append(quantize_model(model, batches_of(ids), QuantizationConfig(
+            lam="auto", **config), progress=False))
+        states.append(_quantized_state(model))
+    report = reports[0]
+    assert [r.lam for r in report.layers] == [r.lam for r in reports[1].layers]
+    assert all(torch.equal(v, states[1][k]) for k, v in states[0].items())
+    assert len(report.autobrake) == 14
+    for row in report.layers:
+        choice = report.autobrake[row.name]
+        assert set(choice.errors) == set(DEFAULT_GRID) and row.lam == choice.lam
+        assert choice.errors[choice.lam] == min(choice.errors.values())
+    assert len({r.lam for r in report.layers}) > 1, "one lambda everywhere: nothing was chosen"
+
+    # a one-point grid refitted on all tokens is GPTQ-KBBQ at that lambda, code for code, on
+    # the same batches (the split re-batches the sequences: fitting part, then held-out part)
+    model = tiny_model("llama")
+    quantize_model(model, batches_of(ids), QuantizationConfig(lam="auto", auto_grid=(0.5,),
+                                                              **config), progress=False)
+    fixed = tiny_model("llama")
+    fit, held_out = split_sequences(batches_of(ids), 0.5, seed=0)
+    quantize_model(fixed, fit + held_out, QuantizationConfig(lam=0.5, **config), progress=False)
+    auto_state, fixed_state = _quantized_state(model), _quantized_state(fixed)
+    for key, value in fixed_state.items():
+        assert torch.equal(value, auto_state[key]), key
+
+
 # ----------------------------------------------------------------------- two processes
 
 DDP_CONFIG = dict(transform="kbbq", lam=0.5, weight_quantizer="gptq", format="nvfp4")
@@ -218,10 +252,13 @@ def _ddp_worker(rank: int, world_size: int, init_file: str, out_file: str) -> No
         model = tiny_model("llama")
         batches = batches_of(calibration_ids())
         mine = batches[rank * len(batches) // world_size:(rank + 1) * len(batches) // world_size]
+        collectives = torch_distributed_collectives()
         quantize_model(model, mine, QuantizationConfig(**DDP_CONFIG), progress=False,
-                       **torch_distributed_collectives())
+                       **collectives)
+        rows = gather_rows(torch.full((rank + 1, 3), float(rank + 1)),
+                           collectives["reduce_sum"], rank, world_size)
         if rank == 0:
-            torch.save(_quantized_state(model), out_file)
+            torch.save({**_quantized_state(model), "gathered_rows": rows}, out_file)
     finally:
         dist.destroy_process_group()
 
@@ -243,6 +280,7 @@ def test_two_processes_give_the_same_quantized_weights_as_one():
         out_file = os.path.join(folder, "rank0.pt")
         mp.spawn(_ddp_worker, args=(2, init_file, out_file), nprocs=2, join=True)
         double = torch.load(out_file)
+    assert torch.equal(double.pop("gathered_rows"), torch.tensor([[1.0] * 3, [2.0] * 3, [2.0] * 3]))
     assert single.keys() == double.keys()
     for key, value in single.items():
         assert torch.equal(value, double[key]), key

@@ -12,7 +12,7 @@ from kbbq_pl.callbacks import KBBQ, CalibrationStatistics
 from kbbq_pl.data import CalibrationDataModule
 from kbbq_pl.formats import QuantizedTensor
 from kbbq_pl.layers import QuantizedLinear, quantized_linears
-from lightning_helpers import SaveStatistics, TinyLM
+from lightning_helpers import SaveQuantized, SaveStatistics, TinyLM
 
 
 def datamodule(n_tokens: int = 512, seed: int = 0) -> CalibrationDataModule:
@@ -134,3 +134,18 @@ def test_ddp_statistics_equal_single_process(tmp_path):
         torch.testing.assert_close(sigma_2, sigma_1, rtol=0, atol=1e-13 * sigma_1.abs().max())
         torch.testing.assert_close(energy_2, energy_1, rtol=1e-13, atol=0)
         assert not torch.equal(sigma_1, torch.zeros_like(sigma_1))
+
+
+def test_ddp_gptq_equals_single_process(tmp_path):
+    loader = datamodule(n_tokens=512).calibration_dataloader()
+    paths = {1: tmp_path / "single.pt", 2: tmp_path / "ddp.pt"}
+    for devices, strategy in ((1, "auto"), (2, "ddp_spawn")):
+        kbbq = KBBQ(format="nvfp4", transform="kbbq", lam=0.5, weight_quantizer="gptq",
+                    calibration=loader)
+        trainer(tmp_path, [kbbq, SaveQuantized(paths[devices])], devices=devices,
+                strategy=strategy).validate(TinyLM(), dataloaders=loader)
+    single, ddp = torch.load(paths[1]), torch.load(paths[2])
+    assert single.keys() == ddp.keys() and len(single) == 14
+    for name, fields in single.items():
+        for a, b in zip(fields, ddp[name]):
+            assert torch.equal(a, b), name

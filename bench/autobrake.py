@@ -1,10 +1,11 @@
 """Auto-brake against every global lambda, on all-MiniLM-L6-v2 (the auto-brake acceptance).
 
-    python bench/autobrake.py [--formats nvfp4,mxfp4] [--data ../shared/data/wikitext2]
+    python bench/autobrake.py [--formats nvfp4,mxfp4] [--quantizer rtn|gptq] [--seeds 0,1,2]
+                              [--variants refit,keep,fit] [--data ../shared/data/wikitext2]
 
 Calibrates on WikiText-2 ``valid.txt`` (16 x 256 tokens), measures embedding fidelity (mean
 cosine of mean-pooled embeddings to the FP model) on 512 sentences of ``test.txt``, for RTN-KBBQ
-at every lambda of the grid and for ``lam="auto"`` in three variants: the chosen lambda refitted
+(or GPTQ-KBBQ) at every lambda of the grid and for ``lam="auto"`` in three variants: the chosen lambda refitted
 on all tokens (default), the transform fitted on the fitting half kept, and selection on the
 fitting tokens instead of held-out ones (what the split is for).  Prints one table with the
 quantize time of each run and the ratio of auto's time to a fixed-lambda run.
@@ -30,6 +31,13 @@ from kbbq_pl.quantize import QuantizationConfig, quantize_model
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--formats", default="nvfp4,mxfp4")
+    parser.add_argument("--quantizer", choices=["rtn", "gptq"], default="rtn",
+                        help="weight rounding: RTN-KBBQ or GPTQ-KBBQ")
+    parser.add_argument("--seeds", default="0",
+                        help="calibration seeds (which 16 x 256-token blocks, and the split)")
+    parser.add_argument("--variants", default="refit,keep,fit",
+                        help="auto variants: refit (default), keep (fit-half T), fit (selection "
+                             "on the fitting tokens)")
     parser.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent
                                               / "shared" / "data" / "wikitext2"))
     parser.add_argument("--sentences", type=int, default=512)
@@ -37,38 +45,54 @@ def main() -> None:
     args = parser.parse_args()
     data = Path(args.data)
     model, tokenizer = load_model("minilm")
-    blocks = token_blocks(data / "valid.txt", tokenizer, n_tokens=args.tokens, seq_len=256)
-    batches = [{"input_ids": b, "attention_mask": torch.ones_like(b)} for b in blocks.split(4)]
     sentences = wikitext_sentences(data / "test.txt", args.sentences)
     reference = mean_pooled_embeddings(model, tokenizer, sentences)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    variants = {"refit": ("auto (refit)", {"lam": "auto"}),
+                "keep": ("auto (keep fit-half T)", {"lam": "auto", "auto_refit": False}),
+                "fit": ("auto, selected on fit tokens", {"lam": "auto", "auto_select_on": "fit"})}
     runs = [(f"lambda {lam:g}", {"lam": lam}) for lam in DEFAULT_GRID]
-    runs += [("auto (refit)", {"lam": "auto"}),
-             ("auto (keep fit-half T)", {"lam": "auto", "auto_refit": False}),
-             ("auto, selected on fit tokens", {"lam": "auto", "auto_select_on": "fit"})]
-    print(f"all-MiniLM-L6-v2, calibration {args.tokens} tokens of valid.txt, fidelity on "
-          f"{len(sentences)} test.txt sentences, RTN-KBBQ")
+    runs += [variants[v] for v in args.variants.split(",") if v]
+    method = "RTN-KBBQ" if args.quantizer == "rtn" else "GPTQ-KBBQ"
+    print(f"all-MiniLM-L6-v2, calibration {args.tokens} tokens of valid.txt (seeds {seeds}), "
+          f"fidelity on {len(sentences)} test.txt sentences, {method}")
     for fmt in args.formats.split(","):
         rows = []
         for name, overrides in runs:
-            candidate = copy.deepcopy(model)
-            config = QuantizationConfig(format=fmt, transform="kbbq", **overrides)
-            start = time.perf_counter()
-            report = quantize_model(candidate, batches, config, expected_tokens=args.tokens,
-                                    progress=False)
-            seconds = time.perf_counter() - start
-            fidelity = cosine_summary(mean_pooled_embeddings(candidate, tokenizer, sentences),
-                                      reference)["mean_cosine"]
-            chosen = [r.lam for r in report.layers]
-            rows.append((name, fidelity, seconds, chosen))
-        fixed_time = statistics.median(s for n, _, s, _ in rows if n.startswith("lambda"))
-        best_fixed = max(f for n, f, _, _ in rows if n.startswith("lambda"))
-        print(f"\n{fmt}: best global lambda fidelity {best_fixed:.5f}; "
+            fidelities, times, chosen = [], [], []
+            for seed in seeds:
+                blocks = token_blocks(data / "valid.txt", tokenizer, n_tokens=args.tokens,
+                                      seq_len=256, seed=seed)
+                batches = [{"input_ids": b, "attention_mask": torch.ones_like(b)}
+                           for b in blocks.split(4)]
+                candidate = copy.deepcopy(model)
+                config = QuantizationConfig(format=fmt, transform="kbbq", seed=seed,
+                                            weight_quantizer=args.quantizer, **overrides)
+                start = time.perf_counter()
+                report = quantize_model(candidate, batches, config, expected_tokens=args.tokens,
+                                        progress=False)
+                times.append(time.perf_counter() - start)
+                fidelities.append(cosine_summary(
+                    mean_pooled_embeddings(candidate, tokenizer, sentences),
+                    reference)["mean_cosine"])
+                chosen += [r.lam for r in report.layers]
+            rows.append((name, fidelities, statistics.mean(times), chosen))
+        fixed = [r for r in rows if r[0].startswith("lambda")]
+        fixed_time = statistics.median(t for _, _, t, _ in fixed)
+        best_name, best_fid, _, _ = max(fixed, key=lambda r: statistics.mean(r[1]))
+        best = statistics.mean(best_fid)
+        print(f"\n{fmt}: best global lambda {best_name} ({best:.5f}, mean over seeds); "
               f"median fixed-lambda quantize time {fixed_time:.1f} s")
-        print(f"{'run':<30}{'fidelity':>10}{'vs best':>10}{'time s':>8}{'time ratio':>11}"
-              f"{'median lambda':>15}")
-        for name, fidelity, seconds, chosen in rows:
-            print(f"{name:<30}{fidelity:10.5f}{fidelity - best_fixed:+10.5f}{seconds:8.1f}"
-                  f"{seconds / fixed_time:11.2f}{statistics.median(chosen):15.3f}")
+        print(f"{'run':<30}{'fidelity':>10}{'sd':>9}{'vs best':>10}{'wins':>6}{'time s':>8}"
+              f"{'time ratio':>11}{'median lambda':>15}")
+        for name, fidelities, seconds, chosen in rows:
+            mean = statistics.mean(fidelities)
+            sd = statistics.stdev(fidelities) if len(fidelities) > 1 else float("nan")
+            wins = sum(f >= b for f, b in zip(fidelities, best_fid))
+            print(f"{name:<30}{mean:10.5f}{sd:9.5f}{mean - best:+10.5f}{wins:>4}/{len(seeds)}"
+                  f"{seconds:8.1f}{seconds / fixed_time:11.2f}{statistics.median(chosen):15.3f}")
+        print("(fidelity: mean over seeds; sd: across seeds; wins: seeds where the run is at "
+              "least the best global lambda's fidelity on the same seed)")
 
 
 if __name__ == "__main__":

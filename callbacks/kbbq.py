@@ -31,6 +31,7 @@ except ImportError:  # pragma: no cover - lightning is a dependency
 
 from kbbq_pl.autobrake import DEFAULT_GRID
 from kbbq_pl.export import install_empty_layers, layer_metadata
+from kbbq_pl.formats import QuantizedTensor
 from kbbq_pl.layers import quantized_linears
 from kbbq_pl.modules import find_linears
 from kbbq_pl.quantize import QuantizationConfig, QuantizationReport, quantize_model
@@ -222,6 +223,7 @@ class KBBQ(Callback):
             del strategy.load_model_state_dict, strategy.setup
             if not quantized_linears(pl_module):
                 self._quantize_in_trainer(trainer, pl_module, stage)
+            exclude_quantized_from_ddp_sync(pl_module)
             setup_strategy(trainer_)
 
         strategy.load_model_state_dict = load_model_state_dict
@@ -255,6 +257,18 @@ class KBBQ(Callback):
         }
 
 
+def exclude_quantized_from_ddp_sync(pl_module: nn.Module) -> None:
+    """Leave the stored FP4 codes out of DDP's start-up broadcast of the parameters
+    (``_ddp_params_and_buffers_to_ignore``): a collective cannot carry a packed tensor subclass,
+    and every rank already holds the same codes (quantization reduces its statistics and
+    broadcasts GPTQ's results across ranks)."""
+    names = {name for name, tensor in (*pl_module.named_parameters(), *pl_module.named_buffers())
+             if isinstance(tensor, QuantizedTensor)}
+    if names:
+        ignored = set(getattr(pl_module, "_ddp_params_and_buffers_to_ignore", ()))
+        pl_module._ddp_params_and_buffers_to_ignore = sorted(ignored | names)
+
+
 def restore_quantized(pl_module: nn.Module, checkpoint: Mapping[str, Any]) -> None:
     """Rebuild the quantized layers a checkpoint holds, so its weights load into them; call it
     from ``LightningModule.on_load_checkpoint`` to use ``load_from_checkpoint``."""
@@ -265,4 +279,4 @@ def restore_quantized(pl_module: nn.Module, checkpoint: Mapping[str, Any]) -> No
 
 
 __all__ = ["CalibrationStatistics", "KBBQ", "calibration_batches",
-           "restore_quantized"]
+           "exclude_quantized_from_ddp_sync", "restore_quantized"]

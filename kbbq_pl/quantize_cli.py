@@ -121,14 +121,14 @@ def _prepare(args) -> tuple[nn.Module, Any, list, Path]:
 def run_quantize(argv: list[str]) -> int:
     parser = _parser("kbbq-pl quantize")
     config = parser.parse_args(argv)
-    args = parser.instantiate_classes(config)
+    args = parser.instantiate(config)
     start = time.perf_counter()
     model, tokenizer, batches, source = _prepare(args)
     probe = FidelityProbe(model, tokenizer, args.eval_data, args.eval_sentences)
     quantizer = args.quantizer
     report = quantizer.quantize(model, batches)
-    report.model = {**probe.measure(model), "model": str(args.model),
-                    "calibration_tokens": sum(int(b["input_ids"].numel()) for b in batches)}
+    report.model.update(probe.measure(model), model=str(args.model),
+                        calibration_tokens=sum(int(b["input_ids"].numel()) for b in batches))
     out = Path(args.output_dir)
     recipe = {"config": quantizer.config.to_dict(), "model": str(args.model)}
     save_quantized(model, out, tokenizer=tokenizer, recipe=recipe, source_dir=source,
@@ -150,7 +150,7 @@ def run_sweep(argv: list[str]) -> int:
                              "RTN-WUSH")
     parser.add_argument("--formats", type=str, default="",
                         help="comma-separated formats (default: the recipe's)")
-    args = parser.instantiate_classes(parser.parse_args(argv))
+    args = parser.instantiate(parser.parse_args(argv))
     model, tokenizer, batches, _ = _prepare(args)
     probe = FidelityProbe(model, tokenizer, args.eval_data, args.eval_sentences)
     base = args.quantizer.config

@@ -130,3 +130,43 @@ def test_auto_brake_recipe(tiny_llama_dir, tmp_path):
     assert all(layer["lam"] in (0.0, 0.25, 0.5, 0.625, 0.75, 0.875, 1.0)
                for layer in report["layers"])
     assert "## Auto-brake" in (out / "report.md").read_text()
+
+
+def test_every_packaged_recipe_names_its_method():
+    import yaml
+
+    from kbbq_pl.callbacks import KBBQ
+
+    methods = {"i": "I", "haar": "HAAR", "rtn_wush": "RTN-WUSH", "rtn_kbbq": "RTN-KBBQ",
+               "gptq": "GPTQ", "mr_gptq": "MR-GPTQ", "gptq_wush": "GPTQ-WUSH",
+               "gptq_kbbq": "GPTQ-KBBQ"}
+    seen = set()
+    for path in sorted(RECIPES.glob("*.yaml")):
+        recipe = yaml.safe_load(path.read_text())
+        config = KBBQ(**recipe["quantizer"]["init_args"]).config
+        stem = path.stem.split("_lam")[0].removesuffix("_auto")
+        family, fmt = stem.rsplit("_", 1)
+        assert (config.method, config.format) == (methods[family], fmt), path.name
+        assert (config.lam == "auto") == path.stem.endswith("_auto"), path.name
+        seen.add((family, fmt))
+    assert seen == {(family, fmt) for family in methods for fmt in ("nvfp4", "mxfp4")}
+
+
+def test_gptq_recipe_with_auto_brake_reloads_bit_exactly(tiny_llama_dir, tmp_path):
+    out = tmp_path / "gptq"
+    assert main(["quantize", "--config", "gptq_kbbq_nvfp4_auto", "--model", str(tiny_llama_dir),
+                 "--data.init_args.n_tokens", "256", "--data.init_args.seq_len", "32",
+                 "--output_dir", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["config"]["weight_quantizer"] == "gptq" and len(report["autobrake"]) == 14
+    assert report["model"]["peak_rss_mb"] > 0
+    model = tiny_model("llama")
+    batches = [{"input_ids": b, "attention_mask": torch.ones_like(b)}
+               for b in token_blocks("random", None, n_tokens=256, seq_len=32,
+                                     vocab_size=256).split(8)]
+    quantize_model(model, batches, QuantizationConfig(lam="auto", weight_quantizer="gptq"),
+                   progress=False)
+    reloaded = from_pretrained(out)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)

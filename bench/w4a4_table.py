@@ -9,7 +9,7 @@ mean-pooled sentence embeddings to the full-precision model's (1.0 = identical),
 with the median per-layer output SNR (each layer in isolation, W4A4, on the inputs it saw
 during calibration) beside it.  ``--extra`` adds GPTQ-WUSH / GPTQ-KBBQ with the transform
 fitted once (``transform_refit="fixed"``; the default refits it in the loop), GPTQ without
-act-order and with dynamic block scales.
+act-order and with dynamic block scales, and RTN-KBBQ / GPTQ-KBBQ with ``lam="auto"``.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ def extra_methods() -> dict[str, dict]:
                                         act_order=False)
     extra["GPTQ (dynamic scales)"] = dict(transform="identity", weight_quantizer="gptq",
                                           group_scales="dynamic")
+    extra["RTN-KBBQ (auto)"] = dict(transform="kbbq", lam="auto")
+    extra["GPTQ-KBBQ (auto)"] = dict(transform="kbbq", lam="auto", weight_quantizer="gptq")
     return extra
 
 
@@ -87,7 +89,8 @@ def main() -> None:
     results: dict[tuple[str, str], tuple[float, float, float]] = {}
     for fmt in formats:
         for name, options in methods.items():
-            config = QuantizationConfig(format=fmt, lam=args.lam, seed=args.seed, **options)
+            config = QuantizationConfig(**{"format": fmt, "lam": args.lam, "seed": args.seed,
+                                           **options})
             quantized = copy.deepcopy(model)
             start = time.perf_counter()
             report = quantize_model(quantized, batches, config, progress=False)

@@ -1,8 +1,9 @@
 """Lightning callbacks: calibration statistics, and KBBQ W4A4 quantization before training.
 
-``KBBQ`` quantizes the model before the strategy configures optimizers and wraps it (the
-model is unwrapped, with no optimizer yet), so that ``Trainer.fit`` trains (fine-tunes through FP4, straight-through) the quantized
-model, and ``Trainer.validate`` / ``test`` / ``predict`` see it too::
+``KBBQ`` quantizes the model before the strategy configures optimizers and wraps it (the model is
+unwrapped, with no optimizer yet), so that ``Trainer.fit`` trains (fine-tunes through FP4,
+straight-through) the quantized model, and ``Trainer.validate`` / ``test`` / ``predict`` see it
+too::
 
     trainer = Trainer(callbacks=[KBBQ(format="nvfp4", transform="kbbq", lam=0.75)])
     trainer.fit(module, datamodule=dm)        # calibrate, fit transforms, swap, then train
@@ -157,7 +158,7 @@ class KBBQ(Callback):
         keep_samples: int = 512,
         auto_grid: Sequence[float] = DEFAULT_GRID,
         auto_holdout: float = 0.5,
-        auto_tokens: int = 1024,
+        auto_tokens: int = 512,
         auto_refit: bool = True,
         weight_quantizer: Literal["rtn", "gptq"] = "rtn",
         gptq_damping: float = 0.01,

@@ -93,16 +93,21 @@ def realized_output_error(
 def quantized_output_error(
     weight: Tensor, w_hat: Tensor, x: Tensor, transform: Tensor | None, fmt: str | Format,
     act_scale: str = "static", reduce_sum=_identity, reduce_max=_identity,
+    y: Tensor | None = None,
 ) -> float:
     """:func:`realized_output_error` for a weight already quantized in the transformed
-    coordinates: ``w_hat`` (float32 ``[out, D]``), e.g. GPTQ's ``Q(W T^-1)``."""
+    coordinates: ``w_hat`` (float32 ``[out, D]``), e.g. GPTQ's ``Q(W T^-1)``; ``y``: the exact
+    outputs ``x W^T`` when the caller scores several candidates on the same inputs."""
     fmt = get_format(fmt)
-    y = x.float() @ weight.float().T  # float32 products: their error is ~1e-6 of FP4's
+    if y is None:
+        y = x.float() @ weight.float().T  # float32 products: their error is ~1e-6 of FP4's
     h = transform_inputs(x.float(), transform)
     scale = static_scale(h, fmt, reduce_max) if act_scale == "static" else None
     h_q = fake_quantize(h, fmt, global_scale=scale)
-    error = reduce_sum((h_q @ w_hat.float().T - y).square().sum(dtype=torch.float64))
-    return float(error / reduce_sum(y.square().sum(dtype=torch.float64)))
+    residual = torch.addmm(y, h_q, w_hat.float().T, beta=-1).flatten()  # h_q w_hat^T - y
+    error = reduce_sum(torch.dot(residual, residual).double())
+    flat = y.flatten()
+    return float(error / reduce_sum(torch.dot(flat, flat).double()))
 
 
 @dataclass
@@ -134,9 +139,14 @@ def select_lambda(
     (the first in grid order on a tie)."""
     if x_holdout.numel() == 0:
         raise ValueError("no held-out tokens to select lambda on")
-    errors = {float(lam): realized_output_error(weight, x_holdout, basis.transform(lam), fmt,
-                                                act_scale, reduce_sum, reduce_max)
-              for lam in grid}
+    fmt = get_format(fmt)
+    y = x_holdout.float() @ weight.float().T
+    errors = {}
+    for lam in map(float, grid):
+        transform = basis.transform(lam)
+        w_hat = fake_quantize(transform_weight(weight.float(), transform), fmt)
+        errors[lam] = quantized_output_error(weight, w_hat, x_holdout, transform, fmt, act_scale,
+                                             reduce_sum, reduce_max, y=y)
     return best_lambda(errors)
 
 

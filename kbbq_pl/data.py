@@ -70,7 +70,8 @@ def _dataset_text(source: Any, text_key: str) -> str:
     return "\n".join(str(t) for t in source[text_key])
 
 
-def random_tokens(vocab_size: int, count: int, seed: int, exclude: list[int] | None = None) -> Tensor:
+def random_tokens(vocab_size: int, count: int, seed: int,
+                  exclude: list[int] | None = None) -> Tensor:
     """``count`` token ids uniform over ``[0, vocab_size)`` minus ``exclude``, seeded."""
     allowed = torch.ones(vocab_size, dtype=torch.bool)
     if exclude:

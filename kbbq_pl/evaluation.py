@@ -114,8 +114,8 @@ def wikitext_sentences(
     (tokens with a letter or digit; clitics such as ``'s`` are not words) and, with
     ``drop_unk``, no ``<unk>`` token.  Which ``n``: a uniformly random subset of the eligible
     sentences drawn with ``random.Random(seed)``, returned in file order, so the same arguments
-    always give the same sentences; ``seed=None`` takes the first ``n``, ``n=None`` all of them.  With
-    ``detokenize`` the sentences are turned back into plain text (:func:`detokenize_wikitext`).
+    always give the same sentences; ``seed=None`` takes the first ``n``, ``n=None`` all of them.
+    With ``detokenize`` the sentences are turned back into plain text (:func:`detokenize_wikitext`).
     """
     file = Path(path)
     if not file.is_file():

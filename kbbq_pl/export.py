@@ -191,7 +191,8 @@ def read_metadata(folder: str | Path) -> dict[str, Any]:
     try:
         metadata = json.loads(path.read_text())
     except json.JSONDecodeError as error:
-        raise CheckpointError(f"{path} is not valid JSON ({error}); the file is corrupted") from None
+        raise CheckpointError(
+            f"{path} is not valid JSON ({error}); the file is corrupted") from None
     if metadata.get("format") != FORMAT_TAG or metadata.get("version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: not a kbbq-pl v{FORMAT_VERSION} quantization config")
     for name, expected in metadata.get("files", {}).items():
@@ -228,7 +229,8 @@ def load_quantized_state(model: nn.Module, folder: Path, metadata: dict[str, Any
         if f"{name}.transform" in tensors:
             state[f"{name}.transform"] = tensors.pop(f"{name}.transform")
         if f"{name}.input_global_scale" in tensors:
-            state[f"{name}.act_global_scale"] = tensors.pop(f"{name}.input_global_scale").reshape(())
+            scale = tensors.pop(f"{name}.input_global_scale")
+            state[f"{name}.act_global_scale"] = scale.reshape(())
         if f"{name}.bias" in tensors:
             state[f"{name}.bias"] = tensors.pop(f"{name}.bias")
     state.update(tensors)

@@ -356,7 +356,8 @@ def _prepare(weight: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def rtn(weight: Tensor, fmt: str | Format, *, search: ScaleSearch = "minmax",
-        global_scale: Tensor | None = None, norm: float = MSE_NORM) -> tuple[QuantizedTensor, Tensor]:
+        global_scale: Tensor | None = None, norm: float = MSE_NORM
+        ) -> tuple[QuantizedTensor, Tensor]:
     """Round-to-nearest with :func:`group_scales` (``minmax`` equals
     :func:`kbbq_pl.formats.quantize` bit for bit); returns the tensor and its float32 values."""
     fmt = check_fp4_format(fmt)

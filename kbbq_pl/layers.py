@@ -154,7 +154,8 @@ class QuantizedLinear(nn.Module):
             amax = h.detach().abs().max().float()
             self.observed_amax = amax if self.observed_amax is None else torch.maximum(
                 self.observed_amax, amax)
-        static = self.act_global_scale if self.act_scale == "static" and not self.observing else None
+        use_static = self.act_scale == "static" and not self.observing
+        static = self.act_global_scale if use_static else None
         name = f"{self.name}.input" if self.name else "input"
         if self.training and torch.is_grad_enabled():
             return ste_fake_quantize(h, self.fmt, global_scale=static, name=name)

@@ -8,8 +8,9 @@ weights in ``run.c`` order, and its tokenizer as ``int32 max_token_length`` then
 
 :func:`convert_llama2c` writes a folder that ``AutoModelForCausalLM`` and ``AutoTokenizer`` load
 offline: ``config.json`` and ``model.safetensors`` of a ``LlamaForCausalLM`` and a
-``tokenizer.json`` (a ``tokenizers`` BPE over the llama2.c pieces, merges ranked by score, byte fallback, a dummy
-space prefix: llama2.c's sentencepiece-style encoder).  BOS is id 1, EOS id 2, UNK id 0.
+``tokenizer.json`` (a ``tokenizers`` BPE over the llama2.c pieces, merges ranked by score, byte
+fallback, a dummy space prefix: llama2.c's sentencepiece-style encoder).  BOS is id 1, EOS id 2, UNK
+id 0.
 """
 
 from __future__ import annotations

@@ -32,12 +32,12 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from . import law
+from .autobrake import DEFAULT_GRID, LambdaChoice, select_lambda, split_sequences
 from .formats import Format, QuantizedTensor, get_format
 from .formats.kernels import NVFP4_MIN_GLOBAL_SCALE
 from .layers import QuantizedLinear, pad_features, swap_module
 from .modules import cell_kind, find_linears, first_input, in_out_features, linear_weight
 from .stats import LayerStatistics, StatisticsCollector, run_calibration
-from .autobrake import DEFAULT_GRID, LambdaChoice, select_lambda, split_sequences
 from .transforms import (
     TRANSFORMS,
     fit_transform,
@@ -107,7 +107,7 @@ class QuantizationConfig:
     keep_samples: int = 512
     auto_grid: tuple[float, ...] = DEFAULT_GRID
     auto_holdout: float = 0.5
-    auto_tokens: int = 1024
+    auto_tokens: int = 512
     auto_refit: bool = True
     auto_select_on: Literal["holdout", "fit"] = "holdout"
     weight_quantizer: Literal["rtn", "gptq"] = "rtn"
@@ -126,7 +126,8 @@ class QuantizationConfig:
             raise ValueError(f"transform must be one of {TRANSFORMS}, got {self.transform!r}")
         if self.lam == "auto":
             if self.transform != "kbbq":
-                raise ValueError(f"lam='auto' chooses KBBQ's brake; transform is {self.transform!r}")
+                raise ValueError(
+                    f"lam='auto' chooses KBBQ's brake; transform is {self.transform!r}")
             if not self.auto_grid or not all(0.0 <= float(v) <= 1.0 for v in self.auto_grid):
                 raise ValueError(f"auto_grid holds lambdas in [0, 1], got {self.auto_grid}")
             if self.auto_select_on not in ("holdout", "fit"):
@@ -467,7 +468,8 @@ def quantize_model(
             broadcast=broadcast, rank=rank, world_size=world_size,
             expected_tokens=expected_tokens, progress=progress)
     start = time.perf_counter()
-    if isinstance(batches, Iterable) and not isinstance(batches, Sequence) and iter(batches) is batches:
+    if (isinstance(batches, Iterable) and not isinstance(batches, Sequence)
+            and iter(batches) is batches):
         batches = list(batches)
     modules, skipped = select_layers(model, config)
     report = QuantizationReport(config=config.to_dict(), skipped=skipped)
@@ -481,8 +483,8 @@ def quantize_model(
     keep = config.keep_samples
     if config.auto and config.auto_select_on == "fit":
         keep = max(keep, config.auto_tokens)
-    collector = StatisticsCollector(modules, config.block, keep,
-                                    _stride(expected_tokens, keep, fit_batches, batches), full=dense)
+    stride = _stride(expected_tokens, keep, fit_batches, batches)
+    collector = StatisticsCollector(modules, config.block, keep, stride, full=dense)
     with collector.hooks():
         run_calibration(model, fit_batches)
     collector.reduce(reduce_sum)

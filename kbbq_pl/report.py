@@ -19,7 +19,9 @@ def _number(value: Any, digits: int = 3) -> str:
     if isinstance(value, float):
         if not math.isfinite(value):
             return "n/a"
-        return f"{value:.{digits}f}" if abs(value) >= 10 ** -digits or value == 0 else f"{value:.2e}"
+        if abs(value) >= 10 ** -digits or value == 0:
+            return f"{value:.{digits}f}"
+        return f"{value:.2e}"
     return str(value)
 
 

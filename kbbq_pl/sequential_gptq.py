@@ -30,16 +30,16 @@ batches) starts GPTQ from the same float32 ``H`` (:meth:`HessianCollector.reduce
 
 GPTQ-WUSH / GPTQ-KBBQ: ``transform_refit="in_loop"`` (the default; the WUSH paper's variant,
 :func:`kbbq_pl.gptq.gptq_refit`) refits each ``T_b`` on the error-updated weight block when GPTQ
-reaches it and rounds the block's columns with GPTQ's updates in its coordinates; ``"fixed"``
-fits ``T`` once from the calibration statistics and runs GPTQ on ``W T^-1`` with ``T H T^T``
-(with act-order).  ``lam="auto"`` (:func:`auto_gptq`) runs the candidates on the fitting part's
-Hessian and keeps the lambda whose GPTQ-quantized layer has the smallest realized W4A4 output
-error on the held-out tokens.  On all-MiniLM-L6-v2 (``bench/w4a4_table.py``, three calibration seeds) the
-in-loop refit gives GPTQ-KBBQ the better embedding fidelity in all six format x seed cases
-(NVFP4 +0.0008 to +0.0015, MXFP4 +0.0027 to +0.0044 in mean cosine) at the same median
-per-layer output SNR (within 0.05 dB), hence the default.  GPTQ-WUSH (lambda = 1) refit in the
-loop is better in NVFP4 too but collapses the ``[SEP]`` token in MXFP4 (its final cosine falls
-to 0.44; fidelity 0.90 against 0.95 with ``fixed``); the braked KBBQ refit does not (0.94).
+reaches it and rounds the block's columns with GPTQ's updates in its coordinates; ``"fixed"`` fits
+``T`` once from the calibration statistics and runs GPTQ on ``W T^-1`` with ``T H T^T`` (with
+act-order).  ``lam="auto"`` (:func:`auto_gptq`) runs the candidates on the fitting part's Hessian
+and keeps the lambda whose GPTQ-quantized layer has the smallest realized W4A4 output error on the
+held-out tokens.  On all-MiniLM-L6-v2 (``bench/w4a4_table.py``, three calibration seeds) the in-loop
+refit gives GPTQ-KBBQ the better embedding fidelity in all six format x seed cases (NVFP4 +0.0008 to
++0.0015, MXFP4 +0.0027 to +0.0044 in mean cosine) at the same median per-layer output SNR (within
+0.05 dB), hence the default.  GPTQ-WUSH (lambda = 1) refit in the loop is better in NVFP4 too but
+collapses the ``[SEP]`` token in MXFP4 (its final cosine falls to 0.44; fidelity 0.90 against 0.95
+with ``fixed``); the braked KBBQ refit does not (0.94).
 """
 
 from __future__ import annotations
@@ -243,10 +243,11 @@ def auto_gptq(name: str, weight: Tensor, h_fit: Tensor, h_all: Tensor, x_select:
     act_scale = "static" if config.act_scale == "static" and config.fmt.global_scale else "dynamic"
     errors: dict[float, float] = {}
     best: tuple[GPTQResult, Tensor | None] | None = None
+    y = x_select.float() @ weight.float().T
     for lam in map(float, config.auto_grid):
         done = quantize_layers({name: weight}, h_fit, replace(config, lam=lam))[name]
         error = quantized_output_error(weight, done[0].values, x_select, done[1], config.fmt,
-                                       act_scale)
+                                       act_scale, y=y)
         if best is None or error < min(errors.values()):  # ties keep the first, as best_lambda
             best = done
         errors[lam] = error

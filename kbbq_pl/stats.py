@@ -5,12 +5,12 @@ Per targeted linear layer: the ``d x d`` diagonal blocks of the input second mom
 ``sum ||W x||^2`` (the invariant numerator of kappa_bar, Lemma invariance, which would
 otherwise need the full ``Sigma``), and an evenly spaced sample of input tokens for reports.
 
-Sums are kept in float64: they add up to millions of rank-one terms whose small eigen-directions
-the KBBQ fit inverts (``Lambda^(-lambda/4)``), and float32 running sums lose those directions to
+Sums are kept in float64: they add up to millions of rank-one terms whose small eigen-directions the
+KBBQ fit inverts (``Lambda^(-lambda/4)``), and float32 running sums lose those directions to
 rounding once the token count reaches ~10^4.  Each batch's own product is formed in float32
-(relative error ~1e-7, far below the 1% damping the fit applies) and added to the float64 sums,
-so the error does not grow with the number of tokens.  Across data-parallel ranks the sums and counts are added
-with the caller's reduce function (:meth:`StatisticsCollector.reduce`), e.g. Lightning's
+(relative error ~1e-7, far below the 1% damping the fit applies) and added to the float64 sums, so
+the error does not grow with the number of tokens.  Across data-parallel ranks the sums and counts
+are added with the caller's reduce function (:meth:`StatisticsCollector.reduce`), e.g. Lightning's
 ``trainer.strategy.reduce(t, reduce_op="sum")``.
 """
 

@@ -28,6 +28,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small tensors: starting threads costs more than the work, badly so on a shared machine
+    (``pytestmark = pytest.mark.usefixtures("one_thread")`` in a module)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from kbbq_pl.callbacks import CalibrationStatistics, restore_quantized
 from lightning.pytorch import Callback, LightningModule
 
-from kbbq_pl.callbacks import CalibrationStatistics, restore_quantized
 from kbbq_pl.models import tiny_model
 
 

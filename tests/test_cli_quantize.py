@@ -134,7 +134,6 @@ def test_auto_brake_recipe(tiny_llama_dir, tmp_path):
 
 def test_every_packaged_recipe_names_its_method():
     import yaml
-
     from kbbq_pl.callbacks import KBBQ
 
     methods = {"i": "I", "haar": "HAAR", "rtn_wush": "RTN-WUSH", "rtn_kbbq": "RTN-KBBQ",

@@ -23,12 +23,12 @@ from kbbq_pl.evaluation import (
 )
 from kbbq_pl.models import load_model, tiny_model
 
-SAMPLE = """ 
- = Some Title = 
- 
+SAMPLE = """
+ = Some Title =
+
  The cat sat on the mat . It was a 3 @.@ 5 @-@ metre mat , said the <unk> . Short one .
- 
- = = Section = = 
+
+ = = Section = =
  He wrote " Hello there " in 1999 ( not 2000 ) and it 's fine ! Is this the last one of them ?
  A paragraph fragment that never ends
 """

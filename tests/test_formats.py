@@ -301,7 +301,8 @@ def test_nonfinite_raises_with_name_and_count(name):
     x = torch.randn(4, 64)
     x[0, 3] = float("nan")
     x[2, 5] = float("inf")
-    with pytest.raises(ValueError, match=r"layers\.0\.q_proj.*2 non-finite values \(1 NaN, 1 Inf\)"):
+    message = r"layers\.0\.q_proj.*2 non-finite values \(1 NaN, 1 Inf\)"
+    with pytest.raises(ValueError, match=message):
         F.fake_quantize(x, name, name="layers.0.q_proj")
     with pytest.raises(ValueError, match="non-finite"):
         F.quantize(x, name)
@@ -317,7 +318,8 @@ def test_nonfinite_policies(name):
     clean[1, 40] = 0.0
     assert torch.equal(zeroed, F.fake_quantize(clean, name))
     propagated = F.fake_quantize(x, name, nonfinite="propagate")
-    bad_block = slice(40 // fmt.block_size * fmt.block_size, (40 // fmt.block_size + 1) * fmt.block_size)
+    first = 40 // fmt.block_size * fmt.block_size
+    bad_block = slice(first, first + fmt.block_size)
     assert torch.isnan(propagated[1, bad_block]).all()
     mask = torch.ones_like(x, dtype=torch.bool)
     mask[1, bad_block] = False
@@ -362,7 +364,8 @@ def test_empty_tensor():
 
 
 def test_registry_and_generic_names():
-    assert F.get_format("e2m1_b16_e4m3").to_dict() | {"name": "nvfp4"} == F.get_format("nvfp4").to_dict()
+    generic = F.get_format("e2m1_b16_e4m3").to_dict()
+    assert generic | {"name": "nvfp4"} == F.get_format("nvfp4").to_dict()
     mx = F.get_format("mxfp4")
     assert (mx.block_size, mx.scale_kind, mx.e8m0_rounding) == (32, "e8m0", "floor")
     assert F.get_format("int4_g128").block_size == 128

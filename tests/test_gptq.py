@@ -14,13 +14,7 @@ from kbbq_pl import transforms as T
 FORMATS = ["nvfp4", "mxfp4", "mxfp4_no_clip"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: starting threads costs more than the work, badly so on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def correlated_layer(out: int = 32, size: int = 128, n: int = 1024, seed: int = 0):
@@ -95,8 +89,8 @@ def test_refit_variant_dequantizes_exactly_and_beats_rtn_kbbq(fmt):
                                    torch.linalg.inv(result.transform))  # Q T
     sigma = G.sigma_blocks_from_hessian(h, block)
     rtn_t = T.fit_transform("kbbq", weight, sigma, block=block, lam=0.75)
-    rtn_values = T.transform_weight(F.fake_quantize(T.transform_weight(weight, rtn_t), fmt).double(),
-                                    torch.linalg.inv(rtn_t))
+    rounded = F.fake_quantize(T.transform_weight(weight, rtn_t), fmt).double()
+    rtn_values = T.transform_weight(rounded, torch.linalg.inv(rtn_t))
     assert output_error(weight, effective, x) < output_error(weight, rtn_values, x)
 
 
@@ -113,7 +107,8 @@ def test_gptq_on_transformed_weight_uses_the_transformed_hessian():
 def test_cholesky_failure_warns_naming_the_layer_and_falls_back_to_rtn():
     weight, _, _ = correlated_layer(size=64)
     for bad in (-torch.eye(64), torch.full((64, 64), float("nan"))):
-        with pytest.warns(RuntimeWarning, match=r"model\.layers\.3\.mlp\.down_proj.*round-to-nearest"):
+        message = r"model\.layers\.3\.mlp\.down_proj.*round-to-nearest"
+        with pytest.warns(RuntimeWarning, match=message):
             result = G.gptq(weight, bad, "nvfp4", name="model.layers.3.mlp.down_proj")
         assert result.fallback and result.damping != result.damping  # NaN
         assert same_tensor(result.weight, F.quantize(weight, "nvfp4"))

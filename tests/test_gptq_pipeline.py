@@ -14,14 +14,7 @@ from kbbq_pl.models import tiny_model
 from kbbq_pl.quantize import QuantizationConfig, quantize_model
 from kbbq_pl.sequential_gptq import HessianCollector, assign_owners, gather_rows
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: starting threads costs more than the work, badly so on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def batches_of(ids: torch.Tensor, size: int = 2) -> list[dict[str, torch.Tensor]]:

@@ -60,7 +60,8 @@ def test_token_blocks_random_text_jsonl_and_errors(minilm, tmp_path):
         ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "."))
     lines = tmp_path / "corpus.jsonl"
     lines.write_text("\n".join(json.dumps({"body": f"sentence number {i} ."}) for i in range(300)))
-    assert token_blocks(lines, tokenizer, n_tokens=128, seq_len=64, text_key="body").shape == (2, 64)
+    blocks = token_blocks(lines, tokenizer, n_tokens=128, seq_len=64, text_key="body")
+    assert blocks.shape == (2, 64)
     with pytest.raises(ValueError, match="no 'text' field"):
         token_blocks(lines, tokenizer, n_tokens=128, seq_len=64)
     with pytest.raises(ValueError, match="fewer than the"):

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from kbbq_pl.callbacks import KBBQ, CalibrationStatistics
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
+from lightning_helpers import SaveQuantized, SaveStatistics, TinyLM
 
-from kbbq_pl.callbacks import KBBQ, CalibrationStatistics
 from kbbq_pl.data import CalibrationDataModule
 from kbbq_pl.formats import QuantizedTensor
 from kbbq_pl.layers import QuantizedLinear, quantized_linears
-from lightning_helpers import SaveQuantized, SaveStatistics, TinyLM
 
 
 def datamodule(n_tokens: int = 512, seed: int = 0) -> CalibrationDataModule:
@@ -36,10 +35,11 @@ def test_fit_quantizes_before_training_and_fine_tunes_through_fp4(tmp_path):
         def on_train_start(self, trainer, pl_module):
             layers = quantized_linears(pl_module)
             seen["layers"] = len(layers)
-            seen["master"] = {n: l.weight.detach().clone() for n, l in layers.items()}
+            seen["master"] = {n: layer.weight.detach().clone() for n, layer in layers.items()}
             seen["optimized"] = {id(p) for g in trainer.optimizers[0].param_groups
                                  for p in g["params"]}
-            seen["trainable"] = all(id(l.weight) in seen["optimized"] for l in layers.values())
+            seen["trainable"] = all(id(layer.weight) in seen["optimized"]
+                                    for layer in layers.values())
 
     trainer(tmp_path, [kbbq, Probe()], max_steps=4, enable_checkpointing=False).fit(
         module, datamodule=dm)
@@ -104,7 +104,8 @@ def test_checkpoint_reload_after_convert(tmp_path):
 
 def test_kbbq_errors_without_calibration_data(tmp_path):
     with pytest.raises(ValueError, match="needs calibration data"):
-        trainer(tmp_path, [KBBQ()]).validate(TinyLM(), dataloaders=datamodule().calibration_dataloader())
+        loader = datamodule().calibration_dataloader()
+        trainer(tmp_path, [KBBQ()]).validate(TinyLM(), dataloaders=loader)
 
 
 @pytest.mark.parametrize("arch", ["gpt2"])
@@ -113,7 +114,8 @@ def test_forward_kwargs_and_conv1d_under_fit(tmp_path, arch):
     trainer(tmp_path, [KBBQ(format="mxfp4", transform="wush")], max_steps=2,
             enable_checkpointing=False).fit(module, datamodule=datamodule())
     layers = quantized_linears(module)
-    assert len(layers) == 8 and all(isinstance(l, QuantizedLinear) for l in layers.values())
+    assert len(layers) == 8
+    assert all(isinstance(layer, QuantizedLinear) for layer in layers.values())
 
 
 def test_ddp_statistics_equal_single_process(tmp_path):

@@ -18,7 +18,6 @@ from .qtensor import (
     fake_quantize,
     quantize,
 )
-from .ste import ste_fake_quantize
 from .spec import (
     E8M0_ROUNDINGS,
     LOG_UNIFORM_INV_M2,
@@ -28,6 +27,7 @@ from .spec import (
     register_format,
     with_block_size,
 )
+from .ste import ste_fake_quantize
 
 __all__ = [
     "E8M0_ROUNDINGS",

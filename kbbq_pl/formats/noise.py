@@ -43,7 +43,8 @@ def measure_sigma2(
     if weighting == "energy":
         energy = xf.square().sum()
         if energy == 0:
-            raise ValueError("measure_sigma2: the tensor is all zeros; its relative noise is undefined")
+            raise ValueError(
+                "measure_sigma2: the tensor is all zeros; its relative noise is undefined")
         return float(error.square().sum() / energy)
     if weighting != "element":
         raise ValueError(f"weighting must be 'element' or 'energy', got {weighting!r}")

@@ -14,8 +14,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from .._compat import TorchAOBaseTensor
 
+from .._compat import TorchAOBaseTensor
 from . import kernels
 from .dispatch import run_kernel
 from .spec import Format, get_format

@@ -72,12 +72,29 @@ class LayerStatistics:
         return torch.cat(self.samples)
 
 
+_FIBONACCI_HASH = 2654435769  # round(2^32 / golden ratio)
+
+
+def spread_sample(start: int, count: int, stride: int) -> Tensor:
+    """Which of the tokens ``start .. start + count - 1`` (global indices) a sample keeps: one in
+    ``stride`` on average, the token ``i`` when the fractional part of ``i / golden ratio`` (a
+    Weyl sequence, Fibonacci hashing) falls below ``1 / stride``.  Evenly spread like every
+    ``stride``-th token, but never in step with the sequence length: every ``stride``-th token of
+    256-token blocks with ``stride = 4`` skips position 255 ([SEP]) in every block, this keeps
+    it as often as any other position.  Deterministic: a function of the index alone."""
+    index = torch.arange(start, start + count, dtype=torch.int64)
+    if stride <= 1:
+        return torch.ones(count, dtype=torch.bool)
+    return (index * _FIBONACCI_HASH) % 2**32 < 2**32 // stride
+
+
 class StatisticsCollector:
     """Accumulates :class:`LayerStatistics` for ``modules`` (name -> linear) during forwards.
 
     ``block`` is the transform / quantization block; a layer whose ``in_features`` is not a
     multiple of it is zero-padded (the quantized layer pads its inputs the same way).
-    ``keep_samples`` tokens per layer are kept for reports, every ``sample_stride``-th token.
+    ``keep_samples`` tokens per layer are kept for reports and the auto-brake, one in
+    ``sample_stride`` (:func:`spread_sample`).
     ``full`` also accumulates the full ``D x D`` second moment (memory ``O(in^2)``: for dense
     transforms and GPTQ Hessians).
     """
@@ -142,8 +159,8 @@ class StatisticsCollector:
     def _keep(self, stats: LayerStatistics, x: Tensor) -> None:
         kept = sum(len(s) for s in stats.samples)
         if kept < self.keep_samples:
-            offset = (-stats.seen) % self.sample_stride
-            picked = x[offset :: self.sample_stride][: self.keep_samples - kept]
+            chosen = spread_sample(stats.seen, x.shape[0], self.sample_stride).to(x.device)
+            picked = x[chosen][: self.keep_samples - kept]
             stats.samples.append(picked.float().cpu())
         stats.seen += x.shape[0]
 

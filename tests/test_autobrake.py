@@ -104,3 +104,18 @@ def test_auto_lambda_configuration_errors():
         QuantizationConfig(lam="auto", auto_grid=(0.5, 2.0))
     with pytest.raises(ValueError, match="lies in \\[0, 1\\] or is 'auto'"):
         QuantizationConfig(lam="best")
+
+
+def test_samples_are_spread_over_every_sequence_position():
+    from kbbq_pl.stats import spread_sample
+
+    # 64 blocks of 256 tokens, one in four kept: every position (the last one, [SEP], too)
+    # is kept about 16 times; every 4th token would never keep position 255
+    chosen = torch.nonzero(spread_sample(0, 64 * 256, 4)).flatten()
+    assert abs(len(chosen) - 64 * 64) <= 2
+    per_position = torch.bincount(chosen % 256, minlength=256)
+    assert per_position.min() >= 8 and per_position.max() <= 24
+    # a function of the global index: split calls pick the same tokens as one call
+    assert torch.equal(torch.cat([spread_sample(0, 1000, 3), spread_sample(1000, 24, 3)]),
+                       spread_sample(0, 1024, 3))
+    assert spread_sample(5, 7, 1).all()

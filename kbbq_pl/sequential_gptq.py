@@ -34,12 +34,11 @@ reaches it and rounds the block's columns with GPTQ's updates in its coordinates
 ``T`` once from the calibration statistics and runs GPTQ on ``W T^-1`` with ``T H T^T`` (with
 act-order).  ``lam="auto"`` (:func:`auto_gptq`) runs the candidates on the fitting part's Hessian
 and keeps the lambda whose GPTQ-quantized layer has the smallest realized W4A4 output error on the
-held-out tokens.  On all-MiniLM-L6-v2 (``bench/w4a4_table.py``, three calibration seeds) the in-loop
-refit gives GPTQ-KBBQ the better embedding fidelity in all six format x seed cases (NVFP4 +0.0008 to
-+0.0015, MXFP4 +0.0027 to +0.0044 in mean cosine) at the same median per-layer output SNR (within
-0.05 dB), hence the default.  GPTQ-WUSH (lambda = 1) refit in the loop is better in NVFP4 too but
-collapses the ``[SEP]`` token in MXFP4 (its final cosine falls to 0.44; fidelity 0.90 against 0.95
-with ``fixed``); the braked KBBQ refit does not (0.94).
+held-out tokens.  On all-MiniLM-L6-v2 (``bench/w4a4_table.py --extra``, calibration seed 0)
+the in-loop refit gives GPTQ-KBBQ a better embedding fidelity in MXFP4 (+0.0031 in mean cosine)
+and the same within noise in NVFP4 (-0.0002), hence the default.  GPTQ-WUSH (lambda = 1) refit
+in the loop is better in NVFP4 (+0.0015) but collapses in MXFP4 (0.892 against 0.955 with
+``fixed``); the braked KBBQ refit does not.
 """
 
 from __future__ import annotations

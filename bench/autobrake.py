@@ -45,6 +45,8 @@ def main() -> None:
                                               / "shared" / "data" / "wikitext2"))
     parser.add_argument("--sentences", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--seq-len", type=int, default=256,
+                        help="calibration block length (with the tokenizer's [CLS]/[SEP])")
     args = parser.parse_args()
     data = Path(args.data)
     model, tokenizer = load_model("minilm")
@@ -57,11 +59,13 @@ def main() -> None:
     runs = [(f"lambda {float(lam):g}", {"lam": float(lam)}) for lam in args.lams.split(",")]
     runs += [variants[v] for v in args.variants.split(",") if v]
     method = "RTN-KBBQ" if args.quantizer == "rtn" else "GPTQ-KBBQ"
-    print(f"all-MiniLM-L6-v2, calibration {args.tokens} tokens of valid.txt (seeds {seeds}), "
+    print(f"all-MiniLM-L6-v2, calibration {args.tokens} tokens of valid.txt in blocks of "
+          f"{args.seq_len} (seeds {seeds}), "
           f"fidelity on {len(sentences)} test.txt sentences, {method}")
     for fmt in args.formats.split(","):
         # untimed: the first calls of a process compile the rounding kernels of each shape
-        blocks = token_blocks(data / "valid.txt", tokenizer, n_tokens=args.tokens, seq_len=256)
+        blocks = token_blocks(data / "valid.txt", tokenizer, n_tokens=args.tokens,
+                              seq_len=args.seq_len)
         warm = [{"input_ids": b, "attention_mask": torch.ones_like(b)} for b in blocks.split(4)]
         for lam in (0.75, "auto"):
             quantize_model(copy.deepcopy(model), warm, QuantizationConfig(
@@ -72,7 +76,7 @@ def main() -> None:
             fidelities, times, chosen = [], [], []
             for seed in seeds:
                 blocks = token_blocks(data / "valid.txt", tokenizer, n_tokens=args.tokens,
-                                      seq_len=256, seed=seed)
+                                      seq_len=args.seq_len, seed=seed)
                 batches = [{"input_ids": b, "attention_mask": torch.ones_like(b)}
                            for b in blocks.split(4)]
                 candidate = copy.deepcopy(model)

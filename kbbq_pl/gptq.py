@@ -344,6 +344,13 @@ def _check_inputs(weight: Tensor, h: Tensor, fmt: Format, name: str) -> None:
         raise ValueError(f"{name}: the weight of shape {tuple(weight.shape)} holds NaN or Inf")
 
 
+def _check_block_size(block_size: int, fmt: Format, name: str) -> None:
+    d = fmt.block_size
+    if block_size < d or block_size % d:
+        raise ValueError(f"{name}: block_size {block_size} must be a positive multiple of the "
+                         f"{fmt.name} group {d}")
+
+
 def _prepare(weight: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
     """float32 copies with dead columns (``H_jj = 0``) masked: ``H_jj = 1``, ``W_:j = 0``."""
     w = weight.detach().to(_F32).clone()
@@ -433,10 +440,7 @@ def gptq_layers(
                          f"{len(weights)} weights")
     for weight, name in zip(weights, names):
         _check_inputs(weight, h, fmt, name)
-    d = fmt.block_size
-    if block_size < d or block_size % d:
-        raise ValueError(f"{label}: block_size {block_size} must be a positive multiple of the "
-                         f"{fmt.name} group {d}")
+    _check_block_size(block_size, fmt, label)
     if group_scales_mode not in ("static", "dynamic"):
         raise ValueError(f"group_scales must be 'static' or 'dynamic', got {group_scales_mode!r}")
     w, h = _prepare(torch.cat([weight.detach().to(_F32) for weight in weights]), h)
@@ -597,11 +601,9 @@ def gptq_refit(
     """
     fmt = check_fp4_format(fmt, name)
     _check_inputs(weight, h, fmt, name)
+    _check_block_size(block_size, fmt, name)
     d = fmt.block_size
     assert d is not None
-    if block_size < d or block_size % d:
-        raise ValueError(f"{name}: block_size {block_size} must be a positive multiple of the "
-                         f"{fmt.name} group {d}")
     w, h = _prepare(weight, h)
     out_features, size = w.shape
     groups = size // d

@@ -468,9 +468,6 @@ def quantize_model(
             broadcast=broadcast, rank=rank, world_size=world_size,
             expected_tokens=expected_tokens, progress=progress)
     start = time.perf_counter()
-    if (isinstance(batches, Iterable) and not isinstance(batches, Sequence)
-            and iter(batches) is batches):
-        batches = list(batches)
     modules, skipped = select_layers(model, config)
     report = QuantizationReport(config=config.to_dict(), skipped=skipped)
     dense = config.transform == "haar"

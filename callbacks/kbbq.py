@@ -129,7 +129,7 @@ class KBBQ(Callback):
         format, transform, lam, targets, ignore, act_scale, damping, seed, unaligned,
         keep_samples, auto_grid, auto_holdout, auto_tokens, auto_refit, weight_quantizer,
         gptq_damping, act_order, gptq_block_size, scale_search, group_scales,
-        transform_refit: the :class:`~kbbq_pl.quantize.QuantizationConfig` fields
+        transform_refit, fold_o_proj: the :class:`~kbbq_pl.quantize.QuantizationConfig` fields
             (``lam="auto"``: the auto-brake chooses lambda per layer on held-out calibration
             tokens; ``weight_quantizer="gptq"``: the GPTQ family, block by block, its work
             split across the trainer's ranks).
@@ -167,6 +167,7 @@ class KBBQ(Callback):
         scale_search: Literal["minmax", "mse"] = "minmax",
         group_scales: Literal["static", "dynamic"] = "static",
         transform_refit: Literal["fixed", "in_loop"] = "in_loop",
+        fold_o_proj: bool = False,
         calibration: Any = None,
         model_attr: str | None = "model",
         calibrate_only: bool = False,
@@ -179,7 +180,7 @@ class KBBQ(Callback):
             auto_tokens=auto_tokens, auto_refit=auto_refit, weight_quantizer=weight_quantizer,
             gptq_damping=gptq_damping, act_order=act_order, gptq_block_size=gptq_block_size,
             scale_search=scale_search, group_scales=group_scales,
-            transform_refit=transform_refit)
+            transform_refit=transform_refit, fold_o_proj=fold_o_proj)
         self.calibration = calibration
         self.model_attr = model_attr
         self.calibrate_only = calibrate_only

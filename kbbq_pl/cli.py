@@ -1,4 +1,8 @@
-"""The ``kbbq-pl`` command."""
+"""The ``kbbq-pl`` command.
+
+Every error of every subcommand ends here (:func:`main`): one line on stderr naming the command,
+exit code 2 (1 for an unexpected exception); ``--debug`` shows the traceback instead.
+"""
 
 from __future__ import annotations
 
@@ -54,7 +58,7 @@ def _parse_shots(text: str) -> dict[str, int]:
     for item in filter(None, text.split(",")):
         task, _, count = item.partition("=")
         if not count.isdigit():
-            raise SystemExit(f"--num-fewshot: expected task=N, got {item!r}")
+            raise ValueError(f"--num-fewshot: expected task=N, got {item!r}")
         shots[task.strip()] = int(count)
     return shots
 
@@ -68,14 +72,17 @@ def _limit(text: str) -> int | float:
 
 def _eval(args: argparse.Namespace) -> int:
     """Run the lm-eval benchmarks on a local causal LM and write the metrics as JSON."""
-    import json
-
     from kbbq_pl.benchmarks import run_benchmarks
-    from kbbq_pl.models import load_model
+    from kbbq_pl.fileio import check_output, write_output_json
+    from kbbq_pl.models import load_model, parse_device, resolve_model_path
 
-    model, tokenizer = load_model(args.model, causal=True)
+    device = parse_device(args.device)
+    source = resolve_model_path(args.model)
+    if args.out:
+        check_output(args.out, overwrite=args.overwrite, sources=[source], kind="file")
+    model, tokenizer = load_model(args.model, causal=True, device=device)
     if tokenizer is None:
-        raise SystemExit(f"{args.model}: no tokenizer in the model folder")
+        raise ValueError(f"{args.model}: no tokenizer in the model folder")
     start = time.perf_counter()
     results = run_benchmarks(
         model, tokenizer, tasks=[t.strip() for t in args.tasks.split(",") if t.strip()],
@@ -86,15 +93,14 @@ def _eval(args: argparse.Namespace) -> int:
     )
     results["wall_time_s"] = time.perf_counter() - start
     results["model"] = str(args.model)
+    results["device"] = str(device)
     print(f"{'task':<12}{'metric':<28}{'score':>8}{'docs':>7}{'shots':>7}")
     for task, entry in results.items():
         if isinstance(entry, dict) and "score" in entry:
             print(f"{task:<12}{entry['metric']:<28}{entry['score']:8.4f}{entry['n_docs']:7d}"
                   f"{entry['num_fewshot']:7d}")
     if args.out:
-        from kbbq_pl.fileio import atomic_write_text
-
-        out = atomic_write_text(args.out, json.dumps(results, indent=2, default=str) + "\n")
+        out = write_output_json(args.out, results, overwrite=args.overwrite, sources=[source])
         print(f"wrote {out}")
     return 0
 
@@ -104,16 +110,12 @@ def _law(args: argparse.Namespace) -> int:
     from kbbq_pl.law_report import run_law
 
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    try:
-        paths, summary = run_law(
-            args.model, args.data, args.out, formats=formats, tokens=args.tokens,
-            seq_len=args.seq_len, rows=args.rows, seed=args.seed, batch_size=args.batch_size,
-            block_size=args.block_size, targets=args.targets, ignore=args.ignore,
-            progress=not args.no_progress,
-        )
-    except (ValueError, FileNotFoundError, ImportError, OSError) as error:
-        print(f"kbbq-pl law: error: {error}", file=sys.stderr)
-        return 2
+    paths, summary = run_law(
+        args.model, args.data, args.out, formats=formats, tokens=args.tokens,
+        seq_len=args.seq_len, rows=args.rows, seed=args.seed, batch_size=args.batch_size,
+        block_size=args.block_size, targets=args.targets, ignore=args.ignore,
+        progress=not args.no_progress, overwrite=args.overwrite, device=args.device,
+    )
     print(f"{'format':<12}{'records':>8}{'slope/dec':>10}{'intercept':>10}{'median r':>9}"
           f"{'RMS r':>7}{'C_fmt':>7}")
     for name, fit in summary["formats"].items():
@@ -131,9 +133,34 @@ def _law(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    """Convert a kbbq-pl checkpoint folder for a serving stack (compressed-tensors)."""
+    from kbbq_pl.compressed_tensors import export_compressed_tensors
+
+    out = export_compressed_tensors(args.in_dir, args.out_dir, weight_only=args.weight_only,
+                                    strict=args.strict, overwrite=args.overwrite)
+    print(f"wrote {out}")
+    return 0
+
+
+class UsageError(ValueError):
+    """Bad command-line arguments (argparse's and jsonargparse's errors, as an exception)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse prints usage and exits; raise for main instead
+        raise UsageError(f"{message} (see {self.prog} -h)")
+
+
+def _add_overwrite(parser: argparse.ArgumentParser, option: str) -> None:
+    parser.add_argument("--overwrite", action="store_true",
+                        help=f"replace an existing {option}, if kbbq-pl wrote it")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kbbq-pl", description="FP4 W4A4 quantization with KBBQ (see README.md)"
+    parser = _Parser(
+        prog="kbbq-pl", description="FP4 W4A4 quantization with KBBQ (see README.md)",
+        epilog="--debug (anywhere): show the traceback of an error",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("quantize", help="quantize a model with a recipe (see: kbbq-pl quantize -h)")
@@ -150,14 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("--checkpoint", required=True, help="llama2.c v0 model .bin")
     convert.add_argument("--tokenizer", required=True, help="llama2.c tokenizer .bin")
-    convert.add_argument("--out", required=True, help="output folder (must not exist)")
-    convert.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    convert.add_argument("--out", required=True, help="output folder (new, or empty)")
+    _add_overwrite(convert, "--out")
     convert.set_defaults(run=_convert_llama2c)
 
     evaluate = sub.add_parser(
         "eval", help="MMLU, GSM8K, HellaSwag, WinoGrande, MBPP via lm-eval, offline"
     )
-    evaluate.add_argument("--model", required=True, help="local HF causal-LM folder")
+    evaluate.add_argument("--model", required=True,
+                          help="local HF causal-LM folder, or a kbbq-pl quantized one")
     evaluate.add_argument("--tasks", default="mmlu,gsm8k,hellaswag,winogrande",
                           help="comma-separated, from mmlu,gsm8k,hellaswag,winogrande,mbpp")
     evaluate.add_argument("--limit", type=_limit, default=None,
@@ -165,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--data-dir", default="../shared/data",
                           help="folder with mmlu/ gsm8k/ hellaswag/ winogrande/ mbpp/")
     evaluate.add_argument("--out", default=None, help="write the results here as JSON")
+    _add_overwrite(evaluate, "--out")
+    evaluate.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     evaluate.add_argument("--num-fewshot", default="", help="overrides, e.g. mmlu=0,gsm8k=4")
     evaluate.add_argument("--batch-size", type=int, default=8)
     evaluate.add_argument("--max-gen-toks", type=int, default=256)
@@ -177,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     law = sub.add_parser(
         "law", help="measure the noise law per GEMM cell (kappa, SNR per format), write a report"
     )
-    law.add_argument("--model", required=True, help="local model folder, or 'minilm'")
+    law.add_argument("--model", required=True,
+                     help="local full-precision model folder, or 'minilm'")
     law.add_argument("--data", required=True,
                      help="calibration text: a .txt/.jsonl file, hf:<dataset>, or 'random' "
                           "(the paper's random-token corpus)")
@@ -194,17 +225,32 @@ def build_parser() -> argparse.ArgumentParser:
                      help="linear layers to measure (default: all in the blocks)")
     law.add_argument("--ignore", nargs="+", action="extend", metavar="REGEX",
                      help="linear layers to skip (default: lm_head, embeddings, pooler)")
-    law.add_argument("--out", required=True, help="output folder")
+    law.add_argument("--out", required=True, help="output folder (new, or empty)")
+    _add_overwrite(law, "--out")
+    law.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     law.add_argument("--no-progress", action="store_true", help="no progress bar")
     law.set_defaults(run=_law)
+    export = sub.add_parser(
+        "export", help="convert a kbbq-pl checkpoint for vLLM / HF transformers "
+                       "(compressed-tensors)")
+    export.add_argument("--format", required=True, choices=["compressed-tensors"],
+                        help="the serving format")
+    export.add_argument("in_dir", help="a kbbq-pl checkpoint folder (kbbq-pl quantize)")
+    export.add_argument("out_dir", help="the folder to write (not inside in_dir)")
+    export.add_argument("--weight-only", action="store_true",
+                        help="declare weights only (NVFP4A16 / MXFP4A16): activations unquantized")
+    export.add_argument("--strict", action="store_true",
+                        help="refuse what stock readers would not compute as kbbq-pl does "
+                             "(per-block transforms, padded layers written dense)")
+    _add_overwrite(export, "out_dir")
+    export.set_defaults(run=_export)
     return parser
 
 
 RECIPE_COMMANDS = ("quantize", "sweep")
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _run(argv: list[str]) -> int:
     if argv and argv[0] in RECIPE_COMMANDS:  # recipe commands parse with jsonargparse
         from .quantize_cli import main as recipe_main
 
@@ -213,5 +259,29 @@ def main(argv: list[str] | None = None) -> int:
     return args.run(args)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv: list[str] | None = None) -> int:
+    """Run ``kbbq-pl ARGS``; an error is one line on stderr and exit code 2 (1 when it is not
+    one of the expected kinds of bad input), unless ``--debug`` asks for the traceback."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    command = argv[0] if argv and not argv[0].startswith("-") else "kbbq-pl"
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"kbbq-pl {command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # noqa: BLE001 - the one place that turns errors into a line
+        if debug:
+            raise
+        message = " ".join(str(error).split()) or type(error).__name__
+        if isinstance(error, argparse.ArgumentError):  # jsonargparse's bad arguments
+            message += f" (see kbbq-pl {command} -h)"
+        if isinstance(error, (ValueError, OSError, ImportError, argparse.ArgumentError)):
+            print(f"kbbq-pl {command}: error: {message}", file=sys.stderr)
+            return 2
+        print(f"kbbq-pl {command}: internal error ({type(error).__name__}): {message} "
+              "(--debug shows the traceback)", file=sys.stderr)
+        return 1

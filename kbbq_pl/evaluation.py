@@ -165,6 +165,26 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
+@contextlib.contextmanager
+def padding_tokenizer(tokenizer: Any) -> Iterator[Any]:
+    """``tokenizer``, able to pad a batch: when it has no pad token, its EOS (else UNK, else
+    BOS) token pads for the duration of the block, and the pad token is unset again after.
+    The padded positions are masked out (attention mask), so which token pads does not matter.
+    """
+    if tokenizer.pad_token is not None:
+        yield tokenizer
+        return
+    fallback = tokenizer.eos_token or tokenizer.unk_token or tokenizer.bos_token
+    if fallback is None:
+        raise ValueError("the tokenizer has no pad, EOS, UNK or BOS token to pad a batch with; "
+                         "set tokenizer.pad_token")
+    tokenizer.pad_token = fallback
+    try:
+        yield tokenizer
+    finally:
+        tokenizer.pad_token = None
+
+
 def _device(model: nn.Module) -> torch.device:
     try:
         return next(model.parameters()).device
@@ -192,6 +212,7 @@ def mean_pooled_embeddings(
 
     Sentences are truncated to ``max_length`` tokens (256: all-MiniLM-L6-v2's ``max_seq_length``).
     The model runs in eval mode under ``torch.inference_mode``; its training flag is restored.
+    A tokenizer without a pad token pads with :func:`padding_tokenizer`'s stand-in.
     """
     if not sentences:
         raise ValueError("no sentences to embed")
@@ -201,7 +222,7 @@ def mean_pooled_embeddings(
     # batches of similar lengths pad less; the rows go back to the input order at the end
     order = sorted(range(len(sentences)), key=lambda i: (-len(sentences[i]), i))
     chunks = []
-    with _eval_mode(model):
+    with _eval_mode(model), padding_tokenizer(tokenizer):
         for start in range(0, len(order), batch_size):
             texts = [sentences[i] for i in order[start : start + batch_size]]
             batch = tokenizer(texts, padding=True, truncation=True, max_length=max_length,

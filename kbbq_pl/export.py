@@ -21,6 +21,7 @@ that was saved.  A truncated or corrupted file gives an error naming it.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from .fileio import sha256_file, write_folder
+from .fileio import check_output, sha256_file, write_folder
 from .formats import Format, QuantizedTensor, get_format, quantize
 from .layers import QuantizedLinear, quantized_linears, swap_module
 
@@ -94,8 +95,13 @@ def install_empty_layers(model: nn.Module, layers: dict[str, dict[str, Any]],
         swap_module(model, name, empty_layer(meta, name=name, trainable=trainable))
 
 
-def _flat_tensors(model: nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """All tensors to store, and tied names (alias -> stored name)."""
+def checkpoint_contents(
+    model: nn.Module,
+) -> tuple[dict[str, Tensor], dict[str, dict[str, Any]], dict[str, str]]:
+    """What a checkpoint of ``model`` holds: every tensor to store (the layout of the module
+    docstring), each quantized layer's :func:`layer_metadata`, and tied names (alias -> stored
+    name).  :func:`save_quantized` and
+    :func:`kbbq_pl.compressed_tensors.save_compressed_tensors` both write from it."""
     tensors: dict[str, Tensor] = {}
     tied: dict[str, str] = {}
     seen: dict[tuple, str] = {}
@@ -125,7 +131,7 @@ def _flat_tensors(model: nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
             tensors[f"{name}.input_global_scale"] = layer.act_global_scale.reshape(1).cpu()
         if layer.bias is not None:
             tensors[f"{name}.bias"] = layer.bias.detach().contiguous().cpu()
-    return tensors, tied
+    return tensors, {name: layer_metadata(layer) for name, layer in layers.items()}, tied
 
 
 def save_quantized(
@@ -135,37 +141,34 @@ def save_quantized(
     tokenizer: Any = None,
     recipe: dict[str, Any] | None = None,
     extra_files: dict[str, str] | None = None,
-    overwrite: bool = True,
+    overwrite: bool = False,
     source_dir: str | Path | None = None,
 ) -> Path:
-    """Write the quantized ``model`` to ``out_dir`` (see the module docstring).
+    """Write the quantized ``model`` to ``out_dir`` (see the module docstring); returns the
+    resolved folder.
 
     ``extra_files`` maps file names to text written beside (e.g. reports).  ``source_dir`` is
-    the folder the model was loaded from: writing into it is refused.
+    the folder the model was loaded from: an output equal to it, inside it or containing it is
+    refused.  An existing ``out_dir`` is an error unless ``overwrite``, and even then only a
+    folder kbbq-pl wrote is replaced (:func:`kbbq_pl.fileio.check_output`).
     """
-    target = Path(out_dir).resolve()
-    if source_dir is not None and Path(source_dir).resolve() == target:
-        raise ValueError(f"refusing to write the quantized model over its source {target}")
+    check_output(out_dir, overwrite=overwrite, sources=[source_dir])
     layers = quantized_linears(model)
     if not layers:
         raise ValueError("the model has no quantized layers to save")
 
     def write(staging: Path) -> None:
-        config = getattr(model, "config", None)
-        if config is not None:
-            config.save_pretrained(staging)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
-        tensors, tied = _flat_tensors(model)
+        write_hf_files(staging, model, tokenizer)
+        tensors, layers, tied = checkpoint_contents(model)
         weights = staging / WEIGHTS_NAME
         save_file(tensors, str(weights), metadata={"format": FORMAT_TAG})
         metadata = {
             "format": FORMAT_TAG,
             "version": FORMAT_VERSION,
             "model_class": type(model).__name__,
-            "causal_lm": _is_causal(model),
+            "causal_lm": is_causal_model(model),
             "recipe": recipe or {},
-            "layers": {name: layer_metadata(layer) for name, layer in layers.items()},
+            "layers": layers,
             "tied": tied,
             "files": {WEIGHTS_NAME: {"bytes": weights.stat().st_size,
                                      "sha256": sha256_file(weights)}},
@@ -174,11 +177,26 @@ def save_quantized(
         for file_name, text in (extra_files or {}).items():
             (staging / file_name).write_text(text)
 
-    write_folder(target, write, overwrite=overwrite)
-    return target
+    return write_folder(out_dir, write, kind="checkpoint", overwrite=overwrite,
+                        sources=[source_dir])
 
 
-def _is_causal(model: nn.Module) -> bool:
+def write_hf_files(folder: Path, model: nn.Module, tokenizer: Any = None) -> None:
+    """The HuggingFace files beside the weights: ``config.json``, ``generation_config.json``
+    (for models that generate) and the tokenizer's files."""
+    config = getattr(model, "config", None)
+    if config is not None:
+        if not getattr(config, "architectures", None):  # as PreTrainedModel.save_pretrained
+            config.architectures = [type(model).__name__]
+        config.save_pretrained(folder)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and is_causal_model(model):
+        generation.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+
+
+def is_causal_model(model: nn.Module) -> bool:
     return type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
 
 
@@ -209,23 +227,100 @@ def read_metadata(folder: str | Path) -> dict[str, Any]:
     return metadata
 
 
-def load_quantized_state(model: nn.Module, folder: Path, metadata: dict[str, Any]) -> None:
-    """Load ``model.safetensors`` into ``model`` whose quantized layers are already in place."""
+def read_tensors(folder: str | Path) -> dict[str, Tensor]:
+    """Every tensor of ``folder``'s ``model.safetensors`` (a CheckpointError when unreadable)."""
     try:
-        tensors = load_file(str(folder / WEIGHTS_NAME))
+        return load_file(str(Path(folder) / WEIGHTS_NAME))
     except (SafetensorError, OSError) as error:
-        raise CheckpointError(f"{folder / WEIGHTS_NAME} cannot be read ({error})") from None
-    state: dict[str, Any] = {}
-    layers = metadata["layers"]
+        raise CheckpointError(f"{Path(folder) / WEIGHTS_NAME} cannot be read ({error})") from None
+
+
+def _layout(shape: Sequence[int], dtype: torch.dtype) -> str:
+    return f"{list(shape)} {str(dtype).replace('torch.', '')}"
+
+
+def check_layer_tensors(layers: dict[str, dict[str, Any]], tensors: dict[str, Tensor]) -> None:
+    """Check every quantized layer's metadata (format, widths, dtype, transform, scales) against
+    the shapes and dtypes of its stored tensors, before any layer is built; a CheckpointError
+    names the layer, the tensor, what the metadata implies and what is stored."""
     for name, meta in layers.items():
+        _check_layer(name, meta, tensors)
+
+
+def _check_layer(name: str, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+    def fail(message: str) -> CheckpointError:
+        return CheckpointError(f"{name}: {message} ({CONFIG_NAME} and {WEIGHTS_NAME} disagree)")
+
+    try:
         fmt = get_format(meta["format"])
-        packed = tensors.pop(f"{name}.weight_packed")
-        scale = tensors.pop(f"{name}.weight_scale")
-        global_scale = tensors.pop(f"{name}.weight_global_scale", None)
-        dtype = getattr(torch, meta["dtype"])
-        state[f"{name}.weight"] = QuantizedTensor(
-            packed, scale, fmt, dtype, meta["padded_in"],
-            None if global_scale is None else global_scale.reshape(()))
+        out_features, in_features = int(meta["out_features"]), int(meta["in_features"])
+        padded = int(meta["padded_in"])
+        dtype = getattr(torch, str(meta["dtype"]), None)
+    except (KeyError, TypeError, ValueError) as error:
+        raise fail(f"unusable metadata {meta!r} ({error})") from None
+    block = fmt.block_size or 1
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise fail(f"dtype {meta['dtype']!r} is not float32, bfloat16 or float16")
+    if padded % block or not in_features <= padded < in_features + block:
+        raise fail(f"padded_in {padded} is not in_features {in_features} rounded up to the "
+                   f"{fmt.name} block {block}")
+    reference = quantize(torch.zeros(1, padded), fmt)
+    expected = {"weight_packed": ((out_features, *reference.qdata.shape[1:]),
+                                  reference.qdata.dtype),
+                "weight_scale": ((out_features, *reference.scale.shape[1:]),
+                                 reference.scale.dtype)}
+    for suffix, (shape, kind) in expected.items():
+        stored = tensors.get(f"{name}.{suffix}")
+        if stored is None:
+            raise fail(f"{name}.{suffix} is missing")
+        if tuple(stored.shape) != tuple(shape) or stored.dtype != kind:
+            raise fail(f"{suffix} is {_layout(stored.shape, stored.dtype)}, but format "
+                       f"{fmt.name} with out_features {out_features} and padded_in {padded} "
+                       f"stores {_layout(shape, kind)}")
+    has_global = f"{name}.weight_global_scale" in tensors
+    if has_global != bool(fmt.global_scale):
+        raise fail(f"weight_global_scale is {'present' if has_global else 'missing'}, but "
+                   f"format {fmt.name} {'has' if fmt.global_scale else 'has no'} per-tensor "
+                   "scale")
+    transform = tensors.get(f"{name}.transform")
+    declared = meta.get("transform")
+    if (transform is None) != (declared is None):
+        raise fail(f"transform is {'missing' if transform is None else 'stored'}, but the "
+                   f"metadata says {declared!r}")
+    if transform is not None:
+        shape = tuple(transform.shape)
+        blocks_ok = len(shape) == 3 and shape[1] == shape[2] and shape[0] * shape[1] == padded
+        dense_ok = shape == (padded, padded)
+        if shape != tuple(declared) or not (blocks_ok or dense_ok):
+            raise fail(f"transform is {list(shape)}, metadata says {declared}; padded_in "
+                       f"{padded} needs [{padded} / d, d, d] or [{padded}, {padded}]")
+    bias = tensors.get(f"{name}.bias")
+    if (bias is not None) != bool(meta.get("bias")):
+        raise fail(f"bias is {'stored' if bias is not None else 'missing'}, but the metadata "
+                   f"says bias={meta.get('bias')!r}")
+    if bias is not None and tuple(bias.shape) != (out_features,):
+        raise fail(f"bias is {list(bias.shape)}, out_features is {out_features}")
+    if f"{name}.input_global_scale" in tensors and meta.get("act_scale") != "static":
+        raise fail(f"input_global_scale is stored, but act_scale is {meta.get('act_scale')!r}")
+
+
+def stored_weight(tensors: dict[str, Tensor], name: str, meta: dict[str, Any]) -> QuantizedTensor:
+    """The stored codes of layer ``name`` as a :class:`QuantizedTensor` (its tensors are
+    taken out of ``tensors``)."""
+    global_scale = tensors.pop(f"{name}.weight_global_scale", None)
+    return QuantizedTensor(
+        tensors.pop(f"{name}.weight_packed"), tensors.pop(f"{name}.weight_scale"),
+        get_format(meta["format"]), getattr(torch, meta["dtype"]), meta["padded_in"],
+        None if global_scale is None else global_scale.reshape(()))
+
+
+def load_tensors(model: nn.Module, tensors: dict[str, Tensor], metadata: dict[str, Any],
+                 source: str | Path) -> None:
+    """Load checkpoint ``tensors`` (the layout of the module docstring) into ``model`` whose
+    quantized layers are already in place; ``source`` names where they came from in errors."""
+    state: dict[str, Any] = {}
+    for name, meta in metadata["layers"].items():
+        state[f"{name}.weight"] = stored_weight(tensors, name, meta)
         if f"{name}.transform" in tensors:
             state[f"{name}.transform"] = tensors.pop(f"{name}.transform")
         if f"{name}.input_global_scale" in tensors:
@@ -237,21 +332,43 @@ def load_quantized_state(model: nn.Module, folder: Path, metadata: dict[str, Any
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if m not in metadata.get("tied", {})]
     if missing or unexpected:
-        raise CheckpointError(f"{folder}: tensors do not match the model: missing {missing[:5]}, "
+        raise CheckpointError(f"{source}: tensors do not match the model: missing {missing[:5]}, "
                               f"unexpected {unexpected[:5]}")
 
 
 def from_pretrained(folder: str | Path, device: str | torch.device = "cpu") -> nn.Module:
-    """The quantized model saved in ``folder`` by :func:`save_quantized`, in eval mode."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
+    """The quantized model saved in ``folder``, in eval mode: a kbbq-pl checkpoint written by
+    :func:`save_quantized`, or a compressed-tensors NVFP4 / MXFP4 folder (llm-compressor's
+    output, :func:`kbbq_pl.compressed_tensors.save_compressed_tensors`), read by
+    :func:`kbbq_pl.compressed_tensors.read_compressed_tensors`."""
     folder = Path(folder)
+    if not (folder / CONFIG_NAME).is_file():
+        from .compressed_tensors import is_compressed_tensors_folder, read_compressed_tensors
+
+        if is_compressed_tensors_folder(folder):
+            metadata, tensors = read_compressed_tensors(folder)
+            return build_quantized_model(folder, metadata, tensors, device)
     metadata = read_metadata(folder)
-    config = AutoConfig.from_pretrained(folder)
-    loader = AutoModelForCausalLM if metadata["causal_lm"] else AutoModel
-    model = loader.from_config(config)
+    return build_quantized_model(folder, metadata, read_tensors(folder), device)
+
+
+def empty_model(config: Any, causal: bool) -> nn.Module:
+    """The architecture of a HuggingFace ``config`` (a causal-LM head or the bare model)."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    return (AutoModelForCausalLM if causal else AutoModel).from_config(config)
+
+
+def build_quantized_model(folder: Path, metadata: dict[str, Any], tensors: dict[str, Tensor],
+                          device: str | torch.device = "cpu") -> nn.Module:
+    """The model of ``folder``'s ``config.json`` with the quantized layers of ``metadata`` and
+    the checkpoint ``tensors`` loaded, in eval mode."""
+    from transformers import AutoConfig
+
+    check_layer_tensors(metadata["layers"], tensors)
+    model = empty_model(AutoConfig.from_pretrained(folder), metadata["causal_lm"])
     install_empty_layers(model, metadata["layers"])
-    load_quantized_state(model, folder, metadata)
+    load_tensors(model, tensors, metadata, folder)
     if metadata.get("tied"):
         model.tie_weights()
     model.to(device)

@@ -608,7 +608,7 @@ def gptq_refit(
     out_features, size = w.shape
     groups = size // d
     sigma = sigma_blocks_from_hessian(h, d)
-    initial = kbbq_basis(w, sigma, transform_damping).transform(lam)
+    initial = kbbq_basis(w, sigma, transform_damping, name=name).transform(lam)
     global_scale = weight_global_scale(transform_weight(w, initial), fmt)
     factor = inverse_hessian_factor(h, damping, name)
     if factor is None:
@@ -632,7 +632,7 @@ def gptq_refit(
         for c0 in range(i1, i2, d):
             c1 = c0 + d
             g = c0 // d
-            t = kbbq_basis(wt[c0:c1].T, sigma[g:g + 1], transform_damping).transform(lam)
+            t = kbbq_basis(wt[c0:c1].T, sigma[g:g + 1], transform_damping, name=name).transform(lam)
             fitted[g] = t[0]
             hat_t = rounded_t[c0:c1]
             hat_t.copy_(transform_weight(wt[c0:c1].T, t).T)          # (W_b T_b^-1)^T

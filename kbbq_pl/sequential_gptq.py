@@ -220,10 +220,10 @@ def quantize_layers(weights: Mapping[str, Tensor], h: Tensor, config: Quantizati
             return {name: (result, result.transform)}
         sigma = sigma_blocks_from_hessian(h, config.block)
         transform = fit_transform(kind, weight, sigma, block=config.block, lam=config.lam,
-                                  seed=config.seed, damping=config.damping)
+                                  seed=config.seed, damping=config.damping, name=name)
     else:
         transform = fit_transform(kind, weights[names[0]], None, block=config.block,
-                                  seed=config.seed)
+                                  seed=config.seed, name=names[0])
     results = gptq_layers([transform_weight(weights[n].to(torch.float32), transform)
                            for n in names], transform_hessian(h, transform), fmt,
                           act_order=config.gptq_act_order, group_scales_mode=config.group_scales,
@@ -507,9 +507,8 @@ def _quantize_block(step, linears: dict[str, nn.Module], config: QuantizationCon
         quantized = _quantized_weight(payload, config, weight.dtype, weight.device)
         layer = QuantizedLinear.from_linear(
             module, config.fmt, transforms[name], act_scale="static" if static else "dynamic",
+            act_global_scale=scales[name].to(weight.device) if static else None,
             name=name, quantized_weight=quantized)
-        if static:
-            layer.act_global_scale = scales[name].to(weight.device)
         layer.to(weight.device)
         report.layers.append(layer_report(name, module, layer, collector.stats[name],
                                           transforms[name], config, scales.get(name),

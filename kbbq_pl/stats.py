@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from .modules import check_finite, first_input, flatten_tokens, in_out_features, linear_weight
 
@@ -164,14 +165,20 @@ class StatisticsCollector:
             stats.samples.append(picked.float().cpu())
         stats.seen += x.shape[0]
 
-    @contextlib.contextmanager
-    def hooks(self) -> Iterator[StatisticsCollector]:
-        """Hooks on every module for the duration of the block."""
+    def attach(self) -> list[RemovableHandle]:
+        """Register the accumulating forward hook on every module; the caller removes them
+        (:meth:`hooks` for the duration of a block)."""
         handles = []
         for name, module in self.modules.items():
             def hook(module, args, kwargs, output, name=name):
                 self._update(name, module, args, kwargs, output)
             handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        return handles
+
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[StatisticsCollector]:
+        """Hooks on every module for the duration of the block."""
+        handles = self.attach()
         try:
             yield self
         finally:

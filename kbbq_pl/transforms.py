@@ -34,6 +34,8 @@ from torch import Tensor
 from .law import haar_rotation
 
 TRANSFORMS = ("identity", "haar", "hadamard", "wush", "kbbq")
+FITTED_TRANSFORMS = ("wush", "kbbq")
+"""The transforms fitted from calibration statistics (the others are data-free)."""
 DEFAULT_DAMPING = 0.01
 _F64 = torch.float64
 
@@ -61,11 +63,13 @@ def _work_dtype(tensor: Tensor) -> torch.dtype:
     return _F64 if tensor.dtype == _F64 else torch.float32
 
 
-def weight_block_grams(weight: Tensor, block: int) -> Tensor:
-    """``G_W = W_b^T W_b / d_out`` for every input block: ``[D / d, d, d]`` (float64)."""
+def weight_block_grams(weight: Tensor, block: int, name: str = "") -> Tensor:
+    """``G_W = W_b^T W_b / d_out`` for every input block: ``[D / d, d, d]`` (float64).
+    ``name`` (the layer) only labels errors."""
     out_features, in_features = weight.shape
     if in_features % block:
-        raise ValueError(f"in_features {in_features} is not a multiple of the block size {block}")
+        raise ValueError(f"{name or 'layer'}: in_features {in_features} is not a multiple of "
+                         f"the block size {block}")
     w = weight.to(_work_dtype(weight)).reshape(out_features, in_features // block, block)
     w = w.permute(1, 2, 0).contiguous()  # [blocks, d, out]
     return (torch.bmm(w, w.transpose(-1, -2)) / out_features).to(_F64)
@@ -99,22 +103,29 @@ class KBBQBasis:
         return torch.where(self.degenerate[:, None, None], eye, blocks)
 
 
-def kbbq_basis(weight: Tensor, sigma_blocks: Tensor, damping: float = DEFAULT_DAMPING) -> KBBQBasis:
+def kbbq_basis(weight: Tensor, sigma_blocks: Tensor, damping: float = DEFAULT_DAMPING,
+               name: str = "") -> KBBQBasis:
     """Fit the shared part of WUSH/KBBQ from ``weight [out, D]`` and the diagonal blocks
-    ``sigma_blocks [D / d, d, d]`` of the input second moment (float64, damped, batched)."""
+    ``sigma_blocks [D / d, d, d]`` of the input second moment (float64, damped, batched).
+    ``name`` (the layer) only labels errors."""
     block = sigma_blocks.shape[-1]
-    g_w = weight_block_grams(weight, block)
+    g_w = weight_block_grams(weight, block, name)
     g_x = sigma_blocks.to(_F64)
     if g_w.shape != g_x.shape:
-        raise ValueError(f"weight blocks {tuple(g_w.shape)} do not match input statistics "
-                         f"{tuple(g_x.shape)}")
+        raise ValueError(f"{name or 'layer'}: weight blocks {tuple(g_w.shape)} do not match "
+                         f"input statistics {tuple(g_x.shape)}")
+    bad_w, bad_x = int((~torch.isfinite(g_w)).sum()), int((~torch.isfinite(g_x)).sum())
+    if bad_w or bad_x:
+        raise ValueError(
+            f"{name or 'layer'}: cannot fit the transform: {bad_w} non-finite entries in the "
+            f"weight block Grams and {bad_x} in the input second moments (shape "
+            f"{tuple(g_x.shape)}, {g_x.device}); the weight or the inputs overflow or hold "
+            "NaN/Inf")
     degenerate = (torch.diagonal(g_w, dim1=-2, dim2=-1).sum(-1) <= 0) | (
         torch.diagonal(g_x, dim1=-2, dim2=-1).sum(-1) <= 0)
     eye = torch.eye(block, dtype=_F64, device=g_w.device)
     g_w = torch.where(degenerate[:, None, None], eye, damp(g_w, damping))
     g_x = torch.where(degenerate[:, None, None], eye, damp(g_x, damping))
-    if not (torch.isfinite(g_w).all() and torch.isfinite(g_x).all()):
-        raise ValueError("non-finite weight or input statistics: cannot fit the transform")
     root = torch.linalg.cholesky(g_w)
     paired = root.transpose(-1, -2) @ g_x @ root
     eigenvalues, vectors = torch.linalg.eigh(paired)
@@ -130,12 +141,13 @@ def fit_transform(
     lam: float = 1.0,
     seed: int = 0,
     damping: float = DEFAULT_DAMPING,
+    name: str = "",
 ) -> Tensor | None:
     """The transform ``kind`` for one layer (``weight [out, D]``), in float64.
 
     ``identity`` -> None; ``haar`` -> a dense seeded Haar rotation ``[D, D]``; ``hadamard`` ->
     block Hadamard ``[D / d, d, d]``; ``wush`` and ``kbbq`` (with ``lam``) -> fitted blocks,
-    which need ``sigma_blocks``.
+    which need ``sigma_blocks``.  ``name`` (the layer) labels errors.
     """
     in_features = weight.shape[1]
     if kind == "identity":
@@ -144,13 +156,14 @@ def fit_transform(
         generator = torch.Generator().manual_seed(seed)
         return haar_rotation(in_features, generator)
     if in_features % block:
-        raise ValueError(f"in_features {in_features} is not a multiple of the block size {block}")
+        raise ValueError(f"{name or 'layer'}: in_features {in_features} is not a multiple of "
+                         f"the block size {block}")
     if kind == "hadamard":
         return hadamard(block).expand(in_features // block, block, block).clone()
-    if kind in ("wush", "kbbq"):
+    if kind in FITTED_TRANSFORMS:
         if sigma_blocks is None:
             raise ValueError(f"the {kind} transform is fitted from calibration statistics")
-        basis = kbbq_basis(weight, sigma_blocks, damping)
+        basis = kbbq_basis(weight, sigma_blocks, damping, name=name)
         return basis.transform(1.0 if kind == "wush" else lam)
     raise ValueError(f"unknown transform {kind!r}; choose from {TRANSFORMS}")
 

@@ -15,6 +15,11 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Without a GPU the Triton kernels of kbbq_pl.kernels run under Triton's interpreter, which
+# must be chosen before triton.jit decorates them (kbbq_pl.kernels imports them lazily).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
@@ -49,3 +54,23 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data folder {SHARED_DATA} is absent")
     return SHARED_DATA
+
+
+@pytest.fixture
+def poison_input():
+    """``poison_input(module, column, value)``: every call of ``module`` sees ``value`` (NaN or
+    Inf) in feature ``column`` of its input, put there by a forward pre-hook, so the value
+    reaches the layer under test whatever a CPU's vector kernels do with infinities upstream."""
+    handles = []
+
+    def poison(module: torch.nn.Module, column: int, value: float) -> None:
+        def hook(module, args):
+            x = args[0].clone()
+            x[..., column] = value
+            return (x, *args[1:])
+
+        handles.append(module.register_forward_pre_hook(hook))
+
+    yield poison
+    for handle in handles:
+        handle.remove()

@@ -95,7 +95,7 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys, tiny_llama_dir):
     assert main(["quantize", "--model", str(tiny_llama_dir), "--output_dir",
                  str(tiny_llama_dir), "--data.init_args.n_tokens", "64",
                  "--data.init_args.seq_len", "32"]) == 2
-    assert "refusing to write the quantized model over its source" in capsys.readouterr().err
+    assert "refusing to write the output over its source" in capsys.readouterr().err
 
 
 def test_truncated_or_corrupted_checkpoint(tiny_llama_dir, tmp_path):

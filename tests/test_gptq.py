@@ -280,7 +280,7 @@ def test_refit_bookkeeping_equals_gptq_on_the_transformed_layer(monkeypatch):
     blocks = T.hadamard(16).expand(4, 16, 16).clone()
 
     class Basis:
-        def __init__(self, weight, sigma, damping):
+        def __init__(self, weight, sigma, damping, name=""):
             self.count = sigma.shape[0]
 
         def transform(self, lam):

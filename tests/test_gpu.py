@@ -7,8 +7,11 @@ import pytest
 import torch
 from torch import nn
 
+import torch.nn.functional as TF
+
 from kbbq_pl import formats as F
-from kbbq_pl.layers import QuantizedLinear
+from kbbq_pl import w4a4
+from kbbq_pl.layers import QuantizedLinear, w4a4_weight
 
 pytestmark = pytest.mark.gpu
 FORMATS = ["nvfp4", "mxfp4", "mxfp4_no_clip", "fp8_e4m3", "int4"]
@@ -40,3 +43,21 @@ def test_quantized_linear_on_cuda_matches_cpu():
     expected = layer(x)
     layer.cuda()
     torch.testing.assert_close(layer(x.cuda()).cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt, act_scale", [("nvfp4", "static"), ("nvfp4", "dynamic"),
+                                            ("mxfp4", "dynamic")])
+def test_w4a4_weight_on_cuda_runs_the_kernels(fmt, act_scale):
+    if w4a4._kernels() is None:
+        pytest.skip("kbbq_pl.kernels is not installed")
+    linear = nn.Linear(512, 256)
+    block = F.get_format(fmt).block_size
+    identity = torch.eye(block).expand(512 // block, block, block)  # T x exact in any order
+    weight = w4a4_weight(linear, fmt, identity, act_scale=act_scale,
+                         act_global_scale=torch.tensor(0.002))
+    x = torch.randn(16, 512)
+    expected = TF.linear(x, weight, linear.bias)  # CPU emulation
+    on_gpu = weight.to("cuda")
+    assert w4a4.uses_kernels(x.cuda(), on_gpu)
+    got = TF.linear(x.cuda(), on_gpu, linear.bias.cuda()).cpu()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -172,10 +172,9 @@ def test_memory_holds_one_block_of_statistics(monkeypatch):
 
 @pytest.mark.parametrize("value, count", [(float("nan"), r"64 NaN and 0 Inf"),
                                           (float("inf"), r"0 NaN and 64 Inf")])
-def test_non_finite_activations_name_the_layer(minilm, value, count):
+def test_non_finite_activations_name_the_layer(minilm, poison_input, value, count):
     model = copy.deepcopy(minilm[0])
-    with torch.no_grad():
-        model.encoder.layer[1].intermediate.dense.bias[5] = value  # one coordinate, 64 tokens
+    poison_input(model.encoder.layer[1].output.dense, 5, value)  # one coordinate, 64 tokens
     with pytest.raises(ValueError, match=r"encoder\.layer\.1\.output\.dense: .*" + count):
         measure_law(model, minilm_batches(minilm[1], 64), ["fp8_e4m3"], rows=2)
 
@@ -216,7 +215,7 @@ def test_zero_variance_coordinates_and_dead_cells_are_reported(minilm, tmp_path)
 
 def check_report(out, formats, records):
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["kappa.md", "law.json", "law.md", "law.png"]  # no temporary files left
+    assert names == ["kappa.md", "kbbq-pl.json", "law.json", "law.md", "law.png"]  # no temp files
     assert (out / "law.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     document = json.loads((out / "law.json").read_text())
     assert document["schema"] == "kbbq-pl/law/1"
@@ -294,6 +293,6 @@ def test_cli_on_a_saved_model_without_tokenizer(tmp_path, capsys):
     check_report(out, ["fp8_e4m3"], 8 * 2)
     text = tmp_path / "text.txt"
     text.write_text("some words " * 100)
-    assert main(["law", "--model", str(folder), "--data", str(text), "--out", str(out),
-                 "--no-progress"]) == 2
+    assert main(["law", "--model", str(folder), "--data", str(text), "--out",
+                 str(tmp_path / "out2"), "--no-progress"]) == 2
     assert "needs a tokenizer" in capsys.readouterr().err

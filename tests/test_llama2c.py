@@ -222,3 +222,7 @@ def test_cli_convert(sources, tmp_path, capsys):
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in
                                                                        out.iterdir()}
     assert str(out) in capsys.readouterr().out
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert (tokenizer.pad_token, tokenizer.pad_token_id) == ("<unk>", 0)  # llama2.c has none

@@ -136,15 +136,45 @@ def test_bad_calibration_input():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="calibration set is empty"):
         quantize_model(model, [], QuantizationConfig(), progress=False)
-    model.model.layers[0].self_attn.q_proj.weight.data[0, 0] = float("nan")
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.o_proj: its input holds"):
-        quantize_model(model, batches_of(torch.randint(0, 256, (2, 8))), QuantizationConfig(),
-                       progress=False)
     with pytest.raises(ValueError, match="W4A4 needs a block FP4 format"):
         QuantizationConfig(format="fp8_e4m3")
     with pytest.raises(ValueError, match="no linear layer"):
         quantize_model(tiny_model("llama"), batches_of(torch.randint(0, 256, (2, 8))),
                        QuantizationConfig(targets=["nothing_here"]), progress=False)
+
+
+@pytest.mark.parametrize("weight_quantizer", ["rtn", "gptq"])
+def test_non_finite_weight_names_the_layer_before_calibrating(weight_quantizer):
+    model = tiny_model("llama")
+    model.model.layers[1].self_attn.q_proj.weight.data[0, 0] = float("nan")
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.q_proj: its weight "
+                                         r"holds 1 NaN and 0 Inf values \(shape \(64, 64\)"):
+        quantize_model(model, batches_of(torch.randint(0, 256, (2, 8))),
+                       QuantizationConfig(weight_quantizer=weight_quantizer), progress=False)
+    assert not calls  # refused before any calibration forward
+
+
+@pytest.mark.parametrize("value, count", [(float("nan"), "16 NaN and 0 Inf"),
+                                          (float("inf"), "0 NaN and 16 Inf")])
+@pytest.mark.parametrize("weight_quantizer", ["rtn", "gptq"])
+def test_non_finite_input_names_the_layer(poison_input, value, count, weight_quantizer):
+    model = tiny_model("llama")
+    poison_input(model.model.layers[0].self_attn.o_proj, 3, value)  # 2 x 8 tokens
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.o_proj: its input "
+                                         rf"holds {count} values \(shape \(16, 64\)"):
+        quantize_model(model, batches_of(torch.randint(0, 256, (2, 8))),
+                       QuantizationConfig(weight_quantizer=weight_quantizer), progress=False)
+
+
+def test_transform_fit_error_names_the_layer():
+    weight = torch.randn(8, 32)
+    sigma = torch.eye(16, dtype=torch.float64).expand(2, 16, 16).clone()
+    sigma[1, 0, 0] = float("inf")  # finite inputs whose products overflowed
+    with pytest.raises(ValueError, match=r"blocks\.0\.fc: cannot fit the transform: 0 "
+                                         r"non-finite entries in the weight .* 1 in the input"):
+        fit_transform("kbbq", weight, sigma, block=16, name="blocks.0.fc")
 
 
 def test_minilm_kbbq_beats_identity_on_calibration_fidelity():

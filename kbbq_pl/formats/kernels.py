@@ -287,3 +287,16 @@ def int4_unpack(packed: Tensor) -> Tensor:
     """Signed int4 codes (int8) from two's-complement nibbles packed two per byte."""
     nibbles = unpack_nibbles(packed).to(torch.int8)
     return torch.where(nibbles > 7, nibbles - 16, nibbles)
+
+
+def e2m1_decode_groups(packed: Tensor, multiplier: Tensor, *, no_clip: bool,
+                       out_dtype: torch.dtype) -> Tensor:
+    """The values of packed E2M1 groups ``packed [G, B/2]`` with their FP32 scale multipliers
+    ``multiplier [G]`` (``pts * s``, ``2^e`` or an FP32 scale): ``[G, B]`` in ``out_dtype``.
+    MX ``no_clip`` blocks are divided by 0.75 (their scale maps amax into [3, 6))."""
+    codes = unpack_nibbles(packed)
+    magnitude = e2m1_code_magnitude(codes & 0x7)
+    values = torch.where((codes & 0x8) > 0, -magnitude, magnitude) * multiplier.unsqueeze(-1)
+    if no_clip:
+        values = values / 0.75
+    return values.to(out_dtype)

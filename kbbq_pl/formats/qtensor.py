@@ -280,21 +280,21 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> Tensor:
     fmt = q.fmt
     out_dtype = dtype or q.orig_dtype
     scale = block_dequant_scale(q)
-    if fmt.element == "e2m1":
-        codes = kernels.unpack_nibbles(q.qdata)
-        magnitude = kernels.e2m1_code_magnitude(codes & 0x7)
-        values = torch.where((codes & 0x8) > 0, -magnitude, magnitude)
-    elif fmt.element == "int4":
+    if fmt.element == "e2m1":  # blocks: one fused pass where kernels are compiled
+        assert fmt.block_size is not None
+        values = run_kernel(
+            kernels.e2m1_decode_groups, q.qdata.reshape(-1, fmt.block_size // 2),
+            scale.reshape(-1), no_clip=fmt.scale_kind == "e8m0" and fmt.e8m0_rounding == "no_clip",
+            out_dtype=out_dtype)
+        return values.reshape(*q.qdata.shape[:-1], 2 * q.qdata.shape[-1])[..., : q.last_dim]
+    if fmt.element == "int4":
         values = kernels.int4_unpack(q.qdata).to(torch.float32)
     else:
         values = q.qdata.to(torch.float32)
     if fmt.granularity == "block":
         groups = values.shape[-1] // fmt.block_size
         grouped = values.reshape(*values.shape[:-1], groups, fmt.block_size)
-        out = grouped * scale.unsqueeze(-1)
-        if fmt.scale_kind == "e8m0" and fmt.e8m0_rounding == "no_clip":
-            out = out / 0.75
-        out = out.reshape(values.shape)[..., : q.last_dim]
+        out = (grouped * scale.unsqueeze(-1)).reshape(values.shape)[..., : q.last_dim]
     else:
         out = values * scale
     return out.to(out_dtype)

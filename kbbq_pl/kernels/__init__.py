@@ -1,0 +1,282 @@
+"""W4A4 on GPUs: the project's Triton kernels for FP4 activations and the FP4 x FP4 GEMM.
+
+The interface (checked arguments, clear errors; ``K`` is the reduction length, ``d`` the block:
+16 for NVFP4, 32 for MXFP4):
+
+``available(device) -> bool``
+    Whether the kernels run on ``device``: CUDA with triton installed, or the CPU under Triton's
+    interpreter (``TRITON_INTERPRET=1`` set before this package's kernels are first used).
+``quantize_activations(x, transform, fmt, global_scale=None) -> (codes, scales, pts)``
+    ``x [M, K]`` (bf16, fp16 or fp32), ``transform`` None or ``[K/d, d, d]`` (one matrix per
+    block, applied as ``T_b x_b``; Hadamard is one such tensor).  Returns packed E2M1 codes
+    ``uint8 [M, K/2]`` (element ``2i`` in the low nibble), block scales ``[M, K/d]``
+    (``float8_e4m3fn`` for NVFP4; uint8 biased E8M0 exponents for MX, viewable as
+    ``float8_e8m0fnu``) and the NVFP4 per-tensor scale (FP32 ``[]`` on ``x``'s device; None for
+    MX).  Bit for bit :func:`~kbbq_pl.kernels.reference.reference_quantize_activations`.
+``w4a4_matmul(a_codes, a_scales, a_global, w_codes, w_scales, w_global, fmt, bias=None,
+out_dtype=torch.bfloat16) -> [M, N]``
+    Both operands packed along K with their block scales: activations from
+    ``quantize_activations``, weights ``[N, K/2]`` as :func:`kbbq_pl.formats.quantize` stores
+    them (``QuantizedTensor.qdata``, ``.scale``, ``.global_scale``).  The per-tensor scales
+    (NVFP4; None for MX) and the bias are applied in the epilogue.
+``linear_w4a4(x, weight_codes, weight_scales, weight_global, fmt, transform=None,
+act_global_scale=None, bias=None) -> y``
+    ``Q(W T^-1) Q(T x) + b``: ``quantize_activations`` then ``w4a4_matmul``; ``x [..., K]``
+    (zero-padded when its last dimension falls short of the weights' padded ``K`` by less than
+    a block), ``y [..., N]`` in ``x``'s dtype.  ``act_global_scale`` None is the dynamic NVFP4
+    scale.
+
+Numerics.  Activations: ``h = T x`` in FP32 from the exactly upcast input (an FMA chain per
+output, :mod:`kbbq_pl.kernels.reference`), then exactly the arithmetic of
+:mod:`kbbq_pl.formats.kernels` (every division correctly rounded, E4M3 and E2M1 rounded to
+nearest even).  Dynamic NVFP4 needs the amax of ``T x`` over the whole tensor before the first
+block scale, so it runs two passes: the first computes ``T x`` and folds its amax into one FP32
+scalar on the device (an atomic max: order-free, hence deterministic; no host sync, so CUDA
+graphs can capture it), the second recomputes ``T x`` and quantizes.  Recomputing costs a
+second read of ``x`` and is cheaper than writing ``T x`` (FP32, twice ``x``'s bytes) and reading
+it back; a static ``global_scale`` is one pass.
+
+GEMM: each E2M1 value times its block scale is exact in bf16 (E2M1 has 2 significant bits, an
+E4M3 scale 4, an E8M0 scale 1, together at most 6 of bf16's 8; E2M1 x E4M3 lies in
+[2^-10, 2688], within bf16's range), so the kernel decodes in registers and multiplies on bf16
+tensor cores with FP32 accumulation; the per-tensor scales, the MX ``no_clip`` gain (1/0.75 per
+operand) and the bias come in the epilogue.  At extreme E8M0 exponents: a decoded value above
+bf16's largest (|q| 2^e >= 2^128, i.e. ``ceil``/``even``/``rceil`` blocks with amax near FP32's
+largest) is infinite, as it is in FP32 :func:`kbbq_pl.formats.dequantize`; values down to
+0.5 * 2^-127 stay exact (bf16 subnormals), but products below FP32's subnormal range (both
+operands' exponents near -127) vanish in the FP32 accumulator.  A NaN block scale (a non-finite
+input block) makes its outputs NaN.  Up to 16 rows (:data:`~.triton_kernels.SMALL_M`) the GEMM
+streams the packed weights with the activations decoded in the loop, K split across programs
+when the column tiles alone would not fill the GPU (partials summed in a fixed order); above
+it the activations are decoded to bf16 once and the weights in the loop.
+
+On compute capability 10.x (Blackwell) NVFP4 goes through ``torch._scaled_mm``'s FP4 path
+(:mod:`kbbq_pl.kernels.blackwell`, untested here: no such GPU).
+
+The reference functions (:mod:`kbbq_pl.kernels.reference`) are pure torch and import without
+triton; the Triton module is imported on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+from torch import Tensor
+
+from ..formats import Format
+from .reference import (
+    INPUT_DTYPES,
+    fp4_format,
+    pad_input,
+    reference_linear_w4a4,
+    reference_quantize_activations,
+    reference_transform,
+    reference_w4a4_matmul,
+)
+
+__all__ = [
+    "available",
+    "linear_w4a4",
+    "quantize_activations",
+    "reference_linear_w4a4",
+    "reference_quantize_activations",
+    "reference_transform",
+    "reference_w4a4_matmul",
+    "w4a4_matmul",
+]
+
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _interpreting() -> bool:
+    """Whether Triton runs kernels interpreted (``TRITON_INTERPRET``, as Triton reads it)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _backend():
+    from . import triton_kernels
+
+    return triton_kernels
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether the Triton kernels run on ``device`` (module docstring)."""
+    device = torch.device(device)
+    if not _triton_installed():
+        return False
+    if _interpreting():
+        return device.type == "cpu"
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
+def _require(device: torch.device, what: str) -> None:
+    if available(device):
+        return
+    if not _triton_installed():
+        reason = "triton is not installed"
+    elif _interpreting():
+        reason = "TRITON_INTERPRET=1 runs the kernels on the CPU only"
+    else:
+        reason = "the kernels need a CUDA device (or TRITON_INTERPRET=1 for the CPU)"
+    raise RuntimeError(f"{what}: cannot run on {device}: {reason}; "
+                       "kbbq_pl.kernels.reference_* compute the same on any device")
+
+
+def _scale_meta(fmt: Format) -> tuple[int, int, float]:
+    from .triton_kernels import ROUNDING_CODES, SCALE_E4M3, SCALE_E8M0
+
+    if fmt.scale_kind == "e4m3":
+        return SCALE_E4M3, 0, 1.0
+    gain = 0.75 if fmt.e8m0_rounding == "no_clip" else 1.0
+    return SCALE_E8M0, ROUNDING_CODES[fmt.e8m0_rounding], gain
+
+
+def _device_scalar(value: Tensor | float, device: torch.device, name: str) -> Tensor:
+    """An FP32 0-d tensor on ``device`` (a tensor already there is used as is: no host sync)."""
+    tensor = torch.as_tensor(value, dtype=torch.float32)
+    if tensor.numel() != 1:
+        raise ValueError(f"{name} must be a scalar, got shape {tuple(tensor.shape)}")
+    return tensor.reshape(()).to(device).contiguous()
+
+
+def _check_transform(transform: Tensor | None, k: int, d: int, device: torch.device,
+                     name: str) -> Tensor | None:
+    if transform is None:
+        return None
+    if transform.shape != (k // d, d, d):
+        raise ValueError(f"{name}: transform must be [K/d, d, d] = [{k // d}, {d}, {d}] for K = {k}, "
+                         f"got shape {tuple(transform.shape)}")
+    if transform.device != device:
+        raise ValueError(f"{name}: transform is on {transform.device}, the input on {device}")
+    return transform.to(torch.float32).contiguous()
+
+
+def quantize_activations(
+    x: Tensor, transform: Tensor | None, fmt: str | Format,
+    global_scale: Tensor | float | None = None, *, config: dict | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Transform and quantize activations ``x [M, K]`` to packed FP4 (module docstring).
+
+    ``global_scale`` fixes the NVFP4 per-tensor scale (a calibrated static scale; values beyond
+    it saturate; a device tensor is read on the device, no host sync); None takes
+    ``amax(T x) / (448 * 6)``.  ``config`` pins the kernel's tile (``BLOCK_M``, ``NB`` blocks
+    per program, ``num_warps``) instead of autotuning.  Non-finite inputs follow the
+    ``propagate`` policy of :mod:`kbbq_pl.formats`: their block gets a NaN scale.
+    """
+    fmt = fp4_format(fmt)
+    d = fmt.block_size
+    name = "quantize_activations"
+    if x.dim() != 2:
+        raise ValueError(f"{name}: x must be [M, K], got shape {tuple(x.shape)}")
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"{name}: x must be bf16, fp16 or fp32, got {x.dtype}")
+    m, k = x.shape
+    if k % d:
+        raise ValueError(f"{name}: K = {k} (x of shape {tuple(x.shape)}) is not a multiple of "
+                         f"the {fmt.name} block {d}")
+    _require(x.device, name)
+    if global_scale is not None and not fmt.global_scale:
+        raise ValueError(f"{name}: format {fmt.name} has no per-tensor scale to set")
+    if isinstance(global_scale, (int, float)) and not (global_scale > 0 and global_scale < float("inf")):
+        raise ValueError(f"{name}: global_scale must be positive and finite, got {global_scale!r}")
+    gs = None if global_scale is None else _device_scalar(global_scale, x.device, "global_scale")
+    t = _check_transform(transform, k, d, x.device, name)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    scale_kind, rounding, gain = _scale_meta(fmt)
+    codes, scales, pts = _backend().quantize_activations(x, t, d, scale_kind, rounding, gain, gs,
+                                                         config)
+    if fmt.scale_kind == "e4m3":
+        scales = scales.view(torch.float8_e4m3fn)
+    return codes, scales, pts
+
+
+def _operand(codes: Tensor, scales: Tensor, d: int, role: str, name: str) -> tuple[Tensor, Tensor]:
+    if codes.dtype != torch.uint8 or codes.dim() != 2:
+        raise ValueError(f"{name}: {role} codes must be uint8 [rows, K/2], got {codes.dtype} "
+                         f"of shape {tuple(codes.shape)}")
+    rows, half = codes.shape
+    if scales.shape != (rows, 2 * half // d) or scales.element_size() != 1:
+        raise ValueError(f"{name}: {role} scales must be one byte each, [{rows}, {2 * half // d}] "
+                         f"for codes {tuple(codes.shape)} and block {d}, got {scales.dtype} of "
+                         f"shape {tuple(scales.shape)}")
+    return codes.contiguous(), scales.contiguous().view(torch.uint8)
+
+
+def w4a4_matmul(
+    a_codes: Tensor, a_scales: Tensor, a_global: Tensor | float | None,
+    w_codes: Tensor, w_scales: Tensor, w_global: Tensor | float | None,
+    fmt: str | Format, bias: Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+    *, config: dict | None = None, split_k: int | None = None,
+) -> Tensor:
+    """``(A W^T) + bias`` of packed FP4 operands, ``[M, N]`` in ``out_dtype`` (module docstring).
+
+    ``config`` pins the tile (``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``GROUP_M``, ``num_warps``,
+    ``num_stages``) instead of autotuning; ``split_k`` the number of K splits (default: chosen
+    for the GPU when M <= 16, else 1).
+    """
+    fmt = fp4_format(fmt)
+    d = fmt.block_size
+    name = "w4a4_matmul"
+    a_codes, a_scales = _operand(a_codes, a_scales, d, "activation", name)
+    w_codes, w_scales = _operand(w_codes, w_scales, d, "weight", name)
+    if a_codes.shape[1] != w_codes.shape[1]:
+        raise ValueError(f"{name}: K differs: activations {2 * a_codes.shape[1]} (codes "
+                         f"{tuple(a_codes.shape)}), weights {2 * w_codes.shape[1]} (codes "
+                         f"{tuple(w_codes.shape)})")
+    device = w_codes.device
+    if a_codes.device != device:
+        raise ValueError(f"{name}: activations on {a_codes.device}, weights on {device}")
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"{name}: out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
+    n = w_codes.shape[0]
+    if bias is not None and (bias.shape != (n,) or bias.device != device):
+        raise ValueError(f"{name}: bias must be [{n}] on {device}, got shape "
+                         f"{tuple(bias.shape)} on {bias.device}")
+    if fmt.global_scale:
+        if a_global is None or w_global is None:
+            raise ValueError(f"{name}: {fmt.name} needs both per-tensor scales (a_global, w_global)")
+        a_global = _device_scalar(a_global, device, "a_global")
+        w_global = _device_scalar(w_global, device, "w_global")
+    elif a_global is not None or w_global is not None:
+        raise ValueError(f"{name}: format {fmt.name} has no per-tensor scales; pass None")
+    _require(device, name)
+    if split_k is not None and split_k < 1:
+        raise ValueError(f"{name}: split_k must be >= 1, got {split_k}")
+    from .blackwell import blackwell_nvfp4_available, blackwell_nvfp4_matmul
+
+    if config is None and blackwell_nvfp4_available(device, fmt):  # pragma: no cover - Blackwell
+        return blackwell_nvfp4_matmul(a_codes, a_scales, a_global, w_codes, w_scales, w_global,
+                                      bias, out_dtype)
+    scale_kind, _, gain = _scale_meta(fmt)
+    if bias is not None:
+        bias = bias.contiguous()
+    if a_codes.shape[0] == 0 or n == 0:
+        return torch.empty(a_codes.shape[0], n, dtype=out_dtype, device=device)
+    return _backend().w4a4_matmul(a_codes, a_scales, a_global, w_codes, w_scales, w_global, d,
+                                  scale_kind, gain, bias, out_dtype, config, split_k)
+
+
+def linear_w4a4(
+    x: Tensor, weight_codes: Tensor, weight_scales: Tensor, weight_global: Tensor | float | None,
+    fmt: str | Format, transform: Tensor | None = None,
+    act_global_scale: Tensor | float | None = None, bias: Tensor | None = None,
+) -> Tensor:
+    """``Q(W T^-1) Q(T x) + b`` on the kernels: ``x [..., K]`` to ``[..., N]`` in ``x``'s dtype."""
+    fmt = fp4_format(fmt)
+    k = weight_codes.shape[-1] * 2
+    lead = x.shape[:-1]
+    x2 = pad_input(x, k, fmt.block_size, "linear_w4a4").reshape(-1, k)
+    codes, scales, pts = quantize_activations(x2, transform, fmt, act_global_scale)
+    out_dtype = x.dtype if x.dtype in _OUT_DTYPES else torch.float32
+    y = w4a4_matmul(codes, scales, pts, weight_codes, weight_scales, weight_global, fmt, bias,
+                    out_dtype)
+    return y.reshape(*lead, weight_codes.shape[0])

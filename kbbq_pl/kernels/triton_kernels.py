@@ -1,0 +1,538 @@
+"""Triton kernels for W4A4 on GPUs without FP4 units (Hopper), and under Triton's interpreter.
+
+Imported lazily by :mod:`kbbq_pl.kernels` (this module needs triton).  Whether the kernels run
+interpreted is fixed when this module is first imported (``TRITON_INTERPRET=1``, as Triton
+decides when ``triton.jit`` decorates), and changes three things, all on purpose:
+
+* the per-block transform is an explicit ``tl.fma`` chain instead of ``tl.dot(...,
+  input_precision="ieee")`` (the interpreter multiplies with numpy, in another order; the GPU's
+  FMA lowering is the same chain: see :mod:`kbbq_pl.kernels.reference`);
+* the GEMM multiplies FP32 copies of the decoded operands (the interpreter cannot multiply
+  bf16: it stores bf16 as integers); the values are the same, being exact in bf16;
+* autotuning is off: one small configuration, or the one a caller pins.
+
+Every FP32 division is ``tl.div_rn`` (correctly rounded; Triton's ``/`` is the approximate
+``div.full.f32`` on NVIDIA GPUs).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _interpreting
+
+INTERPRET = _interpreting()
+
+# Python-side names of the integer constexprs the kernels compare against (jit code reads only
+# tl.constexpr globals, so the kernels spell the numbers and name them in a comment).
+SCALE_E4M3 = 0
+SCALE_E8M0 = 1
+PRODUCT_FMA_CHAIN = 0
+PRODUCT_FMA_DOT = 1
+PRODUCT_TF32X3 = 2
+ROUNDING_CODES = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3, "no_clip": 0}
+
+
+# --------------------------------------------------------------------------- element helpers
+
+
+@triton.jit
+def _e2m1_codes(y):
+    """E2M1 codes (int32 0..15, sign in bit 3) of FP32 values ``y``, round-to-nearest-even.
+
+    The grid steps are 1/2 on [0, 2), 1 on [2, 4) and 2 on [4, 6]: adding ``magic = 2^22``,
+    ``2^23`` or ``2^24`` (by the binade of ``|y|``), whose FP32 ulp is that step, rounds
+    ``|y|`` to the grid, ties to even, in one FP32 add (the rounding of
+    :func:`kbbq_pl.formats.kernels.round_e2m1`); the sum's bits minus the magic's count the
+    steps, and the code is that count plus 0, 2 or 4.  Values above 6 saturate (code 7).
+    """
+    a = tl.minimum(tl.abs(y), 6.0)
+    binade = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)  # >= 1.0's
+    magic = binade + (22 << 23)
+    steps = (a + magic.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - magic
+    mag = steps + (((binade >> 23) - 127) << 1)
+    return mag | ((y.to(tl.int32, bitcast=True) >> 28) & 8)
+
+
+@triton.jit
+def _e2m1_values(codes):
+    """The FP32 values of E2M1 codes (int32 0..15), exactly.
+
+    Codes ``0eem`` laid into the FP32 exponent and top mantissa bits are the value times
+    2^-126 for every code (the subnormal 0.5 included); one exact multiply rescales them.
+    """
+    bits = ((codes & 7) << 22) | ((codes & 8) << 28)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+
+
+@triton.jit
+def _e4m3_round(s):
+    """``s`` in [2^-6, 448] (FP32) rounded to E4M3, to nearest even: (code byte, FP32 value)."""
+    bits = s.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    value = bits.to(tl.float32, bitcast=True)
+    code = ((((bits >> 23) & 0xFF) - 120) << 3) | ((bits >> 20) & 7)
+    return code, value
+
+
+@triton.jit
+def _pow2(e):
+    """Exact ``2^e`` in FP32 for int32 ``e`` in [-127, 127] (2^-127 is subnormal)."""
+    normal = (tl.maximum(e + 127, 1) << 23).to(tl.float32, bitcast=True)
+    subnormal = tl.full(e.shape, 0x400000, tl.int32).to(tl.float32, bitcast=True)
+    return tl.where(e < -126, subnormal, normal)
+
+
+@triton.jit
+def _e8m0_exponent(amax, ROUNDING: tl.constexpr):
+    """:func:`kbbq_pl.formats.kernels.e8m0_exponent` on FP32 ``amax >= 0`` (int32)."""
+    if ROUNDING == 3:  # rceil: ceil(log2(amax / 6))
+        descale = tl.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
+        bits = descale.to(tl.int32, bitcast=True)
+        field = (bits >> 23) & 0xFF
+        e = field - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        subnormal = tl.where(bits <= 0x400000, -127, -126)  # descale <= 2^-127
+        e = tl.where(field == 0, subnormal, e)
+    else:
+        bits = amax.to(tl.int32, bitcast=True)
+        if ROUNDING == 2:  # even: amax rounded to one mantissa bit first
+            bits = (bits + (1 << 21)) & 0x7F800000
+        e = ((bits >> 23) & 0xFF) - 129
+        if ROUNDING == 1:  # ceil
+            e = e + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return tl.minimum(tl.maximum(e, -127), 127)
+
+
+@triton.jit
+def _block_scale_values(code, SCALE_KIND: tl.constexpr):
+    """FP32 values of stored block scales (uint8: E4M3 bits or biased E8M0 exponents)."""
+    b = code.to(tl.int32)
+    if SCALE_KIND == 0:  # SCALE_E4M3
+        exp = (b >> 3) & 15
+        man = b & 7
+        normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+        v = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)  # subnormal: man 2^-9
+        v = tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+        v = tl.where((b & 0x80) != 0, -v, v)
+    else:
+        v = tl.where(b == 0, _pow2(b - 127), (b << 23).to(tl.float32, bitcast=True))
+        v = tl.where(b == 255, float("nan"), v)
+    return v
+
+
+@triton.jit
+def _decode_tile(packed, scales, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, D: tl.constexpr,
+                 SCALE_KIND: tl.constexpr):
+    """Packed codes ``[ROWS, BLOCK_K/2]`` and their scales ``[ROWS, BLOCK_K/D]`` decoded to the
+    FP32 values ``q * s`` (exact in bf16: see :mod:`kbbq_pl.kernels`), ``[ROWS, BLOCK_K]``."""
+    p = packed.to(tl.int32)
+    codes = tl.reshape(tl.join(p & 15, p >> 4), [ROWS, BLOCK_K])
+    q = tl.reshape(_e2m1_values(codes), [ROWS, BLOCK_K // D, D])
+    s = _block_scale_values(scales, SCALE_KIND)
+    return tl.reshape(q * s[:, :, None], [ROWS, BLOCK_K])
+
+
+# --------------------------------------------------------------------------- activations
+
+
+@triton.jit
+def _transformed_blocks(x_ptr, t_ptr, rows, row_mask, blocks, block_mask, stride_xm,
+                        D: tl.constexpr, NB: tl.constexpr, BLOCK_M: tl.constexpr,
+                        HAS_T: tl.constexpr, PRODUCT: tl.constexpr):
+    """``h = T_b x_b`` in FP32 for ``NB`` blocks of ``BLOCK_M`` rows: ``[NB, BLOCK_M, D]``.
+
+    ``PRODUCT``: ``PRODUCT_FMA_CHAIN`` (the interpreter's explicit chain), ``PRODUCT_FMA_DOT``
+    (the same chain as Triton's FP32 FMA dot on GPUs) or ``PRODUCT_TF32X3`` (tensor cores, three
+    TF32 products: faster, not bit-identical; for benchmarks only)."""
+    offs_d = tl.arange(0, D)
+    base = x_ptr + rows[None, :, None] * stride_xm + blocks[:, None, None] * D
+    mask = block_mask[:, None, None] & row_mask[None, :, None]
+    if not HAS_T:
+        return tl.load(base + offs_d[None, None, :], mask=mask, other=0.0).to(tl.float32)
+    t_base = t_ptr + blocks[:, None, None] * (D * D)
+    t_mask = block_mask[:, None, None]
+    if PRODUCT == 0:  # PRODUCT_FMA_CHAIN
+        acc = tl.zeros([NB, BLOCK_M, D], tl.float32)
+        for j in tl.static_range(D):
+            xj = tl.load(base + j, mask=mask, other=0.0).to(tl.float32)  # x[:, j]
+            tj = tl.load(t_base + offs_d[None, None, :] * D + j, mask=t_mask, other=0.0)  # T[:, j]
+            acc = tl.fma(tl.broadcast_to(xj, [NB, BLOCK_M, D]), tl.broadcast_to(tj, [NB, BLOCK_M, D]),
+                         acc)
+        return acc
+    else:
+        x = tl.load(base + offs_d[None, None, :], mask=mask, other=0.0).to(tl.float32)
+        # t_t[b, j, i] = T[b, i, j]
+        t_t = tl.load(t_base + offs_d[None, :, None] + offs_d[None, None, :] * D, mask=t_mask,
+                      other=0.0)
+        acc = tl.zeros([NB, BLOCK_M, D], tl.float32)
+        if PRODUCT == 1:  # PRODUCT_FMA_DOT
+            return tl.dot(x, t_t, acc, input_precision="ieee")
+        else:
+            return tl.dot(x, t_t, acc, input_precision="tf32x3")
+
+
+@triton.jit
+def _quantize_activations_kernel(
+    x_ptr, t_ptr, codes_ptr, scales_ptr, global_ptr, amax_ptr, pts_ptr,
+    M, n_blocks, stride_xm, stride_cm, stride_sm, m_bucket,
+    D: tl.constexpr, SCALE_KIND: tl.constexpr, ROUNDING: tl.constexpr, GAIN: tl.constexpr,
+    HAS_T: tl.constexpr, STATIC: tl.constexpr, AMAX_ONLY: tl.constexpr,
+    PRODUCT: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
+):
+    """One tile of ``BLOCK_M`` rows by ``NB`` blocks: transform, block amax, scales, E2M1 codes,
+    packing.  ``AMAX_ONLY`` (the first pass of dynamic NVFP4) only folds the amax of ``T x``
+    into ``amax_ptr``; the second pass reads it back."""
+    pid_m = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    blocks = pid_b * NB + tl.arange(0, NB)
+    row_mask = rows < M
+    block_mask = blocks < n_blocks
+    h = _transformed_blocks(x_ptr, t_ptr, rows, row_mask, blocks, block_mask, stride_xm,
+                            D, NB, BLOCK_M, HAS_T, PRODUCT)
+    finite = tl.abs(h) < float("inf")
+    h = tl.where(finite, h, 0.0)
+    amax = tl.max(tl.abs(h), axis=2)  # [NB, BLOCK_M]
+    if AMAX_ONLY:
+        tl.atomic_max(amax_ptr, tl.max(tl.max(amax, axis=1), axis=0))
+    else:
+        bad = tl.max((~finite).to(tl.int32), axis=2) > 0
+        if SCALE_KIND == 0:  # SCALE_E4M3
+            if STATIC:
+                pts = tl.load(global_ptr)
+            else:
+                pts = tl.div_rn(tl.load(amax_ptr), 2688.0)  # 448 * 6
+            usable = pts >= 2.0**-122  # kbbq_pl.formats.kernels.NVFP4_MIN_GLOBAL_SCALE
+            pts = tl.where(usable, pts, 1.0)
+            pts_b = tl.full(amax.shape, 0.0, tl.float32) + pts
+            s = tl.div_rn(tl.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)), pts_b)
+            s = tl.minimum(tl.maximum(s, 0.015625), 448.0)  # [2^-6, 448]
+            code, block = _e4m3_round(s)
+            inverse = tl.div_rn(1.0, pts)  # one scalar division per program
+            reciprocal = tl.where(usable, tl.div_rn(tl.full(amax.shape, 0.0, tl.float32) + inverse,
+                                                    block), 0.0)
+            code = tl.where(bad, 0x7F, code)
+            if (pid_m == 0) & (pid_b == 0):
+                tl.store(pts_ptr, pts)
+        else:
+            e = _e8m0_exponent(amax, ROUNDING)
+            reciprocal = tl.div_rn(tl.full(amax.shape, GAIN, tl.float32), _pow2(e))
+            code = tl.where(bad, 255, e + 127)
+        codes = _e2m1_codes(h * reciprocal[:, :, None])
+        low, high = tl.split(tl.reshape(codes, [NB, BLOCK_M, D // 2, 2]))
+        packed = (low | (high << 4)).to(tl.uint8)
+        offs_p = tl.arange(0, D // 2)
+        c_ptrs = (codes_ptr + rows[None, :, None] * stride_cm + blocks[:, None, None] * (D // 2)
+                  + offs_p[None, None, :])
+        tl.store(c_ptrs, packed, mask=block_mask[:, None, None] & row_mask[None, :, None])
+        s_ptrs = scales_ptr + rows[None, :] * stride_sm + blocks[:, None]
+        tl.store(s_ptrs, code.to(tl.uint8), mask=block_mask[:, None] & row_mask[None, :])
+
+
+def _act_configs():
+    """Tiles of ``BLOCK_M`` rows by ``NB`` blocks; ``bench/gpu_compile.py`` shows which fit in
+    registers on sm_90 (at most 64 elements per thread, pruned per block size below)."""
+    return [triton.Config({"BLOCK_M": block_m, "NB": nb}, num_warps=warps)
+            for block_m, nb, warps in ((16, 8, 4), (32, 2, 4), (32, 4, 4), (64, 2, 4),
+                                       (64, 4, 4), (64, 4, 8), (128, 2, 8), (128, 4, 8))]
+
+
+def _prune_act_configs(configs, named_args, **kwargs):
+    d = kwargs.get("D", named_args.get("D"))
+    if d is None:  # a Triton that passes no constexprs to the pruner: keep them all
+        return configs
+    return [c for c in configs
+            if c.kwargs["BLOCK_M"] * c.kwargs["NB"] * d <= 64 * 32 * c.num_warps]
+
+
+_quantize_activations_tuned = triton.autotune(
+    configs=_act_configs(),
+    key=["n_blocks", "m_bucket", "D", "HAS_T", "AMAX_ONLY", "SCALE_KIND", "PRODUCT"],
+    prune_configs_by={"early_config_prune": _prune_act_configs},
+)(_quantize_activations_kernel)
+
+INTERPRETER_ACT_CONFIG = {"BLOCK_M": 16, "NB": 2}
+
+
+def _m_bucket(m: int) -> int:
+    return min(triton.next_power_of_2(max(m, 1)), 8192)
+
+
+def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, gain: float,
+                         global_scale, config: dict | None = None, product: int | None = None):
+    """Launch the activation kernel(s); arguments already checked by :mod:`kbbq_pl.kernels`.
+
+    Returns ``(codes uint8 [M, K/2], scales uint8 [M, K/d], pts fp32 [] or None)``.  Dynamic
+    NVFP4 runs the kernel twice (see :func:`kbbq_pl.kernels.quantize_activations`).
+    ``product`` overrides how ``T x`` is multiplied (benchmarks: ``PRODUCT_TF32X3``).
+    """
+    if product is None:
+        product = PRODUCT_FMA_CHAIN if INTERPRET else PRODUCT_FMA_DOT
+    m, k = x.shape
+    n_blocks = k // d
+    device = x.device
+    codes = torch.empty(m, k // 2, dtype=torch.uint8, device=device)
+    scales = torch.empty(m, n_blocks, dtype=torch.uint8, device=device)
+    nvfp4 = scale_kind == SCALE_E4M3
+    # written by the kernel's first program; an empty input keeps 1 (as formats.quantize does)
+    pts = torch.ones((), dtype=torch.float32, device=device) if nvfp4 else None
+    static = global_scale is not None
+    amax = torch.zeros(1, dtype=torch.float32, device=device)
+    dummy = amax
+    meta = dict(D=d, SCALE_KIND=scale_kind, ROUNDING=rounding, GAIN=gain,
+                HAS_T=transform is not None, STATIC=static, PRODUCT=product)
+    args = [x, transform if transform is not None else dummy, codes, scales,
+            global_scale if static else dummy, amax, pts if nvfp4 else dummy,
+            m, n_blocks, x.stride(0), codes.stride(0), scales.stride(0), _m_bucket(m)]
+
+    def launch(amax_only: bool) -> None:
+        if config is not None or INTERPRET:
+            cfg = dict(config or INTERPRETER_ACT_CONFIG)
+            warps = cfg.pop("num_warps", 4)
+            grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n_blocks, cfg["NB"]))
+            _quantize_activations_kernel[grid](*args, **meta, AMAX_ONLY=amax_only, **cfg,
+                                               num_warps=warps, enable_fp_fusion=True)
+        else:
+            def grid(meta):
+                return (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n_blocks, meta["NB"]))
+            _quantize_activations_tuned[grid](*args, **meta, AMAX_ONLY=amax_only,
+                                              enable_fp_fusion=True)
+
+    if nvfp4 and not static:
+        launch(True)
+    launch(False)
+    return codes, scales, pts
+
+
+# --------------------------------------------------------------------------- GEMM
+
+
+@triton.jit
+def _load_operand(ptr, scale_ptr, offs_r, n_rows, k0, K, stride_r, stride_sr,
+                  ROWS: tl.constexpr, BLOCK_K: tl.constexpr, D: tl.constexpr,
+                  SCALE_KIND: tl.constexpr, PACKED: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """A ``[ROWS, BLOCK_K]`` operand tile from K offset ``k0``: packed codes decoded in registers,
+    or (``PACKED`` False) already-decoded bf16 values."""
+    row_mask = offs_r < n_rows
+    if PACKED:
+        offs_p = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        offs_s = k0 // D + tl.arange(0, BLOCK_K // D)
+        packed = tl.load(ptr + offs_r[:, None] * stride_r + offs_p[None, :],
+                         mask=row_mask[:, None] & (offs_p[None, :] < K // 2), other=0)
+        scales = tl.load(scale_ptr + offs_r[:, None] * stride_sr + offs_s[None, :],
+                         mask=row_mask[:, None] & (offs_s[None, :] < K // D), other=0)
+        return _decode_tile(packed, scales, ROWS, BLOCK_K, D, SCALE_KIND).to(DOT_DTYPE)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        values = tl.load(ptr + offs_r[:, None] * stride_r + offs_k[None, :],
+                         mask=row_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+        return values.to(DOT_DTYPE)
+
+
+@triton.jit
+def _bf16_rne(x):
+    """FP32 to bf16, round to nearest even, in integer arithmetic (the interpreter's own cast
+    truncates; on GPUs ``.to(tl.bfloat16)`` is ``cvt.rn``, the same rounding)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _epilogue(acc, offs_m, offs_n, M, N, a_global_ptr, w_global_ptr, bias_ptr, out_ptr, stride_om,
+              GAIN2: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+              EXPLICIT_BF16: tl.constexpr):
+    """Per-tensor scales, the MX ``no_clip`` gain, bias; store in the output dtype."""
+    if HAS_GLOBAL:
+        acc = acc * tl.load(a_global_ptr) * tl.load(w_global_ptr)
+    if GAIN2 != 1.0:
+        acc = tl.div_rn(acc, tl.full(acc.shape, GAIN2, tl.float32))
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    if EXPLICIT_BF16:
+        tl.store(out, _bf16_rne(acc), mask=mask)
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _w4a4_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, a_global_ptr, w_global_ptr, bias_ptr, out_ptr,
+    partial_ptr, M, N, K, split_k, stride_am, stride_asm, stride_wn, stride_wsn, stride_om,
+    m_bucket,
+    D: tl.constexpr, SCALE_KIND: tl.constexpr, GAIN2: tl.constexpr, A_PACKED: tl.constexpr,
+    HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    EXPLICIT_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """``out = (A W^T) * scales + bias`` with both operands decoded from packed FP4 in registers,
+    bf16 tensor cores, FP32 accumulation.  Program (tile, split): with ``split_k > 1`` each split
+    of K writes its FP32 partial to ``partial_ptr [split_k, M, N]`` for :func:`_split_k_sum`."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n  # grouped ordering: GROUP_M row tiles share the weight tiles in L2
+    group = pid // width
+    first_m = group * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_rows
+    pid_n = (pid % width) // group_rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_per_split = tl.cdiv(tl.cdiv(K, split_k), BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K):
+        a = _load_operand(a_ptr, a_scale_ptr, offs_m, M, k0, K, stride_am, stride_asm,
+                          BLOCK_M, BLOCK_K, D, SCALE_KIND, A_PACKED, DOT_DTYPE)
+        w = _load_operand(w_ptr, w_scale_ptr, offs_n, N, k0, K, stride_wn, stride_wsn,
+                          BLOCK_N, BLOCK_K, D, SCALE_KIND, True, DOT_DTYPE)
+        acc = tl.dot(a, tl.trans(w), acc)
+    if split_k == 1:
+        _epilogue(acc, offs_m, offs_n, M, N, a_global_ptr, w_global_ptr, bias_ptr, out_ptr,
+                  stride_om, GAIN2, HAS_GLOBAL, HAS_BIAS, EXPLICIT_BF16)
+    else:
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        part = partial_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part, acc, mask=mask)
+
+
+@triton.jit
+def _split_k_sum(partial_ptr, a_global_ptr, w_global_ptr, bias_ptr, out_ptr, M, N, stride_om,
+                 SPLIT_K: tl.constexpr, GAIN2: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, EXPLICIT_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """Sum the split-K partials in a fixed order (deterministic) and apply the epilogue."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    ptrs = partial_ptr + offs_m[:, None] * N + offs_n[None, :]
+    acc = tl.load(ptrs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(ptrs + s * M * N, mask=mask, other=0.0)
+    _epilogue(acc, offs_m, offs_n, M, N, a_global_ptr, w_global_ptr, bias_ptr, out_ptr,
+              stride_om, GAIN2, HAS_GLOBAL, HAS_BIAS, EXPLICIT_BF16)
+
+
+@triton.jit
+def _decode_kernel(codes_ptr, scales_ptr, out_ptr, R, K, stride_cr, stride_sr, stride_or,
+                   D: tl.constexpr, SCALE_KIND: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """Packed codes and block scales to bf16 values ``q * s`` (exact), ``[R, K]``."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k0 = tl.program_id(1) * BLOCK_K
+    values = _load_operand(codes_ptr, scales_ptr, offs_r, R, k0, K, stride_cr, stride_sr,
+                           BLOCK_R, BLOCK_K, D, SCALE_KIND, True, tl.float32)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask = (offs_r[:, None] < R) & (offs_k[None, :] < K)
+    tl.store(out_ptr + offs_r[:, None] * stride_or + offs_k[None, :], values.to(tl.bfloat16),
+             mask=mask)
+
+
+def _gemm_configs(small: bool):
+    configs = []
+    if small:  # M <= 16: stream the packed weights, few rows of activations
+        for block_n, block_k, warps, stages in ((32, 256, 4, 4), (64, 128, 4, 5), (128, 128, 4, 4),
+                                                (128, 256, 8, 3), (64, 256, 8, 4)):
+            configs.append(triton.Config({"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                                          "GROUP_M": 1}, num_warps=warps, num_stages=stages))
+    else:
+        for block_m, block_n, block_k, warps, stages in (
+            (128, 128, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3),
+            (64, 128, 128, 4, 4), (128, 64, 128, 4, 4), (64, 64, 128, 4, 4), (64, 256, 64, 8, 3),
+        ):
+            configs.append(triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n,
+                                          "BLOCK_K": block_k, "GROUP_M": 8},
+                                         num_warps=warps, num_stages=stages))
+    return configs
+
+
+_KEY = ["N", "K", "m_bucket", "split_k", "D", "SCALE_KIND", "A_PACKED", "HAS_BIAS"]
+_w4a4_small = triton.autotune(configs=_gemm_configs(True), key=_KEY)(_w4a4_kernel)
+_w4a4_large = triton.autotune(configs=_gemm_configs(False), key=_KEY)(_w4a4_kernel)
+
+INTERPRETER_GEMM_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 64, "GROUP_M": 2}
+SMALL_M = 16
+"""Up to this many rows the GEMM streams the packed weights with the activations decoded in the
+loop (the decode variant); above it the activations are decoded to bf16 once (they would be
+decoded again by every column tile) and the weights in the loop."""
+
+
+def _split_k(m: int, n: int, k: int, device: torch.device) -> int:
+    """Splits of K for the small-M GEMM: enough (tile, split) programs to fill the GPU twice over
+    with 64-wide column tiles, each split at least 1024 deep, at most 8 (a power of two)."""
+    if m > SMALL_M or INTERPRET:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    tiles = triton.cdiv(n, 64)
+    split = 1
+    while split < 8 and tiles * split < 2 * sms and k // (2 * split) >= 1024:
+        split *= 2
+    return split
+
+
+def decode(codes, scales, d: int, scale_kind: int):
+    """bf16 values ``q * s`` of packed codes ``[R, K/2]`` with block scales ``[R, K/d]``."""
+    rows, k = codes.shape[0], codes.shape[1] * 2
+    out = torch.empty(rows, k, dtype=torch.bfloat16, device=codes.device)
+    block_r, block_k = (16, 64) if INTERPRET else (32, 256)
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
+    _decode_kernel[grid](codes, scales, out, rows, k, codes.stride(0), scales.stride(0),
+                         out.stride(0), D=d, SCALE_KIND=scale_kind, BLOCK_R=block_r,
+                         BLOCK_K=block_k)
+    return out
+
+
+def w4a4_matmul(a_codes, a_scales, a_global, w_codes, w_scales, w_global, d: int,
+                scale_kind: int, gain: float, bias, out_dtype, config: dict | None = None,
+                split_k: int | None = None):
+    """Launch the GEMM; arguments already checked by :mod:`kbbq_pl.kernels`."""
+    m, n, k = a_codes.shape[0], w_codes.shape[0], w_codes.shape[1] * 2
+    device = w_codes.device
+    out = torch.empty(m, n, dtype=out_dtype, device=device)
+    small = m <= SMALL_M
+    if small:
+        a, a_s = a_codes, a_scales
+    else:
+        a, a_s = decode(a_codes, a_scales, d, scale_kind), a_scales
+    split = split_k if split_k is not None else _split_k(m, n, k, device)
+    partial = (torch.empty(split, m, n, dtype=torch.float32, device=device) if split > 1
+               else out)
+    has_global = scale_kind == SCALE_E4M3
+    dummy = out
+    meta = dict(D=d, SCALE_KIND=scale_kind, GAIN2=gain * gain, A_PACKED=small,
+                HAS_GLOBAL=has_global, HAS_BIAS=bias is not None,
+                DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16,
+                EXPLICIT_BF16=INTERPRET and out_dtype == torch.bfloat16)
+    globals_ = (a_global if has_global else dummy, w_global if has_global else dummy)
+    args = [a, a_s, w_codes, w_scales, *globals_, bias if bias is not None else dummy, out,
+            partial, m, n, k, split, a.stride(0), a_s.stride(0), w_codes.stride(0),
+            w_scales.stride(0), out.stride(0), _m_bucket(m)]
+    if config is not None or INTERPRET:
+        cfg = dict(config or INTERPRETER_GEMM_CONFIG)
+        warps = cfg.pop("num_warps", 4)
+        stages = cfg.pop("num_stages", 3)
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split)
+        _w4a4_kernel[grid](*args, **meta, **cfg, num_warps=warps, num_stages=stages)
+    else:
+        kernel = _w4a4_small if small else _w4a4_large
+
+        def grid(meta):
+            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), split)
+        kernel[grid](*args, **meta)
+    if split > 1:
+        block_m, block_n = 16, 64
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        _split_k_sum[grid](partial, *globals_, bias if bias is not None else dummy, out, m, n,
+                           out.stride(0), SPLIT_K=split, GAIN2=gain * gain,
+                           HAS_GLOBAL=has_global, HAS_BIAS=bias is not None,
+                           EXPLICIT_BF16=meta["EXPLICIT_BF16"], BLOCK_M=block_m,
+                           BLOCK_N=block_n)
+    return out

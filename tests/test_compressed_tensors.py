@@ -1,0 +1,427 @@
+"""compressed-tensors export and import, checked with the real readers: compressed-tensors'
+own compressors and configuration classes, and transformers' AutoModelForCausalLM."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed "
+                    "(pip install 'kbbq-pl[test]', Python >= 3.11)")
+
+from compressed_tensors.compressors import BaseCompressor  # noqa: E402
+from compressed_tensors.quantization import QuantizationConfig as CTConfig  # noqa: E402
+from compressed_tensors.quantization import preset_name_to_scheme  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers.utils.quantization_config import CompressedTensorsConfig  # noqa: E402
+
+from kbbq_pl.cli import main  # noqa: E402
+from kbbq_pl.compressed_tensors import (  # noqa: E402
+    ExportError,
+    bf16_decodes_agree,
+    ct_global_scale,
+    dense_model,
+    export_compressed_tensors,
+    kbbq_global_scale,
+    save_compressed_tensors,
+)
+from kbbq_pl.data import token_blocks  # noqa: E402
+from kbbq_pl.export import from_pretrained, save_quantized  # noqa: E402
+from kbbq_pl.fileio import OutputPathError  # noqa: E402
+from kbbq_pl.formats import QuantizedTensor, get_format  # noqa: E402
+from kbbq_pl.layers import QuantizedLinear, quantized_linears  # noqa: E402
+from kbbq_pl.models import load_model, tiny_model  # noqa: E402
+from kbbq_pl.quantize import QuantizationConfig, quantize_model  # noqa: E402
+from kbbq_pl.transforms import hadamard  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+IDS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(7))
+
+
+def _batches(vocab: int = 256, tokenizer=None, source="random", n_tokens=256):
+    ids = token_blocks(source, tokenizer, n_tokens=n_tokens, seq_len=32, vocab_size=vocab)
+    return [{"input_ids": b, "attention_mask": torch.ones_like(b)} for b in ids.split(8)]
+
+
+_CACHE: dict[tuple, torch.nn.Module] = {}
+
+
+def quantized_tiny(**fields) -> torch.nn.Module:
+    """A tiny random Llama (4 heads, 2 KV heads) quantized with ``fields``; a fresh copy."""
+    key = tuple(sorted(fields.items()))
+    if key not in _CACHE:
+        model = tiny_model("llama")
+        quantize_model(model, _batches(), QuantizationConfig(**fields), progress=False)
+        _CACHE[key] = model
+    return copy.deepcopy(_CACHE[key])
+
+
+def folder_digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
+
+
+def ct_config(folder: Path) -> tuple[dict, CTConfig]:
+    block = json.loads((folder / "config.json").read_text())["quantization_config"]
+    return block, CTConfig.model_validate(block)
+
+
+def ct_decompressed(folder: Path, name: str) -> torch.Tensor:
+    """Layer ``name``'s weight as compressed-tensors' own compressor decompresses it."""
+    _, config = ct_config(folder)
+    scheme = config.config_groups["group_0"]
+    compressor = BaseCompressor.get_value_from_registry(scheme.format)
+    tensors = load_file(str(folder / "model.safetensors"))
+    state = {k.removeprefix(name + "."): v for k, v in tensors.items()
+             if k.startswith(name + ".") and k.count(".") == name.count(".") + 1}
+    return compressor.decompress(state, scheme)["weight"]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+        b.view(torch.int16 if b.element_size() == 2 else torch.int32))
+
+
+def logits(model, ids=IDS) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def weight_only_reference(model, fp4_layers) -> torch.nn.Module:
+    """kbbq-pl's weight-only dequantized model as compressed-tensors decompresses it: the
+    FP4 layers' values rounded to bfloat16 (its decompression dtype), the rest exact."""
+    reference = dense_model(copy.deepcopy(model))
+    for name in fp4_layers:
+        weight = reference.get_submodule(name).weight
+        weight.data = weight.data.bfloat16().to(weight.dtype)
+    return reference
+
+
+# ------------------------------------------------------------------ per-tensor scales
+
+def test_global_scale_reciprocal_decodes_every_code_and_scale_like_kbbq():
+    """All 16 codes under all 126 positive E4M3 block scales, through compressed-tensors'
+    NVFP4 decompression, equal kbbq-pl's bfloat16 dequantization bit for bit."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+
+    scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
+    scales = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    codes = torch.arange(16, dtype=torch.uint8).repeat(126)  # one block of 16 per scale
+    packed = (codes[0::2] | (codes[1::2] << 4)).reshape(1, -1)
+    generator = torch.Generator().manual_seed(0)
+    amax = torch.exp(torch.randn(64, generator=generator) * 4)
+    fp32_exact = 0
+    for value in [*amax, torch.tensor(2688.0), torch.tensor(1e-30), torch.tensor(3e30)]:
+        pts = (value / 2688.0).float()
+        gs = ct_global_scale(pts)
+        assert bf16_decodes_agree(pts, gs)
+        ours = QuantizedTensor(packed, scales.reshape(1, -1), get_format("nvfp4"),
+                               torch.float32, 126 * 16, pts).dequantize(torch.bfloat16)
+        theirs = NVFP4PackedCompressor.decompress(
+            {"weight_packed": packed, "weight_scale": scales.reshape(1, -1),
+             "weight_global_scale": gs}, scheme)["weight"]
+        assert same_bits(theirs, ours)
+        assert torch.equal(kbbq_global_scale(gs), pts) or bf16_decodes_agree(
+            kbbq_global_scale(gs), gs)
+        fp32_exact += bool(torch.equal(scales.float() * pts, scales.float() / gs))
+    # why bfloat16: the float32 products agree only for some scales (here fewer than half)
+    assert fp32_exact < 40
+
+
+# ------------------------------------------------------------------ export: identity, GPTQ
+
+@pytest.mark.parametrize("fields", [
+    {"format": "nvfp4", "transform": "identity"},
+    {"format": "mxfp4", "transform": "identity", "weight_quantizer": "gptq"},
+], ids=["I-nvfp4", "GPTQ-mxfp4"])
+def test_plain_export_reads_back_in_compressed_tensors_and_transformers(fields, tmp_path):
+    model = quantized_tiny(**fields)
+    out = save_compressed_tensors(model, tmp_path / "ct")
+    block, config = ct_config(out)
+    preset = "NVFP4" if fields["format"] == "nvfp4" else "MXFP4"
+    expected = preset_name_to_scheme(preset, ["Linear"])
+    scheme = config.config_groups["group_0"]
+    assert scheme.model_dump(exclude={"format"}) == expected.model_dump(exclude={"format"})
+    assert scheme.targets == ["Linear"] and config.ignore == ["lm_head"]
+    assert block["quant_method"] == "compressed-tensors" and block["version"]
+    assert config.format == scheme.format == f"{fields['format']}-pack-quantized"
+    if fields["format"] == "nvfp4":
+        assert scheme.input_activations.dynamic == "local"
+    tensors = load_file(str(out / "model.safetensors"))
+    layers = quantized_linears(model)
+    for name, layer in layers.items():
+        ours = layer.weight.dequantize(torch.bfloat16)
+        assert same_bits(ct_decompressed(out, name), ours), name
+        assert (f"{name}.input_global_scale" in tensors) == (fields["format"] == "nvfp4")
+    # transformers, through compressed-tensors: the weight-only dequantized model exactly
+    loaded = AutoModelForCausalLM.from_pretrained(
+        out, quantization_config=CompressedTensorsConfig(dequantize=True))
+    assert torch.equal(logits(loaded), logits(weight_only_reference(model, layers)))
+    # and kbbq-pl reads it back bit-exactly (quantized layers, W4A4)
+    assert torch.equal(logits(from_pretrained(out)), logits(model))
+
+
+def layer_outputs(model, names, x) -> dict[str, torch.Tensor]:
+    with torch.no_grad():
+        return {name: model.get_submodule(name)(x) for name in names}
+
+
+def test_transformers_runs_the_w4a4_scheme_through_compressed_tensors(tmp_path):
+    """transformers' default path keeps the layers compressed and emulates the activation
+    quantization; on the CPU it needs a bfloat16 model (a float32 one fails in F.linear:
+    compressed-tensors decompresses NVFP4/MXFP4 weights into bfloat16).  MXFP4 activations
+    round their scales as kbbq-pl's ``mxfp4_even``: every W4A4 layer gives kbbq-pl's output
+    bit for bit."""
+    model = quantized_tiny(format="mxfp4_even", transform="identity")
+    out = save_compressed_tensors(model, tmp_path / "ct")
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    assert torch.isfinite(logits(loaded)).all()  # also decompresses on the first call
+    names = list(quantized_linears(model))
+    x = torch.randn(8, 64, dtype=torch.bfloat16) * 3
+    theirs = layer_outputs(loaded, [n for n in names if "down_proj" not in n], x)
+    ours = layer_outputs(from_pretrained(out), theirs, x)
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+
+
+def test_cli_export_from_a_checkpoint_folder(shared_data, tmp_path):
+    from kbbq_pl.llama2c import convert_llama2c
+
+    tiny = shared_data / "tiny_llama_aidreams260K"
+    hf = convert_llama2c(tiny / "aidreams260K.bin", tiny / "tok512.bin", tmp_path / "hf")
+    model, tokenizer = load_model(hf)
+    quantize_model(model, _batches(512, tokenizer, shared_data / "wikitext2" / "valid.txt"),
+                   QuantizationConfig(format="nvfp4", transform="identity"), progress=False)
+    source = save_quantized(model, tmp_path / "kbbq", tokenizer=tokenizer,
+                            recipe={"format": "nvfp4", "transform": "identity"})
+    before = folder_digest(source)
+    out = tmp_path / "served"
+    assert main(["export", "--format", "compressed-tensors", str(source), str(out)]) == 0
+    assert folder_digest(source) == before, "the source checkpoint was modified"
+    files = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json",
+            "generation_config.json"} <= files
+    assert "quantization_config.json" not in files
+    block, config = ct_config(out)
+    downs = [f"model.layers.{i}.mlp.down_proj" for i in range(4)]
+    # FFN 172 is not a multiple of 16: compressed-tensors has no padding, down_proj is dense
+    assert config.ignore == sorted(["lm_head", *downs])
+    assert sorted(block["kbbq_pl"]["dense_layers"]) == downs
+    assert block["kbbq_pl"]["recipe"] == {"format": "nvfp4", "transform": "identity"}
+    # the same as writing from memory
+    again = save_compressed_tensors(model, tmp_path / "from-memory", tokenizer=tokenizer)
+    ours, theirs = load_file(str(out / "model.safetensors")), load_file(
+        str(again / "model.safetensors"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    layers = quantized_linears(model)
+    fp4 = [n for n in layers if n not in downs]
+    for name in fp4:
+        assert same_bits(ct_decompressed(out, name), layers[name].weight.dequantize(
+            torch.bfloat16)), name
+    for name in downs:
+        assert torch.equal(ours[f"{name}.weight"],
+                           layers[name].weight.dequantize(torch.float32)[:, :172])
+    loaded = AutoModelForCausalLM.from_pretrained(
+        out, quantization_config=CompressedTensorsConfig(dequantize=True))
+    ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    assert torch.equal(logits(loaded, ids), logits(weight_only_reference(model, fp4), ids))
+    # MXFP4 on the real model too: every FP4 layer decompresses to kbbq-pl's values
+    mx_model, _ = load_model(hf)
+    quantize_model(mx_model, _batches(512, tokenizer, shared_data / "wikitext2" / "valid.txt"),
+                   QuantizationConfig(format="mxfp4", transform="identity"), progress=False)
+    mx = save_compressed_tensors(mx_model, tmp_path / "mx", tokenizer=tokenizer)
+    for name, layer in quantized_linears(mx_model).items():
+        if name not in downs:
+            assert same_bits(ct_decompressed(mx, name), layer.weight.dequantize(torch.bfloat16))
+    with pytest.raises(ExportError, match=r"4 of 28 layers \(model.layers.0.mlp.down_proj, .*"
+                                          r"in_features not a multiple of the block"):
+        export_compressed_tensors(source, tmp_path / "strict", strict=True)
+    with pytest.raises(FileExistsError):
+        export_compressed_tensors(source, out)
+    with pytest.raises(OutputPathError, match="inside the source"):
+        export_compressed_tensors(source, source / "inside")
+
+
+# ------------------------------------------------------------------ transforms
+
+def test_block_hadamard_is_compressed_tensors_hadamard(tmp_path):
+    """MR-GPTQ's block Hadamard: transform_config (hadamard, head_dim 16, input online,
+    weight_input folded), compressed-tensors' matrix equal to kbbq-pl's, applied by
+    compressed-tensors' own transform code to the loaded model."""
+    from compressed_tensors.transform import TransformConfig, apply_transform_config
+    from compressed_tensors.transform.utils.hadamard import deterministic_hadamard_matrix
+
+    model = quantized_tiny(format="nvfp4", transform="hadamard", weight_quantizer="gptq",
+                           scale_search="mse")
+    out = save_compressed_tensors(model, tmp_path / "ct", strict=True)
+    block, _ = ct_config(out)
+    transforms = TransformConfig.model_validate(block["transform_config"])
+    (scheme,) = transforms.config_groups.values()
+    assert scheme.type == "hadamard" and scheme.head_dim == 16 and not scheme.randomize
+    assert [(a.location, a.inverse) for a in scheme.apply] == [("input", False),
+                                                              ("weight_input", True)]
+    # same matrix, same sign convention: H / sqrt(d) bit for bit in float64
+    ct = deterministic_hadamard_matrix(16, torch.float64) / torch.tensor(16.0).sqrt()
+    assert torch.equal(ct, hadamard(16))
+    tensors = load_file(str(out / "model.safetensors"))
+    assert torch.equal(tensors["model.layers.0.mlp.up_proj.kbbq_hadamard_input.weight"],
+                       deterministic_hadamard_matrix(16, torch.float32))
+    reference = logits(dense_model(copy.deepcopy(model)))
+    loaded = AutoModelForCausalLM.from_pretrained(
+        out, quantization_config=CompressedTensorsConfig(dequantize=True))
+    # transformers does not apply transform_config: without it the function is another one
+    assert (logits(loaded) - reference).abs().max() > 1e-2
+    scheme.apply = [a for a in scheme.apply if a.location == "input"]  # weights: folded
+    apply_transform_config(loaded, transforms)
+    error = (logits(loaded) - reference).abs().max() / reference.abs().max()
+    assert error < 1e-2, error  # bfloat16 weights (compressed-tensors) against float32
+    assert torch.equal(logits(from_pretrained(out)), logits(model))
+
+
+def test_per_block_transforms_export_as_input_transform_and_strict_refuses(tmp_path):
+    model = quantized_tiny(format="nvfp4", transform="kbbq", lam=0.5)
+    with pytest.raises(ExportError, match=r"--strict: .* 14 of 14 layers .* no "
+                                          r"compressed-tensors slot"):
+        save_compressed_tensors(model, tmp_path / "strict", strict=True)
+    assert not (tmp_path / "strict").exists()
+    out = save_compressed_tensors(model, tmp_path / "ct")
+    block, _ = ct_config(out)
+    tensors = load_file(str(out / "model.safetensors"))
+    layers = quantized_linears(model)
+    assert block["kbbq_pl"]["input_transforms"] == {
+        n: [layer.padded_in // 16, 16, 16] for n, layer in layers.items()}
+    for name, layer in layers.items():
+        assert torch.equal(tensors[f"{name}.input_transform"], layer.transform)
+        # compressed-tensors reads Q(W T^-1): the weight without its transform
+        assert same_bits(ct_decompressed(out, name), layer.weight.dequantize(torch.bfloat16))
+    assert torch.equal(logits(from_pretrained(out)), logits(model))
+
+
+# ------------------------------------------------------------------ refusals
+
+def test_what_compressed_tensors_cannot_express_is_refused(tmp_path):
+    dynamic = quantized_tiny(format="nvfp4", transform="identity", act_scale="dynamic")
+    with pytest.raises(ExportError, match=r"dynamic \(the amax of every call\)"):
+        save_compressed_tensors(dynamic, tmp_path / "dynamic")
+    out = save_compressed_tensors(dynamic, tmp_path / "weight-only", weight_only=True)
+    _, config = ct_config(out)
+    assert config.config_groups["group_0"].input_activations is None
+    assert not any(k.endswith("input_global_scale") for k in load_file(
+        str(out / "model.safetensors")))
+    no_clip = quantized_tiny(format="mxfp4_no_clip", transform="identity")
+    with pytest.raises(ExportError, match=r"mxfp4_no_clip .* / 0.75"):
+        save_compressed_tensors(no_clip, tmp_path / "no-clip")
+    gpt2 = tiny_model("gpt2")
+    quantize_model(gpt2, _batches(), QuantizationConfig(format="nvfp4", transform="identity"),
+                   progress=False)
+    with pytest.raises(ExportError, match=r"c_attn: .* torch.nn.Linear .* Conv1D"):
+        save_compressed_tensors(gpt2, tmp_path / "gpt2")
+
+
+# ------------------------------------------------------------------ import
+
+def _llm_compressor_style_folder(folder: Path, preset: str) -> Path:
+    """A folder written with compressed-tensors' own API as llm-compressor does (scales from
+    its own observers' formulas, its compressor, its config writer), not with kbbq-pl."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig as QC
+    from compressed_tensors.quantization import apply_quantization_config
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    model = tiny_model("llama", seed=3)
+    model.config.architectures = ["LlamaForCausalLM"]
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    config = QC(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    apply_quantization_config(model, config)
+    for _, module in model.named_modules():
+        if getattr(module, "quantization_scheme", None) is None:
+            continue
+        weight, args = module.weight.data, module.quantization_scheme.weights
+        groups = weight.reshape(weight.shape[0], -1, args.group_size)
+        global_scale = None
+        if hasattr(module, "weight_global_scale"):
+            global_scale = generate_gparam(weight.min(), weight.max())
+            module.weight_global_scale.data.copy_(global_scale)
+        scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), args, global_scale)
+        module.weight_scale.data = scale
+        if hasattr(module, "input_global_scale"):
+            module.input_global_scale.data.copy_(torch.tensor([448 * 6 / 4.0]))
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(folder)
+    compressor.update_config(str(folder))
+    return folder
+
+
+def test_import_reads_a_compressed_tensors_nvfp4_folder(tmp_path):
+    folder = _llm_compressor_style_folder(tmp_path / "nvfp4", "NVFP4")
+    model = from_pretrained(folder)
+    layers = quantized_linears(model)
+    assert len(layers) == 14
+    for name, layer in layers.items():
+        assert isinstance(layer, QuantizedLinear) and layer.act_scale == "static"
+        assert same_bits(layer.weight.dequantize(torch.bfloat16), ct_decompressed(folder, name))
+        assert float(layer.act_global_scale) == pytest.approx(4.0 / 2688, rel=1e-7)
+    # each W4A4 layer against compressed-tensors' own emulation in transformers: the same up
+    # to the activations' scale arithmetic (s / gs in bfloat16 there, s * pts in float32 here)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    assert torch.isfinite(logits(loaded)).all()
+    x = torch.randn(64, 64, dtype=torch.bfloat16) * 3
+    theirs = layer_outputs(loaded, [n for n in layers if "down_proj" not in n], x)
+    ours = layer_outputs(model, theirs, x)
+    for name in theirs:
+        error = (ours[name].float() - theirs[name].float()).norm() / theirs[name].float().norm()
+        assert error < 1e-2, (name, error)
+
+
+def test_import_weight_only_mxfp4_folder_and_law(tmp_path, shared_data):
+    from kbbq_pl.law_report import run_law
+
+    folder = _llm_compressor_style_folder(tmp_path / "mxfp4", "MXFP4A16")
+    model = from_pretrained(folder)
+    assert not quantized_linears(model)  # weight-only: dense, activations unquantized
+    loaded = AutoModelForCausalLM.from_pretrained(
+        folder, quantization_config=CompressedTensorsConfig(dequantize=True))
+    assert torch.equal(logits(model), logits(loaded))  # MXFP4 values are exact everywhere
+    assert isinstance(load_model(folder)[0].model.layers[0].mlp.up_proj, torch.nn.Linear)
+    paths, summary = run_law(str(folder), "random", tmp_path / "law", formats=["nvfp4"],
+                             tokens=64, seq_len=16, rows=2, progress=False)
+    assert summary["formats"]["nvfp4"]["records"] > 0 and paths
+
+
+def test_import_refuses_what_it_cannot_read(tmp_path):
+    folder = _llm_compressor_style_folder(tmp_path / "nvfp4", "NVFP4")
+    original = (folder / "config.json").read_text()
+    config = json.loads(original)
+    config["quantization_config"]["transform_config"] = {"config_groups": {"u": {
+        "type": "random-hadamard", "apply": [{"targets": ["Linear"], "location": "output"}]}}}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="'u' .random-hadamard at output"):
+        from_pretrained(folder)
+    config = json.loads(original)
+    config["quantization_config"]["config_groups"]["group_0"]["format"] = "pack-quantized"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="stored as 'pack-quantized'; kbbq-pl reads "
+                                         "nvfp4-pack-quantized, mxfp4-pack-quantized"):
+        from_pretrained(folder)
+
+
+def test_folded_o_proj_exports_without_a_transform(tmp_path):
+    """fold_o_proj: o_proj's transform lives in v_proj's weights, so o_proj is plain
+    compressed-tensors; the per-block transforms of the other layers still are not."""
+    model = quantized_tiny(format="nvfp4", transform="kbbq", lam=0.5, fold_o_proj=True)
+    out = save_compressed_tensors(model, tmp_path / "ct")
+    block, _ = ct_config(out)
+    transformed = block["kbbq_pl"]["input_transforms"]
+    assert len(transformed) == 12 and not any(n.endswith("o_proj") for n in transformed)
+    for i in range(2):
+        name = f"model.layers.{i}.self_attn.o_proj"
+        assert same_bits(ct_decompressed(out, name),
+                         quantized_linears(model)[name].weight.dequantize(torch.bfloat16))
+    assert torch.equal(logits(from_pretrained(out)), logits(model))

@@ -1,0 +1,517 @@
+"""The W4A4 Triton kernels (kbbq_pl.kernels) against their CPU reference.
+
+On CPU they run under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before
+they are imported); the shapes are small because the interpreter is slow.  Activation codes and
+scales must be bit-identical to ``reference_quantize_activations``; the GEMM must be within FP32
+accumulation round-off of the float64 product of the dequantized operands.  The tests marked
+``gpu`` repeat this on real shapes on a CUDA device.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch
+
+from kbbq_pl import formats as F
+from kbbq_pl import kernels as K
+from kbbq_pl.kernels.reference import fma_f32
+from kbbq_pl.transforms import hadamard, transform_inputs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FORMATS = ["nvfp4", "mxfp4", "mxfp4_no_clip", "mxfp4_ceil", "mxfp4_even", "mxfp4_rceil"]
+CPU = torch.device("cpu")
+
+
+def needs_kernels(device: torch.device = CPU):
+    if not K.available(device):
+        pytest.skip(f"kbbq_pl.kernels do not run on {device} here (triton or interpreter absent)")
+
+
+def block(fmt: str) -> int:
+    return F.get_format(fmt).block_size
+
+
+def make_transform(kind: str | None, k: int, d: int, seed: int = 0) -> torch.Tensor | None:
+    if kind is None:
+        return None
+    if kind == "hadamard":
+        return hadamard(d, torch.float32).expand(k // d, d, d).contiguous()
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(k // d, d, d, generator=gen) / math.sqrt(d)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def assert_same_quantization(got, want, what: str) -> None:
+    codes, scales, pts = got
+    ref_codes, ref_scales, ref_pts = want
+    bad_codes = int((codes != ref_codes).sum())
+    bad_scales = int((bits(scales) != bits(ref_scales)).sum())
+    assert bad_codes == 0 and bad_scales == 0, (
+        f"{what}: {bad_codes} of {codes.numel()} code bytes and {bad_scales} of {scales.numel()} "
+        "scales differ from the reference")
+    assert scales.dtype == ref_scales.dtype or scales.dtype == torch.uint8
+    if ref_pts is None:
+        assert pts is None
+    else:
+        assert torch.equal(bits(pts.reshape(1)), bits(ref_pts.reshape(1))), (pts, ref_pts)
+
+
+def quantize_both(x, transform, fmt, global_scale=None, config=None):
+    got = K.quantize_activations(x, transform, fmt, global_scale, config=config)
+    want = K.reference_quantize_activations(x, transform, fmt, global_scale)
+    return got, want
+
+
+# --------------------------------------------------------------------------- reference pieces
+
+
+def exact_fp32(value: Fraction) -> float:
+    """The FP32 nearest to an exact rational, ties to even (no double rounding)."""
+    guess = torch.tensor(float(value), dtype=torch.float32)
+    candidates = [torch.nextafter(guess, torch.tensor(-math.inf)), guess,
+                  torch.nextafter(guess, torch.tensor(math.inf))]
+    best = min(candidates, key=lambda c: (abs(Fraction(float(c)) - value),
+                                          int(c.view(torch.int32)) & 1))
+    return float(best)
+
+
+def test_fma_f32_rounds_once():
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(400, generator=gen)
+    b = torch.randn(400, generator=gen) * 2.0 ** torch.randint(-30, 30, (400,), generator=gen)
+    c = torch.randn(400, generator=gen) * 2.0 ** torch.randint(-30, 30, (400,), generator=gen)
+    # double rounding through float64 fails here: a * b = 2^-24 + 2^-60 and c = 1
+    a = torch.cat([a, torch.tensor([(2**12 + 1) * 2.0**-60])])
+    b = torch.cat([b, torch.tensor([float(2**24 - 2**12 + 1)])])
+    c = torch.cat([c, torch.tensor([1.0])])
+    got = fma_f32(a, b, c)
+    for x, y, z, r in zip(a.tolist(), b.tolist(), c.tolist(), got.tolist()):
+        assert r == exact_fp32(Fraction(x) * Fraction(y) + Fraction(z)), (x, y, z)
+    naive = (a.double() * b.double() + c.double()).float()
+    assert naive[-1] != got[-1]  # the case above does catch double rounding
+
+
+def test_reference_transform_is_t_times_x():
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    t = make_transform("random", 64, 16)
+    expected = transform_inputs(x.double(), t.double())
+    got = K.reference_transform(x, t)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(K.reference_transform(x, None), x.float())
+
+
+# --------------------------------------------------------------------------- activations
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kind", [None, "random"])
+def test_activation_codes_bit_identical(fmt, kind):
+    needs_kernels()
+    d = block(fmt)
+    k = 4 * d
+    x = (torch.randn(20, k) * 3).to(torch.bfloat16)  # 20 rows: a masked row tile
+    got, want = quantize_both(x, make_transform(kind, k, d), fmt)
+    assert_same_quantization(got, want, f"{fmt} transform={kind}")
+    codes, scales, pts = got
+    assert codes.shape == (20, k // 2) and codes.dtype == torch.uint8
+    expected_scale = torch.float8_e4m3fn if fmt == "nvfp4" else torch.uint8
+    assert scales.shape == (20, 4) and scales.dtype == expected_scale
+    assert (pts is not None) == (fmt == "nvfp4")
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_activation_dtypes_with_hadamard(fmt, dtype):
+    needs_kernels()
+    d = block(fmt)
+    x = (torch.randn(17, 2 * d) * 5).to(dtype)
+    got, want = quantize_both(x, make_transform("hadamard", 2 * d, d), fmt)
+    assert_same_quantization(got, want, f"{fmt} {dtype}")
+
+
+def test_static_nvfp4_scale_float_tensor_and_saturation():
+    needs_kernels()
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    t = make_transform("random", 64, 16, seed=3)
+    for scale in (0.01, torch.tensor(0.01), 1e-5):  # 1e-5: most blocks saturate at 448 * 6
+        got, want = quantize_both(x, t, "nvfp4", scale)
+        assert_same_quantization(got, want, f"static scale {scale}")
+        assert got[2].dtype == torch.float32
+        assert float(got[2]) == float(torch.tensor(float(scale), dtype=torch.float32))
+    saturated = got[1].float()
+    assert (saturated == 448).float().mean() > 0.5
+
+
+def test_tiles_do_not_change_the_bits():
+    needs_kernels()
+    x = torch.randn(33, 96, dtype=torch.bfloat16)  # 6 blocks of 16: NB = 4 leaves a partial tile
+    t = make_transform("random", 96, 16, seed=5)
+    want = K.reference_quantize_activations(x, t, "nvfp4")
+    for config in ({"BLOCK_M": 32, "NB": 4}, {"BLOCK_M": 16, "NB": 1}):
+        got = K.quantize_activations(x, t, "nvfp4", config=config)
+        assert_same_quantization(got, want, f"config {config}")
+
+
+def ties_rows(d: int) -> torch.Tensor:
+    """Blocks (fp32) holding 6 and then every E2M1 rounding boundary, the FP32 numbers next to
+    each, their negatives and signed zeros: with the scale 2^0 (MX floor, even, rceil; NVFP4
+    with a per-tensor scale of 1) the elements are rounded exactly at the boundaries."""
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    near = torch.cat([mids, torch.nextafter(mids, torch.tensor(math.inf)),
+                      torch.nextafter(mids, torch.tensor(-math.inf))])
+    values = torch.cat([near, -near, torch.tensor([0.0, -0.0])])
+    chunks = values.split(d - 1)
+    blocks = [torch.cat([torch.tensor([6.0]), c, torch.zeros(d - 1 - len(c))]) for c in chunks]
+    return torch.cat(blocks).reshape(1, -1)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_adversarial_inputs(fmt):
+    needs_kernels()
+    d = block(fmt)
+    k = 2 * d
+    rows = [
+        torch.zeros(k),                                     # an all-zero row
+        torch.full((k,), -0.0),                             # negative zeros keep their sign bit
+        torch.linspace(-3e38, 3e38, k),                     # amax near FP32's largest
+        torch.linspace(-1e-38, 1e-38, k),                   # subnormal amax
+        torch.tensor([1e30] + [1e-30] * (k - 1)),           # one huge element per row
+    ]
+    for kind in (None, "random"):  # with T: zero blocks give signed zeros, overflow gives NaN
+        got, want = quantize_both(torch.stack(rows), make_transform(kind, k, d), fmt)
+        assert_same_quantization(got, want, f"{fmt} adversarial, transform {kind}")
+    scale = 1.0 if fmt == "nvfp4" else None
+    got, want = quantize_both(ties_rows(d), None, fmt, scale)
+    assert_same_quantization(got, want, f"{fmt} ties")
+    if fmt in ("nvfp4", "mxfp4", "mxfp4_even", "mxfp4_rceil"):  # block scale 1: exact ties
+        assert (bits(got[1]) == (0x38 if fmt == "nvfp4" else 127)).all()
+
+
+@pytest.mark.parametrize("product", ["PRODUCT_FMA_DOT", "PRODUCT_TF32X3"])
+def test_gpu_product_paths_run_under_the_interpreter(product):
+    """The GPU's ``tl.dot`` products, interpreted by numpy (another summation order, no TF32
+    rounding), land within a few codes of the exact chain: their indexing is right."""
+    needs_kernels()
+    from kbbq_pl.kernels import triton_kernels as tk
+
+    x = torch.randn(32, 128, dtype=torch.bfloat16)
+    t = make_transform("random", 128, 32, seed=2)
+    want = K.reference_quantize_activations(x, t, "mxfp4")
+    got = tk.quantize_activations(x, t, 32, tk.SCALE_E8M0, 0, 1.0, None,
+                                  product=getattr(tk, product))
+    assert float((got[0] != want[0]).float().mean()) < 0.01
+    assert float((got[1] != want[1]).float().mean()) < 0.05
+
+
+def test_tiny_dynamic_scale_quantizes_to_zeros():
+    needs_kernels()
+    x = torch.full((3, 32), 1e-35)  # amax / (448 * 6) < 2^-122: unusable, codes are zeros
+    got, want = quantize_both(x, None, "nvfp4")
+    assert_same_quantization(got, want, "tiny amax")
+    assert torch.equal(got[0], torch.zeros_like(got[0])) and float(got[2]) == 1.0
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_nonfinite_blocks_get_nan_scales(fmt):
+    needs_kernels()
+    d = block(fmt)
+    x = torch.randn(3, 2 * d)
+    x[0, 1] = float("nan")
+    x[2, d + 3] = float("inf")
+    t = make_transform("random", 2 * d, d)
+    got, want = quantize_both(x, t, fmt)
+    assert_same_quantization(got, want, f"{fmt} non-finite")
+    nan_code = 0x7F if fmt == "nvfp4" else 0xFF
+    scales = bits(got[1]).reshape(3, 2)
+    assert scales[0, 0] == nan_code and scales[2, 1] == nan_code and scales[1, 0] != nan_code
+
+
+def test_empty_inputs():
+    needs_kernels()
+    codes, scales, pts = K.quantize_activations(torch.randn(0, 64), None, "nvfp4")
+    assert codes.shape == (0, 32) and scales.shape == (0, 4) and float(pts) == 1.0
+    q = F.quantize(torch.randn(8, 64), "nvfp4")
+    y = K.w4a4_matmul(codes, scales, pts, q.qdata, q.scale, q.global_scale, "nvfp4")
+    assert y.shape == (0, 8)
+
+
+def test_activation_argument_errors():
+    needs_kernels()
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="not a multiple of the nvfp4 block 16"):
+        K.quantize_activations(torch.randn(4, 40), None, "nvfp4")
+    with pytest.raises(ValueError, match=r"transform must be \[K/d, d, d\] = \[4, 16, 16\]"):
+        K.quantize_activations(x, torch.randn(2, 16, 16), "nvfp4")
+    with pytest.raises(ValueError, match="mxfp4 has no per-tensor scale"):
+        K.quantize_activations(x, None, "mxfp4", 0.5)
+    with pytest.raises(ValueError, match="not supported by the W4A4 kernels"):
+        K.quantize_activations(x, None, "int4")
+    with pytest.raises(ValueError, match="e2m1_b8_e8m0"):
+        K.quantize_activations(x, None, "e2m1_b8_e8m0")
+    with pytest.raises(TypeError, match="bf16, fp16 or fp32"):
+        K.quantize_activations(x.double(), None, "nvfp4")
+    with pytest.raises(ValueError, match="positive and finite"):
+        K.quantize_activations(x, None, "nvfp4", 0.0)
+
+
+# --------------------------------------------------------------------------- GEMM
+
+
+def operands(fmt, m, n, k, transform=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    q = F.quantize(w, fmt)
+    a = K.quantize_activations(x, transform, fmt)
+    return a, q
+
+
+def gemm_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+def assert_within_one_bf16_rounding(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """Each output is the exact value rounded once to bf16 (half an ulp, at most 2^-8 of the
+    value), up to the FP32 accumulation error (far below it)."""
+    slack = 2.0**-8 * ref.abs() + 1e-6 * ref.abs().max()
+    excess = (y.double() - ref).abs() - slack
+    assert float(excess.max()) <= 0, f"{int((excess > 0).sum())} outputs beyond one bf16 rounding"
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp4_no_clip"])
+@pytest.mark.parametrize("m", [3, 40])  # 3: the decode variant (M <= 16), 40: the tiled path
+def test_gemm_matches_float64_product(fmt, m):
+    needs_kernels()
+    n, k = 24, 192  # N and K are not multiples of the interpreter's 16 x 64 tile
+    (codes, scales, pts), q = operands(fmt, m, n, k, make_transform("random", 192, block(fmt)))
+    bias = torch.randn(n)
+    ref = K.reference_w4a4_matmul(codes, scales, pts, q.qdata, q.scale, q.global_scale, fmt, bias)
+    y = K.w4a4_matmul(codes, scales, pts, q.qdata, q.scale, q.global_scale, fmt, bias,
+                      torch.float32)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert gemm_error(y, ref) <= 1e-5
+    y16 = K.w4a4_matmul(codes, scales, pts, q.qdata, q.scale, q.global_scale, fmt, bias)
+    assert y16.dtype == torch.bfloat16
+    assert_within_one_bf16_rounding(y16, ref)
+
+
+def test_gemm_split_k_fp16_no_bias_and_tile_configs():
+    needs_kernels()
+    (codes, scales, pts), q = operands("nvfp4", 5, 40, 256)
+    ref = K.reference_w4a4_matmul(codes, scales, pts, q.qdata, q.scale, q.global_scale, "nvfp4")
+    args = (codes, scales, pts, q.qdata, q.scale, q.global_scale, "nvfp4")
+    split = K.w4a4_matmul(*args, None, torch.float32, split_k=3)
+    assert gemm_error(split, ref) <= 1e-5
+    whole = K.w4a4_matmul(*args, None, torch.float32)
+    assert torch.allclose(split, whole, rtol=1e-6, atol=1e-6)
+    tiled = K.w4a4_matmul(*args, None, torch.float32,
+                          config={"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1})
+    assert gemm_error(tiled, ref) <= 1e-5
+    half = K.w4a4_matmul(*args, None, torch.float16)
+    assert half.dtype == torch.float16 and gemm_error(half, ref) <= 2.0**-10
+
+
+def test_gemm_nan_scale_propagates():
+    needs_kernels()
+    x = torch.randn(2, 64)
+    x[1, 5] = float("nan")
+    codes, scales, pts = K.quantize_activations(x, None, "mxfp4")
+    q = F.quantize(torch.randn(8, 64), "mxfp4")
+    y = K.w4a4_matmul(codes, scales, None, q.qdata, q.scale, None, "mxfp4", None, torch.float32)
+    assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()
+
+
+def test_gemm_argument_errors():
+    needs_kernels()
+    (codes, scales, pts), q = operands("nvfp4", 2, 8, 64)
+    with pytest.raises(ValueError, match="K differs: activations 64"):
+        K.w4a4_matmul(codes, scales, pts, q.qdata[:, :16], q.scale[:, :2], q.global_scale, "nvfp4")
+    with pytest.raises(ValueError, match="needs both per-tensor scales"):
+        K.w4a4_matmul(codes, scales, None, q.qdata, q.scale, q.global_scale, "nvfp4")
+    with pytest.raises(ValueError, match=r"bias must be \[8\]"):
+        K.w4a4_matmul(codes, scales, pts, q.qdata, q.scale, q.global_scale, "nvfp4",
+                      torch.zeros(7))
+    with pytest.raises(ValueError, match="weight scales must be one byte each"):
+        K.w4a4_matmul(codes, scales, pts, q.qdata, q.scale.float(), q.global_scale, "nvfp4")
+    (codes, scales, _), q = operands("mxfp4", 2, 8, 64)
+    with pytest.raises(ValueError, match="mxfp4 has no per-tensor scales"):
+        K.w4a4_matmul(codes, scales, 1.0, q.qdata, q.scale, None, "mxfp4")
+
+
+# --------------------------------------------------------------------------- linear
+
+
+@pytest.mark.parametrize("fmt,static", [("nvfp4", False), ("nvfp4", True), ("mxfp4_rceil", False)])
+def test_linear_w4a4_matches_reference(fmt, static):
+    needs_kernels()
+    d = block(fmt)
+    k, n = 4 * d, 24
+    t = make_transform("random", k, d, seed=7)
+    w = torch.randn(n, k) * 0.1
+    q = F.quantize(w, fmt)
+    x = torch.randn(2, 5, k - 3, dtype=torch.bfloat16)  # zero-padded to K
+    scale = torch.tensor(0.002) if static else None
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    y = K.linear_w4a4(x, q.qdata, q.scale, q.global_scale, fmt, t, scale, bias)
+    ref = K.reference_linear_w4a4(x, q.qdata, q.scale, q.global_scale, fmt, t, scale, bias)
+    assert y.shape == (2, 5, n) and y.dtype == torch.bfloat16
+    exact = K.reference_linear_w4a4(x.float(), q.qdata, q.scale, q.global_scale, fmt, t, scale,
+                                    bias.float())
+    assert_within_one_bf16_rounding(y.reshape(-1, n), exact.double().reshape(-1, n))
+    assert float((y.float() - ref.float()).abs().max()) <= float(ref.float().abs().max()) * 2**-7
+    with pytest.raises(ValueError, match=f"does not match the weights' K = {k}"):
+        K.linear_w4a4(torch.randn(3, 40), q.qdata, q.scale, q.global_scale, fmt)
+
+
+def test_available_and_blackwell_gate():
+    from kbbq_pl.kernels.blackwell import blackwell_nvfp4_available
+
+    needs_kernels()
+    assert K.available("cpu")
+    assert not blackwell_nvfp4_available(CPU, F.get_format("nvfp4"))
+    if not torch.cuda.is_available():
+        assert not K.available("cuda")
+
+
+def test_package_imports_without_triton(tmp_path):
+    """kbbq_pl.kernels and its CPU reference work with triton absent."""
+    import subprocess
+
+    script = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch\n"
+        "import kbbq_pl.kernels as K\n"
+        "assert not K.available('cpu')\n"
+        "x = torch.randn(2, 32)\n"
+        "codes, scales, pts = K.reference_quantize_activations(x, None, 'mxfp4')\n"
+        "assert codes.shape == (2, 16)\n"
+        "try:\n"
+        "    K.quantize_activations(x, None, 'mxfp4')\n"
+        "except RuntimeError as error:\n"
+        "    assert 'triton is not installed' in str(error)\n"
+        "else:\n"
+        "    raise AssertionError('no error without triton')\n"
+        "assert 'kbbq_pl.kernels.triton_kernels' not in sys.modules\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+COMPILE_CHECK = """
+import re, sys
+sys.path.insert(0, {bench!r})
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+import gpu_compile as G
+from kbbq_pl.kernels import triton_kernels as tk
+
+target = GPUTarget("cuda", 90, 32)
+act = dict(D=16, SCALE_KIND=tk.SCALE_E4M3, ROUNDING=0, GAIN=1.0, HAS_T=True, STATIC=False,
+           AMAX_ONLY=False, PRODUCT=tk.PRODUCT_FMA_DOT, BLOCK_M=32, NB=2)
+ptx = G.compile_kernel(tk._quantize_activations_kernel, G.ACT_SIGNATURE, act, target,
+                       num_warps=4, enable_fp_fusion=True).asm["ptx"]
+per_thread = 32 * 2 * 16 // 128
+assert len(re.findall(r"fma\\.rn\\.f32", ptx)) == per_thread * 16, "transform is not an FMA chain"
+assert re.search(r"div\\.(full|approx)", ptx) is None and "div.rn.f32" in ptx
+assert ".ftz" not in ptx
+for small, config, mma in ((True, (16, 64, 128, 4, 5), "mma.sync"),
+                           (False, (128, 128, 64, 8, 3), "wgmma.mma_async")):
+    signature = dict(G.GEMM_SIGNATURE, **({{}} if small else {{"a_ptr": "*bf16"}}))
+    bm, bn, bk, warps, stages = config
+    gemm = dict(D=16, SCALE_KIND=tk.SCALE_E4M3, GAIN2=1.0, A_PACKED=small, HAS_GLOBAL=True,
+                HAS_BIAS=True, DOT_DTYPE=tl.bfloat16, EXPLICIT_BF16=False, BLOCK_M=bm,
+                BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)
+    compiled = G.compile_kernel(tk._w4a4_kernel, signature, gemm, target, num_warps=warps,
+                                num_stages=stages, enable_fp_fusion=True)
+    assert mma in compiled.asm["ptx"], mma
+    assert G.resources(compiled.asm["cubin"])["stack"] == 0, "register spills"
+print("ok")
+"""
+
+
+def test_kernels_compile_for_hopper_without_a_gpu():
+    """The GPU code paths (FMA dot, wgmma) compile for sm_90 with the ptxas in triton's wheel:
+    the transform is a chain of FP32 FMAs (one per output and block element), divisions are
+    correctly rounded, nothing flushes subnormals, the GEMMs use the tensor cores, no spills."""
+    import os
+    import subprocess
+
+    pytest.importorskip("triton")
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", COMPILE_CHECK.format(bench=bench)],
+                            capture_output=True, text=True, env=env, timeout=300)
+    if "ptxas" in result.stderr and "not found" in result.stderr:
+        pytest.skip("triton's ptxas is not available on this machine")
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_gpu_bench_dry_run(capsys):
+    """bench/gpu.py's CPU-side logic on tiny shapes under the interpreter."""
+    needs_kernels()
+    path = Path(__file__).resolve().parents[1] / "bench" / "gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_gpu"] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules["bench_gpu"]
+    module.main(["--dry-run", "--formats", "nvfp4"])
+    out = capsys.readouterr().out
+    for section in ("activation quantize", "W4A4 GEMM", "whole model"):
+        assert section in out
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+GPU_SHAPES = [1, 16, 512, 4096]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_activation_codes_equal_cpu_reference(fmt):
+    device = torch.device("cuda")
+    needs_kernels(device)
+    d, k = block(fmt), 2048
+    t = make_transform("random", k, d, seed=11)
+    for m in GPU_SHAPES:
+        x = (torch.randn(m, k) * 4).to(torch.bfloat16)
+        got = K.quantize_activations(x.to(device), t.to(device), fmt)
+        got = tuple(None if v is None else v.cpu() for v in got)
+        want = K.reference_quantize_activations(x, t, fmt)
+        codes, ref_codes = got[0], want[0]
+        rate = float((codes != ref_codes).float().mean())
+        print(f"{fmt} M={m}: code-byte mismatch rate {rate:.3g}")
+        assert_same_quantization(got, want, f"GPU {fmt} M={m} (code mismatch rate {rate:.3g})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_gemm_accuracy(fmt):
+    device = torch.device("cuda")
+    needs_kernels(device)
+    n = k = 2048
+    for m in GPU_SHAPES:
+        (codes, scales, pts), q = operands(fmt, m, n, k, seed=m)
+        args = [v.to(device) if v is not None else None
+                for v in (codes, scales, pts, q.qdata, q.scale, q.global_scale)]
+        bias = torch.randn(n, device=device)
+        ref = K.reference_w4a4_matmul(*args, fmt, bias)
+        y = K.w4a4_matmul(*args, fmt, bias, torch.float32)
+        assert gemm_error(y, ref) <= 1e-5, (fmt, m, gemm_error(y, ref))
+        assert_within_one_bf16_rounding(K.w4a4_matmul(*args, fmt, bias), ref)

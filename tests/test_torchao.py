@@ -1,0 +1,129 @@
+"""torchao integration: ``quantize_(model, KBBQConfig(step=...))`` equals ``quantize_model``."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torchao.quantization import quantize_
+
+from kbbq_pl.layers import quantized_linears
+from kbbq_pl.models import tiny_model
+from kbbq_pl.quantize import QuantizationConfig, quantize_model
+from kbbq_pl.stats import run_calibration
+from kbbq_pl.torchao import OBSERVER_ATTR, KBBQConfig
+from kbbq_pl.w4a4 import W4A4Weight
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def calibration() -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    return [{"input_ids": ids[i:i + 2]} for i in range(0, 4, 2)]
+
+
+def torchao_quantize(model: nn.Module, batches, **recipe) -> None:
+    prepare = KBBQConfig(step="prepare", **recipe)
+    quantize_(model, prepare, filter_fn=prepare.filter_fn)
+    run_calibration(model, batches)
+    quantize_(model, KBBQConfig(step="convert", **recipe))
+
+
+@pytest.mark.parametrize("recipe", [
+    dict(format="nvfp4", transform="kbbq", lam=0.75, act_scale="static"),
+    dict(format="nvfp4", transform="kbbq", lam=0.75, act_scale="dynamic"),
+    dict(format="mxfp4", transform="hadamard", act_scale="dynamic"),
+], ids=["nvfp4-kbbq-static", "nvfp4-kbbq-dynamic", "mxfp4-hadamard"])
+def test_quantize_equals_quantize_model(recipe):
+    model = tiny_model("llama", intermediate_size=172)  # the down projection is padded
+    reference = copy.deepcopy(model)
+    batches = calibration()
+    quantize_model(reference, batches, QuantizationConfig(**recipe), progress=False)
+    torchao_quantize(model, batches, **recipe)
+    layers = quantized_linears(reference)
+    assert len(layers) == 14
+    for name, layer in layers.items():
+        module = model.get_submodule(name)
+        assert type(module) is nn.Linear and isinstance(module.weight, W4A4Weight), name
+        assert not hasattr(module, OBSERVER_ATTR) and not module._forward_hooks
+        assert not module._forward_pre_hooks
+        for field in ("qdata", "scale", "global_scale", "transform", "act_global_scale"):
+            ours, theirs = getattr(module.weight, field), getattr(layer.weight, field)
+            assert (ours is None and theirs is None) or torch.equal(
+                ours.view(torch.uint8) if ours.element_size() == 1 else ours,
+                theirs.view(torch.uint8) if theirs.element_size() == 1 else theirs), field
+    assert type(model.lm_head.weight) is nn.Parameter  # not targeted, as in quantize_model
+    probe = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=probe).logits, reference(input_ids=probe).logits)
+
+
+def test_state_dict_reloads_into_a_fresh_model(tmp_path):
+    model = tiny_model("llama")
+    torchao_quantize(model, calibration(), act_scale="static")
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    fresh = tiny_model("llama", seed=1)
+    fresh.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True), assign=True)
+    probe = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids=probe).logits, model(input_ids=probe).logits)
+
+
+def test_steps_and_recipes_are_checked():
+    with pytest.raises(ValueError, match="step must be 'prepare' or 'convert'"):
+        KBBQConfig(step="prepare_for_loading")
+    with pytest.raises(ValueError, match="lam='auto'.*quantize_model"):
+        KBBQConfig(step="prepare", lam="auto")
+    with pytest.raises(ValueError, match="W4A4 needs a block FP4 format"):
+        KBBQConfig(step="prepare", format="fp8_e4m3")
+    model = tiny_model("llama")
+    prepare = KBBQConfig(step="prepare", format="nvfp4", transform="hadamard")
+    quantize_(model, prepare, filter_fn=prepare.filter_fn)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    with pytest.raises(ValueError, match="prepare and convert must agree on format"):
+        quantize_(model, KBBQConfig(step="convert", format="mxfp4", transform="hadamard"))
+    with pytest.raises(ValueError, match="fitted from input statistics"):
+        quantize_(model, KBBQConfig(step="convert", format="nvfp4", transform="kbbq"))
+    with pytest.raises(ValueError, match=r"nn\.Linear\(in_features=64, out_features=64\): no "
+                                         r"calibration batch reached this layer"):
+        quantize_(model, KBBQConfig(step="convert", format="nvfp4", transform="hadamard"))
+    assert not isinstance(q_proj.weight, W4A4Weight)
+    with pytest.raises(TypeError, match="KBBQConfig quantizes nn.Linear layers"):
+        quantize_(model, KBBQConfig(step="prepare"), filter_fn=lambda m, fqn: fqn == "model.norm")
+
+
+def test_unprepared_layers_are_left_and_filters_follow_the_recipe():
+    model = tiny_model("llama", intermediate_size=172)
+    prepare = KBBQConfig(step="prepare", act_scale="dynamic", unaligned="skip",
+                         ignore=[r"lm_head", r"o_proj"])
+    quantize_(model, prepare, filter_fn=prepare.filter_fn)
+    run_calibration(model, calibration())
+    quantize_(model, KBBQConfig(step="convert", act_scale="dynamic"))
+    quantized = {name for name, m in model.named_modules()
+                 if isinstance(m, nn.Linear) and isinstance(m.weight, W4A4Weight)}
+    assert quantized == {f"model.layers.{i}.{part}" for i in range(2) for part in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+        "mlp.up_proj")}
+
+
+def readme_example() -> str:
+    text = README.read_text()
+    section = text[text.index("## torchao: `quantize_`"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_example_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(readme_example(), "README.md", "exec"), namespace)
+    model = namespace["model"]
+    down = model.model.layers[0].mlp.down_proj
+    assert type(down) is nn.Linear and isinstance(down.weight, W4A4Weight)
+    assert down.weight.act_scale == "static" and down.weight.act_global_scale is not None
+    assert torch.isfinite(namespace["logits"]).all()
+    assert torch.equal(namespace["reloaded_logits"], namespace["logits"])

@@ -1,0 +1,339 @@
+"""The W4A4 weight subclass: F.linear on any module, fields through torch's machinery, the
+kernel dispatch (with a fake kernel module), the opt-in decode cache, and no dense copies."""
+
+from __future__ import annotations
+
+import copy
+import io
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as TF
+from torch import nn
+
+from kbbq_pl import formats as F
+from kbbq_pl import w4a4
+from kbbq_pl.layers import QuantizedLinear, quantized_linears, w4a4_weight
+from kbbq_pl.models import tiny_model
+from kbbq_pl.quantize import QuantizationConfig, quantize_model
+from kbbq_pl.transforms import fit_transform, transform_inputs
+from kbbq_pl.w4a4 import W4A4Weight, cache_decoded_weights, decoded_weight
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def hadamard_linear(in_features: int = 64, out_features: int = 24, fmt: str = "nvfp4",
+                    **kwargs) -> tuple[nn.Linear, W4A4Weight, torch.Tensor]:
+    """A plain nn.Linear whose weight is replaced by its W4A4Weight (block Hadamard)."""
+    linear = nn.Linear(in_features, out_features)
+    block = F.get_format(fmt).block_size
+    t = fit_transform("hadamard", TF.pad(linear.weight.detach(), (0, -in_features % block)),
+                      block=block)
+    weight = w4a4_weight(linear, fmt, t, name="layer", **kwargs)
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    return linear, weight, t
+
+
+def reference(x, weight: W4A4Weight, t, bias, global_scale=None):
+    """Q(W T^-1) Q(T x) + b from the formats' functions, in FP32."""
+    h = TF.pad(x.reshape(-1, x.shape[-1]).float(), (0, weight.last_dim - x.shape[-1]))
+    h = F.fake_quantize(transform_inputs(h, t.float()), weight.fmt, global_scale=global_scale)
+    y = h @ F.dequantize(weight, torch.float32).T + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+def test_plain_linear_computes_the_quantized_product():
+    linear, weight, t = hadamard_linear()
+    x = torch.randn(5, 7, 64)
+    y = linear(x)
+    assert type(linear) is nn.Linear and isinstance(linear.weight, F.QuantizedTensor)
+    assert torch.equal(y, reference(x, weight, t, linear.bias))
+    assert torch.equal(TF.linear(x, weight, linear.bias), y)
+    assert torch.equal(torch.ops.aten.linear.default(x, weight, linear.bias), y)
+
+
+def test_bf16_inputs_are_transformed_in_fp32():
+    linear, weight, t = hadamard_linear()
+    x = torch.randn(6, 64).bfloat16()
+    y = linear(x)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, reference(x, weight, t, linear.bias))
+
+
+def test_static_scale_unaligned_width_and_padded_inputs():
+    linear = nn.Linear(172, 16)  # the real tiny Llama's FFN width: padded to 176
+    t = fit_transform("hadamard", TF.pad(linear.weight.detach(), (0, 4)), block=16)
+    scale = torch.tensor(0.004)
+    weight = w4a4_weight(linear, "nvfp4", t, act_scale="static", act_global_scale=scale,
+                         name="mlp.down_proj")
+    assert (weight.in_features, weight.padded_in, tuple(weight.shape)) == (172, 176, (16, 176))
+    x = torch.randn(3, 172)
+    y = TF.linear(x, weight, linear.bias)
+    assert torch.equal(y, reference(x, weight, t, linear.bias, global_scale=scale))
+    assert torch.equal(TF.linear(TF.pad(x, (0, 4)), weight, linear.bias), y)
+    dynamic = TF.linear(x, weight.replace(act_scale="dynamic", act_global_scale=None))
+    assert not torch.equal(dynamic, y - linear.bias)
+    with pytest.raises(RuntimeError, match=r"mlp\.down_proj: static activation scale not "):
+        TF.linear(x, weight.replace(act_global_scale=None))
+    with pytest.raises(ValueError, match=r"mlp\.down_proj: input of shape \(3, 170\) on cpu"):
+        TF.linear(x[:, :170], weight)
+    with pytest.raises(ValueError, match="does not pad to the codes' width 176"):
+        weight.replace(in_features=150)
+    with pytest.raises(ValueError, match=r"transform must be \[176, 176\] or \[176/d, d, d\]"):
+        weight.replace(transform=torch.eye(16))
+    mx = w4a4_weight(nn.Linear(64, 8), "mxfp4", act_scale="static")
+    assert mx.act_scale == "dynamic" and mx.act_global_scale is None
+
+
+def test_fields_survive_parameter_clone_to_deepcopy_and_save():
+    linear, weight, t = hadamard_linear(act_scale="static", act_global_scale=torch.tensor(0.01))
+    x = torch.randn(4, 64)
+    y = linear(x)
+    clone = linear.weight.clone()
+    copied = copy.deepcopy(linear)
+    moved = copy.deepcopy(linear).double().float()  # codes keep their dtype
+    buffer = io.BytesIO()
+    torch.save(linear.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    fresh = nn.Linear(64, 24)
+    fresh.load_state_dict(state, assign=True)
+    for module in (copied, moved, fresh):
+        assert isinstance(module.weight, W4A4Weight) and torch.equal(module(x), y)
+    for tensor in (clone, copied.weight, state["weight"]):
+        assert tensor.layer_name == "layer" and tensor.act_scale == "static"
+        assert torch.equal(tensor.transform, t.float())
+        assert torch.equal(tensor.act_global_scale, torch.tensor(0.01))
+
+
+def test_gradient_reaches_the_input_straight_through():
+    linear, weight, t = hadamard_linear()
+    x = torch.randn(4, 64, requires_grad=True)
+    linear(x).square().sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    assert linear.weight.grad is None
+
+
+def test_decoded_weight_cache_is_opt_in():
+    linear, weight, _ = hadamard_linear()
+    x = torch.randn(4, 64)
+    assert decoded_weight(weight) is not decoded_weight(weight)  # decoded anew, nothing kept
+    y = linear(x)
+    with cache_decoded_weights():
+        first = decoded_weight(linear.weight)
+        assert decoded_weight(linear.weight) is first
+        with cache_decoded_weights():  # nested: the same cache
+            assert decoded_weight(linear.weight) is first
+        assert torch.equal(linear(x), y)
+    assert w4a4._decoded is None
+
+
+# ----------------------------------------------------------------------- kernel dispatch
+
+
+class FakeKernels(types.ModuleType):
+    """Stands for kbbq_pl.kernels (not on this branch): records its calls."""
+
+    def __init__(self, available: bool = True) -> None:
+        super().__init__("kbbq_pl.kernels")
+        self.ok = available
+        self.calls: list[tuple] = []
+
+    def available(self, device) -> bool:
+        return self.ok
+
+    def linear_w4a4(self, x, codes, scales, global_scale, fmt, transform=None,
+                    act_global_scale=None, bias=None):
+        self.calls.append((x, codes, scales, global_scale, fmt, transform, act_global_scale,
+                           bias))
+        return torch.full((*x.shape[:-1], codes.shape[0]), 7.0, dtype=x.dtype)
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    fake = FakeKernels()
+    monkeypatch.setitem(sys.modules, "kbbq_pl.kernels", fake)
+    monkeypatch.setattr(w4a4, "KERNEL_DEVICE_TYPES", ("cpu",))
+    return fake
+
+
+def test_products_go_to_the_kernels_where_they_run(fake_kernels):
+    scale = torch.tensor(0.02)
+    linear, weight, t = hadamard_linear(act_scale="static", act_global_scale=scale)
+    x = torch.randn(3, 5, 64)
+    y = linear(x)
+    assert torch.equal(y, torch.full((3, 5, 24), 7.0))
+    (call,) = fake_kernels.calls
+    assert call[0] is x and call[1] is linear.weight.qdata and call[2] is linear.weight.scale
+    assert call[3] is linear.weight.global_scale and call[4].name == "nvfp4"
+    assert torch.equal(call[5], t.float()) and torch.equal(call[6], scale)
+    assert call[7] is linear.bias
+    TF.linear(x, linear.weight.replace(act_scale="dynamic", act_global_scale=None))
+    assert fake_kernels.calls[-1][6] is None and fake_kernels.calls[-1][7] is None
+
+
+def test_emulation_where_the_kernels_do_not_apply(fake_kernels, monkeypatch):
+    linear, weight, t = hadamard_linear()
+    x = torch.randn(4, 64)
+    expected = reference(x, weight, t, linear.bias)
+    dense = weight.replace(transform=torch.eye(64))  # a dense (Haar-like) transform
+    assert torch.equal(TF.linear(x, dense, linear.bias),
+                       reference(x, dense, torch.eye(64), linear.bias))
+    assert torch.equal(linear(x.clone().requires_grad_()).detach(), expected)  # a backward
+    fake_kernels.ok = False
+    assert torch.equal(linear(x), expected)
+    monkeypatch.setitem(sys.modules, "kbbq_pl.kernels", None)  # import fails: ImportError
+    assert w4a4._kernels() is None and torch.equal(linear(x), expected)
+    assert fake_kernels.calls == []
+    monkeypatch.setattr(w4a4, "KERNEL_DEVICE_TYPES", ("cuda",))
+    monkeypatch.setitem(sys.modules, "kbbq_pl.kernels", fake_kernels)
+    fake_kernels.ok = True
+    assert torch.equal(linear(x), expected) and fake_kernels.calls == []  # CPU: emulation
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("fmt, dtype, act_scale", [
+    ("nvfp4", torch.float32, "static"), ("mxfp4", torch.bfloat16, "dynamic")])
+def test_the_kernels_compute_what_the_emulation_does(monkeypatch, fmt, dtype, act_scale):
+    """The real kbbq_pl.kernels (where present), under Triton's interpreter on the CPU."""
+    kernels = w4a4._kernels()
+    if kernels is None or not kernels.available(torch.device("cpu")):
+        pytest.skip("kbbq_pl.kernels is absent, or does not run on the CPU (TRITON_INTERPRET=1)")
+    linear, weight, t = hadamard_linear(172, 40, fmt, act_scale=act_scale,
+                                        act_global_scale=torch.tensor(0.003))
+    x = torch.randn(5, 172).to(dtype)
+    bias = linear.bias.detach().to(dtype)
+    emulated = TF.linear(x, weight, bias)
+    identity = weight.replace(transform=None)
+    emulated_identity = TF.linear(x, identity, bias)
+    monkeypatch.setattr(w4a4, "KERNEL_DEVICE_TYPES", ("cpu",))
+    assert w4a4.uses_kernels(x, weight)
+    fused = TF.linear(x, weight, bias)
+    scale = weight.act_global_scale if act_scale == "static" else None
+    expected = kernels.reference_linear_w4a4(x, weight.qdata, weight.scale,
+                                             weight.global_scale, fmt, weight.transform, scale,
+                                             bias)
+    tolerance = 1e-5 if dtype == torch.float32 else 2 ** -8  # accumulation / one bf16 rounding
+    assert fused.dtype == dtype and relative_error(fused, expected) <= tolerance
+    # without a transform the activations' codes agree bit for bit: only accumulation differs
+    assert relative_error(TF.linear(x, identity, bias), emulated_identity) <= tolerance
+    # with one, T x's last bit follows the summation order and may flip a rare code
+    assert relative_error(fused, emulated) <= 1e-2
+
+
+# ----------------------------------------------------------------------- the module
+
+
+def test_quantized_linear_forward_is_f_linear_of_its_weight():
+    linear = nn.Linear(48, 16)
+    layer = QuantizedLinear.from_linear(linear, "mxfp4", None, name="proj")
+    x = torch.randn(2, 3, 48)
+    assert isinstance(layer.weight, W4A4Weight) and layer.weight.layer_name == "proj"
+    assert torch.equal(layer(x), TF.linear(x, layer.weight, layer.bias))
+    assert layer.padded_in == 64 and layer.transform is None and layer.act_scale == "dynamic"
+
+
+def test_observing_records_the_transformed_amax():
+    linear = nn.Linear(32, 8)
+    t = fit_transform("hadamard", linear.weight.detach(), block=16)
+    layer = QuantizedLinear.from_linear(linear, "nvfp4", t, act_scale="static")
+    x = torch.randn(5, 32)
+    layer.observing = True
+    y = layer(x)
+    amax = transform_inputs(x, t.float()).abs().max()
+    assert torch.equal(layer.observed_amax, amax)
+    assert torch.equal(y, TF.linear(x, layer.weight.replace(act_scale="dynamic",
+                                                            act_global_scale=None), layer.bias))
+    layer.observing = False
+    layer.act_global_scale = layer.observed_amax / (448 * 6)
+    assert torch.equal(layer.weight.act_global_scale, amax / (448 * 6))
+
+
+def test_freeze_moves_the_activation_side_into_the_weight():
+    linear = nn.Linear(32, 8)
+    t = fit_transform("hadamard", linear.weight.detach(), block=16)
+    layer = QuantizedLinear.from_linear(linear, "nvfp4", t, act_scale="static",
+                                        act_global_scale=torch.tensor(0.01), trainable=True)
+    assert set(dict(layer.named_buffers())) == {"transform", "act_global_scale"}
+    assert set(layer.state_dict()) == {"weight", "bias", "transform", "act_global_scale"}
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        before = layer(x)
+        layer.freeze()
+    assert isinstance(layer.weight, W4A4Weight) and not layer.trainable
+    assert dict(layer.named_buffers()) == {} and set(layer.state_dict()) == {"weight", "bias"}
+    assert torch.equal(layer.transform, t.float()) and layer.act_scale == "static"
+    assert torch.equal(layer(x), before)
+
+
+def test_format1_state_dict_loads_into_a_shell():
+    """Format 1's layer state: plain codes beside transform and act_global_scale buffers."""
+    linear = nn.Linear(32, 8)
+    t = fit_transform("hadamard", linear.weight.detach(), block=16)
+    layer = QuantizedLinear.from_linear(linear, "nvfp4", t, act_scale="static",
+                                        act_global_scale=torch.tensor(0.01))
+    weight = layer.weight
+    old = {"weight": F.QuantizedTensor(weight.qdata, weight.scale, weight.fmt, weight.orig_dtype,
+                                       weight.last_dim, weight.global_scale),
+           "bias": layer.bias.detach(), "transform": t.float(),
+           "act_global_scale": torch.tensor(0.01)}
+    shell = QuantizedLinear.from_linear(nn.Linear(32, 8), "nvfp4", None, act_scale="static")
+    shell.load_state_dict(old)
+    x = torch.randn(3, 32)
+    assert isinstance(shell.weight, W4A4Weight) and torch.equal(shell(x), layer(x))
+    fresh = QuantizedLinear.from_linear(nn.Linear(32, 8), "nvfp4", None, act_scale="static")
+    fresh.load_state_dict(layer.state_dict())
+    assert torch.equal(fresh(x), layer(x))
+
+
+# ----------------------------------------------------------------------- no dense copies
+
+
+def held_tensors(layer: nn.Module) -> list[torch.Tensor]:
+    """Every tensor a layer holds: parameters, buffers, plain attributes, and the plain
+    tensors inside tensor subclasses."""
+    found = [*layer.parameters(recurse=False), *layer.buffers(recurse=False),
+             *(v for v in vars(layer).values() if isinstance(v, torch.Tensor))]
+    plain = []
+    for tensor in found:
+        if isinstance(tensor, W4A4Weight):
+            names, _ = tensor.__tensor_flatten__()
+            plain += [getattr(tensor, name) for name in names]
+        else:
+            plain.append(tensor)
+    return plain
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_quantized_model_holds_codes_scales_and_transforms_only(fmt):
+    model = tiny_model("llama", intermediate_size=172)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    quantize_model(model, [{"input_ids": ids}], QuantizationConfig(format=fmt), progress=False)
+    layers = quantized_linears(model)
+
+    def check() -> None:
+        for name, layer in layers.items():
+            weight = layer.weight
+            parts = [t for t in (weight.qdata, weight.scale, weight.global_scale,
+                                 layer.transform, weight.act_global_scale, layer.bias)
+                     if t is not None]
+            tensors = held_tensors(layer)
+            assert sorted(map(id, tensors)) == sorted(map(id, parts)), name
+            dense_sizes = {layer.out_features * layer.in_features,
+                           layer.out_features * layer.padded_in}
+            assert not any(t.is_floating_point() and t.numel() in dense_sizes
+                           for t in tensors if t is not layer.transform), name
+            assert sum(t.nbytes for t in tensors) == sum(t.nbytes for t in parts), name
+            # packed codes: half a byte per element; transform: d x d per block of d
+            assert weight.qdata.nbytes * 2 == layer.out_features * layer.padded_in
+            assert layer.transform.numel() == layer.padded_in * F.get_format(fmt).block_size
+
+    check()
+    with torch.no_grad():
+        model(input_ids=ids)
+    check()

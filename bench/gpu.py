@@ -16,19 +16,20 @@ are read from memory as the 134 MB of bf16 weights are):
 * W4A4 GEMM: ``w4a4_matmul`` on packed operands against ``torch.matmul`` in bf16 at
   K = N = 8192.  Targets: speed-up >= 2.5 at M = 1 and 16, >= 0.8 at M = 4096.
 * whole model: a random-init Llama (hidden 4096, 8 layers) in bf16 against the same model with
-  every decoder linear on the kernels (``linear_w4a4``, Hadamard blocks, dynamic activation
-  scales): weight memory, batch-1 greedy decoding (CUDA graphs), prefill of 4 x 2048 tokens,
-  and the kernel path's logits against the CPU emulation (``reference_linear_w4a4``).
+  every decoder linear's weight a ``W4A4Weight`` (Hadamard blocks, dynamic activation
+  scales; its ``F.linear`` runs ``kbbq_pl.kernels.linear_w4a4``): weight memory, batch-1 greedy decoding (CUDA graphs), prefill of 4 x 2048 tokens,
+  and the kernel path's logits against the same model's exact CPU emulation.
   Targets: memory <= 0.35, decode >= 2.0, prefill >= 0.7.
 
-The model section swaps ``nn.Linear`` for :class:`KernelLinear` (a stand-in calling
-``kbbq_pl.kernels.linear_w4a4``); the library's own quantized layers can replace it.
+The model section quantizes the decoder linears the library's way (their weights become
+``kbbq_pl.w4a4.W4A4Weight``, whose ``F.linear`` dispatches to the kernels on CUDA).
 Without CUDA the script exits with a message unless ``--dry-run`` is given.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -162,33 +163,6 @@ def gemm_section(shapes: dict, formats: list[str], device, timer: Timer) -> None
 # --------------------------------------------------------------------------- model
 
 
-class KernelLinear(nn.Module):
-    """A linear layer on the W4A4 kernels: ``Q(W T^-1) Q(T x) + b`` through
-    :func:`kbbq_pl.kernels.linear_w4a4` (or, with ``emulate``, the CPU reference)."""
-
-    def __init__(self, linear: nn.Linear, fmt: str, transform: torch.Tensor | None) -> None:
-        from kbbq_pl import formats as F
-        from kbbq_pl.transforms import transform_weight
-
-        super().__init__()
-        self.fmt = fmt
-        weight = transform_weight(linear.weight.detach().float(), transform)
-        q = F.quantize(weight, fmt)
-        self.register_buffer("codes", q.qdata)
-        self.register_buffer("scales", q.scale)
-        self.register_buffer("weight_global", q.global_scale)
-        self.register_buffer("transform", transform)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
-        self.emulate = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from kbbq_pl import kernels as K
-
-        fn = K.reference_linear_w4a4 if self.emulate else K.linear_w4a4
-        return fn(x, self.codes, self.scales, self.weight_global, self.fmt, self.transform,
-                  None, self.bias)
-
-
 def llama(shapes: dict, device) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -201,34 +175,46 @@ def llama(shapes: dict, device) -> nn.Module:
 
 
 def quantize_for_kernels(model: nn.Module, fmt: str) -> nn.Module:
-    """Every linear of the decoder layers swapped for :class:`KernelLinear` with block
-    Hadamard transforms (``lm_head`` and embeddings stay bf16)."""
+    """Every linear of the decoder layers quantized the library's way: its weight replaced by a
+    :class:`~kbbq_pl.w4a4.W4A4Weight` (``Q(W T^-1)`` with one Hadamard matrix per block and
+    dynamic activation scales) that computes ``F.linear`` on the kernels where they run
+    (``lm_head`` and embeddings stay bf16)."""
     from kbbq_pl.formats import get_format
+    from kbbq_pl.layers import w4a4_weight
     from kbbq_pl.transforms import hadamard
 
     d = get_format(fmt).block_size
-    for layer in model.model.layers:
+    for index, layer in enumerate(model.model.layers):
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
-                    k = child.in_features
                     t = hadamard(d, torch.float32).to(child.weight.device)
-                    t = t.expand(k // d, d, d).contiguous()
-                    setattr(parent, name, KernelLinear(child, fmt, t))
+                    t = t.expand(child.in_features // d, d, d).contiguous()
+                    weight = w4a4_weight(child, fmt, t, act_scale="dynamic",
+                                         name=f"model.layers.{index}.{name}")
+                    child.weight = nn.Parameter(weight, requires_grad=False)
     return model
 
 
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor holds; for a quantized weight, its codes, scales and transforms."""
+    from kbbq_pl.formats import QuantizedTensor
+
+    if isinstance(tensor, QuantizedTensor):
+        inner, _ = tensor.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(tensor, name)) for name in inner)
+    return tensor.numel() * tensor.element_size()
+
+
 def weight_bytes(model: nn.Module, linears_only: bool) -> int:
+    """Bytes of the model's parameters and buffers (only the decoder linears' with
+    ``linears_only``)."""
     total = 0
-    for module in model.modules():
-        if linears_only and not isinstance(module, (nn.Linear, KernelLinear)):
-            continue
-        if isinstance(module, nn.Embedding) and linears_only:
+    for name, module in model.named_modules():
+        if linears_only and (not isinstance(module, nn.Linear) or name == "lm_head"):
             continue
         tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
-        total += sum(t.numel() * t.element_size() for t in tensors)
-    if linears_only:
-        total -= sum(p.numel() * p.element_size() for p in model.lm_head.parameters())
+        total += sum(tensor_bytes(t) for t in tensors)
     return total
 
 
@@ -301,7 +287,7 @@ def model_section(shapes: dict, formats: list[str], device, timer: Timer) -> Non
 
     base_memory = weight_bytes(reference, linears_only=False)
     base_linears = weight_bytes(reference, linears_only=True)
-    base_prefill = timer(lambda: prefill(reference))
+    base_prefill = timer(functools.partial(prefill, reference))
     base_decode, how = decode_tokens_per_second(reference, prompt, shapes["decode_tokens"], cuda)
     rows = [["bf16", 1.0, 1.0, base_decode, how, 1.0, base_prefill * 1e3, 1.0, "-"]]
     state = {k: v.clone() for k, v in reference.state_dict().items()}
@@ -314,14 +300,11 @@ def model_section(shapes: dict, formats: list[str], device, timer: Timer) -> Non
             torch.cuda.empty_cache()
         memory = weight_bytes(model, linears_only=False) / base_memory
         linears = weight_bytes(model, linears_only=True) / base_linears
-        seconds = timer(lambda: prefill(model))
+        seconds = timer(functools.partial(prefill, model))
         tokens, how = decode_tokens_per_second(model, prompt, shapes["decode_tokens"], cuda)
         with torch.no_grad():
             kernel_logits = model(input_ids=probe.to(device), use_cache=False).logits.float().cpu()
-            model.to("cpu")
-            for module in model.modules():
-                if isinstance(module, KernelLinear):
-                    module.emulate = True
+            model.to("cpu")  # off CUDA, W4A4Weight emulates its product exactly
             emulated = model(input_ids=probe, use_cache=False).logits.float()
         diff = float((kernel_logits - emulated).norm() / emulated.norm())
         agree = float((kernel_logits.argmax(-1) == emulated.argmax(-1)).float().mean())

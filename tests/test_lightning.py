@@ -151,3 +151,28 @@ def test_ddp_gptq_equals_single_process(tmp_path):
     for name, fields in single.items():
         for a, b in zip(fields, ddp[name]):
             assert torch.equal(a, b), name
+
+
+def test_nan_during_fit_is_an_error_naming_the_layer_before_the_weights_change(tmp_path):
+    """The rounding's NaN/Inf checks are read once per optimizer step (no host synchronization
+    in every forward): the error names the layer and no optimizer step has run."""
+    module = TinyLM()
+    name = "model.layers.1.mlp.down_proj"
+    seen = {}
+
+    class Poison(Callback):
+        def on_train_start(self, trainer, pl_module):
+            layer = pl_module.model.get_submodule(name)
+            seen["weight"] = layer.weight.detach().clone()
+
+            def nan(mod, args):
+                x = args[0].clone()
+                x[..., 3] = float("nan")
+                return (x, *args[1:])
+
+            layer.register_forward_pre_hook(nan)
+
+    with pytest.raises(ValueError, match=rf"{name}\.input: non-finite values .* calls checked"):
+        trainer(tmp_path, [KBBQ(format="nvfp4"), Poison()], max_steps=2,
+                enable_checkpointing=False).fit(module, datamodule=datamodule())
+    assert torch.equal(module.model.get_submodule(name).weight.detach(), seen["weight"])

@@ -226,7 +226,9 @@ def _run(x: Tensor, fmt: Format, global_scale, pad: bool, nonfinite: str, name: 
          out_dtype: torch.dtype):
     """Group ``x``, run the element kernel of ``fmt``; returns (kernel outputs, padding)."""
     _check_policy(nonfinite)
-    groups, extra = _groups(x, fmt, pad, name)
+    # detached: the compiled kernels then see one kind of input whether or not x requires grad
+    # (a master weight being fine-tuned), instead of compiling a second graph for it
+    groups, extra = _groups(x.detach(), fmt, pad, name)
     static = {"nonfinite": nonfinite, "fake": fake, "out_dtype": out_dtype}
     if fmt.element == "e2m1":
         gs = _global_scale_arg(fmt, global_scale, name)

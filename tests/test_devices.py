@@ -102,3 +102,25 @@ def test_deferred_checks_raise_at_the_check_naming_the_tensor():
         checks.pending.clear()
     with pytest.raises(ValueError, match="1 NaN"):  # outside: immediate, with the counts
         F.fake_quantize(x, "nvfp4")
+
+
+def test_compiled_rounding_compiles_once_under_autocast_and_for_master_weights():
+    """bf16-mixed training calls the rounding under autocast and on weights that require grad:
+    neither may cost another graph (each is seconds of compilation on a GPU)."""
+    if not F.dispatch._backend_available("cpu"):
+        pytest.skip("no C++ compiler for torch.compile on this machine")
+    from torch._dynamo.utils import counters
+
+    x = torch.randn(64, 128)
+    F.set_compile(True)
+    try:
+        expected = F.fake_quantize(x, "nvfp4")
+        graphs = counters["stats"]["unique_graphs"]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            under_autocast = F.fake_quantize(x, "nvfp4")
+        master = F.ste_fake_quantize(torch.randn(32, 128).requires_grad_(), "nvfp4")
+        assert counters["stats"]["unique_graphs"] == graphs
+    finally:
+        F.set_compile("0")
+    assert not F.dispatch._broken
+    assert torch.equal(under_autocast, expected) and master.requires_grad

@@ -38,6 +38,7 @@ from kbbq_pl.layers import quantized_linears
 from kbbq_pl.modules import find_linears
 from kbbq_pl.quantize import QuantizationConfig, QuantizationReport, quantize_model
 from kbbq_pl.sequential_gptq import lightning_collectives
+from kbbq_pl.w4a4 import cache_decoded_weights
 from kbbq_pl.stats import StatisticsCollector, run_calibration
 
 log = logging.getLogger(__name__)
@@ -252,6 +253,10 @@ class KBBQ(Callback):
         # optimizer step instead of two per layer per forward (kbbq_pl.formats.DeferredChecks)
         self._checks_scope = contextlib.ExitStack()
         self._checks = self._checks_scope.enter_context(deferred_checks())
+        if any(not layer.trainable for layer in quantized_linears(pl_module).values()):
+            # stored codes (GPTQ) do not change while the rest trains: decode each once, not in
+            # every forward (4 bytes per weight element, as a trainable master weight holds)
+            self._checks_scope.enter_context(cache_decoded_weights())
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule,
                                  optimizer: Any) -> None:

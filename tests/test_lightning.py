@@ -176,3 +176,27 @@ def test_nan_during_fit_is_an_error_naming_the_layer_before_the_weights_change(t
         trainer(tmp_path, [KBBQ(format="nvfp4"), Poison()], max_steps=2,
                 enable_checkpointing=False).fit(module, datamodule=datamodule())
     assert torch.equal(module.model.get_submodule(name).weight.detach(), seen["weight"])
+
+
+def test_fit_with_stored_codes_decodes_each_weight_once(tmp_path, monkeypatch):
+    """GPTQ's codes stay fixed while the rest of the model trains: the emulated product (the
+    input needs a gradient) decodes each weight in the first step only."""
+    from kbbq_pl.w4a4 import W4A4Weight
+
+    decodes = []
+    dequantize = W4A4Weight.dequantize
+    monkeypatch.setattr(W4A4Weight, "dequantize",
+                        lambda self, *a, **k: decodes.append(1) or dequantize(self, *a, **k))
+    per_step = []
+
+    class Count(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            decodes.clear()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            per_step.append(len(decodes))
+
+    module = TinyLM()
+    trainer(tmp_path, [KBBQ(format="mxfp4", weight_quantizer="gptq"), Count()], max_steps=3,
+            enable_checkpointing=False).fit(module, datamodule=datamodule())
+    assert per_step == [14, 0, 0]

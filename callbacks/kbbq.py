@@ -19,6 +19,7 @@ weights load, with no new calibration.  For ``LightningModule.load_from_checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -32,11 +33,12 @@ except ImportError:  # pragma: no cover - lightning is a dependency
 
 from kbbq_pl.autobrake import DEFAULT_GRID
 from kbbq_pl.export import install_empty_layers, layer_metadata
-from kbbq_pl.formats import QuantizedTensor
+from kbbq_pl.formats import DeferredChecks, QuantizedTensor, deferred_checks
 from kbbq_pl.layers import quantized_linears
 from kbbq_pl.modules import find_linears
 from kbbq_pl.quantize import QuantizationConfig, QuantizationReport, quantize_model
 from kbbq_pl.sequential_gptq import lightning_collectives
+from kbbq_pl.w4a4 import cache_decoded_weights
 from kbbq_pl.stats import StatisticsCollector, run_calibration
 
 log = logging.getLogger(__name__)
@@ -186,6 +188,8 @@ class KBBQ(Callback):
         self.calibrate_only = calibrate_only
         self.trainable = trainable
         self.report: QuantizationReport | None = None
+        self._checks: DeferredChecks | None = None
+        self._checks_scope: contextlib.ExitStack | None = None
 
     # ------------------------------------------------------------------ the work
 
@@ -244,6 +248,40 @@ class KBBQ(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.calibrate_only:
             trainer.should_stop = True
+            return
+        # the rounding's NaN/Inf checks stay on the device: one host synchronization per
+        # optimizer step instead of two per layer per forward (kbbq_pl.formats.DeferredChecks)
+        self._checks_scope = contextlib.ExitStack()
+        self._checks = self._checks_scope.enter_context(deferred_checks())
+        if any(not layer.trainable for layer in quantized_linears(pl_module).values()):
+            # stored codes (GPTQ) do not change while the rest trains: decode each once, not in
+            # every forward (4 bytes per weight element, as a trainable master weight holds)
+            self._checks_scope.enter_context(cache_decoded_weights())
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule,
+                                 optimizer: Any) -> None:
+        if self._checks is not None:
+            self._checks.check()  # before a NaN reaches the weights
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if self._checks is not None:
+            self._checks.check()  # steps without an optimizer step (accumulation, manual)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._close_checks()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule,
+                     exception: BaseException) -> None:
+        self._close_checks(exception)
+
+    def _close_checks(self, exception: BaseException | None = None) -> None:
+        scope, self._checks_scope, self._checks = self._checks_scope, None, None
+        if scope is not None:
+            if exception is None:
+                scope.close()  # checks what is left
+            else:
+                scope.__exit__(type(exception), exception, exception.__traceback__)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         for layer in quantized_linears(pl_module).values():

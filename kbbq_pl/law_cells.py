@@ -138,7 +138,8 @@ class _CellAccumulator:
         self.block, self.layer, self.cell, self.kind = block, layer, cell, kind
         self.members = members
         self.formats = list(formats)
-        self.weight = weight.detach()
+        # the sums are float64 on the CPU, where :meth:`add` brings the inputs too
+        self.weight = weight.detach().to("cpu")
         if not torch.isfinite(self.weight).all():
             raise ValueError(f"{cell}: the weight of {', '.join(members)} holds NaN or Inf values")
         out_features, in_features = self.weight.shape

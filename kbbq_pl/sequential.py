@@ -48,8 +48,12 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 
 def _to(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor it holds (in a :class:`BlockInput`, tuples, lists and dicts:
+    hidden states, position embeddings, attention masks, cache positions) on ``device``."""
     if isinstance(value, Tensor):
         return value.detach().to(device)
+    if isinstance(value, BlockInput):
+        return BlockInput(_to(value.args, device), _to(value.kwargs, device))
     if isinstance(value, tuple):
         return tuple(_to(v, device) for v in value)
     if isinstance(value, list):

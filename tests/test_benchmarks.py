@@ -256,6 +256,18 @@ def test_cli_eval(tiny_llama, data_dir, cache_dir, tmp_path, capsys):
     assert "winogrande" in capsys.readouterr().out
 
 
+@pytest.mark.gpu
+def test_cli_eval_on_cuda(tiny_llama, data_dir, cache_dir, tmp_path):
+    """--device cuda: the model and lm-eval's inputs on the GPU."""
+    folder, _, _ = tiny_llama
+    out = tmp_path / "results.json"
+    assert main(["eval", "--model", str(folder), "--tasks", "winogrande", "--limit", "2",
+                 "--data-dir", str(data_dir), "--cache-dir", str(cache_dir), "--device", "cuda",
+                 "--out", str(out), "--debug"]) == 0
+    results = json.loads(out.read_text(encoding="utf-8"))
+    assert results["device"] == "cuda" and results["winogrande"]["n_docs"] == 2
+
+
 @pytest.mark.slow
 def test_all_five_benchmarks_all_subjects(tiny_llama, data_dir, cache_dir):
     _, model, tokenizer = tiny_llama

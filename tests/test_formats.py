@@ -213,9 +213,9 @@ def test_quantize_dequantize_equals_fake_quantize_and_keeps_dtype(name, dtype):
 def test_compiled_kernels_match_eager_bit_for_bit(name):
     if not F.dispatch._backend_available("cpu"):
         pytest.skip("no C++ compiler for torch.compile on this machine")
-    cases = ("randn", "outlier", "subnormal_scales", "nvfp4_ties", "mx_ties")
+    cases = ("randn", "outlier", "subnormal_scales", "nvfp4_ties", "mx_ties", "tiny", "huge")
     xs = [ADVERSARIAL[c].repeat(1, 128 // ADVERSARIAL[c].shape[-1]) for c in cases]
-    xs.append(ADVERSARIAL["heavy_tail"].bfloat16())
+    xs += [ADVERSARIAL["heavy_tail"].bfloat16(), ADVERSARIAL["heavy_tail"].half()]
     eager = [(F.fake_quantize(x, name), F.quantize(x, name)) for x in xs]
     # the compiled decode is one kernel for every block format: checked on those W4A4 uses
     decodes = name in ("nvfp4", "mxfp4", "mxfp4_no_clip")

@@ -1,39 +1,76 @@
-"""CUDA: compiled (Triton) rounding kernels and the quantized layer agree with the CPU bit for
-bit.  Skipped without a CUDA device (the conftest prints the reason)."""
+"""The CUDA path end to end (issue 11): rounding bit-identical to the CPU's, compiled and
+eager; quantization, the Lightning callback and checkpoints with the model on a GPU.
+
+Skipped without a CUDA device (the conftest gives the reason).  On a GPU machine::
+
+    python -m pytest -m gpu            # these and the other GPU tests of the suite
+
+(``tests/test_outputs.py`` runs ``kbbq-pl quantize / sweep / law --device cuda``,
+``tests/test_benchmarks.py`` ``kbbq-pl eval --device cuda``, ``tests/test_kernels.py`` the
+Triton kernels on the GPU.)  The CPU half of these checks is in tests/test_device_rounding.py
+and tests/test_devices.py.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 import torch.nn.functional as TF
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
 
 from kbbq_pl import formats as F
 from kbbq_pl import w4a4
-from kbbq_pl.layers import QuantizedLinear, w4a4_weight
+from kbbq_pl.callbacks import KBBQ
+from kbbq_pl.export import from_pretrained, save_quantized
+from kbbq_pl.layers import QuantizedLinear, quantized_linears, w4a4_weight
+from kbbq_pl.models import tiny_model
+from kbbq_pl.quantize import QuantizationConfig, quantize_model
+
+from lightning_helpers import TinyLM
+from test_device_rounding import CASES, DTYPES, _all_outputs
+from test_formats import ALL_FORMATS, bits
+from test_lightning import datamodule, trainer
 
 pytestmark = pytest.mark.gpu
-FORMATS = ["nvfp4", "mxfp4", "mxfp4_no_clip", "fp8_e4m3", "int4"]
+DEVICE = "cuda"
+ACCELERATOR = "gpu"
+COMPILED_FORMATS = ["nvfp4", "mxfp4", "mxfp4_rceil", "mxfp4_no_clip", "fp8_e4m3", "int4",
+                    "int8_row", "e2m1_b64_fp32"]
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
+# --------------------------------------------------------------------- 1. rounding
 
 
-@pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_kernels_match_cpu(name, dtype):
-    x = torch.randn(256, 512, generator=torch.Generator().manual_seed(0)).to(dtype)
-    F.set_compile(True)
-    try:
-        gpu = F.fake_quantize(x.cuda(), name).cpu()
-        q = F.quantize(x.cuda(), name)
-    finally:
-        F.set_compile("0")
-    cpu = F.fake_quantize(x, name)
-    assert torch.equal(bits(gpu), bits(cpu))
-    assert torch.equal(bits(q.qdata.cpu()), bits(F.quantize(x, name).qdata))
+def _compare_with_cpu(name: str, dtype: torch.dtype, compiled: bool) -> None:
+    for case, x in CASES.items():
+        x = x.to(dtype)
+        if not torch.isfinite(x).all():
+            continue
+        expected = _all_outputs(x, name)  # the CPU, eager (the suite's default)
+        F.set_compile(compiled)
+        try:
+            got = [t.cpu() for t in _all_outputs(x.to(DEVICE), name)]
+        finally:
+            F.set_compile("0")
+        for index, (e, g) in enumerate(zip(expected, got)):
+            differ = int((bits(e) != bits(g)).sum())
+            assert differ == 0, f"{name} {dtype} {case} output {index}: {differ} bytes differ"
+    assert not F.dispatch._broken, "torch.compile failed and fell back to eager"
+
+
+@pytest.mark.parametrize("name", ALL_FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_eager_rounding_on_the_gpu_is_bit_identical_to_the_cpu(name, dtype):
+    """Codes, scales, per-tensor scales, dequantized and fake-quantized values, static scales:
+    random, outlier, tie, subnormal-scale, tiny, huge and near-overflow inputs."""
+    _compare_with_cpu(name, dtype, compiled=False)
+
+
+@pytest.mark.parametrize("name", COMPILED_FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compiled_rounding_on_the_gpu_is_bit_identical_to_the_cpu(name, dtype):
+    _compare_with_cpu(name, dtype, compiled=True)
 
 
 def test_quantized_linear_on_cuda_matches_cpu():
@@ -41,8 +78,8 @@ def test_quantized_linear_on_cuda_matches_cpu():
     layer = QuantizedLinear.from_linear(linear, "mxfp4", torch.eye(64))
     x = torch.randn(8, 64)
     expected = layer(x)
-    layer.cuda()
-    torch.testing.assert_close(layer(x.cuda()).cpu(), expected, rtol=1e-5, atol=1e-5)
+    layer.to(DEVICE)
+    torch.testing.assert_close(layer(x.to(DEVICE)).cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt, act_scale", [("nvfp4", "static"), ("nvfp4", "dynamic"),
@@ -57,7 +94,142 @@ def test_w4a4_weight_on_cuda_runs_the_kernels(fmt, act_scale):
                          act_global_scale=torch.tensor(0.002))
     x = torch.randn(16, 512)
     expected = TF.linear(x, weight, linear.bias)  # CPU emulation
-    on_gpu = weight.to("cuda")
-    assert w4a4.uses_kernels(x.cuda(), on_gpu)
-    got = TF.linear(x.cuda(), on_gpu, linear.bias.cuda()).cpu()
+    on_gpu = weight.to(DEVICE)
+    assert w4a4.uses_kernels(x.to(DEVICE), on_gpu)
+    got = TF.linear(x.to(DEVICE), on_gpu, linear.bias.to(DEVICE)).cpu()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------- 2. quantize_model
+
+
+def _batches(device: str, rows: int = 4) -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, 256, (rows, 32), generator=torch.Generator().manual_seed(0))
+    return [{"input_ids": b.to(device), "attention_mask": torch.ones_like(b).to(device)}
+            for b in ids.split(2)]
+
+
+def _codes(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every stored field of the quantized layers, as CPU bytes."""
+    state = {}
+    for name, layer in quantized_linears(model).items():
+        weight = layer.weight
+        fields = {"qdata": weight.qdata, "scale": weight.scale, "global": weight.global_scale,
+                  "transform": layer.transform, "act_global": layer.act_global_scale}
+        for key, value in fields.items():
+            if value is not None:
+                state[f"{name}.{key}"] = bits(value.detach().cpu())
+    return state
+
+
+def _on_device(model: nn.Module) -> bool:
+    tensors = [*model.parameters(), *model.buffers()]
+    for layer in quantized_linears(model).values():
+        tensors += [layer.weight.qdata, layer.weight.scale]
+    return all(t.device.type == torch.device(DEVICE).type for t in tensors)
+
+
+def test_rtn_on_the_gpu_rounds_the_weights_as_the_cpu_does():
+    """Identity transform: the weight codes depend on the weights alone, so they are the CPU's
+    bit for bit (activation scales come from GPU matmuls, which round differently)."""
+    config = QuantizationConfig(format="nvfp4", transform="identity", act_scale="dynamic")
+    cpu = tiny_model("llama")
+    quantize_model(cpu, _batches("cpu"), config, progress=False)
+    gpu = tiny_model("llama").to(DEVICE)
+    quantize_model(gpu, _batches(DEVICE), config, progress=False)
+    assert _on_device(gpu)
+    assert _codes(gpu).keys() == _codes(cpu).keys()
+    for key, value in _codes(cpu).items():
+        assert torch.equal(_codes(gpu)[key], value), key
+
+
+@pytest.mark.parametrize("recipe", [
+    dict(format="nvfp4", transform="kbbq", lam=0.75),
+    dict(format="mxfp4", transform="kbbq", lam="auto"),
+    dict(format="nvfp4", transform="kbbq", weight_quantizer="gptq"),
+    dict(format="mxfp4", transform="kbbq", weight_quantizer="gptq", lam="auto"),
+], ids=["rtn-kbbq", "rtn-auto", "gptq-kbbq", "gptq-auto"])
+def test_quantize_model_with_the_model_on_the_gpu(recipe):
+    """RTN, the GPTQ family (block by block, every block input on the device) and lam auto."""
+    model = tiny_model("llama").to(DEVICE)
+    batches = _batches(DEVICE, rows=8)
+    report = quantize_model(model, batches, QuantizationConfig(**recipe), progress=False)
+    assert len(report.layers) == 14 and _on_device(model)
+    with torch.no_grad():
+        assert torch.isfinite(model(**batches[0]).logits).all()
+
+
+# --------------------------------------------------------------------- 3. Lightning
+
+
+class _Seen(Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.master = {n: layer.weight.detach().clone()
+                       for n, layer in quantized_linears(pl_module).items()}
+
+
+def test_fit_through_fp4_on_the_gpu_in_bf16_mixed(tmp_path):
+    module = TinyLM()
+    seen = _Seen()
+    trainer(tmp_path, [KBBQ(format="nvfp4", transform="kbbq", lam=0.75), seen],
+            accelerator=ACCELERATOR, precision="bf16-mixed", max_steps=3,
+            enable_checkpointing=False).fit(module, datamodule=datamodule())
+    layers = quantized_linears(module)
+    assert len(layers) == 14 and _on_device(module)
+    moved = [not torch.equal(seen.master[n], layer.weight.dequantize(torch.float32))
+             for n, layer in layers.items()]
+    assert any(moved), "fine-tuning did not change any quantized weight"
+
+
+@pytest.mark.parametrize("weight_quantizer", ["rtn", "gptq"])
+def test_calibrate_only_on_the_gpu(tmp_path, weight_quantizer):
+    module = TinyLM()
+    fit = trainer(tmp_path, [KBBQ(format="mxfp4", weight_quantizer=weight_quantizer,
+                                  calibrate_only=True)],
+                  accelerator=ACCELERATOR, max_steps=5, enable_checkpointing=False)
+    fit.fit(module, datamodule=datamodule())
+    assert fit.global_step == 0 and len(quantized_linears(module)) == 14
+    assert _on_device(module)
+
+
+def test_checkpoint_from_the_gpu_resumes_and_reloads_on_the_cpu(tmp_path):
+    module = TinyLM()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    trainer(tmp_path, [KBBQ(format="nvfp4"), checkpoint], accelerator=ACCELERATOR,
+            max_steps=2, enable_checkpointing=True).fit(module, datamodule=datamodule())
+    path = checkpoint.last_model_path
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))
+    module.to("cpu").eval()
+    restored = TinyLM.load_from_checkpoint(path, map_location="cpu").eval()
+    with torch.no_grad():  # the codes of the GPU run compute the same product on the CPU
+        assert torch.equal(restored(input_ids=ids).logits, module(input_ids=ids).logits)
+    again = TinyLM(seed=2)
+    trainer(tmp_path, [KBBQ(format="nvfp4", calibration=[])], accelerator=ACCELERATOR,
+            max_steps=4, enable_checkpointing=False).fit(again, datamodule=datamodule(),
+                                                         ckpt_path=path)
+    assert len(quantized_linears(again)) == 14 and _on_device(again)
+
+
+# --------------------------------------------------------------------- 4. checkpoints
+
+
+@pytest.mark.parametrize("written_on", ["gpu", "cpu"])
+def test_checkpoints_move_between_devices_bit_identically(tmp_path, written_on):
+    written_on = DEVICE if written_on == "gpu" else "cpu"
+    model = tiny_model("llama").to(written_on)
+    config = QuantizationConfig(format="nvfp4", transform="kbbq", lam=0.75)
+    quantize_model(model, _batches(written_on), config, progress=False)
+    save_quantized(model, tmp_path / "out", recipe=config.to_dict())
+    expected = _codes(model)
+    for device in ("cpu", DEVICE):
+        reloaded = from_pretrained(tmp_path / "out", device=device)
+        assert all(p.device.type == torch.device(device).type for p in reloaded.parameters())
+        got = _codes(reloaded)
+        assert got.keys() == expected.keys()
+        for key, value in expected.items():
+            assert torch.equal(got[key], value), f"{key} (written on {written_on}, read on {device})"
+    ids = _batches("cpu")[0]["input_ids"]
+    with torch.no_grad():  # the same codes compute the same product on the CPU
+        cpu_logits = from_pretrained(tmp_path / "out")(input_ids=ids).logits
+        model_logits = model.to("cpu")(input_ids=ids).logits
+    assert torch.equal(cpu_logits, model_logits)

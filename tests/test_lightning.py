@@ -151,3 +151,52 @@ def test_ddp_gptq_equals_single_process(tmp_path):
     for name, fields in single.items():
         for a, b in zip(fields, ddp[name]):
             assert torch.equal(a, b), name
+
+
+def test_nan_during_fit_is_an_error_naming_the_layer_before_the_weights_change(tmp_path):
+    """The rounding's NaN/Inf checks are read once per optimizer step (no host synchronization
+    in every forward): the error names the layer and no optimizer step has run."""
+    module = TinyLM()
+    name = "model.layers.1.mlp.down_proj"
+    seen = {}
+
+    class Poison(Callback):
+        def on_train_start(self, trainer, pl_module):
+            layer = pl_module.model.get_submodule(name)
+            seen["weight"] = layer.weight.detach().clone()
+
+            def nan(mod, args):
+                x = args[0].clone()
+                x[..., 3] = float("nan")
+                return (x, *args[1:])
+
+            layer.register_forward_pre_hook(nan)
+
+    with pytest.raises(ValueError, match=rf"{name}\.input: non-finite values .* calls checked"):
+        trainer(tmp_path, [KBBQ(format="nvfp4"), Poison()], max_steps=2,
+                enable_checkpointing=False).fit(module, datamodule=datamodule())
+    assert torch.equal(module.model.get_submodule(name).weight.detach(), seen["weight"])
+
+
+def test_fit_with_stored_codes_decodes_each_weight_once(tmp_path, monkeypatch):
+    """GPTQ's codes stay fixed while the rest of the model trains: the emulated product (the
+    input needs a gradient) decodes each weight in the first step only."""
+    from kbbq_pl.w4a4 import W4A4Weight
+
+    decodes = []
+    dequantize = W4A4Weight.dequantize
+    monkeypatch.setattr(W4A4Weight, "dequantize",
+                        lambda self, *a, **k: decodes.append(1) or dequantize(self, *a, **k))
+    per_step = []
+
+    class Count(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            decodes.clear()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            per_step.append(len(decodes))
+
+    module = TinyLM()
+    trainer(tmp_path, [KBBQ(format="mxfp4", weight_quantizer="gptq"), Count()], max_steps=3,
+            enable_checkpointing=False).fit(module, datamodule=datamodule())
+    assert per_step == [14, 0, 0]

@@ -11,9 +11,11 @@ from .dispatch import compile_enabled, set_compile
 from .kernels import pack_nibbles, round_e2m1, unpack_nibbles
 from .noise import measure_sigma2, sigma2_fmt
 from .qtensor import (
+    DeferredChecks,
     NonFinitePolicy,
     QuantizedTensor,
     block_dequant_scale,
+    deferred_checks,
     dequantize,
     fake_quantize,
     quantize,
@@ -30,6 +32,7 @@ from .spec import (
 from .ste import ste_fake_quantize
 
 __all__ = [
+    "DeferredChecks",
     "E8M0_ROUNDINGS",
     "LOG_UNIFORM_INV_M2",
     "Format",
@@ -37,6 +40,7 @@ __all__ = [
     "QuantizedTensor",
     "block_dequant_scale",
     "compile_enabled",
+    "deferred_checks",
     "dequantize",
     "fake_quantize",
     "get_format",

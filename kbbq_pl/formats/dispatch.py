@@ -94,7 +94,14 @@ def run_kernel(
     torch._dynamo.maybe_mark_dynamic(groups, 0)
     if dynamic_group_len:
         torch._dynamo.maybe_mark_dynamic(groups, 1)
+    # The kernels name every dtype they compute in, so autocast changes nothing in them; left
+    # on (bf16-mixed training), it would give each kernel a second graph (dynamo guards on it)
+    device_type = groups.device.type
+    autocast = torch.is_autocast_enabled(device_type)
     try:
+        if autocast:
+            with torch.autocast(device_type, enabled=False, cache_enabled=True):
+                return compiled(groups, *args)
         return compiled(groups, *args)
     except Exception as error:  # a compiler or backend failure: stay correct, go eager
         result = kernel(groups, *args, **static)

@@ -7,7 +7,9 @@ ops so that ``torch.compile`` fuses each into one pass over the data (the hot pa
 :func:`kbbq_pl.formats.fake_quantize`); run eagerly they are the reference the compiled kernels
 are tested against, bit for bit.
 
-Numerics (all in FP32, round-to-nearest-even everywhere):
+Numerics (all in FP32, round-to-nearest-even everywhere; every division is the correctly
+rounded FP32 quotient, formed by :func:`div_rn` so that it is the same on every device and
+backend, see there):
 
 * NVFP4 follows torchao's ``nvfp4_quantize`` with a per-tensor scale, which is also the MSLK /
   Triton kernel arithmetic: ``pts = amax / (448 * 6)``; block scale
@@ -39,6 +41,28 @@ NVFP4_MIN_GLOBAL_SCALE = 2.0**-122
 _F32_MANTISSA_BITS = 23
 _E8M0_BIAS = 127
 _E8M0_NAN = 255
+_F64 = torch.float64
+
+
+def div_rn(a: Tensor | float, b: Tensor | float) -> Tensor:
+    """``a / b`` for FP32 operands, rounded once to nearest-even in FP32, on every device.
+
+    An FP32 division is not the same everywhere: Triton (``torch.compile`` on CUDA) emits the
+    approximate ``div.full.f32``, and eager CUDA divides by a Python scalar as ``a * (1 / b)``;
+    either is one ulp off the correctly rounded quotient for a large share of inputs, which
+    moves scales by an ulp and elements across grid midpoints.  Here the quotient is formed in
+    FP64 and rounded once to FP32.  A correctly rounded FP64 quotient of FP32 operands rounds to
+    the correctly rounded FP32 quotient (double rounding is innocuous for division when
+    ``53 >= 2 * 24 + 2`` bits; Triton's FP64 division is ``div.rn.f64``, CUDA's and the CPU's
+    are IEEE).  Where a backend multiplies by an FP64 reciprocal instead (eager CUDA and
+    inductor for a constant divisor), the result is within 2^-52 (relative) of the quotient,
+    2^-28 of an FP32 ulp; the constants divided by here (6, 7, 127, 448, 2688, 0.75: odd parts
+    3, 7, 21, 127) leave every inexact quotient at least 1/254 of an FP32 ulp away from a
+    rounding midpoint, and an exact one is representable, so it rounds the same.
+    """
+    a = a.to(_F64) if isinstance(a, Tensor) else float(a)
+    b = b.to(_F64) if isinstance(b, Tensor) else float(b)
+    return (a / b).to(torch.float32)  # type: ignore[union-attr]
 
 
 def round_e2m1(a: Tensor) -> Tensor:
@@ -118,7 +142,7 @@ def e8m0_exponent(amax: Tensor, rounding: str) -> Tensor:
     ceil(log2(amax / 6)).  The exponent is read from the FP32 bits, so it is exact.
     """
     if rounding == "rceil":
-        descale = amax / E2M1_MAX
+        descale = div_rn(amax, E2M1_MAX)
         bits = descale.view(torch.int32)
         field = (bits >> _F32_MANTISSA_BITS) & 0xFF
         exponent = field - _E8M0_BIAS + ((bits & 0x7FFFFF) > 0).to(torch.int32)
@@ -163,15 +187,15 @@ def e2m1_scales(
     pts = None
     if scale_kind == "e4m3":
         if global_scale is None:
-            pts = amax.max() / (E4M3_MAX * E2M1_MAX)
+            pts = div_rn(amax.max(), E4M3_MAX * E2M1_MAX)
         else:
             pts = global_scale.to(torch.float32)
         usable = pts >= NVFP4_MIN_GLOBAL_SCALE
         pts = torch.where(usable, pts, torch.ones_like(pts))
-        code = ((amax / E2M1_MAX) / pts).clamp(E4M3_MIN_NORMAL, E4M3_MAX)
+        code = div_rn(div_rn(amax, E2M1_MAX), pts).clamp(E4M3_MIN_NORMAL, E4M3_MAX)
         code = code.to(torch.float8_e4m3fn)
         block = code.to(torch.float32)
-        reciprocal = torch.where(usable, (1.0 / pts) / block, torch.zeros_like(block))
+        reciprocal = torch.where(usable, div_rn(div_rn(1.0, pts), block), torch.zeros_like(block))
         dequant = pts * block
     elif scale_kind == "e8m0":
         exponent = e8m0_exponent(amax, e8m0_rounding)
@@ -179,22 +203,22 @@ def e2m1_scales(
         block = _pow2(exponent)
         if e8m0_rounding == "no_clip":
             gain = 0.75
-            reciprocal = gain / block
+            reciprocal = div_rn(gain, block)  # exact: block is a power of two
         else:
-            reciprocal = 1.0 / block
+            reciprocal = div_rn(1.0, block)
         dequant = block
     else:
-        scale = amax / E2M1_MAX
+        scale = div_rn(amax, E2M1_MAX)
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         code = scale
-        reciprocal = 1.0 / scale
+        reciprocal = div_rn(1.0, scale)
         dequant = scale
     return E2M1Scales(code, reciprocal, dequant, gain, pts)
 
 
 def e2m1_scaled(x: Tensor, scales: E2M1Scales, scale_kind: str) -> Tensor:
     """The FP32 values ``x`` is rounded from: ``x * reciprocal`` (``x / scale`` for FP32 scales)."""
-    return x * scales.reciprocal if scale_kind != "fp32" else x / scales.dequant
+    return x * scales.reciprocal if scale_kind != "fp32" else div_rn(x, scales.dequant)
 
 
 def e2m1_groups(
@@ -230,7 +254,7 @@ def e2m1_groups(
             scale_code = torch.where(bad, nan, scale_code.to(torch.float32)).to(scale_code.dtype)
     if fake:
         q = torch.copysign(round_e2m1(y.abs()), y)
-        values = q * dequant_scale if gain is None else (q * dequant_scale) / gain
+        values = q * dequant_scale if gain is None else div_rn(q * dequant_scale, gain)
         return values.to(out_dtype), finite
     codes = pack_nibbles(encode_e2m1(y))
     if pts is None:
@@ -248,9 +272,9 @@ def e4m3_groups(
     """
     xf = _clean(x.to(torch.float32), nonfinite)
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = amax / E4M3_MAX
+    scale = div_rn(amax, E4M3_MAX)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    codes = div_rn(xf, scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     finite = _finite_flag(amax)
     if nonfinite == "propagate":
         scale = torch.where(_bad_groups(x), torch.full_like(scale, float("nan")), scale)
@@ -269,9 +293,9 @@ def int_groups(
     """
     xf = _clean(x.to(torch.float32), nonfinite)
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = amax / float(qmax)
+    scale = div_rn(amax, qmax)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(xf / scale).clamp(-float(qmax), float(qmax))
+    q = torch.round(div_rn(xf, scale)).clamp(-float(qmax), float(qmax))
     finite = _finite_flag(amax)
     if nonfinite == "propagate":
         scale = torch.where(_bad_groups(x), torch.full_like(scale, float("nan")), scale)
@@ -298,5 +322,5 @@ def e2m1_decode_groups(packed: Tensor, multiplier: Tensor, *, no_clip: bool,
     magnitude = e2m1_code_magnitude(codes & 0x7)
     values = torch.where((codes & 0x8) > 0, -magnitude, magnitude) * multiplier.unsqueeze(-1)
     if no_clip:
-        values = values / 0.75
+        values = div_rn(values, 0.75)
     return values.to(out_dtype)

@@ -8,8 +8,10 @@ scales, the per-tensor scale, the format, the original dtype and the unpadded la
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Literal
+from collections.abc import Iterator
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -128,6 +130,77 @@ def _groups(x: Tensor, fmt: Format, pad: bool, name: str) -> tuple[Tensor, int]:
     return x.reshape(-1, block), extra
 
 
+class _Pending(NamedTuple):
+    """A check :class:`DeferredChecks` holds: a device flag and what to say when it is False."""
+
+    ok: Tensor
+    name: str
+    what: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+class DeferredChecks:
+    """Input checks of the rounding functions, held on the device and checked together.
+
+    Checking a tensor for NaN/Inf (``nonfinite="raise"``) and a per-tensor scale for its range
+    reads a flag back to the host: a synchronization with the GPU in every call, two per layer
+    in every forward when fine-tuning through FP4.  Inside :func:`deferred_checks` the rounding
+    functions compute the same flags and keep them here instead; :meth:`check` reads them all
+    back at once (one synchronization) and raises a ValueError for the first failed call,
+    naming the tensor, its shape, dtype and device.  Until then the rounding proceeds (what it
+    returns for such inputs is meaningless: the check is what tells).  The ``KBBQ`` callback
+    checks once per optimizer step during ``fit``, before the weights are updated.
+    """
+
+    def __init__(self) -> None:
+        self.pending: list[_Pending] = []
+
+    def add(self, ok: Tensor, name: str, what: str, x: Tensor) -> None:
+        self.pending.append(_Pending(ok.reshape(()), name, what, tuple(x.shape), x.dtype,
+                                     x.device))
+
+    def check(self) -> None:
+        """Raise for the first failed check since the last call (one host synchronization)."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        by_device: dict[torch.device, list[int]] = {}
+        for index, item in enumerate(pending):
+            by_device.setdefault(item.ok.device, []).append(index)
+        failed = []
+        for indices in by_device.values():
+            flags = torch.stack([pending[i].ok for i in indices]).cpu()
+            failed += [i for i, ok in zip(indices, flags.tolist()) if not ok]
+        if failed:
+            item = pending[min(failed)]
+            raise ValueError(
+                f"{item.name}: {item.what} (a {item.dtype} tensor of shape {item.shape} on "
+                f"{item.device}; {len(failed)} of the {len(pending)} rounding calls checked "
+                "since the last check failed)")
+
+
+_deferred: DeferredChecks | None = None
+
+
+@contextlib.contextmanager
+def deferred_checks() -> Iterator[DeferredChecks]:
+    """Hold the rounding functions' input checks on the device (:class:`DeferredChecks`);
+    they are checked when the block ends (and whenever ``check()`` is called inside it).
+    Nested blocks share the outer one."""
+    global _deferred
+    outer = _deferred
+    checks = outer if outer is not None else DeferredChecks()
+    _deferred = checks
+    try:
+        yield checks
+        if outer is None:
+            checks.check()
+    finally:
+        _deferred = outer
+
+
 def _global_scale_arg(fmt: Format, global_scale: Tensor | float | None, name: str):
     if global_scale is None:
         return None
@@ -136,20 +209,26 @@ def _global_scale_arg(fmt: Format, global_scale: Tensor | float | None, name: st
     value = torch.as_tensor(global_scale, dtype=torch.float32)
     if value.numel() != 1:
         raise ValueError(f"{name}: global_scale must be a scalar, got shape {tuple(value.shape)}")
+    value = value.reshape(())
+    least = kernels.NVFP4_MIN_GLOBAL_SCALE
+    if _deferred is not None:
+        _deferred.add(torch.isfinite(value) & (value >= least), name,
+                      f"global_scale must be finite and at least {least:g}", value)
+        return value
     scalar = float(value)
-    if not (math.isfinite(scalar) and scalar >= kernels.NVFP4_MIN_GLOBAL_SCALE):
+    if not (math.isfinite(scalar) and scalar >= least):
         raise ValueError(
-            f"{name}: global_scale must be finite and at least {kernels.NVFP4_MIN_GLOBAL_SCALE:g}, "
-            f"got {scalar!r}"
-        )
-    return value.reshape(())
+            f"{name}: global_scale must be finite and at least {least:g}, got {scalar!r}")
+    return value
 
 
 def _run(x: Tensor, fmt: Format, global_scale, pad: bool, nonfinite: str, name: str, fake: bool,
          out_dtype: torch.dtype):
     """Group ``x``, run the element kernel of ``fmt``; returns (kernel outputs, padding)."""
     _check_policy(nonfinite)
-    groups, extra = _groups(x, fmt, pad, name)
+    # detached: the compiled kernels then see one kind of input whether or not x requires grad
+    # (a master weight being fine-tuned), instead of compiling a second graph for it
+    groups, extra = _groups(x.detach(), fmt, pad, name)
     static = {"nonfinite": nonfinite, "fake": fake, "out_dtype": out_dtype}
     if fmt.element == "e2m1":
         gs = _global_scale_arg(fmt, global_scale, name)
@@ -169,8 +248,11 @@ def _run(x: Tensor, fmt: Format, global_scale, pad: bool, nonfinite: str, name: 
             qmax = int(fmt.element_max)
             out = run_kernel(kernels.int_groups, groups, dynamic_group_len=dynamic, qmax=qmax,
                              **static)
-    if nonfinite == "raise" and not bool(out[-1]):
-        _raise_nonfinite(x, name)
+    if nonfinite == "raise":
+        if _deferred is not None:
+            _deferred.add(out[-1], name, "non-finite values (NaN or Inf) to round", x)
+        elif not bool(out[-1]):
+            _raise_nonfinite(x, name)
     return out[:-1], extra
 
 

@@ -78,3 +78,27 @@ def test_compare_refuses_what_it_did_not_write(tiny_llama2c_folder, tmp_path):
     with pytest.raises(FileNotFoundError, match="packaged recipe"):
         run_compare(str(tiny_llama2c_folder), ["no_such_recipe"], tmp_path / "x", tasks=["ppl"],
                     text=foreign / "notes.txt")
+
+
+@pytest.mark.slow
+def test_finetune_example_runs_on_the_tiny_model(tiny_llama2c_folder, tmp_path):
+    """examples/finetune_smollm2.py end to end on the tiny llama2.c model (a few steps)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    settings = yaml.safe_load((root / "examples" / "finetune_smollm2.yaml").read_text())
+    settings.update(model=str(tiny_llama2c_folder), calibration_tokens=512, steps=3, seq_len=64,
+                    heldout_tokens=256, context=64, stride=32)
+    config = tmp_path / "ft.yaml"
+    config.write_text(yaml.safe_dump(settings))
+    out = tmp_path / "ft.json"
+    subprocess.run([sys.executable, str(root / "examples" / "finetune_smollm2.py"), "--config",
+                    str(config), "--out", str(out)], check=True, cwd=root, capture_output=True)
+    result = json.loads(out.read_text())
+    assert result["steps"] == 3 and result["fp"]["kl"] < 1e-9
+    assert result["ptq"]["kl"] > 1e-4 and result["finetuned"]["kl"] > 0
+    assert result["finetuned"]["kl"] != result["ptq"]["kl"]  # the weights moved

@@ -1,4 +1,4 @@
-"""The paper's five benchmarks through lm-evaluation-harness, offline, on local data files.
+"""The paper's five benchmarks (and four more zero-shot likelihood tasks) through lm-evaluation-harness, offline, on local data files.
 
 :func:`run_benchmarks` evaluates an in-memory HuggingFace causal LM on
 
@@ -10,6 +10,10 @@ gsm8k       8, CoT   ``gsm8k/test.jsonl``, shots ``train.jsonl``  exact_match (s
 hellaswag   0        ``hellaswag/hellaswag_val_full.txt.bz2``   acc_norm
 winogrande  5        ``winogrande/winogrande_dev_llmfoundry.jsonl``  acc
 mbpp        3        ``mbpp/mbpp.jsonl``                        pass@1 (runs code, opt-in)
+arc_easy    0        ``llm_foundry_eval/arc_easy.jsonl``        acc_norm
+arc_chall.  0        ``llm_foundry_eval/arc_challenge.jsonl``   acc_norm
+piqa        0        ``llm_foundry_eval/piqa.jsonl``            acc_norm
+lambada     0        ``llm_foundry_eval/lambada_openai.jsonl``  acc (greedy last word)
 ==========  =======  =========================================  =========================
 
 Where the local data differ from the hub data sets lm-eval normally reads:
@@ -38,6 +42,14 @@ Where the local data differ from the hub data sets lm-eval normally reads:
   memory and CPU limits, but **no sandbox**): it only runs with ``allow_code_execution=True``
   or the environment variable ``HF_ALLOW_CODE_EVAL=1``.
 
+* **ARC-Easy / ARC-Challenge / PIQA / LAMBADA** are llm-foundry's in-context-learning files
+  (``query`` already starting with ``Question:``, ``choices``, ``gold``; LAMBADA's ``context``
+  and ``continuation``).  The prompts are lm-eval's ``arc_easy`` / ``piqa`` ones (``Question:
+  ...\nAnswer:``, each choice scored as `` choice``; acc and length-normalized acc_norm) and
+  ``lambada_openai``'s (the passage, then `` last-word``: acc is whether greedy decoding gives
+  the whole last word, with its perplexity).  ARC and PIQA use the splits llm-foundry ships
+  (ARC test, PIQA validation).
+
 Sources that are not JSON lines (MMLU CSVs, the HellaSwag bz2 text) are converted at run time
 into ``cache_dir`` (default ``$KBBQ_PL_CACHE/eval_data`` or ``~/.cache/kbbq_pl/eval_data``),
 named by the source's content hash, written atomically; the ``datasets`` library keeps its
@@ -64,12 +76,19 @@ from .fileio import atomic_write_text, sha256_file
 
 log = logging.getLogger(__name__)
 
-BENCHMARKS: tuple[str, ...] = ("mmlu", "gsm8k", "hellaswag", "winogrande", "mbpp")
+BENCHMARKS: tuple[str, ...] = ("mmlu", "gsm8k", "hellaswag", "winogrande", "mbpp",
+                                "arc_easy", "arc_challenge", "piqa", "lambada")
 DEFAULT_FEWSHOT: dict[str, int] = {"mmlu": 5, "gsm8k": 8, "hellaswag": 0, "winogrande": 5,
-                                   "mbpp": 3}
+                                   "mbpp": 3, "arc_easy": 0, "arc_challenge": 0, "piqa": 0,
+                                   "lambada": 0}
 PRIMARY_METRIC: dict[str, str] = {"mmlu": "acc", "gsm8k": "exact_match,strict-match",
                                   "hellaswag": "acc_norm", "winogrande": "acc",
-                                  "mbpp": "pass_at_1"}
+                                  "mbpp": "pass_at_1", "arc_easy": "acc_norm",
+                                  "arc_challenge": "acc_norm", "piqa": "acc_norm",
+                                  "lambada": "acc"}
+FOUNDRY_FILES: dict[str, str] = {"arc_easy": "arc_easy.jsonl",
+                                 "arc_challenge": "arc_challenge.jsonl", "piqa": "piqa.jsonl",
+                                 "lambada": "lambada_openai.jsonl"}
 CODE_EVAL_ENV = "HF_ALLOW_CODE_EVAL"
 MBPP_TEST_IDS = range(11, 511)
 MBPP_SHOT_IDS = (2, 3, 4)
@@ -406,6 +425,45 @@ def mbpp_config(
     }
 
 
+def choice_config(task: str, data_dir: Path, cache_dir: Path,
+                  num_fewshot: int) -> dict[str, Any]:
+    """ARC-Easy, ARC-Challenge or PIQA from llm-foundry's ``{query, choices, gold}`` file."""
+    test = _require(data_dir / "llm_foundry_eval" / FOUNDRY_FILES[task], task)
+    return {
+        "task": f"kbbq_{task}",
+        **_json_dataset({"test": test}, cache_dir),
+        "test_split": "test",
+        "fewshot_split": "test",
+        "output_type": "multiple_choice",
+        "doc_to_text": "{{query.strip()}}\nAnswer:",
+        "doc_to_choice": "choices",
+        "doc_to_target": "gold",
+        "metric_list": _ACC + [{"metric": "acc_norm", "aggregation": "mean",
+                                "higher_is_better": True}],
+        "num_fewshot": num_fewshot,
+        "metadata": {"version": 1.0},
+    }
+
+
+def lambada_config(data_dir: Path, cache_dir: Path, num_fewshot: int) -> dict[str, Any]:
+    """LAMBADA (OpenAI) from llm-foundry's ``{context, continuation}`` file."""
+    test = _require(data_dir / "llm_foundry_eval" / FOUNDRY_FILES["lambada"], "LAMBADA")
+    return {
+        "task": "kbbq_lambada",
+        **_json_dataset({"test": test}, cache_dir),
+        "test_split": "test",
+        "fewshot_split": "test",
+        "output_type": "loglikelihood",
+        "doc_to_text": "{{context}}",
+        "doc_to_target": "{{' ' + continuation}}",
+        "metric_list": [{"metric": "perplexity", "aggregation": "perplexity",
+                         "higher_is_better": False},
+                        {"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+        "num_fewshot": num_fewshot,
+        "metadata": {"version": 1.0},
+    }
+
+
 def task_configs(
     tasks: Sequence[str],
     data_dir: str | Path,
@@ -430,6 +488,9 @@ def task_configs(
         "hellaswag": lambda: [hellaswag_config(data, cache, shots["hellaswag"])],
         "winogrande": lambda: [winogrande_config(data, cache, shots["winogrande"])],
         "mbpp": lambda: [mbpp_config(data, cache, shots["mbpp"], max_gen_toks)],
+        "lambada": lambda: [lambada_config(data, cache, shots["lambada"])],
+        **{name: (lambda name=name: [choice_config(name, data, cache, shots[name])])
+           for name in ("arc_easy", "arc_challenge", "piqa")},
     }
     return {task: builders[task]() for task in tasks}
 

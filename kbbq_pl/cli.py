@@ -70,13 +70,40 @@ def _limit(text: str) -> int | float:
     return int(value) if value >= 1 else value
 
 
+LM_METRICS = ("ppl", "kl")
+
+
+def _reference_model(args: argparse.Namespace) -> str:
+    """``--reference``, else the source model a kbbq-pl quantized ``--model`` names."""
+    from kbbq_pl.models import quantized_checkpoint, resolve_model_path
+
+    if args.reference:
+        return args.reference
+    metadata = quantized_checkpoint(resolve_model_path(args.model)) or {}
+    source = (metadata.get("recipe") or {}).get("model")
+    if not source:
+        raise ValueError(f"--tasks kl: {args.model} does not name its full-precision model; "
+                         "pass --reference MODEL")
+    return str(source)
+
+
 def _eval(args: argparse.Namespace) -> int:
-    """Run the lm-eval benchmarks on a local causal LM and write the metrics as JSON."""
+    """Score a local causal LM: perplexity and KL to a reference on a text file (``ppl``,
+    ``kl``), lm-eval benchmarks (the rest); write the metrics as JSON."""
+    from pathlib import Path
+
     from kbbq_pl.benchmarks import run_benchmarks
     from kbbq_pl.fileio import check_output, write_output_json
+    from kbbq_pl.lm_metrics import lm_metrics
     from kbbq_pl.models import load_model, parse_device, resolve_model_path
+    from kbbq_pl.w4a4 import cache_decoded_weights
 
     device = parse_device(args.device)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    text = Path(args.text) if args.text else Path(args.data_dir) / "wikitext2" / "test.txt"
+    if any(t in LM_METRICS for t in tasks) and not text.is_file():
+        raise FileNotFoundError(f"--tasks ppl/kl score the text file {text}, which does not "
+                                "exist; pass --text FILE")
     source = resolve_model_path(args.model)
     if args.out:
         check_output(args.out, overwrite=args.overwrite, sources=[source], kind="file")
@@ -84,24 +111,74 @@ def _eval(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise ValueError(f"{args.model}: no tokenizer in the model folder")
     start = time.perf_counter()
-    results = run_benchmarks(
-        model, tokenizer, tasks=[t.strip() for t in args.tasks.split(",") if t.strip()],
-        limit=args.limit, data_dir=args.data_dir, num_fewshot=_parse_shots(args.num_fewshot),
-        batch_size=args.batch_size, cache_dir=args.cache_dir, max_gen_toks=args.max_gen_toks,
-        mmlu_subjects=args.mmlu_subjects.split(",") if args.mmlu_subjects else None,
-        allow_code_execution=args.allow_code_execution,
-    )
+    results: dict = {}
+    if any(t in LM_METRICS for t in tasks):
+        reference = None
+        if "kl" in tasks:
+            reference_name = _reference_model(args)
+            reference, _ = load_model(reference_name, causal=True, device=device)
+        with cache_decoded_weights():
+            metrics = lm_metrics(model, tokenizer, text, reference=reference,
+                                 context=args.context, stride=args.stride,
+                                 max_tokens=args.max_tokens, batch_size=args.batch_size)
+        metrics["text"] = str(text)
+        if reference is not None:
+            metrics["reference"] = reference_name
+        results["lm_metrics"] = metrics
+        del reference
+    benchmarks = [t for t in tasks if t not in LM_METRICS]
+    if benchmarks:
+        with cache_decoded_weights():
+            results.update(run_benchmarks(
+                model, tokenizer, tasks=benchmarks, limit=args.limit, data_dir=args.data_dir,
+                num_fewshot=_parse_shots(args.num_fewshot), batch_size=args.batch_size,
+                cache_dir=args.cache_dir, max_gen_toks=args.max_gen_toks,
+                mmlu_subjects=args.mmlu_subjects.split(",") if args.mmlu_subjects else None,
+                allow_code_execution=args.allow_code_execution,
+            ))
     results["wall_time_s"] = time.perf_counter() - start
     results["model"] = str(args.model)
     results["device"] = str(device)
-    print(f"{'task':<12}{'metric':<28}{'score':>8}{'docs':>7}{'shots':>7}")
+    if "lm_metrics" in results:
+        m = results["lm_metrics"]
+        print(f"{m['text']}: {m['n_tokens']} tokens scored, context {m['context']}, "
+              f"stride {m['stride']}")
+        print(f"perplexity {m['perplexity']:.4f}" + (
+            f"  KL to {m['reference']} {m['kl']:.5f} nats/token" if m["kl"] is not None else ""))
+    if benchmarks:
+        print(f"{'task':<14}{'metric':<28}{'score':>8}{'docs':>7}{'shots':>7}")
     for task, entry in results.items():
         if isinstance(entry, dict) and "score" in entry:
-            print(f"{task:<12}{entry['metric']:<28}{entry['score']:8.4f}{entry['n_docs']:7d}"
+            print(f"{task:<14}{entry['metric']:<28}{entry['score']:8.4f}{entry['n_docs']:7d}"
                   f"{entry['num_fewshot']:7d}")
     if args.out:
         out = write_output_json(args.out, results, overwrite=args.overwrite, sources=[source])
         print(f"wrote {out}")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    """Quantize one model with several recipes; write the paper's Table w4a4 and a plot."""
+    from pathlib import Path
+
+    from kbbq_pl.compare import run_compare, table_recipes
+
+    recipes = ([r.strip() for r in args.recipes.split(",") if r.strip()] if args.recipes
+               else table_recipes([f.strip() for f in args.formats.split(",") if f.strip()]))
+    calibration = {key: value for key, value in (("source", args.calibration_source),
+                                                 ("n_tokens", args.calibration_tokens))
+                   if value is not None}
+    text = Path(args.text) if args.text else Path(args.data_dir) / "wikitext2" / "test.txt"
+    out, _ = run_compare(
+        args.model, recipes, args.output_dir,
+        tasks=[t.strip() for t in args.tasks.split(",") if t.strip()], text=text,
+        context=args.context, stride=args.stride, max_tokens=args.max_tokens, limit=args.limit,
+        data_dir=args.data_dir, calibration=calibration, batch_size=args.batch_size,
+        cache_dir=args.cache_dir, device=args.device, resume=args.resume,
+        overwrite=args.overwrite, progress=not args.no_progress,
+    )
+    print((out / "compare.md").read_text(encoding="utf-8"))
+    print(f"wrote {out}/ (compare.json, compare.md, compare.png, rows/)")
     return 0
 
 
@@ -182,16 +259,30 @@ def build_parser() -> argparse.ArgumentParser:
     convert.set_defaults(run=_convert_llama2c)
 
     evaluate = sub.add_parser(
-        "eval", help="MMLU, GSM8K, HellaSwag, WinoGrande, MBPP via lm-eval, offline"
+        "eval", help="perplexity, KL to full precision, and benchmarks via lm-eval, offline"
     )
     evaluate.add_argument("--model", required=True,
-                          help="local HF causal-LM folder, or a kbbq-pl quantized one")
+                          help="local HF causal-LM folder, 'smollm2', or a kbbq-pl quantized one")
     evaluate.add_argument("--tasks", default="mmlu,gsm8k,hellaswag,winogrande",
-                          help="comma-separated, from mmlu,gsm8k,hellaswag,winogrande,mbpp")
+                          help="comma-separated, from ppl,kl (on --text) and "
+                               "mmlu,gsm8k,hellaswag,winogrande,mbpp,arc_easy,arc_challenge,"
+                               "piqa,lambada")
     evaluate.add_argument("--limit", type=_limit, default=None,
                           help="documents per task (MMLU: per subject); <1: a fraction")
     evaluate.add_argument("--data-dir", default="../shared/data",
-                          help="folder with mmlu/ gsm8k/ hellaswag/ winogrande/ mbpp/")
+                          help="folder with mmlu/ gsm8k/ hellaswag/ winogrande/ mbpp/ "
+                               "llm_foundry_eval/ wikitext2/")
+    evaluate.add_argument("--text", default=None,
+                          help="text file of ppl/kl (default: DATA_DIR/wikitext2/test.txt)")
+    evaluate.add_argument("--context", type=int, default=512,
+                          help="ppl/kl: tokens a rolling window reads")
+    evaluate.add_argument("--stride", type=int, default=256,
+                          help="ppl/kl: positions each window scores after the first")
+    evaluate.add_argument("--max-tokens", type=int, default=None,
+                          help="ppl/kl: score the first N tokens of --text (default: all)")
+    evaluate.add_argument("--reference", default=None,
+                          help="kl: the full-precision model (default: the one a kbbq-pl "
+                               "quantized --model was made from)")
     evaluate.add_argument("--out", default=None, help="write the results here as JSON")
     _add_overwrite(evaluate, "--out")
     evaluate.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -204,6 +295,44 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--allow-code-execution", action="store_true",
                           help="needed for mbpp: runs model-generated code, unsandboxed")
     evaluate.set_defaults(run=_eval)
+    compare = sub.add_parser(
+        "compare", help="quantize one model with several recipes: the paper's Table w4a4 "
+                        "(per task, Average, Recovery), compare.json/.md and a plot")
+    compare.add_argument("--model", required=True,
+                         help="local full-precision causal-LM folder, or 'smollm2'")
+    compare.add_argument("--recipes", default="",
+                         help="comma-separated packaged recipe names or YAML files (default: "
+                              "the paper's nine methods in each of --formats)")
+    compare.add_argument("--formats", default="nvfp4,mxfp4",
+                         help="formats of the default recipe list")
+    compare.add_argument("--tasks", default="ppl,kl",
+                         help="comma-separated, from ppl,kl and the kbbq-pl eval benchmarks")
+    compare.add_argument("--limit", type=_limit, default=None,
+                         help="documents per benchmark (MMLU: per subject); <1: a fraction")
+    compare.add_argument("--data-dir", default="../shared/data")
+    compare.add_argument("--text", default=None,
+                         help="text file of ppl/kl (default: DATA_DIR/wikitext2/test.txt)")
+    compare.add_argument("--context", type=int, default=512, help="ppl/kl: window tokens")
+    compare.add_argument("--stride", type=int, default=256,
+                         help="ppl/kl: positions each window scores after the first")
+    compare.add_argument("--max-tokens", type=int, default=2048,
+                         help="ppl/kl: score the first N tokens of --text")
+    compare.add_argument("--calibration-source", default=None,
+                         help="override every recipe's calibration source (mixed, random, a "
+                              "file)")
+    compare.add_argument("--calibration-tokens", type=int, default=None,
+                         help="override every recipe's calibration token budget")
+    compare.add_argument("--batch-size", type=int, default=4)
+    compare.add_argument("--cache-dir", default=None, help="converted benchmark data")
+    compare.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    compare.add_argument("--output_dir", "--output-dir", dest="output_dir", required=True,
+                         help="output folder (new, empty, or one to --resume)")
+    compare.add_argument("--resume", action="store_true",
+                         help="continue an interrupted compare folder: finished recipes with "
+                              "unchanged settings are not recomputed")
+    _add_overwrite(compare, "--output_dir")
+    compare.add_argument("--no-progress", action="store_true", help="no progress bar")
+    compare.set_defaults(run=_compare)
     law = sub.add_parser(
         "law", help="measure the noise law per GEMM cell (kappa, SNR per format), write a report"
     )

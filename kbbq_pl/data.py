@@ -6,8 +6,11 @@ wraps it for Lightning.  Sources:
 * a local ``.txt`` file (one text stream) or ``.jsonl`` file (the ``text_key`` field of each
   line, joined by newlines);
 * ``"hf:<path>[:<config>][:<split>]"`` or a ``datasets.Dataset`` (its ``text_key`` column);
-* ``"random"``: the paper's random corpus, tokens uniform over the tokenizer's vocabulary
-  (its special tokens excluded), seeded.
+* ``"mixed"`` (the default): the mixed-domain corpus shipped with kbbq-pl (prose from
+  WikiText-2 valid, math from GSM8K train, code from MBPP train tasks; about 480 KB, see
+  ``kbbq_pl/resources/CALIBRATION_CORPUS.md``), the paper's default kind of calibration data;
+* ``"random"``: the paper's random corpus (its ablation), tokens uniform over the tokenizer's
+  vocabulary (its special tokens excluded), seeded.
 
 Each block is ``seq_len`` tokens including the tokenizer's own special tokens (``[CLS] ...
 [SEP]`` for BERT, ``<s> ...`` for Llama).  Blocks are distinct, non-overlapping windows of the
@@ -32,13 +35,18 @@ except ImportError:  # pragma: no cover - lightning is a dependency
     from pytorch_lightning import LightningDataModule
 
 RANDOM = "random"
+MIXED = "mixed"
 
 
 def _read_text(source: str | Path, text_key: str) -> str:
+    if str(source) == MIXED:
+        from .resources import calibration_corpus
+
+        source, text_key = calibration_corpus(), "text"
     path = Path(source)
     if not path.is_file():
-        raise FileNotFoundError(f"calibration source {str(source)!r} is not a file, 'random' or "
-                                "'hf:<dataset>'")
+        raise FileNotFoundError(f"calibration source {str(source)!r} is not a file, 'mixed', "
+                                "'random' or 'hf:<dataset>'")
     if path.suffix == ".jsonl":
         texts = []
         with path.open(encoding="utf-8") as handle:
@@ -127,7 +135,8 @@ def token_blocks(
         chosen = list(stream)
     else:
         if tokenizer is None:
-            raise ValueError(f"calibration source {source!r} is text: it needs a tokenizer")
+            raise ValueError(f"calibration source {source!r} is text: it needs a tokenizer (a "
+                             "model without one calibrates on source 'random')")
         if isinstance(source, (str, Path)) and not str(source).startswith("hf:"):
             text = _read_text(source, text_key)
         else:
@@ -165,7 +174,7 @@ class CalibrationDataModule(LightningDataModule):
 
     def __init__(
         self,
-        source: Any = RANDOM,
+        source: Any = MIXED,
         tokenizer: Any = None,
         n_tokens: int = 4096,
         seq_len: int = 256,

@@ -44,6 +44,9 @@ __all__ = [
     "embedding_fidelity",
     "rolling_windows",
     "perplexity",
+    "prepare_stream",
+    "window_shape",
+    "window_logits",
     "run_benchmarks",
     "BENCHMARKS",
 ]
@@ -363,20 +366,47 @@ def perplexity(
     ``seq_len // 2``.  Returns ``{"perplexity", "nll" (mean, nats), "n_tokens" (scored),
     "n_windows"}``; ``perplexity == exp(nll)``.
     """
+    ids = prepare_stream(model, tokenizer, source, max_tokens, add_bos=add_bos)
+    seq_len, stride = window_shape(model, seq_len, stride)
+    windows = rolling_windows(len(ids), seq_len, stride)
+    total = 0.0
+    count = 0
+    for _, targets, predicted in window_logits(model, ids, windows, batch_size):
+        nll = torch.nn.functional.cross_entropy(predicted, targets, reduction="sum")
+        total += nll.double().item()
+        count += len(targets)
+    mean = total / count
+    return {"perplexity": math.exp(mean), "nll": mean, "n_tokens": count,
+            "n_windows": len(windows)}
+
+
+def prepare_stream(model: nn.Module, tokenizer: Any, source: str | Path | Tensor | Sequence[int],
+                   max_tokens: int | None, *, add_bos: bool = True) -> list[int]:
+    """The token stream :func:`perplexity` scores: ``source`` cut to ``max_tokens``, with the
+    BOS token in front when ``add_bos`` and the model or tokenizer has one."""
     ids = _token_stream(tokenizer, source, max_tokens)
     bos = _bos_id(model, tokenizer) if add_bos else None
-    if bos is not None:
-        ids = [bos, *ids]
+    return [bos, *ids] if bos is not None else ids
+
+
+def window_shape(model: nn.Module, seq_len: int | None, stride: int | None) -> tuple[int, int]:
+    """``(seq_len, stride)``: ``seq_len`` defaults to the model's ``max_position_embeddings``,
+    ``stride`` to half of it."""
     if seq_len is None:
         seq_len = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         if seq_len is None:
             raise ValueError("pass seq_len: the model's config has no max_position_embeddings")
-    stride = seq_len // 2 if stride is None else stride
-    windows = rolling_windows(len(ids), seq_len, stride)
-    stream = torch.tensor(ids, dtype=torch.long)
+    return seq_len, seq_len // 2 if stride is None else stride
+
+
+def window_logits(
+    model: nn.Module, ids: Sequence[int], windows: Sequence[tuple[int, int, int]],
+    batch_size: int = 4,
+) -> Iterator[tuple[int, Tensor, Tensor]]:
+    """For each of :func:`rolling_windows`' windows, in order: ``(first_target, targets,
+    logits)``, the logits (float32) that predict ``ids[first_target:end]``."""
+    stream = torch.tensor(list(ids), dtype=torch.long)
     device = _device(model)
-    total = 0.0
-    count = 0
     with _eval_mode(model):
         for start in range(0, len(windows), batch_size):
             group = windows[start : start + batch_size]
@@ -387,10 +417,4 @@ def perplexity(
                 logits = model(input_ids=inputs).logits
                 for row, (begin, first, end) in enumerate(batch):
                     predicted = logits[row, first - 1 - begin : end - 1 - begin].float()
-                    targets = stream[first:end].to(predicted.device)
-                    nll = torch.nn.functional.cross_entropy(predicted, targets, reduction="sum")
-                    total += nll.double().item()
-                    count += end - first
-    mean = total / count
-    return {"perplexity": math.exp(mean), "nll": mean, "n_tokens": count,
-            "n_windows": len(windows)}
+                    yield first, stream[first:end].to(predicted.device), predicted

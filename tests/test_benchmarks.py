@@ -183,7 +183,9 @@ def _oracle():
 
     class Oracle(LM):
         def loglikelihood(self, requests, disable_tqdm=False):
-            return [(0.0 if r.idx == gold(r.doc) else -10.0, False) for r in requests]
+            # LAMBADA (no choices): the continuation is the greedy one
+            return [(0.0, True) if "choices" not in r.doc and "context_options" not in r.doc
+                    else (0.0 if r.idx == gold(r.doc) else -10.0, False) for r in requests]
 
         def loglikelihood_rolling(self, requests, disable_tqdm=False):
             raise NotImplementedError
@@ -203,6 +205,9 @@ def test_an_oracle_scores_one_on_every_task(data_dir, cache_dir):
         assert summary[task]["score"] == 1.0, task
     assert summary["gsm8k"]["exact_match,flexible-extract"] == 1.0
     assert summary["hellaswag"]["acc"] == 1.0
+    for task in ("arc_easy", "arc_challenge", "piqa"):
+        assert summary[task]["acc"] == 1.0, task
+
 
 def _check(summary, task, n_docs, n_available):
     entry = summary[task]
@@ -226,6 +231,19 @@ def test_multiple_choice_tasks_end_to_end(tiny_llama, data_dir, cache_dir):
         "kbbq_mmlu_abstract_algebra", "kbbq_mmlu_anatomy", "kbbq_hellaswag", "kbbq_winogrande"}
 
 
+def test_zero_shot_likelihood_tasks_end_to_end(tiny_llama, data_dir, cache_dir):
+    _, model, tokenizer = tiny_llama
+    tasks = ["arc_easy", "arc_challenge", "piqa", "lambada"]
+    summary = B.run_benchmarks(model, tokenizer, tasks, limit=3, data_dir=data_dir,
+                               cache_dir=cache_dir, batch_size=8)
+    for task, available in [("arc_easy", 2376), ("arc_challenge", 1172), ("piqa", 1838),
+                            ("lambada", 5153)]:
+        _check(summary, task, 3, available)
+    assert summary["lambada"]["perplexity"] > 1.0
+    for task in ("arc_easy", "arc_challenge", "piqa"):
+        assert 0.0 <= summary[task]["acc"] <= 1.0
+
+
 def test_generation_tasks_end_to_end(tiny_llama, data_dir, cache_dir):
     _, model, tokenizer = tiny_llama
     with pytest.raises(PermissionError, match="HF_ALLOW_CODE_EVAL"):
@@ -239,9 +257,11 @@ def test_generation_tasks_end_to_end(tiny_llama, data_dir, cache_dir):
 
 def test_unknown_task_and_missing_data(tmp_path, tiny_llama):
     with pytest.raises(ValueError, match="unknown benchmark"):
-        B.task_configs(["mmlu", "lambada"], tmp_path)
+        B.task_configs(["mmlu", "lambada_standard"], tmp_path)
     with pytest.raises(FileNotFoundError, match="HellaSwag: .*hellaswag_val_full.txt.bz2"):
         B.task_configs(["hellaswag"], tmp_path, tmp_path / "cache")
+    with pytest.raises(FileNotFoundError, match="piqa: .*llm_foundry_eval/piqa.jsonl"):
+        B.task_configs(["piqa"], tmp_path, tmp_path / "cache")
 
 
 def test_cli_eval(tiny_llama, data_dir, cache_dir, tmp_path, capsys):

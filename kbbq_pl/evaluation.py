@@ -407,14 +407,16 @@ def window_logits(
     logits)``, the logits (float32) that predict ``ids[first_target:end]``."""
     stream = torch.tensor(list(ids), dtype=torch.long)
     device = _device(model)
-    with _eval_mode(model):
-        for start in range(0, len(windows), batch_size):
-            group = windows[start : start + batch_size]
-            lengths = {end - begin for begin, _, end in group}
-            batches = [group] if len(lengths) == 1 else [[w] for w in group]
-            for batch in batches:
-                inputs = torch.stack([stream[b:e] for b, _, e in batch]).to(device)
+    for start in range(0, len(windows), batch_size):
+        group = windows[start : start + batch_size]
+        lengths = {end - begin for begin, _, end in group}
+        batches = [group] if len(lengths) == 1 else [[w] for w in group]
+        for batch in batches:
+            inputs = torch.stack([stream[b:e] for b, _, e in batch]).to(device)
+            # inference mode is thread-global: held across a ``yield`` it would leak into the
+            # caller and, with two of these generators interleaved, outlive both
+            with _eval_mode(model):
                 logits = model(input_ids=inputs).logits
-                for row, (begin, first, end) in enumerate(batch):
-                    predicted = logits[row, first - 1 - begin : end - 1 - begin].float()
-                    yield first, stream[first:end].to(predicted.device), predicted
+            for row, (begin, first, end) in enumerate(batch):
+                predicted = logits[row, first - 1 - begin : end - 1 - begin].float()
+                yield first, stream[first:end].to(predicted.device), predicted

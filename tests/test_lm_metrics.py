@@ -43,6 +43,8 @@ def test_lm_metrics_agree_with_perplexity_and_a_cached_reference():
     model, other, ids = _models()
     kwargs = dict(context=64, stride=24, add_bos=False)
     itself = lm_metrics(model, None, ids, reference=model, **kwargs)
+    # two interleaved window generators leave the caller's autograd state as it was
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
     assert itself["kl"] < 1e-9 and itself["kl_max"] < 1e-6
     plain = perplexity(model, None, ids, seq_len=64, stride=24, add_bos=False)
     assert itself["perplexity"] == pytest.approx(plain["perplexity"], rel=1e-9)

@@ -37,9 +37,8 @@ def llama(args) -> torch.nn.Module:
 
 
 def run(args, quantized: bool) -> dict:
-    from lightning.pytorch import Callback, LightningModule, Trainer
-
     from kbbq_pl.callbacks import KBBQ
+    from lightning.pytorch import Callback, LightningModule, Trainer
 
     class LM(LightningModule):
         def __init__(self) -> None:

@@ -38,8 +38,8 @@ from kbbq_pl.layers import quantized_linears
 from kbbq_pl.modules import find_linears
 from kbbq_pl.quantize import QuantizationConfig, QuantizationReport, quantize_model
 from kbbq_pl.sequential_gptq import lightning_collectives
-from kbbq_pl.w4a4 import cache_decoded_weights
 from kbbq_pl.stats import StatisticsCollector, run_calibration
+from kbbq_pl.w4a4 import cache_decoded_weights
 
 log = logging.getLogger(__name__)
 CHECKPOINT_KEY = "kbbq"
@@ -250,7 +250,7 @@ class KBBQ(Callback):
             trainer.should_stop = True
             return
         # the rounding's NaN/Inf checks stay on the device: one host synchronization per
-        # optimizer step instead of two per layer per forward (kbbq_pl.formats.DeferredChecks)
+        # optimizer step instead of two or three per layer per forward (formats.DeferredChecks)
         self._checks_scope = contextlib.ExitStack()
         self._checks = self._checks_scope.enter_context(deferred_checks())
         if any(not layer.trainable for layer in quantized_linears(pl_module).values()):

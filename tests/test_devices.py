@@ -86,15 +86,14 @@ def test_a_fine_tuning_step_through_fp4_reads_nothing_more_back_than_full_precis
 def test_deferred_checks_raise_at_the_check_naming_the_tensor():
     x = torch.randn(4, 32)
     x[1, 3] = float("nan")
-    with pytest.raises(ValueError, match=r"layer\.input: non-finite values .*shape \(4, 32\) "
-                                         r"on cpu; 1 of the 2"):
-        with F.deferred_checks() as checks:
-            F.fake_quantize(torch.randn(4, 32), "nvfp4", name="fine")
-            F.fake_quantize(x, "nvfp4", name="layer.input")  # no error yet
-            assert len(checks.pending) == 2
-    with pytest.raises(ValueError, match="global_scale must be finite"):
-        with F.deferred_checks():
-            F.fake_quantize(torch.randn(4, 32), "nvfp4", global_scale=torch.tensor(float("inf")))
+    message = r"layer\.input: non-finite values .*shape \(4, 32\) on cpu; 1 of the 2"
+    with pytest.raises(ValueError, match=message), F.deferred_checks() as checks:
+        F.fake_quantize(torch.randn(4, 32), "nvfp4", name="fine")
+        F.fake_quantize(x, "nvfp4", name="layer.input")  # no error yet
+        assert len(checks.pending) == 2
+    infinite = torch.tensor(float("inf"))
+    with pytest.raises(ValueError, match="global_scale must be finite"), F.deferred_checks():
+        F.fake_quantize(torch.randn(4, 32), "nvfp4", global_scale=infinite)
     with F.deferred_checks() as checks:  # nested blocks share the outer one
         with F.deferred_checks() as inner:
             F.fake_quantize(x, "mxfp4", name="w")

@@ -16,21 +16,20 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as TF
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch import nn
-
-from kbbq_pl import formats as F
-from kbbq_pl import w4a4
 from kbbq_pl.callbacks import KBBQ
-from kbbq_pl.export import from_pretrained, save_quantized
-from kbbq_pl.layers import QuantizedLinear, quantized_linears, w4a4_weight
-from kbbq_pl.models import tiny_model
-from kbbq_pl.quantize import QuantizationConfig, quantize_model
-
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning_helpers import TinyLM
 from test_device_rounding import CASES, DTYPES, _all_outputs
 from test_formats import ALL_FORMATS, bits
 from test_lightning import datamodule, trainer
+from torch import nn
+
+from kbbq_pl import formats as F
+from kbbq_pl import w4a4
+from kbbq_pl.export import from_pretrained, save_quantized
+from kbbq_pl.layers import QuantizedLinear, quantized_linears, w4a4_weight
+from kbbq_pl.models import tiny_model
+from kbbq_pl.quantize import QuantizationConfig, quantize_model
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -144,10 +143,10 @@ def test_rtn_on_the_gpu_rounds_the_weights_as_the_cpu_does():
 
 
 @pytest.mark.parametrize("recipe", [
-    dict(format="nvfp4", transform="kbbq", lam=0.75),
-    dict(format="mxfp4", transform="kbbq", lam="auto"),
-    dict(format="nvfp4", transform="kbbq", weight_quantizer="gptq"),
-    dict(format="mxfp4", transform="kbbq", weight_quantizer="gptq", lam="auto"),
+    {"format": "nvfp4", "transform": "kbbq", "lam": 0.75},
+    {"format": "mxfp4", "transform": "kbbq", "lam": "auto"},
+    {"format": "nvfp4", "transform": "kbbq", "weight_quantizer": "gptq"},
+    {"format": "mxfp4", "transform": "kbbq", "weight_quantizer": "gptq", "lam": "auto"},
 ], ids=["rtn-kbbq", "rtn-auto", "gptq-kbbq", "gptq-auto"])
 def test_quantize_model_with_the_model_on_the_gpu(recipe):
     """RTN, the GPTQ family (block by block, every block input on the device) and lam auto."""

@@ -32,9 +32,9 @@ from .spec import (
 from .ste import ste_fake_quantize
 
 __all__ = [
-    "DeferredChecks",
     "E8M0_ROUNDINGS",
     "LOG_UNIFORM_INV_M2",
+    "DeferredChecks",
     "Format",
     "NonFinitePolicy",
     "QuantizedTensor",

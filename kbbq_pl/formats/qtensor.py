@@ -145,8 +145,8 @@ class DeferredChecks:
     """Input checks of the rounding functions, held on the device and checked together.
 
     Checking a tensor for NaN/Inf (``nonfinite="raise"``) and a per-tensor scale for its range
-    reads a flag back to the host: a synchronization with the GPU in every call, two per layer
-    in every forward when fine-tuning through FP4.  Inside :func:`deferred_checks` the rounding
+    reads a flag back to the host: a synchronization with the GPU in every call, two or three
+    per layer in every forward when fine-tuning through FP4.  Inside :func:`deferred_checks` the rounding
     functions compute the same flags and keep them here instead; :meth:`check` reads them all
     back at once (one synchronization) and raises a ValueError for the first failed call,
     naming the tensor, its shape, dtype and device.  Until then the rounding proceeds (what it

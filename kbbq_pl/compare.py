@@ -258,6 +258,9 @@ def run_compare(
                                                     if config.transform == "kbbq" else "")),
                    "label": config.label, **scorer.score(candidate),
                    "summary": report.summary(), "calibration": settings["calibration"]}
+            if report.autobrake:  # how many layers chose each lambda
+                lams = [choice.lam for choice in report.autobrake.values()]
+                row["auto_lambdas"] = {f"{lam:g}": lams.count(lam) for lam in sorted(set(lams))}
             row["seconds"] = {"quantize": quantized_at - begin,
                               "eval": time.perf_counter() - quantized_at}
             store(row, settings)

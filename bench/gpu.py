@@ -180,8 +180,8 @@ def quantize_for_kernels(model: nn.Module, fmt: str) -> nn.Module:
     dynamic activation scales) that computes ``F.linear`` on the kernels where they run
     (``lm_head`` and embeddings stay bf16)."""
     from kbbq_pl.formats import get_format
-    from kbbq_pl.layers import w4a4_weight
-    from kbbq_pl.transforms import hadamard
+    from kbbq_pl.quant.layers import w4a4_weight
+    from kbbq_pl.transforms.fit import hadamard
 
     d = get_format(fmt).block_size
     for index, layer in enumerate(model.model.layers):

@@ -22,9 +22,9 @@ import torch
 from formats import best_time
 from torch import nn
 
-from kbbq_pl.layers import QuantizedLinear
-from kbbq_pl.transforms import fit_transform
-from kbbq_pl.w4a4 import W4A4Weight, cache_decoded_weights, uses_kernels
+from kbbq_pl.quant.layers import QuantizedLinear
+from kbbq_pl.quant.w4a4 import W4A4Weight, cache_decoded_weights, uses_kernels
+from kbbq_pl.transforms.fit import fit_transform
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

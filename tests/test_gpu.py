@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as TF
 from torch import nn
 
-import torch.nn.functional as TF
-
 from kbbq_pl import formats as F
-from kbbq_pl import w4a4
-from kbbq_pl.layers import QuantizedLinear, w4a4_weight
+from kbbq_pl.quant import w4a4
+from kbbq_pl.quant.layers import QuantizedLinear, w4a4_weight
 
 pytestmark = pytest.mark.gpu
 FORMATS = ["nvfp4", "mxfp4", "mxfp4_no_clip", "fp8_e4m3", "int4"]

@@ -9,9 +9,9 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
 from lightning_helpers import SaveQuantized, SaveStatistics, TinyLM
 
-from kbbq_pl.data import CalibrationDataModule
 from kbbq_pl.formats import QuantizedTensor
-from kbbq_pl.layers import QuantizedLinear, quantized_linears
+from kbbq_pl.io.data import CalibrationDataModule
+from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears
 
 
 def datamodule(n_tokens: int = 512, seed: int = 0) -> CalibrationDataModule:

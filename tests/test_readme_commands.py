@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import SHARED_DATA
 
-from kbbq_pl.cli import build_parser, main
+from kbbq_pl.cli.commands import build_parser, main
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 TINY = SHARED_DATA / "tiny_llama_aidreams260K"
@@ -36,7 +36,7 @@ def test_tiny_llama_convert_quantize_eval(tmp_path, monkeypatch, capsys):
     from transformers import AutoTokenizer
 
     from kbbq_pl import from_pretrained
-    from kbbq_pl.benchmarks import run_benchmarks
+    from kbbq_pl.eval.benchmarks import run_benchmarks
 
     (tmp_path / "shared").symlink_to(SHARED_DATA.parent, target_is_directory=True)
     work = tmp_path / "work"

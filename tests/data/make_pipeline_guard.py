@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import yaml
 
-from kbbq_pl.export import checkpoint_contents
-from kbbq_pl.models import tiny_model
-from kbbq_pl.quantize import QuantizationConfig, quantize_model
+from kbbq_pl.io.checkpoint import checkpoint_contents
+from kbbq_pl.io.models import tiny_model
+from kbbq_pl.quant.quantize import QuantizationConfig, quantize_model
 
 ROOT = Path(__file__).resolve().parents[2]
 GUARD = Path(__file__).resolve().parent / "pipeline_guard.json"

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from . import law
-from .fileio import check_output, write_folder
-from .formats import get_format
+from ..formats import get_format
+from ..io.fileio import check_output, write_folder
+from ..law import noise_law as law
 from .law_cells import CellReport, LawMeasurement, measure_law
 
 SCHEMA = "kbbq-pl/law/1"
@@ -408,8 +408,8 @@ def run_law(
     report into the folder ``out`` (checked first: :func:`kbbq_pl.fileio.check_output`).  The
     model runs on ``device``.  A kbbq-pl quantized checkpoint is refused: the law measures what
     rounding does to full-precision operands.  Returns the paths and the summary."""
-    from .data import token_blocks
-    from .models import load_model, parse_device, resolve_model_path
+    from ..io.data import token_blocks
+    from ..io.models import load_model, parse_device, resolve_model_path
 
     start = time.perf_counter()
     if batch_size < 1:

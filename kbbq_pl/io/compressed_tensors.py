@@ -55,8 +55,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from .export import (
-    read_tensors,
+from ..formats import Format, get_format
+from ..quant.layers import quantized_linears
+from ..quant.modules import is_transposed
+from ..transforms.fit import hadamard, transform_inputs
+from .checkpoint import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     CheckpointError,
@@ -64,15 +67,12 @@ from .export import (
     empty_model,
     is_causal_model,
     read_metadata,
+    read_tensors,
     stored_weight,
     write_hf_files,
 )
 from .fileio import check_output, write_folder
-from .formats import Format, get_format
-from .layers import quantized_linears
 from .models import TOKENIZER_FILES
-from .modules import is_transposed
-from .transforms import hadamard, transform_inputs
 
 log = logging.getLogger(__name__)
 
@@ -407,7 +407,7 @@ def _skeleton(config: Any, causal: bool) -> nn.Module:
 def _linear_types(config: Any, causal: bool) -> dict[str, str]:
     """Every linear module of the architecture of ``config`` with its class name (``Linear``
     or ``Conv1D``), as it is before quantization."""
-    from .modules import is_linear
+    from ..quant.modules import is_linear
 
     types = {}
     for name, module in _skeleton(config, causal).named_modules():
@@ -673,7 +673,7 @@ def dense_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module
     """``model`` with every :class:`~kbbq_pl.layers.QuantizedLinear` replaced by an
     ``nn.Linear`` holding its :func:`effective_weight` (weight-only: activations unquantized),
     in the layer's stored dtype or ``dtype``."""
-    from .layers import swap_module
+    from ..quant.layers import swap_module
 
     tensors, layers, _ = checkpoint_contents(model)
     for name, meta in layers.items():

@@ -8,7 +8,7 @@ fits each layer's transform from what was observed and replaces its weight by a
 computes the quantized product in ``F.linear``)::
 
     from torchao.quantization import quantize_
-    from kbbq_pl.torchao import KBBQConfig
+    from kbbq_pl.quant.torchao import KBBQConfig
 
     prepare = KBBQConfig(step="prepare", format="nvfp4", transform="kbbq", lam=0.75)
     quantize_(model, prepare, filter_fn=prepare.filter_fn)
@@ -48,12 +48,12 @@ from torchao.core.config import AOBaseConfig
 from torchao.quantization.quantize_.common.quantization_step import QuantizationStep
 from torchao.quantization.transform_module import register_quantize_module_handler
 
-from .formats import QuantizedTensor
+from ..formats import QuantizedTensor
+from ..transforms.fit import FITTED_TRANSFORMS, fit_transform
 from .layers import pad_features, w4a4_weight
 from .modules import first_input, is_targeted
 from .quantize import QuantizationConfig, act_scales_from_amax
 from .stats import StatisticsCollector
-from .transforms import FITTED_TRANSFORMS, fit_transform
 from .w4a4 import transformed_input
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .formats import (
+from ..formats import (
     Format,
     QuantizedTensor,
     fake_quantize,
@@ -32,8 +32,8 @@ from .formats import (
     quantize,
     ste_fake_quantize,
 )
+from ..transforms.fit import transform_inputs, transform_weight
 from .modules import linear_weight, parent_and_attr
-from .transforms import transform_inputs, transform_weight
 from .w4a4 import ActScale, W4A4Weight, effective_act_scale, transformed_input, w4a4_linear
 
 log = logging.getLogger(__name__)

@@ -34,13 +34,13 @@ import torch
 from jsonargparse import ActionConfigFile, ActionYesNo, ArgumentParser, lazy_instance
 from torch import nn
 
-from .data import CalibrationDataModule, token_blocks
-from .export import save_quantized
-from .fileio import check_output, write_folder
-from .models import load_model, parse_device, resolve_model_path
-from .quantize import QuantizationConfig, quantize_model
-from .report import report_files, report_markdown, sweep_markdown
-from .stats import model_device
+from ..eval.report import report_files, report_markdown, sweep_markdown
+from ..io.checkpoint import save_quantized
+from ..io.data import CalibrationDataModule, token_blocks
+from ..io.fileio import check_output, write_folder
+from ..io.models import load_model, parse_device, resolve_model_path
+from ..quant.quantize import QuantizationConfig, quantize_model
+from ..quant.stats import model_device
 
 DEFAULT_OUTPUT = "kbbq-out/minilm-nvfp4-rtn-kbbq"
 EMBEDDED = 64  # sentences in kbbq_pl/resources/eval_sentences.txt (checked by a test)
@@ -88,8 +88,8 @@ class FidelityProbe:
 
     def __init__(self, model: nn.Module, tokenizer: Any, eval_data: str | None, n: int | None,
                  seed: int = 0) -> None:
-        from .evaluation import mean_pooled_embeddings, wikitext_sentences
-        from .resources import eval_sentences
+        from ..eval.evaluation import mean_pooled_embeddings, wikitext_sentences
+        from ..resources import eval_sentences
 
         if n is not None and n < 1:
             raise ValueError(f"--eval_sentences must be at least 1, got {n}")
@@ -123,7 +123,7 @@ class FidelityProbe:
             return body(input_ids=ids).last_hidden_state.float().mean(1).cpu()
 
     def measure(self, model: nn.Module) -> dict[str, Any]:
-        from .evaluation import cosine_summary
+        from ..eval.evaluation import cosine_summary
 
         summary = cosine_summary(self.embed(model), self.reference)
         return {"fidelity_mean_cosine": summary["mean_cosine"],

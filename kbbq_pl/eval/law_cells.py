@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import law
-from .formats import fake_quantize, get_format
-from .modules import (
+from ..formats import fake_quantize, get_format
+from ..law import noise_law as law
+from ..quant.modules import (
     cell_kind,
     check_finite,
     find_linears,
@@ -44,7 +44,7 @@ from .modules import (
     flatten_tokens,
     linear_weight,
 )
-from .sequential import BlockStep, SequentialRunner
+from ..quant.sequential import BlockStep, SequentialRunner
 
 _F64 = torch.float64
 CELL_ORDER = ("qkv", "out", "up", "down", "other")

@@ -50,8 +50,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .formats import Format, QuantizedTensor, get_format
-from .formats.kernels import (
+from ..formats import Format, QuantizedTensor, get_format
+from ..formats.kernels import (
     E2M1_MAX,
     E4M3_MAX,
     NVFP4_MIN_GLOBAL_SCALE,
@@ -62,7 +62,7 @@ from .formats.kernels import (
     pack_nibbles,
     round_e2m1,
 )
-from .transforms import DEFAULT_DAMPING, kbbq_basis, transform_weight
+from ..transforms.fit import DEFAULT_DAMPING, kbbq_basis, transform_weight
 
 log = logging.getLogger(__name__)
 

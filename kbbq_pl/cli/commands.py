@@ -46,7 +46,7 @@ def _formats_demo(args: argparse.Namespace) -> int:
 
 def _convert_llama2c(args: argparse.Namespace) -> int:
     """Convert a llama2.c checkpoint and tokenizer into a HuggingFace Llama folder."""
-    from kbbq_pl.llama2c import convert_llama2c
+    from kbbq_pl.io.llama2c import convert_llama2c
 
     out = convert_llama2c(args.checkpoint, args.tokenizer, args.out, overwrite=args.overwrite)
     print(f"wrote {out}")
@@ -72,9 +72,9 @@ def _limit(text: str) -> int | float:
 
 def _eval(args: argparse.Namespace) -> int:
     """Run the lm-eval benchmarks on a local causal LM and write the metrics as JSON."""
-    from kbbq_pl.benchmarks import run_benchmarks
-    from kbbq_pl.fileio import check_output, write_output_json
-    from kbbq_pl.models import load_model, parse_device, resolve_model_path
+    from kbbq_pl.eval.benchmarks import run_benchmarks
+    from kbbq_pl.io.fileio import check_output, write_output_json
+    from kbbq_pl.io.models import load_model, parse_device, resolve_model_path
 
     device = parse_device(args.device)
     source = resolve_model_path(args.model)
@@ -107,7 +107,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _law(args: argparse.Namespace) -> int:
     """Measure the noise law per GEMM cell and write law.json, law.md, law.png, kappa.md."""
-    from kbbq_pl.law_report import run_law
+    from kbbq_pl.eval.law_report import run_law
 
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     paths, summary = run_law(
@@ -135,7 +135,7 @@ def _law(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     """Convert a kbbq-pl checkpoint folder for a serving stack (compressed-tensors)."""
-    from kbbq_pl.compressed_tensors import export_compressed_tensors
+    from kbbq_pl.io.compressed_tensors import export_compressed_tensors
 
     out = export_compressed_tensors(args.in_dir, args.out_dir, weight_only=args.weight_only,
                                     strict=args.strict, overwrite=args.overwrite)
@@ -252,7 +252,7 @@ RECIPE_COMMANDS = ("quantize", "sweep")
 
 def _run(argv: list[str]) -> int:
     if argv and argv[0] in RECIPE_COMMANDS:  # recipe commands parse with jsonargparse
-        from .quantize_cli import main as recipe_main
+        from .quantize import main as recipe_main
 
         return recipe_main(argv)
     args = build_parser().parse_args(argv)

@@ -30,9 +30,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from ..formats import Format, QuantizedTensor, get_format, quantize
+from ..quant.layers import QuantizedLinear, quantized_linears, swap_module
 from .fileio import check_output, sha256_file, write_folder
-from .formats import Format, QuantizedTensor, get_format, quantize
-from .layers import QuantizedLinear, quantized_linears, swap_module
 
 CONFIG_NAME = "quantization_config.json"
 WEIGHTS_NAME = "model.safetensors"

@@ -60,7 +60,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .fileio import atomic_write_text, sha256_file
+from ..io.fileio import atomic_write_text, sha256_file
 
 log = logging.getLogger(__name__)
 

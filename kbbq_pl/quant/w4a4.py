@@ -40,9 +40,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._compat import TorchAOBaseTensor
-from .formats import Format, QuantizedTensor, fake_quantize, ste_fake_quantize
-from .transforms import transform_inputs
+from .._compat import TorchAOBaseTensor
+from ..formats import Format, QuantizedTensor, fake_quantize, ste_fake_quantize
+from ..transforms.fit import transform_inputs
 
 ActScale = Literal["static", "dynamic"]
 ACT_SCALES: tuple[str, ...] = ("static", "dynamic")

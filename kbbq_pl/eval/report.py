@@ -7,8 +7,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from .autobrake import choice_histogram
-from .quantize import QuantizationConfig, QuantizationReport
+from ..quant.quantize import QuantizationConfig, QuantizationReport
+from ..transforms.autobrake import choice_histogram
 
 
 def _number(value: Any, digits: int = 3) -> str:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .law import haar_rotation
+from ..law.noise_law import haar_rotation
 
 TRANSFORMS = ("identity", "haar", "hadamard", "wush", "kbbq")
 FITTED_TRANSFORMS = ("wush", "kbbq")

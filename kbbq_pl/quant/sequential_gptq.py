@@ -54,8 +54,14 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .autobrake import LambdaChoice, best_lambda, quantized_output_error, split_sequences
-from .formats import QuantizedTensor
+from ..formats import QuantizedTensor
+from ..transforms.autobrake import (
+    LambdaChoice,
+    best_lambda,
+    quantized_output_error,
+    split_sequences,
+)
+from ..transforms.fit import fit_transform, transform_weight
 from .gptq import (
     GPTQResult,
     gptq_layers,
@@ -80,7 +86,6 @@ from .quantize import (
 )
 from .sequential import SequentialRunner
 from .stats import StatisticsCollector
-from .transforms import fit_transform, transform_weight
 
 __all__ = [
     "HessianCollector",

@@ -31,11 +31,19 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from . import law
-from .autobrake import DEFAULT_GRID, LambdaChoice, select_lambda, split_sequences
-from .fold import expand_to_query_heads, fold_into_values, pooled_group_statistics
-from .formats import Format, QuantizedTensor, get_format, quantize
-from .formats.kernels import NVFP4_MIN_GLOBAL_SCALE
+from ..formats import Format, QuantizedTensor, get_format, quantize
+from ..formats.kernels import NVFP4_MIN_GLOBAL_SCALE
+from ..law import noise_law as law
+from ..transforms.autobrake import DEFAULT_GRID, LambdaChoice, select_lambda, split_sequences
+from ..transforms.fit import (
+    TRANSFORMS,
+    fit_transform,
+    kbbq_basis,
+    transform_inputs,
+    transform_weight,
+    weight_block_grams,
+)
+from ..transforms.fold import expand_to_query_heads, fold_into_values, pooled_group_statistics
 from .layers import QuantizedLinear, pad_features, quantized_linears, swap_module
 from .modules import (
     cell_kind,
@@ -46,14 +54,6 @@ from .modules import (
     linear_weight,
 )
 from .stats import LayerStatistics, StatisticsCollector, run_calibration
-from .transforms import (
-    TRANSFORMS,
-    fit_transform,
-    kbbq_basis,
-    transform_inputs,
-    transform_weight,
-    weight_block_grams,
-)
 from .w4a4 import transformed_input
 
 log = logging.getLogger(__name__)

@@ -88,7 +88,7 @@ def parse_device(device: str | torch.device) -> torch.device:
 def quantized_checkpoint(path: str | Path) -> dict[str, Any] | None:
     """The ``quantization_config.json`` of a kbbq-pl quantized checkpoint folder, unchecked
     (:func:`kbbq_pl.export.read_metadata` checks it when loading); None for any other folder."""
-    from .export import CONFIG_NAME, FORMAT_TAG
+    from .checkpoint import CONFIG_NAME, FORMAT_TAG
 
     try:
         metadata = json.loads((Path(path) / CONFIG_NAME).read_text(encoding="utf-8"))
@@ -99,7 +99,7 @@ def quantized_checkpoint(path: str | Path) -> dict[str, Any] | None:
 
 def describe_quantized(metadata: dict[str, Any]) -> str:
     """``nvfp4 RTN-KBBQ of <source model>``, from a checkpoint's metadata."""
-    from .quantize import QuantizationConfig
+    from ..quant.quantize import QuantizationConfig
 
     recipe = metadata.get("recipe") or {}
     config = recipe.get("config", recipe)
@@ -153,8 +153,8 @@ def load_model(
         if causal and metadata is not None and not metadata.get("causal_lm"):
             raise ValueError(f"{path}: a quantized {metadata.get('model_class')}, not a causal "
                              "language model")
+        from .checkpoint import from_pretrained
         from .compressed_tensors import dense_model
-        from .export import from_pretrained
 
         model = from_pretrained(folder, device=device)
         if dequantize:

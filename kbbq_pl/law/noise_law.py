@@ -15,7 +15,7 @@ import math
 import torch
 from torch import Tensor
 
-from .formats import Format, get_format, sigma2_fmt
+from ..formats import Format, get_format, sigma2_fmt
 
 _F64 = torch.float64
 

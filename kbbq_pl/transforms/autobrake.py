@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .formats import Format, fake_quantize, get_format
-from .formats.kernels import NVFP4_MIN_GLOBAL_SCALE
-from .transforms import KBBQBasis, transform_inputs, transform_weight
+from ..formats import Format, fake_quantize, get_format
+from ..formats.kernels import NVFP4_MIN_GLOBAL_SCALE
+from .fit import KBBQBasis, transform_inputs, transform_weight
 
 DEFAULT_GRID: tuple[float, ...] = (0.0, 0.25, 0.5, 0.625, 0.75, 0.875, 1.0)
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from kbbq_pl.benchmarks import BENCHMARKS, run_benchmarks
+from kbbq_pl.eval.benchmarks import BENCHMARKS, run_benchmarks
 
 __all__ = [
     "wikitext_sentences",

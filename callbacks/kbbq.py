@@ -32,9 +32,9 @@ except ImportError:  # pragma: no cover - lightning is a dependency
 
 from kbbq_pl.formats import QuantizedTensor
 from kbbq_pl.io.checkpoint import install_empty_layers, layer_metadata
+from kbbq_pl.quant import QuantizationConfig, QuantizationReport, quantize_model
 from kbbq_pl.quant.layers import quantized_linears
 from kbbq_pl.quant.modules import find_linears
-from kbbq_pl.quant.quantize import QuantizationConfig, QuantizationReport, quantize_model
 from kbbq_pl.quant.sequential_gptq import lightning_collectives
 from kbbq_pl.quant.stats import StatisticsCollector, run_calibration
 from kbbq_pl.transforms.autobrake import DEFAULT_GRID

@@ -72,7 +72,7 @@ def test_select_lambda_takes_the_smallest_held_out_error():
 def test_auto_lambda_in_the_pipeline_reports_choices():
     from kbbq_pl.eval.report import report_markdown
     from kbbq_pl.io.models import tiny_model
-    from kbbq_pl.quant.quantize import QuantizationConfig, quantize_model
+    from kbbq_pl.quant import QuantizationConfig, quantize_model
 
     ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
     batches = [{"input_ids": ids[i:i + 2]} for i in range(0, 8, 2)]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kbbq_pl.io.checkpoint import from_pretrained
+from kbbq_pl.io.models import from_pretrained
 from kbbq_pl.quant.layers import quantized_linears
 
 V1 = Path(__file__).resolve().parent / "data" / "v1"

@@ -23,7 +23,7 @@ from transformers.utils.quantization_config import CompressedTensorsConfig  # no
 
 from kbbq_pl.cli.commands import main  # noqa: E402
 from kbbq_pl.formats import QuantizedTensor, get_format  # noqa: E402
-from kbbq_pl.io.checkpoint import from_pretrained, save_quantized  # noqa: E402
+from kbbq_pl.io.checkpoint import save_quantized  # noqa: E402
 from kbbq_pl.io.compressed_tensors import (  # noqa: E402
     ExportError,
     bf16_decodes_agree,
@@ -35,9 +35,13 @@ from kbbq_pl.io.compressed_tensors import (  # noqa: E402
 )
 from kbbq_pl.io.data import token_blocks  # noqa: E402
 from kbbq_pl.io.fileio import OutputPathError  # noqa: E402
-from kbbq_pl.io.models import load_model, tiny_model  # noqa: E402
+from kbbq_pl.io.models import (  # noqa: E402
+    from_pretrained,  # noqa: E402
+    load_model,
+    tiny_model,
+)
+from kbbq_pl.quant import QuantizationConfig, quantize_model  # noqa: E402
 from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears  # noqa: E402
-from kbbq_pl.quant.quantize import QuantizationConfig, quantize_model  # noqa: E402
 from kbbq_pl.transforms.fit import hadamard  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -8,8 +8,8 @@ import torch
 
 from kbbq_pl.io.data import token_blocks
 from kbbq_pl.io.models import tiny_model
+from kbbq_pl.quant import QuantizationConfig, quantize_model
 from kbbq_pl.quant.layers import quantized_linears
-from kbbq_pl.quant.quantize import QuantizationConfig, quantize_model
 from kbbq_pl.transforms.fit import transform_weight, weight_block_grams
 from kbbq_pl.transforms.fold import (
     expand_to_query_heads,

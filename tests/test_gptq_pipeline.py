@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kbbq_pl.io.models import tiny_model
+from kbbq_pl.quant import QuantizationConfig, quantize_model
 from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears
-from kbbq_pl.quant.quantize import QuantizationConfig, quantize_model
 from kbbq_pl.quant.sequential_gptq import HessianCollector, assign_owners, gather_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -98,7 +98,8 @@ def test_in_loop_refit_and_unaligned_layers():
 
 
 def test_gptq_checkpoints_reload_bit_exactly(tmp_path):
-    from kbbq_pl.io.checkpoint import from_pretrained, save_quantized
+    from kbbq_pl.io.checkpoint import save_quantized
+    from kbbq_pl.io.models import from_pretrained
 
     model = tiny_model("llama")
     ids = calibration_ids(4)

@@ -12,10 +12,10 @@ import torch
 
 from kbbq_pl.cli.commands import main
 from kbbq_pl.io import fileio
-from kbbq_pl.io.checkpoint import CheckpointError, from_pretrained, save_quantized
+from kbbq_pl.io.checkpoint import CheckpointError, save_quantized
 from kbbq_pl.io.fileio import MARKER_NAME, OutputPathError, check_output, write_folder
-from kbbq_pl.io.models import load_model, tiny_model
-from kbbq_pl.quant.quantize import QuantizationConfig, quantize_model
+from kbbq_pl.io.models import from_pretrained, load_model, tiny_model
+from kbbq_pl.quant import QuantizationConfig, quantize_model
 
 QUICK = ["--data.init_args.n_tokens", "64", "--data.init_args.seq_len", "32",
          "--eval_sentences", "4"]

@@ -11,8 +11,8 @@ from torch import nn
 from kbbq_pl import formats as F
 from kbbq_pl.io.data import token_blocks
 from kbbq_pl.io.models import load_model, tiny_model
+from kbbq_pl.quant import QuantizationConfig, quantize_model
 from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears
-from kbbq_pl.quant.quantize import QuantizationConfig, quantize_model
 from kbbq_pl.transforms.fit import fit_transform, transform_inputs, transform_weight
 
 

@@ -12,8 +12,8 @@ from torch import nn
 from torchao.quantization import quantize_
 
 from kbbq_pl.io.models import tiny_model
+from kbbq_pl.quant import QuantizationConfig, quantize_model
 from kbbq_pl.quant.layers import quantized_linears
-from kbbq_pl.quant.quantize import QuantizationConfig, quantize_model
 from kbbq_pl.quant.stats import run_calibration
 from kbbq_pl.quant.torchao import OBSERVER_ATTR, KBBQConfig
 from kbbq_pl.quant.w4a4 import W4A4Weight

@@ -39,7 +39,7 @@ from ..io.checkpoint import save_quantized
 from ..io.data import CalibrationDataModule, token_blocks
 from ..io.fileio import check_output, write_folder
 from ..io.models import load_model, parse_device, resolve_model_path
-from ..quant.quantize import QuantizationConfig, quantize_model
+from ..quant import QuantizationConfig, quantize_model
 from ..quant.stats import model_device
 
 DEFAULT_OUTPUT = "kbbq-out/minilm-nvfp4-rtn-kbbq"

@@ -13,9 +13,9 @@ rename):
 * ``quantization_config.json``: the format, the recipe, one entry per quantized layer, tied
   weights, and the size and SHA-256 of every tensor file (checked on load).
 
-``from_pretrained(dir)`` rebuilds the architecture from ``config.json``, puts quantized layers
-where the JSON says and loads the tensors: its outputs are bit-identical to the in-memory model
-that was saved.  A truncated or corrupted file gives an error naming it.
+:func:`kbbq_pl.io.models.from_pretrained` rebuilds the architecture from ``config.json``, puts
+quantized layers where the JSON says and loads the tensors: its outputs are bit-identical to the
+in-memory model that was saved.  A truncated or corrupted file gives an error naming it.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from ..formats import Format, QuantizedTensor, get_format, quantize
 from ..quant.layers import QuantizedLinear, quantized_linears, swap_module
 from .fileio import check_output, sha256_file, write_folder
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt",
+                   "vocab.json", "spiece.model")
 CONFIG_NAME = "quantization_config.json"
 WEIGHTS_NAME = "model.safetensors"
 FORMAT_TAG = "kbbq-pl"
@@ -196,6 +198,10 @@ def write_hf_files(folder: Path, model: nn.Module, tokenizer: Any = None) -> Non
         tokenizer.save_pretrained(folder)
 
 
+def is_causal_lm_config(config: Any) -> bool:
+    return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in config.architectures or [])
+
+
 def is_causal_model(model: nn.Module) -> bool:
     return type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
 
@@ -334,22 +340,6 @@ def load_tensors(model: nn.Module, tensors: dict[str, Tensor], metadata: dict[st
     if missing or unexpected:
         raise CheckpointError(f"{source}: tensors do not match the model: missing {missing[:5]}, "
                               f"unexpected {unexpected[:5]}")
-
-
-def from_pretrained(folder: str | Path, device: str | torch.device = "cpu") -> nn.Module:
-    """The quantized model saved in ``folder``, in eval mode: a kbbq-pl checkpoint written by
-    :func:`save_quantized`, or a compressed-tensors NVFP4 / MXFP4 folder (llm-compressor's
-    output, :func:`kbbq_pl.compressed_tensors.save_compressed_tensors`), read by
-    :func:`kbbq_pl.compressed_tensors.read_compressed_tensors`."""
-    folder = Path(folder)
-    if not (folder / CONFIG_NAME).is_file():
-        from .compressed_tensors import is_compressed_tensors_folder, read_compressed_tensors
-
-        if is_compressed_tensors_folder(folder):
-            metadata, tensors = read_compressed_tensors(folder)
-            return build_quantized_model(folder, metadata, tensors, device)
-    metadata = read_metadata(folder)
-    return build_quantized_model(folder, metadata, read_tensors(folder), device)
 
 
 def empty_model(config: Any, causal: bool) -> nn.Module:

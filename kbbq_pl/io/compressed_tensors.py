@@ -61,10 +61,12 @@ from ..quant.modules import is_transposed
 from ..transforms.fit import hadamard, transform_inputs
 from .checkpoint import (
     CONFIG_NAME,
+    TOKENIZER_FILES,
     WEIGHTS_NAME,
     CheckpointError,
     checkpoint_contents,
     empty_model,
+    is_causal_lm_config,
     is_causal_model,
     read_metadata,
     read_tensors,
@@ -72,7 +74,6 @@ from .checkpoint import (
     write_hf_files,
 )
 from .fileio import check_output, write_folder
-from .models import TOKENIZER_FILES
 
 log = logging.getLogger(__name__)
 
@@ -621,8 +622,6 @@ def read_compressed_tensors(folder: str | Path) -> tuple[dict[str, Any], dict[st
     activations left unquantized as the config says.  Online Hadamard transforms and kbbq-pl's
     ``input_transform`` tensors are applied."""
     from transformers import AutoConfig
-
-    from .models import is_causal_lm_config
 
     require_compressed_tensors()
     folder = Path(folder)

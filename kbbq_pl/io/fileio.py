@@ -152,7 +152,7 @@ def write_folder(out_dir: str | Path, write: Callable[[Path], None], *, kind: st
     what the folder is, the files written, ``metadata``), then move it into place; an existing
     ``out_dir`` is replaced only as :func:`check_output` allows.  Nothing is left behind on
     failure.  Returns the resolved folder."""
-    from .. import __version__
+    from .._version import __version__
 
     out_dir = check_output(out_dir, overwrite=overwrite, sources=sources)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

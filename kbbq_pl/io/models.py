@@ -18,9 +18,18 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from .checkpoint import (
+    CONFIG_NAME,
+    FORMAT_TAG,
+    TOKENIZER_FILES,
+    build_quantized_model,
+    is_causal_lm_config,
+    read_metadata,
+    read_tensors,
+)
+from .compressed_tensors import dense_model, is_compressed_tensors_folder, read_compressed_tensors
+
 MINILM = "minilm"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt",
-                   "vocab.json", "spiece.model")
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -59,10 +68,6 @@ def resolve_model_path(path: str | Path) -> Path:
     return folder
 
 
-def is_causal_lm_config(config: Any) -> bool:
-    return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in config.architectures or [])
-
-
 def parse_device(device: str | torch.device) -> torch.device:
     """``cpu``, ``cuda`` or ``cuda:N`` as a device this machine has; a one-line ValueError
     otherwise (no CUDA, an index out of range, a misspelt name)."""
@@ -85,11 +90,23 @@ def parse_device(device: str | torch.device) -> torch.device:
     return parsed
 
 
+def from_pretrained(folder: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+    """The quantized model saved in ``folder``, in eval mode: a kbbq-pl checkpoint written by
+    :func:`~kbbq_pl.io.checkpoint.save_quantized`, or a compressed-tensors NVFP4 / MXFP4 folder
+    (llm-compressor's output, :func:`kbbq_pl.io.compressed_tensors.save_compressed_tensors`),
+    read by :func:`kbbq_pl.io.compressed_tensors.read_compressed_tensors`."""
+    folder = Path(folder)
+    if not (folder / CONFIG_NAME).is_file():
+        if is_compressed_tensors_folder(folder):
+            metadata, tensors = read_compressed_tensors(folder)
+            return build_quantized_model(folder, metadata, tensors, device)
+    metadata = read_metadata(folder)
+    return build_quantized_model(folder, metadata, read_tensors(folder), device)
+
+
 def quantized_checkpoint(path: str | Path) -> dict[str, Any] | None:
     """The ``quantization_config.json`` of a kbbq-pl quantized checkpoint folder, unchecked
     (:func:`kbbq_pl.export.read_metadata` checks it when loading); None for any other folder."""
-    from .checkpoint import CONFIG_NAME, FORMAT_TAG
-
     try:
         metadata = json.loads((Path(path) / CONFIG_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -115,8 +132,6 @@ def describe_quantized(metadata: dict[str, Any]) -> str:
 def quantized_folder_kind(folder: str | Path) -> str | None:
     """What quantized ``folder`` (a kbbq-pl checkpoint, a compressed-tensors NVFP4 / MXFP4
     folder as llm-compressor writes) holds, in words; None for a full-precision folder."""
-    from .compressed_tensors import is_compressed_tensors_folder
-
     metadata = quantized_checkpoint(folder)
     if metadata is not None:
         return f"quantized by kbbq-pl ({describe_quantized(metadata)})"
@@ -153,9 +168,6 @@ def load_model(
         if causal and metadata is not None and not metadata.get("causal_lm"):
             raise ValueError(f"{path}: a quantized {metadata.get('model_class')}, not a causal "
                              "language model")
-        from .checkpoint import from_pretrained
-        from .compressed_tensors import dense_model
-
         model = from_pretrained(folder, device=device)
         if dequantize:
             dense_model(model)

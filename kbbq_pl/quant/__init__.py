@@ -5,3 +5,8 @@
 (:mod:`~kbbq_pl.quant.sequential`), the RTN and GPTQ pipelines (:mod:`~kbbq_pl.quant.quantize`,
 :mod:`~kbbq_pl.quant.sequential_gptq`) and torchao's ``quantize_`` entry
 (:mod:`~kbbq_pl.quant.torchao`).  No I/O, Lightning or HuggingFace imports."""
+
+from .pipeline import quantize_model
+from .quantize import QuantizationConfig, QuantizationReport
+
+__all__ = ["QuantizationConfig", "QuantizationReport", "quantize_model"]

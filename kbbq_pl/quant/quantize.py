@@ -1,7 +1,8 @@
 """Post-training W4A4 quantization of a model: calibrate, fit transforms, quantize, swap.
 
-:func:`quantize_model` is the one implementation behind the ``KBBQ`` Lightning callback and the
-``kbbq-pl quantize`` command:
+:func:`quantize_model_rtn` is the round-to-nearest pipeline of
+:func:`kbbq_pl.quant.pipeline.quantize_model` (behind the ``KBBQ`` Lightning callback and the
+``kbbq-pl quantize`` command):
 
 1. one no-grad pass over the calibration batches with hooks on the targeted linears collects the
    block second moments of their inputs (:mod:`kbbq_pl.stats`), summed over ranks;
@@ -518,7 +519,7 @@ def fold_o_proj_transforms(model: nn.Module, modules: Mapping[str, nn.Module],
     return folded
 
 
-def quantize_model(
+def quantize_model_rtn(
     model: nn.Module,
     batches: Batches,
     config: QuantizationConfig,
@@ -529,34 +530,15 @@ def quantize_model(
     expected_tokens: int | None = None,
     trainable: bool = False,
     progress: bool = True,
-    broadcast: BroadcastFn | None = None,
-    rank: int = 0,
-    world_size: int = 1,
 ) -> QuantizationReport:
-    """Quantize ``model`` in place (see the module docstring); returns the report.
+    """Quantize ``model`` in place with RTN weights (see the module docstring); returns the
+    report.  Called through :func:`kbbq_pl.quant.pipeline.quantize_model`.
 
     ``batches`` is re-iterated when a second pass is needed (static activation scales), so pass
     a list or a DataLoader, not a generator.  ``reduce_sum`` / ``reduce_max`` all-reduce a tensor
     across data-parallel ranks (identity on one process).  ``trainable`` keeps high-precision
     master weights ``W T^-1`` for fine-tuning (see :class:`~kbbq_pl.layers.QuantizedLinear`).
-
-    ``config.weight_quantizer == "gptq"`` runs the block-sequential GPTQ loop instead
-    (:func:`kbbq_pl.sequential_gptq.quantize_model_sequential`), which also takes
-    ``broadcast(obj, src) -> obj``, ``rank`` and ``world_size`` to split its work across ranks.
     """
-    if config.weight_quantizer == "gptq":
-        if weight_quantizer is not None:
-            raise ValueError("a weight_quantizer callable replaces RTN; it cannot be combined "
-                             "with config.weight_quantizer='gptq'")
-        if trainable:
-            raise ValueError("GPTQ stores rounded codes, not master weights: fine-tune from "
-                             "weight_quantizer='rtn' (trainable=True), or run GPTQ after")
-        from .sequential_gptq import quantize_model_sequential
-
-        return quantize_model_sequential(
-            model, batches, config, reduce_sum=reduce_sum, reduce_max=reduce_max,
-            broadcast=broadcast, rank=rank, world_size=world_size,
-            expected_tokens=expected_tokens, progress=progress)
     start = time.perf_counter()
     modules, skipped = select_layers(model, config)
     report = QuantizationReport(config=config.to_dict(), skipped=skipped)

@@ -1,12 +1,13 @@
-"""Writes ``tests/data/pipeline_guard.json``, the bit-identity guard of ``tests/test_pipeline_guard.py``.
+"""Writes ``tests/data/pipeline_guard.json``, the bit-identity guard of
+``tests/test_pipeline_guard.py``.
 
 Every shipped recipe (``recipes/*.yaml``: RTN I / HAAR / WUSH / KBBQ at each lambda and ``auto``,
 GPTQ, MR-GPTQ, GPTQ-WUSH, GPTQ-KBBQ (fixed and auto), NVFP4 and MXFP4) quantizes the same tiny
 seeded Llama (two blocks, so the GPTQ loop feeds a quantized block's outputs to the next one) on
 the same random calibration tokens; the guard stores, per recipe and per kind of tensor of the
 quantized layers (FP4 codes, block scales, global scales, transforms, static activation scales),
-the number of such tensors and one SHA-256 over their names, dtypes, shapes and bytes.  The codes, scales and transforms of a later version must
-match bit for bit.
+the number of such tensors and one SHA-256 over their names, dtypes, shapes and bytes.  The
+codes, scales and transforms of a later version must match bit for bit.
 
 Written at commit e6ca8dc (before the package was reorganized into subpackages), from the
 repository root::
@@ -30,7 +31,7 @@ import yaml
 
 from kbbq_pl.io.checkpoint import checkpoint_contents
 from kbbq_pl.io.models import tiny_model
-from kbbq_pl.quant.quantize import QuantizationConfig, quantize_model
+from kbbq_pl.quant import QuantizationConfig, quantize_model
 
 ROOT = Path(__file__).resolve().parents[2]
 GUARD = Path(__file__).resolve().parent / "pipeline_guard.json"

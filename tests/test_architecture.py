@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import importlib
 import pickle
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -96,7 +97,7 @@ GRAPH = {name: _imports(name) for name in MODULES}
 
 def _layer(module: str) -> str:
     for prefix in sorted(LAYERS, key=len, reverse=True):
-        if module == prefix or module.startswith(prefix + "."):
+        if module == prefix or (prefix != "kbbq_pl" and module.startswith(prefix + ".")):
             return prefix
     raise AssertionError(f"{module} belongs to no layer of {sorted(LAYERS)}: put it in a "
                          "subpackage (a new flat module hides the architecture)")
@@ -195,6 +196,48 @@ def test_old_path_warns_and_gives_the_same_objects(old):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert importlib.import_module(old) is alias  # warns once, then cached
+
+
+def _old_paths_in(path: Path, module: str | None) -> list[tuple[int, str]]:
+    """(line, old path) of every import of a deprecated path in the Python file ``path``
+    (``module``: its name inside the package, for relative imports)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                if module is None:
+                    continue
+                package = module if MODULES[module][1] else module.rpartition(".")[0]
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+        found += [(node.lineno, name) for name in names if name in _aliases.MOVED]
+    return found
+
+
+def test_the_package_its_tests_and_benchmarks_use_no_deprecated_path():
+    by_file = {path: name for name, (path, _) in MODULES.items()}
+    found = []
+    for folder in ("kbbq_pl", "callbacks", "tests", "bench", "scripts"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path == Path(__file__).resolve():
+                continue  # the alias tests above import the old paths on purpose
+            found += [f"{path.relative_to(ROOT)}:{line}: {old} -> {_aliases.where(old)}"
+                      for line, old in _old_paths_in(path, by_file.get(path))]
+    texts = sorted((ROOT / "recipes").glob("*.yaml"))
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    code = "\n".join(re.findall(r"```(?:python|bash|yaml)\n(.*?)```", readme, re.S))
+    for name, text in [*((p.name, p.read_text(encoding="utf-8")) for p in texts),
+                       ("README.md code", code)]:
+        for dotted in re.findall(r"kbbq_pl(?:\.\w+)+", text):
+            parts = dotted.split(".")
+            found += [f"{name}: {'.'.join(parts[:k])} -> {_aliases.where('.'.join(parts[:k]))}"
+                      for k in range(2, len(parts) + 1) if ".".join(parts[:k]) in _aliases.MOVED]
+    assert not found, "old flat paths (use the new ones):\n" + "\n".join(found)
 
 
 def test_every_flat_module_of_0_1_has_a_path():

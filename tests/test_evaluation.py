@@ -1,4 +1,4 @@
-"""Sentence selection, embedding fidelity and perplexity (kbbq_pl.evaluation)."""
+"""Sentence selection, embedding fidelity and perplexity (kbbq_pl.eval.evaluation)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GPTQ for the FP4 formats: the algorithm on tensors (kbbq_pl.gptq)."""
+"""GPTQ for the FP4 formats: the algorithm on tensors (kbbq_pl.quant.gptq)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The GPTQ family as a block-sequential loop (kbbq_pl.sequential_gptq), one and two processes."""
+"""The GPTQ family as a block-sequential loop (kbbq_pl.quant.sequential_gptq), one and two
+processes."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ def readme_commands(section: str) -> list[list[str]]:
 def test_tiny_llama_convert_quantize_eval(tmp_path, monkeypatch, capsys):
     """Convert the tiny llama2.c model, quantize it (its tokenizer has no pad token in
     llama2.c), evaluate the quantized folder: the CLI's numbers are those of
-    ``from_pretrained`` + :func:`kbbq_pl.benchmarks.run_benchmarks`."""
+    ``from_pretrained`` + :func:`kbbq_pl.eval.benchmarks.run_benchmarks`."""
     if not (TINY / "aidreams260K.bin").is_file():
         pytest.skip(f"the tiny llama2.c model is absent ({TINY})")
     from transformers import AutoTokenizer

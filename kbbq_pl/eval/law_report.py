@@ -1,6 +1,6 @@
 """The ``kbbq-pl law`` report: fits of the noise law per format, kappa margins per cell, files.
 
-:func:`summarize` turns a :class:`~kbbq_pl.law_cells.LawMeasurement` into plain numbers (the
+:func:`summarize` turns a :class:`~kbbq_pl.eval.law_cells.LawMeasurement` into plain numbers (the
 fits of Eq. kappalaw per format, the cross-format spacings of Eq. fmtgap, the kappa margins of
 Table kappamargins); :func:`write_report` writes them as ``law.json``, ``law.md``, ``law.png``
 and ``kappa.md`` into one folder, atomically (a temporary folder, then a rename); :func:`run_law`
@@ -356,7 +356,7 @@ def write_report(measurement: LawMeasurement, out: str | Path, config: dict[str,
                  overwrite: bool = False, sources: Sequence[str | Path | None] = ()
                  ) -> dict[str, Path]:
     """Write law.json, law.md, law.png and kappa.md into the folder ``out``, atomically (an
-    existing ``out`` as :func:`kbbq_pl.fileio.check_output` allows); returns their paths."""
+    existing ``out`` as :func:`kbbq_pl.io.fileio.check_output` allows); returns their paths."""
     summary = summarize(measurement)
     document = {
         "schema": SCHEMA,
@@ -405,7 +405,7 @@ def run_law(
 ) -> tuple[dict[str, Path], dict[str, Any]]:
     """Load ``model`` (a local folder or ``"minilm"``), cut ``tokens`` calibration tokens from
     ``data`` (a .txt/.jsonl file, ``hf:<dataset>`` or ``random``), measure the law and write the
-    report into the folder ``out`` (checked first: :func:`kbbq_pl.fileio.check_output`).  The
+    report into the folder ``out`` (checked first: :func:`kbbq_pl.io.fileio.check_output`).  The
     model runs on ``device``.  A kbbq-pl quantized checkpoint is refused: the law measures what
     rounding does to full-precision operands.  Returns the paths and the summary."""
     from ..io.data import token_blocks

@@ -103,7 +103,7 @@ def checkpoint_contents(
     """What a checkpoint of ``model`` holds: every tensor to store (the layout of the module
     docstring), each quantized layer's :func:`layer_metadata`, and tied names (alias -> stored
     name).  :func:`save_quantized` and
-    :func:`kbbq_pl.compressed_tensors.save_compressed_tensors` both write from it."""
+    :func:`kbbq_pl.io.compressed_tensors.save_compressed_tensors` both write from it."""
     tensors: dict[str, Tensor] = {}
     tied: dict[str, str] = {}
     seen: dict[tuple, str] = {}
@@ -152,7 +152,7 @@ def save_quantized(
     ``extra_files`` maps file names to text written beside (e.g. reports).  ``source_dir`` is
     the folder the model was loaded from: an output equal to it, inside it or containing it is
     refused.  An existing ``out_dir`` is an error unless ``overwrite``, and even then only a
-    folder kbbq-pl wrote is replaced (:func:`kbbq_pl.fileio.check_output`).
+    folder kbbq-pl wrote is replaced (:func:`kbbq_pl.io.fileio.check_output`).
     """
     check_output(out_dir, overwrite=overwrite, sources=[source_dir])
     layers = quantized_linears(model)

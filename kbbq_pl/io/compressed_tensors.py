@@ -314,7 +314,7 @@ def compressed_tensors_state(
     tensors: dict[str, Tensor], layers: Mapping[str, Mapping[str, Any]],
     plans: Mapping[str, LayerPlan], weight_only: bool,
 ) -> tuple[dict[str, Tensor], dict[str, dict[str, str]]]:
-    """kbbq-pl checkpoint ``tensors`` (:func:`kbbq_pl.export.checkpoint_contents`) in
+    """kbbq-pl checkpoint ``tensors`` (:func:`kbbq_pl.io.checkpoint.checkpoint_contents`) in
     compressed-tensors layout (module docstring), and kbbq-pl's exact per-tensor scales per
     layer (:meth:`float.hex`, for :func:`kbbq_global_scale`); ``tensors`` is consumed."""
     from compressed_tensors.transform.utils.hadamard import deterministic_hadamard_matrix
@@ -454,7 +454,7 @@ def save_compressed_tensors(
     overwrite: bool = False,
 ) -> Path:
     """Write the quantized ``model`` as a compressed-tensors folder (module docstring) through
-    the tensors :func:`kbbq_pl.export.save_quantized` writes."""
+    the tensors :func:`kbbq_pl.io.checkpoint.save_quantized` writes."""
     require_compressed_tensors()
     if not quantized_linears(model):
         raise ValueError("the model has no quantized layers to save")
@@ -614,9 +614,10 @@ def _config_dtype(hf_config: Any) -> torch.dtype:
 
 def read_compressed_tensors(folder: str | Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A compressed-tensors NVFP4 / MXFP4 folder as kbbq-pl checkpoint metadata and tensors
-    (the layout of :mod:`kbbq_pl.export`), for :func:`kbbq_pl.export.build_quantized_model`.
+    (the layout of :mod:`kbbq_pl.io.checkpoint`), for
+    :func:`kbbq_pl.io.checkpoint.build_quantized_model`.
 
-    W4A4 layers become :class:`~kbbq_pl.layers.QuantizedLinear` (NVFP4 activations with the
+    W4A4 layers become :class:`~kbbq_pl.quant.layers.QuantizedLinear` (NVFP4 activations with the
     static ``input_global_scale``; MXFP4 as :data:`IMPORT_FORMATS` says); weight-only layers
     (``input_activations`` null) become dense linears holding the dequantized weights, their
     activations left unquantized as the config says.  Online Hadamard transforms and kbbq-pl's
@@ -669,7 +670,7 @@ def _tied_names(model: nn.Module, tensors: Mapping[str, Tensor]) -> dict[str, st
 
 
 def dense_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
-    """``model`` with every :class:`~kbbq_pl.layers.QuantizedLinear` replaced by an
+    """``model`` with every :class:`~kbbq_pl.quant.layers.QuantizedLinear` replaced by an
     ``nn.Linear`` holding its :func:`effective_weight` (weight-only: activations unquantized),
     in the layer's stored dtype or ``dtype``."""
     from ..quant.layers import swap_module

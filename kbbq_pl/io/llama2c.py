@@ -342,7 +342,7 @@ def convert_llama2c(
     The folder is built beside ``out_dir`` and renamed into place, so a failure leaves no partial
     folder.  The sources are only read.  An existing ``out_dir`` is an error unless
     ``overwrite``, and even then only a folder kbbq-pl wrote is replaced
-    (:func:`kbbq_pl.fileio.check_output`).  Returns the folder.
+    (:func:`kbbq_pl.io.fileio.check_output`).  Returns the folder.
     """
     from safetensors.torch import save_file
     from transformers import GenerationConfig

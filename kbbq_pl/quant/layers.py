@@ -1,7 +1,7 @@
 """The W4A4 quantized linear layer and swapping it into a model.
 
 ``QuantizedLinear`` computes ``y = Q(W T^-1) Q(T x) + b``.  With stored codes its forward is
-``F.linear(x, self.weight, self.bias)``: the weight is a :class:`~kbbq_pl.w4a4.W4A4Weight`,
+``F.linear(x, self.weight, self.bias)``: the weight is a :class:`~kbbq_pl.quant.w4a4.W4A4Weight`,
 which holds the codes, the scales, the online transform ``T``, the activation scale and the
 padding of an ``in_features`` that is not a multiple of the block, and computes the product
 (the project's kernels on GPUs, exact emulation elsewhere, no dense copy of the weight kept).
@@ -59,7 +59,7 @@ def w4a4_weight(
     name: str = "",
     quantized_weight: QuantizedTensor | None = None,
 ) -> W4A4Weight:
-    """The :class:`~kbbq_pl.w4a4.W4A4Weight` of an ``nn.Linear`` or ``Conv1D``: its weight
+    """The :class:`~kbbq_pl.quant.w4a4.W4A4Weight` of an ``nn.Linear`` or ``Conv1D``: its weight
     zero-padded to whole blocks, ``W T^-1`` rounded to nearest (or the given
     ``quantized_weight`` of ``W T^-1``, e.g. from GPTQ), with the activation side."""
     fmt = get_format(fmt)

@@ -5,13 +5,13 @@
 ``kbbq-pl quantize`` command):
 
 1. one no-grad pass over the calibration batches with hooks on the targeted linears collects the
-   block second moments of their inputs (:mod:`kbbq_pl.stats`), summed over ranks;
+   block second moments of their inputs (:mod:`kbbq_pl.quant.stats`), summed over ranks;
 2. each layer's transform is fitted (:mod:`kbbq_pl.transforms`) and its weight ``W T^-1``
    rounded (RTN here; the GPTQ family plugs in through ``weight_quantizer``);
 3. for a static NVFP4 activation scale, a second pass records the amax of the transformed
    inputs ``T x`` of every layer (on the full-precision inputs, each layer in isolation);
 4. every layer is checked in isolation on kept calibration tokens (output SNR), then swapped for
-   a :class:`~kbbq_pl.layers.QuantizedLinear`.
+   a :class:`~kbbq_pl.quant.layers.QuantizedLinear`.
 
 The report holds, per layer, the aggregate participation factor before and after the transform
 (Thm. GL ceiling with the real weights), the paired-ceiling utilization, the block ceiling and
@@ -75,7 +75,7 @@ class QuantizationConfig:
         format: FP4 format of weights and activations (``nvfp4``, ``mxfp4``, ...).
         transform: ``identity``, ``haar``, ``hadamard``, ``wush`` or ``kbbq``.
         lam: the KBBQ brake lambda in [0, 1] (Eq. kbbq).
-        targets, ignore: module-name regular expressions (see :mod:`kbbq_pl.modules`).
+        targets, ignore: module-name regular expressions (see :mod:`kbbq_pl.quant.modules`).
         act_scale: NVFP4 activation per-tensor scale, ``static`` (calibrated) or ``dynamic``.
         damping: relative damping of the transform fit's Gram matrices.
         seed: seed of the Haar rotation.
@@ -83,13 +83,13 @@ class QuantizationConfig:
             zero columns (and its inputs with zeros) or ``skip`` it (left in full precision).
         keep_samples: calibration tokens kept per layer for the report's output SNR.
         auto_grid, auto_holdout, auto_tokens, auto_refit, auto_select_on: the auto-brake
-            (``lam="auto"``, :mod:`kbbq_pl.autobrake`): the candidate lambdas; the fraction of
-            calibration sequences held out for selection; the held-out tokens per layer it
-            scores on; whether the chosen lambda is refitted on all tokens (``True``) or the
+            (``lam="auto"``, :mod:`kbbq_pl.transforms.autobrake`): the candidate lambdas; the
+            fraction of calibration sequences held out for selection; the held-out tokens per layer
+            it scores on; whether the chosen lambda is refitted on all tokens (``True``) or the
             transform fitted on the fitting part is kept; and ``holdout`` (the method) or
             ``fit`` (scoring on the fitting tokens, only to measure what the split buys).
         weight_quantizer: ``rtn`` (round to nearest after one calibration pass) or ``gptq``
-            (the block-sequential GPTQ loop of :mod:`kbbq_pl.sequential_gptq`).
+            (the block-sequential GPTQ loop of :mod:`kbbq_pl.quant.sequential_gptq`).
         gptq_damping: GPTQ's relative Hessian damping (``H + gptq_damping * mean(diag H) I``).
         act_order: GPTQ rounds columns by decreasing ``diag(H)``; None (default): yes, except
             for the in-loop refit, which rounds whole blocks in their order.
@@ -102,11 +102,12 @@ class QuantizationConfig:
             (default) refits every block ``T_b`` on the error-updated weight inside the loop
             (the WUSH paper's variant); ``fixed`` fits ``T`` once from the calibration
             statistics and runs GPTQ on ``W T^-1`` with the Hessian ``T H T^T``.  Why
-            ``in_loop`` is the default: :mod:`kbbq_pl.sequential_gptq`.
+            ``in_loop`` is the default: :mod:`kbbq_pl.quant.sequential_gptq`.
         fold_o_proj: fit each attention ``o_proj``'s block transform shared by the query heads
             that read one value head (pooled statistics) and fold it into ``v_proj``'s rows
-            before ``v_proj`` is quantized (:mod:`kbbq_pl.fold`; exact in full precision), so
-            ``o_proj`` needs no online transform (e.g. for a compressed-tensors export).
+            before ``v_proj`` is quantized (:mod:`kbbq_pl.transforms.fold`; exact in full
+            precision), so ``o_proj`` needs no online transform (e.g. for a compressed-tensors
+            export).
             Llama-style ``v_proj`` / ``o_proj`` names; RTN, fixed lambda, post-training.
     """
 
@@ -355,7 +356,7 @@ def layer_report(name: str, module: nn.Module, layer: QuantizedLinear, stats: La
 
 
 def _mse_rtn(config: QuantizationConfig) -> WeightQuantizer:
-    """RTN of ``W T^-1`` with MSE-searched block scales (:func:`kbbq_pl.gptq.rtn`)."""
+    """RTN of ``W T^-1`` with MSE-searched block scales (:func:`kbbq_pl.quant.gptq.rtn`)."""
     from .gptq import rtn
 
     def quantize_weight(name: str, module: nn.Module, padded: Tensor, transform: Tensor | None,
@@ -453,7 +454,7 @@ def chosen_lambda(config: QuantizationConfig, choice: LambdaChoice | None) -> fl
 def auto_transform(weight: Tensor, fit: LayerStatistics, held_out: LayerStatistics,
                    config: QuantizationConfig, reduce_sum: ReduceFn = _identity,
                    reduce_max: ReduceFn = _identity, name: str = "") -> tuple[Tensor, LambdaChoice]:
-    """KBBQ with the lambda the held-out tokens prefer (:mod:`kbbq_pl.autobrake`).
+    """KBBQ with the lambda the held-out tokens prefer (:mod:`kbbq_pl.transforms.autobrake`).
 
     The basis (Cholesky and eigendecomposition of every block) is fitted once on the fitting
     part and shared by every candidate; the chosen lambda is then refitted on all tokens when
@@ -537,7 +538,7 @@ def quantize_model_rtn(
     ``batches`` is re-iterated when a second pass is needed (static activation scales), so pass
     a list or a DataLoader, not a generator.  ``reduce_sum`` / ``reduce_max`` all-reduce a tensor
     across data-parallel ranks (identity on one process).  ``trainable`` keeps high-precision
-    master weights ``W T^-1`` for fine-tuning (see :class:`~kbbq_pl.layers.QuantizedLinear`).
+    master weights ``W T^-1`` for fine-tuning (see :class:`~kbbq_pl.quant.layers.QuantizedLinear`).
     """
     start = time.perf_counter()
     modules, skipped = select_layers(model, config)

@@ -1,7 +1,7 @@
 """The GPTQ family as a block-sequential loop: GPTQ, MR-GPTQ, GPTQ-WUSH, GPTQ-KBBQ.
 
 :func:`quantize_model_sequential` walks the transformer blocks in order
-(:class:`~kbbq_pl.sequential.SequentialRunner`).  For each block:
+(:class:`~kbbq_pl.quant.sequential.SequentialRunner`).  For each block:
 
 1. calibrate: run the full-precision block over its cached inputs, which are the outputs of the
    previous, already quantized block (so quantization error propagates as in GPTQ); hooks
@@ -13,7 +13,7 @@
    and broadcast from their owner;
 3. static NVFP4 activation scales ``amax(T x) / (448 * 6)`` from the inputs the layer saw in
    step 1 (one more full-precision pass of the block when ``T`` is not the identity);
-4. swap in :class:`~kbbq_pl.layers.QuantizedLinear` layers (the same modules, report rows and
+4. swap in :class:`~kbbq_pl.quant.layers.QuantizedLinear` layers (the same modules, report rows and
    checkpoints as RTN) and run the quantized block, W4A4 as deployed, to produce the next
    block's inputs.
 
@@ -29,16 +29,16 @@ batches) starts GPTQ from the same float32 ``H`` (:meth:`HessianCollector.reduce
 (or stack of layers sharing a Hessian) is quantized by one rank and broadcast.
 
 GPTQ-WUSH / GPTQ-KBBQ: ``transform_refit="in_loop"`` (the default; the WUSH paper's variant,
-:func:`kbbq_pl.gptq.gptq_refit`) refits each ``T_b`` on the error-updated weight block when GPTQ
-reaches it and rounds the block's columns with GPTQ's updates in its coordinates; ``"fixed"`` fits
-``T`` once from the calibration statistics and runs GPTQ on ``W T^-1`` with ``T H T^T`` (with
+:func:`kbbq_pl.quant.gptq.gptq_refit`) refits each ``T_b`` on the error-updated weight block when
+GPTQ reaches it and rounds the block's columns with GPTQ's updates in its coordinates; ``"fixed"``
+fits ``T`` once from the calibration statistics and runs GPTQ on ``W T^-1`` with ``T H T^T`` (with
 act-order).  ``lam="auto"`` (:func:`auto_gptq`) runs the candidates on the fitting part's Hessian
 and keeps the lambda whose GPTQ-quantized layer has the smallest realized W4A4 output error on the
-held-out tokens.  On all-MiniLM-L6-v2 (``bench/w4a4_table.py --extra``, calibration seed 0)
-the in-loop refit gives GPTQ-KBBQ a better embedding fidelity in MXFP4 (+0.0031 in mean cosine)
-and the same within noise in NVFP4 (-0.0002), hence the default.  GPTQ-WUSH (lambda = 1) refit
-in the loop is better in NVFP4 (+0.0015) but collapses in MXFP4 (0.892 against 0.955 with
-``fixed``); the braked KBBQ refit does not.
+held-out tokens.  On all-MiniLM-L6-v2 (``bench/w4a4_table.py --extra``, calibration seed 0) the
+in-loop refit gives GPTQ-KBBQ a better embedding fidelity in MXFP4 (+0.0031 in mean cosine) and the
+same within noise in NVFP4 (-0.0002), hence the default.  GPTQ-WUSH (lambda = 1) refit in the loop
+is better in NVFP4 (+0.0015) but collapses in MXFP4 (0.892 against 0.955 with ``fixed``); the braked
+KBBQ refit does not.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def _same(obj: Any, src: int) -> Any:
 
 class HessianCollector(StatisticsCollector):
     """GPTQ Hessians of a block's linears, with the report statistics of
-    :class:`~kbbq_pl.stats.StatisticsCollector` (output energy, token count, samples).
+    :class:`~kbbq_pl.quant.stats.StatisticsCollector` (output energy, token count, samples).
 
     Per forward call, each distinct input tensor gets one float32 product ``x^T x`` that every
     layer reading it (q/k/v, gate/up) adds to its float64 sum ``full_sum``; layers that read
@@ -208,7 +208,7 @@ def quantize_layers(weights: Mapping[str, Tensor], h: Tensor, config: Quantizati
     result (the quantized ``W T^-1``) and the transform ``T`` (float64, None for the identity).
 
     Several layers need a data-free transform (identity, Hadamard, Haar: one ``T`` for all);
-    they run as one stacked GPTQ (:func:`kbbq_pl.gptq.gptq_layers`).
+    they run as one stacked GPTQ (:func:`kbbq_pl.quant.gptq.gptq_layers`).
     """
     fmt = config.fmt
     kind = config.transform
@@ -364,7 +364,7 @@ def quantize_model_sequential(
     progress: bool = True,
 ) -> QuantizationReport:
     """Quantize ``model`` in place with the GPTQ family, one block at a time (module
-    docstring); returns the same :class:`~kbbq_pl.quantize.QuantizationReport` as RTN, with
+    docstring); returns the same :class:`~kbbq_pl.quant.quantize.QuantizationReport` as RTN, with
     ``report.model`` holding the peak memory and each layer's GPTQ damping / fallback."""
     if world_size > 1 and broadcast is None:
         raise ValueError(f"world_size {world_size}: GPTQ splits layers across ranks and needs "
@@ -542,7 +542,7 @@ def _fitting_hessian(collector: HessianCollector, selection: HessianCollector, n
 def torch_distributed_collectives(group: Any = None) -> dict[str, Any]:
     """``reduce_sum``, ``reduce_max``, ``broadcast``, ``rank`` and ``world_size`` over an
     initialized ``torch.distributed`` process group, as keyword arguments of
-    :func:`quantize_model_sequential` (and :func:`kbbq_pl.quantize.quantize_model`)."""
+    :func:`quantize_model_sequential` (and :func:`kbbq_pl.quant.pipeline.quantize_model`)."""
     import torch.distributed as dist
 
     def reduce(op: Any):

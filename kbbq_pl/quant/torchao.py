@@ -4,7 +4,7 @@
 GPTQ, NVFP4 static activation scales): ``step="prepare"`` attaches observers to the targeted
 linear layers, the user runs calibration batches through the model, and ``step="convert"``
 fits each layer's transform from what was observed and replaces its weight by a
-:class:`~kbbq_pl.w4a4.W4A4Weight`.  The module stays the ``nn.Linear`` it was (its weight
+:class:`~kbbq_pl.quant.w4a4.W4A4Weight`.  The module stays the ``nn.Linear`` it was (its weight
 computes the quantized product in ``F.linear``)::
 
     from torchao.quantization import quantize_
@@ -17,14 +17,14 @@ computes the quantized product in ``F.linear``)::
             model(**batch)
     quantize_(model, KBBQConfig(step="convert", format="nvfp4", transform="kbbq", lam=0.75))
 
-The observers are the pipeline's own: a :class:`~kbbq_pl.stats.StatisticsCollector` per layer
+The observers are the pipeline's own: a :class:`~kbbq_pl.quant.stats.StatisticsCollector` per layer
 (the ``d x d`` input second-moment blocks the WUSH / KBBQ fit needs) and, for a static NVFP4
 activation scale, the layer's calibration inputs, kept on the CPU until ``convert`` computes
 ``amax(T x)`` with the fitted ``T`` (as torchao's AWQ and SmoothQuant observers keep theirs:
 one copy of every targeted layer's inputs; ``act_scale="dynamic"`` keeps none, and
-:func:`kbbq_pl.quantize.quantize_model` makes a second pass over the data instead).  The fit,
-the rounding and the scales are :mod:`kbbq_pl.transforms`, :func:`kbbq_pl.layers.w4a4_weight`
-and :func:`kbbq_pl.quantize.act_scales_from_amax`: on the same calibration batches the result
+:func:`kbbq_pl.quant.pipeline.quantize_model` makes a second pass over the data instead).  The fit,
+the rounding and the scales are :mod:`kbbq_pl.transforms`, :func:`kbbq_pl.quant.layers.w4a4_weight`
+and :func:`kbbq_pl.quant.quantize.act_scales_from_amax`: on the same calibration batches the result
 equals ``quantize_model`` with the same recipe bit for bit.
 
 ``prepare.filter_fn`` selects the layers ``quantize_model`` would (``targets`` / ``ignore``
@@ -69,7 +69,7 @@ class KBBQConfig(AOBaseConfig):
     Args:
         step: ``prepare`` (attach observers) or ``convert`` (fit and quantize).
         format, transform, lam, act_scale, damping, seed, targets, ignore, unaligned: the
-            :class:`~kbbq_pl.quantize.QuantizationConfig` fields of the same names (and
+            :class:`~kbbq_pl.quant.quantize.QuantizationConfig` fields of the same names (and
             defaults); ``targets``, ``ignore`` and ``unaligned="skip"`` act through
             :meth:`filter_fn`.  ``prepare`` and ``convert`` must agree on ``format`` and
             ``act_scale`` (they decide what is observed).
@@ -95,12 +95,12 @@ class KBBQConfig(AOBaseConfig):
         self.step = QuantizationStep(step.lower())
         if self.lam == "auto":
             raise ValueError("lam='auto' selects each layer's brake on held-out calibration "
-                             "sequences; run it with kbbq_pl.quantize.quantize_model")
+                             "sequences; run it with kbbq_pl.quantize_model")
         self.recipe  # noqa: B018  (validates the fields)
 
     @property
     def recipe(self) -> QuantizationConfig:
-        """The same recipe as a :class:`~kbbq_pl.quantize.QuantizationConfig`."""
+        """The same recipe as a :class:`~kbbq_pl.quant.quantize.QuantizationConfig`."""
         return QuantizationConfig(
             format=self.format, transform=self.transform, lam=self.lam, targets=self.targets,
             ignore=self.ignore, act_scale=self.act_scale, damping=self.damping, seed=self.seed,
@@ -180,7 +180,7 @@ class KBBQObserver:
 def _prepare(module: nn.Module, config: KBBQConfig) -> nn.Module:
     if not isinstance(module, nn.Linear):
         raise TypeError(f"KBBQConfig quantizes nn.Linear layers (their forward is F.linear), "
-                        f"got {type(module).__name__}; use kbbq_pl.quantize.quantize_model")
+                        f"got {type(module).__name__}; use kbbq_pl.quantize_model")
     if isinstance(module.weight, QuantizedTensor):
         raise ValueError(f"{module}: its weight is quantized already")
     previous = getattr(module, OBSERVER_ATTR, None)

@@ -58,7 +58,32 @@ def _modules() -> dict[str, tuple[Path, bool]]:
 MODULES = _modules()
 
 
-MISSING: list[str] = []  # imports of package modules that do not exist, filled by _imports
+MISSING: list[str] = []  # imports of package modules or names that do not exist (_imports)
+
+
+@functools.cache
+def _bound_names(module: str) -> set[str] | None:
+    """The names module ``module`` binds at module level (its own definitions and imports, and
+    its submodules); None when a star import makes that unknowable."""
+    names = {m.rpartition(".")[2] for m in MODULES if m.rpartition(".")[0] == module}
+    for node in ast.parse(MODULES[module][0].read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any(alias.name == "*" for alias in node.names):
+                return None
+            names |= {(alias.asname or alias.name).partition(".")[0] for alias in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
+            names |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)
+                      and isinstance(n.ctx, ast.Store)}
+            names |= {(a.asname or a.name).partition(".")[0] for n in ast.walk(node)
+                      if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+            names |= {n.name for n in ast.walk(node)
+                      if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    return names
 
 
 def _imports(name: str) -> tuple[set[str], set[str]]:
@@ -90,6 +115,10 @@ def _imports(name: str) -> tuple[set[str], set[str]]:
                 base = node.module
             for alias in node.names:
                 add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+                bound = _bound_names(base) if base in MODULES else None
+                if bound is not None and alias.name != "*" and alias.name not in bound:
+                    MISSING.append(f"{path.relative_to(ROOT)} imports {alias.name} from {base}, "
+                                   "which does not define it")
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
               and node.func.attr == "import_module" and node.args
               and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
@@ -123,8 +152,8 @@ def _closure(module: str) -> set[str]:
 
 def test_every_import_names_a_module():
     assert len(_graph()) == len(MODULES)
-    assert not MISSING, ("imports of modules that do not exist (relative imports left behind by "
-                         "a move?):\n" + "\n".join(MISSING))
+    assert not MISSING, ("imports of modules or names that do not exist (relative imports left "
+                         "behind by a move?):\n" + "\n".join(MISSING))
 
 
 def test_the_graph_sees_module_and_function_level_imports():

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from kbbq_pl.autobrake import DEFAULT_GRID
-from kbbq_pl.data import token_blocks
-from kbbq_pl.evaluation import cosine_summary, mean_pooled_embeddings, wikitext_sentences
-from kbbq_pl.models import load_model
-from kbbq_pl.quantize import QuantizationConfig, quantize_model
+from kbbq_pl.eval.evaluation import cosine_summary, mean_pooled_embeddings, wikitext_sentences
+from kbbq_pl.io.data import token_blocks
+from kbbq_pl.io.models import load_model
+from kbbq_pl.quant import QuantizationConfig, quantize_model
+from kbbq_pl.transforms.autobrake import DEFAULT_GRID
 
 
 def main() -> None:

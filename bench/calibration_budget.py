@@ -5,7 +5,7 @@ calibration tokens, scored on held-out text (the paper's Table calib, on a causa
         [--recipes rtn_kbbq_nvfp4_lam0.75,rtn_kbbq_nvfp4_auto,gptq_kbbq_nvfp4]
         [--source mixed] [--max-tokens 2048] [--out bench-out/calibration_budget]
 
-Each budget is one ``kbbq-pl compare`` run (:func:`kbbq_pl.compare.run_compare`) into
+Each budget is one ``kbbq-pl compare`` run (:func:`kbbq_pl.cli.compare.run_compare`) into
 ``OUT/<source>-<budget>/`` with every recipe's calibration ``n_tokens`` set to the budget:
 perplexity and mean KL to the FP model on the first ``--max-tokens`` tokens of WikiText-2 test
 (context 512, stride 256).  The runs are resumable (a finished recipe is not recomputed), so a
@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kbbq_pl.compare import run_compare
+from kbbq_pl.cli.compare import run_compare
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

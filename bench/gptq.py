@@ -61,8 +61,8 @@ def run_ours(folder: Path, args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(ROOT))
     from transformers import AutoModelForCausalLM
 
-    from kbbq_pl.layers import quantized_linears
-    from kbbq_pl.quantize import QuantizationConfig, quantize_model
+    from kbbq_pl.quant import QuantizationConfig, quantize_model
+    from kbbq_pl.quant.layers import quantized_linears
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     calib = torch.load(folder / "calib.pt")

@@ -22,7 +22,7 @@ are read from memory as the 134 MB of bf16 weights are):
   Targets: memory <= 0.35, decode >= 2.0, prefill >= 0.7.
 
 The model section quantizes the decoder linears the library's way (their weights become
-``kbbq_pl.w4a4.W4A4Weight``, whose ``F.linear`` dispatches to the kernels on CUDA).
+``kbbq_pl.quant.w4a4.W4A4Weight``, whose ``F.linear`` dispatches to the kernels on CUDA).
 Without CUDA the script exits with a message unless ``--dry-run`` is given.
 """
 
@@ -176,12 +176,12 @@ def llama(shapes: dict, device) -> nn.Module:
 
 def quantize_for_kernels(model: nn.Module, fmt: str) -> nn.Module:
     """Every linear of the decoder layers quantized the library's way: its weight replaced by a
-    :class:`~kbbq_pl.w4a4.W4A4Weight` (``Q(W T^-1)`` with one Hadamard matrix per block and
+    :class:`~kbbq_pl.quant.w4a4.W4A4Weight` (``Q(W T^-1)`` with one Hadamard matrix per block and
     dynamic activation scales) that computes ``F.linear`` on the kernels where they run
     (``lm_head`` and embeddings stay bf16)."""
     from kbbq_pl.formats import get_format
-    from kbbq_pl.layers import w4a4_weight
-    from kbbq_pl.transforms import hadamard
+    from kbbq_pl.quant.layers import w4a4_weight
+    from kbbq_pl.transforms.fit import hadamard
 
     d = get_format(fmt).block_size
     for index, layer in enumerate(model.model.layers):

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from kbbq_pl import law
-from kbbq_pl.transforms import kbbq_basis, transform_weight
+from kbbq_pl.law import noise_law as law
+from kbbq_pl.transforms.fit import kbbq_basis, transform_weight
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:

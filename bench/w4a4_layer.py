@@ -22,9 +22,9 @@ import torch
 from formats import best_time
 from torch import nn
 
-from kbbq_pl.layers import QuantizedLinear
-from kbbq_pl.transforms import fit_transform
-from kbbq_pl.w4a4 import W4A4Weight, cache_decoded_weights, uses_kernels
+from kbbq_pl.quant.layers import QuantizedLinear
+from kbbq_pl.quant.w4a4 import W4A4Weight, cache_decoded_weights, uses_kernels
+from kbbq_pl.transforms.fit import fit_transform
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -61,14 +61,14 @@ def main() -> None:
     former_copy = layer.weight.dequantize(dtype).nbytes
     print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__} "
           f"K=N={k} format={args.format} dtype={args.dtype} repeats={args.repeats} (min time)")
-    print(f"\n| layer | bytes held | / dense |\n|---|---|---|")
+    print("\n| layer | bytes held | / dense |\n|---|---|---|")
     rows = [("dense nn.Linear", held_bytes(dense)), ("W4A4 layer", held_bytes(layer)),
             ("W4A4 layer + former dense copy", held_bytes(layer) + former_copy)]
     for name, size in rows:
         print(f"| {name} | {size / 2**20:.2f} MiB | {size / rows[0][1]:.3f} |")
 
-    print(f"\n| tokens M | dense | W4A4 (decode per call) | W4A4 (cached decode) | "
-          f"per call / dense | cached / dense |\n|---|---|---|---|---|---|")
+    print("\n| tokens M | dense | W4A4 (decode per call) | W4A4 (cached decode) | "
+          "per call / dense | cached / dense |\n|---|---|---|---|---|---|")
     with torch.no_grad():
         for m in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(m, k, device=device, dtype=dtype)

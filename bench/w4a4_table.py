@@ -4,7 +4,7 @@
 
 Calibration: WikiText-2 ``valid.txt`` (``--calib-tokens`` tokens in blocks of ``--seq-len``);
 evaluation: ``--sentences`` sentences of WikiText-2 ``test.txt``
-(:func:`kbbq_pl.evaluation.wikitext_sentences`); metric: the mean cosine similarity of
+(:func:`kbbq_pl.eval.evaluation.wikitext_sentences`); metric: the mean cosine similarity of
 mean-pooled sentence embeddings to the full-precision model's (1.0 = identical),
 with the median per-layer output SNR (each layer in isolation, W4A4, on the inputs it saw
 during calibration) beside it.  ``--extra`` adds GPTQ-WUSH / GPTQ-KBBQ with the transform
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from kbbq_pl.data import token_blocks
-from kbbq_pl.evaluation import cosine_to_reference, mean_pooled_embeddings, wikitext_sentences
-from kbbq_pl.models import load_model
-from kbbq_pl.quantize import QuantizationConfig, quantize_model
+from kbbq_pl.eval.evaluation import cosine_to_reference, mean_pooled_embeddings, wikitext_sentences
+from kbbq_pl.io.data import token_blocks
+from kbbq_pl.io.models import load_model
+from kbbq_pl.quant import QuantizationConfig, quantize_model
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext2"
 

@@ -31,15 +31,15 @@ try:
 except ImportError:  # pragma: no cover - lightning is a dependency
     from pytorch_lightning import Callback, LightningModule, Trainer
 
-from kbbq_pl.autobrake import DEFAULT_GRID
-from kbbq_pl.export import install_empty_layers, layer_metadata
 from kbbq_pl.formats import DeferredChecks, QuantizedTensor, deferred_checks
-from kbbq_pl.layers import quantized_linears
-from kbbq_pl.modules import find_linears
-from kbbq_pl.quantize import QuantizationConfig, QuantizationReport, quantize_model
-from kbbq_pl.sequential_gptq import lightning_collectives
-from kbbq_pl.stats import StatisticsCollector, run_calibration
-from kbbq_pl.w4a4 import cache_decoded_weights
+from kbbq_pl.io.checkpoint import install_empty_layers, layer_metadata
+from kbbq_pl.quant import QuantizationConfig, QuantizationReport, quantize_model
+from kbbq_pl.quant.layers import quantized_linears
+from kbbq_pl.quant.modules import find_linears
+from kbbq_pl.quant.sequential_gptq import lightning_collectives
+from kbbq_pl.quant.stats import StatisticsCollector, run_calibration
+from kbbq_pl.quant.w4a4 import cache_decoded_weights
+from kbbq_pl.transforms.autobrake import DEFAULT_GRID
 
 log = logging.getLogger(__name__)
 CHECKPOINT_KEY = "kbbq"

@@ -7,7 +7,7 @@
    mixed corpus, lambda 0.75) quantizes the model when ``fit`` starts, keeping trainable master
    weights (``trainable`` is the default during ``fit``).
 2. On train start, the post-training (PTQ) model is scored on held-out text (WikiText-2 test,
-   not in the corpus): perplexity and mean KL to the FP model (:mod:`kbbq_pl.lm_metrics`).
+   not in the corpus): perplexity and mean KL to the FP model (:mod:`kbbq_pl.eval.lm_metrics`).
 3. ``fit`` trains through FP4 (straight-through rounding of the master weights, the fitted
    transforms and activation scales kept) for ``steps`` steps on fresh blocks of the mixed
    corpus (another seed), with a distillation loss: KL(p_FP || p_FP4) per token.
@@ -28,10 +28,10 @@ import torch
 import yaml
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from kbbq_pl.compare import load_recipe
-from kbbq_pl.data import CalibrationDataModule
-from kbbq_pl.lm_metrics import lm_metrics, reference_log_probs
-from kbbq_pl.models import load_model
+from kbbq_pl.cli.compare import load_recipe
+from kbbq_pl.eval.lm_metrics import lm_metrics, reference_log_probs
+from kbbq_pl.io.data import CalibrationDataModule
+from kbbq_pl.io.models import load_model
 
 HERE = Path(__file__).resolve().parent
 

@@ -7,7 +7,7 @@ MANIFEST.md) and writes one JSON object per line, ``{"text", "domain", "source"}
 
 * prose: paragraphs of WikiText-2 ``wikitext2/valid.txt`` (the tokenized variant), headings
   dropped, sentences holding ``<unk>`` dropped, turned back into plain text
-  (:func:`kbbq_pl.evaluation.detokenize_wikitext`); CC-BY-SA 3.0;
+  (:func:`kbbq_pl.eval.evaluation.detokenize_wikitext`); CC-BY-SA 3.0;
 * math: GSM8K ``gsm8k/train.jsonl`` questions with their worked solutions (calculator
   annotations ``<<...>>`` removed); MIT;
 * code: MBPP ``mbpp/mbpp.jsonl`` training tasks 601-974 (none of the test tasks 11-510 that
@@ -29,8 +29,8 @@ import random
 import re
 from pathlib import Path
 
-from kbbq_pl.evaluation import _is_heading, detokenize_wikitext, split_wikitext_sentences
-from kbbq_pl.fileio import atomic_write_text
+from kbbq_pl.eval.evaluation import _is_heading, detokenize_wikitext, split_wikitext_sentences
+from kbbq_pl.io.fileio import atomic_write_text
 
 MBPP_TRAIN_IDS = range(601, 975)
 

@@ -1,6 +1,6 @@
 """llama2.c's run.c in plain torch, for checking the HuggingFace conversion against.
 
-Written from run.c's semantics and independent of kbbq_pl.llama2c: its own file reader (pointer
+Written from run.c's semantics and independent of kbbq_pl.io.llama2c: its own file reader (pointer
 walk of ``memory_map_weights``), a token-at-a-time ``forward`` with a KV cache and interleaved
 RoPE pairs, and the tokenizer's ``encode`` (highest-score pair merges, byte fallback) and
 ``decode``.

@@ -80,7 +80,7 @@ def poison_input():
 def tiny_llama2c_folder(tmp_path_factory) -> Path:
     """The real tiny llama2.c model of the shared data (aidreams260K) as a HF folder with its
     512-token tokenizer; skipped when the shared data are absent."""
-    from kbbq_pl.llama2c import convert_llama2c
+    from kbbq_pl.io.llama2c import convert_llama2c
 
     tiny = SHARED_DATA / "tiny_llama_aidreams260K"
     if not (tiny / "aidreams260K.bin").is_file():

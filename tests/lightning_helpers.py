@@ -8,7 +8,7 @@ import torch
 from kbbq_pl.callbacks import CalibrationStatistics, restore_quantized
 from lightning.pytorch import Callback, LightningModule
 
-from kbbq_pl.models import tiny_model
+from kbbq_pl.io.models import tiny_model
 
 
 class TinyLM(LightningModule):
@@ -64,7 +64,7 @@ class SaveQuantized(Callback):
         torch.set_num_threads(1)
 
     def on_validation_start(self, trainer, pl_module):
-        from kbbq_pl.layers import quantized_linears
+        from kbbq_pl.quant.layers import quantized_linears
 
         if trainer.is_global_zero:
             torch.save({name: (layer.weight.qdata, layer.weight.scale.view(torch.uint8),

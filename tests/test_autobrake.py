@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kbbq_pl import law
-from kbbq_pl.autobrake import (
+from kbbq_pl.formats import fake_quantize
+from kbbq_pl.law import noise_law as law
+from kbbq_pl.transforms.autobrake import (
     DEFAULT_GRID,
     choice_histogram,
     realized_output_error,
     select_lambda,
     split_sequences,
 )
-from kbbq_pl.formats import fake_quantize
-from kbbq_pl.transforms import kbbq_basis, transform_inputs, transform_weight
+from kbbq_pl.transforms.fit import kbbq_basis, transform_inputs, transform_weight
 
 
 def test_split_is_deterministic_disjoint_and_complete():
@@ -70,9 +70,9 @@ def test_select_lambda_takes_the_smallest_held_out_error():
 
 
 def test_auto_lambda_in_the_pipeline_reports_choices():
-    from kbbq_pl.models import tiny_model
-    from kbbq_pl.quantize import QuantizationConfig, quantize_model
-    from kbbq_pl.report import report_markdown
+    from kbbq_pl.eval.report import report_markdown
+    from kbbq_pl.io.models import tiny_model
+    from kbbq_pl.quant import QuantizationConfig, quantize_model
 
     ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
     batches = [{"input_ids": ids[i:i + 2]} for i in range(0, 8, 2)]
@@ -96,7 +96,7 @@ def test_auto_lambda_in_the_pipeline_reports_choices():
 
 
 def test_auto_lambda_configuration_errors():
-    from kbbq_pl.quantize import QuantizationConfig
+    from kbbq_pl.quant.quantize import QuantizationConfig
 
     with pytest.raises(ValueError, match="chooses KBBQ's brake"):
         QuantizationConfig(transform="wush", lam="auto")
@@ -107,7 +107,7 @@ def test_auto_lambda_configuration_errors():
 
 
 def test_samples_are_spread_over_every_sequence_position():
-    from kbbq_pl.stats import spread_sample
+    from kbbq_pl.quant.stats import spread_sample
 
     # 64 blocks of 256 tokens, one in four kept: every position (the last one, [SEP], too)
     # is kept about 16 times; every 4th token would never keep position 255

@@ -9,8 +9,8 @@ import json
 import pytest
 from conftest import SHARED_DATA
 
-from kbbq_pl import benchmarks as B
-from kbbq_pl.cli import main
+from kbbq_pl.cli.commands import main
+from kbbq_pl.eval import benchmarks as B
 
 TINY = SHARED_DATA / "tiny_llama_aidreams260K"
 
@@ -29,8 +29,8 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_llama(data_dir, tmp_path_factory):
-    from kbbq_pl.llama2c import convert_llama2c
-    from kbbq_pl.models import load_model
+    from kbbq_pl.io.llama2c import convert_llama2c
+    from kbbq_pl.io.models import load_model
 
     if not (TINY / "aidreams260K.bin").is_file():
         pytest.skip(f"the tiny llama2.c model is absent ({TINY})")

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kbbq_pl.export import from_pretrained
-from kbbq_pl.layers import quantized_linears
+from kbbq_pl.io.models import from_pretrained
+from kbbq_pl.quant.layers import quantized_linears
 
 V1 = Path(__file__).resolve().parent / "data" / "v1"
 FIXTURES = ["nvfp4_kbbq_static", "mxfp4_haar_dynamic"]

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kbbq_pl.cli import main
-from kbbq_pl.data import token_blocks
-from kbbq_pl.export import CheckpointError, from_pretrained
-from kbbq_pl.models import load_model, tiny_model
-from kbbq_pl.quantize import QuantizationConfig, quantize_model
+from kbbq_pl.cli.commands import main
+from kbbq_pl.io.checkpoint import CheckpointError
+from kbbq_pl.io.data import token_blocks
+from kbbq_pl.io.models import from_pretrained, load_model, tiny_model
+from kbbq_pl.quant import QuantizationConfig, quantize_model
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 

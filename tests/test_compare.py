@@ -1,4 +1,4 @@
-"""``kbbq-pl compare`` (kbbq_pl.compare) on the real tiny llama2.c model."""
+"""``kbbq-pl compare`` (kbbq_pl.cli.compare) on the real tiny llama2.c model."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import pytest
 
 from kbbq_pl.cli import main
-from kbbq_pl.compare import compare_markdown, recovery, table_recipes, task_average
-from kbbq_pl.fileio import OutputPathError
+from kbbq_pl.cli.compare import compare_markdown, recovery, table_recipes, task_average
+from kbbq_pl.io.fileio import OutputPathError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -67,7 +67,7 @@ def test_compare_writes_the_table_and_resumes(tiny_llama2c_folder, tmp_path, cap
 
 
 def test_compare_refuses_what_it_did_not_write(tiny_llama2c_folder, tmp_path):
-    from kbbq_pl.compare import run_compare
+    from kbbq_pl.cli.compare import run_compare
 
     foreign = tmp_path / "mine"
     foreign.mkdir()

@@ -21,8 +21,10 @@ from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.utils.quantization_config import CompressedTensorsConfig  # noqa: E402
 
-from kbbq_pl.cli import main  # noqa: E402
-from kbbq_pl.compressed_tensors import (  # noqa: E402
+from kbbq_pl.cli.commands import main  # noqa: E402
+from kbbq_pl.formats import QuantizedTensor, get_format  # noqa: E402
+from kbbq_pl.io.checkpoint import save_quantized  # noqa: E402
+from kbbq_pl.io.compressed_tensors import (  # noqa: E402
     ExportError,
     bf16_decodes_agree,
     ct_global_scale,
@@ -31,14 +33,16 @@ from kbbq_pl.compressed_tensors import (  # noqa: E402
     kbbq_global_scale,
     save_compressed_tensors,
 )
-from kbbq_pl.data import token_blocks  # noqa: E402
-from kbbq_pl.export import from_pretrained, save_quantized  # noqa: E402
-from kbbq_pl.fileio import OutputPathError  # noqa: E402
-from kbbq_pl.formats import QuantizedTensor, get_format  # noqa: E402
-from kbbq_pl.layers import QuantizedLinear, quantized_linears  # noqa: E402
-from kbbq_pl.models import load_model, tiny_model  # noqa: E402
-from kbbq_pl.quantize import QuantizationConfig, quantize_model  # noqa: E402
-from kbbq_pl.transforms import hadamard  # noqa: E402
+from kbbq_pl.io.data import token_blocks  # noqa: E402
+from kbbq_pl.io.fileio import OutputPathError  # noqa: E402
+from kbbq_pl.io.models import (  # noqa: E402
+    from_pretrained,  # noqa: E402
+    load_model,
+    tiny_model,
+)
+from kbbq_pl.quant import QuantizationConfig, quantize_model  # noqa: E402
+from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears  # noqa: E402
+from kbbq_pl.transforms.fit import hadamard  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -191,7 +195,7 @@ def test_transformers_runs_the_w4a4_scheme_through_compressed_tensors(tmp_path):
 
 
 def test_cli_export_from_a_checkpoint_folder(shared_data, tmp_path):
-    from kbbq_pl.llama2c import convert_llama2c
+    from kbbq_pl.io.llama2c import convert_llama2c
 
     tiny = shared_data / "tiny_llama_aidreams260K"
     hf = convert_llama2c(tiny / "aidreams260K.bin", tiny / "tok512.bin", tmp_path / "hf")
@@ -381,7 +385,7 @@ def test_import_reads_a_compressed_tensors_nvfp4_folder(tmp_path):
 
 
 def test_import_weight_only_mxfp4_folder_and_law(tmp_path, shared_data):
-    from kbbq_pl.law_report import run_law
+    from kbbq_pl.eval.law_report import run_law
 
     folder = _llm_compressor_style_folder(tmp_path / "mxfp4", "MXFP4A16")
     model = from_pretrained(folder)

@@ -14,10 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kbbq_pl import formats as F
 from kbbq_pl.formats import deferred_checks
-from kbbq_pl.layers import quantized_linears
-from kbbq_pl.models import tiny_model
-from kbbq_pl.quantize import QuantizationConfig, quantize_model
-from kbbq_pl.sequential import SequentialRunner
+from kbbq_pl.io.models import tiny_model
+from kbbq_pl.quant import QuantizationConfig, quantize_model
+from kbbq_pl.quant.layers import quantized_linears
+from kbbq_pl.quant.sequential import SequentialRunner
 
 
 def _tensors(value):

@@ -1,4 +1,4 @@
-"""Sentence selection, embedding fidelity and perplexity (kbbq_pl.evaluation)."""
+"""Sentence selection, embedding fidelity and perplexity (kbbq_pl.eval.evaluation)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from kbbq_pl.evaluation import (
+from kbbq_pl.eval.evaluation import (
     cosine_summary,
     cosine_to_reference,
     detokenize_wikitext,
@@ -21,7 +21,7 @@ from kbbq_pl.evaluation import (
     split_wikitext_sentences,
     wikitext_sentences,
 )
-from kbbq_pl.models import load_model, tiny_model
+from kbbq_pl.io.models import load_model, tiny_model
 
 SAMPLE = """
  = Some Title =

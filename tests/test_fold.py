@@ -6,17 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kbbq_pl.data import token_blocks
-from kbbq_pl.fold import (
+from kbbq_pl.io.data import token_blocks
+from kbbq_pl.io.models import tiny_model
+from kbbq_pl.quant import QuantizationConfig, quantize_model
+from kbbq_pl.quant.layers import quantized_linears
+from kbbq_pl.transforms.fit import transform_weight, weight_block_grams
+from kbbq_pl.transforms.fold import (
     expand_to_query_heads,
     fold_into_values,
     pooled_group_statistics,
     value_head_blocks,
 )
-from kbbq_pl.layers import quantized_linears
-from kbbq_pl.models import tiny_model
-from kbbq_pl.quantize import QuantizationConfig, quantize_model
-from kbbq_pl.transforms import transform_weight, weight_block_grams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

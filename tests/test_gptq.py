@@ -1,4 +1,4 @@
-"""GPTQ for the FP4 formats: the algorithm on tensors (kbbq_pl.gptq)."""
+"""GPTQ for the FP4 formats: the algorithm on tensors (kbbq_pl.quant.gptq)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kbbq_pl import formats as F
-from kbbq_pl import gptq as G
-from kbbq_pl import transforms as T
+from kbbq_pl.quant import gptq as G
+from kbbq_pl.transforms import fit as T
 
 FORMATS = ["nvfp4", "mxfp4", "mxfp4_no_clip"]
 

@@ -1,4 +1,5 @@
-"""The GPTQ family as a block-sequential loop (kbbq_pl.sequential_gptq), one and two processes."""
+"""The GPTQ family as a block-sequential loop (kbbq_pl.quant.sequential_gptq), one and two
+processes."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import tempfile
 import pytest
 import torch
 
-from kbbq_pl.layers import QuantizedLinear, quantized_linears
-from kbbq_pl.models import tiny_model
-from kbbq_pl.quantize import QuantizationConfig, quantize_model
-from kbbq_pl.sequential_gptq import HessianCollector, assign_owners, gather_rows
+from kbbq_pl.io.models import tiny_model
+from kbbq_pl.quant import QuantizationConfig, quantize_model
+from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears
+from kbbq_pl.quant.sequential_gptq import HessianCollector, assign_owners, gather_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -98,7 +99,8 @@ def test_in_loop_refit_and_unaligned_layers():
 
 
 def test_gptq_checkpoints_reload_bit_exactly(tmp_path):
-    from kbbq_pl.export import from_pretrained, save_quantized
+    from kbbq_pl.io.checkpoint import save_quantized
+    from kbbq_pl.io.models import from_pretrained
 
     model = tiny_model("llama")
     ids = calibration_ids(4)
@@ -184,7 +186,7 @@ def test_owner_assignment_balances_and_is_deterministic():
 
 
 def test_auto_lambda_picks_the_best_gptq_candidate_per_layer():
-    from kbbq_pl.autobrake import DEFAULT_GRID, split_sequences
+    from kbbq_pl.transforms.autobrake import DEFAULT_GRID, split_sequences
 
     ids = calibration_ids()
     config = dict(transform="kbbq", weight_quantizer="gptq", format="nvfp4")
@@ -236,7 +238,7 @@ def _quantized_state(model) -> dict[str, torch.Tensor]:
 def _ddp_worker(rank: int, world_size: int, init_file: str, out_file: str) -> None:
     import torch.distributed as dist
 
-    from kbbq_pl.sequential_gptq import torch_distributed_collectives
+    from kbbq_pl.quant.sequential_gptq import torch_distributed_collectives
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -280,7 +282,7 @@ def test_two_processes_give_the_same_quantized_weights_as_one():
 
 
 def test_lightning_collectives_map_onto_the_strategy():
-    from kbbq_pl.sequential_gptq import lightning_collectives
+    from kbbq_pl.quant.sequential_gptq import lightning_collectives
 
     calls = []
 
@@ -313,7 +315,7 @@ def test_gptq_cannot_keep_trainable_master_weights():
 def test_sequential_loop_moves_each_block_to_the_device_and_back():
     model = tiny_model("llama")
     ids = calibration_ids(4)
-    from kbbq_pl.sequential_gptq import quantize_model_sequential
+    from kbbq_pl.quant.sequential_gptq import quantize_model_sequential
 
     report = quantize_model_sequential(model, batches_of(ids), QuantizationConfig(
         transform="kbbq", weight_quantizer="gptq"), device="cuda", progress=False)

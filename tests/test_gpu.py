@@ -25,11 +25,10 @@ from test_lightning import datamodule, trainer
 from torch import nn
 
 from kbbq_pl import formats as F
-from kbbq_pl import w4a4
-from kbbq_pl.export import from_pretrained, save_quantized
-from kbbq_pl.layers import QuantizedLinear, quantized_linears, w4a4_weight
-from kbbq_pl.models import tiny_model
-from kbbq_pl.quantize import QuantizationConfig, quantize_model
+from kbbq_pl.io.checkpoint import save_quantized
+from kbbq_pl.io.models import from_pretrained, tiny_model
+from kbbq_pl.quant import QuantizationConfig, quantize_model, w4a4
+from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears, w4a4_weight
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from kbbq_pl.data import CalibrationDataModule, token_blocks
-from kbbq_pl.models import load_model, tiny_model
-from kbbq_pl.modules import cell_kind, find_linears, linear_weight
-from kbbq_pl.sequential import SequentialRunner, find_blocks
+from kbbq_pl.io.data import CalibrationDataModule, token_blocks
+from kbbq_pl.io.models import load_model, tiny_model
+from kbbq_pl.quant.modules import cell_kind, find_linears, linear_weight
+from kbbq_pl.quant.sequential import SequentialRunner, find_blocks
 
 
 @pytest.fixture(scope="module")

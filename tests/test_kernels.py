@@ -21,7 +21,7 @@ import torch
 from kbbq_pl import formats as F
 from kbbq_pl import kernels as K
 from kbbq_pl.kernels.reference import fma_f32
-from kbbq_pl.transforms import hadamard, transform_inputs
+from kbbq_pl.transforms.fit import hadamard, transform_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

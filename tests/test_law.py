@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kbbq_pl import formats as F
-from kbbq_pl import law
+from kbbq_pl.law import noise_law as law
 
 F64 = torch.float64
 

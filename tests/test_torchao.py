@@ -11,12 +11,12 @@ import torch
 from torch import nn
 from torchao.quantization import quantize_
 
-from kbbq_pl.layers import quantized_linears
-from kbbq_pl.models import tiny_model
-from kbbq_pl.quantize import QuantizationConfig, quantize_model
-from kbbq_pl.stats import run_calibration
-from kbbq_pl.torchao import OBSERVER_ATTR, KBBQConfig
-from kbbq_pl.w4a4 import W4A4Weight
+from kbbq_pl.io.models import tiny_model
+from kbbq_pl.quant import QuantizationConfig, quantize_model
+from kbbq_pl.quant.layers import quantized_linears
+from kbbq_pl.quant.stats import run_calibration
+from kbbq_pl.quant.torchao import OBSERVER_ATTR, KBBQConfig
+from kbbq_pl.quant.w4a4 import W4A4Weight
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 README = Path(__file__).resolve().parents[1] / "README.md"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kbbq_pl import law
-from kbbq_pl import transforms as T
+from kbbq_pl.law import noise_law as law
+from kbbq_pl.transforms import fit as T
 
 
 def correlated_inputs(n: int, dim: int, seed: int = 0) -> torch.Tensor:

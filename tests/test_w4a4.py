@@ -14,12 +14,11 @@ import torch.nn.functional as TF
 from torch import nn
 
 from kbbq_pl import formats as F
-from kbbq_pl import w4a4
-from kbbq_pl.layers import QuantizedLinear, quantized_linears, w4a4_weight
-from kbbq_pl.models import tiny_model
-from kbbq_pl.quantize import QuantizationConfig, quantize_model
-from kbbq_pl.transforms import fit_transform, transform_inputs
-from kbbq_pl.w4a4 import W4A4Weight, cache_decoded_weights, decoded_weight
+from kbbq_pl.io.models import tiny_model
+from kbbq_pl.quant import QuantizationConfig, quantize_model, w4a4
+from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears, w4a4_weight
+from kbbq_pl.quant.w4a4 import W4A4Weight, cache_decoded_weights, decoded_weight
+from kbbq_pl.transforms.fit import fit_transform, transform_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

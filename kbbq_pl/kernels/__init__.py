@@ -61,12 +61,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 
 import torch
 from torch import Tensor
 
 from ..formats import Format
+from .interpret import interpreting as _interpreting
 from .reference import (
     INPUT_DTYPES,
     fp4_format,
@@ -94,11 +94,6 @@ _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @functools.lru_cache(maxsize=None)
 def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
-
-
-def _interpreting() -> bool:
-    """Whether Triton runs kernels interpreted (``TRITON_INTERPRET``, as Triton reads it)."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 def _backend():

@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _interpreting
+from .interpret import interpreting
 
-INTERPRET = _interpreting()
+INTERPRET = interpreting()
 
 # Python-side names of the integer constexprs the kernels compare against (jit code reads only
 # tl.constexpr globals, so the kernels spell the numbers and name them in a comment).

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from kbbq_pl.export import save_quantized
-from kbbq_pl.models import tiny_model
-from kbbq_pl.quantize import QuantizationConfig, quantize_model
+from kbbq_pl.io.checkpoint import save_quantized
+from kbbq_pl.io.models import tiny_model
+from kbbq_pl.quant import QuantizationConfig, quantize_model
 
 HERE = Path(__file__).resolve().parent / "v1"
 TINY = dict(hidden_size=32, intermediate_size=44, num_hidden_layers=1, num_attention_heads=2,

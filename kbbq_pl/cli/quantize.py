@@ -1,0 +1,253 @@
+"""``kbbq-pl quantize`` and ``kbbq-pl sweep``: recipes in LightningCLI style, run post-training.
+
+A recipe is YAML with ``class_path`` / ``init_args`` entries, the same objects a Lightning
+user composes in Python::
+
+    model: minilm                              # a local HF folder, or "minilm"
+    data:                                      # calibration data
+      class_path: kbbq_pl.data.CalibrationDataModule
+      init_args: {source: mixed, n_tokens: 4096, seq_len: 256, batch_size: 8}
+    quantizer:                                 # the callback that quantizes
+      class_path: kbbq_pl.callbacks.KBBQ
+      init_args: {format: nvfp4, transform: kbbq, lam: 0.75}
+    output_dir: kbbq-out/minilm-nvfp4-rtn-kbbq
+
+``kbbq-pl quantize --config recipes/rtn_kbbq_nvfp4.yaml --quantizer.init_args.lam 0.5``
+overrides any field.  With no arguments it runs the embedded default above: all-MiniLM-L6-v2 to
+NVFP4 with RTN-KBBQ, calibrated on the shipped mixed-domain corpus (``source: random`` is the
+paper's random-token ablation), fidelity measured on the embedded sentences; it writes the quantized checkpoint and ``report.json`` / ``report.md`` to
+``output_dir`` and prints the report.  The output folder is checked before any work
+(:func:`kbbq_pl.fileio.check_output`: an existing one needs ``--overwrite`` and is replaced only
+when kbbq-pl wrote it); an already quantized ``--model`` is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from jsonargparse import ActionConfigFile, ActionYesNo, ArgumentParser, lazy_instance
+from torch import nn
+
+from ..eval.report import report_files, report_markdown, sweep_markdown
+from ..io.checkpoint import save_quantized
+from ..io.data import MIXED, RANDOM, CalibrationDataModule, token_blocks
+from ..io.fileio import check_output, write_folder
+from ..io.models import load_model, parse_device, resolve_model_path
+from ..quant import QuantizationConfig, quantize_model
+from ..quant.stats import model_device
+
+log = logging.getLogger(__name__)
+
+DEFAULT_OUTPUT = "kbbq-out/minilm-nvfp4-rtn-kbbq"
+EMBEDDED = 64  # sentences in kbbq_pl/resources/eval_sentences.txt (checked by a test)
+EVAL_DATA_SENTENCES = 256
+RANDOM_BLOCKS = 32
+METHODS = {"I": ("identity", 0.0), "HAAR": ("haar", 0.0), "RTN-HADAMARD": ("hadamard", 0.0),
+           "RTN-WUSH": ("wush", 1.0)}
+
+
+def _parser(prog: str) -> ArgumentParser:
+    from kbbq_pl.callbacks import KBBQ
+
+    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                            exit_on_error=False)
+    parser.add_argument("--config", action=ActionConfigFile, help="a recipe YAML file")
+    parser.add_argument("--model", type=str, default="minilm",
+                        help="local HuggingFace model folder, or 'minilm'")
+    parser.add_subclass_arguments(
+        CalibrationDataModule, "data", skip={"tokenizer"}, required=False,
+        default=lazy_instance(CalibrationDataModule, source=MIXED, n_tokens=4096,
+                              seq_len=256, batch_size=8))
+    parser.add_subclass_arguments(
+        KBBQ, "quantizer", skip={"calibration", "calibrate_only", "trainable", "model_attr"},
+        required=False, default=lazy_instance(KBBQ, format="nvfp4", transform="kbbq", lam=0.75))
+    parser.add_argument("--output_dir", type=str, default=DEFAULT_OUTPUT)
+    parser.add_argument("--overwrite", action=ActionYesNo, default=False,
+                        help="replace an existing --output_dir, if kbbq-pl wrote it")
+    parser.add_argument("--eval_data", type=str | None, default=None,
+                        help="WikiText-style text file for the fidelity metric "
+                             "(default: the embedded sentences)")
+    parser.add_argument("--eval_sentences", type=int | None, default=None,
+                        help=f"sentences of the fidelity metric (default: all {EMBEDDED} "
+                             f"embedded ones, {EVAL_DATA_SENTENCES} from --eval_data; without "
+                             f"a tokenizer, {RANDOM_BLOCKS} random-token blocks)")
+    parser.add_argument("--device", type=str, default="cpu", help="cpu, cuda or cuda:N")
+    return parser
+
+
+class FidelityProbe:
+    """The model-level fidelity metric: mean cosine similarity of mean-pooled final hidden
+    states (for all-MiniLM-L6-v2: its sentence embeddings) to the full-precision model, on
+    ``n`` sentences (or random-token blocks of 64 when the model has no tokenizer); ``n`` None
+    takes the defaults of :func:`_parser`'s ``--eval_sentences``, and more sentences than the
+    source holds is an error."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any, eval_data: str | None, n: int | None,
+                 seed: int = 0) -> None:
+        from ..eval.evaluation import mean_pooled_embeddings, wikitext_sentences
+        from ..resources import eval_sentences
+
+        if n is not None and n < 1:
+            raise ValueError(f"--eval_sentences must be at least 1, got {n}")
+        self.tokenizer = tokenizer
+        if tokenizer is None:
+            vocab = model.config.vocab_size
+            blocks = n or RANDOM_BLOCKS
+            self.blocks = token_blocks("random", None, n_tokens=64 * blocks, seq_len=64,
+                                       seed=seed + 1, vocab_size=vocab)
+            self.sentences = None
+            self.source = "random tokens"
+        elif eval_data:
+            self.sentences = wikitext_sentences(eval_data, n or EVAL_DATA_SENTENCES)
+            self.source = eval_data
+        else:
+            embedded = eval_sentences()
+            if n is not None and n > len(embedded):
+                raise ValueError(f"--eval_sentences {n}: the embedded set holds {len(embedded)} "
+                                 "sentences; ask for fewer, or pass --eval_data FILE")
+            self.sentences = embedded[:n]
+            self.source = "embedded sentences"
+        self._embed_text = mean_pooled_embeddings
+        self.reference = self.embed(model)
+
+    def embed(self, model: nn.Module) -> torch.Tensor:
+        body = getattr(model, "base_model", model)
+        if self.sentences is not None:
+            return self._embed_text(body, self.tokenizer, self.sentences)
+        with torch.no_grad():
+            ids = self.blocks.to(model_device(body))
+            return body(input_ids=ids).last_hidden_state.float().mean(1).cpu()
+
+    def measure(self, model: nn.Module) -> dict[str, Any]:
+        from ..eval.evaluation import cosine_summary
+
+        summary = cosine_summary(self.embed(model), self.reference)
+        return {"fidelity_mean_cosine": summary["mean_cosine"],
+                "fidelity_min_cosine": summary["min_cosine"],
+                "fidelity_samples": summary["n_sentences"], "fidelity_data": self.source}
+
+
+def _prepare(args) -> tuple[nn.Module, Any, list, Path, Path]:
+    """Check the device and the output folder, then load the model (an already quantized one
+    is refused) and cut the calibration batches, on the model's device."""
+    device = parse_device(args.device)
+    source = resolve_model_path(args.model)
+    out = check_output(args.output_dir, overwrite=args.overwrite, sources=[source])
+    model, tokenizer = load_model(args.model, device=device, quantized="refuse")
+    data = args.data
+    if data.tokenizer is None and tokenizer is not None:
+        data.tokenizer = tokenizer
+    if data.tokenizer is None and data.source == MIXED:
+        log.warning("%s has no tokenizer: calibrating on the random-token corpus instead of "
+                    "the mixed text corpus", args.model)
+        data.source = RANDOM
+    if tokenizer is None and data.vocab_size is None:
+        data.vocab_size = model.config.vocab_size
+    batches = [{key: value.to(device) if isinstance(value, torch.Tensor) else value
+                for key, value in batch.items()} for batch in data.calibration_dataloader()]
+    return model, tokenizer, batches, source, out
+
+
+def run_quantize(argv: list[str]) -> int:
+    parser = _parser("kbbq-pl quantize")
+    config = parser.parse_args(argv)
+    args = parser.instantiate(config)
+    start = time.perf_counter()
+    model, tokenizer, batches, source, out = _prepare(args)
+    probe = FidelityProbe(model, tokenizer, args.eval_data, args.eval_sentences)
+    quantizer = args.quantizer
+    report = quantizer.quantize(model, batches)
+    report.model.update(probe.measure(model), model=str(args.model),
+                        calibration_tokens=sum(int(b["input_ids"].numel()) for b in batches),
+                        calibration_source=str(args.data.source))
+    recipe = {"config": quantizer.config.to_dict(), "model": str(args.model)}
+    report.seconds["command"] = time.perf_counter() - start
+    config.eval_sentences = report.model["fidelity_samples"]  # what was used, not asked
+    save_quantized(model, out, tokenizer=tokenizer, recipe=recipe, source_dir=source,
+                   overwrite=args.overwrite,
+                   extra_files={"recipe.yaml": parser.dump(config), **report_files(report)})
+    print(report_markdown(report))
+    print(f"\nwrote {out}/ (model.safetensors, quantization_config.json, report.json, "
+          f"report.md) in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def run_sweep(argv: list[str]) -> int:
+    parser = _parser("kbbq-pl sweep")
+    parser.add_argument("--lams", type=str, default="0,0.25,0.5,0.75,1",
+                        help="comma-separated lambdas of RTN-KBBQ")
+    parser.add_argument("--methods", type=str, default="",
+                        help="baselines to add: comma-separated from I, HAAR, RTN-HADAMARD, "
+                             "RTN-WUSH")
+    parser.add_argument("--formats", type=str, default="",
+                        help="comma-separated formats (default: the recipe's)")
+    args = parser.instantiate(parser.parse_args(argv))
+    unknown = [name for name in args.methods.split(",") if name and name not in METHODS]
+    if unknown:
+        raise ValueError(f"--methods: unknown {unknown}; choose from {sorted(METHODS)}")
+    model, tokenizer, batches, source, out = _prepare(args)
+    probe = FidelityProbe(model, tokenizer, args.eval_data, args.eval_sentences)
+    base = args.quantizer.config
+    formats = [f for f in args.formats.split(",") if f] or [base.format]
+    runs = [(name, *METHODS[name]) for name in args.methods.split(",") if name]
+    runs += [("RTN-KBBQ", "kbbq", float(lam)) for lam in args.lams.split(",") if lam]
+    rows = []
+    for fmt in formats:
+        for method, transform, lam in runs:
+            config = QuantizationConfig(**{**base.to_dict(), "format": fmt,
+                                           "transform": transform, "lam": lam})
+            candidate = copy.deepcopy(model)
+            tokens = sum(int(b["input_ids"].numel()) for b in batches)
+            start = time.perf_counter()
+            report = quantize_model(candidate, batches, config, expected_tokens=tokens,
+                                    progress=False)
+            seconds = time.perf_counter() - start
+            row = {"method": method, "format": fmt, "lam": lam if transform == "kbbq" else None,
+                   **probe.measure(candidate), **report.summary(), "seconds": seconds}
+            rows.append(row)
+            print(f"{method:<13}{fmt:<8}{'' if row['lam'] is None else row['lam']:<6}"
+                  f"fidelity {row['fidelity_mean_cosine']:.5f}  "
+                  f"utilization {row['median_utilization']:.3f}  {seconds:.1f} s", flush=True)
+            del candidate
+    table = sweep_markdown(rows, "fidelity_mean_cosine")
+
+    def write(folder: Path) -> None:
+        (folder / "sweep.json").write_text(json.dumps(rows, indent=2, default=str) + "\n")
+        (folder / "sweep.md").write_text(f"# kbbq-pl sweep: {args.model}, fidelity on "
+                                         f"{probe.source}\n\n{table}\n")
+
+    write_folder(out, write, kind="sweep", overwrite=args.overwrite, sources=[source])
+    print("\n" + table)
+    print(f"\nwrote {out}/ (sweep.json, sweep.md)")
+    return 0
+
+
+def resolve_recipes(argv: list[str]) -> list[str]:
+    """``--config NAME`` may name a packaged recipe (``rtn_kbbq_nvfp4_lam0.75``) instead of a
+    file: it resolves to the copy shipped in ``kbbq_pl.recipes``."""
+    from importlib.resources import files
+
+    out = list(argv)
+    for index, value in enumerate(out[:-1]):
+        if value == "--config" and not Path(out[index + 1]).exists():
+            name = Path(out[index + 1]).name
+            packaged = files("kbbq_pl.recipes").joinpath(
+                name if name.endswith(".yaml") else f"{name}.yaml")
+            if packaged.is_file():
+                out[index + 1] = str(packaged)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``kbbq-pl quantize|sweep ARGS``; errors propagate to :func:`kbbq_pl.cli.main`, which
+    prints them as one line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command, rest = argv[0], resolve_recipes(argv[1:])
+    return {"quantize": run_quantize, "sweep": run_sweep}[command](rest)

@@ -1,0 +1,4 @@
+"""Measuring quantized models: fidelity, perplexity and sentence embeddings
+(:mod:`~kbbq_pl.eval.evaluation`), lm-eval tasks (:mod:`~kbbq_pl.eval.benchmarks`), the noise
+law per GEMM cell and its report (:mod:`~kbbq_pl.eval.law_cells`,
+:mod:`~kbbq_pl.eval.law_report`) and quantization reports (:mod:`~kbbq_pl.eval.report`)."""

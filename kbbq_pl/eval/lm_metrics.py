@@ -1,0 +1,122 @@
+"""Causal-LM fidelity: rolling-window perplexity and the KL divergence of next-token
+distributions from the full-precision model, on the same text.
+
+:func:`lm_metrics` scores a (quantized) causal LM on a token stream with the windows of
+:func:`kbbq_pl.eval.evaluation.rolling_windows` (``context`` tokens read, the next ``stride``
+positions scored, every position scored exactly once) and reports
+
+* ``perplexity`` ``= exp(mean NLL)`` of the text;
+* ``kl``: the mean over scored positions of ``KL(p_ref || p)`` (nats), ``p_ref`` the
+  reference (full-precision) model's next-token distribution and ``p`` the model's, on the
+  same context (:func:`token_kl`): the fidelity metric LLM quantizers report beside
+  perplexity, zero only when the two models predict identically.
+
+The reference's log-probabilities can be computed once (:func:`reference_log_probs`, ``[n
+scored, vocab]``, float32 or bfloat16 on the CPU) and passed to every quantized variant.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .evaluation import prepare_stream, rolling_windows, window_logits, window_shape
+
+__all__ = ["ReferenceLogProbs", "token_kl", "reference_log_probs", "lm_metrics"]
+
+
+def token_kl(reference_log_probs: Tensor, logits: Tensor) -> Tensor:
+    """``KL(p_ref || p)`` per row (nats, float64 sum): ``sum_v p_ref (log p_ref - log p)`` with
+    ``p = softmax(logits)``; rows are positions, columns the vocabulary."""
+    if reference_log_probs.shape != logits.shape:
+        raise ValueError(f"reference log-probabilities {tuple(reference_log_probs.shape)} and "
+                         f"logits {tuple(logits.shape)} differ in shape")
+    ref = reference_log_probs.float()
+    log_p = torch.log_softmax(logits.float(), dim=-1)
+    return (ref.exp() * (ref - log_p)).sum(-1).double()
+
+
+@dataclass
+class ReferenceLogProbs:
+    """The reference model's next-token log-probabilities on a stream, for :func:`lm_metrics`:
+    ``log_probs[i]`` belongs to the i-th scored position (windows in order), with the stream
+    and window shape they were computed on (a different stream or shape is refused)."""
+
+    log_probs: Tensor
+    ids: list[int]
+    context: int
+    stride: int
+
+
+def _windows(model: nn.Module, tokenizer: Any, source: Any, context: int | None,
+             stride: int | None, max_tokens: int | None, add_bos: bool):
+    ids = prepare_stream(model, tokenizer, source, max_tokens, add_bos=add_bos)
+    context, stride = window_shape(model, context, stride)
+    return ids, context, stride, rolling_windows(len(ids), context, stride)
+
+
+def reference_log_probs(
+    model: nn.Module, tokenizer: Any, source: str | Path | Tensor | Sequence[int], *,
+    context: int | None = None, stride: int | None = None, max_tokens: int | None = None,
+    add_bos: bool = True, batch_size: int = 4, dtype: torch.dtype = torch.float32,
+) -> ReferenceLogProbs:
+    """The full-precision model's log-probabilities on every scored position of ``source``
+    (the windows :func:`lm_metrics` uses with the same arguments), on the CPU in ``dtype``."""
+    ids, context, stride, windows = _windows(model, tokenizer, source, context, stride,
+                                             max_tokens, add_bos)
+    rows = [torch.log_softmax(logits, dim=-1).to("cpu", dtype)
+            for _, _, logits in window_logits(model, ids, windows, batch_size)]
+    return ReferenceLogProbs(torch.cat(rows), ids, context, stride)
+
+
+def lm_metrics(
+    model: nn.Module, tokenizer: Any, source: str | Path | Tensor | Sequence[int], *,
+    reference: nn.Module | ReferenceLogProbs | None = None,
+    context: int | None = None, stride: int | None = None, max_tokens: int | None = None,
+    add_bos: bool = True, batch_size: int = 4,
+) -> dict[str, Any]:
+    """Perplexity of ``model`` on ``source`` (a text file, tokenized whole without special
+    tokens, or a 1-D stream of ids) and, with a ``reference`` (the full-precision model, or
+    its :func:`reference_log_probs`), the mean KL of its next-token distributions from the
+    reference's.  ``context`` defaults to the model's ``max_position_embeddings``, ``stride``
+    to half of ``context``; ``max_tokens`` keeps the first tokens of the text.
+
+    Returns ``{"perplexity", "nll", "kl" (None without a reference), "kl_max" (the largest
+    per-position KL), "n_tokens" (scored), "n_windows", "context", "stride"}``."""
+    ids, context, stride, windows = _windows(model, tokenizer, source, context, stride,
+                                             max_tokens, add_bos)
+    cached = reference if isinstance(reference, ReferenceLogProbs) else None
+    if cached is not None and (cached.ids != ids or (cached.context, cached.stride)
+                               != (context, stride)):
+        raise ValueError(
+            f"the reference log-probabilities were computed on another stream or window shape "
+            f"({len(cached.ids)} tokens, context {cached.context}, stride {cached.stride}; "
+            f"here {len(ids)} tokens, context {context}, stride {stride})")
+    reference_windows = (window_logits(reference, ids, windows, batch_size)
+                         if isinstance(reference, nn.Module) else None)
+    nll = kl = 0.0
+    kl_max = 0.0
+    count = 0
+    for _, targets, logits in window_logits(model, ids, windows, batch_size):
+        nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").double().item()
+        if reference is not None:
+            if cached is not None:
+                ref = cached.log_probs[count : count + len(targets)].to(logits.device)
+            else:
+                assert reference_windows is not None
+                ref = torch.log_softmax(next(reference_windows)[2], dim=-1).to(logits.device)
+            per_token = token_kl(ref, logits)
+            kl += per_token.sum().item()
+            kl_max = max(kl_max, per_token.max().item())
+        count += len(targets)
+    mean = nll / count
+    return {"perplexity": math.exp(mean), "nll": mean,
+            "kl": kl / count if reference is not None else None,
+            "kl_max": kl_max if reference is not None else None,
+            "n_tokens": count, "n_windows": len(windows), "context": context, "stride": stride}

@@ -1,0 +1,366 @@
+"""Quantized checkpoints: a folder that reloads bit-exactly.
+
+``save_quantized(model, out_dir)`` writes, atomically (a temporary sibling folder, then a
+rename):
+
+* ``config.json``: the HuggingFace model config (and the tokenizer's files when given);
+* ``model.safetensors``: every tensor of the model.  A quantized layer ``L`` stores
+  ``L.weight_packed`` (uint8, two E2M1 codes per byte, element ``2i`` in the low nibble),
+  ``L.weight_scale`` (E4M3 or E8M0 block scales), ``L.weight_global_scale`` (NVFP4: the FP32
+  dequantization multiplier ``amax / (448 * 6)``, torchao's ``per_tensor_scale``; the reciprocal
+  of compressed-tensors' ``weight_global_scale``), ``L.transform`` (the online block transform),
+  ``L.input_global_scale`` (static NVFP4 activation scale) and ``L.bias``;
+* ``quantization_config.json``: the format, the recipe, one entry per quantized layer, tied
+  weights, and the size and SHA-256 of every tensor file (checked on load).
+
+:func:`kbbq_pl.io.models.from_pretrained` rebuilds the architecture from ``config.json``, puts
+quantized layers where the JSON says and loads the tensors: its outputs are bit-identical to the
+in-memory model that was saved.  A truncated or corrupted file gives an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from ..formats import Format, QuantizedTensor, get_format, quantize
+from ..quant.layers import QuantizedLinear, quantized_linears, swap_module
+from .fileio import check_output, sha256_file, write_folder
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt",
+                   "vocab.json", "spiece.model")
+CONFIG_NAME = "quantization_config.json"
+WEIGHTS_NAME = "model.safetensors"
+FORMAT_TAG = "kbbq-pl"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A quantized checkpoint folder that cannot be read: missing, truncated or corrupted."""
+
+
+def layer_metadata(layer: QuantizedLinear) -> dict[str, Any]:
+    """What is needed to rebuild an empty ``layer`` before loading its tensors."""
+    transform = layer.transform
+    return {
+        "in_features": layer.in_features,
+        "out_features": layer.out_features,
+        "padded_in": layer.padded_in,
+        "format": layer.fmt.name,
+        "transform": None if transform is None else list(transform.shape),
+        "act_scale": layer.act_scale,
+        "bias": layer.bias is not None,
+        "dtype": str(_weight_codes(layer).orig_dtype).replace("torch.", ""),
+    }
+
+
+def _weight_codes(layer: QuantizedLinear) -> QuantizedTensor:
+    if isinstance(layer.weight, QuantizedTensor):
+        return layer.weight
+    return quantize(layer.weight.detach(), layer.fmt, name=f"{layer.name}.weight")
+
+
+def empty_layer(meta: dict[str, Any], fmt: Format | None = None, name: str = "",
+                trainable: bool = False) -> QuantizedLinear:
+    """A :class:`QuantizedLinear` of the given shape whose tensors are placeholders."""
+    fmt = fmt or get_format(meta["format"])
+    dtype = getattr(torch, meta.get("dtype", "float32"))
+    out_features, padded = meta["out_features"], meta["padded_in"]
+    weight: QuantizedTensor | Tensor
+    if trainable:
+        weight = torch.zeros(out_features, padded, dtype=dtype)
+    else:
+        weight = quantize(torch.zeros(out_features, padded, dtype=dtype), fmt)
+    bias = torch.zeros(out_features, dtype=dtype) if meta["bias"] else None
+    transform = torch.zeros(meta["transform"]) if meta["transform"] else None
+    scale = torch.ones(()) if meta["act_scale"] == "static" else None
+    return QuantizedLinear(meta["in_features"], out_features, fmt, weight, bias, transform,
+                           meta["act_scale"], scale, trainable=trainable, name=name)
+
+
+def install_empty_layers(model: nn.Module, layers: dict[str, dict[str, Any]],
+                         trainable: bool = False) -> None:
+    """Swap every listed layer of ``model`` for an empty :class:`QuantizedLinear`."""
+    for name, meta in layers.items():
+        try:
+            model.get_submodule(name)
+        except AttributeError:
+            raise CheckpointError(f"the checkpoint quantizes {name!r}, which "
+                                  f"{type(model).__name__} does not have") from None
+        swap_module(model, name, empty_layer(meta, name=name, trainable=trainable))
+
+
+def checkpoint_contents(
+    model: nn.Module,
+) -> tuple[dict[str, Tensor], dict[str, dict[str, Any]], dict[str, str]]:
+    """What a checkpoint of ``model`` holds: every tensor to store (the layout of the module
+    docstring), each quantized layer's :func:`layer_metadata`, and tied names (alias -> stored
+    name).  :func:`save_quantized` and
+    :func:`kbbq_pl.io.compressed_tensors.save_compressed_tensors` both write from it."""
+    tensors: dict[str, Tensor] = {}
+    tied: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    layers = quantized_linears(model)
+    layer_params = {f"{n}.{p}" for n in layers for p in ("weight", "bias", "transform",
+                                                          "act_global_scale")}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name in layer_params or tensor is None:
+            continue
+        tensor = tensor.detach()
+        key = (tensor.data_ptr(), tensor.shape, tensor.dtype) if tensor.numel() else None
+        if key is not None and key in seen:
+            tied[name] = seen[key]
+            continue
+        if key is not None:
+            seen[key] = name
+        tensors[name] = tensor.contiguous().cpu()
+    for name, layer in layers.items():
+        codes = _weight_codes(layer)
+        tensors[f"{name}.weight_packed"] = codes.qdata.contiguous().cpu()
+        tensors[f"{name}.weight_scale"] = codes.scale.contiguous().cpu()
+        if codes.global_scale is not None:
+            tensors[f"{name}.weight_global_scale"] = codes.global_scale.reshape(1).cpu()
+        if layer.transform is not None:
+            tensors[f"{name}.transform"] = layer.transform.contiguous().cpu()
+        if layer.act_global_scale is not None:
+            tensors[f"{name}.input_global_scale"] = layer.act_global_scale.reshape(1).cpu()
+        if layer.bias is not None:
+            tensors[f"{name}.bias"] = layer.bias.detach().contiguous().cpu()
+    return tensors, {name: layer_metadata(layer) for name, layer in layers.items()}, tied
+
+
+def save_quantized(
+    model: nn.Module,
+    out_dir: str | Path,
+    *,
+    tokenizer: Any = None,
+    recipe: dict[str, Any] | None = None,
+    extra_files: dict[str, str] | None = None,
+    overwrite: bool = False,
+    source_dir: str | Path | None = None,
+) -> Path:
+    """Write the quantized ``model`` to ``out_dir`` (see the module docstring); returns the
+    resolved folder.
+
+    ``extra_files`` maps file names to text written beside (e.g. reports).  ``source_dir`` is
+    the folder the model was loaded from: an output equal to it, inside it or containing it is
+    refused.  An existing ``out_dir`` is an error unless ``overwrite``, and even then only a
+    folder kbbq-pl wrote is replaced (:func:`kbbq_pl.io.fileio.check_output`).
+    """
+    check_output(out_dir, overwrite=overwrite, sources=[source_dir])
+    layers = quantized_linears(model)
+    if not layers:
+        raise ValueError("the model has no quantized layers to save")
+
+    def write(staging: Path) -> None:
+        write_hf_files(staging, model, tokenizer)
+        tensors, layers, tied = checkpoint_contents(model)
+        weights = staging / WEIGHTS_NAME
+        save_file(tensors, str(weights), metadata={"format": FORMAT_TAG})
+        metadata = {
+            "format": FORMAT_TAG,
+            "version": FORMAT_VERSION,
+            "model_class": type(model).__name__,
+            "causal_lm": is_causal_model(model),
+            "recipe": recipe or {},
+            "layers": layers,
+            "tied": tied,
+            "files": {WEIGHTS_NAME: {"bytes": weights.stat().st_size,
+                                     "sha256": sha256_file(weights)}},
+        }
+        (staging / CONFIG_NAME).write_text(json.dumps(metadata, indent=2) + "\n")
+        for file_name, text in (extra_files or {}).items():
+            (staging / file_name).write_text(text)
+
+    return write_folder(out_dir, write, kind="checkpoint", overwrite=overwrite,
+                        sources=[source_dir])
+
+
+def write_hf_files(folder: Path, model: nn.Module, tokenizer: Any = None) -> None:
+    """The HuggingFace files beside the weights: ``config.json``, ``generation_config.json``
+    (for models that generate) and the tokenizer's files."""
+    config = getattr(model, "config", None)
+    if config is not None:
+        if not getattr(config, "architectures", None):  # as PreTrainedModel.save_pretrained
+            config.architectures = [type(model).__name__]
+        config.save_pretrained(folder)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and is_causal_model(model):
+        generation.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+
+
+def is_causal_lm_config(config: Any) -> bool:
+    return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in config.architectures or [])
+
+
+def is_causal_model(model: nn.Module) -> bool:
+    return type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+
+
+def read_metadata(folder: str | Path) -> dict[str, Any]:
+    """The checked ``quantization_config.json`` of a quantized checkpoint folder."""
+    folder = Path(folder)
+    path = folder / CONFIG_NAME
+    if not path.is_file():
+        raise CheckpointError(f"{folder} is not a kbbq-pl checkpoint: no {CONFIG_NAME}")
+    try:
+        metadata = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(
+            f"{path} is not valid JSON ({error}); the file is corrupted") from None
+    if metadata.get("format") != FORMAT_TAG or metadata.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: not a kbbq-pl v{FORMAT_VERSION} quantization config")
+    for name, expected in metadata.get("files", {}).items():
+        file = folder / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing")
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{file} is truncated or padded: {size} bytes, expected "
+                                  f"{expected['bytes']}")
+        if sha256_file(file) != expected["sha256"]:
+            raise CheckpointError(f"{file} is corrupted: its SHA-256 does not match "
+                                  f"{CONFIG_NAME}")
+    return metadata
+
+
+def read_tensors(folder: str | Path) -> dict[str, Tensor]:
+    """Every tensor of ``folder``'s ``model.safetensors`` (a CheckpointError when unreadable)."""
+    try:
+        return load_file(str(Path(folder) / WEIGHTS_NAME))
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{Path(folder) / WEIGHTS_NAME} cannot be read ({error})") from None
+
+
+def _layout(shape: Sequence[int], dtype: torch.dtype) -> str:
+    return f"{list(shape)} {str(dtype).replace('torch.', '')}"
+
+
+def check_layer_tensors(layers: dict[str, dict[str, Any]], tensors: dict[str, Tensor]) -> None:
+    """Check every quantized layer's metadata (format, widths, dtype, transform, scales) against
+    the shapes and dtypes of its stored tensors, before any layer is built; a CheckpointError
+    names the layer, the tensor, what the metadata implies and what is stored."""
+    for name, meta in layers.items():
+        _check_layer(name, meta, tensors)
+
+
+def _check_layer(name: str, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+    def fail(message: str) -> CheckpointError:
+        return CheckpointError(f"{name}: {message} ({CONFIG_NAME} and {WEIGHTS_NAME} disagree)")
+
+    try:
+        fmt = get_format(meta["format"])
+        out_features, in_features = int(meta["out_features"]), int(meta["in_features"])
+        padded = int(meta["padded_in"])
+        dtype = getattr(torch, str(meta["dtype"]), None)
+    except (KeyError, TypeError, ValueError) as error:
+        raise fail(f"unusable metadata {meta!r} ({error})") from None
+    block = fmt.block_size or 1
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise fail(f"dtype {meta['dtype']!r} is not float32, bfloat16 or float16")
+    if padded % block or not in_features <= padded < in_features + block:
+        raise fail(f"padded_in {padded} is not in_features {in_features} rounded up to the "
+                   f"{fmt.name} block {block}")
+    reference = quantize(torch.zeros(1, padded), fmt)
+    expected = {"weight_packed": ((out_features, *reference.qdata.shape[1:]),
+                                  reference.qdata.dtype),
+                "weight_scale": ((out_features, *reference.scale.shape[1:]),
+                                 reference.scale.dtype)}
+    for suffix, (shape, kind) in expected.items():
+        stored = tensors.get(f"{name}.{suffix}")
+        if stored is None:
+            raise fail(f"{name}.{suffix} is missing")
+        if tuple(stored.shape) != tuple(shape) or stored.dtype != kind:
+            raise fail(f"{suffix} is {_layout(stored.shape, stored.dtype)}, but format "
+                       f"{fmt.name} with out_features {out_features} and padded_in {padded} "
+                       f"stores {_layout(shape, kind)}")
+    has_global = f"{name}.weight_global_scale" in tensors
+    if has_global != bool(fmt.global_scale):
+        raise fail(f"weight_global_scale is {'present' if has_global else 'missing'}, but "
+                   f"format {fmt.name} {'has' if fmt.global_scale else 'has no'} per-tensor "
+                   "scale")
+    transform = tensors.get(f"{name}.transform")
+    declared = meta.get("transform")
+    if (transform is None) != (declared is None):
+        raise fail(f"transform is {'missing' if transform is None else 'stored'}, but the "
+                   f"metadata says {declared!r}")
+    if transform is not None:
+        shape = tuple(transform.shape)
+        blocks_ok = len(shape) == 3 and shape[1] == shape[2] and shape[0] * shape[1] == padded
+        dense_ok = shape == (padded, padded)
+        if shape != tuple(declared) or not (blocks_ok or dense_ok):
+            raise fail(f"transform is {list(shape)}, metadata says {declared}; padded_in "
+                       f"{padded} needs [{padded} / d, d, d] or [{padded}, {padded}]")
+    bias = tensors.get(f"{name}.bias")
+    if (bias is not None) != bool(meta.get("bias")):
+        raise fail(f"bias is {'stored' if bias is not None else 'missing'}, but the metadata "
+                   f"says bias={meta.get('bias')!r}")
+    if bias is not None and tuple(bias.shape) != (out_features,):
+        raise fail(f"bias is {list(bias.shape)}, out_features is {out_features}")
+    if f"{name}.input_global_scale" in tensors and meta.get("act_scale") != "static":
+        raise fail(f"input_global_scale is stored, but act_scale is {meta.get('act_scale')!r}")
+
+
+def stored_weight(tensors: dict[str, Tensor], name: str, meta: dict[str, Any]) -> QuantizedTensor:
+    """The stored codes of layer ``name`` as a :class:`QuantizedTensor` (its tensors are
+    taken out of ``tensors``)."""
+    global_scale = tensors.pop(f"{name}.weight_global_scale", None)
+    return QuantizedTensor(
+        tensors.pop(f"{name}.weight_packed"), tensors.pop(f"{name}.weight_scale"),
+        get_format(meta["format"]), getattr(torch, meta["dtype"]), meta["padded_in"],
+        None if global_scale is None else global_scale.reshape(()))
+
+
+def load_tensors(model: nn.Module, tensors: dict[str, Tensor], metadata: dict[str, Any],
+                 source: str | Path) -> None:
+    """Load checkpoint ``tensors`` (the layout of the module docstring) into ``model`` whose
+    quantized layers are already in place; ``source`` names where they came from in errors."""
+    state: dict[str, Any] = {}
+    for name, meta in metadata["layers"].items():
+        state[f"{name}.weight"] = stored_weight(tensors, name, meta)
+        if f"{name}.transform" in tensors:
+            state[f"{name}.transform"] = tensors.pop(f"{name}.transform")
+        if f"{name}.input_global_scale" in tensors:
+            scale = tensors.pop(f"{name}.input_global_scale")
+            state[f"{name}.act_global_scale"] = scale.reshape(())
+        if f"{name}.bias" in tensors:
+            state[f"{name}.bias"] = tensors.pop(f"{name}.bias")
+    state.update(tensors)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if m not in metadata.get("tied", {})]
+    if missing or unexpected:
+        raise CheckpointError(f"{source}: tensors do not match the model: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
+
+
+def empty_model(config: Any, causal: bool) -> nn.Module:
+    """The architecture of a HuggingFace ``config`` (a causal-LM head or the bare model)."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    return (AutoModelForCausalLM if causal else AutoModel).from_config(config)
+
+
+def build_quantized_model(folder: Path, metadata: dict[str, Any], tensors: dict[str, Tensor],
+                          device: str | torch.device = "cpu") -> nn.Module:
+    """The model of ``folder``'s ``config.json`` with the quantized layers of ``metadata`` and
+    the checkpoint ``tensors`` loaded, in eval mode."""
+    from transformers import AutoConfig
+
+    check_layer_tensors(metadata["layers"], tensors)
+    model = empty_model(AutoConfig.from_pretrained(folder), metadata["causal_lm"])
+    install_empty_layers(model, metadata["layers"])
+    load_tensors(model, tensors, metadata, folder)
+    if metadata.get("tied"):
+        model.tie_weights()
+    model.to(device)
+    model.eval()
+    return model

@@ -1,0 +1,699 @@
+"""compressed-tensors checkpoints: export for vLLM and HF transformers, and import.
+
+compressed-tensors is the format llm-compressor writes and vLLM and transformers (through the
+``compressed-tensors`` package) read.  An FP4 linear layer ``L`` is stored as
+
+* ``L.weight_packed``: uint8 ``[N, K/2]``, two E2M1 codes per byte, element ``2i`` in the low
+  nibble: kbbq-pl's own layout, copied byte for byte;
+* ``L.weight_scale``: ``float8_e4m3fn [N, K/16]`` (``nvfp4-pack-quantized``) or the E8M0
+  exponents as uint8 ``[N, K/32]`` (``mxfp4-pack-quantized``);
+* ``L.weight_global_scale`` (NVFP4): float32 ``[1]``, ``448 * 6 / amax``, the reciprocal of
+  kbbq-pl's ``amax / (448 * 6)`` (:func:`ct_global_scale`); the value is ``q * s / gs``;
+* ``L.input_global_scale`` (NVFP4 activations with a calibrated static per-tensor scale, the
+  preset's ``dynamic: "local"``: block scales at run time under a static global scale);
+
+with ``config.json``'s ``quantization_config`` built from compressed-tensors' own classes
+(``QuantizationConfig`` of the ``NVFP4`` / ``MXFP4`` presets, or ``NVFP4A16`` / ``MXFP4A16`` for
+a weight-only export; ``ignore`` lists every linear layer left unquantized, ``lm_head`` among
+them).  What each kbbq-pl layer becomes (:func:`plan_layers`):
+
+* no transform (I, GPTQ): FP4 as is;
+* the block Hadamard of MR-GPTQ (one Sylvester Hadamard of the block size shared by every
+  block): FP4 weights ``Q(W H)`` plus ``transform_config`` (``hadamard``, ``head_dim`` = block,
+  online at the ``input``, the inverse folded at ``weight_input``) and the ``±1`` matrix per
+  layer under ``L.<scheme>_input.weight``, as llm-compressor saves it.  compressed-tensors and
+  vLLM apply ``x H / sqrt(d)``, the same matrix as :func:`kbbq_pl.transforms.hadamard` (bit
+  for bit in float64, tested); vLLM applies it online, transformers ignores ``transform_config``;
+* any other transform (KBBQ, WUSH: a different ``d x d`` matrix per block; HAAR: one dense
+  matrix): compressed-tensors has one matrix per size, shared, so there is no slot.  The weights
+  ``Q(W T^-1)`` are written in compressed-tensors layout plus ``L.input_transform``, float32
+  ``[K/d, d, d]`` (``x_hat_b = T_b x_b``; a dense ``T`` as ``[1, K, K]``), which kbbq-pl reads
+  back and stock readers do not apply; ``strict`` refuses such an export;
+* a layer padded to whole blocks (compressed-tensors has no padding): written dense, its
+  dequantized ``Q(W T^-1) T`` cut to ``in_features``, and listed in ``ignore`` (``strict``
+  refuses).
+
+compressed-tensors decompresses NVFP4 in bfloat16 (``unpack_fp4_from_uint8`` returns bf16):
+``bf16(q * fl32(s / gs))``.  :func:`ct_global_scale` picks the float32 ``gs`` so that this equals
+kbbq-pl's ``bf16(q * fl32(s * pts))`` for every E4M3 ``s`` and E2M1 ``q`` (checked over the whole
+table; no float32 ``gs`` makes the float32 products agree in general).  MXFP4 values ``q * 2^e``
+are exact in every format.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from ..formats import Format, get_format
+from ..quant.layers import quantized_linears
+from ..quant.modules import is_transposed
+from ..transforms.fit import hadamard, transform_inputs
+from .checkpoint import (
+    CONFIG_NAME,
+    TOKENIZER_FILES,
+    WEIGHTS_NAME,
+    CheckpointError,
+    checkpoint_contents,
+    empty_model,
+    is_causal_lm_config,
+    is_causal_model,
+    read_metadata,
+    read_tensors,
+    stored_weight,
+    write_hf_files,
+)
+from .fileio import check_output, write_folder
+
+log = logging.getLogger(__name__)
+
+CT_FORMATS = {"e4m3": "nvfp4-pack-quantized", "e8m0": "mxfp4-pack-quantized"}
+"""compressed-tensors format of each kbbq-pl E2M1 block-scale kind."""
+PRESETS = {("e4m3", False): "NVFP4", ("e4m3", True): "NVFP4A16",
+           ("e8m0", False): "MXFP4", ("e8m0", True): "MXFP4A16"}
+"""compressed-tensors preset scheme by (block-scale kind, weight-only)."""
+IMPORT_FORMATS = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4_even"}
+"""kbbq-pl format of an imported compressed-tensors layer.  MXFP4 activations round their E8M0
+scale as compressed-tensors' reference does (``round_to_power_2``: the amax rounded to one
+mantissa bit, then floor, torchao's EVEN); weights decode the same under every rounding."""
+HADAMARD_SCHEME = "kbbq_hadamard"
+INPUT_TRANSFORM = "input_transform"
+EXTENSION_KEY = "kbbq_pl"
+HF_SIDE_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt",
+                 "chat_template.jinja", "chat_template.json", "generation_config.json")
+"""Files copied from a kbbq-pl folder into its export: the tokenizer and generation config."""
+
+
+class ExportError(ValueError):
+    """A kbbq-pl model that compressed-tensors cannot express (as asked)."""
+
+
+def require_compressed_tensors() -> None:
+    """Raise a clear ImportError when the ``compressed-tensors`` package is missing."""
+    try:
+        import compressed_tensors  # noqa: F401
+    except ImportError as error:
+        raise ImportError(
+            "reading or writing compressed-tensors folders needs the compressed-tensors "
+            "package (Python >= 3.11): pip install 'kbbq-pl[export]'") from error
+
+
+# ------------------------------------------------------------------ per-tensor scales
+
+_E4M3_SCALES = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+_E2M1_VALUES = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def bf16_decodes_agree(pts: Tensor, gs: Tensor) -> bool:
+    """Whether kbbq-pl's ``bf16(q * (s * pts))`` equals compressed-tensors'
+    ``bf16(q * (s / gs))`` for every positive finite E4M3 ``s`` and E2M1 magnitude ``q``."""
+    ours = (_E2M1_VALUES[:, None] * (_E4M3_SCALES * pts.float())[None]).to(torch.bfloat16)
+    theirs = (_E2M1_VALUES[:, None] * (_E4M3_SCALES / gs.float())[None]).to(torch.bfloat16)
+    return bool(torch.equal(ours, theirs))
+
+
+def _reciprocal(value: Tensor, agrees: Callable[[Tensor], bool], what: str) -> Tensor:
+    """The float32 nearest ``1 / value`` for which ``agrees`` holds (the nearest itself, or
+    the closest of its neighbours within 8 ulps), as ``[1]``."""
+    nearest = (1.0 / value.detach().float().reshape(1)).contiguous()
+    if not torch.isfinite(nearest).all() or float(nearest) <= 0:
+        raise ExportError(f"{what}: per-tensor scale {float(value)!r} has no finite positive "
+                          "reciprocal")
+    bits = nearest.view(torch.int32)
+    for step in sorted(range(-8, 9), key=abs):
+        candidate = (bits + step).view(torch.float32)
+        if agrees(candidate):
+            return candidate
+    log.warning("%s: no float32 reciprocal of %r decodes identically in bfloat16; using the "
+                "nearest (some values differ by one bfloat16 ulp)", what, float(value))
+    return nearest
+
+
+def ct_global_scale(pts: Tensor, what: str = "tensor") -> Tensor:
+    """compressed-tensors' ``global_scale`` ``[1]`` for kbbq-pl's per-tensor scale ``pts``:
+    ``1 / pts`` in float32, nudged by an ulp where needed so that compressed-tensors' bfloat16
+    decompression equals kbbq-pl's (:func:`bf16_decodes_agree`)."""
+    return _reciprocal(pts, lambda gs: bf16_decodes_agree(pts, gs), what)
+
+
+def kbbq_global_scale(gs: Tensor, what: str = "tensor", exact: str | None = None) -> Tensor:
+    """kbbq-pl's per-tensor scale (a 0-d tensor) for compressed-tensors' ``global_scale``,
+    the inverse of :func:`ct_global_scale`.  Reciprocals are not one-to-one in float32, so
+    kbbq-pl's export also records its exact scale (``exact``, :meth:`float.hex`): it is
+    returned when it still maps to ``gs``."""
+    if exact is not None:
+        value = torch.tensor(float.fromhex(exact), dtype=torch.float32)
+        if torch.equal(ct_global_scale(value, what), gs.float().reshape(1)):
+            return value
+    return _reciprocal(gs, lambda pts: bf16_decodes_agree(pts, gs), what).reshape(())
+
+
+# ------------------------------------------------------------------ transforms and weights
+
+def transform_kind(transform: Tensor | None, block: int) -> str:
+    """``none``, ``hadamard`` (every block is the Sylvester Hadamard of the format's block,
+    bit for bit) or ``custom`` (per-block matrices, or a dense one)."""
+    if transform is None:
+        return "none"
+    if transform.dim() == 3 and transform.shape[-1] == block:
+        reference = hadamard(block).to(transform.dtype).expand_as(transform)
+        if torch.equal(transform, reference):
+            return "hadamard"
+    return "custom"
+
+
+def effective_weight(codes: Any, transform: Tensor | None, in_features: int,
+                     dtype: torch.dtype) -> Tensor:
+    """The dense weight a stored layer multiplies its input ``x`` by: ``Q(W T^-1) T`` (the
+    dequantized codes, the transform folded back in float64), cut to ``in_features``."""
+    if transform is None:
+        return codes.dequantize(dtype)[:, :in_features].contiguous()
+    t = transform.to(torch.float64)
+    folded = transform_inputs(codes.dequantize(torch.float64), t.transpose(-1, -2))
+    return folded[:, :in_features].to(dtype).contiguous()
+
+
+def _stored_transform(transform: Tensor) -> Tensor:
+    """A transform as ``input_transform``: blocks ``[K/d, d, d]``, a dense ``[K, K]`` as one."""
+    return (transform if transform.dim() == 3 else transform[None]).float().contiguous()
+
+
+def _loaded_transform(stored: Tensor, block: int) -> Tensor:
+    """Inverse of :func:`_stored_transform` for a layer of the given format block."""
+    return stored[0] if stored.shape[0] == 1 and stored.shape[-1] != block else stored
+
+
+# ------------------------------------------------------------------ export
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """How one kbbq-pl layer is exported: ``fp4`` (compressed-tensors FP4) or ``dense``, with
+    its transform ``none`` / ``hadamard`` / ``custom`` and why when not plain FP4."""
+
+    name: str
+    fp4: bool
+    transform: str
+    issue: str | None = None   # a key of ISSUES
+    reason: str | None = None
+
+
+ISSUES = {
+    "padded": ("in_features not a multiple of the block (kbbq-pl zero-pads; compressed-tensors "
+               "has no padding): written dense, dequantized, and listed in ignore"),
+    "transform": (f"per-block (or dense) transforms with no compressed-tensors slot (one shared "
+                  f"matrix per size): written as <layer>.{INPUT_TRANSFORM}, which only kbbq-pl "
+                  "applies; stock readers drop it and compute another function"),
+}
+
+
+def describe_issues(plans: Mapping[str, LayerPlan]) -> list[str]:
+    """One line per kind of layer stock readers do not compute as kbbq-pl does."""
+    lines = []
+    for issue, text in ISSUES.items():
+        names = [n for n, plan in plans.items() if plan.issue == issue]
+        if names:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3
+                                             else "")
+            lines.append(f"{len(names)} of {len(plans)} layers ({shown}): {text}")
+    return lines
+
+
+def _check_format(name: str, fmt: Format) -> None:
+    ok = (fmt.element == "e2m1" and fmt.granularity == "block"
+          and ((fmt.scale_kind == "e4m3" and fmt.block_size == 16 and fmt.global_scale)
+               or (fmt.scale_kind == "e8m0" and fmt.block_size == 32
+                   and fmt.e8m0_rounding != "no_clip")))
+    if not ok:
+        extra = (" (its values are q * 2^e / 0.75, which no compressed-tensors scale expresses)"
+                 if fmt.e8m0_rounding == "no_clip" and fmt.scale_kind == "e8m0" else "")
+        raise ExportError(f"{name}: format {fmt.name}{extra} has no compressed-tensors "
+                          "equivalent; nvfp4 and mxfp4 (floor, ceil, even, rceil) do")
+
+
+def plan_layers(layers: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, Tensor],
+                linear_types: Mapping[str, str], strict: bool) -> dict[str, LayerPlan]:
+    """What each quantized layer becomes (the module docstring); ``linear_types`` maps every
+    linear module of the architecture to its class name.  Raises :class:`ExportError` for what
+    cannot be written, and with ``strict`` for anything stock readers would not compute as
+    kbbq-pl does (per-block transforms, dense fallbacks), naming the layers."""
+    plans: dict[str, LayerPlan] = {}
+    for name, meta in layers.items():
+        fmt = get_format(meta["format"])
+        _check_format(name, fmt)
+        if linear_types.get(name) != "Linear":
+            raise ExportError(f"{name}: compressed-tensors quantizes torch.nn.Linear layers; "
+                              f"this one is a {linear_types.get(name, 'missing module')}")
+        kind = transform_kind(tensors.get(f"{name}.transform"), fmt.block_size or 1)
+        if meta["padded_in"] != meta["in_features"]:
+            plans[name] = LayerPlan(name, False, kind, "padded", (
+                f"in_features {meta['in_features']} is not a multiple of the {fmt.name} block "
+                f"{fmt.block_size}: written dense, dequantized"))
+        elif kind == "custom":
+            plans[name] = LayerPlan(name, True, kind, "transform")
+        else:
+            plans[name] = LayerPlan(name, True, kind)
+    issues = describe_issues(plans)
+    if strict and issues:
+        raise ExportError(
+            "--strict: stock compressed-tensors readers (vLLM, transformers) would not compute "
+            f"what kbbq-pl computes: {'; '.join(issues)}. Export without --strict to write "
+            "them as documented, or quantize with transform identity or hadamard "
+            "(unaligned: skip for the padded layers)")
+    return plans
+
+
+def _uniform(plans: Mapping[str, LayerPlan], layers: Mapping[str, Mapping[str, Any]],
+             field: Callable[[Mapping[str, Any]], Any], what: str) -> Any:
+    values = {n: field(layers[n]) for n, p in plans.items() if p.fp4}
+    distinct = set(values.values())
+    if len(distinct) > 1:
+        first, second = list(distinct)[:2]
+        a = next(n for n, v in values.items() if v == first)
+        b = next(n for n, v in values.items() if v == second)
+        raise ExportError(f"one compressed-tensors scheme covers every layer, but {what} "
+                          f"differs: {a} has {first!r}, {b} has {second!r}")
+    return distinct.pop() if distinct else None
+
+
+def quantization_config(scale_kind: str, weight_only: bool, ignore: list[str]):
+    """compressed-tensors' ``QuantizationConfig`` of the preset for ``scale_kind``: targets
+    ``Linear``, the listed layers ignored, the compressed format."""
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+    scheme = preset_name_to_scheme(PRESETS[(scale_kind, weight_only)], ["Linear"])
+    scheme.format = CT_FORMATS[scale_kind]
+    return QuantizationConfig(config_groups={"group_0": scheme}, format=CT_FORMATS[scale_kind],
+                              quantization_status="compressed", ignore=sorted(ignore))
+
+
+def hadamard_transform_config(block: int, ignore: list[str]):
+    """compressed-tensors' ``TransformConfig`` of MR-GPTQ's block Hadamard: applied online at
+    the input of every targeted ``Linear``, its inverse folded into the weight."""
+    from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
+
+    ignored = sorted(ignore)
+    return TransformConfig(config_groups={HADAMARD_SCHEME: TransformScheme(
+        type="hadamard", head_dim=block, apply=[
+            TransformArgs(targets=["Linear"], location="input", ignore=ignored),
+            TransformArgs(targets=["Linear"], location="weight_input", inverse=True,
+                          ignore=ignored),
+        ])})
+
+
+def compressed_tensors_state(
+    tensors: dict[str, Tensor], layers: Mapping[str, Mapping[str, Any]],
+    plans: Mapping[str, LayerPlan], weight_only: bool,
+) -> tuple[dict[str, Tensor], dict[str, dict[str, str]]]:
+    """kbbq-pl checkpoint ``tensors`` (:func:`kbbq_pl.io.checkpoint.checkpoint_contents`) in
+    compressed-tensors layout (module docstring), and kbbq-pl's exact per-tensor scales per
+    layer (:meth:`float.hex`, for :func:`kbbq_global_scale`); ``tensors`` is consumed."""
+    from compressed_tensors.transform.utils.hadamard import deterministic_hadamard_matrix
+
+    out: dict[str, Tensor] = {}
+    exact: dict[str, dict[str, str]] = {}
+    for name, meta in layers.items():
+        plan = plans[name]
+        transform = tensors.pop(f"{name}.transform", None)
+        act_scale = tensors.pop(f"{name}.input_global_scale", None)
+        if f"{name}.bias" in tensors:
+            out[f"{name}.bias"] = tensors.pop(f"{name}.bias")
+        codes = stored_weight(tensors, name, meta)
+        if not plan.fp4:
+            out[f"{name}.weight"] = effective_weight(codes, transform, meta["in_features"],
+                                                     getattr(torch, meta["dtype"]))
+            continue
+        out[f"{name}.weight_packed"] = codes.qdata.contiguous()
+        out[f"{name}.weight_scale"] = codes.scale.view(torch.uint8).contiguous() \
+            if codes.fmt.scale_kind == "e8m0" else codes.scale.contiguous()
+        if codes.global_scale is not None:
+            out[f"{name}.weight_global_scale"] = ct_global_scale(codes.global_scale, name)
+            exact.setdefault(name, {})["weight"] = float(codes.global_scale).hex()
+        if act_scale is not None and not weight_only:
+            out[f"{name}.input_global_scale"] = ct_global_scale(act_scale, f"{name}.input")
+            exact.setdefault(name, {})["input"] = float(act_scale).hex()
+        if plan.transform == "hadamard":
+            block = transform.shape[-1]
+            out[f"{name}.{HADAMARD_SCHEME}_input.weight"] = deterministic_hadamard_matrix(
+                block, torch.float32)
+        elif plan.transform == "custom":
+            out[f"{name}.{INPUT_TRANSFORM}"] = _stored_transform(transform)
+    out.update(tensors)
+    return out, exact
+
+
+def _write_export(staging: Path, tensors: dict[str, Tensor], layers: dict[str, dict[str, Any]],
+                  linear_types: Mapping[str, str], *, weight_only: bool, strict: bool,
+                  recipe: Mapping[str, Any] | None) -> None:
+    """Write the compressed-tensors weights and ``quantization_config`` into ``staging``,
+    which already holds the HuggingFace ``config.json``."""
+    from compressed_tensors.compressors import ModelCompressor
+
+    plans = plan_layers(layers, tensors, linear_types, strict)
+    fp4 = [n for n, p in plans.items() if p.fp4]
+    if not fp4:
+        raise ExportError("no layer can be written in compressed-tensors FP4: "
+                          + "; ".join(describe_issues(plans)))
+    for line in describe_issues(plans):
+        log.warning("%s", line)
+    scale_kind = _uniform(plans, layers, lambda m: get_format(m["format"]).scale_kind, "format")
+    act_scale = _uniform(plans, layers, lambda m: m["act_scale"], "act_scale")
+    if scale_kind == "e4m3" and act_scale == "dynamic" and not weight_only:
+        raise ExportError(
+            "NVFP4 activations in compressed-tensors keep a static per-tensor scale "
+            "(dynamic: local, with input_global_scale); this model's activation scale is "
+            "dynamic (the amax of every call), which has no equivalent (dynamic: true with "
+            "tensor_group has no per-tensor scale at all): export weight-only "
+            "(--weight-only) or quantize with act_scale: static")
+    ignore = sorted(n for n, kind in linear_types.items()
+                    if kind == "Linear" and not (n in plans and plans[n].fp4))
+    config = quantization_config(scale_kind, weight_only, ignore)
+    hadamards = [n for n in fp4 if plans[n].transform == "hadamard"]
+    transform_config = None
+    if hadamards:
+        without = [n for n in fp4 if plans[n].transform != "hadamard"]
+        block = get_format(layers[hadamards[0]]["format"]).block_size
+        transform_config = hadamard_transform_config(block, ignore + without)
+    state, exact_scales = compressed_tensors_state(tensors, layers, plans, weight_only)
+    save_file(state, str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
+    ModelCompressor(quantization_config=config,
+                    transform_config=transform_config).update_config(str(staging))
+    hf_config = json.loads((staging / "config.json").read_text())
+    hf_config["quantization_config"][EXTENSION_KEY] = {
+        "recipe": dict(recipe or {}),
+        "formats": sorted({layers[n]["format"] for n in fp4}),
+        "input_transforms": {n: list(state[f"{n}.{INPUT_TRANSFORM}"].shape)
+                             for n in fp4 if plans[n].transform == "custom"},
+        "dense_layers": {n: p.reason for n, p in plans.items() if not p.fp4},
+        "per_tensor_scales": exact_scales,
+    }
+    (staging / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+
+
+def _skeleton(config: Any, causal: bool) -> nn.Module:
+    """The architecture of ``config`` on the meta device (no memory, no initialization)."""
+    with torch.device("meta"):
+        return empty_model(config, causal)
+
+
+def _linear_types(config: Any, causal: bool) -> dict[str, str]:
+    """Every linear module of the architecture of ``config`` with its class name (``Linear``
+    or ``Conv1D``), as it is before quantization."""
+    from ..quant.modules import is_linear
+
+    types = {}
+    for name, module in _skeleton(config, causal).named_modules():
+        if is_linear(module):
+            types[name] = "Conv1D" if is_transposed(module) else "Linear"
+    return types
+
+
+def export_compressed_tensors(
+    in_dir: str | Path, out_dir: str | Path, *, weight_only: bool = False,
+    strict: bool = False, overwrite: bool = False,
+) -> Path:
+    """Convert the kbbq-pl checkpoint ``in_dir`` into a compressed-tensors folder ``out_dir``
+    (module docstring), with the tokenizer and generation config; ``in_dir`` is only read."""
+    from transformers import AutoConfig
+
+    require_compressed_tensors()
+    source = Path(in_dir)
+    target = check_output(out_dir, overwrite=overwrite, sources=[source])
+    metadata = read_metadata(source)
+    tensors = read_tensors(source)
+    linear_types = _linear_types(AutoConfig.from_pretrained(source), metadata["causal_lm"])
+
+    def write(staging: Path) -> None:
+        for name in ("config.json", *HF_SIDE_FILES):
+            if (source / name).is_file():
+                shutil.copy2(source / name, staging / name)
+        hf_config = json.loads((staging / "config.json").read_text())
+        if not hf_config.get("architectures") and metadata.get("model_class"):
+            # checkpoints written before write_hf_files named it; readers need the class
+            hf_config["architectures"] = [metadata["model_class"]]
+            (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        _write_export(staging, tensors, metadata["layers"], linear_types,
+                      weight_only=weight_only, strict=strict, recipe=metadata.get("recipe"))
+
+    return write_folder(target, write, kind="compressed-tensors", overwrite=overwrite,
+                        sources=[source])
+
+
+def save_compressed_tensors(
+    model: nn.Module, out_dir: str | Path, *, tokenizer: Any = None,
+    recipe: Mapping[str, Any] | None = None, weight_only: bool = False, strict: bool = False,
+    overwrite: bool = False,
+) -> Path:
+    """Write the quantized ``model`` as a compressed-tensors folder (module docstring) through
+    the tensors :func:`kbbq_pl.io.checkpoint.save_quantized` writes."""
+    require_compressed_tensors()
+    if not quantized_linears(model):
+        raise ValueError("the model has no quantized layers to save")
+    linear_types = _linear_types(model.config, is_causal_model(model))
+
+    def write(staging: Path) -> None:
+        write_hf_files(staging, model, tokenizer)
+        tensors, layers, _ = checkpoint_contents(model)
+        _write_export(staging, tensors, layers, linear_types, weight_only=weight_only,
+                      strict=strict, recipe=recipe)
+
+    return write_folder(out_dir, write, kind="compressed-tensors", overwrite=overwrite)
+
+
+# ------------------------------------------------------------------ import
+
+def _quantization_block(folder: Path) -> dict[str, Any] | None:
+    path = folder / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        block = json.loads(path.read_text()).get("quantization_config")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return block if isinstance(block, dict) else None
+
+
+def is_compressed_tensors_folder(folder: str | Path) -> bool:
+    """Whether ``folder``'s ``config.json`` names compressed-tensors quantization."""
+    block = _quantization_block(Path(folder))
+    return block is not None and block.get("quant_method") == "compressed-tensors"
+
+
+def _read_tensors(folder: Path) -> dict[str, Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no .safetensors file")
+    tensors: dict[str, Tensor] = {}
+    for file in files:
+        try:
+            tensors.update(load_file(str(file)))
+        except (SafetensorError, OSError) as error:
+            raise CheckpointError(f"{file} cannot be read ({error})") from None
+    return tensors
+
+
+def _scheme_of_layers(folder: Path, block: dict[str, Any], causal: bool):
+    """(layer name -> its compressed-tensors scheme, the skeleton model), matched as
+    compressed-tensors matches: targets minus ``ignore``."""
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.utils import match_named_modules
+    from transformers import AutoConfig
+
+    config = QuantizationConfig.model_validate(block)
+    skeleton = _skeleton(AutoConfig.from_pretrained(folder), causal)
+    schemes = {}
+    for scheme in config.config_groups.values():
+        for name, _ in match_named_modules(skeleton, scheme.targets, config.ignore):
+            schemes.setdefault(name, scheme)
+    return schemes, skeleton
+
+
+def _hadamard_layers(folder: Path, block: dict[str, Any], skeleton: nn.Module) -> dict[str, int]:
+    """Layers under an online ``hadamard`` input transform of ``transform_config`` (layer ->
+    size); anything else in ``transform_config`` is refused."""
+    from compressed_tensors.transform import TransformConfig
+    from compressed_tensors.utils import match_named_modules
+
+    raw = block.get("transform_config") or {}
+    if not raw or not raw.get("config_groups"):
+        return {}
+    config = TransformConfig.model_validate(raw)
+    sizes: dict[str, int] = {}
+    for scheme_name, scheme in config.config_groups.items():
+        for args in scheme.apply:
+            if args.location == "weight_input":
+                continue  # folded into the stored weight
+            if scheme.type != "hadamard" or args.location != "input" or not scheme.head_dim \
+                    or scheme.randomize:
+                raise CheckpointError(
+                    f"{folder}: transform_config {scheme_name!r} ({scheme.type} at "
+                    f"{args.location}, head_dim {scheme.head_dim}, randomize "
+                    f"{scheme.randomize}) is not read by kbbq-pl: only a deterministic "
+                    "block hadamard at the input is")
+            for name, _ in match_named_modules(skeleton, args.targets, args.ignore):
+                sizes[name] = scheme.head_dim
+    return sizes
+
+
+def _import_format(folder: Path, name: str, scheme: Any, block: Mapping[str, Any],
+                   extension: Mapping[str, Any]) -> Format:
+    """The kbbq-pl format of layer ``name`` (:data:`IMPORT_FORMATS`; kbbq-pl's own export
+    names its MXFP4 rounding in its extension block)."""
+    stored = getattr(scheme, "format", None) or block.get("format")
+    if scheme is None or stored not in IMPORT_FORMATS:
+        raise CheckpointError(f"{folder}: {name} is stored as {stored!r}; kbbq-pl reads "
+                              f"{', '.join(IMPORT_FORMATS)}")
+    fmt = get_format(IMPORT_FORMATS[stored])
+    own = extension.get("formats", [])
+    return get_format(own[0]) if fmt.scale_kind == "e8m0" and len(own) == 1 else fmt
+
+
+def _import_layer(folder: Path, name: str, scheme: Any, fmt: Format, tensors: dict[str, Tensor],
+                  transform: Tensor | None, exact: Mapping[str, str],
+                  dtype: torch.dtype) -> dict[str, Any] | None:
+    """Rewrite layer ``name``'s tensors in kbbq-pl's layout, in place; returns its metadata,
+    or None for a weight-only layer, which becomes a dense ``name.weight``."""
+    packed = tensors[f"{name}.weight_packed"]
+    out_features, in_features = packed.shape[0], packed.shape[1] * 2
+    if fmt.scale_kind == "e8m0":
+        tensors[f"{name}.weight_scale"] = tensors[f"{name}.weight_scale"].view(
+            torch.float8_e8m0fnu)
+    if f"{name}.weight_global_scale" in tensors:
+        tensors[f"{name}.weight_global_scale"] = kbbq_global_scale(
+            tensors[f"{name}.weight_global_scale"], name, exact.get("weight"))
+    meta = {"in_features": in_features, "out_features": out_features, "padded_in": in_features,
+            "format": fmt.name, "transform": None if transform is None else list(transform.shape),
+            "act_scale": "dynamic", "bias": f"{name}.bias" in tensors,
+            "dtype": str(dtype).removeprefix("torch.")}
+    input_scale = tensors.pop(f"{name}.input_global_scale", None)
+    if scheme.input_activations is None:
+        codes = stored_weight(tensors, name, meta)
+        tensors[f"{name}.weight"] = effective_weight(codes, transform, in_features, dtype)
+        return None
+    if transform is not None:
+        tensors[f"{name}.transform"] = transform
+    if input_scale is not None:
+        tensors[f"{name}.input_global_scale"] = kbbq_global_scale(
+            input_scale, f"{name}.input", exact.get("input"))
+        meta["act_scale"] = "static"
+    elif fmt.global_scale:
+        raise CheckpointError(
+            f"{folder}: {name} quantizes NVFP4 activations without an input_global_scale "
+            "(dynamic: true, no per-tensor scale), which kbbq-pl does not emulate")
+    return meta
+
+
+def _import_transform(name: str, tensors: dict[str, Tensor], hadamard_size: int | None,
+                      in_features: int, block: int) -> Tensor | None:
+    """Layer ``name``'s online input transform: compressed-tensors' block Hadamard (its stored
+    matrices dropped) or kbbq-pl's ``input_transform``."""
+    for key in [k for k in tensors if k.startswith(f"{name}.") and k.endswith("_input.weight")]:
+        del tensors[key]
+    stored = tensors.pop(f"{name}.{INPUT_TRANSFORM}", None)
+    if hadamard_size is not None:
+        size = hadamard_size
+        return hadamard(size, torch.float32).expand(in_features // size, size, size).clone()
+    return None if stored is None else _loaded_transform(stored, block)
+
+
+def _config_dtype(hf_config: Any) -> torch.dtype:
+    dtype = getattr(hf_config, "dtype", None) or hf_config.__dict__.get("torch_dtype")
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return getattr(torch, str(dtype or "float32").removeprefix("torch."))
+
+
+def read_compressed_tensors(folder: str | Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """A compressed-tensors NVFP4 / MXFP4 folder as kbbq-pl checkpoint metadata and tensors
+    (the layout of :mod:`kbbq_pl.io.checkpoint`), for
+    :func:`kbbq_pl.io.checkpoint.build_quantized_model`.
+
+    W4A4 layers become :class:`~kbbq_pl.quant.layers.QuantizedLinear` (NVFP4 activations with the
+    static ``input_global_scale``; MXFP4 as :data:`IMPORT_FORMATS` says); weight-only layers
+    (``input_activations`` null) become dense linears holding the dequantized weights, their
+    activations left unquantized as the config says.  Online Hadamard transforms and kbbq-pl's
+    ``input_transform`` tensors are applied."""
+    from transformers import AutoConfig
+
+    require_compressed_tensors()
+    folder = Path(folder)
+    block = _quantization_block(folder)
+    if block is None or block.get("quant_method") != "compressed-tensors":
+        raise CheckpointError(f"{folder} is not a compressed-tensors folder (config.json has no "
+                              "quantization_config with quant_method compressed-tensors)")
+    hf_config = AutoConfig.from_pretrained(folder)
+    causal = is_causal_lm_config(hf_config)
+    dtype = _config_dtype(hf_config)
+    schemes, skeleton = _scheme_of_layers(folder, block, causal)
+    hadamards = _hadamard_layers(folder, block, skeleton)
+    extension = block.get(EXTENSION_KEY) or {}
+    exact_scales = extension.get("per_tensor_scales", {})
+    tensors = _read_tensors(folder)
+    names = [k.removesuffix(".weight_packed") for k in tensors if k.endswith(".weight_packed")]
+    if not names:
+        raise CheckpointError(f"{folder}: no FP4 layer (no .weight_packed tensor)")
+    layers: dict[str, dict[str, Any]] = {}
+    for name in names:
+        scheme = schemes.get(name)
+        fmt = _import_format(folder, name, scheme, block, extension)
+        in_features = tensors[f"{name}.weight_packed"].shape[1] * 2
+        transform = _import_transform(name, tensors, hadamards.get(name), in_features,
+                                      fmt.block_size or 1)
+        meta = _import_layer(folder, name, scheme, fmt, tensors, transform,
+                             exact_scales.get(name, {}), dtype)
+        if meta is not None:
+            layers[name] = meta
+    metadata = {"causal_lm": causal, "layers": layers, "tied": _tied_names(skeleton, tensors),
+                "recipe": extension.get("recipe", {})}
+    return metadata, tensors
+
+
+def _tied_names(model: nn.Module, tensors: Mapping[str, Tensor]) -> dict[str, str]:
+    """Parameters that ``model``'s config ties to another one and the folder does not store."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        key = id(param)
+        if key in first and name not in tensors:
+            tied[name] = first[key]
+        first.setdefault(key, name)
+    return tied
+
+
+def dense_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """``model`` with every :class:`~kbbq_pl.quant.layers.QuantizedLinear` replaced by an
+    ``nn.Linear`` holding its :func:`effective_weight` (weight-only: activations unquantized),
+    in the layer's stored dtype or ``dtype``."""
+    from ..quant.layers import swap_module
+
+    tensors, layers, _ = checkpoint_contents(model)
+    for name, meta in layers.items():
+        codes = stored_weight(tensors, name, meta)
+        weight = effective_weight(codes, tensors.get(f"{name}.transform"), meta["in_features"],
+                                  dtype or getattr(torch, meta["dtype"]))
+        bias = tensors.get(f"{name}.bias")
+        linear = nn.Linear(meta["in_features"], meta["out_features"], bias=bias is not None,
+                           dtype=weight.dtype, device=weight.device)
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+            if bias is not None:
+                linear.bias.copy_(bias)
+        swap_module(model, name, linear)
+    return model
+
+
+__all__ = [
+    "CONFIG_NAME", "ExportError", "LayerPlan", "bf16_decodes_agree", "ct_global_scale",
+    "dense_model", "effective_weight", "export_compressed_tensors", "hadamard_transform_config",
+    "is_compressed_tensors_folder", "kbbq_global_scale", "plan_layers", "quantization_config",
+    "read_compressed_tensors", "save_compressed_tensors", "transform_kind",
+]

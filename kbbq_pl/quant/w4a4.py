@@ -1,0 +1,347 @@
+"""The W4A4 weight: a :class:`~kbbq_pl.formats.QuantizedTensor` that owns ``F.linear``.
+
+:class:`W4A4Weight` holds what the product ``y = Q(W T^-1) Q(T x) + b`` needs: the FP4 codes,
+block scales and per-tensor scale of ``W T^-1`` (``[out, K]``, ``K`` the input width padded to
+whole blocks), and the activation side: the online transform ``T`` (None, one ``d x d`` matrix
+per block ``[K/d, d, d]`` or dense ``[K, K]``, FP32), the NVFP4 activation per-tensor scale
+(``static``: calibrated, stored; ``dynamic``: ``amax / (448 * 6)`` of each call) and the
+unpadded ``in_features``.  Following torchao's ``NVFP4Tensor``, the linear is implemented on the
+weight (``implements_torch_function(F.linear)`` and ``implements(aten.linear.default)``), so a
+plain ``nn.Linear`` whose weight is a ``W4A4Weight`` computes the quantized product::
+
+    linear.weight = nn.Parameter(w4a4_weight, requires_grad=False)
+    y = linear(x)                                  # = F.linear(x, w4a4_weight, linear.bias)
+
+Where it runs:
+
+* on CUDA, when the project's Triton kernels are present and run there
+  (``kbbq_pl.kernels.available(device)``), through ``kbbq_pl.kernels.linear_w4a4``: packed
+  operands end to end;
+* everywhere else, and whenever a gradient must reach the input (the kernels have no backward),
+  exact emulation: the padded input is upcast to FP32 and transformed there, its FP4 rounding is
+  :func:`kbbq_pl.formats.fake_quantize` (straight-through under autograd), the weight is decoded
+  from its codes in every call (no dense copy is kept) and the product is accumulated in FP32;
+  the result is cast to the input's dtype.
+
+:func:`cache_decoded_weights` is the opt-in for evaluation speed: inside it the emulation keeps
+each weight's decoded FP32 copy (4 bytes per weight element) until the block ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .._compat import TorchAOBaseTensor
+from ..formats import Format, QuantizedTensor, fake_quantize, ste_fake_quantize
+from ..transforms.fit import transform_inputs
+
+ActScale = Literal["static", "dynamic"]
+ACT_SCALES: tuple[str, ...] = ("static", "dynamic")
+KERNEL_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+"""Device types whose products go through ``kbbq_pl.kernels`` when it is available there (the
+CPU runs the kernels only under Triton's interpreter, far slower than the emulation)."""
+_KERNEL_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_F32 = torch.float32
+
+
+def effective_act_scale(fmt: Format, act_scale: str) -> ActScale:
+    """``act_scale`` checked; formats without a per-tensor scale (MX) are always ``dynamic``."""
+    if act_scale not in ACT_SCALES:
+        raise ValueError(f"act_scale must be 'static' or 'dynamic', got {act_scale!r}")
+    return "static" if act_scale == "static" and fmt.global_scale else "dynamic"
+
+
+class W4A4Weight(QuantizedTensor):
+    """The quantized weight ``W T^-1`` of a W4A4 linear layer with its activation side.
+
+    A subclass of :class:`~kbbq_pl.formats.QuantizedTensor` rather than optional fields on it:
+    ``QuantizedTensor`` is the container of any format's codes (FP8 rows, INT4 groups,
+    quantized activations, GPTQ's results), and only the weight of a block-FP4 linear layer has
+    an activation side and a product to define.  As a subclass it keeps the codes' fields,
+    layout and :meth:`dequantize`, so code that reads codes (export, DDP, reports) reads these.
+    Every field is in torchao's tensor-data / attribute lists, so ``nn.Parameter``, ``.to()``,
+    ``.clone()``, ``state_dict`` and ``torch.save`` keep them.
+
+    Attributes (beyond ``QuantizedTensor``'s; ``last_dim`` is the padded input width ``K``):
+        in_features: the layer's unpadded input width (``K - d < in_features <= K``).
+        act_scale: ``static`` or ``dynamic`` NVFP4 activation per-tensor scale.
+        transform: None, ``[K/d, d, d]`` blocks or dense ``[K, K]``, FP32.
+        act_global_scale: the static activation scale (FP32 ``[]``), None when dynamic or not
+            calibrated yet.
+        layer_name: the layer's name, for error messages.
+    """
+
+    # torchao's constructor order: tensor data, attributes, optional data, optional attributes
+    tensor_data_names = QuantizedTensor.tensor_data_names
+    tensor_attribute_names = [*QuantizedTensor.tensor_attribute_names, "in_features", "act_scale"]
+    optional_tensor_data_names = [*QuantizedTensor.optional_tensor_data_names, "transform",
+                                  "act_global_scale"]
+    optional_tensor_attribute_names = ["layer_name"]
+
+    def __new__(
+        cls,
+        qdata: Tensor,
+        scale: Tensor,
+        fmt: Format,
+        orig_dtype: torch.dtype,
+        last_dim: int,
+        in_features: int,
+        act_scale: ActScale,
+        global_scale: Tensor | None = None,
+        transform: Tensor | None = None,
+        act_global_scale: Tensor | None = None,
+        layer_name: str | None = "",
+    ):
+        self = super().__new__(cls, qdata, scale, fmt, orig_dtype, last_dim, global_scale)
+        self.in_features = in_features
+        self.act_scale = act_scale
+        self.transform = transform
+        self.act_global_scale = act_global_scale
+        self.layer_name = layer_name or ""
+        _check_fields(self)
+        return self
+
+    # F.linear reaches the weight at the torch-function level (it would decompose into
+    # aten.t + aten.addmm before __torch_dispatch__); QuantizedTensor disables torch functions.
+    __torch_function__ = classmethod(TorchAOBaseTensor.__torch_function__.__func__)
+
+    @classmethod
+    def from_quantized(
+        cls,
+        codes: QuantizedTensor,
+        *,
+        in_features: int,
+        transform: Tensor | None = None,
+        act_scale: str = "dynamic",
+        act_global_scale: Tensor | None = None,
+        layer_name: str = "",
+    ) -> W4A4Weight:
+        """The codes of ``W T^-1`` (``[out, K]``, from :func:`kbbq_pl.formats.quantize` or
+        GPTQ) with their activation side; ``act_scale`` ``static`` becomes ``dynamic`` for
+        formats without a per-tensor scale."""
+        act_scale = effective_act_scale(codes.fmt, act_scale)
+        return cls(
+            codes.qdata, codes.scale, codes.fmt, codes.orig_dtype, codes.last_dim, in_features,
+            act_scale, codes.global_scale,
+            None if transform is None else transform.detach().to(_F32),
+            None if act_global_scale is None or act_scale == "dynamic"
+            else act_global_scale.detach().to(_F32).reshape(()),
+            layer_name,
+        )
+
+    def replace(self, **fields: Any) -> W4A4Weight:
+        """A ``W4A4Weight`` sharing this one's tensors with the given fields changed."""
+        names = (*self.tensor_data_names, *self.tensor_attribute_names,
+                 *self.optional_tensor_data_names, *self.optional_tensor_attribute_names)
+        unknown = set(fields) - set(names)
+        if unknown:
+            raise TypeError(f"W4A4Weight has no field(s) {sorted(unknown)}")
+        return W4A4Weight(*(fields.get(n, getattr(self, n)) for n in names))
+
+    @property
+    def padded_in(self) -> int:
+        return self.last_dim
+
+    def __repr__(self) -> str:
+        kind = "none" if self.transform is None else (
+            "dense" if self.transform.dim() == 2 else f"blocks of {self.transform.shape[-1]}")
+        return (f"W4A4Weight(fmt={self.fmt.name}, shape={tuple(self.shape)}, "
+                f"in_features={self.in_features}, transform={kind}, act_scale={self.act_scale}, "
+                f"orig_dtype={self.orig_dtype}, device={self.qdata.device}"
+                + (f", layer_name={self.layer_name!r})" if self.layer_name else ")"))
+
+
+# checkpoints holding W4A4Weight parameters load with torch.load(weights_only=True)
+torch.serialization.add_safe_globals([W4A4Weight])
+
+
+def _label(weight: W4A4Weight) -> str:
+    return weight.layer_name or f"W4A4Weight{tuple(weight.shape)}"
+
+
+def _check_fields(weight: W4A4Weight) -> None:
+    fmt = weight.fmt
+    label = _label(weight)
+    if fmt.element != "e2m1" or fmt.granularity != "block":
+        raise ValueError(f"{label}: a W4A4 weight needs a block FP4 format, got {fmt.name}")
+    if weight.qdata.dim() != 2:
+        raise ValueError(f"{label}: a W4A4 weight is [out, in], got codes of shape "
+                         f"{tuple(weight.qdata.shape)}")
+    block = fmt.block_size
+    assert block is not None
+    k = weight.last_dim
+    if k % block or not k - block < weight.in_features <= k:
+        raise ValueError(f"{label}: in_features {weight.in_features} does not pad to the codes' "
+                         f"width {k} (whole {fmt.name} blocks of {block})")
+    if weight.act_scale not in ACT_SCALES:
+        raise ValueError(f"{label}: act_scale must be 'static' or 'dynamic', "
+                         f"got {weight.act_scale!r}")
+    if weight.act_scale == "static" and not fmt.global_scale:
+        raise ValueError(f"{label}: {fmt.name} has no per-tensor activation scale to calibrate")
+    t = weight.transform
+    if t is not None and not (t.shape == (k, k) or (
+            t.dim() == 3 and t.shape[1] == t.shape[2] and t.shape[0] * t.shape[1] == k)):
+        raise ValueError(f"{label}: transform must be [{k}, {k}] or [{k}/d, d, d] for the "
+                         f"padded width {k}, got shape {tuple(t.shape)}")
+    scale = weight.act_global_scale
+    if scale is not None and scale.numel() != 1:
+        raise ValueError(f"{label}: act_global_scale must be a scalar, got shape "
+                         f"{tuple(scale.shape)}")
+
+
+# ---------------------------------------------------------------------- the product
+
+
+def transformed_input(x: Tensor, in_features: int, padded_in: int,
+                      transform: Tensor | None) -> Tensor:
+    """``T x`` in FP32 for inputs ``x [..., in_features]``: ``[tokens, padded_in]``, the input
+    zero-padded to whole blocks and upcast (exactly) before the product (Sec. Transforms)."""
+    h = x.reshape(-1, in_features)
+    if padded_in != in_features:
+        h = F.pad(h, (0, padded_in - in_features))
+    return transform_inputs(h.to(_F32), transform)
+
+
+_decoded: WeakIdKeyDictionary | None = None
+
+
+@contextlib.contextmanager
+def cache_decoded_weights() -> Iterator[None]:
+    """Keep the decoded FP32 copy of every W4A4 weight the emulation multiplies by, until the
+    block ends (opt-in: without it each call decodes the codes anew and keeps nothing).
+
+    For evaluating many batches on the CPU: the decode is then paid once per weight, at the
+    price of 4 bytes per weight element held for the duration.  The weights must not change
+    inside the block.  Nested blocks share the outer cache.  Kernel products do not decode.
+    """
+    global _decoded
+    outer = _decoded
+    if outer is None:
+        _decoded = WeakIdKeyDictionary()
+    try:
+        yield
+    finally:
+        if outer is None:
+            _decoded = None
+
+
+def decoded_weight(weight: W4A4Weight) -> Tensor:
+    """``Q(W T^-1)`` as a dense FP32 ``[out, K]`` tensor (cached only inside
+    :func:`cache_decoded_weights`)."""
+    if _decoded is None:
+        return weight.dequantize(_F32)
+    dense = _decoded.get(weight)
+    if dense is None:
+        dense = _decoded[weight] = weight.dequantize(_F32)
+    return dense
+
+
+def _kernels() -> ModuleType | None:
+    """``kbbq_pl.kernels`` when installed (imported on first use), else None."""
+    try:
+        return importlib.import_module("kbbq_pl.kernels")
+    except ImportError:
+        return None
+
+
+def _kernel_format(fmt: Format) -> bool:
+    """Whether the kernels multiply ``fmt``: E2M1 blocks of a power-of-two size >= 16 under
+    E4M3 scales with a per-tensor scale (NVFP4) or E8M0 scales (MXFP4)."""
+    block = fmt.block_size or 0
+    scales = fmt.scale_kind == "e8m0" or (fmt.scale_kind == "e4m3" and fmt.global_scale)
+    return bool(scales) and block >= 16 and block & (block - 1) == 0
+
+
+def uses_kernels(x: Tensor, weight: W4A4Weight) -> bool:
+    """Whether ``F.linear(x, weight)`` runs on ``kbbq_pl.kernels`` (module docstring): a device
+    of :data:`KERNEL_DEVICE_TYPES` where the kernels run, a kernel format and dtype, block
+    transforms matched to the format's block (or none), and no gradient to propagate."""
+    if x.device.type not in KERNEL_DEVICE_TYPES or x.dtype not in _KERNEL_INPUT_DTYPES:
+        return False
+    if torch.is_grad_enabled() and x.requires_grad:
+        return False
+    t = weight.transform
+    if t is not None and (t.dim() != 3 or t.shape[-1] != weight.fmt.block_size):
+        return False
+    if not _kernel_format(weight.fmt):
+        return False
+    kernels = _kernels()
+    return kernels is not None and bool(kernels.available(x.device))
+
+
+def _emulated_linear(x: Tensor, weight: W4A4Weight, bias: Tensor | None,
+                     act_global_scale: Tensor | None) -> Tensor:
+    h = transformed_input(x, x.shape[-1], weight.last_dim, weight.transform)
+    name = f"{weight.layer_name}.input" if weight.layer_name else "input"
+    if torch.is_grad_enabled() and h.requires_grad:
+        h = ste_fake_quantize(h, weight.fmt, global_scale=act_global_scale, name=name)
+    else:
+        h = fake_quantize(h, weight.fmt, global_scale=act_global_scale, name=name)
+    y = F.linear(h, decoded_weight(weight))
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def w4a4_linear(x: Tensor, weight: W4A4Weight, bias: Tensor | None = None, *,
+                dynamic: bool = False) -> Tensor:
+    """``Q(W T^-1) Q(T x) + b`` for ``x [..., in_features]`` (or already padded to ``K``):
+    ``[..., out]`` in ``x``'s dtype.  ``dynamic`` takes the activation scale of this call even
+    when the weight has a static one (calibration)."""
+    if x.shape[-1] not in (weight.in_features, weight.last_dim):
+        raise ValueError(f"{_label(weight)}: input of shape {tuple(x.shape)} on {x.device} does "
+                         f"not match in_features {weight.in_features}")
+    if weight.qdata.device != x.device:
+        raise ValueError(f"{_label(weight)}: input on {x.device}, weight on "
+                         f"{weight.qdata.device}")
+    static = weight.act_scale == "static" and not dynamic
+    if static and weight.act_global_scale is None:
+        raise RuntimeError(f"{_label(weight)}: static activation scale not calibrated; run "
+                           "calibration or use act_scale='dynamic'")
+    scale = weight.act_global_scale if static else None
+    if uses_kernels(x, weight):
+        kernels = _kernels()
+        assert kernels is not None
+        return kernels.linear_w4a4(x, weight.qdata, weight.scale, weight.global_scale,
+                                   weight.fmt, weight.transform, scale, bias)
+    return _emulated_linear(x, weight, bias, scale)
+
+
+def _linear_arguments(args: tuple, kwargs: dict) -> tuple[Tensor, W4A4Weight, Tensor | None]:
+    x = args[0] if args else kwargs["input"]
+    weight = args[1] if len(args) > 1 else kwargs["weight"]
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    if not isinstance(weight, W4A4Weight) or isinstance(x, W4A4Weight):
+        raise NotImplementedError("W4A4Weight multiplies only as the weight of F.linear(x, w, b)")
+    return x, weight, bias
+
+
+# torch functions (F.linear, torch.ops.aten.linear.default called from Python) and the aten op
+# where it reaches __torch_dispatch__ undecomposed
+@W4A4Weight.implements_torch_function([F.linear, torch.ops.aten.linear.default])
+@W4A4Weight.implements(torch.ops.aten.linear.default)
+def _linear(func, types, args, kwargs):
+    return w4a4_linear(*_linear_arguments(args, kwargs or {}))
+
+
+__all__ = [
+    "ACT_SCALES",
+    "ActScale",
+    "KERNEL_DEVICE_TYPES",
+    "W4A4Weight",
+    "cache_decoded_weights",
+    "decoded_weight",
+    "effective_act_scale",
+    "transformed_input",
+    "uses_kernels",
+    "w4a4_linear",
+]

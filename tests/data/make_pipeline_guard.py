@@ -1,0 +1,86 @@
+"""Writes ``tests/data/pipeline_guard.json``, the bit-identity guard of
+``tests/test_pipeline_guard.py``.
+
+Every shipped recipe (``recipes/*.yaml``: RTN I / HAAR / WUSH / KBBQ at each lambda and ``auto``,
+GPTQ, MR-GPTQ, GPTQ-WUSH, GPTQ-KBBQ (fixed and auto), NVFP4 and MXFP4) quantizes the same tiny
+seeded Llama (two blocks, so the GPTQ loop feeds a quantized block's outputs to the next one) on
+the same random calibration tokens; the guard stores, per recipe and per kind of tensor of the
+quantized layers (FP4 codes, block scales, global scales, transforms, static activation scales),
+the number of such tensors and one SHA-256 over their names, dtypes, shapes and bytes.  The
+codes, scales and transforms of a later version must match bit for bit.
+
+Written at commit e6ca8dc (before the package was reorganized into subpackages), from the
+repository root::
+
+    python tests/data/make_pipeline_guard.py
+
+Rerunning with later code would only test that code against itself: regenerate only when a
+change of results is intended, and say so in the commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from kbbq_pl.io.checkpoint import checkpoint_contents
+from kbbq_pl.io.models import tiny_model
+from kbbq_pl.quant import QuantizationConfig, quantize_model
+
+ROOT = Path(__file__).resolve().parents[2]
+GUARD = Path(__file__).resolve().parent / "pipeline_guard.json"
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128)
+LAYER_TENSORS = ("weight_packed", "weight_scale", "weight_global_scale", "transform",
+                 "input_global_scale")
+
+
+def recipe_configs() -> dict[str, QuantizationConfig]:
+    """The quantizer of every shipped recipe, by file name."""
+    fields = set(QuantizationConfig.__dataclass_fields__)
+    configs = {}
+    for path in sorted((ROOT / "recipes").glob("*.yaml")):
+        args = yaml.safe_load(path.read_text())["quantizer"]["init_args"]
+        configs[path.stem] = QuantizationConfig(**{k: v for k, v in args.items() if k in fields})
+    return configs
+
+
+def quantized_digests(config: QuantizationConfig) -> dict[str, dict[str, Any]]:
+    """Per kind of quantized-layer tensor (:data:`LAYER_TENSORS`) of the tiny model quantized
+    by ``config``: ``[how many layers store one, the SHA-256 of them all, layer by layer]``."""
+    torch.manual_seed(0)
+    model = tiny_model("llama", seed=0, **TINY)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, TINY["vocab_size"], (8, 32), generator=generator)
+    batches = [{"input_ids": tokens[i:i + 2]} for i in range(0, 8, 2)]
+    quantize_model(model, batches, config, progress=False)
+    tensors, layers, _ = checkpoint_contents(model)
+    digests = {}
+    for part in LAYER_TENSORS:
+        keys = [f"{name}.{part}" for name in sorted(layers) if f"{name}.{part}" in tensors]
+        sha = hashlib.sha256()
+        for key in keys:
+            tensor = tensors[key].contiguous()
+            sha.update(f"{key} {tensor.dtype} {list(tensor.shape)}\n".encode())
+            sha.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+        digests[part] = [len(keys), sha.hexdigest()]
+    return digests
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    guard = {name: quantized_digests(config) for name, config in recipe_configs().items()}
+    lines = [f" {json.dumps(name)}: {json.dumps(parts, sort_keys=True)}"
+             for name, parts in sorted(guard.items())]
+    GUARD.write_text("{\n" + ",\n".join(lines) + "\n}\n")
+    print(f"wrote {GUARD} ({len(guard)} recipes)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

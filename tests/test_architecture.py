@@ -1,0 +1,320 @@
+"""The package's architecture, read from its import graph (every ``import`` and ``from ...
+import`` statement, at module level or inside functions, and ``importlib.import_module`` of a
+literal name): no import cycles; the subpackages form layers and import only downward; the
+pure-math subpackages import no Lightning, HuggingFace or I/O module.  Also: the deprecated
+aliases of the old flat module paths warn and give the new modules' own objects."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib
+import pickle
+import re
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+import kbbq_pl
+from kbbq_pl import _aliases
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A module imports only modules of its own subpackage or of a lower layer.
+LAYERS = {
+    "kbbq_pl._version": 0, "kbbq_pl._compat": 0, "kbbq_pl._aliases": 0, "kbbq_pl.resources": 0,
+    "kbbq_pl.formats": 1,
+    "kbbq_pl.kernels": 2, "kbbq_pl.law": 2,
+    "kbbq_pl.transforms": 3,
+    "kbbq_pl.quant": 4,
+    "kbbq_pl.io": 5,
+    "kbbq_pl.eval": 6,
+    "kbbq_pl.callbacks": 7,
+    "kbbq_pl.cli": 8,
+    "kbbq_pl": 9,
+}
+PURE_MATH = ("kbbq_pl.formats", "kbbq_pl.law", "kbbq_pl.transforms", "kbbq_pl.quant.gptq")
+LIGHTNING_HF_IO = {"lightning", "pytorch_lightning", "lightning_fabric", "transformers",
+                   "huggingface_hub", "tokenizers", "safetensors", "datasets", "lm_eval",
+                   "compressed_tensors", "jsonargparse", "yaml", "json", "pickle", "requests"}
+EDGE_PACKAGES = ("kbbq_pl.io", "kbbq_pl.eval", "kbbq_pl.cli", "kbbq_pl.callbacks")
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """Every module of the installed package: name -> (file, is a package)."""
+    found = {}
+    roots = [(ROOT / "kbbq_pl", "kbbq_pl"), (ROOT / "callbacks", "kbbq_pl.callbacks")]
+    for folder, prefix in roots:
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            is_package = parts[-1] == "__init__"
+            name = ".".join((prefix, *(parts[:-1] if is_package else parts)))
+            found[name] = (path, is_package)
+    return found
+
+
+MODULES = _modules()
+
+
+MISSING: list[str] = []  # imports of package modules or names that do not exist (_imports)
+
+
+@functools.cache
+def _bound_names(module: str) -> set[str] | None:
+    """The names module ``module`` binds at module level (its own definitions and imports, and
+    its submodules); None when a star import makes that unknowable."""
+    names = {m.rpartition(".")[2] for m in MODULES if m.rpartition(".")[0] == module}
+    for node in ast.parse(MODULES[module][0].read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any(alias.name == "*" for alias in node.names):
+                return None
+            names |= {(alias.asname or alias.name).partition(".")[0] for alias in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
+            names |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)
+                      and isinstance(n.ctx, ast.Store)}
+            names |= {(a.asname or a.name).partition(".")[0] for n in ast.walk(node)
+                      if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+            names |= {n.name for n in ast.walk(node)
+                      if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    return names
+
+
+def _imports(name: str) -> tuple[set[str], set[str]]:
+    """(package modules, top-level external packages) that module ``name`` imports."""
+    path, is_package = MODULES[name]
+    package = name if is_package else name.rpartition(".")[0]
+    internal, external = set(), set()
+
+    def add(target: str) -> None:
+        if target == "kbbq_pl" or target.startswith("kbbq_pl."):
+            if target not in MODULES and target not in _aliases.MOVED:
+                MISSING.append(f"{path.relative_to(ROOT)} imports {target}")
+                return
+            if target in _aliases.MOVED:  # flagged by the deprecated-path test below
+                target = _aliases.MOVED[target][0].partition(":")[0]
+            internal.add(target)
+        else:
+            external.add(target.partition(".")[0])
+
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(base + ([node.module] if node.module else []))
+            else:
+                base = node.module
+            for alias in node.names:
+                add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+                bound = _bound_names(base) if base in MODULES else None
+                if bound is not None and alias.name != "*" and alias.name not in bound:
+                    MISSING.append(f"{path.relative_to(ROOT)} imports {alias.name} from {base}, "
+                                   "which does not define it")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "import_module" and node.args
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            add(node.args[0].value)
+    internal.discard(name)
+    return internal, external
+
+
+@functools.cache
+def _graph() -> dict[str, tuple[set[str], set[str]]]:
+    return {name: _imports(name) for name in MODULES}
+
+
+def _layer(module: str) -> str:
+    for prefix in sorted(LAYERS, key=len, reverse=True):
+        if module == prefix or (prefix != "kbbq_pl" and module.startswith(prefix + ".")):
+            return prefix
+    raise AssertionError(f"{module} belongs to no layer of {sorted(LAYERS)}: put it in a "
+                         "subpackage (a new flat module hides the architecture)")
+
+
+def _closure(module: str) -> set[str]:
+    seen, todo = set(), [module]
+    while todo:
+        for target in _graph()[todo.pop()][0]:
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_every_import_names_a_module():
+    assert len(_graph()) == len(MODULES)
+    assert not MISSING, ("imports of modules or names that do not exist (relative imports left "
+                         "behind by a move?):\n" + "\n".join(MISSING))
+
+
+def test_the_graph_sees_module_and_function_level_imports():
+    # module level (relative), function level (relative), importlib.import_module
+    assert "kbbq_pl.formats" in _graph()["kbbq_pl.quant.layers"][0]
+    assert "kbbq_pl.io.compressed_tensors" in _graph()["kbbq_pl.cli.commands"][0]
+    assert "kbbq_pl.kernels" in _graph()["kbbq_pl.quant.w4a4"][0]
+    assert "transformers" in _graph()["kbbq_pl.io.models"][1]
+    assert "kbbq_pl.quant.pipeline" in _graph()["kbbq_pl.quant"][0]
+
+
+def test_no_import_cycles():
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        stack.append(module)
+        for target in sorted(_graph()[module][0]):
+            if state.get(target) == 1:
+                cycle = stack[stack.index(target):] + [target]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target)
+        stack.pop()
+        state[module] = 2
+
+    for module in sorted(_graph()):
+        if module not in state:
+            visit(module)
+
+
+def test_every_module_imports_its_own_layer_or_lower_ones():
+    upward = [f"{a} -> {b}" for a, (targets, _) in _graph().items() for b in targets
+              if _layer(a) != _layer(b) and LAYERS[_layer(a)] <= LAYERS[_layer(b)]]
+    assert not upward, "imports that climb back up a layer: " + "; ".join(sorted(upward))
+
+
+@pytest.mark.parametrize("root", PURE_MATH)
+def test_pure_math_imports_no_lightning_hf_or_io(root):
+    modules = [m for m in MODULES if m == root or m.startswith(root + ".")]
+    assert modules
+    for module in modules:
+        reached = {module} | _closure(module)
+        edges = sorted(m for m in reached if m.startswith(EDGE_PACKAGES))
+        assert not edges, f"{module} reaches the edge modules {edges}"
+        external = sorted(set().union(*(_graph()[m][1] for m in reached)) & LIGHTNING_HF_IO)
+        assert not external, f"{module} reaches {external} (through {sorted(reached)})"
+
+
+def test_quantization_imports_no_lightning_and_no_io():
+    for module in (m for m in MODULES if m.startswith("kbbq_pl.quant")):
+        reached = {module} | _closure(module)
+        assert not sorted(m for m in reached if m.startswith(EDGE_PACKAGES)), module
+        external = set().union(*(_graph()[m][1] for m in reached))
+        assert not external & {"lightning", "pytorch_lightning", "safetensors", "datasets",
+                               "jsonargparse", "lm_eval", "compressed_tensors"}, module
+
+
+# ------------------------------------------------------------------ deprecated aliases
+
+def _fresh_import(old: str):
+    sys.modules.pop(old, None)
+    parent, _, attr = old.rpartition(".")
+    if attr in vars(sys.modules[parent]):
+        delattr(sys.modules[parent], attr)
+    with pytest.warns(DeprecationWarning, match=old.replace(".", r"\.") + " moved to"):
+        return importlib.import_module(old)
+
+
+@pytest.mark.parametrize("old", sorted(_aliases.MOVED))
+def test_old_path_warns_and_gives_the_same_objects(old):
+    assert not (ROOT / (old.replace(".", "/") + ".py")).exists()
+    alias = _fresh_import(old)
+    targets = [_aliases.exported(target) for target in _aliases.MOVED[old]]
+    assert all(names for _, names in targets)
+    assert alias.__all__ == sorted({name for _, names in targets for name in names})
+    for name in alias.__all__:
+        assert getattr(alias, name) is next(getattr(m, name) for m, names in targets
+                                            if name in names)
+    with pytest.raises(AttributeError, match="moved to"):
+        alias.no_such_name  # noqa: B018
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert importlib.import_module(old) is alias  # warns once, then cached
+
+
+def _old_paths_in(path: Path, module: str | None) -> list[tuple[int, str]]:
+    """(line, old path) of every import of a deprecated path in the Python file ``path``
+    (``module``: its name inside the package, for relative imports)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                if module is None:
+                    continue
+                package = module if MODULES[module][1] else module.rpartition(".")[0]
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+        found += [(node.lineno, name) for name in names if name in _aliases.MOVED]
+    return found
+
+
+def test_the_package_its_tests_and_benchmarks_use_no_deprecated_path():
+    by_file = {path: name for name, (path, _) in MODULES.items()}
+    found = []
+    for folder in ("kbbq_pl", "callbacks", "tests", "bench", "scripts"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path == Path(__file__).resolve():
+                continue  # the alias tests above import the old paths on purpose
+            found += [f"{path.relative_to(ROOT)}:{line}: {old} -> {_aliases.where(old)}"
+                      for line, old in _old_paths_in(path, by_file.get(path))]
+    texts = sorted((ROOT / "recipes").glob("*.yaml"))
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    code = "\n".join(re.findall(r"```(?:python|bash|yaml)\n(.*?)```", readme, re.S))
+    for name, text in [*((p.name, p.read_text(encoding="utf-8")) for p in texts),
+                       ("README.md code", code)]:
+        for dotted in re.findall(r"kbbq_pl(?:\.\w+)+", text):
+            parts = dotted.split(".")
+            found += [f"{name}: {'.'.join(parts[:k])} -> {_aliases.where('.'.join(parts[:k]))}"
+                      for k in range(2, len(parts) + 1) if ".".join(parts[:k]) in _aliases.MOVED]
+    assert not found, "old flat paths (use the new ones):\n" + "\n".join(found)
+
+
+def test_every_flat_module_of_0_1_has_a_path():
+    flat = ["autobrake", "benchmarks", "cli", "compressed_tensors", "data", "evaluation",
+            "export", "fileio", "fold", "gptq", "law", "law_cells", "law_report", "layers",
+            "llama2c", "models", "modules", "quantize", "quantize_cli", "report", "sequential",
+            "sequential_gptq", "stats", "torchao", "transforms", "w4a4"]
+    for name in flat:
+        old = f"kbbq_pl.{name}"
+        assert old in _aliases.MOVED or (old in MODULES and MODULES[old][1]), old
+
+
+def test_the_old_import_statements_still_work():
+    sys.modules.pop("kbbq_pl.quantize", None)
+    with pytest.warns(DeprecationWarning):
+        from kbbq_pl.quantize import QuantizationConfig, quantize_model  # noqa: F401
+    from kbbq_pl.cli import main
+    from kbbq_pl.law import kappa
+    from kbbq_pl.transforms import fit_transform
+
+    assert quantize_model is kbbq_pl.quantize_model
+    assert QuantizationConfig is kbbq_pl.QuantizationConfig
+    assert main is importlib.import_module("kbbq_pl.cli.commands").main
+    assert kappa is importlib.import_module("kbbq_pl.law.noise_law").kappa
+    assert fit_transform is importlib.import_module("kbbq_pl.transforms.fit").fit_transform
+
+
+def test_an_object_pickled_under_an_old_path_unpickles():
+    config = kbbq_pl.QuantizationConfig(format="mxfp4", lam=0.5)
+    data = pickle.dumps(config, protocol=2)
+    new = config.__class__.__module__.encode()
+    assert new == b"kbbq_pl.quant.quantize" and new in data
+    old = data.replace(new, b"kbbq_pl.quantize")
+    sys.modules.pop("kbbq_pl.quantize", None)
+    with pytest.warns(DeprecationWarning):
+        restored = pickle.loads(old)
+    assert type(restored) is type(config) and restored == config

@@ -45,6 +45,7 @@ def test_compare_writes_the_table_and_resumes(tiny_llama2c_folder, tmp_path, cap
     assert identity["method"] == "I" and kbbq["method"] == "RTN-KBBQ (0.75)"
     for row in (identity, kbbq):
         assert row["kl"] > 1e-4 and row["perplexity"] > 1.0 and row["scored_tokens"] == 200
+        assert row["kl_max"] > row["kl"]
         assert row["calibration"]["n_tokens"] == 256
     assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "compare.md").read_text(encoding="utf-8").startswith("# kbbq-pl compare")

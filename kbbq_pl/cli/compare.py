@@ -119,6 +119,7 @@ class Scorer:
                                      **self.window, batch_size=self.batch_size)
                 row["perplexity"] = metrics["perplexity"] if "ppl" in self.tasks else None
                 row["kl"] = metrics["kl"]
+                row["kl_max"] = metrics["kl_max"]  # the worst position: outliers show here
                 row["scored_tokens"] = metrics["n_tokens"]
             if self.benchmarks:
                 results = run_benchmarks(model, self.tokenizer, self.benchmarks,

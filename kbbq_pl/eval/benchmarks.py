@@ -294,6 +294,7 @@ def mbpp_pass_at_1(doc: Mapping[str, Any], results: Sequence[str]) -> dict[str, 
 # ---------------------------------------------------------------------------------------------
 
 _ACC = [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]
+_ACC_AND_NORM = [*_ACC, {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}]
 
 
 def _json_dataset(files: Mapping[str, Path], cache_dir: Path) -> dict[str, Any]:
@@ -374,8 +375,7 @@ def hellaswag_config(data_dir: Path, cache_dir: Path, num_fewshot: int) -> dict[
         "doc_to_text": "{{query}}",
         "doc_to_choice": "choices",
         "doc_to_target": "label",
-        "metric_list": _ACC + [{"metric": "acc_norm", "aggregation": "mean",
-                                "higher_is_better": True}],
+        "metric_list": _ACC_AND_NORM,
         "num_fewshot": num_fewshot,
         "metadata": {"version": 1.0},
     }
@@ -438,8 +438,7 @@ def choice_config(task: str, data_dir: Path, cache_dir: Path,
         "doc_to_text": "{{query.strip()}}\nAnswer:",
         "doc_to_choice": "choices",
         "doc_to_target": "gold",
-        "metric_list": _ACC + [{"metric": "acc_norm", "aggregation": "mean",
-                                "higher_is_better": True}],
+        "metric_list": _ACC_AND_NORM,
         "num_fewshot": num_fewshot,
         "metadata": {"version": 1.0},
     }

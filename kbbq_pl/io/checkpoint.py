@@ -233,12 +233,17 @@ def read_metadata(folder: str | Path) -> dict[str, Any]:
     return metadata
 
 
+def load_safetensors(file: str | Path) -> dict[str, Tensor]:
+    """Every tensor of one safetensors ``file`` (a CheckpointError when unreadable)."""
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{file} cannot be read ({error})") from None
+
+
 def read_tensors(folder: str | Path) -> dict[str, Tensor]:
     """Every tensor of ``folder``'s ``model.safetensors`` (a CheckpointError when unreadable)."""
-    try:
-        return load_file(str(Path(folder) / WEIGHTS_NAME))
-    except (SafetensorError, OSError) as error:
-        raise CheckpointError(f"{Path(folder) / WEIGHTS_NAME} cannot be read ({error})") from None
+    return load_safetensors(Path(folder) / WEIGHTS_NAME)
 
 
 def _layout(shape: Sequence[int], dtype: torch.dtype) -> str:

@@ -51,8 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from ..formats import Format, get_format
@@ -68,6 +67,7 @@ from .checkpoint import (
     empty_model,
     is_causal_lm_config,
     is_causal_model,
+    load_safetensors,
     read_metadata,
     read_tensors,
     stored_weight,
@@ -494,10 +494,7 @@ def _read_tensors(folder: Path) -> dict[str, Tensor]:
         raise CheckpointError(f"{folder}: no .safetensors file")
     tensors: dict[str, Tensor] = {}
     for file in files:
-        try:
-            tensors.update(load_file(str(file)))
-        except (SafetensorError, OSError) as error:
-            raise CheckpointError(f"{file} cannot be read ({error})") from None
+        tensors.update(load_safetensors(file))
     return tensors
 
 

@@ -32,20 +32,24 @@ _F64 = torch.float64
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def fp4_format(fmt: str | Format) -> Format:
-    """The :class:`~kbbq_pl.formats.Format` named ``fmt`` if the W4A4 kernels support it: E2M1
-    blocks of a power-of-two size >= 16 with E4M3 scales under a per-tensor scale (NVFP4) or
-    E8M0 scales (MXFP4, any rounding)."""
-    fmt = get_format(fmt)
+def supports_format(fmt: Format) -> bool:
+    """Whether the W4A4 kernels multiply ``fmt``: E2M1 blocks of a power-of-two size >= 16 with
+    E4M3 scales under a per-tensor scale (NVFP4) or E8M0 scales (MXFP4, any rounding)."""
     block = fmt.block_size or 0
-    supported = (
+    return bool(
         fmt.element == "e2m1"
         and fmt.granularity == "block"
         and (fmt.scale_kind == "e8m0" or (fmt.scale_kind == "e4m3" and fmt.global_scale))
         and block >= 16
         and block & (block - 1) == 0
     )
-    if not supported:
+
+
+def fp4_format(fmt: str | Format) -> Format:
+    """The :class:`~kbbq_pl.formats.Format` named ``fmt`` if the W4A4 kernels support it
+    (:func:`supports_format`), else a ValueError saying why."""
+    fmt = get_format(fmt)
+    if not supports_format(fmt):
         raise ValueError(
             f"format {fmt.name!r} is not supported by the W4A4 kernels: they take E2M1 blocks "
             f"of a power-of-two size >= 16 with e4m3 scales and a per-tensor scale (nvfp4) or "

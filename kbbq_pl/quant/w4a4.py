@@ -42,6 +42,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .._compat import TorchAOBaseTensor
 from ..formats import Format, QuantizedTensor, fake_quantize, ste_fake_quantize
+from ..kernels.reference import supports_format
 from ..transforms.fit import transform_inputs
 
 ActScale = Literal["static", "dynamic"]
@@ -253,14 +254,6 @@ def _kernels() -> ModuleType | None:
         return None
 
 
-def _kernel_format(fmt: Format) -> bool:
-    """Whether the kernels multiply ``fmt``: E2M1 blocks of a power-of-two size >= 16 under
-    E4M3 scales with a per-tensor scale (NVFP4) or E8M0 scales (MXFP4)."""
-    block = fmt.block_size or 0
-    scales = fmt.scale_kind == "e8m0" or (fmt.scale_kind == "e4m3" and fmt.global_scale)
-    return bool(scales) and block >= 16 and block & (block - 1) == 0
-
-
 def uses_kernels(x: Tensor, weight: W4A4Weight) -> bool:
     """Whether ``F.linear(x, weight)`` runs on ``kbbq_pl.kernels`` (module docstring): a device
     of :data:`KERNEL_DEVICE_TYPES` where the kernels run, a kernel format and dtype, block
@@ -272,7 +265,7 @@ def uses_kernels(x: Tensor, weight: W4A4Weight) -> bool:
     t = weight.transform
     if t is not None and (t.dim() != 3 or t.shape[-1] != weight.fmt.block_size):
         return False
-    if not _kernel_format(weight.fmt):
+    if not supports_format(weight.fmt):
         return False
     kernels = _kernels()
     return kernels is not None and bool(kernels.available(x.device))

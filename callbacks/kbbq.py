@@ -24,6 +24,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+import torch
 from torch import Tensor, nn
 
 try:
@@ -34,9 +35,9 @@ except ImportError:  # pragma: no cover - lightning is a dependency
 from kbbq_pl.formats import DeferredChecks, QuantizedTensor, deferred_checks
 from kbbq_pl.io.checkpoint import install_empty_layers, layer_metadata
 from kbbq_pl.quant import QuantizationConfig, QuantizationReport, quantize_model
+from kbbq_pl.quant.config import lightning_collectives
 from kbbq_pl.quant.layers import quantized_linears
 from kbbq_pl.quant.modules import find_linears
-from kbbq_pl.quant.sequential_gptq import lightning_collectives
 from kbbq_pl.quant.stats import StatisticsCollector, run_calibration
 from kbbq_pl.quant.w4a4 import cache_decoded_weights
 from kbbq_pl.transforms.autobrake import DEFAULT_GRID
@@ -57,7 +58,7 @@ def calibration_batches(trainer: Trainer, source: Any) -> list[Mapping[str, Tens
     """This rank's share of the calibration batches.
 
     ``source``: a dataloader or sequence of batches; else the trainer's datamodule's
-    ``calibration_dataloader()`` (a :class:`~kbbq_pl.data.CalibrationDataModule`) or its
+    ``calibration_dataloader()`` (a :class:`~kbbq_pl.io.data.CalibrationDataModule`) or its
     ``train_dataloader()``.  Batches are dealt round-robin to the ranks.
     """
     if source is None:
@@ -85,7 +86,7 @@ def _collectives(trainer: Trainer) -> dict[str, Any]:
 
 
 class CalibrationStatistics(Callback):
-    """Collect per-layer input statistics (:mod:`kbbq_pl.stats`) in ``setup``.
+    """Collect per-layer input statistics (:mod:`kbbq_pl.quant.stats`) in ``setup``.
 
     After ``setup`` the statistics are in ``self.collector.stats`` (layer name -> sums),
     identical on every rank.
@@ -131,7 +132,8 @@ class KBBQ(Callback):
         format, transform, lam, targets, ignore, act_scale, damping, seed, unaligned,
         keep_samples, auto_grid, auto_holdout, auto_tokens, auto_refit, weight_quantizer,
         gptq_damping, act_order, gptq_block_size, scale_search, group_scales,
-        transform_refit, fold_o_proj: the :class:`~kbbq_pl.quantize.QuantizationConfig` fields
+        transform_refit, fold_o_proj, propagate: the
+            :class:`~kbbq_pl.quant.config.QuantizationConfig` fields
             (``lam="auto"``: the auto-brake chooses lambda per layer on held-out calibration
             tokens; ``weight_quantizer="gptq"``: the GPTQ family, block by block, its work
             split across the trainer's ranks).
@@ -170,6 +172,7 @@ class KBBQ(Callback):
         group_scales: Literal["static", "dynamic"] = "static",
         transform_refit: Literal["fixed", "in_loop"] = "in_loop",
         fold_o_proj: bool = False,
+        propagate: Literal["fp", "quantized"] | None = None,
         calibration: Any = None,
         model_attr: str | None = "model",
         calibrate_only: bool = False,
@@ -182,7 +185,7 @@ class KBBQ(Callback):
             auto_tokens=auto_tokens, auto_refit=auto_refit, weight_quantizer=weight_quantizer,
             gptq_damping=gptq_damping, act_order=act_order, gptq_block_size=gptq_block_size,
             scale_search=scale_search, group_scales=group_scales,
-            transform_refit=transform_refit, fold_o_proj=fold_o_proj)
+            transform_refit=transform_refit, fold_o_proj=fold_o_proj, propagate=propagate)
         self.calibration = calibration
         self.model_attr = model_attr
         self.calibrate_only = calibrate_only
@@ -194,14 +197,17 @@ class KBBQ(Callback):
     # ------------------------------------------------------------------ the work
 
     def quantize(self, model: nn.Module, batches: Sequence[Mapping[str, Tensor]], *,
-                 trainable: bool = False, progress: bool = True, **collectives: Any
+                 trainable: bool = False, progress: bool = True,
+                 device: torch.device | str | None = None, **collectives: Any
                  ) -> QuantizationReport:
         """Quantize ``model`` in place, outside any Trainer (what ``kbbq-pl quantize`` runs);
+        ``device`` runs one block at a time while the rest of the model stays where it is;
         ``collectives``: ``reduce_sum``, ``reduce_max``, ``broadcast``, ``rank``,
         ``world_size`` across data-parallel ranks (:func:`quantize_model`)."""
         tokens = sum(int(b["input_ids"].numel()) for b in batches if "input_ids" in b)
         self.report = quantize_model(model, batches, self.config, expected_tokens=tokens,
-                                     trainable=trainable, progress=progress, **collectives)
+                                     trainable=trainable, progress=progress, device=device,
+                                     **collectives)
         return self.report
 
     # ------------------------------------------------------------------ Lightning hooks

@@ -36,14 +36,19 @@ MOVED: dict[str, tuple[str, ...]] = {
     "kbbq_pl.models": ("kbbq_pl.io.models",),
     # kbbq_pl.law, kbbq_pl.transforms, kbbq_pl.cli are packages now, re-exporting what they held
     "kbbq_pl.modules": ("kbbq_pl.quant.modules",),
-    "kbbq_pl.quantize": ("kbbq_pl.quant.quantize", "kbbq_pl.quant.pipeline:quantize_model"),
+    "kbbq_pl.quantize": ("kbbq_pl.quant.config", "kbbq_pl.quant.report", "kbbq_pl.quant.rtn",
+                         "kbbq_pl.quant.pipeline"),
     "kbbq_pl.quantize_cli": ("kbbq_pl.cli.quantize",),
     "kbbq_pl.report": ("kbbq_pl.eval.report",),
     "kbbq_pl.sequential": ("kbbq_pl.quant.sequential",),
-    "kbbq_pl.sequential_gptq": ("kbbq_pl.quant.sequential_gptq",),
+    "kbbq_pl.sequential_gptq": ("kbbq_pl.quant.gptq_quantizer", "kbbq_pl.quant.config"),
     "kbbq_pl.stats": ("kbbq_pl.quant.stats",),
     "kbbq_pl.torchao": ("kbbq_pl.quant.torchao",),
     "kbbq_pl.w4a4": ("kbbq_pl.quant.w4a4",),
+    # the two pipelines of the first subpackage layout, now one (kbbq_pl.quant.pipeline)
+    "kbbq_pl.quant.quantize": ("kbbq_pl.quant.config", "kbbq_pl.quant.report",
+                               "kbbq_pl.quant.rtn", "kbbq_pl.quant.pipeline"),
+    "kbbq_pl.quant.sequential_gptq": ("kbbq_pl.quant.gptq_quantizer", "kbbq_pl.quant.config"),
 }
 """Old module -> where its contents are now, looked up in this order: a module (all its public
 names) or ``module:name`` (that one name, for a function that moved on its own)."""

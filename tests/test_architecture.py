@@ -312,7 +312,7 @@ def test_an_object_pickled_under_an_old_path_unpickles():
     config = kbbq_pl.QuantizationConfig(format="mxfp4", lam=0.5)
     data = pickle.dumps(config, protocol=2)
     new = config.__class__.__module__.encode()
-    assert new == b"kbbq_pl.quant.quantize" and new in data
+    assert new == b"kbbq_pl.quant.config" and new in data
     old = data.replace(new, b"kbbq_pl.quantize")
     sys.modules.pop("kbbq_pl.quantize", None)
     with pytest.warns(DeprecationWarning):

@@ -96,7 +96,7 @@ def test_auto_lambda_in_the_pipeline_reports_choices():
 
 
 def test_auto_lambda_configuration_errors():
-    from kbbq_pl.quant.quantize import QuantizationConfig
+    from kbbq_pl.quant.config import QuantizationConfig
 
     with pytest.raises(ValueError, match="chooses KBBQ's brake"):
         QuantizationConfig(transform="wush", lam="auto")

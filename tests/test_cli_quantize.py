@@ -58,6 +58,20 @@ def test_quantize_recipe_on_a_local_model_reloads_bit_exactly(tiny_llama_dir, tm
         assert torch.equal(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
+def test_offload_moves_one_block_at_a_time_and_changes_nothing(tiny_llama_dir, tmp_path):
+    """``--offload``: the model stays on the CPU and each block runs on ``--device`` (the CPU
+    here, so this checks the path and that the checkpoint is the same bit for bit)."""
+    outputs = []
+    for flag in ("--no_offload", "--offload"):
+        out = tmp_path / flag.strip("-")
+        assert main(["quantize", "--config", "gptq_kbbq_nvfp4", "--model", str(tiny_llama_dir),
+                     "--data.init_args.n_tokens", "128", "--data.init_args.seq_len", "32",
+                     "--output_dir", str(out), flag]) == 0
+        outputs.append(out)
+    assert (outputs[0] / "model.safetensors").read_bytes() == (
+        outputs[1] / "model.safetensors").read_bytes()
+
+
 def test_default_main_job_on_minilm(tmp_path, capsys):
     out = tmp_path / "minilm"
     assert main(["quantize", "--data.init_args.n_tokens", "512", "--output_dir", str(out)]) == 0

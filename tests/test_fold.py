@@ -107,6 +107,12 @@ def test_fold_o_proj_recipe():
         errors = [((m(input_ids=ids).logits - exact).norm() / exact.norm()).item()
                   for m in (plain, folded)]
     assert errors[1] < 2 * errors[0], errors
+    # the layers whose transforms do not change see the full-precision model's activations:
+    # the same static activation scales as without folding (not those of a model whose v_proj
+    # is folded while its o_proj is not, which the full-precision pass once ran on)
+    plain_scales = {r.name: r.act_global_scale for r in plain_report.layers}
+    kept = [r for r in report.layers if not r.name.endswith(("v_proj", "o_proj"))]
+    assert kept and all(r.act_global_scale == plain_scales[r.name] for r in kept)
     for fields in ({"transform": "haar"}, {"weight_quantizer": "gptq"}, {"lam": "auto"}):
         with pytest.raises(ValueError, match="fold_o_proj"):
             QuantizationConfig(**{**base, **fields, "fold_o_proj": True})

@@ -157,6 +157,34 @@ def test_quantize_model_with_the_model_on_the_gpu(recipe):
         assert torch.isfinite(model(**batches[0]).logits).all()
 
 
+@pytest.mark.parametrize("weight_quantizer", ["rtn", "gptq"])
+def test_a_model_larger_than_the_gpus_memory_cap_quantizes_block_by_block(weight_quantizer):
+    """The model stays on the CPU; ``device="cuda"`` runs one block at a time.  The process's
+    CUDA memory is capped below the model's size (``set_per_process_memory_fraction``): moving
+    the whole model to the GPU fails, the quantization does not."""
+    model = tiny_model("llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
+                       num_attention_heads=8, num_key_value_heads=8)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    total = torch.cuda.get_device_properties(0).total_memory
+    cap = weight_bytes // 2
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(cap / total)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            model.to(DEVICE)
+        model.to("cpu")
+        torch.cuda.empty_cache()
+        report = quantize_model(model, _batches("cpu", rows=8), QuantizationConfig(
+            format="nvfp4", transform="kbbq", weight_quantizer=weight_quantizer),
+            device=DEVICE, progress=False)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert len(report.layers) == 16 * 7 and report.model["peak_cuda_mb"] * 2**20 < cap
+    with torch.no_grad():
+        assert torch.isfinite(model(**_batches("cpu")[0]).logits).all()
+
+
 # --------------------------------------------------------------------- 3. Lightning
 
 

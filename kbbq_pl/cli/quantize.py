@@ -5,7 +5,7 @@ user composes in Python::
 
     model: minilm                              # a local HF folder, or "minilm"
     data:                                      # calibration data
-      class_path: kbbq_pl.data.CalibrationDataModule
+      class_path: kbbq_pl.io.data.CalibrationDataModule
       init_args: {source: mixed, n_tokens: 4096, seq_len: 256, batch_size: 8}
     quantizer:                                 # the callback that quantizes
       class_path: kbbq_pl.callbacks.KBBQ
@@ -17,7 +17,7 @@ overrides any field.  With no arguments it runs the embedded default above: all-
 NVFP4 with RTN-KBBQ, calibrated on the shipped mixed-domain corpus (``source: random`` is the
 paper's random-token ablation), fidelity measured on the embedded sentences; it writes the quantized checkpoint and ``report.json`` / ``report.md`` to
 ``output_dir`` and prints the report.  The output folder is checked before any work
-(:func:`kbbq_pl.fileio.check_output`: an existing one needs ``--overwrite`` and is replaced only
+(:func:`kbbq_pl.io.fileio.check_output`: an existing one needs ``--overwrite`` and is replaced only
 when kbbq-pl wrote it); an already quantized ``--model`` is refused.
 """
 
@@ -79,6 +79,9 @@ def _parser(prog: str) -> ArgumentParser:
                              f"embedded ones, {EVAL_DATA_SENTENCES} from --eval_data; without "
                              f"a tokenizer, {RANDOM_BLOCKS} random-token blocks)")
     parser.add_argument("--device", type=str, default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--offload", action=ActionYesNo, default=False,
+                        help="keep the model on the CPU and move one block at a time to "
+                             "--device (a model larger than the device's memory)")
     return parser
 
 
@@ -138,6 +141,8 @@ def _prepare(args) -> tuple[nn.Module, Any, list, Path, Path]:
     """Check the device and the output folder, then load the model (an already quantized one
     is refused) and cut the calibration batches, on the model's device."""
     device = parse_device(args.device)
+    if args.offload:  # the model on the CPU; quantize_model moves one block at a time
+        device = torch.device("cpu")
     source = resolve_model_path(args.model)
     out = check_output(args.output_dir, overwrite=args.overwrite, sources=[source])
     model, tokenizer = load_model(args.model, device=device, quantized="refuse")
@@ -163,7 +168,7 @@ def run_quantize(argv: list[str]) -> int:
     model, tokenizer, batches, source, out = _prepare(args)
     probe = FidelityProbe(model, tokenizer, args.eval_data, args.eval_sentences)
     quantizer = args.quantizer
-    report = quantizer.quantize(model, batches)
+    report = quantizer.quantize(model, batches, device=parse_device(args.device))
     report.model.update(probe.measure(model), model=str(args.model),
                         calibration_tokens=sum(int(b["input_ids"].numel()) for b in batches),
                         calibration_source=str(args.data.source))
@@ -207,7 +212,7 @@ def run_sweep(argv: list[str]) -> int:
             tokens = sum(int(b["input_ids"].numel()) for b in batches)
             start = time.perf_counter()
             report = quantize_model(candidate, batches, config, expected_tokens=tokens,
-                                    progress=False)
+                                    device=parse_device(args.device), progress=False)
             seconds = time.perf_counter() - start
             row = {"method": method, "format": fmt, "lam": lam if transform == "kbbq" else None,
                    **probe.measure(candidate), **report.summary(), "seconds": seconds}

@@ -106,7 +106,7 @@ def default_cache_dir() -> Path:
 def _require(path: Path, what: str) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{what}: {path} does not exist (point data_dir at a folder laid "
-                                "out like ../shared/data, see kbbq_pl.benchmarks)")
+                                "out like ../shared/data, see kbbq_pl.eval.benchmarks)")
     return path
 
 

@@ -15,7 +15,7 @@
 * :func:`perplexity` scores a causal LM on a token stream with rolling windows, every token
   scored exactly once.
 * :func:`run_benchmarks` runs MMLU, GSM8K, HellaSwag, WinoGrande and MBPP offline through
-  lm-evaluation-harness on local data files (:mod:`kbbq_pl.benchmarks`).
+  lm-evaluation-harness on local data files (:mod:`kbbq_pl.eval.benchmarks`).
 """
 
 from __future__ import annotations

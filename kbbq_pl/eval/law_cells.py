@@ -1,12 +1,12 @@
 """Per-cell measurement of the noise law on a real model (paper Sec. 2, "Measurement").
 
 A *cell* is one GEMM with its own weight and its own input second moment: the targeted linear
-layers of one transformer block that have the same :func:`~kbbq_pl.modules.cell_kind` and read
+layers of one transformer block that have the same :func:`~kbbq_pl.quant.modules.cell_kind` and read
 the same input, their weights concatenated along out-features (fused QKV, output, fused
 gate/up, down).  A targeted linear of kind ``other`` is a cell of its own.
 
 The model runs one block at a time over the calibration batches at full precision
-(:class:`~kbbq_pl.sequential.SequentialRunner`); forward pre-hooks see every targeted linear's
+(:class:`~kbbq_pl.quant.sequential.SequentialRunner`); forward pre-hooks see every targeted linear's
 input, and for each cell and each batch (one forward call):
 
 * the input's second moment ``Sigma = E[x x^T]`` accumulates in float64, with the per-coordinate
@@ -341,7 +341,7 @@ def measure_law(
 
     ``batches`` are the model's keyword inputs (``{"input_ids", "attention_mask"}``), one
     forward call each; ``formats`` are format names (:func:`~kbbq_pl.formats.get_format`);
-    ``targets`` / ``ignore`` select the linear layers (:func:`~kbbq_pl.modules.find_linears`,
+    ``targets`` / ``ignore`` select the linear layers (:func:`~kbbq_pl.quant.modules.find_linears`,
     which raises a ValueError when nothing matches).  Raises a ValueError naming the layer when
     an input holds NaN or Inf.  See the module docstring for what is measured.
     """

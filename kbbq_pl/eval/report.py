@@ -7,7 +7,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ..quant.quantize import QuantizationConfig, QuantizationReport
+from ..quant.config import QuantizationConfig
+from ..quant.report import QuantizationReport
 from ..transforms.autobrake import choice_histogram
 
 

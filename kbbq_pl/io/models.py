@@ -114,7 +114,7 @@ def from_pretrained(folder: str | Path, device: str | torch.device = "cpu") -> n
 
 def quantized_checkpoint(path: str | Path) -> dict[str, Any] | None:
     """The ``quantization_config.json`` of a kbbq-pl quantized checkpoint folder, unchecked
-    (:func:`kbbq_pl.export.read_metadata` checks it when loading); None for any other folder."""
+    (:func:`kbbq_pl.io.checkpoint.read_metadata` checks it when loading); None for any other folder."""
     try:
         metadata = json.loads((Path(path) / CONFIG_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -124,7 +124,7 @@ def quantized_checkpoint(path: str | Path) -> dict[str, Any] | None:
 
 def describe_quantized(metadata: dict[str, Any]) -> str:
     """``nvfp4 RTN-KBBQ of <source model>``, from a checkpoint's metadata."""
-    from ..quant.quantize import QuantizationConfig
+    from ..quant.config import QuantizationConfig
 
     recipe = metadata.get("recipe") or {}
     config = recipe.get("config", recipe)
@@ -159,7 +159,7 @@ def load_model(
     A quantized folder (a kbbq-pl checkpoint, or a compressed-tensors NVFP4 / MXFP4 folder)
     loads through :func:`kbbq_pl.from_pretrained` (its stored codes, as saved; ``dtype`` does
     not apply); with ``dequantize`` its layers become plain linears holding the dequantized
-    weights (:func:`kbbq_pl.compressed_tensors.dense_model`, e.g. for the noise law); with
+    weights (:func:`kbbq_pl.io.compressed_tensors.dense_model`, e.g. for the noise law); with
     ``quantized="refuse"`` it is a ValueError saying what it is (quantizing it again would
     round rounded weights).  ``causal=True`` asks for a causal LM (an error for a quantized
     encoder)."""

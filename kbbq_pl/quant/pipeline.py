@@ -1,34 +1,88 @@
-"""The one entry of post-training quantization: :func:`quantize_model` runs the pipeline the
-recipe's weight quantizer names.
+"""Post-training W4A4 quantization of a model, one pipeline for every method.
 
-* ``weight_quantizer="rtn"``: :func:`~kbbq_pl.quant.quantize.quantize_model_rtn`, one
-  calibration pass over the whole model (statistics of the full-precision inputs), transforms
-  fitted per layer, weights rounded to nearest;
-* ``weight_quantizer="gptq"``: :func:`~kbbq_pl.quant.sequential_gptq.quantize_model_sequential`,
-  block by block, each block's inputs computed by the quantized blocks before it.
+:func:`quantize_model` walks the transformer blocks in order
+(:class:`~kbbq_pl.quant.sequential.SequentialRunner`: the first block's inputs are captured
+once, then each block runs over its cached inputs).  For each block, on ``device``:
 
-Both return the same :class:`~kbbq_pl.quant.quantize.QuantizationReport`.
+1. the weight quantizer (:class:`~kbbq_pl.quant.weight_quantizer.WeightQuantizer`: RTN or the
+   GPTQ family, the recipe's ``weight_quantizer``) runs the full-precision block with its hooks:
+   input second moments or Hessians, held-out samples for ``lam="auto"``, summed over ranks;
+2. it fits each linear's transform and quantizes ``W T^-1``;
+3. for a static NVFP4 activation scale, the full-precision block runs once more recording
+   ``amax(T x)`` of every layer's transformed inputs
+   (:func:`~kbbq_pl.quant.stats.act_scales_from_amax`);
+4. every linear is swapped for a :class:`~kbbq_pl.quant.layers.QuantizedLinear` and gets its
+   report row (kappas, utilization, output SNR on kept calibration tokens);
+5. the next block's inputs are the outputs of the full-precision block (``propagate="fp"``, kept
+   from step 1) or of the quantized block (``propagate="quantized"``, run after step 4).
+
+Only the current block is on ``device``; the others stay where they are (e.g. on the CPU, so a
+model larger than the accelerator's memory quantizes) and the cached activations live on
+``offload_device``.  Peak memory goes into the report.
 """
 
 from __future__ import annotations
 
-from torch import nn
+import logging
+import time
+from collections.abc import Mapping, Sequence
 
-from .quantize import (
-    Batches,
-    BroadcastFn,
-    QuantizationConfig,
-    QuantizationReport,
-    ReduceFn,
-    WeightQuantizer,
-    _identity,
-    quantize_model_rtn,
-)
-from .sequential_gptq import quantize_model_sequential
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
 
-__all__ = ["quantize_model"]
+from ..transforms.autobrake import split_sequences
+from .config import Batches, BroadcastFn, Collectives, QuantizationConfig, ReduceFn, _identity
+from .gptq_quantizer import GPTQ
+from .layers import QuantizedLinear, quantized_linears, swap_module
+from .modules import check_finite, find_linears, in_out_features, linear_weight
+from .report import QuantizationReport, chosen_lambda, layer_report, peak_memory_mb
+from .rtn import RTN
+from .sequential import BlockStep, SequentialRunner, trim_heap
+from .stats import act_scales_from_amax, transformed_amax_hooks
+from .weight_quantizer import Block, CalibrationSplit, LayerPlan, WeightQuantizer
+
+__all__ = ["WEIGHT_QUANTIZERS", "quantize_model", "select_layers"]
+
+log = logging.getLogger(__name__)
+
+WEIGHT_QUANTIZERS: dict[str, type[WeightQuantizer]] = {"rtn": RTN, "gptq": GPTQ}
+"""The weight quantizer a recipe's ``weight_quantizer`` names."""
 
 
+def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[str, nn.Module],
+                                                                           dict[str, str]]:
+    """Targeted layers, and those skipped with the reason; a weight holding NaN or Inf is an
+    error naming the layer (before any calibration), and so is a model that already holds
+    quantized layers (quantizing again would round rounded weights)."""
+    existing = list(quantized_linears(model))
+    if existing:
+        raise ValueError(f"{type(model).__name__} is already quantized ({len(existing)} quantized "
+                         f"layers, e.g. {existing[0]}): quantizing again would round rounded "
+                         "weights; quantize the full-precision model")
+    modules = find_linears(model, config.targets, config.ignore)
+    for name, module in modules.items():
+        check_finite(linear_weight(module), name, "weight")
+    skipped: dict[str, str] = {}
+    if config.unaligned == "skip":
+        for name, module in list(modules.items()):
+            in_features, _ = in_out_features(module)
+            if in_features % config.block:
+                skipped[name] = (f"in_features {in_features} is not a multiple of the "
+                                 f"{config.format} block {config.block}")
+                del modules[name]
+                log.warning("%s: skipped (%s)", name, skipped[name])
+    if not modules:
+        raise ValueError("every targeted layer was skipped; nothing to quantize")
+    return modules, skipped
+
+
+def _token_count(batches: Sequence[Mapping[str, Tensor]]) -> int:
+    return sum(b["input_ids"].numel() for b in batches
+               if isinstance(b.get("input_ids"), Tensor))
+
+
+@torch.no_grad()
 def quantize_model(
     model: nn.Module,
     batches: Batches,
@@ -36,38 +90,139 @@ def quantize_model(
     *,
     reduce_sum: ReduceFn = _identity,
     reduce_max: ReduceFn = _identity,
+    broadcast: BroadcastFn | None = None,
+    rank: int = 0,
+    world_size: int = 1,
     weight_quantizer: WeightQuantizer | None = None,
     expected_tokens: int | None = None,
     trainable: bool = False,
     progress: bool = True,
-    broadcast: BroadcastFn | None = None,
-    rank: int = 0,
-    world_size: int = 1,
+    device: torch.device | str | None = None,
+    offload_device: torch.device | str = "cpu",
 ) -> QuantizationReport:
-    """Quantize ``model`` in place with ``config``; returns the report.
+    """Quantize ``model`` in place with ``config`` (module docstring); returns the report.
 
-    ``batches`` is re-iterated when a second pass is needed (static activation scales), so pass
-    a list or a DataLoader, not a generator.  ``reduce_sum`` / ``reduce_max`` all-reduce a tensor
-    across data-parallel ranks (identity on one process).  ``trainable`` keeps high-precision
-    master weights ``W T^-1`` for fine-tuning (RTN only, see
-    :class:`~kbbq_pl.quant.layers.QuantizedLinear`); ``weight_quantizer`` replaces RTN's
-    rounding by a callable.
-
-    ``config.weight_quantizer == "gptq"`` runs the block-sequential GPTQ loop, which also takes
-    ``broadcast(obj, src) -> obj``, ``rank`` and ``world_size`` to split its work across ranks.
+    ``batches`` are the model's keyword inputs (a list or a DataLoader).  ``reduce_sum`` /
+    ``reduce_max`` all-reduce a tensor across data-parallel ranks, ``broadcast(obj, src)``,
+    ``rank`` and ``world_size`` split GPTQ's layers over them (identities on one process; see
+    :func:`~kbbq_pl.quant.config.lightning_collectives`).  ``trainable`` keeps high-precision
+    master weights ``W T^-1`` for fine-tuning (RTN).  ``weight_quantizer`` replaces the one the
+    recipe names.  ``device`` runs each block (default: where the model is); ``offload_device``
+    holds the cached activations between blocks.
     """
-    if config.weight_quantizer == "gptq":
-        if weight_quantizer is not None:
-            raise ValueError("a weight_quantizer callable replaces RTN; it cannot be combined "
-                             "with config.weight_quantizer='gptq'")
-        if trainable:
-            raise ValueError("GPTQ stores rounded codes, not master weights: fine-tune from "
-                             "weight_quantizer='rtn' (trainable=True), or run GPTQ after")
-        return quantize_model_sequential(
-            model, batches, config, reduce_sum=reduce_sum, reduce_max=reduce_max,
-            broadcast=broadcast, rank=rank, world_size=world_size,
-            expected_tokens=expected_tokens, progress=progress)
-    return quantize_model_rtn(
-        model, batches, config, reduce_sum=reduce_sum, reduce_max=reduce_max,
-        weight_quantizer=weight_quantizer, expected_tokens=expected_tokens, trainable=trainable,
-        progress=progress)
+    start = time.perf_counter()
+    collectives = Collectives(reduce_sum, reduce_max, broadcast, rank, world_size)
+    quantizer = weight_quantizer or WEIGHT_QUANTIZERS[config.weight_quantizer](
+        config, trainable=trainable)
+    if world_size > 1 and broadcast is None and quantizer.splits_work:
+        raise ValueError(f"world_size {world_size}: {config.method} splits layers across ranks "
+                         "and needs broadcast(obj, src)")
+    propagate = config.propagate or quantizer.propagate
+    batches = list(batches)
+    if not batches:
+        raise ValueError("the calibration set is empty: no batches")
+    modules, skipped = select_layers(model, config)
+    fit, held_out = (split_sequences(batches, config.auto_holdout, config.seed) if config.auto
+                     else (batches, []))
+    split = CalibrationSplit(len(fit), len(held_out), _token_count(batches), expected_tokens)
+    runner = SequentialRunner(model, fit + held_out, device=device,
+                              offload_device=offload_device, targets=modules)
+    if runner.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(runner.device)
+    report = QuantizationReport(config=config.to_dict(), skipped=skipped)
+    timing = dict.fromkeys(("calibration", quantizer.work_stage, "activation_scales",
+                            "quantize", "propagation"), 0.0)
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    try:
+        steps = tqdm(runner, total=len(runner), desc=f"{config.method} {config.format}",
+                     unit="block", disable=not progress or len(runner) == 1)
+        for step in steps:
+            last = step.index == len(runner) - 1
+            linears = {n: m for n, m in step.linears().items() if n in modules}
+            with step.on_device():
+                outputs = None
+                if linears:
+                    block = Block(step, linears, model, config, collectives, split, timing,
+                                  progress)
+                    outputs = _quantize_block(block, quantizer, propagate == "fp" and not last,
+                                              trainable, report)
+                if not last:
+                    tick = time.perf_counter()
+                    step.advance(outputs if outputs is not None else step.run())
+                    timing["propagation"] += time.perf_counter() - tick
+            trim_heap()
+    finally:  # every module back in its mode; the new layers in training mode, ready to be
+        # fine-tuned (straight-through), until the model is put in eval mode
+        for module in model.modules():
+            module.training = modes.get(module, True)
+    quantizer.finish(report)
+    report.seconds.update(timing)
+    report.seconds["total"] = time.perf_counter() - start
+    report.model.update(peak_memory_mb(runner.device))
+    report.model["blocks"] = len(runner)
+    report.model["propagate"] = propagate
+    if runner.whole_model is not None:
+        report.model["whole_model"] = runner.whole_model
+    return report
+
+
+def _quantize_block(block: Block, quantizer: WeightQuantizer, keep_outputs: bool,
+                    trainable: bool, report: QuantizationReport) -> list[Tensor] | None:
+    """Steps 1-4 of the module docstring for one block; returns the full-precision block's
+    outputs when ``keep_outputs``."""
+    config, timing, step = block.config, block.timing, block.step
+    tick = time.perf_counter()
+    calibration, outputs = quantizer.calibrate(block, keep_outputs)
+    timing["calibration"] += time.perf_counter() - tick
+
+    tick = time.perf_counter()
+    plans = quantizer.quantize(block, calibration)
+    timing[quantizer.work_stage] += time.perf_counter() - tick
+
+    static = config.act_scale == "static" and config.fmt.global_scale
+    scales: dict[str, Tensor] = {}
+    if static:
+        tick = time.perf_counter()
+        scales = _static_act_scales(step, block.linears, plans, config,
+                                    block.collectives.reduce_max)
+        timing["activation_scales"] += time.perf_counter() - tick
+
+    tick = time.perf_counter()
+    for name, module in block.linears.items():
+        plan = plans[name]
+        if plan.full_precision is not None:
+            _set_full_precision(module, *plan.full_precision)
+        weight = linear_weight(module)
+        layer = QuantizedLinear.from_linear(
+            module, config.fmt, plan.online, act_scale="static" if static else "dynamic",
+            act_global_scale=scales[name].to(weight.device) if static else None,
+            trainable=trainable and plan.weight is None, name=name, quantized_weight=plan.weight)
+        layer.to(weight.device)
+        report.layers.append(layer_report(name, module, layer, plan.stats, plan.transform,
+                                          config, scales.get(name),
+                                          lam=chosen_lambda(config, plan.choice),
+                                          folded=plan.folded))
+        if plan.choice is not None:
+            report.autobrake[name] = plan.choice
+        swap_module(block.model, name, layer)
+    timing["quantize"] += time.perf_counter() - tick
+    return outputs
+
+
+def _static_act_scales(step: BlockStep, linears: Mapping[str, nn.Module],
+                       plans: Mapping[str, LayerPlan], config: QuantizationConfig,
+                       reduce_max: ReduceFn) -> dict[str, Tensor]:
+    """Per-tensor NVFP4 scales ``amax(T x) / (448 * 6)`` of every layer's transformed inputs,
+    from one more run of the full-precision block (a folded layer's ``T`` is applied to its
+    inputs here: the block still holds the unfolded weights)."""
+    transforms = {name: plan.transform for name, plan in plans.items()}
+    with transformed_amax_hooks(linears, transforms, config.fmt) as amax:
+        step.run(keep_outputs=False)
+    return act_scales_from_amax(amax, reduce_max)
+
+
+def _set_full_precision(module: nn.Module, weight: Tensor, bias: Tensor | None) -> None:
+    module.weight.copy_(weight)
+    if bias is not None:
+        module.bias.copy_(bias)

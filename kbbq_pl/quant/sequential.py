@@ -12,11 +12,17 @@ sequential pipeline of llm-compressor and of the GPTQ reference loop.
         outputs = step.run()               # run the block over every cached input
         ...                                # quantize step.module, maybe run it again
         step.advance(outputs)              # the outputs feed the next block
+
+A model without a stack of blocks, or one whose targeted layers (``targets``) are not all inside
+it (an ``lm_head`` quantized too), runs as one step: the whole model over the batches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import contextlib
+import ctypes
+import logging
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +30,8 @@ import torch
 from torch import Tensor, nn
 
 from .modules import is_linear
+
+log = logging.getLogger(__name__)
 
 
 class _Stop(Exception):
@@ -99,7 +107,19 @@ class BlockStep:
 
     def linears(self) -> dict[str, nn.Module]:
         """The block's linear layers by their qualified name in the whole model."""
-        return {f"{self.name}.{n}": m for n, m in self.module.named_modules() if is_linear(m)}
+        prefix = f"{self.name}." if self.name else ""
+        return {prefix + n: m for n, m in self.module.named_modules() if is_linear(m)}
+
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator[BlockStep]:
+        """The block on the runner's device for the duration, then back where it was (every
+        other block stays where it is: the model need not fit on the device)."""
+        home = next(self.module.parameters()).device
+        self.module.to(self.runner.device)
+        try:
+            yield self
+        finally:
+            self.module.to(home)
 
     @torch.no_grad()
     def run(self, keep_outputs: bool = True, subset: slice = slice(None)
@@ -136,12 +156,37 @@ class SequentialRunner:
         batches: Sequence[Mapping[str, Tensor]],
         device: torch.device | str | None = None,
         offload_device: torch.device | str = "cpu",
+        targets: Collection[str] | None = None,
     ) -> None:
         self.model = model
-        self.blocks_name, self.blocks = find_blocks(model)
         self.device = torch.device(device) if device else next(model.parameters()).device
         self.offload_device = torch.device(offload_device)
-        self.inputs = self._capture(batches)
+        whole = self._whole_model_reason(targets)
+        if whole is None:
+            self.inputs = self._capture(batches)
+        else:
+            log.info("%s: the model runs as one block (%s)", type(model).__name__, whole)
+            self.blocks_name, self.blocks = "", nn.ModuleList([model])
+            self.inputs = [_to(BlockInput((), dict(batch)), self.offload_device)
+                           for batch in batches]
+            if not self.inputs:
+                raise ValueError("no calibration batches: the calibration set is empty")
+        self.whole_model = whole
+        """Why the model runs as one block, or None when it runs block by block."""
+
+    def _whole_model_reason(self, targets: Collection[str] | None) -> str | None:
+        """Why the model must run as one block (no stack of blocks, or targeted layers outside
+        it), or None."""
+        try:
+            self.blocks_name, self.blocks = find_blocks(self.model)
+        except ValueError as error:
+            return str(error)
+        prefix = self.blocks_name + "."
+        outside = [name for name in targets or () if not name.startswith(prefix)]
+        if outside:
+            return (f"targeted layers outside its blocks {self.blocks_name}: "
+                    f"{', '.join(outside[:3])}")
+        return None
 
     @torch.no_grad()
     def _capture(self, batches: Sequence[Mapping[str, Tensor]]) -> list[BlockInput]:
@@ -172,4 +217,23 @@ class SequentialRunner:
 
     def __iter__(self) -> Iterator[BlockStep]:
         for index, module in enumerate(self.blocks):
-            yield BlockStep(self, index, f"{self.blocks_name}.{index}", module)
+            name = f"{self.blocks_name}.{index}" if self.whole_model is None else ""
+            yield BlockStep(self, index, name, module)
+
+
+def trim_heap() -> None:
+    """Return freed CPU memory to the operating system (glibc ``malloc_trim``; a no-op
+    elsewhere).  Freed tensors otherwise stay in the allocator's heap, and the RSS of a long
+    loop grows block after block with memory that is no longer in use."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC: Any = None

@@ -25,7 +25,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from ..formats import Format
+from ..formats.kernels import NVFP4_MIN_GLOBAL_SCALE
+from .layers import pad_features
 from .modules import check_finite, first_input, flatten_tokens, in_out_features, linear_weight
+from .w4a4 import transformed_input
 
 _F64 = torch.float64
 
@@ -231,3 +235,39 @@ def run_calibration(model: nn.Module, batches: Iterable[Mapping[str, Tensor]]) -
     finally:
         model.train(was_training)
     return count
+
+
+@contextlib.contextmanager
+def transformed_amax_hooks(modules: Mapping[str, nn.Module],
+                           transforms: Mapping[str, Tensor | None],
+                           fmt: Format) -> Iterator[dict[str, Tensor]]:
+    """Pre-hooks recording, per layer, the amax of its padded, transformed inputs ``T x``
+    while they are attached; yields the dict they fill."""
+    amax: dict[str, Tensor] = {}
+    handles = []
+    for name, module in modules.items():
+        in_features, _ = in_out_features(module)
+        padded = pad_features(torch.empty(1, in_features), fmt).shape[1]
+
+        @torch.no_grad()
+        def hook(module, args, kwargs, name=name, in_features=in_features, padded=padded):
+            x = first_input(args, kwargs)
+            value = transformed_input(x, in_features, padded, transforms[name]).abs().max()
+            amax[name] = value if name not in amax else torch.maximum(amax[name], value)
+
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        yield amax
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def act_scales_from_amax(amax: Mapping[str, Tensor],
+                         reduce_max: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
+    """Static NVFP4 per-tensor activation scales ``amax / (448 * 6)``, amax maxed over ranks."""
+    scales = {}
+    for name, value in amax.items():
+        value = reduce_max(value.float())
+        scales[name] = (value / (448.0 * 6.0)).clamp(min=NVFP4_MIN_GLOBAL_SCALE).reshape(())
+    return scales

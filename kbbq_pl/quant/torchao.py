@@ -24,7 +24,7 @@ activation scale, the layer's calibration inputs, kept on the CPU until ``conver
 one copy of every targeted layer's inputs; ``act_scale="dynamic"`` keeps none, and
 :func:`kbbq_pl.quant.pipeline.quantize_model` makes a second pass over the data instead).  The fit,
 the rounding and the scales are :mod:`kbbq_pl.transforms`, :func:`kbbq_pl.quant.layers.w4a4_weight`
-and :func:`kbbq_pl.quant.quantize.act_scales_from_amax`: on the same calibration batches the result
+and :func:`kbbq_pl.quant.stats.act_scales_from_amax`: on the same calibration batches the result
 equals ``quantize_model`` with the same recipe bit for bit.
 
 ``prepare.filter_fn`` selects the layers ``quantize_model`` would (``targets`` / ``ignore``
@@ -50,10 +50,10 @@ from torchao.quantization.transform_module import register_quantize_module_handl
 
 from ..formats import QuantizedTensor
 from ..transforms.fit import FITTED_TRANSFORMS, fit_transform
+from .config import QuantizationConfig
 from .layers import pad_features, w4a4_weight
 from .modules import first_input, is_targeted
-from .quantize import QuantizationConfig, act_scales_from_amax
-from .stats import StatisticsCollector
+from .stats import StatisticsCollector, act_scales_from_amax
 from .w4a4 import transformed_input
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class KBBQConfig(AOBaseConfig):
     Args:
         step: ``prepare`` (attach observers) or ``convert`` (fit and quantize).
         format, transform, lam, act_scale, damping, seed, targets, ignore, unaligned: the
-            :class:`~kbbq_pl.quant.quantize.QuantizationConfig` fields of the same names (and
+            :class:`~kbbq_pl.quant.config.QuantizationConfig` fields of the same names (and
             defaults); ``targets``, ``ignore`` and ``unaligned="skip"`` act through
             :meth:`filter_fn`.  ``prepare`` and ``convert`` must agree on ``format`` and
             ``act_scale`` (they decide what is observed).
@@ -100,7 +100,7 @@ class KBBQConfig(AOBaseConfig):
 
     @property
     def recipe(self) -> QuantizationConfig:
-        """The same recipe as a :class:`~kbbq_pl.quant.quantize.QuantizationConfig`."""
+        """The same recipe as a :class:`~kbbq_pl.quant.config.QuantizationConfig`."""
         return QuantizationConfig(
             format=self.format, transform=self.transform, lam=self.lam, targets=self.targets,
             ignore=self.ignore, act_scale=self.act_scale, damping=self.damping, seed=self.seed,

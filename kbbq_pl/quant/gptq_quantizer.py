@@ -1,0 +1,396 @@
+"""The GPTQ family as a weight quantizer: GPTQ, MR-GPTQ, GPTQ-WUSH, GPTQ-KBBQ.
+
+:class:`GPTQ` is the weight quantizer (:mod:`kbbq_pl.quant.weight_quantizer`) of the GPTQ family in
+the block-sequential pipeline (:func:`kbbq_pl.quant.pipeline.quantize_model`).  For each block:
+
+1. calibrate: run the full-precision block over its cached inputs, by default the outputs of
+   the previous, already quantized block (``propagate="quantized"``: quantization error
+   propagates as in GPTQ's reference loop); hooks accumulate every targeted linear's Hessian
+   ``H = (2 / n) sum x x^T`` (:class:`HessianCollector`; q/k/v and gate/up share one product per
+   call), summed over data-parallel ranks;
+2. quantize each linear (:func:`quantize_layers`): fit its transform from the diagonal blocks of
+   ``H / 2`` (WUSH / KBBQ) or take the data-free one (identity, block Hadamard, Haar), then GPTQ
+   on ``W T^-1`` with ``T H T^T`` (or the in-loop refit variant); layers are split across ranks
+   and broadcast from their owner;
+3. the pipeline then calibrates the static activation scales, swaps in the
+   :class:`~kbbq_pl.quant.layers.QuantizedLinear` layers (the same modules, report rows and
+   checkpoints as RTN) and runs the quantized block, W4A4 as deployed, to produce the next
+   block's inputs.
+
+Memory: one block's weights, Hessians (float64 sums) and one block's calibration activations.
+
+Distributed: :class:`~kbbq_pl.quant.config.Collectives` (all-reduces, ``broadcast(obj, src)``,
+``rank`` and ``world_size``).  Each rank calibrates on its own batches; Hessians are summed
+in float64 and rounded to float32 once, so every rank (and a single process with all the
+batches) starts GPTQ from the same float32 ``H`` (:meth:`HessianCollector.reduce`); each layer
+(or stack of layers sharing a Hessian) is quantized by one rank and broadcast.
+
+GPTQ-WUSH / GPTQ-KBBQ: ``transform_refit="in_loop"`` (the default; the WUSH paper's variant,
+:func:`kbbq_pl.quant.gptq.gptq_refit`) refits each ``T_b`` on the error-updated weight block when
+GPTQ reaches it and rounds the block's columns with GPTQ's updates in its coordinates; ``"fixed"``
+fits ``T`` once from the calibration statistics and runs GPTQ on ``W T^-1`` with ``T H T^T`` (with
+act-order).  ``lam="auto"`` (:func:`auto_gptq`) runs the candidates on the fitting part's Hessian
+and keeps the lambda whose GPTQ-quantized layer has the smallest realized W4A4 output error on the
+held-out tokens.  On all-MiniLM-L6-v2 (``bench/w4a4_table.py --extra``, calibration seed 0) the
+in-loop refit gives GPTQ-KBBQ a better embedding fidelity in MXFP4 (+0.0031 in mean cosine) and the
+same within noise in NVFP4 (-0.0002), hence the default.  GPTQ-WUSH (lambda = 1) refit in the loop
+is better in NVFP4 (+0.0015) but collapses in MXFP4 (0.892 against 0.955 with ``fixed``); the braked
+KBBQ refit does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from ..formats import QuantizedTensor
+from ..transforms.autobrake import LambdaChoice, best_lambda, quantized_output_error
+from ..transforms.fit import fit_transform, transform_weight
+from .config import QuantizationConfig, ReduceFn, _identity
+from .gptq import (
+    GPTQResult,
+    gptq_layers,
+    gptq_refit,
+    hessian,
+    sigma_blocks_from_hessian,
+    transform_hessian,
+)
+from .layers import pad_features
+from .modules import check_finite, first_input, flatten_tokens, linear_weight
+from .report import QuantizationReport
+from .sequential import trim_heap
+from .stats import StatisticsCollector
+from .weight_quantizer import Block, LayerPlan, WeightQuantizer
+
+__all__ = ["GPTQ", "HessianCollector", "assign_owners", "auto_gptq", "gather_rows",
+           "quantize_layers"]
+
+
+class HessianCollector(StatisticsCollector):
+    """GPTQ Hessians of a block's linears, with the report statistics of
+    :class:`~kbbq_pl.quant.stats.StatisticsCollector` (output energy, token count, samples).
+
+    Per forward call, each distinct input tensor gets one float32 product ``x^T x`` that every
+    layer reading it (q/k/v, gate/up) adds to its float64 sum ``full_sum``; layers that read
+    the same tensor in every call share one sum after :meth:`reduce` (:meth:`groups`), and the
+    block second moments ``sigma_sum`` are its diagonal blocks.
+    """
+
+    def __init__(self, modules: Mapping[str, nn.Module], block: int, keep_samples: int = 256,
+                 sample_stride: int = 1) -> None:
+        super().__init__(modules, block, keep_samples, sample_stride, full=True)
+        self._cached: tuple[Tensor, int, Tensor, Tensor, str] | None = None
+        self._sources: dict[str, list[str]] = {name: [] for name in self.modules}
+
+    @torch.no_grad()
+    def _update(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Tensor):
+        raw = first_input(args, kwargs)
+        stats = self.stats[name]
+        size = stats.padded_features
+        cached = self._cached
+        if cached is not None and cached[0] is raw and cached[1] == size:
+            x, product, source = cached[2], cached[3], cached[4]
+        else:
+            x = flatten_tokens(raw).detach()
+            check_finite(x, name)
+            xf = x.to(torch.float32)
+            if size != stats.in_features:
+                xf = torch.nn.functional.pad(xf, (0, size - stats.in_features))
+            product = xf.T @ xf
+            source = name
+            self._cached = (raw, size, x, product, name)
+        self._sources[name].append(source)
+        stats.full_sum += product
+        self._update_common(stats, module, x, output)
+
+    def groups(self) -> list[list[str]]:
+        """Layers whose Hessians are the same sums (they read the same tensor in every call),
+        in module order."""
+        grouped: dict[tuple, list[str]] = {}
+        for name, sources in self._sources.items():
+            key = (tuple(sources), self.stats[name].padded_features)
+            grouped.setdefault(key, []).append(name)
+        return list(grouped.values())
+
+    def reduce(self, reduce_sum: ReduceFn, reduce_max: ReduceFn = _identity) -> None:
+        """Sum the float64 Hessian sums, output energies and token counts over ranks (max of
+        the input amax), once per group of layers sharing a sum, then fill in the block second
+        moments.
+
+        Summation order: every call adds a float32 product to a float64 sum, and the ranks'
+        sums are added in float64.  float64 carries 29 more mantissa bits than float32, so these
+        additions are exact, hence independent of their order and of how the batches are split
+        over ranks, as long as an entry's per-call values span less than ``2^29 / calls`` in
+        magnitude; beyond that, the differences are float64 roundings (~1e-16 relative), and
+        :meth:`hessian` rounds to float32 (6e-8) once at the end.  One process and several give
+        the same float32 ``H``, and the same codes (tests/test_gptq_pipeline.py).
+        """
+        self._cached = None
+        for group in self.groups():
+            leader = self.stats[group[0]]
+            assert leader.full_sum is not None
+            for name in group[1:]:  # identical by construction; share one tensor
+                self.stats[name].full_sum = leader.full_sum
+            total = reduce_sum(leader.full_sum)
+            blocks = leader.sigma_sum.shape[0]
+            grid = total.reshape(blocks, self.block, blocks, self.block)
+            index = torch.arange(blocks, device=grid.device)
+            sigma = grid[index, :, index, :].clone()
+            for name in group:
+                self.stats[name].full_sum = total
+                self.stats[name].sigma_sum = sigma
+        for stats in self.stats.values():
+            stats.output_energy = reduce_sum(stats.output_energy)
+            stats.tokens = reduce_sum(stats.tokens)
+            stats.input_amax = reduce_max(stats.input_amax)
+
+    def hessian(self, name: str, keep_sum: bool = False) -> Tensor:
+        """``H = (2 / n) sum x x^T`` (float32) of layer ``name`` (padded dimension), shared by
+        its group; the float64 sum is dropped unless ``keep_sum`` (a dense transform's report
+        needs the full second moment)."""
+        stats = self.stats[name]
+        assert stats.full_sum is not None
+        h = hessian(stats.full_sum, stats.tokens)
+        if not keep_sum:
+            total = stats.full_sum
+            for other in self.stats.values():
+                if other.full_sum is total:
+                    other.full_sum = None
+        return h
+
+
+def quantize_layers(weights: Mapping[str, Tensor], h: Tensor, config: QuantizationConfig
+                    ) -> dict[str, tuple[GPTQResult, Tensor | None]]:
+    """GPTQ of the layers ``weights`` (name -> ``[out, D]``, padded to whole blocks) that share
+    the float32 Hessian ``h [D, D]``, with the transform of ``config``; returns per layer the
+    result (the quantized ``W T^-1``) and the transform ``T`` (float64, None for the identity).
+
+    Several layers need a data-free transform (identity, Hadamard, Haar: one ``T`` for all);
+    they run as one stacked GPTQ (:func:`kbbq_pl.quant.gptq.gptq_layers`).
+    """
+    fmt = config.fmt
+    kind = config.transform
+    names = list(weights)
+    common = dict(damping=config.gptq_damping, block_size=config.gptq_block_size,
+                  scale_search=config.scale_search)
+    if kind in ("wush", "kbbq"):
+        if len(names) != 1:
+            raise ValueError(f"{kind} transforms are fitted per layer: quantize {names} one by one")
+        name, weight = names[0], weights[names[0]]
+        if config.refits_in_loop:
+            result = gptq_refit(weight, h, fmt, lam=1.0 if kind == "wush" else config.lam,
+                                transform_damping=config.damping, name=name, **common)
+            return {name: (result, result.transform)}
+        sigma = sigma_blocks_from_hessian(h, config.block)
+        transform = fit_transform(kind, weight, sigma, block=config.block, lam=config.lam,
+                                  seed=config.seed, damping=config.damping, name=name)
+    else:
+        transform = fit_transform(kind, weights[names[0]], None, block=config.block,
+                                  seed=config.seed, name=names[0])
+    results = gptq_layers([transform_weight(weights[n].to(torch.float32), transform)
+                           for n in names], transform_hessian(h, transform), fmt,
+                          act_order=config.gptq_act_order, group_scales_mode=config.group_scales,
+                          names=names, **common)
+    return {name: (result, transform) for name, result in zip(names, results)}
+
+
+def auto_gptq(name: str, weight: Tensor, h_fit: Tensor, h_all: Tensor, x_select: Tensor,
+              config: QuantizationConfig) -> tuple[tuple[GPTQResult, Tensor | None], LambdaChoice]:
+    """GPTQ-KBBQ with ``lam="auto"``: run GPTQ-KBBQ(lambda) with the fitting part's Hessian
+    ``h_fit`` for every lambda of ``config.auto_grid``, score each quantized weight by its
+    realized output error on ``x_select`` (the held-out inputs, both operands rounded as
+    deployed), and keep the best; with ``config.auto_refit`` the chosen lambda is quantized
+    again with the Hessian of all tokens ``h_all``.  Returns ``(result, transform)`` as
+    :func:`quantize_layers` does, and the choice."""
+    act_scale = "static" if config.act_scale == "static" and config.fmt.global_scale else "dynamic"
+    errors: dict[float, float] = {}
+    best: tuple[GPTQResult, Tensor | None] | None = None
+    y = x_select.float() @ weight.float().T
+    for lam in map(float, config.auto_grid):
+        done = quantize_layers({name: weight}, h_fit, replace(config, lam=lam))[name]
+        error = quantized_output_error(weight, done[0].values, x_select, done[1], config.fmt,
+                                       act_scale, y=y)
+        if best is None or error < min(errors.values()):  # ties keep the first, as best_lambda
+            best = done
+        errors[lam] = error
+    choice = best_lambda(errors)
+    if config.auto_refit:
+        best = quantize_layers({name: weight}, h_all, replace(config, lam=choice.lam))[name]
+    assert best is not None
+    return best, choice
+
+
+def gather_rows(x: Tensor, reduce_sum: ReduceFn, rank: int, world_size: int) -> Tensor:
+    """The rows of every rank's ``x [n_r, D]`` stacked in rank order, on every rank, through
+    the sum all-reduce (each rank fills its slot of a zero tensor; adding zeros is exact)."""
+    if world_size == 1:
+        return x
+    counts = torch.zeros(world_size, dtype=torch.float64, device=x.device)
+    counts[rank] = x.shape[0]
+    counts = reduce_sum(counts).long()
+    start = int(counts[:rank].sum())
+    stacked = x.new_zeros(int(counts.sum()), x.shape[1])
+    stacked[start:start + x.shape[0]] = x
+    return reduce_sum(stacked)
+
+
+def assign_owners(costs: Mapping[str, float], world_size: int) -> dict[str, int]:
+    """Rank that quantizes each layer: largest cost first to the least loaded rank (ties to the
+    lower rank, then by name), deterministic."""
+    loads = [0.0] * world_size
+    owners: dict[str, int] = {}
+    for name in sorted(costs, key=lambda n: (-costs[n], n)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        owners[name] = rank
+        loads[rank] += costs[name]
+    return owners
+
+
+_SCALE_DTYPES = {"e4m3": torch.float8_e4m3fn, "e8m0": torch.float8_e8m0fnu, "fp32": torch.float32}
+
+
+def _payload(result: GPTQResult, transform: Tensor | None,
+             choice: LambdaChoice | None = None) -> dict[str, Any]:
+    """The result as plain tensors for ``broadcast`` (pickle does not carry float8 storages:
+    block scales travel as their bytes)."""
+    weight = result.weight
+    scale = weight.scale if weight.scale.dtype == torch.float32 else weight.scale.view(torch.uint8)
+    return {"qdata": weight.qdata, "scale": scale, "global_scale": weight.global_scale,
+            "transform": transform, "damping": result.damping, "fallback": result.fallback,
+            "choice": choice}
+
+
+def _quantized_weight(payload: Mapping[str, Any], config: QuantizationConfig,
+                      orig_dtype: torch.dtype, device: torch.device) -> QuantizedTensor:
+    qdata = payload["qdata"].to(device)
+    gs = payload["global_scale"]
+    scale = payload["scale"].view(_SCALE_DTYPES[config.fmt.scale_kind]).to(device)
+    return QuantizedTensor(qdata, scale, config.fmt, orig_dtype,
+                           qdata.shape[-1] * 2, None if gs is None else gs.to(device))
+
+
+def _fitting_hessian(collector: HessianCollector, selection: HessianCollector, name: str,
+                     config: QuantizationConfig) -> Tensor:
+    """The Hessian GPTQ-KBBQ's candidates are fitted with: of the tokens not held out (all
+    tokens minus the selection part), or of the selection part itself when
+    ``auto_select_on="fit"``."""
+    chosen = selection.stats[name]
+    assert chosen.full_sum is not None
+    if config.auto_select_on == "fit":
+        return hessian(chosen.full_sum, chosen.tokens)
+    total = collector.stats[name]
+    assert total.full_sum is not None
+    return hessian(total.full_sum - chosen.full_sum, total.tokens - chosen.tokens)
+
+
+@dataclass
+class GPTQCalibration:
+    """A block's Hessians (all cached batches) and, with ``lam="auto"``, those of the batches
+    the brake is selected on."""
+
+    all: HessianCollector
+    selection: HessianCollector | None
+
+
+class GPTQ(WeightQuantizer):
+    """The GPTQ family (module docstring): GPTQ, MR-GPTQ, GPTQ-WUSH, GPTQ-KBBQ."""
+
+    propagate: ClassVar = "quantized"
+    work_stage: ClassVar = "gptq"
+    splits_work: ClassVar = True
+
+    def __init__(self, config: QuantizationConfig, *, trainable: bool = False) -> None:
+        if trainable:
+            raise ValueError("GPTQ stores rounded codes, not master weights: fine-tune from "
+                             "weight_quantizer='rtn' (trainable=True), or run GPTQ after")
+        super().__init__(config)
+        self.info: dict[str, dict[str, Any]] = {}
+
+    def calibrate(self, block: Block, keep_outputs: bool
+                  ) -> tuple[GPTQCalibration, list[Tensor] | None]:
+        config, split, step = self.config, block.split, block.step
+        reduce_sum, reduce_max = block.collectives.reduce_sum, block.collectives.reduce_max
+        stride = max(1, (split.expected_tokens or split.tokens) // max(1, config.keep_samples))
+        collector = HessianCollector(block.linears, config.block, config.keep_samples, stride)
+        with collector.hooks():
+            outputs = step.run(keep_outputs)
+        collector.reduce(reduce_sum, reduce_max)
+        collector.check_nonempty()
+        selection = None
+        if config.auto:
+            select = split.held_out_part if config.auto_select_on == "holdout" else split.fit_part
+            tokens = sum(c.hidden.shape[:-1].numel() for c in step.inputs[select])
+            selection = HessianCollector(block.linears, config.block, config.auto_tokens,
+                                         max(1, tokens // max(1, config.auto_tokens)))
+            with selection.hooks():
+                step.run(keep_outputs=False, subset=select)
+            selection.reduce(reduce_sum, reduce_max)
+            selection.check_nonempty()
+        trim_heap()
+        return GPTQCalibration(collector, selection), outputs
+
+    def quantize(self, block: Block, calibration: GPTQCalibration) -> dict[str, LayerPlan]:
+        """GPTQ of the block's linears, split across ranks (largest first) and broadcast from
+        their owner; with ``lam="auto"`` the brake is chosen per layer (:func:`auto_gptq`)."""
+        config, linears = self.config, block.linears
+        collectives = block.collectives
+        rank, world_size = collectives.rank, collectives.world_size
+        collector, selection = calibration.all, calibration.selection
+        weights = {name: pad_features(linear_weight(m).detach(), config.fmt)
+                   for name, m in linears.items()}
+        stacked = config.transform not in ("wush", "kbbq")
+        groups = collector.groups()
+        jobs = groups if stacked else [[name] for group in groups for name in group]
+        costs = {job[0]: float(weights[job[0]].shape[1]) ** 2 * (
+            sum(weights[n].shape[0] for n in job) + weights[job[0]].shape[1]) for job in jobs}
+        owners = assign_owners(costs, world_size)
+        payloads: dict[str, Any] = {}
+        bar = tqdm(total=len(linears), desc=block.step.name, unit="layer", leave=False,
+                   disable=not block.progress)
+        dense = config.transform == "haar"
+        for group in groups:
+            mine = [job for job in jobs if job[0] in group and owners[job[0]] == rank]
+            h_fit = None
+            if selection is not None:
+                x_select = {n: gather_rows(pad_features(selection.stats[n].sample(), config.fmt),
+                                           collectives.reduce_sum, rank, world_size)
+                            for n in group}
+                if mine:
+                    h_fit = _fitting_hessian(collector, selection, group[0], config)
+            h = collector.hessian(group[0], keep_sum=dense) if mine else None
+            for job in mine:
+                if h_fit is not None:
+                    (name,) = job
+                    done, choice = auto_gptq(name, weights[name], h_fit, h, x_select[name],
+                                             config)
+                    payloads[name] = _payload(*done, choice)
+                else:
+                    done = quantize_layers({n: weights[n] for n in job}, h, config)
+                    payloads.update({n: _payload(*done[n]) for n in job})
+                trim_heap()
+            del h, h_fit
+            bar.update(len(group))
+        bar.close()
+        for job in jobs:  # every rank walks the jobs in the same order
+            for name in job:
+                payloads[name] = collectives.broadcast(payloads.get(name), owners[job[0]])
+
+        plans = {}
+        for name, module in linears.items():
+            payload = payloads[name]
+            weight = linear_weight(module)
+            self.info[name] = {"damping": payload["damping"], "fallback": payload["fallback"]}
+            plans[name] = LayerPlan(
+                transform=payload["transform"], online=payload["transform"],
+                stats=collector.stats[name],
+                weight=_quantized_weight(payload, config, weight.dtype, weight.device),
+                choice=payload["choice"])
+        return plans
+
+    def finish(self, report: QuantizationReport) -> None:
+        report.model["gptq"] = self.info

@@ -1,0 +1,202 @@
+"""Round to nearest, the weight quantizer of I, HAAR, RTN-WUSH and RTN-KBBQ.
+
+Per block (:class:`RTN`): hooks on the targeted linears collect the ``d x d`` block second
+moments of their inputs (:mod:`kbbq_pl.quant.stats`), summed over ranks; each layer's transform
+is fitted (:mod:`kbbq_pl.transforms`; with ``lam="auto"`` the brake is chosen on held-out
+sequences, :func:`auto_transform`) and ``W T^-1`` is rounded to nearest with min-max block scales
+(or MSE-searched ones, ``scale_search="mse"``).  By default the next block is calibrated on the
+full-precision block's outputs, so every layer's statistics are those of the full-precision
+model (``propagate="fp"``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from torch import Tensor, nn
+
+from ..formats import quantize
+from ..transforms.autobrake import LambdaChoice, select_lambda
+from ..transforms.fit import fit_transform, kbbq_basis, transform_weight
+from ..transforms.fold import expand_to_query_heads, fold_into_values, pooled_group_statistics
+from .config import QuantizationConfig, ReduceFn, _identity
+from .gptq import rtn
+from .layers import pad_features
+from .modules import linear_weight
+from .report import QuantizationReport
+from .stats import LayerStatistics, StatisticsCollector
+from .weight_quantizer import Block, LayerPlan, WeightQuantizer
+
+__all__ = ["RTN", "attention_heads", "auto_transform", "fold_o_proj_transforms"]
+
+
+def sample_stride(expected_tokens: int | None, keep: int, part: int, whole: int) -> int:
+    """Keep every n-th token so that ``keep`` tokens spread over ``part`` of ``whole`` batches
+    (every token while the token count is not known)."""
+    tokens = (expected_tokens or 0) * part // max(1, whole)
+    return max(1, tokens // max(1, keep))
+
+
+def auto_transform(weight: Tensor, fit: LayerStatistics, held_out: LayerStatistics,
+                   config: QuantizationConfig, reduce_sum: ReduceFn = _identity,
+                   reduce_max: ReduceFn = _identity, name: str = "") -> tuple[Tensor, LambdaChoice]:
+    """KBBQ with the lambda the held-out tokens prefer (:mod:`kbbq_pl.transforms.autobrake`).
+
+    The basis (Cholesky and eigendecomposition of every block) is fitted once on the fitting
+    part and shared by every candidate; the chosen lambda is then refitted on all tokens when
+    ``config.auto_refit``."""
+    basis = kbbq_basis(weight, fit.sigma_blocks(), config.damping, name=name)
+    samples = (held_out if config.auto_select_on == "holdout" else fit).sample()
+    samples = pad_features(samples, config.fmt).to(weight.device)
+    act_scale = "static" if config.act_scale == "static" and config.fmt.global_scale else "dynamic"
+    choice = select_lambda(weight, basis, samples, config.fmt, config.auto_grid, act_scale,
+                           reduce_sum, reduce_max)
+    if config.auto_refit:
+        pooled = (fit.sigma_sum + held_out.sigma_sum) / (fit.tokens + held_out.tokens)
+        basis = kbbq_basis(weight, pooled, config.damping, name=name)
+    return basis.transform(choice.lam), choice
+
+
+def attention_heads(config: Any) -> tuple[int, int, int]:
+    """``(n_heads, n_kv_heads, head_dim)`` of a HuggingFace config."""
+    n_heads = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    return n_heads, n_kv, head_dim
+
+
+def fold_o_proj_transforms(model: nn.Module, modules: dict[str, nn.Module],
+                           stats: dict[str, LayerStatistics],
+                           transforms: dict[str, Tensor | None],
+                           config: QuantizationConfig
+                           ) -> dict[str, tuple[str, Tensor, Tensor | None]]:
+    """``config.fold_o_proj``: refit every ``o_proj``'s transform shared per value head and
+    fold it into its ``v_proj``'s rows; refit that ``v_proj``'s transform on its new weight.
+    Updates ``transforms``; returns, per folded ``o_proj``, its ``v_proj`` and the new
+    full-precision ``(weight, bias)`` of the ``v_proj`` (the model is not changed)."""
+    n_heads, n_kv, head_dim = attention_heads(model.config)
+    pairs = [(name, name.removesuffix("o_proj") + "v_proj") for name in modules
+             if name.endswith("o_proj")]
+    pairs = [(o, v) for o, v in pairs if v in modules]
+    if not pairs:
+        raise ValueError("fold_o_proj: no targeted o_proj with a targeted v_proj beside it "
+                         f"in {type(model).__name__} ({', '.join(modules)})")
+
+    def fit(weight: Tensor, sigma: Tensor) -> Tensor | None:
+        return fit_transform(config.transform, weight, sigma, block=config.block,
+                             lam=float(config.lam), seed=config.seed, damping=config.damping)
+
+    folded = {}
+    for o_name, v_name in pairs:
+        o_weight = linear_weight(modules[o_name]).detach()
+        stacked, sigma = pooled_group_statistics(o_weight, stats[o_name].sigma_blocks(),
+                                                 head_dim, n_heads, n_kv)
+        shared = fit(stacked, sigma)
+        if shared is None:
+            continue
+        transforms[o_name] = expand_to_query_heads(shared, n_heads, n_kv)
+        v_module = modules[v_name]
+        weight, bias = fold_into_values(linear_weight(v_module).detach(), v_module.bias,
+                                        transforms[o_name], head_dim, n_heads, n_kv)
+        transforms[v_name] = fit(pad_features(weight, config.fmt),
+                                 stats[v_name].sigma_blocks())
+        folded[o_name] = (v_name, weight, bias)
+    return folded
+
+
+@dataclass
+class RTNCalibration:
+    """A block's statistics: of the fitting batches, and of the held-out ones (``lam="auto"``)."""
+
+    fit: StatisticsCollector
+    held_out: StatisticsCollector | None
+
+
+class RTN(WeightQuantizer):
+    """Round to nearest of ``W T^-1`` (module docstring); ``trainable`` keeps the master
+    weights ``W T^-1`` in high precision for fine-tuning
+    (:class:`~kbbq_pl.quant.layers.QuantizedLinear`)."""
+
+    propagate: ClassVar = "fp"
+    work_stage: ClassVar = "fit_transforms"
+
+    def __init__(self, config: QuantizationConfig, *, trainable: bool = False) -> None:
+        super().__init__(config, trainable=trainable)
+        if trainable and config.fold_o_proj:
+            raise ValueError("fold_o_proj changes v_proj's full-precision weights before "
+                             "quantizing: it is for post-training quantization (trainable=False)")
+        self.folded: list[str] = []
+
+    def calibrate(self, block: Block, keep_outputs: bool
+                  ) -> tuple[RTNCalibration, list[Tensor] | None]:
+        config, split, step = self.config, block.split, block.step
+        keep = config.keep_samples
+        if config.auto and config.auto_select_on == "fit":
+            keep = max(keep, config.auto_tokens)
+        fit = StatisticsCollector(
+            block.linears, config.block, keep,
+            sample_stride(split.expected_tokens, keep, split.fit, split.total),
+            full=config.transform == "haar")
+        with fit.hooks():
+            outputs = step.run(keep_outputs, subset=split.fit_part)
+        fit.reduce(block.collectives.reduce_sum)
+        fit.check_nonempty()
+        held_out = None
+        if split.held_out:
+            held_out = StatisticsCollector(
+                block.linears, config.block, config.auto_tokens,
+                sample_stride(split.expected_tokens, config.auto_tokens, split.held_out,
+                              split.total))
+            with held_out.hooks():
+                rest = step.run(keep_outputs, subset=split.held_out_part)
+            held_out.reduce(block.collectives.reduce_sum)
+            if outputs is not None and rest is not None:
+                outputs += rest
+        return RTNCalibration(fit, held_out), outputs
+
+    def quantize(self, block: Block, calibration: RTNCalibration) -> dict[str, LayerPlan]:
+        config = self.config
+        stats = calibration.fit.stats
+        transforms: dict[str, Tensor | None] = {}
+        choices: dict[str, LambdaChoice] = {}
+        for name, module in block.linears.items():
+            weight = pad_features(linear_weight(module).detach(), config.fmt)
+            if config.auto:
+                assert calibration.held_out is not None
+                transforms[name], choices[name] = auto_transform(
+                    weight, stats[name], calibration.held_out.stats[name], config,
+                    block.collectives.reduce_sum, block.collectives.reduce_max, name)
+            else:
+                transforms[name] = fit_transform(
+                    config.transform, weight, stats[name].sigma_blocks(), block=config.block,
+                    lam=config.lam, seed=config.seed, damping=config.damping, name=name)
+        folded = {}
+        if config.fold_o_proj:
+            folded = fold_o_proj_transforms(block.model, block.linears, stats, transforms, config)
+            self.folded += list(folded)
+        new_values = {v_name: (weight, bias) for v_name, weight, bias in folded.values()}
+
+        plans = {}
+        for name, module in block.linears.items():
+            current = linear_weight(module).detach()
+            full_precision = new_values.get(name)
+            if full_precision is not None:  # the weight the module takes (in its dtype)
+                current = full_precision[0].to(current.dtype)
+            padded = pad_features(current, config.fmt)
+            quantized = None
+            if config.scale_search == "mse":
+                quantized = rtn(transform_weight(padded, transforms[name]), config.fmt,
+                                search="mse")[0]
+            elif name in folded:
+                quantized = quantize(transform_weight(padded, transforms[name]), config.fmt,
+                                     name=f"{name}.weight")
+            plans[name] = LayerPlan(
+                transform=transforms[name], online=None if name in folded else transforms[name],
+                stats=stats[name], weight=quantized, full_precision=full_precision,
+                choice=choices.get(name), folded=name in folded)
+        return plans
+
+    def finish(self, report: QuantizationReport) -> None:
+        if self.config.fold_o_proj:
+            report.model["o_proj_folded_into_v_proj"] = self.folded

@@ -1,0 +1,182 @@
+"""One block-sequential pipeline for every method (kbbq_pl.quant.pipeline): the weight quantizer
+is a strategy object, the next block's inputs come from the full-precision or the quantized
+block (``propagate``), and only the current block is moved to the compute device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kbbq_pl.io.models import tiny_model
+from kbbq_pl.quant import QuantizationConfig, quantize_model
+from kbbq_pl.quant.gptq_quantizer import GPTQ
+from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears
+from kbbq_pl.quant.pipeline import WEIGHT_QUANTIZERS
+from kbbq_pl.quant.rtn import RTN
+from kbbq_pl.quant.weight_quantizer import WeightQuantizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BLOCKS = ["model.layers.0", "model.layers.1"]
+
+
+def _batches(rows: int = 4, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, 256, (rows, 32), generator=torch.Generator().manual_seed(seed))
+    return [{"input_ids": ids[i:i + 2]} for i in range(0, rows, 2)]
+
+
+def _codes(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: layer.weight.qdata for name, layer in quantized_linears(model).items()}
+
+
+def _recording(base: type[WeightQuantizer]) -> type[WeightQuantizer]:
+    class Recording(base):
+        """Records the block and the linears each calibration run sees."""
+
+        seen: list[tuple[str, list[str]]]
+
+        def calibrate(self, block, keep_outputs):
+            self.__dict__.setdefault("seen", []).append(
+                (block.step.name, sorted(block.linears)))
+            return super().calibrate(block, keep_outputs)
+
+    return Recording
+
+
+@pytest.mark.parametrize("fields", [dict(transform="kbbq", lam=0.5),
+                                    dict(transform="kbbq", lam="auto"),
+                                    dict(transform="kbbq", weight_quantizer="gptq"),
+                                    dict(transform="hadamard", weight_quantizer="gptq",
+                                         scale_search="mse")])
+def test_every_method_runs_block_by_block_through_its_weight_quantizer(fields):
+    config = QuantizationConfig(format="nvfp4", **fields)
+    strategy = WEIGHT_QUANTIZERS[config.weight_quantizer]
+    quantizer = _recording(strategy)(config)
+    model = tiny_model("llama")
+    report = quantize_model(model, _batches(), config, weight_quantizer=quantizer,
+                            progress=False)
+    assert [name for name, _ in quantizer.seen] == BLOCKS
+    for block, linears in quantizer.seen:
+        assert len(linears) == 7 and all(n.startswith(block + ".") for n in linears)
+    assert len(quantized_linears(model)) == 14 and report.model["blocks"] == 2
+    assert report.model["propagate"] == strategy.propagate
+    assert {RTN: "fp", GPTQ: "quantized"}[strategy] == strategy.propagate
+
+
+@pytest.mark.parametrize("fields", [dict(transform="kbbq", lam=0.5, act_scale="static"),
+                                    dict(transform="kbbq", lam="auto"),
+                                    dict(transform="haar", format="mxfp4")])
+def test_full_precision_propagation_equals_one_pass_over_the_whole_model(fields):
+    """Targeting the LM head (outside the blocks) makes the pipeline run the whole model as one
+    block; with ``propagate="fp"`` (RTN's default) every layer of the blocks gets the same
+    statistics, hence the same codes, block scales and activation scales, block by block."""
+    blockwise, whole = tiny_model("llama"), tiny_model("llama")
+    config = {"format": "nvfp4", **fields}
+    quantize_model(blockwise, _batches(), QuantizationConfig(**config), progress=False)
+    report = quantize_model(whole, _batches(), QuantizationConfig(**config, ignore=["embed"]),
+                            progress=False)
+    assert "lm_head" in report.model["whole_model"] and report.model["blocks"] == 1
+    assert isinstance(whole.lm_head, QuantizedLinear)
+    layers, reference = quantized_linears(whole), quantized_linears(blockwise)
+    assert set(reference) < set(layers)
+    for name, layer in reference.items():
+        assert torch.equal(layers[name].weight.qdata, layer.weight.qdata), name
+        assert torch.equal(layers[name].weight.scale.view(torch.uint8),
+                           layer.weight.scale.view(torch.uint8)), name
+        scales = layers[name].act_global_scale, layer.act_global_scale
+        assert scales == (None, None) or torch.equal(*scales), name
+
+
+@pytest.mark.parametrize("weight_quantizer,other", [("rtn", "quantized"), ("gptq", "fp")])
+def test_propagate_chooses_where_the_next_blocks_inputs_come_from(weight_quantizer, other):
+    base = dict(format="nvfp4", transform="kbbq", lam=0.5, weight_quantizer=weight_quantizer)
+    default, changed = tiny_model("llama"), tiny_model("llama")
+    quantize_model(default, _batches(), QuantizationConfig(**base), progress=False)
+    report = quantize_model(changed, _batches(), QuantizationConfig(**base, propagate=other),
+                            progress=False)
+    assert report.model["propagate"] == other
+    first, second = _codes(default), _codes(changed)
+    for name in first:  # the first block's inputs are the embeddings either way
+        same = torch.equal(first[name], second[name])
+        assert same if name.startswith(BLOCKS[0] + ".") else True, name
+    later = [n for n in first if n.startswith(BLOCKS[1] + ".")]
+    assert any(not torch.equal(first[n], second[n]) for n in later)
+
+
+def test_propagate_is_validated():
+    with pytest.raises(ValueError, match="propagate must be one of"):
+        QuantizationConfig(propagate="int8")
+
+
+def test_gptq_quantizes_layers_outside_the_blocks_with_the_model_as_one_block():
+    model = tiny_model("llama")
+    report = quantize_model(model, _batches(), QuantizationConfig(
+        weight_quantizer="gptq", transform="identity", ignore=["embed"]), progress=False)
+    assert isinstance(model.lm_head, QuantizedLinear) and len(report.layers) == 15
+    assert report.model["blocks"] == 1 and "lm_head" in report.model["whole_model"]
+
+
+def test_a_model_without_a_stack_of_blocks_runs_as_one_block():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32))
+
+    class Wrapped(nn.Module):  # takes keyword inputs, like a HuggingFace model
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model
+
+        def forward(self, x):
+            return self.net(x)
+
+    wrapped = Wrapped()
+    batches = [{"x": torch.randn(8, 64, generator=torch.Generator().manual_seed(i))}
+               for i in range(2)]
+    report = quantize_model(wrapped, batches, QuantizationConfig(transform="wush"),
+                            progress=False)
+    assert report.model["blocks"] == 1 and "no stack" in report.model["whole_model"]
+    assert len(quantized_linears(wrapped)) == 2
+
+
+def test_only_the_current_block_is_moved_to_the_compute_device(monkeypatch):
+    """The offload mechanism on the CPU: every block is moved to ``device`` for its step and
+    back before the next one; the model as a whole is never moved.  (On a GPU the same run
+    quantizes a model larger than the device's memory: ``tests/test_gpu.py``.)"""
+    model = tiny_model("llama")
+    names = {id(module): name for name, module in model.named_modules()}
+    moves: list[tuple[str, str]] = []
+    original = nn.Module.to
+
+    def to(self, *args, **kwargs):
+        name = names.get(id(self))
+        if name is not None and (name in BLOCKS or self is model):
+            moves.append((name or "model", str(torch.device(*args[:1]) if args else kwargs)))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(nn.Module, "to", to)
+    quantize_model(model, _batches(), QuantizationConfig(weight_quantizer="gptq"),
+                   device="cpu", progress=False)
+    assert moves == [(BLOCKS[0], "cpu"), (BLOCKS[0], "cpu"), (BLOCKS[1], "cpu"),
+                     (BLOCKS[1], "cpu")]
+
+
+@pytest.mark.parametrize("weight_quantizer", ["rtn", "gptq"])
+def test_modules_keep_their_modes_and_new_layers_can_be_fine_tuned(weight_quantizer):
+    """HuggingFace models load in eval mode and Lightning keeps each module's mode: the new
+    layers are in training mode so that a fine-tuning step reaches the first block (a layer in
+    eval mode rounds its inputs without the straight-through gradient)."""
+    model = tiny_model("llama")
+    model.model.norm.train()
+    before = {name: m.training for name, m in model.named_modules()}
+    quantize_model(model, _batches(), QuantizationConfig(weight_quantizer=weight_quantizer),
+                   trainable=weight_quantizer == "rtn", progress=False)
+    layers = quantized_linears(model)
+    after = {name: m.training for name, m in model.named_modules()}
+    assert all(after[name] == mode for name, mode in before.items() if name in after
+               and not any(name.startswith(n) for n in layers))
+    assert all(layer.training for layer in layers.values())
+    ids = _batches()[0]["input_ids"]
+    model.model.embed_tokens.weight.requires_grad_(True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    grad = model.model.embed_tokens.weight.grad
+    assert grad is not None and grad.abs().sum() > 0

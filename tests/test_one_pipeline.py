@@ -104,9 +104,13 @@ def test_propagate_chooses_where_the_next_blocks_inputs_come_from(weight_quantiz
     assert any(not torch.equal(first[n], second[n]) for n in later)
 
 
-def test_propagate_is_validated():
+def test_propagate_and_the_weight_quantizer_are_validated():
     with pytest.raises(ValueError, match="propagate must be one of"):
         QuantizationConfig(propagate="int8")
+    other = RTN(QuantizationConfig(format="mxfp4"))
+    with pytest.raises(ValueError, match="built for another recipe"):
+        quantize_model(tiny_model("llama"), _batches(), QuantizationConfig(),
+                       weight_quantizer=other, progress=False)
 
 
 def test_gptq_quantizes_layers_outside_the_blocks_with_the_model_as_one_block():

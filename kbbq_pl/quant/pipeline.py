@@ -107,13 +107,17 @@ def quantize_model(
     ``rank`` and ``world_size`` split GPTQ's layers over them (identities on one process; see
     :func:`~kbbq_pl.quant.config.lightning_collectives`).  ``trainable`` keeps high-precision
     master weights ``W T^-1`` for fine-tuning (RTN).  ``weight_quantizer`` replaces the one the
-    recipe names.  ``device`` runs each block (default: where the model is); ``offload_device``
+    recipe names (built with the same ``config`` and ``trainable``).  ``device`` runs each block (default: where the model is); ``offload_device``
     holds the cached activations between blocks.
     """
     start = time.perf_counter()
     collectives = Collectives(reduce_sum, reduce_max, broadcast, rank, world_size)
     quantizer = weight_quantizer or WEIGHT_QUANTIZERS[config.weight_quantizer](
         config, trainable=trainable)
+    if quantizer.config != config or quantizer.trainable != trainable:
+        raise ValueError(f"weight_quantizer {type(quantizer).__name__} was built for another "
+                         f"recipe ({quantizer.config.label}, trainable={quantizer.trainable}) "
+                         f"than this run's ({config.label}, trainable={trainable})")
     if world_size > 1 and broadcast is None and quantizer.splits_work:
         raise ValueError(f"world_size {world_size}: {config.method} splits layers across ranks "
                          "and needs broadcast(obj, src)")

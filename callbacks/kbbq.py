@@ -146,6 +146,9 @@ class KBBQ(Callback):
             straight-through rounding (default: during ``fit`` unless ``calibrate_only``);
             they are rounded into stored codes at the end of ``fit``.  GPTQ's codes are
             final: with ``weight_quantizer="gptq"`` the default is False.
+        offload: quantize with the model on the CPU, one block at a time on the trainer's
+            device, then move the quantized model there (a model whose full-precision weights
+            do not fit on the device, whose FP4 weights do).
     """
 
     def __init__(
@@ -177,6 +180,7 @@ class KBBQ(Callback):
         model_attr: str | None = "model",
         calibrate_only: bool = False,
         trainable: bool | None = None,
+        offload: bool = False,
     ) -> None:
         self.config = QuantizationConfig(
             format=format, transform=transform, lam=lam, targets=targets, ignore=ignore,
@@ -190,6 +194,7 @@ class KBBQ(Callback):
         self.model_attr = model_attr
         self.calibrate_only = calibrate_only
         self.trainable = trainable
+        self.offload = offload
         self.report: QuantizationReport | None = None
         self._checks: DeferredChecks | None = None
         self._checks_scope: contextlib.ExitStack | None = None
@@ -244,12 +249,14 @@ class KBBQ(Callback):
     def _quantize_in_trainer(self, trainer: Trainer, pl_module: LightningModule,
                              stage: str) -> None:
         model = hf_model(pl_module, self.model_attr)
-        model.to(trainer.strategy.root_device)
+        device = trainer.strategy.root_device
+        model.to("cpu" if self.offload else device)
         batches = calibration_batches(trainer, self.calibration)
         trainable = self.trainable if self.trainable is not None else (
             stage == "fit" and not self.calibrate_only and self.config.weight_quantizer == "rtn")
         self.quantize(model, batches, trainable=trainable, progress=trainer.is_global_zero,
-                      **_collectives(trainer))
+                      device=device, **_collectives(trainer))
+        model.to(device)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.calibrate_only:

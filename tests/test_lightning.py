@@ -67,6 +67,23 @@ def test_calibrate_only_fit_runs_no_step_and_validate_quantizes(tmp_path):
     assert len(quantized_linears(other)) == 14
 
 
+def test_offload_quantizes_block_by_block_to_the_same_codes(tmp_path):
+    """``KBBQ(offload=True)``: the model stays on the CPU while each block runs on the trainer's
+    device (the CPU here: the path and the result are checked, not the memory), then the
+    quantized model moves to the device."""
+    codes = []
+    for offload in (False, True):
+        module = TinyLM()
+        kbbq = KBBQ(format="nvfp4", weight_quantizer="gptq", calibrate_only=True,
+                    offload=offload)
+        trainer(tmp_path, [kbbq], enable_checkpointing=False).fit(module,
+                                                                   datamodule=datamodule())
+        assert kbbq.report.model["blocks"] == 2
+        codes.append({n: layer.weight.qdata for n, layer in quantized_linears(module).items()})
+    assert codes[0].keys() == codes[1].keys() and len(codes[0]) == 14
+    assert all(torch.equal(codes[0][n], codes[1][n]) for n in codes[0])
+
+
 def test_checkpoint_reload_after_convert(tmp_path):
     module = TinyLM()
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)

@@ -107,8 +107,9 @@ def quantize_model(
     ``rank`` and ``world_size`` split GPTQ's layers over them (identities on one process; see
     :func:`~kbbq_pl.quant.config.lightning_collectives`).  ``trainable`` keeps high-precision
     master weights ``W T^-1`` for fine-tuning (RTN).  ``weight_quantizer`` replaces the one the
-    recipe names (built with the same ``config`` and ``trainable``).  ``device`` runs each block (default: where the model is); ``offload_device``
-    holds the cached activations between blocks.
+    recipe names (built with the same ``config`` and ``trainable``).  ``device`` runs each
+    block (default: where the model is); ``offload_device`` holds the cached activations
+    between blocks.
     """
     start = time.perf_counter()
     collectives = Collectives(reduce_sum, reduce_max, broadcast, rank, world_size)
@@ -150,7 +151,7 @@ def quantize_model(
                     block = Block(step, linears, model, config, collectives, split, timing,
                                   progress)
                     outputs = _quantize_block(block, quantizer, propagate == "fp" and not last,
-                                              trainable, report)
+                                              report)
                 if not last:
                     tick = time.perf_counter()
                     step.advance(outputs if outputs is not None else step.run())
@@ -172,7 +173,7 @@ def quantize_model(
 
 
 def _quantize_block(block: Block, quantizer: WeightQuantizer, keep_outputs: bool,
-                    trainable: bool, report: QuantizationReport) -> list[Tensor] | None:
+                    report: QuantizationReport) -> list[Tensor] | None:
     """Steps 1-4 of the module docstring for one block; returns the full-precision block's
     outputs when ``keep_outputs``."""
     config, timing, step = block.config, block.timing, block.step
@@ -201,7 +202,8 @@ def _quantize_block(block: Block, quantizer: WeightQuantizer, keep_outputs: bool
         layer = QuantizedLinear.from_linear(
             module, config.fmt, plan.online, act_scale="static" if static else "dynamic",
             act_global_scale=scales[name].to(weight.device) if static else None,
-            trainable=trainable and plan.weight is None, name=name, quantized_weight=plan.weight)
+            trainable=quantizer.trainable and plan.weight is None, name=name,
+            quantized_weight=plan.weight)
         layer.to(weight.device)
         report.layers.append(layer_report(name, module, layer, plan.stats, plan.transform,
                                           config, scales.get(name),

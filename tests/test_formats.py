@@ -235,6 +235,29 @@ def test_compiled_kernels_match_eager_bit_for_bit(name):
         assert torch.equal(bits(qe.scale), bits(qc.scale))
 
 
+def test_compiled_decode_does_not_recompile_per_shape():
+    """Weights of many shapes decoded with compiled kernels (GPTQ's column blocks, a model's
+    layers): the per-block scales follow the number of blocks, so one graph serves them all.
+    Were the scales' size static, each new shape would recompile until dynamo's limit (8) sent
+    every kernel of the process back to eager (slower evaluation from then on)."""
+    if not F.dispatch._backend_available("cpu"):
+        pytest.skip("no C++ compiler for torch.compile on this machine")
+    torch.manual_seed(0)
+    qs = [F.quantize(torch.randn(rows, 64), "nvfp4") for rows in range(24, 24 + 8 * 11, 8)]
+    eager = [F.dequantize(q) for q in qs]
+    torch._dynamo.utils.counters.clear()
+    F.set_compile(True)
+    try:
+        compiled = [F.dequantize(q) for q in qs]
+    finally:
+        F.set_compile("0")
+    assert not F.dispatch._broken, "torch.compile hit its recompile limit and fell back to eager"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2, dict(
+        torch._dynamo.utils.counters["stats"])
+    for values, values_compiled in zip(eager, compiled):
+        assert torch.equal(bits(values), bits(values_compiled))
+
+
 # ---------------------------------------------------------------- properties (hypothesis)
 
 finite_floats = st.floats(

@@ -79,7 +79,8 @@ def run_kernel(
     """Call ``kernel(groups, *args, **static)``, compiled when enabled.
 
     ``static`` holds the Python-level options (format, policy, dtype): each distinct set gets
-    its own compiled graph.  The number of groups is dynamic, so new shapes do not recompile;
+    its own compiled graph.  The number of groups is dynamic (in ``groups`` and in every tensor
+    of ``args`` with one entry per group), so new shapes do not recompile;
     the group length is dynamic too when ``dynamic_group_len`` (rows and whole tensors), and
     static for blocks, which lets the compiler unroll and vectorize over the block.
     """
@@ -92,6 +93,10 @@ def run_kernel(
         compiled = torch.compile(_specialize(kernel, static), dynamic=False, fullgraph=True)
         _cache[key] = compiled
     torch._dynamo.maybe_mark_dynamic(groups, 0)
+    for arg in args:  # per-group operands (the decode's scales [G]) follow the group count:
+        # left static, their size would pin the number of groups and recompile every shape
+        if isinstance(arg, Tensor) and arg.dim() and arg.shape[0] == groups.shape[0]:
+            torch._dynamo.maybe_mark_dynamic(arg, 0)
     if dynamic_group_len:
         torch._dynamo.maybe_mark_dynamic(groups, 1)
     # The kernels name every dtype they compute in, so autocast changes nothing in them; left

@@ -303,29 +303,33 @@ def _json_dataset(files: Mapping[str, Path], cache_dir: Path) -> dict[str, Any]:
                                "cache_dir": str(cache_dir / "datasets")}}
 
 
+def _task_config(task: str, files: Mapping[str, Path], cache_dir: Path, num_fewshot: int,
+                 fewshot_split: str = "test", **fields: Any) -> dict[str, Any]:
+    """An lm-eval task over local JSON files (``files``: split -> path), scored on ``test``;
+    ``fields``: the task's own keys (output type, prompts, metrics, ...)."""
+    return {"task": task, **_json_dataset(files, cache_dir), "test_split": "test",
+            "fewshot_split": fewshot_split, **fields, "num_fewshot": num_fewshot,
+            "metadata": {"version": 1.0}}
+
+
 def mmlu_configs(data_dir: Path, cache_dir: Path, num_fewshot: int,
                  subjects: Sequence[str] | None = None) -> list[dict[str, Any]]:
     configs = []
     for subject in subjects or mmlu_subjects(data_dir):
         source = _require(data_dir / "mmlu" / "test" / f"{subject}_test.csv", "MMLU")
         test = converted_jsonl(source, read_mmlu_csv, cache_dir, f"mmlu_{subject}")
-        configs.append({
-            "task": f"kbbq_mmlu_{subject}",
-            **_json_dataset({"test": test}, cache_dir),
-            "test_split": "test",
-            "fewshot_split": "test",
-            "fewshot_config": {"sampler": "first_n"},
-            "output_type": "multiple_choice",
-            "description": "The following are multiple choice questions (with answers) about "
-                           f"{subject.replace('_', ' ')}.\n\n",
-            "doc_to_text": "{{question.strip()}}\nA. {{choices[0]}}\nB. {{choices[1]}}\n"
-                           "C. {{choices[2]}}\nD. {{choices[3]}}\nAnswer:",
-            "doc_to_choice": ["A", "B", "C", "D"],
-            "doc_to_target": "answer",
-            "metric_list": _ACC,
-            "num_fewshot": num_fewshot,
-            "metadata": {"version": 1.0},
-        })
+        configs.append(_task_config(
+            f"kbbq_mmlu_{subject}", {"test": test}, cache_dir, num_fewshot,
+            fewshot_config={"sampler": "first_n"},
+            output_type="multiple_choice",
+            description="The following are multiple choice questions (with answers) about "
+                        f"{subject.replace('_', ' ')}.\n\n",
+            doc_to_text="{{question.strip()}}\nA. {{choices[0]}}\nB. {{choices[1]}}\n"
+                        "C. {{choices[2]}}\nD. {{choices[3]}}\nAnswer:",
+            doc_to_choice=["A", "B", "C", "D"],
+            doc_to_target="answer",
+            metric_list=_ACC,
+        ))
     return configs
 
 
@@ -335,18 +339,15 @@ def gsm8k_config(
     folder = data_dir / "gsm8k"
     files = {"train": _require(folder / "train.jsonl", "GSM8K"),
              "test": _require(folder / "test.jsonl", "GSM8K")}
-    return {
-        "task": "kbbq_gsm8k_cot",
-        **_json_dataset(files, cache_dir),
-        "test_split": "test",
-        "fewshot_split": "train",
-        "fewshot_config": {"sampler": "first_n", "doc_to_target": gsm8k_rationale},
-        "output_type": "generate_until",
-        "doc_to_text": "Q: {{question}}\nA:",
-        "doc_to_target": gsm8k_final_answer,
-        "generation_kwargs": {"until": ["Q:", "</s>", "<|im_end|>", "\n\n"], "do_sample": False,
-                              "max_gen_toks": max_gen_toks},
-        "filter_list": [
+    return _task_config(
+        "kbbq_gsm8k_cot", files, cache_dir, num_fewshot, fewshot_split="train",
+        fewshot_config={"sampler": "first_n", "doc_to_target": gsm8k_rationale},
+        output_type="generate_until",
+        doc_to_text="Q: {{question}}\nA:",
+        doc_to_target=gsm8k_final_answer,
+        generation_kwargs={"until": ["Q:", "</s>", "<|im_end|>", "\n\n"], "do_sample": False,
+                           "max_gen_toks": max_gen_toks},
+        filter_list=[
             {"name": "strict-match", "filter": [
                 {"function": "regex", "regex_pattern": r"The answer is (\-?[0-9\.\,]+)."},
                 {"function": "take_first"}]},
@@ -355,112 +356,86 @@ def gsm8k_config(
                  "regex_pattern": r"(-?[$0-9.,]{2,})|(-?[0-9]+)"},
                 {"function": "take_first"}]},
         ],
-        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
-                         "ignore_case": True, "ignore_punctuation": False,
-                         "regexes_to_ignore": [",", r"\$", "(?s).*#### ", r"\.$"]}],
-        "num_fewshot": num_fewshot,
-        "metadata": {"version": 1.0},
-    }
+        metric_list=[{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
+                      "ignore_case": True, "ignore_punctuation": False,
+                      "regexes_to_ignore": [",", r"\$", "(?s).*#### ", r"\.$"]}],
+    )
 
 
 def hellaswag_config(data_dir: Path, cache_dir: Path, num_fewshot: int) -> dict[str, Any]:
     source = _require(data_dir / "hellaswag" / "hellaswag_val_full.txt.bz2", "HellaSwag")
     test = converted_jsonl(source, read_hellaswag_text, cache_dir, "hellaswag_val")
-    return {
-        "task": "kbbq_hellaswag",
-        **_json_dataset({"test": test}, cache_dir),
-        "test_split": "test",
-        "fewshot_split": "test",
-        "output_type": "multiple_choice",
-        "doc_to_text": "{{query}}",
-        "doc_to_choice": "choices",
-        "doc_to_target": "label",
-        "metric_list": _ACC_AND_NORM,
-        "num_fewshot": num_fewshot,
-        "metadata": {"version": 1.0},
-    }
+    return _task_config(
+        "kbbq_hellaswag", {"test": test}, cache_dir, num_fewshot,
+        output_type="multiple_choice",
+        doc_to_text="{{query}}",
+        doc_to_choice="choices",
+        doc_to_target="label",
+        metric_list=_ACC_AND_NORM,
+    )
 
 
 def winogrande_config(data_dir: Path, cache_dir: Path, num_fewshot: int) -> dict[str, Any]:
     test = _require(data_dir / "winogrande" / "winogrande_dev_llmfoundry.jsonl", "WinoGrande")
-    return {
-        "task": "kbbq_winogrande",
-        **_json_dataset({"test": test}, cache_dir),
-        "test_split": "test",
-        "fewshot_split": "test",
-        "fewshot_config": {"sampler": _winogrande_sampler()},
-        "output_type": "multiple_choice",
-        "doc_to_text": winogrande_gold,
-        "doc_to_choice": winogrande_options,
-        "doc_to_target": "{{continuation}}",
-        "metric_list": _ACC,
-        "num_fewshot": num_fewshot,
-        "metadata": {"version": 1.0},
-    }
+    return _task_config(
+        "kbbq_winogrande", {"test": test}, cache_dir, num_fewshot,
+        fewshot_config={"sampler": _winogrande_sampler()},
+        output_type="multiple_choice",
+        doc_to_text=winogrande_gold,
+        doc_to_choice=winogrande_options,
+        doc_to_target="{{continuation}}",
+        metric_list=_ACC,
+    )
 
 
 def mbpp_config(
     data_dir: Path, cache_dir: Path, num_fewshot: int, max_gen_toks: int
 ) -> dict[str, Any]:
     source = _require(data_dir / "mbpp" / "mbpp.jsonl", "MBPP")
-    return {
-        "task": "kbbq_mbpp",
-        **_json_dataset({"test": source, "prompt": source}, cache_dir),
-        "test_split": "test",
-        "fewshot_split": "prompt",
-        "process_docs": _keep_task_ids(MBPP_TEST_IDS),
-        "fewshot_config": {"sampler": "first_n", "process_docs": _keep_task_ids(MBPP_SHOT_IDS),
-                           "doc_to_target": _mbpp_shot_target},
-        "unsafe_code": True,
-        "output_type": "generate_until",
-        "doc_to_text": _mbpp_prompt,
-        "doc_to_target": _mbpp_tests,
-        "target_delimiter": "",
-        "process_results": mbpp_pass_at_1,
-        "metric_list": [{"metric": "pass_at_1", "aggregation": "mean", "higher_is_better": True}],
-        "generation_kwargs": {"until": ["[DONE]"], "do_sample": False,
-                              "max_gen_toks": max_gen_toks},
-        "num_fewshot": num_fewshot,
-        "metadata": {"version": 1.0},
-    }
+    return _task_config(
+        "kbbq_mbpp", {"test": source, "prompt": source}, cache_dir, num_fewshot,
+        fewshot_split="prompt",
+        process_docs=_keep_task_ids(MBPP_TEST_IDS),
+        fewshot_config={"sampler": "first_n", "process_docs": _keep_task_ids(MBPP_SHOT_IDS),
+                        "doc_to_target": _mbpp_shot_target},
+        unsafe_code=True,
+        output_type="generate_until",
+        doc_to_text=_mbpp_prompt,
+        doc_to_target=_mbpp_tests,
+        target_delimiter="",
+        process_results=mbpp_pass_at_1,
+        metric_list=[{"metric": "pass_at_1", "aggregation": "mean", "higher_is_better": True}],
+        generation_kwargs={"until": ["[DONE]"], "do_sample": False,
+                           "max_gen_toks": max_gen_toks},
+    )
 
 
 def choice_config(task: str, data_dir: Path, cache_dir: Path,
                   num_fewshot: int) -> dict[str, Any]:
     """ARC-Easy, ARC-Challenge or PIQA from llm-foundry's ``{query, choices, gold}`` file."""
     test = _require(data_dir / "llm_foundry_eval" / FOUNDRY_FILES[task], task)
-    return {
-        "task": f"kbbq_{task}",
-        **_json_dataset({"test": test}, cache_dir),
-        "test_split": "test",
-        "fewshot_split": "test",
-        "output_type": "multiple_choice",
-        "doc_to_text": "{{query.strip()}}\nAnswer:",
-        "doc_to_choice": "choices",
-        "doc_to_target": "gold",
-        "metric_list": _ACC_AND_NORM,
-        "num_fewshot": num_fewshot,
-        "metadata": {"version": 1.0},
-    }
+    return _task_config(
+        f"kbbq_{task}", {"test": test}, cache_dir, num_fewshot,
+        output_type="multiple_choice",
+        doc_to_text="{{query.strip()}}\nAnswer:",
+        doc_to_choice="choices",
+        doc_to_target="gold",
+        metric_list=_ACC_AND_NORM,
+    )
 
 
 def lambada_config(data_dir: Path, cache_dir: Path, num_fewshot: int) -> dict[str, Any]:
     """LAMBADA (OpenAI) from llm-foundry's ``{context, continuation}`` file."""
     test = _require(data_dir / "llm_foundry_eval" / FOUNDRY_FILES["lambada"], "LAMBADA")
-    return {
-        "task": "kbbq_lambada",
-        **_json_dataset({"test": test}, cache_dir),
-        "test_split": "test",
-        "fewshot_split": "test",
-        "output_type": "loglikelihood",
-        "doc_to_text": "{{context}}",
-        "doc_to_target": "{{' ' + continuation}}",
-        "metric_list": [{"metric": "perplexity", "aggregation": "perplexity",
-                         "higher_is_better": False},
-                        {"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
-        "num_fewshot": num_fewshot,
-        "metadata": {"version": 1.0},
-    }
+    return _task_config(
+        "kbbq_lambada", {"test": test}, cache_dir, num_fewshot,
+        output_type="loglikelihood",
+        doc_to_text="{{context}}",
+        doc_to_target="{{' ' + continuation}}",
+        metric_list=[{"metric": "perplexity", "aggregation": "perplexity",
+                      "higher_is_better": False},
+                     {"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+    )
 
 
 def task_configs(

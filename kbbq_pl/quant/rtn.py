@@ -160,8 +160,9 @@ class RTN(WeightQuantizer):
         stats = calibration.fit.stats
         transforms: dict[str, Tensor | None] = {}
         choices: dict[str, LambdaChoice] = {}
-        for name, module in block.linears.items():
-            weight = pad_features(linear_weight(module).detach(), config.fmt)
+        padded = {name: pad_features(linear_weight(module).detach(), config.fmt)
+                  for name, module in block.linears.items()}
+        for name, weight in padded.items():
             if config.auto:
                 assert calibration.held_out is not None
                 transforms[name], choices[name] = auto_transform(
@@ -179,17 +180,16 @@ class RTN(WeightQuantizer):
 
         plans = {}
         for name, module in block.linears.items():
-            current = linear_weight(module).detach()
+            weight = padded[name]
             full_precision = new_values.get(name)
             if full_precision is not None:  # the weight the module takes (in its dtype)
-                current = full_precision[0].to(current.dtype)
-            padded = pad_features(current, config.fmt)
+                weight = pad_features(full_precision[0].to(weight.dtype), config.fmt)
             quantized = None
             if config.scale_search == "mse":
-                quantized = rtn(transform_weight(padded, transforms[name]), config.fmt,
+                quantized = rtn(transform_weight(weight, transforms[name]), config.fmt,
                                 search="mse")[0]
             elif name in folded:
-                quantized = quantize(transform_weight(padded, transforms[name]), config.fmt,
+                quantized = quantize(transform_weight(weight, transforms[name]), config.fmt,
                                      name=f"{name}.weight")
             plans[name] = LayerPlan(
                 transform=transforms[name], online=None if name in folded else transforms[name],

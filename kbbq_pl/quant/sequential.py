@@ -34,6 +34,21 @@ from .modules import is_linear
 log = logging.getLogger(__name__)
 
 
+def _block_stack(model: nn.Module, targets: Collection[str] | None
+                 ) -> tuple[str, nn.ModuleList, str | None]:
+    """The stack of blocks to walk (:func:`find_blocks`), or the whole model as one block with
+    the reason: no stack, or targeted layers outside it."""
+    try:
+        name, blocks = find_blocks(model)
+    except ValueError as error:
+        return "", nn.ModuleList([model]), str(error)
+    outside = [t for t in targets or () if not t.startswith(name + ".")]
+    if outside:
+        return "", nn.ModuleList([model]), (f"targeted layers outside its blocks {name}: "
+                                            f"{', '.join(outside[:3])}")
+    return name, blocks, None
+
+
 class _Stop(Exception):
     """Raised by the capture hook to end the model's forward at the first block."""
 
@@ -147,7 +162,8 @@ class SequentialRunner:
 
     ``batches`` are the model's keyword inputs (dicts such as ``{"input_ids",
     "attention_mask"}``); ``device`` runs the blocks, ``offload_device`` holds the cached
-    activations between blocks.
+    activations between blocks.  ``whole_model``: why the model runs as one block (targeted
+    layers outside the stack, ``targets``, or no stack), None when it runs block by block.
     """
 
     def __init__(
@@ -161,32 +177,16 @@ class SequentialRunner:
         self.model = model
         self.device = torch.device(device) if device else next(model.parameters()).device
         self.offload_device = torch.device(offload_device)
-        whole = self._whole_model_reason(targets)
-        if whole is None:
+        self.blocks_name, self.blocks, self.whole_model = _block_stack(model, targets)
+        if self.whole_model is None:
             self.inputs = self._capture(batches)
         else:
-            log.info("%s: the model runs as one block (%s)", type(model).__name__, whole)
-            self.blocks_name, self.blocks = "", nn.ModuleList([model])
+            log.info("%s: the model runs as one block (%s)", type(model).__name__,
+                     self.whole_model)
             self.inputs = [_to(BlockInput((), dict(batch)), self.offload_device)
                            for batch in batches]
             if not self.inputs:
                 raise ValueError("no calibration batches: the calibration set is empty")
-        self.whole_model = whole
-        """Why the model runs as one block, or None when it runs block by block."""
-
-    def _whole_model_reason(self, targets: Collection[str] | None) -> str | None:
-        """Why the model must run as one block (no stack of blocks, or targeted layers outside
-        it), or None."""
-        try:
-            self.blocks_name, self.blocks = find_blocks(self.model)
-        except ValueError as error:
-            return str(error)
-        prefix = self.blocks_name + "."
-        outside = [name for name in targets or () if not name.startswith(prefix)]
-        if outside:
-            return (f"targeted layers outside its blocks {self.blocks_name}: "
-                    f"{', '.join(outside[:3])}")
-        return None
 
     @torch.no_grad()
     def _capture(self, batches: Sequence[Mapping[str, Tensor]]) -> list[BlockInput]:

@@ -55,8 +55,8 @@ def chat_prompts(tokenizer, path: Path, count: int) -> list[str]:
 @torch.no_grad()
 def greedy_answers(model, tokenizer, prompts: list[str], new_tokens: int,
                    batch_size: int) -> list[list[int]]:
-    """Greedy continuations (exactly ``new_tokens`` ids each, EOS included and not stopped at,
-    so every answer has the same length), left-padded batches."""
+    """Greedy continuations of exactly ``new_tokens`` ids each (``min_new_tokens`` masks EOS,
+    so no answer ends early and all have the same length), left-padded batches."""
     answers: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):
         batch = tokenizer(prompts[start:start + batch_size], return_tensors="pt", padding=True,

@@ -125,18 +125,27 @@ class CalibrationStatistics(Callback):
         self.collector = collector
 
 
+def _describe_recipe_fields(cls: type) -> type:
+    """Add an ``Args`` entry to ``cls``'s docstring for each recipe field, from
+    :meth:`QuantizationConfig.field_descriptions` (what jsonargparse's ``--quantizer.help``
+    and IDEs show)."""
+    entries = "".join(f"        {name}: {text}\n"
+                      for name, text in QuantizationConfig.field_descriptions().items())
+    cls.__doc__ = (cls.__doc__ or "").replace("    Args:\n", "    Args:\n" + entries, 1)
+    return cls
+
+
+@_describe_recipe_fields
 class KBBQ(Callback):
     """Quantize the model to W4A4 with a KBBQ-family recipe before training sees it.
 
+    The recipe arguments (``format`` to ``propagate``) are the fields of
+    :class:`~kbbq_pl.quant.config.QuantizationConfig`; their entries in ``Args`` are added
+    from its ``Attributes`` when this module is imported (:func:`_describe_recipe_fields`), so
+    that they are described in one place.  ``weight_quantizer="gptq"`` splits GPTQ's work
+    across the trainer's ranks.
+
     Args:
-        format, transform, lam, targets, ignore, act_scale, damping, seed, unaligned,
-        keep_samples, auto_grid, auto_holdout, auto_tokens, auto_refit, weight_quantizer,
-        gptq_damping, act_order, gptq_block_size, scale_search, group_scales,
-        transform_refit, fold_o_proj, propagate: the
-            :class:`~kbbq_pl.quant.config.QuantizationConfig` fields
-            (``lam="auto"``: the auto-brake chooses lambda per layer on held-out calibration
-            tokens; ``weight_quantizer="gptq"``: the GPTQ family, block by block, its work
-            split across the trainer's ranks).
         calibration: calibration batches (a dataloader, a ``CalibrationDataModule`` or a list of
             dicts); default: the trainer's datamodule.
         model_attr: attribute of the LightningModule holding the HuggingFace model.

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # A module imports only modules of its own subpackage or of a lower layer.
 LAYERS = {
     "kbbq_pl._version": 0, "kbbq_pl._compat": 0, "kbbq_pl._aliases": 0, "kbbq_pl.resources": 0,
+    "kbbq_pl.recipes": 0,
     "kbbq_pl.formats": 1,
     "kbbq_pl.kernels": 2, "kbbq_pl.law": 2,
     "kbbq_pl.transforms": 3,
@@ -45,7 +46,8 @@ EDGE_PACKAGES = ("kbbq_pl.io", "kbbq_pl.eval", "kbbq_pl.cli", "kbbq_pl.callbacks
 def _modules() -> dict[str, tuple[Path, bool]]:
     """Every module of the installed package: name -> (file, is a package)."""
     found = {}
-    roots = [(ROOT / "kbbq_pl", "kbbq_pl"), (ROOT / "callbacks", "kbbq_pl.callbacks")]
+    roots = [(ROOT / "kbbq_pl", "kbbq_pl"), (ROOT / "callbacks", "kbbq_pl.callbacks"),
+             (ROOT / "recipes", "kbbq_pl.recipes")]
     for folder, prefix in roots:
         for path in folder.rglob("*.py"):
             parts = path.relative_to(folder).with_suffix("").parts

@@ -183,3 +183,78 @@ def test_gptq_recipe_with_auto_brake_reloads_bit_exactly(tiny_llama_dir, tmp_pat
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+# --- a first-time user's paths: default folders, recipe names, help -----------------------
+
+QUICK = ["--data.init_args.n_tokens", "64", "--data.init_args.seq_len", "32",
+         "--eval_sentences", "4"]
+
+
+def test_the_default_output_folder_names_the_model_and_the_recipe(tiny_llama_dir, tmp_path,
+                                                                  monkeypatch, capsys):
+    """Two models, or two recipes, never share a default folder: a second model after the
+    quick start is written beside the first, not refused (nor put in a folder named after
+    the first)."""
+    from kbbq_pl.cli.quantize import default_output_dir
+
+    monkeypatch.chdir(tmp_path)
+    other = tmp_path / "other-llama"
+    tiny_model("llama", seed=1).save_pretrained(other)
+    assert main(["quantize", "--model", str(tiny_llama_dir), *QUICK]) == 0
+    assert main(["quantize", "--model", str(other), *QUICK]) == 0
+    assert main(["quantize", "--config", "gptq_nvfp4", "--model", str(other), *QUICK]) == 0
+    written = sorted(p.name for p in (tmp_path / "kbbq-out").iterdir())
+    assert written == ["other-llama-gptq-nvfp4", "other-llama-rtn-kbbq-nvfp4-lam0.75",
+                       "tiny-llama-rtn-kbbq-nvfp4-lam0.75"]
+    assert "kbbq-out/tiny-llama-rtn-kbbq-nvfp4-lam0.75/" in capsys.readouterr().out
+    assert default_output_dir("smollm2", "RTN-KBBQ mxfp4, lambda auto") == \
+        Path("kbbq-out/smollm2-rtn-kbbq-mxfp4-auto")
+    assert default_output_dir("HuggingFaceTB/SmolLM2-135M", "MR-GPTQ nvfp4") == \
+        Path("kbbq-out/smollm2-135m-mr-gptq-nvfp4")
+
+
+def test_a_mistyped_recipe_name_suggests_the_packaged_ones(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["quantize", "--config", "rtn_kbbq_nvfp4_lam0.8"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and "File does not exist" not in error
+    assert "no packaged recipe" in error and "rtn_kbbq_nvfp4_lam0.75" in error
+    assert "kbbq-pl recipes" in error
+    assert main(["quantize", "--config=gptq_kbbq_nvfp44"]) == 2
+    assert "did you mean gptq_kbbq_nvfp4" in capsys.readouterr().err
+
+
+def test_recipes_are_listed_with_what_each_does(capsys):
+    from kbbq_pl.recipes import packaged_recipes
+
+    assert main(["recipes"]) == 0
+    listed = capsys.readouterr().out
+    names = sorted(p.stem for p in RECIPES.glob("*.yaml"))
+    assert sorted(packaged_recipes()) == names
+    for name in names:
+        line = next(line for line in listed.splitlines() if line.split()[:1] == [name])
+        assert "W4A4" in line, line
+    with pytest.raises(SystemExit):
+        main(["quantize", "-h"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "'smollm2'" in help_text and "'minilm'" in help_text
+    assert all(name in help_text for name in names)
+
+
+def test_every_recipe_option_has_a_description(capsys):
+    """``--quantizer.help KBBQ`` describes every field, from the one place fields are
+    described (``QuantizationConfig``'s docstring)."""
+    import dataclasses
+    import re
+
+    with pytest.raises(SystemExit):
+        main(["quantize", "--quantizer.help", "KBBQ"])
+    text = capsys.readouterr().out.split("Help for", 1)[1]
+    descriptions = QuantizationConfig.field_descriptions()
+    for field in dataclasses.fields(QuantizationConfig):
+        if field.name == "auto_select_on":  # not a KBBQ argument (yet)
+            continue
+        entry = re.search(rf"\n  --quantizer\.{field.name}\b[^\n]*\n?(.*?)\(type:", text, re.S)
+        assert entry, field.name
+        assert descriptions[field.name].split()[0] in entry.group(0), (field.name, entry.group(0))

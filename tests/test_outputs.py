@@ -210,6 +210,54 @@ def test_save_quantized_does_not_overwrite_by_default(tmp_path):
     assert save_quantized(model, out, overwrite=True) == out
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_written_files_get_the_mode_the_umask_gives(quantized_dir, tmp_path, umask):
+    """A server under another account reads what kbbq-pl writes: every file of a quantized
+    folder (``model.safetensors`` included, which safetensors creates 0600) and of its
+    compressed-tensors export has the mode a new file gets under the user's umask."""
+    import os
+    import stat
+
+    from kbbq_pl.io.compressed_tensors import export_compressed_tensors
+
+    out, _ = quantized_dir
+    previous = os.umask(umask)
+    try:
+        folder = save_quantized(from_pretrained(out), tmp_path / "q")
+        exported = export_compressed_tensors(out, tmp_path / "ct")
+    finally:
+        os.umask(previous)
+    for root in (folder, exported):
+        paths = [root, *root.rglob("*")]
+        assert any(p.name == "model.safetensors" for p in paths)
+        modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode) for p in paths}
+        assert modes == {name: (0o777 if (tmp_path / name).is_dir() else 0o666) & ~umask
+                         for name in modes}
+
+
+def test_the_last_line_lists_every_file_written(quantized_dir, tmp_path, capsys):
+    source = quantized_dir[1]
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", str(source), "--output_dir", str(out), *QUICK]) == 0
+    printed = capsys.readouterr().out
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) >= 8
+    line = next(line for line in printed.splitlines() if line.startswith(f"wrote {out}/"))
+    assert f"({len(files)} files, " in line
+    assert line.split(": ", 1)[1].split(", ") == files
+
+
+def test_importing_kbbq_pl_and_running_a_command_print_nothing_but_their_output(tmp_path):
+    """torchao's CUDA-extension and pytree warnings are not the user's business."""
+    import subprocess
+    import sys
+
+    for code in ("import kbbq_pl", "from kbbq_pl.cli.commands import main; main(['recipes'])"):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             cwd=tmp_path, timeout=300)
+        assert run.returncode == 0 and run.stderr == "", run.stderr
+
+
 # --- one loader ---------------------------------------------------------------------------
 
 def test_load_model_reads_a_quantized_folder_through_from_pretrained(quantized_dir):

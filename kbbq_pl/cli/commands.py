@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from kbbq_pl.io.fileio import written_summary
+
 
 def _formats_demo(args: argparse.Namespace) -> int:
     """Round Gaussian and heavy-tailed tensors onto every format and print what it costs."""
@@ -49,7 +51,7 @@ def _convert_llama2c(args: argparse.Namespace) -> int:
     from kbbq_pl.io.llama2c import convert_llama2c
 
     out = convert_llama2c(args.checkpoint, args.tokenizer, args.out, overwrite=args.overwrite)
-    print(f"wrote {out}")
+    print(written_summary(out))
     return 0
 
 
@@ -153,7 +155,7 @@ def _eval(args: argparse.Namespace) -> int:
                   f"{entry['num_fewshot']:7d}")
     if args.out:
         out = write_output_json(args.out, results, overwrite=args.overwrite, sources=[source])
-        print(f"wrote {out}")
+        print(written_summary(out))
     return 0
 
 
@@ -178,7 +180,7 @@ def _compare(args: argparse.Namespace) -> int:
         overwrite=args.overwrite, progress=not args.no_progress,
     )
     print((out / "compare.md").read_text(encoding="utf-8"))
-    print(f"wrote {out}/ (compare.json, compare.md, compare.png, rows/)")
+    print(written_summary(out))
     return 0
 
 
@@ -206,7 +208,20 @@ def _law(args: argparse.Namespace) -> int:
         print(f"spacing {' - '.join(spacing['formats'])}: median "
               f"{'n/a' if median is None else f'{median:.2f}'} dB, predicted "
               f"{'n/a' if predicted is None else f'{predicted:.2f}'} dB")
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    print(written_summary(next(iter(paths.values())).parent))
+    return 0
+
+
+def _recipes(args: argparse.Namespace) -> int:
+    """List the packaged recipes, each with what it does."""
+    from kbbq_pl.recipes import packaged_recipes
+
+    recipes = packaged_recipes()
+    width = max(map(len, recipes))
+    for name, description in recipes.items():
+        print(f"{name:<{width}}  {description}")
+    print(f"\nkbbq-pl quantize --config NAME [--model MODEL] runs one; `kbbq-pl quantize -h` "
+          "shows every field a recipe sets")
     return 0
 
 
@@ -216,7 +231,7 @@ def _export(args: argparse.Namespace) -> int:
 
     out = export_compressed_tensors(args.in_dir, args.out_dir, weight_only=args.weight_only,
                                     strict=args.strict, overwrite=args.overwrite)
-    print(f"wrote {out}")
+    print(written_summary(out))
     return 0
 
 
@@ -243,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("quantize", help="quantize a model with a recipe (see: kbbq-pl quantize -h)")
     sub.add_parser("sweep", help="run a recipe over lambdas and baselines, one table "
                                  "(see: kbbq-pl sweep -h)")
+    sub.add_parser("recipes", help="list the packaged recipes and what each does"
+                   ).set_defaults(run=_recipes)
     formats = sub.add_parser("formats", help="round test tensors onto every format, print a table")
     formats.add_argument("--size", type=int, default=1024)
     formats.add_argument("--seed", type=int, default=0)
@@ -337,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
         "law", help="measure the noise law per GEMM cell (kappa, SNR per format), write a report"
     )
     law.add_argument("--model", required=True,
-                     help="local full-precision model folder, or 'minilm'")
+                     help="local model folder (full precision or kbbq-pl quantized), or a "
+                          "named model: 'minilm' or 'smollm2'")
     law.add_argument("--data", required=True,
                      help="calibration text: a .txt/.jsonl file, hf:<dataset>, or 'random' "
                           "(the paper's random-token corpus)")

@@ -70,10 +70,7 @@ def load_recipe(name: str, model: str, calibration: dict[str, Any]) -> tuple[Any
     the recipe's."""
     from .quantize import _parser, resolve_recipes
 
-    argv = resolve_recipes(["--config", name])
-    if not Path(argv[1]).is_file():
-        raise FileNotFoundError(f"recipe {name!r} is neither a file nor a packaged recipe "
-                                "(kbbq_pl/recipes, e.g. rtn_kbbq_nvfp4_lam0.75)")
+    argv = resolve_recipes(["--config", name])  # an unknown name: the closest packaged ones
     argv += ["--model", model]
     for key, value in calibration.items():
         argv += [f"--data.init_args.{key}", str(value)]

@@ -3,14 +3,14 @@
 A recipe is YAML with ``class_path`` / ``init_args`` entries, the same objects a Lightning
 user composes in Python::
 
-    model: minilm                              # a local HF folder, or "minilm"
+    model: minilm                              # a local HF folder, "minilm" or "smollm2"
     data:                                      # calibration data
       class_path: kbbq_pl.io.data.CalibrationDataModule
       init_args: {source: mixed, n_tokens: 4096, seq_len: 256, batch_size: 8}
     quantizer:                                 # the callback that quantizes
       class_path: kbbq_pl.callbacks.KBBQ
       init_args: {format: nvfp4, transform: kbbq, lam: 0.75}
-    output_dir: kbbq-out/minilm-nvfp4-rtn-kbbq
+    output_dir: null                           # kbbq-out/<model>-<recipe>
 
 ``kbbq-pl quantize --config recipes/rtn_kbbq_nvfp4.yaml --quantizer.init_args.lam 0.5``
 overrides any field.  With no arguments it runs the embedded default above: all-MiniLM-L6-v2 to
@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import re
 import sys
 import time
 from pathlib import Path
@@ -38,14 +39,14 @@ from torch import nn
 from ..eval.report import report_files, report_markdown, sweep_markdown
 from ..io.checkpoint import save_quantized
 from ..io.data import MIXED, RANDOM, CalibrationDataModule, token_blocks
-from ..io.fileio import check_output, write_folder
+from ..io.fileio import check_output, write_folder, written_summary
 from ..io.models import load_model, parse_device, resolve_model_path
 from ..quant import QuantizationConfig, quantize_model
 from ..quant.stats import model_device
 
 log = logging.getLogger(__name__)
 
-DEFAULT_OUTPUT = "kbbq-out/minilm-nvfp4-rtn-kbbq"
+OUTPUT_ROOT = "kbbq-out"
 EMBEDDED = 64  # sentences in kbbq_pl/resources/eval_sentences.txt (checked by a test)
 EVAL_DATA_SENTENCES = 256
 RANDOM_BLOCKS = 32
@@ -56,11 +57,18 @@ METHODS = {"I": ("identity", 0.0), "HAAR": ("haar", 0.0), "RTN-HADAMARD": ("hada
 def _parser(prog: str) -> ArgumentParser:
     from kbbq_pl.callbacks import KBBQ
 
-    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                            exit_on_error=False)
-    parser.add_argument("--config", action=ActionConfigFile, help="a recipe YAML file")
+    from kbbq_pl.recipes import packaged_recipes
+
+    parser = ArgumentParser(
+        prog=prog, description=__doc__.split("\n\n")[0], exit_on_error=False,
+        epilog=f"packaged recipes (--config NAME; `kbbq-pl recipes` says what each does): "
+               f"{', '.join(packaged_recipes())}")
+    parser.add_argument("--config", action=ActionConfigFile,
+                        help="a recipe: a YAML file, or the name of a packaged recipe")
     parser.add_argument("--model", type=str, default="minilm",
-                        help="local HuggingFace model folder, or 'minilm'")
+                        help="a local HuggingFace model folder, or a named model: 'minilm' "
+                             "(all-MiniLM-L6-v2, the [minilm] extra) or 'smollm2' "
+                             "(SmolLM2-135M-Instruct, the [smollm2] extra)")
     parser.add_subclass_arguments(
         CalibrationDataModule, "data", skip={"tokenizer"}, required=False,
         default=lazy_instance(CalibrationDataModule, source=MIXED, n_tokens=4096,
@@ -68,7 +76,9 @@ def _parser(prog: str) -> ArgumentParser:
     parser.add_subclass_arguments(
         KBBQ, "quantizer", skip={"calibration", "calibrate_only", "trainable", "model_attr"},
         required=False, default=lazy_instance(KBBQ, format="nvfp4", transform="kbbq", lam=0.75))
-    parser.add_argument("--output_dir", type=str, default=DEFAULT_OUTPUT)
+    parser.add_argument("--output_dir", type=str | None, default=None,
+                        help=f"the folder to write (default: {OUTPUT_ROOT}/MODEL-RECIPE, e.g. "
+                             f"{OUTPUT_ROOT}/smollm2-gptq-kbbq-nvfp4-lam0.75)")
     parser.add_argument("--overwrite", action=ActionYesNo, default=False,
                         help="replace an existing --output_dir, if kbbq-pl wrote it")
     parser.add_argument("--eval_data", type=str | None, default=None,
@@ -137,14 +147,27 @@ class FidelityProbe:
                 "fidelity_samples": summary["n_sentences"], "fidelity_data": self.source}
 
 
-def _prepare(args) -> tuple[nn.Module, Any, list, Path, Path]:
-    """Check the device and the output folder, then load the model (an already quantized one
-    is refused) and cut the calibration batches, on the model's device."""
+def default_output_dir(model: str, recipe: str) -> Path:
+    """``kbbq-out/<model>-<recipe>``: the model's name (a named model, or the last part of its
+    folder or id) and the recipe's (``QuantizationConfig.label`` as a file name, e.g.
+    ``smollm2-gptq-kbbq-nvfp4-lam0.75``), so that two models or two recipes never share a
+    default folder."""
+    path = Path(model)
+    name = (path.resolve().name if path.exists() else path.name) or "model"
+    recipe = recipe.lower().replace(", lambda auto", " auto").replace("lambda ", "lam")
+    return Path(OUTPUT_ROOT) / re.sub(r"[^a-z0-9._]+", "-", f"{name}-{recipe}".lower()).strip("-")
+
+
+def _prepare(args, recipe: str) -> tuple[nn.Module, Any, list, Path, Path]:
+    """Check the device and the output folder (``recipe``: the name of the default one), then
+    load the model (an already quantized one is refused) and cut the calibration batches, on
+    the model's device."""
     device = parse_device(args.device)
     if args.offload:  # the model on the CPU; quantize_model moves one block at a time
         device = torch.device("cpu")
     source = resolve_model_path(args.model)
-    out = check_output(args.output_dir, overwrite=args.overwrite, sources=[source])
+    out = check_output(args.output_dir or default_output_dir(args.model, recipe),
+                       overwrite=args.overwrite, sources=[source])
     model, tokenizer = load_model(args.model, device=device, quantized="refuse")
     data = args.data
     if data.tokenizer is None and tokenizer is not None:
@@ -165,9 +188,9 @@ def run_quantize(argv: list[str]) -> int:
     config = parser.parse_args(argv)
     args = parser.instantiate(config)
     start = time.perf_counter()
-    model, tokenizer, batches, source, out = _prepare(args)
-    probe = FidelityProbe(model, tokenizer, args.eval_data, args.eval_sentences)
     quantizer = args.quantizer
+    model, tokenizer, batches, source, out = _prepare(args, quantizer.config.label)
+    probe = FidelityProbe(model, tokenizer, args.eval_data, args.eval_sentences)
     report = quantizer.quantize(model, batches, device=parse_device(args.device))
     report.model.update(probe.measure(model), model=str(args.model),
                         calibration_tokens=sum(int(b["input_ids"].numel()) for b in batches),
@@ -179,8 +202,7 @@ def run_quantize(argv: list[str]) -> int:
                    overwrite=args.overwrite,
                    extra_files={"recipe.yaml": parser.dump(config), **report_files(report)})
     print(report_markdown(report))
-    print(f"\nwrote {out}/ (model.safetensors, quantization_config.json, report.json, "
-          f"report.md) in {time.perf_counter() - start:.1f} s")
+    print(f"\n{written_summary(out)}\ndone in {time.perf_counter() - start:.1f} s")
     return 0
 
 
@@ -197,7 +219,7 @@ def run_sweep(argv: list[str]) -> int:
     unknown = [name for name in args.methods.split(",") if name and name not in METHODS]
     if unknown:
         raise ValueError(f"--methods: unknown {unknown}; choose from {sorted(METHODS)}")
-    model, tokenizer, batches, source, out = _prepare(args)
+    model, tokenizer, batches, source, out = _prepare(args, "sweep")
     probe = FidelityProbe(model, tokenizer, args.eval_data, args.eval_sentences)
     base = args.quantizer.config
     formats = [f for f in args.formats.split(",") if f] or [base.format]
@@ -230,23 +252,22 @@ def run_sweep(argv: list[str]) -> int:
 
     write_folder(out, write, kind="sweep", overwrite=args.overwrite, sources=[source])
     print("\n" + table)
-    print(f"\nwrote {out}/ (sweep.json, sweep.md)")
+    print(f"\n{written_summary(out)}")
     return 0
 
 
 def resolve_recipes(argv: list[str]) -> list[str]:
     """``--config NAME`` may name a packaged recipe (``rtn_kbbq_nvfp4_lam0.75``) instead of a
-    file: it resolves to the copy shipped in ``kbbq_pl.recipes``."""
-    from importlib.resources import files
+    file: it resolves to the copy shipped in ``kbbq_pl.recipes``; a name that is neither is an
+    error suggesting the closest packaged names."""
+    from kbbq_pl.recipes import recipe_path
 
     out = list(argv)
-    for index, value in enumerate(out[:-1]):
-        if value == "--config" and not Path(out[index + 1]).exists():
-            name = Path(out[index + 1]).name
-            packaged = files("kbbq_pl.recipes").joinpath(
-                name if name.endswith(".yaml") else f"{name}.yaml")
-            if packaged.is_file():
-                out[index + 1] = str(packaged)
+    for index, value in enumerate(out):
+        if value.startswith("--config=") and not Path(value[len("--config="):]).exists():
+            out[index] = f"--config={recipe_path(value[len('--config='):])}"
+        elif value == "--config" and index + 1 < len(out) and not Path(out[index + 1]).exists():
+            out[index + 1] = str(recipe_path(out[index + 1]))
     return out
 
 

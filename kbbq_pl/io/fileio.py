@@ -34,8 +34,21 @@ class OutputPathError(FileExistsError):
     """An output path kbbq-pl refuses to write (it would replace or mix with what the user
     owns, or write into a source)."""
 
-_UMASK = os.umask(0)
-os.umask(_UMASK)
+def _umask() -> int:
+    """The process's umask (reading it means setting it; it is set straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _usual_modes(folder: Path) -> None:
+    """Give ``folder``, its subfolders and files the modes the user's umask gives a new file
+    (0644 / 0755 under umask 022): ``tempfile`` and safetensors' ``save_file`` create them
+    private (0600 / 0700), which a server running under another account cannot read."""
+    mask = _umask()
+    for path in [*folder.rglob("*"), folder]:
+        if not path.is_symlink():
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def _fsync(path: Path) -> None:
@@ -52,7 +65,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     try:
         write(Path(temporary))
         _fsync(Path(temporary))
-        os.chmod(temporary, 0o666 & ~_UMASK)  # mkstemp makes it private; use the usual mode
+        os.chmod(temporary, 0o666 & ~_umask())  # mkstemp makes it private; use the usual mode
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
@@ -165,7 +178,7 @@ def write_folder(out_dir: str | Path, write: Callable[[Path], None], *, kind: st
         for file in staging.rglob("*"):
             if file.is_file():
                 _fsync(file)
-        os.chmod(staging, 0o777 & ~_UMASK)
+        _usual_modes(staging)
         if out_dir.exists():
             check_output(out_dir, overwrite=overwrite)  # again: it may have changed meanwhile
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
@@ -187,6 +200,31 @@ def write_output_json(path: str | Path, document: dict[str, Any], *, overwrite: 
     target = check_output(path, overwrite=overwrite, sources=sources, kind="file")
     text = json.dumps({"written_by": WRITTEN_BY, **document}, indent=2, default=str)
     return atomic_write_text(target, text + "\n")
+
+
+def written_summary(path: str | Path) -> str:
+    """What a command wrote, for its last line: ``wrote DIR/ (N files, X MiB): a, b, ...``
+    listing every file of a folder (the marker's list when kbbq-pl wrote it), or ``wrote FILE
+    (X KiB)``."""
+    path = Path(path)
+    if path.is_file():
+        return f"wrote {path} ({_size(path.stat().st_size)})"
+    files = sorted(_written_files(path))
+    size = sum((path / name).stat().st_size for name in files)
+    entries: dict[str, int] = {}  # a top-level file, or a subfolder with its file count
+    for name in files:
+        top, _, below = name.partition("/")
+        entries[f"{top}/" if below else top] = entries.get(f"{top}/" if below else top, 0) + 1
+    shown = [f"{name} ({count} files)" if name.endswith("/") else name
+             for name, count in entries.items()]
+    return f"wrote {path}/ ({len(files)} files, {_size(size)}): {', '.join(shown)}"
+
+
+def _size(n_bytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n_bytes >= scale:
+            return f"{n_bytes / scale:.1f} {unit}"
+    return f"{n_bytes} bytes"
 
 
 def sha256_file(path: str | Path) -> str:

@@ -88,20 +88,26 @@ class QuantizationConfig:
     Attributes:
         format: FP4 format of weights and activations (``nvfp4``, ``mxfp4``, ...).
         transform: ``identity``, ``haar``, ``hadamard``, ``wush`` or ``kbbq``.
-        lam: the KBBQ brake lambda in [0, 1] (Eq. kbbq).
-        targets, ignore: module-name regular expressions (see :mod:`kbbq_pl.quant.modules`).
+        lam: the KBBQ brake lambda in [0, 1] (Eq. kbbq), or ``auto``: chosen per layer on
+            held-out calibration tokens (the auto-brake).
+        targets: module-name regular expressions of the layers to quantize (default: every
+            linear layer but the LM head, embeddings and BERT's pooler; see
+            :mod:`kbbq_pl.quant.modules`).
+        ignore: module-name regular expressions of layers to leave in full precision.
         act_scale: NVFP4 activation per-tensor scale, ``static`` (calibrated) or ``dynamic``.
         damping: relative damping of the transform fit's Gram matrices.
         seed: seed of the Haar rotation.
         unaligned: a layer whose ``in_features`` is not a multiple of the block: ``pad`` it with
             zero columns (and its inputs with zeros) or ``skip`` it (left in full precision).
         keep_samples: calibration tokens kept per layer for the report's output SNR.
-        auto_grid, auto_holdout, auto_tokens, auto_refit, auto_select_on: the auto-brake
-            (``lam="auto"``, :mod:`kbbq_pl.transforms.autobrake`): the candidate lambdas; the
-            fraction of calibration sequences held out for selection; the held-out tokens per layer
-            it scores on; whether the chosen lambda is refitted on all tokens (``True``) or the
-            transform fitted on the fitting part is kept; and ``holdout`` (the method) or
-            ``fit`` (scoring on the fitting tokens, only to measure what the split buys).
+        auto_grid: the auto-brake's candidate lambdas (``lam="auto"``,
+            :mod:`kbbq_pl.transforms.autobrake`).
+        auto_holdout: the auto-brake's fraction of calibration sequences held out for selection.
+        auto_tokens: the held-out tokens per layer the auto-brake scores on.
+        auto_refit: whether the auto-brake's chosen lambda is refitted on all tokens (``True``)
+            or the transform fitted on the fitting part is kept.
+        auto_select_on: where the auto-brake scores: ``holdout`` (the method) or ``fit`` (the
+            fitting tokens, only to measure what the split buys).
         weight_quantizer: the strategy that turns a block's linears into FP4 weights: ``rtn``
             (round to nearest, :class:`~kbbq_pl.quant.rtn.RTN`) or ``gptq`` (the GPTQ family,
             :class:`~kbbq_pl.quant.gptq_quantizer.GPTQ`).
@@ -183,6 +189,15 @@ class QuantizationConfig:
             raise ValueError("fold_o_proj folds block transforms fitted by RTN with a fixed "
                              f"lambda; got transform {self.transform!r}, lam {self.lam!r}, "
                              f"weight_quantizer {self.weight_quantizer!r}")
+
+    @classmethod
+    def field_descriptions(cls) -> dict[str, str]:
+        """Each field's description, from the ``Attributes`` above (the one place a field is
+        described; the ``KBBQ`` callback's and the CLI's help show these)."""
+        from docstring_parser import parse
+
+        return {param.arg_name: " ".join((param.description or "").split())
+                for param in parse(cls.__doc__ or "").params}
 
     def _check_weight_quantizer(self, fmt: Format) -> None:
         choices = {"weight_quantizer": ("rtn", "gptq"), "scale_search": ("minmax", "mse"),

@@ -16,6 +16,14 @@ repository root::
 
 Rerunning with later code would only test that code against itself: regenerate only when a
 change of results is intended, and say so in the commit.
+
+The static activation scales and the fitted transforms come out of float32 matrix products and
+eigendecompositions, whose last bits depend on the CPU kernels torch and MKL pick (AVX-512 or
+AVX2): on an AVX2-only CPU 20 of the 28 recipes differ from the file above in their last bits,
+deterministically.  So a CPU whose ``torch.backends.cpu.get_cpu_capability()`` has its own file,
+``pipeline_guard.<capability>.json``, is checked against that one (:func:`guard_path`):
+``pipeline_guard.AVX2.json`` was written on an AVX2 machine by commit f0f312b, the code that
+matched ``pipeline_guard.json`` on the machines before (``--capability-file``).
 """
 
 from __future__ import annotations
@@ -39,6 +47,13 @@ TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
             num_key_value_heads=2, vocab_size=128)
 LAYER_TENSORS = ("weight_packed", "weight_scale", "weight_global_scale", "transform",
                  "input_global_scale")
+
+
+def guard_path() -> Path:
+    """The guard for this CPU: ``pipeline_guard.<capability>.json`` where it exists, else
+    ``pipeline_guard.json``."""
+    own = GUARD.with_name(f"{GUARD.stem}.{torch.backends.cpu.get_cpu_capability()}.json")
+    return own if own.is_file() else GUARD
 
 
 def recipe_configs() -> dict[str, QuantizationConfig]:
@@ -75,11 +90,14 @@ def quantized_digests(config: QuantizationConfig) -> dict[str, dict[str, Any]]:
 
 def main() -> None:
     torch.set_num_threads(1)
+    out = GUARD
+    if "--capability-file" in sys.argv:  # this CPU's own guard file
+        out = GUARD.with_name(f"{GUARD.stem}.{torch.backends.cpu.get_cpu_capability()}.json")
     guard = {name: quantized_digests(config) for name, config in recipe_configs().items()}
     lines = [f" {json.dumps(name)}: {json.dumps(parts, sort_keys=True)}"
              for name, parts in sorted(guard.items())]
-    GUARD.write_text("{\n" + ",\n".join(lines) + "\n}\n")
-    print(f"wrote {GUARD} ({len(guard)} recipes)", file=sys.stderr)
+    out.write_text("{\n" + ",\n".join(lines) + "\n}\n")
+    print(f"wrote {out} ({len(guard)} recipes)", file=sys.stderr)
 
 
 if __name__ == "__main__":

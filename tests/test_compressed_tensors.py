@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,10 @@ from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears  # noqa: E40
 from kbbq_pl.transforms.fit import hadamard  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+MR_GPTQ = {"format": "nvfp4", "transform": "hadamard", "weight_quantizer": "gptq",
+           "scale_search": "mse"}
+"""The fields of the ``mr_gptq_nvfp4`` recipe."""
 
 IDS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(7))
 
@@ -145,9 +151,12 @@ def test_global_scale_reciprocal_decodes_every_code_and_scale_like_kbbq():
     {"format": "nvfp4", "transform": "identity"},
     {"format": "mxfp4", "transform": "identity", "weight_quantizer": "gptq"},
 ], ids=["I-nvfp4", "GPTQ-mxfp4"])
-def test_plain_export_reads_back_in_compressed_tensors_and_transformers(fields, tmp_path):
+def test_plain_export_reads_back_in_compressed_tensors_and_transformers(fields, tmp_path,
+                                                                       caplog):
     model = quantized_tiny(**fields)
-    out = save_compressed_tensors(model, tmp_path / "ct")
+    with caplog.at_level(logging.WARNING, logger="kbbq_pl.io.compressed_tensors"):
+        out = save_compressed_tensors(model, tmp_path / "ct", strict=True)
+    assert not caplog.records  # every reader computes it: no warning, strict exports it
     block, config = ct_config(out)
     preset = "NVFP4" if fields["format"] == "nvfp4" else "MXFP4"
     expected = preset_name_to_scheme(preset, ["Linear"])
@@ -261,9 +270,8 @@ def test_block_hadamard_is_compressed_tensors_hadamard(tmp_path):
     from compressed_tensors.transform import TransformConfig, apply_transform_config
     from compressed_tensors.transform.utils.hadamard import deterministic_hadamard_matrix
 
-    model = quantized_tiny(format="nvfp4", transform="hadamard", weight_quantizer="gptq",
-                           scale_search="mse")
-    out = save_compressed_tensors(model, tmp_path / "ct", strict=True)
+    model = quantized_tiny(**MR_GPTQ)
+    out = save_compressed_tensors(model, tmp_path / "ct")
     block, _ = ct_config(out)
     transforms = TransformConfig.model_validate(block["transform_config"])
     (scheme,) = transforms.config_groups.values()
@@ -286,6 +294,65 @@ def test_block_hadamard_is_compressed_tensors_hadamard(tmp_path):
     error = (logits(loaded) - reference).abs().max() / reference.abs().max()
     assert error < 1e-2, error  # bfloat16 weights (compressed-tensors) against float32
     assert torch.equal(logits(from_pretrained(out)), logits(model))
+
+
+def export_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "kbbq_pl.io.compressed_tensors" and r.levelno >= logging.WARNING]
+
+
+def test_block_hadamard_export_warns_that_transformers_drops_it_and_strict_refuses(
+        tmp_path, caplog, capsys):
+    """MR-GPTQ's transform_config is applied by vLLM but dropped by transformers on load: the
+    export warns (which layers, why, how to load it) and --strict refuses it, in one line."""
+    model = quantized_tiny(**MR_GPTQ)
+    first = r"14 of 14 layers \(model\.layers\.0\.self_attn\.q_proj, [^)]* and 11 more\)"
+    with pytest.raises(ExportError, match=(
+            rf"--strict: .*{first}: block Hadamard .* HF transformers drops transform_config on "
+            r"load .* kbbq_pl\.from_pretrained\(folder\).* apply_transform_config")):
+        save_compressed_tensors(model, tmp_path / "strict", strict=True)
+    assert not (tmp_path / "strict").exists()
+    with caplog.at_level(logging.WARNING, logger="kbbq_pl.io.compressed_tensors"):
+        save_compressed_tensors(model, tmp_path / "ct")
+    (warning,) = export_warnings(caplog)
+    assert re.match(rf"compressed-tensors export: {first}: ", warning), warning
+    for words in ["transform_config", "vLLM applies it online",
+                  "HF transformers drops transform_config on load and computes another function",
+                  "kbbq_pl.from_pretrained(folder)", "apply_transform_config"]:
+        assert words in warning, words
+    # the CLI: a warning without --strict, one error line and exit code 2 with it
+    source = save_quantized(model, tmp_path / "kbbq", recipe=MR_GPTQ)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kbbq_pl.io.compressed_tensors"):
+        assert main(["export", "--format", "compressed-tensors", str(source),
+                     str(tmp_path / "cli")]) == 0
+    assert export_warnings(caplog) == [warning]
+    capsys.readouterr()
+    assert main(["export", "--format", "compressed-tensors", "--strict", str(source),
+                 str(tmp_path / "cli-strict")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert re.match(rf"kbbq-pl export: error: --strict: .*{first}: block Hadamard", line), line
+    assert not (tmp_path / "cli-strict").exists()
+
+
+@pytest.mark.parametrize("fields", [
+    MR_GPTQ, {"format": "mxfp4", "transform": "hadamard"},
+], ids=["MR-GPTQ-nvfp4", "RTN-HADAMARD-mxfp4"])
+def test_block_hadamard_export_loads_in_kbbq_pl_bit_for_bit(fields, tmp_path):
+    """The way to load a transform-carrying export that the warning names: kbbq-pl's own
+    loader applies the online Hadamard and gives the exported model's logits exactly."""
+    model = quantized_tiny(**fields)
+    out = save_compressed_tensors(model, tmp_path / "ct")
+    assert json.loads((out / "config.json").read_text())["quantization_config"][
+        "transform_config"]
+    loaded = from_pretrained(out)
+    ours, theirs = quantized_linears(model), quantized_linears(loaded)
+    assert ours.keys() == theirs.keys()
+    for name, layer in ours.items():
+        assert torch.equal(theirs[name].transform, layer.transform), name
+        assert same_bits(theirs[name].weight.dequantize(torch.float32),
+                         layer.weight.dequantize(torch.float32)), name
+    assert torch.equal(logits(loaded), logits(model))
 
 
 def test_per_block_transforms_export_as_input_transform_and_strict_refuses(tmp_path):

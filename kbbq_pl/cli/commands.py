@@ -388,7 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="declare weights only (NVFP4A16 / MXFP4A16): activations unquantized")
     export.add_argument("--strict", action="store_true",
                         help="refuse what stock readers would not compute as kbbq-pl does "
-                             "(per-block transforms, padded layers written dense)")
+                             "(without it: a warning naming the layers): per-block transforms "
+                             "(KBBQ, WUSH, HAAR), the block Hadamard of MR-GPTQ / RTN-HADAMARD "
+                             "(vLLM applies it, transformers drops it), padded layers written "
+                             "dense")
     _add_overwrite(export, "out_dir")
     export.set_defaults(run=_export)
     return parser

@@ -23,15 +23,23 @@ them).  What each kbbq-pl layer becomes (:func:`plan_layers`):
   online at the ``input``, the inverse folded at ``weight_input``) and the ``±1`` matrix per
   layer under ``L.<scheme>_input.weight``, as llm-compressor saves it.  compressed-tensors and
   vLLM apply ``x H / sqrt(d)``, the same matrix as :func:`kbbq_pl.transforms.hadamard` (bit
-  for bit in float64, tested); vLLM applies it online, transformers ignores ``transform_config``;
+  for bit in float64, tested).  vLLM applies it online; HF transformers drops
+  ``transform_config`` on load and computes another function (``Q(W H)`` on ``x``), so the
+  export warns (``strict`` refuses), naming the layers and how to load it: kbbq-pl's
+  :func:`kbbq_pl.from_pretrained`, or transformers followed by compressed-tensors'
+  ``apply_transform_config`` with the ``input`` transforms (the weights' are folded);
 * any other transform (KBBQ, WUSH: a different ``d x d`` matrix per block; HAAR: one dense
   matrix): compressed-tensors has one matrix per size, shared, so there is no slot.  The weights
   ``Q(W T^-1)`` are written in compressed-tensors layout plus ``L.input_transform``, float32
   ``[K/d, d, d]`` (``x_hat_b = T_b x_b``; a dense ``T`` as ``[1, K, K]``), which kbbq-pl reads
-  back and stock readers do not apply; ``strict`` refuses such an export;
+  back and stock readers do not apply; the export warns and ``strict`` refuses it;
 * a layer padded to whole blocks (compressed-tensors has no padding): written dense, its
-  dequantized ``Q(W T^-1) T`` cut to ``in_features``, and listed in ``ignore`` (``strict``
-  refuses).
+  dequantized ``Q(W T^-1) T`` cut to ``in_features``, and listed in ``ignore`` (the export
+  warns, ``strict`` refuses).
+
+:data:`ISSUES` is the one list of what stock readers would not compute as kbbq-pl does:
+:func:`plan_layers` tags each layer with its issue, :func:`describe_issues` turns the tags into
+the warnings an export logs and the error ``strict`` raises.
 
 compressed-tensors decompresses NVFP4 in bfloat16 (``unpack_fp4_from_uint8`` returns bf16):
 ``bf16(q * fl32(s / gs))``.  :func:`ct_global_scale` picks the float32 ``gs`` so that this equals
@@ -207,17 +215,30 @@ class LayerPlan:
     reason: str | None = None
 
 
+LOAD_HINT = "load it with kbbq_pl.from_pretrained(folder)"
+
 ISSUES = {
     "padded": ("in_features not a multiple of the block (kbbq-pl zero-pads; compressed-tensors "
-               "has no padding): written dense, dequantized, and listed in ignore"),
+               "has no padding): written dense, dequantized, and listed in ignore; stock readers "
+               "compute exact weights but leave these layers' activations unquantized"),
     "transform": (f"per-block (or dense) transforms with no compressed-tensors slot (one shared "
                   f"matrix per size): written as <layer>.{INPUT_TRANSFORM}, which only kbbq-pl "
-                  "applies; stock readers drop it and compute another function"),
+                  "applies; stock readers (vLLM, transformers) drop it and compute another "
+                  f"function; {LOAD_HINT}"),
+    "hadamard": ("block Hadamard (MR-GPTQ, RTN-HADAMARD) written as a hadamard transform_config: "
+                 "vLLM applies it online, but HF transformers drops transform_config on load and "
+                 f"computes another function; {LOAD_HINT}, or after transformers' "
+                 "from_pretrained call compressed-tensors' apply_transform_config(model, config) "
+                 "with only the config's location 'input' transforms (the weight_input ones are "
+                 "folded into the weights)"),
 }
+"""What stock compressed-tensors readers would not compute as kbbq-pl does, by issue: the
+export logs one warning per issue present (:func:`describe_issues`), ``strict`` refuses."""
 
 
 def describe_issues(plans: Mapping[str, LayerPlan]) -> list[str]:
-    """One line per kind of layer stock readers do not compute as kbbq-pl does."""
+    """One line per kind of layer stock readers do not compute as kbbq-pl does
+    (:data:`ISSUES`): how many layers, the first ones by name, and what to do."""
     lines = []
     for issue, text in ISSUES.items():
         names = [n for n, plan in plans.items() if plan.issue == issue]
@@ -245,7 +266,8 @@ def plan_layers(layers: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, T
     """What each quantized layer becomes (the module docstring); ``linear_types`` maps every
     linear module of the architecture to its class name.  Raises :class:`ExportError` for what
     cannot be written, and with ``strict`` for anything stock readers would not compute as
-    kbbq-pl does (per-block transforms, dense fallbacks), naming the layers."""
+    kbbq-pl does (:data:`ISSUES`: per-block transforms, the block Hadamard that transformers
+    drops, dense fallbacks), naming the layers."""
     plans: dict[str, LayerPlan] = {}
     for name, meta in layers.items():
         fmt = get_format(meta["format"])
@@ -260,6 +282,8 @@ def plan_layers(layers: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, T
                 f"{fmt.block_size}: written dense, dequantized"))
         elif kind == "custom":
             plans[name] = LayerPlan(name, True, kind, "transform")
+        elif kind == "hadamard":
+            plans[name] = LayerPlan(name, True, kind, "hadamard")
         else:
             plans[name] = LayerPlan(name, True, kind)
     issues = describe_issues(plans)
@@ -267,8 +291,8 @@ def plan_layers(layers: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, T
         raise ExportError(
             "--strict: stock compressed-tensors readers (vLLM, transformers) would not compute "
             f"what kbbq-pl computes: {'; '.join(issues)}. Export without --strict to write "
-            "them as documented, or quantize with transform identity or hadamard "
-            "(unaligned: skip for the padded layers)")
+            "them as documented, or, for every reader, quantize without a transform "
+            "(transform identity: i_*, gptq_* recipes; unaligned: skip for the padded layers)")
     return plans
 
 
@@ -364,7 +388,7 @@ def _write_export(staging: Path, tensors: dict[str, Tensor], layers: dict[str, d
         raise ExportError("no layer can be written in compressed-tensors FP4: "
                           + "; ".join(describe_issues(plans)))
     for line in describe_issues(plans):
-        log.warning("%s", line)
+        log.warning("compressed-tensors export: %s", line)
     scale_kind = _uniform(plans, layers, lambda m: get_format(m["format"]).scale_kind, "format")
     act_scale = _uniform(plans, layers, lambda m: m["act_scale"], "act_scale")
     if scale_kind == "e4m3" and act_scale == "dynamic" and not weight_only:

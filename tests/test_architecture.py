@@ -1,30 +1,22 @@
 """The package's architecture, read from its import graph (every ``import`` and ``from ...
 import`` statement, at module level or inside functions, and ``importlib.import_module`` of a
 literal name): no import cycles; the subpackages form layers and import only downward; the
-pure-math subpackages import no Lightning, HuggingFace or I/O module.  Also: the deprecated
-aliases of the old flat module paths warn and give the new modules' own objects."""
+pure-math subpackages import no Lightning, HuggingFace or I/O module."""
 
 from __future__ import annotations
 
 import ast
 import functools
-import importlib
-import pickle
-import re
-import sys
-import warnings
 from pathlib import Path
 
 import pytest
 
-import kbbq_pl
-from kbbq_pl import _aliases
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # A module imports only modules of its own subpackage or of a lower layer.
 LAYERS = {
-    "kbbq_pl._version": 0, "kbbq_pl._compat": 0, "kbbq_pl._aliases": 0, "kbbq_pl.resources": 0,
+    "kbbq_pl._version": 0, "kbbq_pl._compat": 0, "kbbq_pl.resources": 0,
     "kbbq_pl.recipes": 0,
     "kbbq_pl.formats": 1,
     "kbbq_pl.kernels": 2, "kbbq_pl.law": 2,
@@ -96,11 +88,9 @@ def _imports(name: str) -> tuple[set[str], set[str]]:
 
     def add(target: str) -> None:
         if target == "kbbq_pl" or target.startswith("kbbq_pl."):
-            if target not in MODULES and target not in _aliases.MOVED:
+            if target not in MODULES:
                 MISSING.append(f"{path.relative_to(ROOT)} imports {target}")
                 return
-            if target in _aliases.MOVED:  # flagged by the deprecated-path test below
-                target = _aliases.MOVED[target][0].partition(":")[0]
             internal.add(target)
         else:
             external.add(target.partition(".")[0])
@@ -213,110 +203,3 @@ def test_quantization_imports_no_lightning_and_no_io():
         external = set().union(*(_graph()[m][1] for m in reached))
         assert not external & {"lightning", "pytorch_lightning", "safetensors", "datasets",
                                "jsonargparse", "lm_eval", "compressed_tensors"}, module
-
-
-# ------------------------------------------------------------------ deprecated aliases
-
-def _fresh_import(old: str):
-    sys.modules.pop(old, None)
-    parent, _, attr = old.rpartition(".")
-    if attr in vars(sys.modules[parent]):
-        delattr(sys.modules[parent], attr)
-    with pytest.warns(DeprecationWarning, match=old.replace(".", r"\.") + " moved to"):
-        return importlib.import_module(old)
-
-
-@pytest.mark.parametrize("old", sorted(_aliases.MOVED))
-def test_old_path_warns_and_gives_the_same_objects(old):
-    assert not (ROOT / (old.replace(".", "/") + ".py")).exists()
-    alias = _fresh_import(old)
-    targets = [_aliases.exported(target) for target in _aliases.MOVED[old]]
-    assert all(names for _, names in targets)
-    assert alias.__all__ == sorted({name for _, names in targets for name in names})
-    for name in alias.__all__:
-        assert getattr(alias, name) is next(getattr(m, name) for m, names in targets
-                                            if name in names)
-    with pytest.raises(AttributeError, match="moved to"):
-        alias.no_such_name  # noqa: B018
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert importlib.import_module(old) is alias  # warns once, then cached
-
-
-def _old_paths_in(path: Path, module: str | None) -> list[tuple[int, str]]:
-    """(line, old path) of every import of a deprecated path in the Python file ``path``
-    (``module``: its name inside the package, for relative imports)."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        names: list[str] = []
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                if module is None:
-                    continue
-                package = module if MODULES[module][1] else module.rpartition(".")[0]
-                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(parts + ([node.module] if node.module else []))
-            names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
-        found += [(node.lineno, name) for name in names if name in _aliases.MOVED]
-    return found
-
-
-def test_the_package_its_tests_and_benchmarks_use_no_deprecated_path():
-    by_file = {path: name for name, (path, _) in MODULES.items()}
-    found = []
-    for folder in ("kbbq_pl", "callbacks", "tests", "bench", "scripts"):
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            if path == Path(__file__).resolve():
-                continue  # the alias tests above import the old paths on purpose
-            found += [f"{path.relative_to(ROOT)}:{line}: {old} -> {_aliases.where(old)}"
-                      for line, old in _old_paths_in(path, by_file.get(path))]
-    texts = sorted((ROOT / "recipes").glob("*.yaml"))
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    code = "\n".join(re.findall(r"```(?:python|bash|yaml)\n(.*?)```", readme, re.S))
-    for name, text in [*((p.name, p.read_text(encoding="utf-8")) for p in texts),
-                       ("README.md code", code)]:
-        for dotted in re.findall(r"kbbq_pl(?:\.\w+)+", text):
-            parts = dotted.split(".")
-            found += [f"{name}: {'.'.join(parts[:k])} -> {_aliases.where('.'.join(parts[:k]))}"
-                      for k in range(2, len(parts) + 1) if ".".join(parts[:k]) in _aliases.MOVED]
-    assert not found, "old flat paths (use the new ones):\n" + "\n".join(found)
-
-
-def test_every_flat_module_of_0_1_has_a_path():
-    flat = ["autobrake", "benchmarks", "cli", "compressed_tensors", "data", "evaluation",
-            "export", "fileio", "fold", "gptq", "law", "law_cells", "law_report", "layers",
-            "llama2c", "models", "modules", "quantize", "quantize_cli", "report", "sequential",
-            "sequential_gptq", "stats", "torchao", "transforms", "w4a4"]
-    for name in flat:
-        old = f"kbbq_pl.{name}"
-        assert old in _aliases.MOVED or (old in MODULES and MODULES[old][1]), old
-
-
-def test_the_old_import_statements_still_work():
-    sys.modules.pop("kbbq_pl.quantize", None)
-    with pytest.warns(DeprecationWarning):
-        from kbbq_pl.quantize import QuantizationConfig, quantize_model  # noqa: F401
-    from kbbq_pl.cli import main
-    from kbbq_pl.law import kappa
-    from kbbq_pl.transforms import fit_transform
-
-    assert quantize_model is kbbq_pl.quantize_model
-    assert QuantizationConfig is kbbq_pl.QuantizationConfig
-    assert main is importlib.import_module("kbbq_pl.cli.commands").main
-    assert kappa is importlib.import_module("kbbq_pl.law.noise_law").kappa
-    assert fit_transform is importlib.import_module("kbbq_pl.transforms.fit").fit_transform
-
-
-def test_an_object_pickled_under_an_old_path_unpickles():
-    config = kbbq_pl.QuantizationConfig(format="mxfp4", lam=0.5)
-    data = pickle.dumps(config, protocol=2)
-    new = config.__class__.__module__.encode()
-    assert new == b"kbbq_pl.quant.config" and new in data
-    old = data.replace(new, b"kbbq_pl.quantize")
-    sys.modules.pop("kbbq_pl.quantize", None)
-    with pytest.warns(DeprecationWarning):
-        restored = pickle.loads(old)
-    assert type(restored) is type(config) and restored == config

@@ -19,7 +19,7 @@ from test_formats import ALL_FORMATS, adversarial_tensors, bits
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kbbq_pl import formats as F
-from kbbq_pl.formats import kernels as K
+from kbbq_pl.formats import rounding as K
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -181,7 +181,7 @@ def test_grid_tables_and_packing_round_trip():
     assert packed.shape == (2, 4)
     assert int(packed[0, 0]) == 0x10  # element 0 in the low nibble, element 1 in the high
     assert torch.equal(F.unpack_nibbles(packed), codes.reshape(2, 8))
-    from kbbq_pl.formats.kernels import e2m1_code_magnitude, e2m1_magnitude_code
+    from kbbq_pl.formats.rounding import e2m1_code_magnitude, e2m1_magnitude_code
 
     assert torch.equal(e2m1_code_magnitude(torch.arange(8)), E2M1_GRID)
     assert torch.equal(e2m1_magnitude_code(E2M1_GRID), torch.arange(8, dtype=torch.float32))

@@ -187,7 +187,7 @@ def test_bad_inputs_get_errors_naming_the_layer_and_shape():
 
 
 def test_column_rounder_is_round_e2m1_bit_for_bit():
-    from kbbq_pl.formats.kernels import round_e2m1
+    from kbbq_pl.formats.rounding import round_e2m1
 
     rounder = G._ColumnRounder(torch.device("cpu"))
     points = torch.tensor(rounder.MIDPOINTS + rounder.GRID + (7.0, 1e30, 2.0**-149))

@@ -4,11 +4,11 @@
 scales, per-tensor scale), ``dequantize(q)`` the values it represents, and
 ``fake_quantize(x, fmt)`` both in one fused pass (the hot path).  Formats are looked up by name
 (:func:`get_format`, :func:`list_formats`); see :mod:`kbbq_pl.formats.spec` for the names and
-:mod:`kbbq_pl.formats.kernels` for the rounding conventions.
+:mod:`kbbq_pl.formats.rounding` for the rounding conventions.
 """
 
 from .dispatch import compile_enabled, set_compile
-from .kernels import pack_nibbles, round_e2m1, unpack_nibbles
+from .rounding import pack_nibbles, round_e2m1, unpack_nibbles
 from .noise import measure_sigma2, sigma2_fmt
 from .qtensor import (
     DeferredChecks,

@@ -1,6 +1,6 @@
 """Runs the rounding kernels compiled by ``torch.compile`` where it can, eagerly elsewhere.
 
-``torch.compile`` fuses each kernel of :mod:`kbbq_pl.formats.kernels` into one or two passes
+``torch.compile`` fuses each kernel of :mod:`kbbq_pl.formats.rounding` into one or two passes
 over the data (a C++ loop on CPU, a Triton kernel on CUDA); eager PyTorch makes about ten.  The
 compiled and eager kernels are the same Python functions and agree bit for bit (tested).
 

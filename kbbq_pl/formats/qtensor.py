@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._compat import TorchAOBaseTensor
-from . import kernels
+from . import rounding
 from .dispatch import run_kernel
 from .spec import Format, get_format
 
@@ -210,7 +210,7 @@ def _global_scale_arg(fmt: Format, global_scale: Tensor | float | None, name: st
     if value.numel() != 1:
         raise ValueError(f"{name}: global_scale must be a scalar, got shape {tuple(value.shape)}")
     value = value.reshape(())
-    least = kernels.NVFP4_MIN_GLOBAL_SCALE
+    least = rounding.NVFP4_MIN_GLOBAL_SCALE
     if _deferred is not None:
         _deferred.add(torch.isfinite(value) & (value >= least), name,
                       f"global_scale must be finite and at least {least:g}", value)
@@ -235,7 +235,7 @@ def _run(x: Tensor, fmt: Format, global_scale, pad: bool, nonfinite: str, name: 
         if gs is not None:
             gs = gs.to(x.device)
         out = run_kernel(
-            kernels.e2m1_groups, groups, gs,
+            rounding.e2m1_groups, groups, gs,
             scale_kind=fmt.scale_kind, e8m0_rounding=fmt.e8m0_rounding, **static,
         )
     else:
@@ -243,10 +243,10 @@ def _run(x: Tensor, fmt: Format, global_scale, pad: bool, nonfinite: str, name: 
             _global_scale_arg(fmt, global_scale, name)
         dynamic = fmt.granularity != "block"
         if fmt.element == "e4m3":
-            out = run_kernel(kernels.e4m3_groups, groups, dynamic_group_len=dynamic, **static)
+            out = run_kernel(rounding.e4m3_groups, groups, dynamic_group_len=dynamic, **static)
         else:
             qmax = int(fmt.element_max)
-            out = run_kernel(kernels.int_groups, groups, dynamic_group_len=dynamic, qmax=qmax,
+            out = run_kernel(rounding.int_groups, groups, dynamic_group_len=dynamic, qmax=qmax,
                              **static)
     if nonfinite == "raise":
         if _deferred is not None:
@@ -351,7 +351,7 @@ def block_dequant_scale(q: QuantizedTensor) -> Tensor:
         return q.global_scale * q.scale.to(torch.float32)
     if fmt.scale_kind == "e8m0":
         biased = q.scale.view(torch.uint8).to(torch.int32)
-        value = kernels._pow2(biased - 127)
+        value = rounding._pow2(biased - 127)
         return torch.where(biased == 255, torch.full_like(value, float("nan")), value)
     return q.scale
 
@@ -365,12 +365,12 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> Tensor:
     if fmt.element == "e2m1":  # blocks: one fused pass where kernels are compiled
         assert fmt.block_size is not None
         values = run_kernel(
-            kernels.e2m1_decode_groups, q.qdata.reshape(-1, fmt.block_size // 2),
+            rounding.e2m1_decode_groups, q.qdata.reshape(-1, fmt.block_size // 2),
             scale.reshape(-1), no_clip=fmt.scale_kind == "e8m0" and fmt.e8m0_rounding == "no_clip",
             out_dtype=out_dtype)
         return values.reshape(*q.qdata.shape[:-1], 2 * q.qdata.shape[-1])[..., : q.last_dim]
     if fmt.element == "int4":
-        values = kernels.int4_unpack(q.qdata).to(torch.float32)
+        values = rounding.int4_unpack(q.qdata).to(torch.float32)
     else:
         values = q.qdata.to(torch.float32)
     if fmt.granularity == "block":

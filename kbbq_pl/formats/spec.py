@@ -3,7 +3,7 @@
 A :class:`Format` says which grid the elements are rounded onto, how many elements share a
 scale, how that scale is stored, and whether a per-tensor FP32 scale sits above the block
 scales.  Every number format of kbbq-pl is one instance; the math that rounds onto it lives in
-:mod:`kbbq_pl.formats.kernels`.
+:mod:`kbbq_pl.formats.rounding`.
 
 Names accepted by :func:`get_format`:
 

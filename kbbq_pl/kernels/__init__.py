@@ -28,7 +28,7 @@ act_global_scale=None, bias=None) -> y``
 
 Numerics.  Activations: ``h = T x`` in FP32 from the exactly upcast input (an FMA chain per
 output, :mod:`kbbq_pl.kernels.reference`), then exactly the arithmetic of
-:mod:`kbbq_pl.formats.kernels` (every division correctly rounded, E4M3 and E2M1 rounded to
+:mod:`kbbq_pl.formats.rounding` (every division correctly rounded, E4M3 and E2M1 rounded to
 nearest even).  Dynamic NVFP4 needs the amax of ``T x`` over the whole tensor before the first
 block scale, so it runs two passes: the first computes ``T x`` and folds its amax into one FP32
 scalar on the device (an atomic max: order-free, hence deterministic; no host sync, so CUDA

@@ -11,7 +11,7 @@ The Triton kernels of :mod:`kbbq_pl.kernels` compute exactly these functions:
   such an ``h`` sits within that ulp of a rounding boundary; ``tests/test_kernels.py`` measures
   the mismatch rate on the GPU.
 * :func:`reference_quantize_activations` rounds ``h`` with
-  :func:`kbbq_pl.formats.kernels.e2m1_groups` (NVFP4 or MXFP4, every E8M0 rounding mode), under
+  :func:`kbbq_pl.formats.rounding.e2m1_groups` (NVFP4 or MXFP4, every E8M0 rounding mode), under
   the ``propagate`` policy for non-finite values (a block holding NaN or Inf gets a NaN scale,
   its elements are rounded as zeros).
 * :func:`reference_w4a4_matmul` is the float64 product of the dequantized operands
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ..formats import Format, QuantizedTensor, dequantize, get_format
-from ..formats.kernels import e2m1_groups
+from ..formats.rounding import e2m1_groups
 
 _F32 = torch.float32
 _F64 = torch.float64
@@ -101,7 +101,7 @@ def reference_quantize_activations(
     x: Tensor, transform: Tensor | None, fmt: str | Format, global_scale: Tensor | float | None = None
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """What :func:`kbbq_pl.kernels.quantize_activations` returns, computed on the CPU (or any
-    device) with the functions of :mod:`kbbq_pl.formats.kernels`: packed codes ``uint8 [M, K/2]``,
+    device) with the functions of :mod:`kbbq_pl.formats.rounding`: packed codes ``uint8 [M, K/2]``,
     block scales ``[M, K/d]`` (``float8_e4m3fn`` for NVFP4, uint8 E8M0 exponents for MX) and the
     NVFP4 per-tensor scale (FP32 ``[]``; None for MX)."""
     fmt = fp4_format(fmt)

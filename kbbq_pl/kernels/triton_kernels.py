@@ -45,7 +45,7 @@ def _e2m1_codes(y):
     The grid steps are 1/2 on [0, 2), 1 on [2, 4) and 2 on [4, 6]: adding ``magic = 2^22``,
     ``2^23`` or ``2^24`` (by the binade of ``|y|``), whose FP32 ulp is that step, rounds
     ``|y|`` to the grid, ties to even, in one FP32 add (the rounding of
-    :func:`kbbq_pl.formats.kernels.round_e2m1`); the sum's bits minus the magic's count the
+    :func:`kbbq_pl.formats.rounding.round_e2m1`); the sum's bits minus the magic's count the
     steps, and the code is that count plus 0, 2 or 4.  Values above 6 saturate (code 7).
     """
     a = tl.minimum(tl.abs(y), 6.0)
@@ -87,7 +87,7 @@ def _pow2(e):
 
 @triton.jit
 def _e8m0_exponent(amax, ROUNDING: tl.constexpr):
-    """:func:`kbbq_pl.formats.kernels.e8m0_exponent` on FP32 ``amax >= 0`` (int32)."""
+    """:func:`kbbq_pl.formats.rounding.e8m0_exponent` on FP32 ``amax >= 0`` (int32)."""
     if ROUNDING == 3:  # rceil: ceil(log2(amax / 6))
         descale = tl.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
         bits = descale.to(tl.int32, bitcast=True)
@@ -204,7 +204,7 @@ def _quantize_activations_kernel(
                 pts = tl.load(global_ptr)
             else:
                 pts = tl.div_rn(tl.load(amax_ptr), 2688.0)  # 448 * 6
-            usable = pts >= 2.0**-122  # kbbq_pl.formats.kernels.NVFP4_MIN_GLOBAL_SCALE
+            usable = pts >= 2.0**-122  # kbbq_pl.formats.rounding.NVFP4_MIN_GLOBAL_SCALE
             pts = tl.where(usable, pts, 1.0)
             pts_b = tl.full(amax.shape, 0.0, tl.float32) + pts
             s = tl.div_rn(tl.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)), pts_b)

@@ -26,7 +26,7 @@ Hessian of the layer-wise loss ``||W x - Q x||^2`` over calibration inputs ``x``
   ``1 - 0.8 i / 100`` of its amax, by the error ``sum |w - q|^2.4`` evaluated with the stored
   (rounded) scale, min-max (``i = 0``) included, so it never increases that error.
 
-Rounding uses the format kernels' arithmetic (:mod:`kbbq_pl.formats.kernels`) with the scales
+Rounding uses the format kernels' arithmetic (:mod:`kbbq_pl.formats.rounding`) with the scales
 held fixed, so the returned :class:`~kbbq_pl.formats.QuantizedTensor` dequantizes bit for bit
 to the weight GPTQ compensated against (``GPTQResult.values``).
 
@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from ..formats import Format, QuantizedTensor, get_format
-from ..formats.kernels import (
+from ..formats.rounding import (
     E2M1_MAX,
     E4M3_MAX,
     NVFP4_MIN_GLOBAL_SCALE,

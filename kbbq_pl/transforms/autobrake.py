@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ..formats import Format, fake_quantize, get_format
-from ..formats.kernels import NVFP4_MIN_GLOBAL_SCALE
+from ..formats.rounding import NVFP4_MIN_GLOBAL_SCALE
 from .fit import KBBQBasis, transform_inputs, transform_weight
 
 DEFAULT_GRID: tuple[float, ...] = (0.0, 0.25, 0.5, 0.625, 0.75, 0.875, 1.0)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import math
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -189,3 +192,140 @@ def test_perplexity_of_a_tiny_llama_by_hand():
     assert windowed["n_tokens"] == 40 and windowed["n_windows"] > 1
     # a random-initialized model is close to uniform over its 256 tokens
     assert 128 < result["perplexity"] < 512 and 128 < windowed["perplexity"] < 512
+
+
+# --- the held-out text kbbq-pl ships, and `kbbq-pl eval`/`compare` without the data folder -----
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_packaged_eval_text_is_shipped_with_its_licence():
+    from kbbq_pl.resources import eval_text
+
+    path = eval_text()
+    data = path.read_bytes()
+    assert 20_000 < len(data) < 30_000 and data.endswith(b"\n") and b"\r" not in data
+    assert data.startswith(b" \n = Robert <unk> = \n")  # WikiText-2 test, tokenized variant
+    notes = (path.parent / "EVAL_TEXT.md").read_text(encoding="utf-8")
+    assert path.name in notes and "CC BY-SA 3.0" in notes and "scripts/build_eval_text.py" in notes
+
+
+def test_the_build_script_reproduces_the_packaged_eval_text(shared_data, tmp_path):
+    from kbbq_pl.resources import eval_text
+
+    out = tmp_path / "head.txt"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "build_eval_text.py"),
+                    "--data", str(shared_data), "--out", str(out)], check=True, cwd=ROOT,
+                   capture_output=True)
+    assert out.read_bytes() == eval_text().read_bytes()
+    full = (shared_data / "wikitext2" / "test.txt").read_bytes()
+    assert full.startswith(out.read_bytes())  # a prefix, cut at a line boundary
+
+
+def test_the_packaged_text_starts_with_the_full_files_tokens(shared_data, tiny_llama2c_folder):
+    """The first tokens of the excerpt are the full file's (so `--max-tokens 2048` scores the
+    same stream on either), under the tiny model's 512-token tokenizer and MiniLM's WordPiece
+    (SmolLM2's BPE: 5,848 of 5,848, checked when the excerpt was built; EVAL_TEXT.md)."""
+    from transformers import AutoTokenizer
+
+    from kbbq_pl.eval.lm_metrics import default_text
+    from kbbq_pl.io.models import minilm_path
+    from kbbq_pl.resources import eval_text
+
+    assert default_text(shared_data) == shared_data / "wikitext2" / "test.txt"
+    full = (shared_data / "wikitext2" / "test.txt").read_text(encoding="utf-8")
+    head = eval_text().read_text(encoding="utf-8")
+    tokenizers = [AutoTokenizer.from_pretrained(tiny_llama2c_folder)]
+    try:
+        tokenizers.append(AutoTokenizer.from_pretrained(minilm_path()))
+    except ImportError:
+        pass
+    for tokenizer in tokenizers:
+        ids = tokenizer(head, add_special_tokens=False, verbose=False)["input_ids"]
+        reference = tokenizer(full, add_special_tokens=False, verbose=False)["input_ids"]
+        assert len(ids) > 4096 and ids[:4096] == reference[:4096]
+
+
+class _LoadedTheModel(RuntimeError):
+    pass
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Loading or resolving a model, or importing lm-eval, fails the test."""
+    from kbbq_pl.io import models
+
+    def refuse(*args, **kwargs):
+        raise _LoadedTheModel("a model was loaded before the paths were checked")
+
+    for name in ("load_model", "resolve_model_path"):
+        monkeypatch.setattr(models, name, refuse)
+    for module in ("lm_eval", "lm_eval.tasks", "lm_eval.api.model"):
+        monkeypatch.setitem(sys.modules, module, None)  # importing it raises ImportError
+
+
+@pytest.mark.parametrize("command", ["eval", "compare"])
+def test_missing_data_is_reported_before_the_model_is_loaded(command, no_loading, tmp_path,
+                                                             capsys):
+    from kbbq_pl.cli import main
+
+    out = ["--output_dir", str(tmp_path / "out")] if command == "compare" else []
+    base = [command, "--model", "smollm2", *out]
+    empty = tmp_path / "data"
+    empty.mkdir()
+    cases = [
+        (["--tasks", "ppl,arc_easy", "--data-dir", str(tmp_path / "missing")],
+         ["--data-dir", "is not a folder", "llm_foundry_eval/arc_easy.jsonl"]),
+        (["--tasks", "piqa", "--data-dir", str(empty)],
+         ["--data-dir", str(empty / "llm_foundry_eval" / "piqa.jsonl")]),
+        (["--tasks", "hellaswag", "--data-dir", str(empty)],
+         ["--data-dir", "hellaswag/hellaswag_val_full.txt.bz2"]),
+        (["--tasks", "mmlu", "--data-dir", str(empty)], ["--data-dir", "mmlu/test"]),
+        (["--tasks", "ppl", "--text", str(tmp_path / "missing.txt")],
+         ["--text", "missing.txt"]),
+    ]
+    for argv, expected in cases:
+        assert main([*base, *argv]) == 2, argv
+        captured = capsys.readouterr()
+        assert len(captured.err.strip().splitlines()) == 1, captured.err
+        for piece in expected:
+            assert piece in captured.err, (argv, captured.err)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture
+def tiny_llama_with_bytes(tmp_path):
+    """A tiny random Llama with a byte-level tokenizer (256 tokens, one per byte), as a folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))},
+                                   merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    folder = tmp_path / "tiny"
+    tiny_model("llama", max_position_embeddings=512).save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=backend).save_pretrained(folder)
+    return folder
+
+
+def test_eval_ppl_scores_the_packaged_text_without_a_data_folder(tiny_llama_with_bytes,
+                                                                 tmp_path, capsys):
+    import json
+
+    from kbbq_pl.cli import main
+    from kbbq_pl.resources import eval_text
+
+    empty = tmp_path / "data"
+    empty.mkdir()
+    out = tmp_path / "ppl.json"
+    assert main(["eval", "--model", str(tiny_llama_with_bytes), "--tasks", "ppl",
+                 "--data-dir", str(empty), "--batch-size", "8", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"ppl/kl text: {eval_text()} (kbbq-pl's packaged")
+    metrics = json.loads(out.read_text(encoding="utf-8"))["lm_metrics"]
+    assert metrics["text"] == str(eval_text())
+    # the default window: the first 2048 tokens (bytes here), read 512 at a time
+    assert metrics["n_tokens"] == 2048 and metrics["context"] == 512
+    assert 128 < metrics["perplexity"] < 512  # a random model: about uniform over 256 bytes

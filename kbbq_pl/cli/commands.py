@@ -10,6 +10,7 @@ import argparse
 import math
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -73,6 +74,42 @@ def _limit(text: str) -> int | float:
 
 
 LM_METRICS = ("ppl", "kl")
+TEXT_HELP = ("text file of ppl/kl (default: DATA_DIR/wikitext2/test.txt if it exists, else "
+             "the first 24 KB of it shipped with kbbq-pl, about 5,800 SmolLM2 tokens: its "
+             "tokens are the full file's first ones, so the default --max-tokens 2048 scores "
+             "the same tokens either way); the text scored is printed first")
+
+
+def _max_tokens(text: str) -> int | None:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--max-tokens must be >= 0, got {text}")
+    return value or None  # 0: the whole text
+
+
+def _scored_text(args: argparse.Namespace, tasks: list[str]) -> Path | None:
+    """The text ``ppl``/``kl`` score (``--text``, else :func:`kbbq_pl.eval.lm_metrics.
+    default_text` of ``--data-dir``), checked and announced before anything is loaded; None
+    without those tasks."""
+    from kbbq_pl.eval.lm_metrics import default_text
+    from kbbq_pl.resources import eval_text
+
+    if not any(t in LM_METRICS for t in tasks):
+        return None
+    if args.text:
+        text = Path(args.text)
+        if not text.is_file():
+            raise FileNotFoundError(f"--text {text} does not exist (--tasks ppl/kl score it); "
+                                    "pass --text FILE, or leave --text out to score "
+                                    "DATA_DIR/wikitext2/test.txt or kbbq-pl's excerpt of it")
+        print(f"ppl/kl text: {text} (--text)")
+        return text
+    text = default_text(args.data_dir)
+    print(f"ppl/kl text: {text} " + (
+        f"(kbbq-pl's packaged first {text.stat().st_size // 1000} KB of WikiText-2 test: "
+        f"--data-dir {args.data_dir} has no wikitext2/test.txt)" if text == eval_text()
+        else "(--data-dir)"))
+    return text
 
 
 def _reference_model(args: argparse.Namespace) -> str:
@@ -92,9 +129,7 @@ def _reference_model(args: argparse.Namespace) -> str:
 def _eval(args: argparse.Namespace) -> int:
     """Score a local causal LM: perplexity and KL to a reference on a text file (``ppl``,
     ``kl``), lm-eval benchmarks (the rest); write the metrics as JSON."""
-    from pathlib import Path
-
-    from kbbq_pl.eval.benchmarks import run_benchmarks
+    from kbbq_pl.eval.benchmarks import check_data, run_benchmarks
     from kbbq_pl.eval.lm_metrics import lm_metrics
     from kbbq_pl.io.fileio import check_output, write_output_json
     from kbbq_pl.io.models import load_model, parse_device, resolve_model_path
@@ -102,10 +137,12 @@ def _eval(args: argparse.Namespace) -> int:
 
     device = parse_device(args.device)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    text = Path(args.text) if args.text else Path(args.data_dir) / "wikitext2" / "test.txt"
-    if any(t in LM_METRICS for t in tasks) and not text.is_file():
-        raise FileNotFoundError(f"--tasks ppl/kl score the text file {text}, which does not "
-                                "exist; pass --text FILE")
+    benchmarks = [t for t in tasks if t not in LM_METRICS]
+    # every path is checked before a model is loaded or lm-eval imported
+    check_data(benchmarks, args.data_dir,
+               args.mmlu_subjects.split(",") if args.mmlu_subjects else None,
+               option="--data-dir")
+    text = _scored_text(args, tasks)
     source = resolve_model_path(args.model)
     if args.out:
         check_output(args.out, overwrite=args.overwrite, sources=[source], kind="file")
@@ -114,7 +151,7 @@ def _eval(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.model}: no tokenizer in the model folder")
     start = time.perf_counter()
     results: dict = {}
-    if any(t in LM_METRICS for t in tasks):
+    if text is not None:
         reference = None
         if "kl" in tasks:
             reference_name = _reference_model(args)
@@ -128,7 +165,6 @@ def _eval(args: argparse.Namespace) -> int:
             metrics["reference"] = reference_name
         results["lm_metrics"] = metrics
         del reference
-    benchmarks = [t for t in tasks if t not in LM_METRICS]
     if benchmarks:
         with cache_decoded_weights():
             results.update(run_benchmarks(
@@ -161,19 +197,20 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     """Quantize one model with several recipes; write the paper's Table w4a4 and a plot."""
-    from pathlib import Path
-
     from kbbq_pl.cli.compare import run_compare, table_recipes
+    from kbbq_pl.eval.benchmarks import check_data
 
     recipes = ([r.strip() for r in args.recipes.split(",") if r.strip()] if args.recipes
                else table_recipes([f.strip() for f in args.formats.split(",") if f.strip()]))
     calibration = {key: value for key, value in (("source", args.calibration_source),
                                                  ("n_tokens", args.calibration_tokens))
                    if value is not None}
-    text = Path(args.text) if args.text else Path(args.data_dir) / "wikitext2" / "test.txt"
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    # every path is checked before a model is loaded or lm-eval imported
+    check_data([t for t in tasks if t not in LM_METRICS], args.data_dir, option="--data-dir")
+    text = _scored_text(args, tasks)
     out, _ = run_compare(
-        args.model, recipes, args.output_dir,
-        tasks=[t.strip() for t in args.tasks.split(",") if t.strip()], text=text,
+        args.model, recipes, args.output_dir, tasks=tasks, text=text,
         context=args.context, stride=args.stride, max_tokens=args.max_tokens, limit=args.limit,
         data_dir=args.data_dir, calibration=calibration, batch_size=args.batch_size,
         cache_dir=args.cache_dir, device=args.device, resume=args.resume,
@@ -289,14 +326,14 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--data-dir", default="../shared/data",
                           help="folder with mmlu/ gsm8k/ hellaswag/ winogrande/ mbpp/ "
                                "llm_foundry_eval/ wikitext2/")
-    evaluate.add_argument("--text", default=None,
-                          help="text file of ppl/kl (default: DATA_DIR/wikitext2/test.txt)")
+    evaluate.add_argument("--text", default=None, help=TEXT_HELP)
     evaluate.add_argument("--context", type=int, default=512,
                           help="ppl/kl: tokens a rolling window reads")
     evaluate.add_argument("--stride", type=int, default=256,
                           help="ppl/kl: positions each window scores after the first")
-    evaluate.add_argument("--max-tokens", type=int, default=None,
-                          help="ppl/kl: score the first N tokens of --text (default: all)")
+    evaluate.add_argument("--max-tokens", type=_max_tokens, default=2048,
+                          help="ppl/kl: score the first N tokens of --text (default 2048, as "
+                               "compare; 0: the whole text)")
     evaluate.add_argument("--reference", default=None,
                           help="kl: the full-precision model (default: the one a kbbq-pl "
                                "quantized --model was made from)")
@@ -327,13 +364,13 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--limit", type=_limit, default=None,
                          help="documents per benchmark (MMLU: per subject); <1: a fraction")
     compare.add_argument("--data-dir", default="../shared/data")
-    compare.add_argument("--text", default=None,
-                         help="text file of ppl/kl (default: DATA_DIR/wikitext2/test.txt)")
+    compare.add_argument("--text", default=None, help=TEXT_HELP)
     compare.add_argument("--context", type=int, default=512, help="ppl/kl: window tokens")
     compare.add_argument("--stride", type=int, default=256,
                          help="ppl/kl: positions each window scores after the first")
-    compare.add_argument("--max-tokens", type=int, default=2048,
-                         help="ppl/kl: score the first N tokens of --text")
+    compare.add_argument("--max-tokens", type=_max_tokens, default=2048,
+                         help="ppl/kl: score the first N tokens of --text (default 2048; 0: "
+                              "the whole text)")
     compare.add_argument("--calibration-source", default=None,
                          help="override every recipe's calibration source (mixed, random, a "
                               "file)")

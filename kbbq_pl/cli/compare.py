@@ -177,7 +177,7 @@ def compare_plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
 
 def run_compare(
     model_name: str, recipes: Sequence[str], output_dir: str | Path, *,
-    tasks: Sequence[str] = ("ppl", "kl"), text: str | Path = "../shared/data/wikitext2/test.txt",
+    tasks: Sequence[str] = ("ppl", "kl"), text: str | Path | None = None,
     context: int = 512, stride: int = 256, max_tokens: int | None = 2048,
     limit: int | float | None = None, data_dir: str | Path = "../shared/data",
     calibration: dict[str, Any] | None = None, batch_size: int = 4,
@@ -185,16 +185,21 @@ def run_compare(
     overwrite: bool = False, progress: bool = True,
 ) -> tuple[Path, list[dict[str, Any]]]:
     """Quantize ``model_name`` with every recipe, score each (and the FP model), and write the
-    table; see the module documentation.  Returns the output folder and the rows."""
+    table; see the module documentation.  ``text`` defaults to
+    :func:`kbbq_pl.eval.lm_metrics.default_text` of ``data_dir``; it and the benchmark data
+    are checked before anything is loaded.  Returns the output folder and the rows."""
     from tqdm.auto import tqdm
 
+    from ..eval.benchmarks import check_data
+    from ..eval.lm_metrics import default_text
     from ..io.models import load_model, parse_device, resolve_model_path
 
     device_ = parse_device(device)
-    text = Path(text)
+    text = default_text(data_dir) if text is None else Path(text)
     if any(t in LM_TASKS for t in tasks) and not text.is_file():
         raise FileNotFoundError(f"--tasks ppl/kl score the text file {text}, which does not "
                                 "exist; pass --text FILE")
+    check_data([t for t in tasks if t not in LM_TASKS], data_dir, option="--data-dir")
     if not recipes:
         raise ValueError("no recipes to compare")
     calibration = dict(calibration or {})

@@ -89,6 +89,18 @@ PRIMARY_METRIC: dict[str, str] = {"mmlu": "acc", "gsm8k": "exact_match,strict-ma
 FOUNDRY_FILES: dict[str, str] = {"arc_easy": "arc_easy.jsonl",
                                  "arc_challenge": "arc_challenge.jsonl", "piqa": "piqa.jsonl",
                                  "lambada": "lambada_openai.jsonl"}
+DATA_FILES: dict[str, tuple[str, ...]] = {
+    "mmlu": ("mmlu/test/<subject>_test.csv",),
+    "gsm8k": ("gsm8k/train.jsonl", "gsm8k/test.jsonl"),
+    "hellaswag": ("hellaswag/hellaswag_val_full.txt.bz2",),
+    "winogrande": ("winogrande/winogrande_dev_llmfoundry.jsonl",),
+    "mbpp": ("mbpp/mbpp.jsonl",),
+    **{task: (f"llm_foundry_eval/{name}",) for task, name in FOUNDRY_FILES.items()},
+}
+"""The files each benchmark reads, relative to ``data_dir`` (MMLU: one per subject);
+:func:`check_data` checks them."""
+DATA_NAMES: dict[str, str] = {"mmlu": "MMLU", "gsm8k": "GSM8K", "hellaswag": "HellaSwag",
+                              "winogrande": "WinoGrande", "mbpp": "MBPP", "lambada": "LAMBADA"}
 CODE_EVAL_ENV = "HF_ALLOW_CODE_EVAL"
 MBPP_TEST_IDS = range(11, 511)
 MBPP_SHOT_IDS = (2, 3, 4)
@@ -103,28 +115,65 @@ def default_cache_dir() -> Path:
     return (Path(root) if root else Path.home() / ".cache" / "kbbq_pl") / "eval_data"
 
 
-def _require(path: Path, what: str) -> Path:
-    if not path.is_file():
-        raise FileNotFoundError(f"{what}: {path} does not exist (point data_dir at a folder laid "
-                                "out like ../shared/data, see kbbq_pl.eval.benchmarks)")
-    return path
+_LAYOUT = "laid out like ../shared/data, see kbbq_pl.eval.benchmarks"
 
 
-def mmlu_subjects(data_dir: str | Path) -> list[str]:
+def mmlu_subjects(data_dir: str | Path, option: str = "data_dir") -> list[str]:
     """The subjects with a ``mmlu/test/<subject>_test.csv`` file, sorted."""
     folder = Path(data_dir) / "mmlu" / "test"
     if not folder.is_dir():
-        raise FileNotFoundError(f"MMLU: {folder} is not a folder of <subject>_test.csv files")
+        raise FileNotFoundError(f"MMLU: {folder} is not a folder of <subject>_test.csv files; "
+                                f"pass {option} FOLDER holding mmlu/test/ ({_LAYOUT})")
     subjects = sorted(p.name[: -len("_test.csv")] for p in folder.glob("*_test.csv"))
     if not subjects:
-        raise FileNotFoundError(f"MMLU: no <subject>_test.csv files in {folder}")
+        raise FileNotFoundError(f"MMLU: no <subject>_test.csv files in {folder}; "
+                                f"pass {option} FOLDER holding mmlu/test/ ({_LAYOUT})")
     return subjects
+
+
+def data_file(data_dir: Path, task: str, index: int = 0) -> Path:
+    """The ``index``-th file of :data:`DATA_FILES` of ``task`` under ``data_dir``."""
+    return data_dir / DATA_FILES[task][index]
+
+
+def check_data(
+    tasks: Sequence[str], data_dir: str | Path, subjects: Sequence[str] | None = None,
+    *, option: str = "data_dir",
+) -> Path:
+    """Check that ``data_dir`` holds every file the benchmarks ``tasks`` read
+    (:data:`DATA_FILES`), before anything is loaded: the one check of the benchmark data
+    (``kbbq-pl eval``/``compare`` run it before loading the model and importing lm-eval,
+    :func:`task_configs` before building the tasks).  Raises ValueError for an unknown task,
+    FileNotFoundError naming ``option`` (the argument the caller set ``data_dir`` with, e.g.
+    ``--data-dir``) and the file expected; ``subjects``: the MMLU subjects (default: all the
+    folder has).  Returns ``data_dir`` as a Path."""
+    unknown = [t for t in tasks if t not in BENCHMARKS]
+    if unknown:
+        raise ValueError(f"unknown benchmark(s) {unknown}; choose from {list(BENCHMARKS)}")
+    data = Path(data_dir)
+    if tasks and not data.is_dir():
+        expected = ", ".join(DATA_FILES[t][0] for t in tasks)
+        raise FileNotFoundError(
+            f"{option} {data} is not a folder; the benchmark(s) {', '.join(tasks)} read "
+            f"{expected} from it: pass {option} FOLDER ({_LAYOUT})")
+    for task in tasks:
+        if task == "mmlu":
+            paths = [data / "mmlu" / "test" / f"{s}_test.csv"
+                     for s in subjects or mmlu_subjects(data, option)]
+        else:
+            paths = [data_file(data, task, i) for i in range(len(DATA_FILES[task]))]
+        for path in paths:
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"{DATA_NAMES.get(task, task)}: {path} does not exist; pass {option} FOLDER "
+                    f"holding {path.relative_to(data).as_posix()} ({_LAYOUT})")
+    return data
 
 
 def read_mmlu_csv(path: str | Path) -> list[dict[str, Any]]:
     """Rows ``{"question", "choices": [4], "answer": 0-3}`` of an MMLU CSV that starts with the
     header ``Question,A,B,C,D,Answer``."""
-    file = _require(Path(path), "MMLU")
+    file = Path(path)
     with file.open(encoding="utf-8", newline="") as handle:
         rows = list(csv.reader(handle))
     header = ["Question", "A", "B", "C", "D", "Answer"]
@@ -146,7 +195,7 @@ def read_mmlu_csv(path: str | Path) -> list[dict[str, Any]]:
 def read_hellaswag_text(path: str | Path) -> list[dict[str, Any]]:
     """Items ``{"query", "choices": [4], "label"}`` of the 6-lines-per-item HellaSwag text
     (``activity_label: context``, gold index, 4 endings), bz2-compressed or plain."""
-    file = _require(Path(path), "HellaSwag")
+    file = Path(path)
     opener = bz2.open if file.suffix == ".bz2" else open
     with opener(file, "rt", encoding="utf-8") as handle:
         lines = handle.read().split("\n")
@@ -316,7 +365,7 @@ def mmlu_configs(data_dir: Path, cache_dir: Path, num_fewshot: int,
                  subjects: Sequence[str] | None = None) -> list[dict[str, Any]]:
     configs = []
     for subject in subjects or mmlu_subjects(data_dir):
-        source = _require(data_dir / "mmlu" / "test" / f"{subject}_test.csv", "MMLU")
+        source = data_dir / "mmlu" / "test" / f"{subject}_test.csv"
         test = converted_jsonl(source, read_mmlu_csv, cache_dir, f"mmlu_{subject}")
         configs.append(_task_config(
             f"kbbq_mmlu_{subject}", {"test": test}, cache_dir, num_fewshot,
@@ -336,9 +385,7 @@ def mmlu_configs(data_dir: Path, cache_dir: Path, num_fewshot: int,
 def gsm8k_config(
     data_dir: Path, cache_dir: Path, num_fewshot: int, max_gen_toks: int
 ) -> dict[str, Any]:
-    folder = data_dir / "gsm8k"
-    files = {"train": _require(folder / "train.jsonl", "GSM8K"),
-             "test": _require(folder / "test.jsonl", "GSM8K")}
+    files = {"train": data_file(data_dir, "gsm8k", 0), "test": data_file(data_dir, "gsm8k", 1)}
     return _task_config(
         "kbbq_gsm8k_cot", files, cache_dir, num_fewshot, fewshot_split="train",
         fewshot_config={"sampler": "first_n", "doc_to_target": gsm8k_rationale},
@@ -363,7 +410,7 @@ def gsm8k_config(
 
 
 def hellaswag_config(data_dir: Path, cache_dir: Path, num_fewshot: int) -> dict[str, Any]:
-    source = _require(data_dir / "hellaswag" / "hellaswag_val_full.txt.bz2", "HellaSwag")
+    source = data_file(data_dir, "hellaswag")
     test = converted_jsonl(source, read_hellaswag_text, cache_dir, "hellaswag_val")
     return _task_config(
         "kbbq_hellaswag", {"test": test}, cache_dir, num_fewshot,
@@ -376,7 +423,7 @@ def hellaswag_config(data_dir: Path, cache_dir: Path, num_fewshot: int) -> dict[
 
 
 def winogrande_config(data_dir: Path, cache_dir: Path, num_fewshot: int) -> dict[str, Any]:
-    test = _require(data_dir / "winogrande" / "winogrande_dev_llmfoundry.jsonl", "WinoGrande")
+    test = data_file(data_dir, "winogrande")
     return _task_config(
         "kbbq_winogrande", {"test": test}, cache_dir, num_fewshot,
         fewshot_config={"sampler": _winogrande_sampler()},
@@ -391,7 +438,7 @@ def winogrande_config(data_dir: Path, cache_dir: Path, num_fewshot: int) -> dict
 def mbpp_config(
     data_dir: Path, cache_dir: Path, num_fewshot: int, max_gen_toks: int
 ) -> dict[str, Any]:
-    source = _require(data_dir / "mbpp" / "mbpp.jsonl", "MBPP")
+    source = data_file(data_dir, "mbpp")
     return _task_config(
         "kbbq_mbpp", {"test": source, "prompt": source}, cache_dir, num_fewshot,
         fewshot_split="prompt",
@@ -413,7 +460,7 @@ def mbpp_config(
 def choice_config(task: str, data_dir: Path, cache_dir: Path,
                   num_fewshot: int) -> dict[str, Any]:
     """ARC-Easy, ARC-Challenge or PIQA from llm-foundry's ``{query, choices, gold}`` file."""
-    test = _require(data_dir / "llm_foundry_eval" / FOUNDRY_FILES[task], task)
+    test = data_file(data_dir, task)
     return _task_config(
         f"kbbq_{task}", {"test": test}, cache_dir, num_fewshot,
         output_type="multiple_choice",
@@ -426,7 +473,7 @@ def choice_config(task: str, data_dir: Path, cache_dir: Path,
 
 def lambada_config(data_dir: Path, cache_dir: Path, num_fewshot: int) -> dict[str, Any]:
     """LAMBADA (OpenAI) from llm-foundry's ``{context, continuation}`` file."""
-    test = _require(data_dir / "llm_foundry_eval" / FOUNDRY_FILES["lambada"], "LAMBADA")
+    test = data_file(data_dir, "lambada")
     return _task_config(
         "kbbq_lambada", {"test": test}, cache_dir, num_fewshot,
         output_type="loglikelihood",
@@ -446,14 +493,9 @@ def task_configs(
     max_gen_toks: int = 256,
     mmlu_subjects: Sequence[str] | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
-    """lm-eval task configs (dicts) per benchmark name, reading ``data_dir``; MMLU gives one
-    config per subject, the others one each."""
-    unknown = [t for t in tasks if t not in BENCHMARKS]
-    if unknown:
-        raise ValueError(f"unknown benchmark(s) {unknown}; choose from {list(BENCHMARKS)}")
-    data = Path(data_dir)
-    if not data.is_dir():
-        raise FileNotFoundError(f"data_dir {data} is not a folder")
+    """lm-eval task configs (dicts) per benchmark name, reading ``data_dir`` (checked first,
+    :func:`check_data`); MMLU gives one config per subject, the others one each."""
+    data = check_data(tasks, data_dir, mmlu_subjects)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     shots = {**DEFAULT_FEWSHOT, **(num_fewshot or {})}
     builders = {
@@ -545,18 +587,19 @@ def run_benchmarks(
     MBPP needs ``allow_code_execution=True`` or ``HF_ALLOW_CODE_EVAL=1``.  Returns
     :func:`summarize`'s dict, and keeps lm-eval's full output under the key ``"lm_eval"``.
     """
-    from lm_eval import simple_evaluate
-    from lm_eval.api.model import LM
-    from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
-
     tasks = list(dict.fromkeys(tasks))
+    check_data(tasks, data_dir, mmlu_subjects)  # before lm-eval is imported (and warns)
     if "mbpp" in tasks and not code_execution_allowed(allow_code_execution):
         raise PermissionError(
             "MBPP pass@1 executes model-generated Python code on this machine (separate "
             "process, time and memory limits, no sandbox). Opt in with "
             f"allow_code_execution=True (CLI: --allow-code-execution) or {CODE_EVAL_ENV}=1"
         )
+    from lm_eval import simple_evaluate
+    from lm_eval.api.model import LM
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
     lm = model if isinstance(model, LM) else HFLM(pretrained=model, tokenizer=tokenizer,
                                                    batch_size=batch_size)
     context = getattr(lm, "max_length", None)

@@ -28,7 +28,21 @@ from torch import Tensor, nn
 
 from .evaluation import prepare_stream, rolling_windows, window_logits, window_shape
 
-__all__ = ["ReferenceLogProbs", "token_kl", "reference_log_probs", "lm_metrics"]
+__all__ = ["ReferenceLogProbs", "token_kl", "reference_log_probs", "lm_metrics", "default_text"]
+
+WIKITEXT2_TEST = Path("wikitext2") / "test.txt"
+
+
+def default_text(data_dir: str | Path) -> Path:
+    """The text ``kbbq-pl eval``/``compare`` score (``ppl``, ``kl``) without ``--text``:
+    ``data_dir/wikitext2/test.txt`` when that file exists, else the beginning of it that
+    kbbq-pl ships (:func:`kbbq_pl.resources.eval_text`: its first 24 KB, cut at a line
+    boundary, about 5,800 SmolLM2 tokens).  The excerpt's tokens are the full file's first
+    tokens, so the default window (the first 2048 tokens) scores the same text on either."""
+    from ..resources import eval_text
+
+    full = Path(data_dir) / WIKITEXT2_TEST
+    return full if full.is_file() else eval_text()
 
 
 def token_kl(reference_log_probs: Tensor, logits: Tensor) -> Tensor:

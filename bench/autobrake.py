@@ -25,7 +25,14 @@ import torch
 from kbbq_pl.eval.evaluation import cosine_summary, mean_pooled_embeddings, wikitext_sentences
 from kbbq_pl.io.data import token_blocks
 from kbbq_pl.io.models import load_model
-from kbbq_pl.quant import QuantizationConfig, quantize_model
+from kbbq_pl.quant import (
+    AutoBrakeConfig,
+    FormatConfig,
+    QuantizationConfig,
+    TransformConfig,
+    WeightsConfig,
+    quantize_model,
+)
 from kbbq_pl.transforms.autobrake import DEFAULT_GRID
 
 
@@ -53,10 +60,12 @@ def main() -> None:
     sentences = wikitext_sentences(data / "test.txt", args.sentences)
     reference = mean_pooled_embeddings(model, tokenizer, sentences)
     seeds = [int(s) for s in args.seeds.split(",")]
-    variants = {"refit": ("auto (refit)", {"lam": "auto"}),
-                "keep": ("auto (keep fit-half T)", {"lam": "auto", "auto_refit": False}),
-                "fit": ("auto, selected on fit tokens", {"lam": "auto", "auto_select_on": "fit"})}
-    runs = [(f"lambda {float(lam):g}", {"lam": float(lam)}) for lam in args.lams.split(",")]
+    # (name, lambda, auto-brake settings)
+    variants = {"refit": ("auto (refit)", "auto", AutoBrakeConfig()),
+                "keep": ("auto (keep fit-half T)", "auto", AutoBrakeConfig(refit=False)),
+                "fit": ("auto, selected on fit tokens", "auto", AutoBrakeConfig(select_on="fit"))}
+    runs = [(f"lambda {float(lam):g}", float(lam), AutoBrakeConfig())
+            for lam in args.lams.split(",")]
     runs += [variants[v] for v in args.variants.split(",") if v]
     method = "RTN-KBBQ" if args.quantizer == "rtn" else "GPTQ-KBBQ"
     print(f"all-MiniLM-L6-v2, calibration {args.tokens} tokens of valid.txt in blocks of "
@@ -68,11 +77,13 @@ def main() -> None:
                               seq_len=args.seq_len)
         warm = [{"input_ids": b, "attention_mask": torch.ones_like(b)} for b in blocks.split(4)]
         for lam in (0.75, "auto"):
-            quantize_model(copy.deepcopy(model), warm, QuantizationConfig(
-                format=fmt, transform="kbbq", lam=lam, weight_quantizer=args.quantizer),
-                expected_tokens=args.tokens, progress=False)
+            config = QuantizationConfig(format=FormatConfig(fmt),
+                                        transform=TransformConfig("kbbq", lam=lam),
+                                        weights=WeightsConfig(args.quantizer))
+            quantize_model(copy.deepcopy(model), warm, config, expected_tokens=args.tokens,
+                           progress=False)
         rows = []
-        for name, overrides in runs:
+        for name, lam, autobrake in runs:
             fidelities, times, chosen = [], [], []
             for seed in seeds:
                 blocks = token_blocks(data / "valid.txt", tokenizer, n_tokens=args.tokens,
@@ -80,8 +91,10 @@ def main() -> None:
                 batches = [{"input_ids": b, "attention_mask": torch.ones_like(b)}
                            for b in blocks.split(4)]
                 candidate = copy.deepcopy(model)
-                config = QuantizationConfig(format=fmt, transform="kbbq", seed=seed,
-                                            weight_quantizer=args.quantizer, **overrides)
+                config = QuantizationConfig(format=FormatConfig(fmt),
+                                            transform=TransformConfig("kbbq", lam, seed=seed),
+                                            weights=WeightsConfig(args.quantizer),
+                                            autobrake=autobrake)
                 start = time.perf_counter()
                 report = quantize_model(candidate, batches, config, expected_tokens=args.tokens,
                                         progress=False)

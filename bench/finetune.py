@@ -4,7 +4,7 @@
     python bench/finetune.py --hidden 256 --layers 2 --batch 2 --seq 128 --steps 6   # a CPU
 
 Two ``Trainer.fit`` runs of the same random-init Llama on the same random-token batches: one
-plain, one with ``KBBQ(format, transform="kbbq", lam=0.75)`` (straight-through rounding of
+plain, one with RTN-KBBQ(0.75) in ``--format`` (straight-through rounding of
 the master weights and the activations in every forward).  Each step is timed from
 ``on_train_batch_start`` to ``on_train_batch_end`` (the device synchronized at both ends) after
 ``--warmup`` steps, which take the compilations; the table prints the median step of each run
@@ -39,6 +39,8 @@ def llama(args) -> torch.nn.Module:
 def run(args, quantized: bool) -> dict:
     from kbbq_pl.callbacks import KBBQ
     from lightning.pytorch import Callback, LightningModule, Trainer
+
+    from kbbq_pl.quant import FormatConfig, QuantizationConfig, TransformConfig
 
     class LM(LightningModule):
         def __init__(self) -> None:
@@ -87,7 +89,8 @@ def run(args, quantized: bool) -> dict:
     timer = StepTimer()
     callbacks = [timer]
     if quantized:
-        callbacks.insert(0, KBBQ(format=args.format, transform="kbbq", lam=0.75,
+        callbacks.insert(0, KBBQ(QuantizationConfig(format=FormatConfig(args.format),
+                                                    transform=TransformConfig("kbbq", lam=0.75)),
                                  calibration=calibration))
     trainer = Trainer(accelerator="gpu" if cuda else "cpu", devices=1, precision=args.precision,
                       max_steps=args.warmup + args.steps, logger=False,

@@ -1,6 +1,7 @@
-"""kbbq-pl's GPTQ side by side with llm-compressor's GPTQModifier, NVFP4 weights, one run.
+"""kbbq-pl side by side with llm-compressor, NVFP4 W4A4, in one run: GPTQ and round to nearest.
 
-    python bench/gptq.py [--llmc-python /work/venvs/llmc/bin/python] [--layers 4] ...
+    python bench/gptq.py [--llmc-python /work/venvs/llmc/bin/python] [--layers 4]
+                         [--methods gptq rtn gptq_kbbq rtn_kbbq] ...
 
 llm-compressor is not a dependency of kbbq-pl: install it in a virtual environment of its own
 (``python3 -m venv /work/venvs/llmc && /work/venvs/llmc/bin/pip install torch==2.13.0
@@ -9,23 +10,25 @@ llmcompressor``) and pass its python.  The script
 1. builds a random-initialized Llama from a config with a fixed seed (hidden 1024, FFN 2752,
    4 layers, 16 heads, vocabulary 32000), saves it once to a temporary folder, and draws the
    calibration and held-out token blocks (seeded, uniform over the vocabulary);
-2. quantizes it in two subprocesses, each loading the same folder and tokens: kbbq-pl
-   (``quantize_model`` with ``weight_quantizer="gptq"``, identity transform, NVFP4) and
-   llm-compressor (``oneshot`` with ``GPTQModifier(scheme="NVFP4")``); both use group 16,
-   NVFP4's per-tensor scale, lazy blocks of 128 columns, damping 0.01, act-order with scales
-   fixed before the loop, the sequential per-layer pipeline, and W4A4 propagation;
+2. quantizes it in one subprocess per tool and method, each loading the same folder and
+   tokens, NVFP4 weights and activations with a static activation per-tensor scale:
+   * GPTQ: kbbq-pl (``quantize_model``, ``weights.quantizer: gptq``, identity transform)
+     against llm-compressor (``oneshot`` with ``GPTQModifier(scheme="NVFP4")``); both use
+     group 16, NVFP4's per-tensor scale, lazy blocks of 128 columns, damping 0.01, act-order
+     with scales fixed before the loop, the sequential per-layer pipeline, W4A4 propagation;
+   * RTN: kbbq-pl's round to nearest with the identity transform against llm-compressor's
+     ``QuantizationModifier(scheme="NVFP4")``;
+   * GPTQ-KBBQ and RTN-KBBQ (kbbq-pl only, lambda 0.75, as the shipped recipes run them):
+     their cost over the identity versions;
 3. compares, per linear layer, the relative output error on held-out inputs with only that
    layer's weight quantized: ``||X (W_q - W)^T||^2 / ||X W^T||^2``, ``X`` the layer's inputs in
-   the full-precision model on the held-out tokens;
+   the full-precision model on the held-out tokens (identity versions only);
 4. prints one table: wall time of the quantization call (model loading and imports excluded),
-   peak RSS of each process, per-layer errors, and the ratios ours / theirs.
+   peak RSS of each process, mean error, the ratios, and kbbq-pl's phase timer.
 
-Both subprocesses run with the same number of threads (``--threads``); kbbq-pl runs its eager
-rounding kernels unless ``--compile`` (compiling costs seconds once per process, more than it
-saves on a model this small).  The two GPTQs implement the same algorithm with the same
-conventions, so per-layer errors agree to a fraction of a percent on the first block (identical
-inputs) and differ by a few percent either way later, where each tool calibrates on the outputs
-of its own quantized blocks.
+Every subprocess runs with the same number of threads (``--threads``); kbbq-pl runs its eager
+rounding kernels unless ``--compile``.  The subprocesses run one after another: run the script
+on an otherwise idle machine, or compare only ratios taken in the same run.
 """
 
 from __future__ import annotations
@@ -57,25 +60,48 @@ def _batches(ids: torch.Tensor, size: int) -> list[dict[str, torch.Tensor]]:
 # ----------------------------------------------------------------------------- workers
 
 
+OUR_METHODS = ("gptq", "rtn", "gptq_kbbq", "rtn_kbbq")
+THEIR_METHODS = ("gptq", "rtn")
+LABELS = {"gptq": "GPTQ", "rtn": "RTN", "gptq_kbbq": "GPTQ-KBBQ", "rtn_kbbq": "RTN-KBBQ"}
+
+
+def our_config(method: str, args: argparse.Namespace):
+    """kbbq-pl's recipe for ``method``: NVFP4 W4A4 with a static activation scale; GPTQ with
+    llm-compressor's settings (group 16, lazy blocks of 128, damping 0.01, act-order with
+    static scales); the KBBQ versions as the shipped recipes run them (lambda 0.75; GPTQ-KBBQ
+    refits the transform in the loop, in column order, without act-order)."""
+    from kbbq_pl.quant import FormatConfig, QuantizationConfig, TransformConfig, WeightsConfig
+
+    kbbq = method.endswith("_kbbq")
+    transform = TransformConfig("kbbq" if kbbq else "identity", lam=0.75)
+    if method.startswith("gptq"):
+        weights = WeightsConfig("gptq", damping=0.01, block_size=128,
+                                act_order=None if kbbq else True,
+                                group_scales=args.group_scales, scale_search="minmax")
+    else:
+        weights = WeightsConfig("rtn")
+    return QuantizationConfig(format=FormatConfig("nvfp4", act_scale="static"),
+                              transform=transform, weights=weights)
+
+
 def run_ours(folder: Path, args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(ROOT))
     from transformers import AutoModelForCausalLM
 
-    from kbbq_pl.quant import QuantizationConfig, quantize_model
+    from kbbq_pl.quant import quantize_model
     from kbbq_pl.quant.layers import quantized_linears
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     calib = torch.load(folder / "calib.pt")
-    config = QuantizationConfig(format="nvfp4", transform="identity", weight_quantizer="gptq",
-                                gptq_damping=0.01, gptq_block_size=128, act_order=True,
-                                group_scales=args.group_scales, scale_search="minmax",
-                                act_scale="static")
+    config = our_config(args.method, args)
     start = time.perf_counter()
     report = quantize_model(model, _batches(calib, args.batch_size), config, progress=False)
     seconds = time.perf_counter() - start
     weights = {name: layer.dequantized_weight(torch.float32)[:, :layer.in_features]
                for name, layer in quantized_linears(model).items()}
-    torch.save(weights, folder / "ours.pt")
+    if config.transform.name != "identity":  # errors are compared for the identity versions
+        weights = {}
+    torch.save(weights, folder / f"ours_{args.method}.pt")
     return {"seconds": seconds, "peak_rss_mb": _peak_rss_mb(),
             "phases": {k: round(v, 2) for k, v in report.seconds.items()}}
 
@@ -84,7 +110,7 @@ def run_llmc(folder: Path, args: argparse.Namespace) -> dict:
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from datasets import Dataset
     from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import GPTQModifier
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -93,8 +119,11 @@ def run_llmc(folder: Path, args: argparse.Namespace) -> dict:
     calib = torch.load(folder / "calib.pt")
     dataset = Dataset.from_dict({"input_ids": calib.tolist(),
                                  "attention_mask": torch.ones_like(calib).tolist()})
-    recipe = GPTQModifier(targets="Linear", scheme="NVFP4", ignore=["lm_head"], block_size=128,
-                          dampening_frac=0.01, actorder="static")
+    if args.method == "gptq":
+        recipe = GPTQModifier(targets="Linear", scheme="NVFP4", ignore=["lm_head"],
+                              block_size=128, dampening_frac=0.01, actorder="static")
+    else:
+        recipe = QuantizationModifier(targets="Linear", scheme="NVFP4", ignore=["lm_head"])
     # the tokens are given: oneshot only insists on having a processor object
     processor = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")),
@@ -117,7 +146,7 @@ def run_llmc(folder: Path, args: argparse.Namespace) -> dict:
                                                                    None))
             idempotent &= bool(torch.equal(q, module.weight))
             weights[name] = q.float()
-    torch.save(weights, folder / "llmc.pt")
+    torch.save(weights, folder / f"llmc_{args.method}.pt")
     return {"seconds": seconds, "peak_rss_mb": _peak_rss_mb(), "weights_on_grid": idempotent}
 
 
@@ -142,13 +171,15 @@ def build(folder: Path, args: argparse.Namespace) -> None:
     torch.save(ids[calib_rows:].clone(), folder / "heldout.pt")
 
 
-def worker(kind: str, python: str, folder: Path, args: argparse.Namespace) -> dict:
+def worker(kind: str, method: str, python: str, folder: Path, args: argparse.Namespace
+           ) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": str(ROOT) if kind == "ours" else "",
            "KBBQ_PL_COMPILE": "1" if args.compile else "0"}
     command = [python, str(Path(__file__).resolve()), "--worker", kind, "--folder", str(folder),
-               "--batch-size", str(args.batch_size), "--group-scales", args.group_scales]
+               "--batch-size", str(args.batch_size), "--group-scales", args.group_scales,
+               "--method", method]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode:
         sys.stderr.write(done.stdout[-4000:] + done.stderr[-8000:])
@@ -205,6 +236,10 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="kbbq-pl's torch.compile'd rounding kernels (default: eager; "
                              "compiling costs seconds once per process)")
+    parser.add_argument("--methods", nargs="+", default=list(OUR_METHODS),
+                        choices=list(OUR_METHODS),
+                        help="what to run (llm-compressor runs gptq and rtn)")
+    parser.add_argument("--method", choices=list(OUR_METHODS), help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=["ours", "llmc"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -216,37 +251,50 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kbbq_gptq_bench_") as tmp:
         folder = Path(tmp)
         build(folder, args)
-        ours = worker("ours", sys.executable, folder, args)
-        theirs = worker("llmc", args.llmc_python, folder, args)
-        weights = {"ours": torch.load(folder / "ours.pt"), "llmc": torch.load(folder / "llmc.pt")}
+        runs = {("ours", m): worker("ours", m, sys.executable, folder, args)
+                for m in args.methods if m in OUR_METHODS}
+        runs.update({("llmc", m): worker("llmc", m, args.llmc_python, folder, args)
+                     for m in args.methods if m in THEIR_METHODS})
+        weights = {f"{tool}_{m}": torch.load(folder / f"{tool}_{m}.pt") for tool, m in runs
+                   if not m.endswith("_kbbq")}
         errors = layer_errors(folder, weights)
 
-    print(f"GPTQ, NVFP4 weights (group 16, per-tensor scale), random-init Llama: hidden "
-          f"{args.hidden}, FFN {args.intermediate}, {args.layers} layers, vocab {args.vocab}; "
-          f"calibration {args.calib_tokens} tokens, held-out {args.heldout_tokens} tokens, "
-          f"{args.threads} thread(s) per process")
-    print(f"{'':28}{'kbbq-pl':>14}{'llm-compressor':>16}{'ours/theirs':>13}")
-    print(f"{'wall time (s)':28}{ours['seconds']:14.1f}{theirs['seconds']:16.1f}"
-          f"{ours['seconds'] / theirs['seconds']:13.2f}")
-    print(f"{'peak RSS (MiB)':28}{ours['peak_rss_mb']:14.0f}{theirs['peak_rss_mb']:16.0f}"
-          f"{ours['peak_rss_mb'] / theirs['peak_rss_mb']:13.2f}")
-    ratios = []
-    print("per-layer relative output error on held-out inputs (only that layer quantized):")
-    for name, row in errors.items():
-        ratio = row["ours"] / row["llmc"]
-        ratios.append(ratio)
-        print(f"  {name:36}{row['ours']:12.3e}{row['llmc']:16.3e}{ratio:13.3f}")
-    geo = float(torch.tensor(ratios).log().mean().exp())
-    mean_ours = sum(r["ours"] for r in errors.values()) / len(errors)
-    mean_llmc = sum(r["llmc"] for r in errors.values()) / len(errors)
-    print(f"{'mean error':28}{mean_ours:14.3e}{mean_llmc:16.3e}{mean_ours / mean_llmc:13.3f}")
-    print(f"geometric mean of per-layer ratios {geo:.3f}; layers with ours <= theirs: "
-          f"{sum(r <= 1 for r in ratios)} / {len(ratios)}")
-    first = [r for name, r in zip(errors, ratios) if ".layers.0." in name]
-    print(f"first block (the same full-precision inputs in both): ratios {min(first):.3f} to "
-          f"{max(first):.3f}; later blocks calibrate on each tool's own quantized outputs")
-    print(f"kbbq-pl phases (s): {ours['phases']}; llm-compressor weights on their grid: "
-          f"{theirs['weights_on_grid']}")
+    print(f"NVFP4 W4A4 (group 16, per-tensor scales, static activation scale), random-init "
+          f"Llama: hidden {args.hidden}, FFN {args.intermediate}, {args.layers} layers, vocab "
+          f"{args.vocab}; calibration {args.calib_tokens} tokens, held-out "
+          f"{args.heldout_tokens} tokens, {args.threads} thread(s) per process")
+    print(f"{'':30}{'wall (s)':>10}{'peak RSS (MiB)':>16}{'mean error':>12}")
+    mean_error = {key: sum(r[key] for r in errors.values()) / len(errors)
+                  for key in weights}
+    for (tool, m), run in runs.items():
+        name = f"{'kbbq-pl' if tool == 'ours' else 'llm-compressor'} {LABELS[m]}"
+        error = mean_error.get(f"{tool}_{m}")
+        print(f"{name:30}{run['seconds']:10.1f}{run['peak_rss_mb']:16.0f}"
+              + (f"{error:12.3e}" if error is not None else f"{'':>12}"))
+    print("ratios:")
+    pairs = [(("ours", m), ("llmc", m), f"kbbq-pl / llm-compressor, {LABELS[m]}")
+             for m in THEIR_METHODS]
+    pairs += [(("ours", f"{m}_kbbq"), ("ours", m), f"{LABELS[m]}-KBBQ / {LABELS[m]} (kbbq-pl)")
+              for m in THEIR_METHODS]
+    for a, b, label in pairs:
+        if a in runs and b in runs:
+            line = (f"  {label:44} wall {runs[a]['seconds'] / runs[b]['seconds']:.2f}x, "
+                    f"RSS {runs[a]['peak_rss_mb'] / runs[b]['peak_rss_mb']:.2f}x")
+            ka, kb = "_".join(a), "_".join(b)
+            if ka in mean_error and kb in mean_error:
+                line += f", mean error {mean_error[ka] / mean_error[kb]:.3f}x"
+            print(line)
+    for m in THEIR_METHODS:
+        ka, kb = f"ours_{m}", f"llmc_{m}"
+        if ka not in weights or kb not in weights:
+            continue
+        ratios = [row[ka] / row[kb] for row in errors.values()]
+        geo = float(torch.tensor(ratios).log().mean().exp())
+        print(f"{LABELS[m]} per-layer error ratio ours/theirs: geometric mean {geo:.3f}, "
+              f"ours <= theirs in {sum(r <= 1 for r in ratios)} / {len(ratios)} layers")
+    for (tool, m), run in runs.items():
+        if tool == "ours":
+            print(f"kbbq-pl {LABELS[m]} phases (s): {run['phases']}")
 
 
 if __name__ == "__main__":

@@ -24,34 +24,39 @@ import torch
 from kbbq_pl.eval.evaluation import cosine_to_reference, mean_pooled_embeddings, wikitext_sentences
 from kbbq_pl.io.data import token_blocks
 from kbbq_pl.io.models import load_model
-from kbbq_pl.quant import QuantizationConfig, quantize_model
+from kbbq_pl.quant import QuantizationConfig, TransformConfig, quantize_model
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext2"
 
 METHODS: dict[str, dict] = {
-    "I": dict(transform="identity"),
-    "HAAR": dict(transform="haar"),
-    "RTN-WUSH": dict(transform="wush"),
-    "RTN-KBBQ": dict(transform="kbbq"),
-    "GPTQ": dict(transform="identity", weight_quantizer="gptq"),
-    "MR-GPTQ": dict(transform="hadamard", weight_quantizer="gptq", scale_search="mse"),
-    "GPTQ-WUSH": dict(transform="wush", weight_quantizer="gptq"),
-    "GPTQ-KBBQ": dict(transform="kbbq", weight_quantizer="gptq"),
+    "I": {"transform": {"name": "identity"}},
+    "HAAR": {"transform": {"name": "haar"}},
+    "RTN-WUSH": {"transform": {"name": "wush"}},
+    "RTN-KBBQ": {"transform": {"name": "kbbq"}},
+    "GPTQ": {"transform": {"name": "identity"}, "weights": {"quantizer": "gptq"}},
+    "MR-GPTQ": {"transform": {"name": "hadamard"},
+                "weights": {"quantizer": "gptq", "scale_search": "mse"}},
+    "GPTQ-WUSH": {"transform": {"name": "wush"}, "weights": {"quantizer": "gptq"}},
+    "GPTQ-KBBQ": {"transform": {"name": "kbbq"}, "weights": {"quantizer": "gptq"}},
 }
+"""Each method's recipe groups (:meth:`QuantizationConfig.from_dict`), beside the format, the
+lambda and the seed of the run."""
 
 
 def extra_methods() -> dict[str, dict]:
     """Variants beside the default configurations of the table's methods."""
     extra = {}
     for kind in ("wush", "kbbq"):
-        extra[f"GPTQ-{kind.upper()} (fixed T)"] = dict(transform=kind, weight_quantizer="gptq",
-                                                       transform_refit="fixed")
-    extra["GPTQ (no act-order)"] = dict(transform="identity", weight_quantizer="gptq",
-                                        act_order=False)
-    extra["GPTQ (dynamic scales)"] = dict(transform="identity", weight_quantizer="gptq",
-                                          group_scales="dynamic")
-    extra["RTN-KBBQ (auto)"] = dict(transform="kbbq", lam="auto")
-    extra["GPTQ-KBBQ (auto)"] = dict(transform="kbbq", lam="auto", weight_quantizer="gptq")
+        extra[f"GPTQ-{kind.upper()} (fixed T)"] = {
+            "transform": {"name": kind},
+            "weights": {"quantizer": "gptq", "transform_refit": "fixed"}}
+    extra["GPTQ (no act-order)"] = {"transform": {"name": "identity"},
+                                    "weights": {"quantizer": "gptq", "act_order": False}}
+    extra["GPTQ (dynamic scales)"] = {"transform": {"name": "identity"},
+                                      "weights": {"quantizer": "gptq", "group_scales": "dynamic"}}
+    extra["RTN-KBBQ (auto)"] = {"transform": {"name": "kbbq", "lam": "auto"}}
+    extra["GPTQ-KBBQ (auto)"] = {"transform": {"name": "kbbq", "lam": "auto"},
+                                 "weights": {"quantizer": "gptq"}}
     return extra
 
 
@@ -60,7 +65,7 @@ def main() -> None:
     parser.add_argument("--formats", default="nvfp4,mxfp4")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--extra", action="store_true")
-    parser.add_argument("--lam", type=float, default=QuantizationConfig.lam)
+    parser.add_argument("--lam", type=float, default=TransformConfig.lam)
     parser.add_argument("--calib-tokens", type=int, default=4096)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=4)
@@ -89,8 +94,9 @@ def main() -> None:
     results: dict[tuple[str, str], tuple[float, float, float]] = {}
     for fmt in formats:
         for name, options in methods.items():
-            config = QuantizationConfig(**{"format": fmt, "lam": args.lam, "seed": args.seed,
-                                           **options})
+            transform = {"lam": args.lam, "seed": args.seed, **options["transform"]}
+            config = QuantizationConfig.from_dict({**options, "format": {"name": fmt},
+                                                   "transform": transform})
             quantized = copy.deepcopy(model)
             start = time.perf_counter()
             report = quantize_model(quantized, batches, config, progress=False)

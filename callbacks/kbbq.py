@@ -5,7 +5,8 @@ unwrapped, with no optimizer yet), so that ``Trainer.fit`` trains (fine-tunes th
 straight-through) the quantized model, and ``Trainer.validate`` / ``test`` / ``predict`` see it
 too::
 
-    trainer = Trainer(callbacks=[KBBQ(format="nvfp4", transform="kbbq", lam=0.75)])
+    recipe = QuantizationConfig(transform=TransformConfig("kbbq", lam=0.75))  # NVFP4
+    trainer = Trainer(callbacks=[KBBQ(recipe)])
     trainer.fit(module, datamodule=dm)        # calibrate, fit transforms, swap, then train
 
 Calibration runs the callback's own no-grad loop over a calibration dataloader (as Lightning's
@@ -22,9 +23,8 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 try:
@@ -40,10 +40,10 @@ from kbbq_pl.quant.layers import quantized_linears
 from kbbq_pl.quant.modules import find_linears
 from kbbq_pl.quant.stats import StatisticsCollector, run_calibration
 from kbbq_pl.quant.w4a4 import cache_decoded_weights
-from kbbq_pl.transforms.autobrake import DEFAULT_GRID
 
 log = logging.getLogger(__name__)
 CHECKPOINT_KEY = "kbbq"
+DEFAULT_RECIPE = QuantizationConfig()  # frozen: one shared default is safe
 
 
 def hf_model(pl_module: nn.Module, attr: str | None = "model") -> nn.Module:
@@ -125,27 +125,21 @@ class CalibrationStatistics(Callback):
         self.collector = collector
 
 
-def _describe_recipe_fields(cls: type) -> type:
-    """Add an ``Args`` entry to ``cls``'s docstring for each recipe field, from
-    :meth:`QuantizationConfig.field_descriptions` (what jsonargparse's ``--quantizer.help``
-    and IDEs show)."""
-    entries = "".join(f"        {name}: {text}\n"
-                      for name, text in QuantizationConfig.field_descriptions().items())
-    cls.__doc__ = (cls.__doc__ or "").replace("    Args:\n", "    Args:\n" + entries, 1)
-    return cls
-
-
-@_describe_recipe_fields
 class KBBQ(Callback):
     """Quantize the model to W4A4 with a KBBQ-family recipe before training sees it.
 
-    The recipe arguments (``format`` to ``propagate``) are the fields of
-    :class:`~kbbq_pl.quant.config.QuantizationConfig`; their entries in ``Args`` are added
-    from its ``Attributes`` when this module is imported (:func:`_describe_recipe_fields`), so
-    that they are described in one place.  ``weight_quantizer="gptq"`` splits GPTQ's work
-    across the trainer's ranks.
+    ``weights.quantizer: gptq`` splits GPTQ's work across the trainer's ranks.  In a
+    LightningCLI config::
+
+        trainer:
+          callbacks:
+            - class_path: kbbq_pl.callbacks.KBBQ
+              init_args:
+                config: {format: {name: nvfp4}, transform: {name: kbbq, lam: 0.75}}
 
     Args:
+        config: the recipe (:class:`~kbbq_pl.quant.config.QuantizationConfig`, whose groups
+            describe each field); default: RTN-KBBQ NVFP4, lambda 0.75.
         calibration: calibration batches (a dataloader, a ``CalibrationDataModule`` or a list of
             dicts); default: the trainer's datamodule.
         model_attr: attribute of the LightningModule holding the HuggingFace model.
@@ -154,7 +148,7 @@ class KBBQ(Callback):
         trainable: keep high-precision master weights that fine-tuning updates through
             straight-through rounding (default: during ``fit`` unless ``calibrate_only``);
             they are rounded into stored codes at the end of ``fit``.  GPTQ's codes are
-            final: with ``weight_quantizer="gptq"`` the default is False.
+            final: with ``weights.quantizer: gptq`` the default is False.
         offload: quantize with the model on the CPU, one block at a time on the trainer's
             device, then move the quantized model there (a model whose full-precision weights
             do not fit on the device, whose FP4 weights do).
@@ -162,43 +156,17 @@ class KBBQ(Callback):
 
     def __init__(
         self,
-        format: str = "nvfp4",
-        transform: str = "kbbq",
-        lam: float | Literal["auto"] = 0.75,
-        targets: list[str] | None = None,
-        ignore: list[str] | None = None,
-        act_scale: Literal["static", "dynamic"] = "static",
-        damping: float = 0.01,
-        seed: int = 0,
-        unaligned: Literal["pad", "skip"] = "pad",
-        keep_samples: int = 512,
-        auto_grid: Sequence[float] = DEFAULT_GRID,
-        auto_holdout: float = 0.5,
-        auto_tokens: int = 512,
-        auto_refit: bool = True,
-        weight_quantizer: Literal["rtn", "gptq"] = "rtn",
-        gptq_damping: float = 0.01,
-        act_order: bool | None = None,
-        gptq_block_size: int = 128,
-        scale_search: Literal["minmax", "mse"] = "minmax",
-        group_scales: Literal["static", "dynamic"] = "static",
-        transform_refit: Literal["fixed", "in_loop"] = "in_loop",
-        fold_o_proj: bool = False,
-        propagate: Literal["fp", "quantized"] | None = None,
+        config: QuantizationConfig = DEFAULT_RECIPE,
+        *,
         calibration: Any = None,
         model_attr: str | None = "model",
         calibrate_only: bool = False,
         trainable: bool | None = None,
         offload: bool = False,
     ) -> None:
-        self.config = QuantizationConfig(
-            format=format, transform=transform, lam=lam, targets=targets, ignore=ignore,
-            act_scale=act_scale, damping=damping, seed=seed, unaligned=unaligned,
-            keep_samples=keep_samples, auto_grid=tuple(auto_grid), auto_holdout=auto_holdout,
-            auto_tokens=auto_tokens, auto_refit=auto_refit, weight_quantizer=weight_quantizer,
-            gptq_damping=gptq_damping, act_order=act_order, gptq_block_size=gptq_block_size,
-            scale_search=scale_search, group_scales=group_scales,
-            transform_refit=transform_refit, fold_o_proj=fold_o_proj, propagate=propagate)
+        if not isinstance(config, QuantizationConfig):
+            raise TypeError(f"KBBQ takes a QuantizationConfig (the recipe), got {config!r}")
+        self.config = config
         self.calibration = calibration
         self.model_attr = model_attr
         self.calibrate_only = calibrate_only
@@ -207,22 +175,6 @@ class KBBQ(Callback):
         self.report: QuantizationReport | None = None
         self._checks: DeferredChecks | None = None
         self._checks_scope: contextlib.ExitStack | None = None
-
-    # ------------------------------------------------------------------ the work
-
-    def quantize(self, model: nn.Module, batches: Sequence[Mapping[str, Tensor]], *,
-                 trainable: bool = False, progress: bool = True,
-                 device: torch.device | str | None = None, **collectives: Any
-                 ) -> QuantizationReport:
-        """Quantize ``model`` in place, outside any Trainer (what ``kbbq-pl quantize`` runs);
-        ``device`` runs one block at a time while the rest of the model stays where it is;
-        ``collectives``: ``reduce_sum``, ``reduce_max``, ``broadcast``, ``rank``,
-        ``world_size`` across data-parallel ranks (:func:`quantize_model`)."""
-        tokens = sum(int(b["input_ids"].numel()) for b in batches if "input_ids" in b)
-        self.report = quantize_model(model, batches, self.config, expected_tokens=tokens,
-                                     trainable=trainable, progress=progress, device=device,
-                                     **collectives)
-        return self.report
 
     # ------------------------------------------------------------------ Lightning hooks
 
@@ -262,9 +214,11 @@ class KBBQ(Callback):
         model.to("cpu" if self.offload else device)
         batches = calibration_batches(trainer, self.calibration)
         trainable = self.trainable if self.trainable is not None else (
-            stage == "fit" and not self.calibrate_only and self.config.weight_quantizer == "rtn")
-        self.quantize(model, batches, trainable=trainable, progress=trainer.is_global_zero,
-                      device=device, **_collectives(trainer))
+            stage == "fit" and not self.calibrate_only and self.config.weights.quantizer == "rtn")
+        tokens = sum(int(b["input_ids"].numel()) for b in batches if "input_ids" in b)
+        self.report = quantize_model(model, batches, self.config, expected_tokens=tokens,
+                                     trainable=trainable, progress=trainer.is_global_zero,
+                                     device=device, **_collectives(trainer))
         model.to(device)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -5,7 +5,16 @@ from ._version import __version__  # noqa: F401
 from .io.checkpoint import save_quantized  # noqa: E402
 from .io.compressed_tensors import export_compressed_tensors, save_compressed_tensors  # noqa: E402
 from .io.models import from_pretrained
-from .quant import QuantizationConfig, quantize_model  # noqa: E402
+from .quant import (  # noqa: E402
+    AutoBrakeConfig,
+    FormatConfig,
+    LayersConfig,
+    QuantizationConfig,
+    TransformConfig,
+    WeightsConfig,
+    quantize_model,
+)
 
-__all__ = ["QuantizationConfig", "export_compressed_tensors", "from_pretrained", "quantize_model",
-           "save_compressed_tensors", "save_quantized"]
+__all__ = ["AutoBrakeConfig", "FormatConfig", "LayersConfig", "QuantizationConfig",
+           "TransformConfig", "WeightsConfig", "export_compressed_tensors", "from_pretrained",
+           "quantize_model", "save_compressed_tensors", "save_quantized"]

@@ -72,15 +72,16 @@ def test_select_lambda_takes_the_smallest_held_out_error():
 def test_auto_lambda_in_the_pipeline_reports_choices():
     from kbbq_pl.eval.report import report_markdown
     from kbbq_pl.io.models import tiny_model
-    from kbbq_pl.quant import QuantizationConfig, quantize_model
+    from kbbq_pl.quant import QuantizationConfig, TransformConfig, quantize_model
 
     ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
     batches = [{"input_ids": ids[i:i + 2]} for i in range(0, 8, 2)]
     reports = []
     for _ in range(2):
         model = tiny_model("llama")
-        reports.append(quantize_model(model, batches, QuantizationConfig(lam="auto"),
-                                      expected_tokens=256, progress=False))
+        auto = QuantizationConfig(transform=TransformConfig(lam="auto"))
+        reports.append(quantize_model(model, batches, auto, expected_tokens=256,
+                                      progress=False))
     report = reports[0]
     assert [r.lam for r in report.layers] == [r.lam for r in reports[1].layers]
     assert len(report.autobrake) == 14
@@ -96,14 +97,15 @@ def test_auto_lambda_in_the_pipeline_reports_choices():
 
 
 def test_auto_lambda_configuration_errors():
-    from kbbq_pl.quant.config import QuantizationConfig
+    from kbbq_pl.quant.config import AutoBrakeConfig, QuantizationConfig, TransformConfig
 
     with pytest.raises(ValueError, match="chooses KBBQ's brake"):
-        QuantizationConfig(transform="wush", lam="auto")
-    with pytest.raises(ValueError, match="auto_grid holds lambdas"):
-        QuantizationConfig(lam="auto", auto_grid=(0.5, 2.0))
+        QuantizationConfig(transform=TransformConfig("wush", lam="auto"))
+    with pytest.raises(ValueError, match="autobrake.grid holds lambdas"):
+        QuantizationConfig(transform=TransformConfig(lam="auto"),
+                           autobrake=AutoBrakeConfig(grid=(0.5, 2.0)))
     with pytest.raises(ValueError, match="lies in \\[0, 1\\] or is 'auto'"):
-        QuantizationConfig(lam="best")
+        QuantizationConfig(transform=TransformConfig(lam="best"))
 
 
 def test_samples_are_spread_over_every_sequence_position():

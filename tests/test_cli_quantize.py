@@ -13,7 +13,13 @@ from kbbq_pl.cli.commands import main
 from kbbq_pl.io.checkpoint import CheckpointError
 from kbbq_pl.io.data import token_blocks
 from kbbq_pl.io.models import from_pretrained, load_model, tiny_model
-from kbbq_pl.quant import QuantizationConfig, quantize_model
+from kbbq_pl.quant import (
+    FormatConfig,
+    QuantizationConfig,
+    TransformConfig,
+    WeightsConfig,
+    quantize_model,
+)
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -41,7 +47,8 @@ def test_quantize_recipe_on_a_local_model_reloads_bit_exactly(tiny_llama_dir, tm
     assert {"model.safetensors", "quantization_config.json", "report.json", "report.md",
             "recipe.yaml", "config.json"} <= files
     report = json.loads((out / "report.json").read_text())
-    assert report["config"]["lam"] == 0.5 and report["config"]["format"] == "mxfp4"
+    assert report["config"]["transform"]["lam"] == 0.5
+    assert report["config"]["format"]["name"] == "mxfp4"
     assert len(report["layers"]) == 14 and report["model"]["fidelity_mean_cosine"] > 0.5
     assert "RTN-KBBQ" in capsys.readouterr().out
 
@@ -50,7 +57,8 @@ def test_quantize_recipe_on_a_local_model_reloads_bit_exactly(tiny_llama_dir, tm
     batches = [{"input_ids": b, "attention_mask": torch.ones_like(b)}
                for b in token_blocks("random", None, n_tokens=256, seq_len=32,
                                      vocab_size=256).split(8)]
-    quantize_model(model, batches, QuantizationConfig(format="mxfp4", transform="kbbq", lam=0.5),
+    quantize_model(model, batches, QuantizationConfig(format=FormatConfig("mxfp4"),
+                                                      transform=TransformConfig("kbbq", lam=0.5)),
                    progress=False)
     reloaded = from_pretrained(out)
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
@@ -76,7 +84,8 @@ def test_default_main_job_on_minilm(tmp_path, capsys):
     out = tmp_path / "minilm"
     assert main(["quantize", "--data.init_args.n_tokens", "512", "--output_dir", str(out)]) == 0
     report = json.loads((out / "report.json").read_text())
-    assert report["config"]["format"] == "nvfp4" and report["config"]["transform"] == "kbbq"
+    assert report["config"]["format"]["name"] == "nvfp4"
+    assert report["config"]["transform"]["name"] == "kbbq"
     assert report["model"]["fidelity_data"] == "embedded sentences"
     assert 0.9 < report["model"]["fidelity_mean_cosine"] <= 1.0
     assert len(report["layers"]) == 36
@@ -139,7 +148,7 @@ def test_auto_brake_recipe(tiny_llama_dir, tmp_path):
                  "--data.init_args.n_tokens", "256", "--data.init_args.seq_len", "32",
                  "--output_dir", str(out)]) == 0
     report = json.loads((out / "report.json").read_text())
-    assert report["config"]["lam"] == "auto"
+    assert report["config"]["transform"]["lam"] == "auto"
     assert len(report["autobrake"]) == 14
     assert all(layer["lam"] in (0.0, 0.25, 0.5, 0.625, 0.75, 0.875, 1.0)
                for layer in report["layers"])
@@ -148,7 +157,6 @@ def test_auto_brake_recipe(tiny_llama_dir, tmp_path):
 
 def test_every_packaged_recipe_names_its_method():
     import yaml
-    from kbbq_pl.callbacks import KBBQ
 
     methods = {"i": "I", "haar": "HAAR", "rtn_wush": "RTN-WUSH", "rtn_kbbq": "RTN-KBBQ",
                "gptq": "GPTQ", "mr_gptq": "MR-GPTQ", "gptq_wush": "GPTQ-WUSH",
@@ -156,11 +164,12 @@ def test_every_packaged_recipe_names_its_method():
     seen = set()
     for path in sorted(RECIPES.glob("*.yaml")):
         recipe = yaml.safe_load(path.read_text())
-        config = KBBQ(**recipe["quantizer"]["init_args"]).config
+        assert set(recipe) == {"model", "data", "recipe"}, path.name
+        config = QuantizationConfig.from_dict(recipe["recipe"])
         stem = path.stem.split("_lam")[0].removesuffix("_auto")
         family, fmt = stem.rsplit("_", 1)
-        assert (config.method, config.format) == (methods[family], fmt), path.name
-        assert (config.lam == "auto") == path.stem.endswith("_auto"), path.name
+        assert (config.method, config.format.name) == (methods[family], fmt), path.name
+        assert config.auto == path.stem.endswith("_auto"), path.name
         seen.add((family, fmt))
     assert seen == {(family, fmt) for family in methods for fmt in ("nvfp4", "mxfp4")}
 
@@ -171,13 +180,14 @@ def test_gptq_recipe_with_auto_brake_reloads_bit_exactly(tiny_llama_dir, tmp_pat
                  "--data.init_args.n_tokens", "256", "--data.init_args.seq_len", "32",
                  "--output_dir", str(out)]) == 0
     report = json.loads((out / "report.json").read_text())
-    assert report["config"]["weight_quantizer"] == "gptq" and len(report["autobrake"]) == 14
+    assert report["config"]["weights"]["quantizer"] == "gptq" and len(report["autobrake"]) == 14
     assert report["model"]["peak_rss_mb"] > 0
     model = tiny_model("llama")
     batches = [{"input_ids": b, "attention_mask": torch.ones_like(b)}
                for b in token_blocks("random", None, n_tokens=256, seq_len=32,
                                      vocab_size=256).split(8)]
-    quantize_model(model, batches, QuantizationConfig(lam="auto", weight_quantizer="gptq"),
+    quantize_model(model, batches, QuantizationConfig(transform=TransformConfig(lam="auto"),
+                                                      weights=WeightsConfig("gptq")),
                    progress=False)
     reloaded = from_pretrained(out)
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
@@ -243,18 +253,33 @@ def test_recipes_are_listed_with_what_each_does(capsys):
 
 
 def test_every_recipe_option_has_a_description(capsys):
-    """``--quantizer.help KBBQ`` describes every field, from the one place fields are
-    described (``QuantizationConfig``'s docstring)."""
+    """``kbbq-pl quantize -h`` describes every leaf field of the recipe (``--recipe.GROUP.FIELD``),
+    and so does the ``KBBQ`` callback's help in a LightningCLI-style parser, from the one place
+    fields are described (the docstrings of ``QuantizationConfig``'s groups)."""
     import dataclasses
     import re
 
-    with pytest.raises(SystemExit):
-        main(["quantize", "--quantizer.help", "KBBQ"])
-    text = capsys.readouterr().out.split("Help for", 1)[1]
+    from jsonargparse import ArgumentParser
+    from kbbq_pl.callbacks import KBBQ
+
+    def leaves(cls: type, prefix: str = "") -> list[str]:
+        return [name for field in dataclasses.fields(cls) for name in (
+            leaves(field.default_factory, f"{prefix}{field.name}.")
+            if dataclasses.is_dataclass(field.default_factory) else [prefix + field.name])]
+
     descriptions = QuantizationConfig.field_descriptions()
-    for field in dataclasses.fields(QuantizationConfig):
-        if field.name == "auto_select_on":  # not a KBBQ argument (yet)
-            continue
-        entry = re.search(rf"\n  --quantizer\.{field.name}\b[^\n]*\n?(.*?)\(type:", text, re.S)
-        assert entry, field.name
-        assert descriptions[field.name].split()[0] in entry.group(0), (field.name, entry.group(0))
+    assert sorted(descriptions) == sorted(leaves(QuantizationConfig))
+    with pytest.raises(SystemExit):
+        main(["quantize", "-h"])
+    cli_help = capsys.readouterr().out
+    parser = ArgumentParser()
+    parser.add_class_arguments(KBBQ, "quantizer")
+    callback_help = parser.format_help()
+    for prefix, text in (("--recipe", cli_help), ("--quantizer.config", callback_help)):
+        for name, description in descriptions.items():
+            assert description, name
+            option = re.escape(f"{prefix}.{name}")
+            entry = re.search(rf"\n  {option}\b[^\n]*\n?(.*?)\(type:", text, re.S)
+            assert entry, (prefix, name)
+            assert " ".join(description.split()[:3]) in " ".join(entry.group(1).split()), (
+                prefix, name, entry.group(0))

@@ -93,7 +93,7 @@ def test_finetune_example_runs_on_the_tiny_model(tiny_llama2c_folder, tmp_path):
     root = Path(__file__).resolve().parents[1]
     settings = yaml.safe_load((root / "examples" / "finetune_smollm2.yaml").read_text())
     settings.update(model=str(tiny_llama2c_folder), calibration_tokens=512, steps=3, seq_len=64,
-                    heldout_tokens=256, context=64, stride=32)
+                    heldout_tokens=256, context=64, stride=32, val_every=1)
     config = tmp_path / "ft.yaml"
     config.write_text(yaml.safe_dump(settings))
     out = tmp_path / "ft.json"
@@ -103,3 +103,9 @@ def test_finetune_example_runs_on_the_tiny_model(tiny_llama2c_folder, tmp_path):
     assert result["steps"] == 3 and result["fp"]["kl"] < 1e-9
     assert result["ptq"]["kl"] > 1e-4 and result["finetuned"]["kl"] > 0
     assert result["finetuned"]["kl"] != result["ptq"]["kl"]  # the weights moved
+    # validated on the held-out windows after every step (TokenPerplexity, TokenKL logged by
+    # Lightning); the last validation is the fine-tuned model's
+    assert [row["step"] for row in result["validation"]] == [1, 2, 3]
+    last = result["validation"][-1]
+    assert last["perplexity"] == pytest.approx(result["finetuned"]["perplexity"], rel=1e-6)
+    assert last["kl"] == pytest.approx(result["finetuned"]["kl"], rel=1e-6)

@@ -42,15 +42,29 @@ from kbbq_pl.io.models import (  # noqa: E402
     load_model,
     tiny_model,
 )
-from kbbq_pl.quant import QuantizationConfig, quantize_model  # noqa: E402
+from kbbq_pl.quant import (  # noqa: E402
+    FormatConfig,
+    QuantizationConfig,
+    TransformConfig,
+    WeightsConfig,
+    quantize_model,
+)
 from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears  # noqa: E402
 from kbbq_pl.transforms.fit import hadamard  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-MR_GPTQ = {"format": "nvfp4", "transform": "hadamard", "weight_quantizer": "gptq",
-           "scale_search": "mse"}
-"""The fields of the ``mr_gptq_nvfp4`` recipe."""
+MR_GPTQ = QuantizationConfig(format=FormatConfig("nvfp4"), transform=TransformConfig("hadamard"),
+                             weights=WeightsConfig("gptq", scale_search="mse"))
+"""The ``mr_gptq_nvfp4`` recipe."""
+
+
+def recipe(fmt: str, transform: str, lam: float = 0.75, *, gptq: bool = False,
+           act_scale: str = "static", fold_o_proj: bool = False) -> QuantizationConfig:
+    return QuantizationConfig(format=FormatConfig(fmt, act_scale=act_scale),
+                              transform=TransformConfig(transform, lam=lam,
+                                                        fold_o_proj=fold_o_proj),
+                              weights=WeightsConfig("gptq" if gptq else "rtn"))
 
 IDS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(7))
 
@@ -63,12 +77,12 @@ def _batches(vocab: int = 256, tokenizer=None, source="random", n_tokens=256):
 _CACHE: dict[tuple, torch.nn.Module] = {}
 
 
-def quantized_tiny(**fields) -> torch.nn.Module:
-    """A tiny random Llama (4 heads, 2 KV heads) quantized with ``fields``; a fresh copy."""
-    key = tuple(sorted(fields.items()))
+def quantized_tiny(config: QuantizationConfig) -> torch.nn.Module:
+    """A tiny random Llama (4 heads, 2 KV heads) quantized with ``config``; a fresh copy."""
+    key = json.dumps(config.to_dict(), sort_keys=True)
     if key not in _CACHE:
         model = tiny_model("llama")
-        quantize_model(model, _batches(), QuantizationConfig(**fields), progress=False)
+        quantize_model(model, _batches(), config, progress=False)
         _CACHE[key] = model
     return copy.deepcopy(_CACHE[key])
 
@@ -147,32 +161,32 @@ def test_global_scale_reciprocal_decodes_every_code_and_scale_like_kbbq():
 
 # ------------------------------------------------------------------ export: identity, GPTQ
 
-@pytest.mark.parametrize("fields", [
-    {"format": "nvfp4", "transform": "identity"},
-    {"format": "mxfp4", "transform": "identity", "weight_quantizer": "gptq"},
+@pytest.mark.parametrize("config", [
+    recipe("nvfp4", "identity"), recipe("mxfp4", "identity", gptq=True),
 ], ids=["I-nvfp4", "GPTQ-mxfp4"])
-def test_plain_export_reads_back_in_compressed_tensors_and_transformers(fields, tmp_path,
+def test_plain_export_reads_back_in_compressed_tensors_and_transformers(config, tmp_path,
                                                                        caplog):
-    model = quantized_tiny(**fields)
+    fmt = config.format.name
+    model = quantized_tiny(config)
     with caplog.at_level(logging.WARNING, logger="kbbq_pl.io.compressed_tensors"):
         out = save_compressed_tensors(model, tmp_path / "ct", strict=True)
     assert not caplog.records  # every reader computes it: no warning, strict exports it
     block, config = ct_config(out)
-    preset = "NVFP4" if fields["format"] == "nvfp4" else "MXFP4"
+    preset = "NVFP4" if fmt == "nvfp4" else "MXFP4"
     expected = preset_name_to_scheme(preset, ["Linear"])
     scheme = config.config_groups["group_0"]
     assert scheme.model_dump(exclude={"format"}) == expected.model_dump(exclude={"format"})
     assert scheme.targets == ["Linear"] and config.ignore == ["lm_head"]
     assert block["quant_method"] == "compressed-tensors" and block["version"]
-    assert config.format == scheme.format == f"{fields['format']}-pack-quantized"
-    if fields["format"] == "nvfp4":
+    assert config.format == scheme.format == f"{fmt}-pack-quantized"
+    if fmt == "nvfp4":
         assert scheme.input_activations.dynamic == "local"
     tensors = load_file(str(out / "model.safetensors"))
     layers = quantized_linears(model)
     for name, layer in layers.items():
         ours = layer.weight.dequantize(torch.bfloat16)
         assert same_bits(ct_decompressed(out, name), ours), name
-        assert (f"{name}.input_global_scale" in tensors) == (fields["format"] == "nvfp4")
+        assert (f"{name}.input_global_scale" in tensors) == (fmt == "nvfp4")
     # transformers, through compressed-tensors: the weight-only dequantized model exactly
     loaded = AutoModelForCausalLM.from_pretrained(
         out, quantization_config=CompressedTensorsConfig(dequantize=True))
@@ -192,7 +206,7 @@ def test_transformers_runs_the_w4a4_scheme_through_compressed_tensors(tmp_path):
     compressed-tensors decompresses NVFP4/MXFP4 weights into bfloat16).  MXFP4 activations
     round their scales as kbbq-pl's ``mxfp4_even``: every W4A4 layer gives kbbq-pl's output
     bit for bit."""
-    model = quantized_tiny(format="mxfp4_even", transform="identity")
+    model = quantized_tiny(recipe("mxfp4_even", "identity"))
     out = save_compressed_tensors(model, tmp_path / "ct")
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     assert torch.isfinite(logits(loaded)).all()  # also decompresses on the first call
@@ -210,7 +224,7 @@ def test_cli_export_from_a_checkpoint_folder(shared_data, tmp_path):
     hf = convert_llama2c(tiny / "aidreams260K.bin", tiny / "tok512.bin", tmp_path / "hf")
     model, tokenizer = load_model(hf)
     quantize_model(model, _batches(512, tokenizer, shared_data / "wikitext2" / "valid.txt"),
-                   QuantizationConfig(format="nvfp4", transform="identity"), progress=False)
+                   recipe("nvfp4", "identity"), progress=False)
     source = save_quantized(model, tmp_path / "kbbq", tokenizer=tokenizer,
                             recipe={"format": "nvfp4", "transform": "identity"})
     before = folder_digest(source)
@@ -247,7 +261,7 @@ def test_cli_export_from_a_checkpoint_folder(shared_data, tmp_path):
     # MXFP4 on the real model too: every FP4 layer decompresses to kbbq-pl's values
     mx_model, _ = load_model(hf)
     quantize_model(mx_model, _batches(512, tokenizer, shared_data / "wikitext2" / "valid.txt"),
-                   QuantizationConfig(format="mxfp4", transform="identity"), progress=False)
+                   recipe("mxfp4", "identity"), progress=False)
     mx = save_compressed_tensors(mx_model, tmp_path / "mx", tokenizer=tokenizer)
     for name, layer in quantized_linears(mx_model).items():
         if name not in downs:
@@ -270,7 +284,7 @@ def test_block_hadamard_is_compressed_tensors_hadamard(tmp_path):
     from compressed_tensors.transform import TransformConfig, apply_transform_config
     from compressed_tensors.transform.utils.hadamard import deterministic_hadamard_matrix
 
-    model = quantized_tiny(**MR_GPTQ)
+    model = quantized_tiny(MR_GPTQ)
     out = save_compressed_tensors(model, tmp_path / "ct")
     block, _ = ct_config(out)
     transforms = TransformConfig.model_validate(block["transform_config"])
@@ -305,7 +319,7 @@ def test_block_hadamard_export_warns_that_transformers_drops_it_and_strict_refus
         tmp_path, caplog, capsys):
     """MR-GPTQ's transform_config is applied by vLLM but dropped by transformers on load: the
     export warns (which layers, why, how to load it) and --strict refuses it, in one line."""
-    model = quantized_tiny(**MR_GPTQ)
+    model = quantized_tiny(MR_GPTQ)
     first = r"14 of 14 layers \(model\.layers\.0\.self_attn\.q_proj, [^)]* and 11 more\)"
     with pytest.raises(ExportError, match=(
             rf"--strict: .*{first}: block Hadamard .* HF transformers drops transform_config on "
@@ -321,7 +335,7 @@ def test_block_hadamard_export_warns_that_transformers_drops_it_and_strict_refus
                   "kbbq_pl.from_pretrained(folder)", "apply_transform_config"]:
         assert words in warning, words
     # the CLI: a warning without --strict, one error line and exit code 2 with it
-    source = save_quantized(model, tmp_path / "kbbq", recipe=MR_GPTQ)
+    source = save_quantized(model, tmp_path / "kbbq", recipe=MR_GPTQ.to_dict())
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kbbq_pl.io.compressed_tensors"):
         assert main(["export", "--format", "compressed-tensors", str(source),
@@ -335,13 +349,13 @@ def test_block_hadamard_export_warns_that_transformers_drops_it_and_strict_refus
     assert not (tmp_path / "cli-strict").exists()
 
 
-@pytest.mark.parametrize("fields", [
-    MR_GPTQ, {"format": "mxfp4", "transform": "hadamard"},
+@pytest.mark.parametrize("config", [
+    MR_GPTQ, recipe("mxfp4", "hadamard"),
 ], ids=["MR-GPTQ-nvfp4", "RTN-HADAMARD-mxfp4"])
-def test_block_hadamard_export_loads_in_kbbq_pl_bit_for_bit(fields, tmp_path):
+def test_block_hadamard_export_loads_in_kbbq_pl_bit_for_bit(config, tmp_path):
     """The way to load a transform-carrying export that the warning names: kbbq-pl's own
     loader applies the online Hadamard and gives the exported model's logits exactly."""
-    model = quantized_tiny(**fields)
+    model = quantized_tiny(config)
     out = save_compressed_tensors(model, tmp_path / "ct")
     assert json.loads((out / "config.json").read_text())["quantization_config"][
         "transform_config"]
@@ -356,7 +370,7 @@ def test_block_hadamard_export_loads_in_kbbq_pl_bit_for_bit(fields, tmp_path):
 
 
 def test_per_block_transforms_export_as_input_transform_and_strict_refuses(tmp_path):
-    model = quantized_tiny(format="nvfp4", transform="kbbq", lam=0.5)
+    model = quantized_tiny(recipe("nvfp4", "kbbq", 0.5))
     with pytest.raises(ExportError, match=r"--strict: .* 14 of 14 layers .* no "
                                           r"compressed-tensors slot"):
         save_compressed_tensors(model, tmp_path / "strict", strict=True)
@@ -377,7 +391,7 @@ def test_per_block_transforms_export_as_input_transform_and_strict_refuses(tmp_p
 # ------------------------------------------------------------------ refusals
 
 def test_what_compressed_tensors_cannot_express_is_refused(tmp_path):
-    dynamic = quantized_tiny(format="nvfp4", transform="identity", act_scale="dynamic")
+    dynamic = quantized_tiny(recipe("nvfp4", "identity", act_scale="dynamic"))
     with pytest.raises(ExportError, match=r"dynamic \(the amax of every call\)"):
         save_compressed_tensors(dynamic, tmp_path / "dynamic")
     out = save_compressed_tensors(dynamic, tmp_path / "weight-only", weight_only=True)
@@ -385,12 +399,11 @@ def test_what_compressed_tensors_cannot_express_is_refused(tmp_path):
     assert config.config_groups["group_0"].input_activations is None
     assert not any(k.endswith("input_global_scale") for k in load_file(
         str(out / "model.safetensors")))
-    no_clip = quantized_tiny(format="mxfp4_no_clip", transform="identity")
+    no_clip = quantized_tiny(recipe("mxfp4_no_clip", "identity"))
     with pytest.raises(ExportError, match=r"mxfp4_no_clip .* / 0.75"):
         save_compressed_tensors(no_clip, tmp_path / "no-clip")
     gpt2 = tiny_model("gpt2")
-    quantize_model(gpt2, _batches(), QuantizationConfig(format="nvfp4", transform="identity"),
-                   progress=False)
+    quantize_model(gpt2, _batches(), recipe("nvfp4", "identity"), progress=False)
     with pytest.raises(ExportError, match=r"c_attn: .* torch.nn.Linear .* Conv1D"):
         save_compressed_tensors(gpt2, tmp_path / "gpt2")
 
@@ -486,7 +499,7 @@ def test_import_refuses_what_it_cannot_read(tmp_path):
 def test_folded_o_proj_exports_without_a_transform(tmp_path):
     """fold_o_proj: o_proj's transform lives in v_proj's weights, so o_proj is plain
     compressed-tensors; the per-block transforms of the other layers still are not."""
-    model = quantized_tiny(format="nvfp4", transform="kbbq", lam=0.5, fold_o_proj=True)
+    model = quantized_tiny(recipe("nvfp4", "kbbq", 0.5, fold_o_proj=True))
     out = save_compressed_tensors(model, tmp_path / "ct")
     block, _ = ct_config(out)
     transformed = block["kbbq_pl"]["input_transforms"]

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kbbq_pl import formats as F
 from kbbq_pl.formats import deferred_checks
 from kbbq_pl.io.models import tiny_model
-from kbbq_pl.quant import QuantizationConfig, quantize_model
+from kbbq_pl.quant import FormatConfig, QuantizationConfig, TransformConfig, quantize_model
 from kbbq_pl.quant.layers import quantized_linears
 from kbbq_pl.quant.sequential import SequentialRunner
 
@@ -71,8 +71,8 @@ def test_a_fine_tuning_step_through_fp4_reads_nothing_more_back_than_full_precis
     batches = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
     full = tiny_model("llama").train()
     quantized = tiny_model("llama")
-    quantize_model(quantized, batches, QuantizationConfig(format="nvfp4", transform="kbbq",
-                                                          act_scale="static"),
+    quantize_model(quantized, batches, QuantizationConfig(format=FormatConfig("nvfp4", "static"),
+                                                          transform=TransformConfig("kbbq")),
                    trainable=True, progress=False)
     quantized.train()
     assert len(quantized_linears(quantized)) == 14

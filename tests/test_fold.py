@@ -3,12 +3,20 @@ fold_o_proj recipe option."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from kbbq_pl.io.data import token_blocks
 from kbbq_pl.io.models import tiny_model
-from kbbq_pl.quant import QuantizationConfig, quantize_model
+from kbbq_pl.quant import (
+    FormatConfig,
+    QuantizationConfig,
+    TransformConfig,
+    WeightsConfig,
+    quantize_model,
+)
 from kbbq_pl.quant.layers import quantized_linears
 from kbbq_pl.transforms.fit import transform_weight, weight_block_grams
 from kbbq_pl.transforms.fold import (
@@ -86,10 +94,10 @@ def test_pooled_statistics_average_the_heads_of_a_group():
 
 def test_fold_o_proj_recipe():
     plain, folded = tiny_model("llama"), tiny_model("llama")
-    base = {"format": "nvfp4", "transform": "kbbq", "lam": 0.5}
-    plain_report = quantize_model(plain, _batches(), QuantizationConfig(**base), progress=False)
-    report = quantize_model(folded, _batches(), QuantizationConfig(**base, fold_o_proj=True),
-                            progress=False)
+    base = QuantizationConfig(format=FormatConfig("nvfp4"), transform=TransformConfig("kbbq", 0.5))
+    fold = replace(base, transform=TransformConfig("kbbq", 0.5, fold_o_proj=True))
+    plain_report = quantize_model(plain, _batches(), base, progress=False)
+    report = quantize_model(folded, _batches(), fold, progress=False)
     names = [f"model.layers.{i}.self_attn.o_proj" for i in range(2)]
     assert report.model["o_proj_folded_into_v_proj"] == names
     layers = quantized_linears(folded)
@@ -113,6 +121,8 @@ def test_fold_o_proj_recipe():
     plain_scales = {r.name: r.act_global_scale for r in plain_report.layers}
     kept = [r for r in report.layers if not r.name.endswith(("v_proj", "o_proj"))]
     assert kept and all(r.act_global_scale == plain_scales[r.name] for r in kept)
-    for fields in ({"transform": "haar"}, {"weight_quantizer": "gptq"}, {"lam": "auto"}):
+    for name, lam in (("haar", 0.5), ("kbbq", "auto")):
         with pytest.raises(ValueError, match="fold_o_proj"):
-            QuantizationConfig(**{**base, **fields, "fold_o_proj": True})
+            TransformConfig(name, lam, fold_o_proj=True)
+    with pytest.raises(ValueError, match="fold_o_proj"):
+        replace(fold, weights=WeightsConfig("gptq"))

@@ -6,12 +6,20 @@ from __future__ import annotations
 import copy
 import os
 import tempfile
+from dataclasses import replace
 
 import pytest
 import torch
 
 from kbbq_pl.io.models import tiny_model
-from kbbq_pl.quant import QuantizationConfig, quantize_model
+from kbbq_pl.quant import (
+    AutoBrakeConfig,
+    FormatConfig,
+    QuantizationConfig,
+    TransformConfig,
+    WeightsConfig,
+    quantize_model,
+)
 from kbbq_pl.quant.gptq_quantizer import HessianCollector, assign_owners, gather_rows
 from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears
 
@@ -34,9 +42,10 @@ def test_sequential_loop_swaps_every_target_and_stays_finite(arch, transform, re
     model = tiny_model(arch)
     ids = calibration_ids()
     reference = model(input_ids=ids).logits
-    config = QuantizationConfig(transform=transform, lam=0.5, weight_quantizer="gptq",
-                                transform_refit=refit,
-                                scale_search="mse" if transform == "hadamard" else "minmax")
+    scales = "mse" if transform == "hadamard" else "minmax"
+    config = QuantizationConfig(transform=TransformConfig(transform, lam=0.5),
+                                weights=WeightsConfig("gptq", transform_refit=refit,
+                                                      scale_search=scales))
     report = quantize_model(model, batches_of(ids), config, progress=False)
     layers = quantized_linears(model)
     expected = 8 if arch == "gpt2" else 14
@@ -62,9 +71,8 @@ def test_blocks_are_calibrated_on_the_quantized_blocks_outputs():
         lambda module, args, kwargs: seen.append(
             (args[0] if args else kwargs["hidden_states"]).detach().clone())
         if len(seen) < 2 else None, with_kwargs=True)
-    quantize_model(model, batches_of(ids), QuantizationConfig(transform="identity",
-                                                              weight_quantizer="gptq"),
-                   progress=False)
+    gptq = QuantizationConfig(transform=TransformConfig("identity"), weights=WeightsConfig("gptq"))
+    quantize_model(model, batches_of(ids), gptq, progress=False)
     handle.remove()
     hidden = model(input_ids=ids[:2], output_hidden_states=True).hidden_states[1]
     assert torch.allclose(seen[0], hidden, atol=1e-6)
@@ -78,8 +86,9 @@ def test_gptq_beats_rtn_in_the_loop_and_is_deterministic():
     snrs = {}
     for quantizer in ("rtn", "gptq", "gptq"):
         m = copy.deepcopy(model)
-        report = quantize_model(m, batches_of(ids), QuantizationConfig(
-            transform="identity", weight_quantizer=quantizer), progress=False)
+        config = QuantizationConfig(transform=TransformConfig("identity"),
+                                    weights=WeightsConfig(quantizer))
+        report = quantize_model(m, batches_of(ids), config, progress=False)
         snrs.setdefault(quantizer, []).append(
             (report.summary()["median_output_snr_db"], m(input_ids=ids).logits))
     assert snrs["gptq"][0][0] > snrs["rtn"][0][0]
@@ -89,7 +98,8 @@ def test_gptq_beats_rtn_in_the_loop_and_is_deterministic():
 def test_in_loop_refit_and_unaligned_layers():
     model = tiny_model("llama", intermediate_size=172)
     ids = calibration_ids(4)
-    config = QuantizationConfig(transform="wush", weight_quantizer="gptq", format="mxfp4")
+    config = QuantizationConfig(format=FormatConfig("mxfp4"), transform=TransformConfig("wush"),
+                                weights=WeightsConfig("gptq"))
     report = quantize_model(model, batches_of(ids), config, progress=False)
     down = {r.name: r for r in report.layers}["model.layers.0.mlp.down_proj"]
     assert (down.in_features, down.padded_in) == (172, 192)
@@ -104,7 +114,8 @@ def test_gptq_checkpoints_reload_bit_exactly(tmp_path):
 
     model = tiny_model("llama")
     ids = calibration_ids(4)
-    config = QuantizationConfig(transform="kbbq", weight_quantizer="gptq", format="mxfp4")
+    config = QuantizationConfig(format=FormatConfig("mxfp4"), transform=TransformConfig("kbbq"),
+                                weights=WeightsConfig("gptq"))
     quantize_model(model, batches_of(ids), config, progress=False)
     save_quantized(model, tmp_path / "out", recipe=config.to_dict())
     reloaded = from_pretrained(tmp_path / "out")
@@ -112,49 +123,52 @@ def test_gptq_checkpoints_reload_bit_exactly(tmp_path):
 
 
 def test_config_fields_and_validation():
-    assert QuantizationConfig(transform="hadamard", weight_quantizer="gptq",
-                              scale_search="mse").method == "MR-GPTQ"
-    assert QuantizationConfig(transform="kbbq", weight_quantizer="gptq").method == "GPTQ-KBBQ"
-    assert QuantizationConfig(transform="identity", weight_quantizer="gptq").method == "GPTQ"
-    assert QuantizationConfig(transform="wush").method == "RTN-WUSH"
+    gptq = WeightsConfig("gptq")
+    assert QuantizationConfig(transform=TransformConfig("hadamard"),
+                              weights=WeightsConfig("gptq", scale_search="mse")).method == "MR-GPTQ"
+    assert QuantizationConfig(transform=TransformConfig("kbbq"), weights=gptq).method == "GPTQ-KBBQ"
+    assert QuantizationConfig(transform=TransformConfig("identity"), weights=gptq).method == "GPTQ"
+    assert QuantizationConfig(transform=TransformConfig("wush")).method == "RTN-WUSH"
     for bad, match in [
-        (dict(weight_quantizer="awq"), "weight_quantizer must be one of"),
-        (dict(gptq_damping=0.0), "gptq_damping must be a positive number"),
-        (dict(gptq_block_size=24), "multiple of the nvfp4 block 16"),
+        (dict(quantizer="awq"), "weights.quantizer must be one of"),
+        (dict(damping=0.0), r"weights.damping \(GPTQ's\) must be a positive number"),
         (dict(scale_search="l2"), "scale_search must be one of"),
         (dict(group_scales="per_token"), "group_scales must be one of"),
-        (dict(weight_quantizer="gptq", transform="kbbq", transform_refit="in_loop",
-              act_order=True), "act-order needs transform_refit='fixed'"),
         (dict(act_order="yes"), "act_order must be True, False or None"),
     ]:
         with pytest.raises(ValueError, match=match):
-            QuantizationConfig(**bad)
-    kbbq = QuantizationConfig(transform="kbbq", weight_quantizer="gptq")
+            WeightsConfig(**bad)
+    with pytest.raises(ValueError, match="multiple of the nvfp4 block 16"):
+        QuantizationConfig(weights=WeightsConfig(block_size=24))
+    with pytest.raises(ValueError, match="act-order needs transform_refit='fixed'"):
+        QuantizationConfig(transform=TransformConfig("kbbq"),
+                           weights=WeightsConfig("gptq", transform_refit="in_loop", act_order=True))
+    kbbq = QuantizationConfig(transform=TransformConfig("kbbq"), weights=WeightsConfig("gptq"))
     assert kbbq.refits_in_loop and not kbbq.gptq_act_order
-    fixed = QuantizationConfig(transform="kbbq", weight_quantizer="gptq", transform_refit="fixed")
+    fixed = QuantizationConfig(transform=TransformConfig("kbbq"),
+                               weights=WeightsConfig("gptq", transform_refit="fixed"))
     assert not fixed.refits_in_loop and fixed.gptq_act_order
-    plain = QuantizationConfig(transform="hadamard", weight_quantizer="gptq")
+    plain = QuantizationConfig(transform=TransformConfig("hadamard"), weights=gptq)
     assert not plain.refits_in_loop and plain.gptq_act_order  # in_loop concerns WUSH / KBBQ
-    assert not QuantizationConfig(transform="kbbq").refits_in_loop
+    assert not QuantizationConfig(transform=TransformConfig("kbbq")).refits_in_loop
 
 
 def test_rtn_with_mse_scales_and_errors_of_the_loop():
     model = tiny_model("llama")
     ids = calibration_ids(2)
     minmax = copy.deepcopy(model)
-    quantize_model(minmax, batches_of(ids), QuantizationConfig(transform="identity"),
-                   progress=False)
-    quantize_model(model, batches_of(ids), QuantizationConfig(transform="identity",
-                                                              scale_search="mse"),
-                   progress=False)
+    identity = QuantizationConfig(transform=TransformConfig("identity"))
+    quantize_model(minmax, batches_of(ids), identity, progress=False)
+    quantize_model(model, batches_of(ids),
+                   replace(identity, weights=WeightsConfig(scale_search="mse")), progress=False)
     assert not torch.equal(model.model.layers[0].mlp.up_proj.weight.qdata,
                            minmax.model.layers[0].mlp.up_proj.weight.qdata)
+    gptq = QuantizationConfig(weights=WeightsConfig("gptq"))
     with pytest.raises(ValueError, match="calibration set is empty"):
-        quantize_model(tiny_model("llama"), [], QuantizationConfig(weight_quantizer="gptq"),
-                       progress=False)
+        quantize_model(tiny_model("llama"), [], gptq, progress=False)
     with pytest.raises(ValueError, match="needs broadcast"):
-        quantize_model(tiny_model("llama"), batches_of(ids), QuantizationConfig(
-            weight_quantizer="gptq"), world_size=2, rank=0, progress=False)
+        quantize_model(tiny_model("llama"), batches_of(ids), gptq, world_size=2, rank=0,
+                       progress=False)
 
 
 def test_hessians_are_shared_by_layers_reading_one_input():
@@ -186,12 +200,13 @@ def test_auto_lambda_picks_the_best_gptq_candidate_per_layer():
     from kbbq_pl.transforms.autobrake import DEFAULT_GRID, split_sequences
 
     ids = calibration_ids()
-    config = dict(transform="kbbq", weight_quantizer="gptq", format="nvfp4")
+    config = QuantizationConfig(format=FormatConfig("nvfp4"), transform=TransformConfig("kbbq"),
+                                weights=WeightsConfig("gptq"))
+    auto = replace(config, transform=TransformConfig("kbbq", "auto"))
     reports, states = [], []
     for _ in range(2):
         model = tiny_model("llama")
-        reports.append(quantize_model(model, batches_of(ids), QuantizationConfig(
-            lam="auto", **config), progress=False))
+        reports.append(quantize_model(model, batches_of(ids), auto, progress=False))
         states.append(_quantized_state(model))
     report = reports[0]
     assert [r.lam for r in report.layers] == [r.lam for r in reports[1].layers]
@@ -206,11 +221,12 @@ def test_auto_lambda_picks_the_best_gptq_candidate_per_layer():
     # a one-point grid refitted on all tokens is GPTQ-KBBQ at that lambda, code for code, on
     # the same batches (the split re-batches the sequences: fitting part, then held-out part)
     model = tiny_model("llama")
-    quantize_model(model, batches_of(ids), QuantizationConfig(lam="auto", auto_grid=(0.5,),
-                                                              **config), progress=False)
+    quantize_model(model, batches_of(ids), replace(auto, autobrake=AutoBrakeConfig(grid=(0.5,))),
+                   progress=False)
     fixed = tiny_model("llama")
     fit, held_out = split_sequences(batches_of(ids), 0.5, seed=0)
-    quantize_model(fixed, fit + held_out, QuantizationConfig(lam=0.5, **config), progress=False)
+    quantize_model(fixed, fit + held_out, replace(config, transform=TransformConfig("kbbq", 0.5)),
+                   progress=False)
     auto_state, fixed_state = _quantized_state(model), _quantized_state(fixed)
     for key, value in fixed_state.items():
         assert torch.equal(value, auto_state[key]), key
@@ -218,7 +234,9 @@ def test_auto_lambda_picks_the_best_gptq_candidate_per_layer():
 
 # ----------------------------------------------------------------------- two processes
 
-DDP_CONFIG = dict(transform="kbbq", lam=0.5, weight_quantizer="gptq", format="nvfp4")
+DDP_CONFIG = QuantizationConfig(format=FormatConfig("nvfp4"),
+                                transform=TransformConfig("kbbq", 0.5),
+                                weights=WeightsConfig("gptq"))
 
 
 def _quantized_state(model) -> dict[str, torch.Tensor]:
@@ -245,8 +263,7 @@ def _ddp_worker(rank: int, world_size: int, init_file: str, out_file: str) -> No
         batches = batches_of(calibration_ids())
         mine = batches[rank * len(batches) // world_size:(rank + 1) * len(batches) // world_size]
         collectives = torch_distributed_collectives()
-        quantize_model(model, mine, QuantizationConfig(**DDP_CONFIG), progress=False,
-                       **collectives)
+        quantize_model(model, mine, DDP_CONFIG, progress=False, **collectives)
         rows = gather_rows(torch.full((rank + 1, 3), float(rank + 1)),
                            collectives["reduce_sum"], rank, world_size)
         if rank == 0:
@@ -262,8 +279,7 @@ def test_two_processes_give_the_same_quantized_weights_as_one():
     torch.set_num_threads(1)  # the same GEMM kernels as the workers
     try:
         model = tiny_model("llama")
-        quantize_model(model, batches_of(calibration_ids()), QuantizationConfig(**DDP_CONFIG),
-                       progress=False)
+        quantize_model(model, batches_of(calibration_ids()), DDP_CONFIG, progress=False)
     finally:
         torch.set_num_threads(threads)
     single = _quantized_state(model)
@@ -304,7 +320,7 @@ def test_lightning_collectives_map_onto_the_strategy():
 def test_gptq_cannot_keep_trainable_master_weights():
     with pytest.raises(ValueError, match="GPTQ stores rounded codes"):
         quantize_model(tiny_model("llama"), batches_of(calibration_ids(2)),
-                       QuantizationConfig(weight_quantizer="gptq"), trainable=True,
+                       QuantizationConfig(weights=WeightsConfig("gptq")), trainable=True,
                        progress=False)
 
 
@@ -312,8 +328,8 @@ def test_gptq_cannot_keep_trainable_master_weights():
 def test_sequential_loop_moves_each_block_to_the_device_and_back():
     model = tiny_model("llama")
     ids = calibration_ids(4)
-    report = quantize_model(model, batches_of(ids), QuantizationConfig(
-        transform="kbbq", weight_quantizer="gptq"), device="cuda", progress=False)
+    config = QuantizationConfig(transform=TransformConfig("kbbq"), weights=WeightsConfig("gptq"))
+    report = quantize_model(model, batches_of(ids), config, device="cuda", progress=False)
     assert all(p.device.type == "cpu" for p in model.parameters())
     assert report.model["peak_cuda_mb"] > 0 and len(report.layers) == 14
     assert torch.isfinite(model(input_ids=ids).logits).all()

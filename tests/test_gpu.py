@@ -27,7 +27,14 @@ from torch import nn
 from kbbq_pl import formats as F
 from kbbq_pl.io.checkpoint import save_quantized
 from kbbq_pl.io.models import from_pretrained, tiny_model
-from kbbq_pl.quant import QuantizationConfig, quantize_model, w4a4
+from kbbq_pl.quant import (
+    FormatConfig,
+    QuantizationConfig,
+    TransformConfig,
+    WeightsConfig,
+    quantize_model,
+    w4a4,
+)
 from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears, w4a4_weight
 
 pytestmark = pytest.mark.gpu
@@ -130,7 +137,8 @@ def _on_device(model: nn.Module) -> bool:
 def test_rtn_on_the_gpu_rounds_the_weights_as_the_cpu_does():
     """Identity transform: the weight codes depend on the weights alone, so they are the CPU's
     bit for bit (activation scales come from GPU matmuls, which round differently)."""
-    config = QuantizationConfig(format="nvfp4", transform="identity", act_scale="dynamic")
+    config = QuantizationConfig(format=FormatConfig("nvfp4", act_scale="dynamic"),
+                                transform=TransformConfig("identity"))
     cpu = tiny_model("llama")
     quantize_model(cpu, _batches("cpu"), config, progress=False)
     gpu = tiny_model("llama").to(DEVICE)
@@ -142,16 +150,18 @@ def test_rtn_on_the_gpu_rounds_the_weights_as_the_cpu_does():
 
 
 @pytest.mark.parametrize("recipe", [
-    {"format": "nvfp4", "transform": "kbbq", "lam": 0.75},
-    {"format": "mxfp4", "transform": "kbbq", "lam": "auto"},
-    {"format": "nvfp4", "transform": "kbbq", "weight_quantizer": "gptq"},
-    {"format": "mxfp4", "transform": "kbbq", "weight_quantizer": "gptq", "lam": "auto"},
+    QuantizationConfig(format=FormatConfig("nvfp4"), transform=TransformConfig("kbbq", 0.75)),
+    QuantizationConfig(format=FormatConfig("mxfp4"), transform=TransformConfig("kbbq", "auto")),
+    QuantizationConfig(format=FormatConfig("nvfp4"), transform=TransformConfig("kbbq"),
+                       weights=WeightsConfig("gptq")),
+    QuantizationConfig(format=FormatConfig("mxfp4"), transform=TransformConfig("kbbq", "auto"),
+                       weights=WeightsConfig("gptq")),
 ], ids=["rtn-kbbq", "rtn-auto", "gptq-kbbq", "gptq-auto"])
 def test_quantize_model_with_the_model_on_the_gpu(recipe):
     """RTN, the GPTQ family (block by block, every block input on the device) and lam auto."""
     model = tiny_model("llama").to(DEVICE)
     batches = _batches(DEVICE, rows=8)
-    report = quantize_model(model, batches, QuantizationConfig(**recipe), progress=False)
+    report = quantize_model(model, batches, recipe, progress=False)
     assert len(report.layers) == 14 and _on_device(model)
     with torch.no_grad():
         assert torch.isfinite(model(**batches[0]).logits).all()
@@ -174,9 +184,10 @@ def test_a_model_larger_than_the_gpus_memory_cap_quantizes_block_by_block(weight
             model.to(DEVICE)
         model.to("cpu")
         torch.cuda.empty_cache()
-        report = quantize_model(model, _batches("cpu", rows=8), QuantizationConfig(
-            format="nvfp4", transform="kbbq", weight_quantizer=weight_quantizer),
-            device=DEVICE, progress=False)
+        config = QuantizationConfig(format=FormatConfig("nvfp4"), transform=TransformConfig("kbbq"),
+                                    weights=WeightsConfig(weight_quantizer))
+        report = quantize_model(model, _batches("cpu", rows=8), config, device=DEVICE,
+                                progress=False)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     assert all(p.device.type == "cpu" for p in model.parameters())
@@ -197,7 +208,8 @@ class _Seen(Callback):
 def test_fit_through_fp4_on_the_gpu_in_bf16_mixed(tmp_path):
     module = TinyLM()
     seen = _Seen()
-    trainer(tmp_path, [KBBQ(format="nvfp4", transform="kbbq", lam=0.75), seen],
+    trainer(tmp_path, [KBBQ(QuantizationConfig(format=FormatConfig("nvfp4"),
+                                               transform=TransformConfig("kbbq", lam=0.75))), seen],
             accelerator=ACCELERATOR, precision="bf16-mixed", max_steps=3,
             enable_checkpointing=False).fit(module, datamodule=datamodule())
     layers = quantized_linears(module)
@@ -210,7 +222,8 @@ def test_fit_through_fp4_on_the_gpu_in_bf16_mixed(tmp_path):
 @pytest.mark.parametrize("weight_quantizer", ["rtn", "gptq"])
 def test_calibrate_only_on_the_gpu(tmp_path, weight_quantizer):
     module = TinyLM()
-    fit = trainer(tmp_path, [KBBQ(format="mxfp4", weight_quantizer=weight_quantizer,
+    fit = trainer(tmp_path, [KBBQ(QuantizationConfig(format=FormatConfig("mxfp4"),
+                                                     weights=WeightsConfig(weight_quantizer)),
                                   calibrate_only=True)],
                   accelerator=ACCELERATOR, max_steps=5, enable_checkpointing=False)
     fit.fit(module, datamodule=datamodule())
@@ -221,7 +234,7 @@ def test_calibrate_only_on_the_gpu(tmp_path, weight_quantizer):
 def test_checkpoint_from_the_gpu_resumes_and_reloads_on_the_cpu(tmp_path):
     module = TinyLM()
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
-    trainer(tmp_path, [KBBQ(format="nvfp4"), checkpoint], accelerator=ACCELERATOR,
+    trainer(tmp_path, [KBBQ(), checkpoint], accelerator=ACCELERATOR,
             max_steps=2, enable_checkpointing=True).fit(module, datamodule=datamodule())
     path = checkpoint.last_model_path
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))
@@ -230,7 +243,7 @@ def test_checkpoint_from_the_gpu_resumes_and_reloads_on_the_cpu(tmp_path):
     with torch.no_grad():  # the codes of the GPU run compute the same product on the CPU
         assert torch.equal(restored(input_ids=ids).logits, module(input_ids=ids).logits)
     again = TinyLM(seed=2)
-    trainer(tmp_path, [KBBQ(format="nvfp4", calibration=[])], accelerator=ACCELERATOR,
+    trainer(tmp_path, [KBBQ(calibration=[])], accelerator=ACCELERATOR,
             max_steps=4, enable_checkpointing=False).fit(again, datamodule=datamodule(),
                                                          ckpt_path=path)
     assert len(quantized_linears(again)) == 14 and _on_device(again)
@@ -243,7 +256,8 @@ def test_checkpoint_from_the_gpu_resumes_and_reloads_on_the_cpu(tmp_path):
 def test_checkpoints_move_between_devices_bit_identically(tmp_path, written_on):
     written_on = DEVICE if written_on == "gpu" else "cpu"
     model = tiny_model("llama").to(written_on)
-    config = QuantizationConfig(format="nvfp4", transform="kbbq", lam=0.75)
+    config = QuantizationConfig(format=FormatConfig("nvfp4"),
+                                transform=TransformConfig("kbbq", lam=0.75))
     quantize_model(model, _batches(written_on), config, progress=False)
     save_quantized(model, tmp_path / "out", recipe=config.to_dict())
     expected = _codes(model)

@@ -11,7 +11,10 @@ from lightning_helpers import SaveQuantized, SaveStatistics, TinyLM
 
 from kbbq_pl.formats import QuantizedTensor
 from kbbq_pl.io.data import CalibrationDataModule
+from kbbq_pl.quant import FormatConfig, QuantizationConfig, TransformConfig, WeightsConfig
 from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears
+
+MXFP4 = QuantizationConfig(format=FormatConfig("mxfp4"))
 
 
 def datamodule(n_tokens: int = 512, seed: int = 0) -> CalibrationDataModule:
@@ -28,7 +31,8 @@ def trainer(tmp_path, callbacks, **kwargs) -> Trainer:
 def test_fit_quantizes_before_training_and_fine_tunes_through_fp4(tmp_path):
     module = TinyLM()
     dm = datamodule()
-    kbbq = KBBQ(format="nvfp4", transform="kbbq", lam=0.75)
+    kbbq = KBBQ(QuantizationConfig(format=FormatConfig("nvfp4"),
+                                   transform=TransformConfig("kbbq", lam=0.75)))
     seen = {}
 
     class Probe(Callback):
@@ -54,7 +58,7 @@ def test_fit_quantizes_before_training_and_fine_tunes_through_fp4(tmp_path):
 
 def test_calibrate_only_fit_runs_no_step_and_validate_quantizes(tmp_path):
     module = TinyLM()
-    fit = trainer(tmp_path, [KBBQ(format="mxfp4", calibrate_only=True)], max_steps=5,
+    fit = trainer(tmp_path, [KBBQ(MXFP4, calibrate_only=True)], max_steps=5,
                   enable_checkpointing=False)
     fit.fit(module, datamodule=datamodule())
     assert fit.global_step == 0
@@ -62,7 +66,7 @@ def test_calibrate_only_fit_runs_no_step_and_validate_quantizes(tmp_path):
                for layer in quantized_linears(module).values())
     other = TinyLM()
     dm = datamodule()
-    trainer(tmp_path, [KBBQ(format="mxfp4", calibration=dm)]).validate(
+    trainer(tmp_path, [KBBQ(MXFP4, calibration=dm)]).validate(
         other, dataloaders=dm.calibration_dataloader())
     assert len(quantized_linears(other)) == 14
 
@@ -74,7 +78,7 @@ def test_offload_quantizes_block_by_block_to_the_same_codes(tmp_path):
     codes = []
     for offload in (False, True):
         module = TinyLM()
-        kbbq = KBBQ(format="nvfp4", weight_quantizer="gptq", calibrate_only=True,
+        kbbq = KBBQ(QuantizationConfig(weights=WeightsConfig("gptq")), calibrate_only=True,
                     offload=offload)
         trainer(tmp_path, [kbbq], enable_checkpointing=False).fit(module,
                                                                    datamodule=datamodule())
@@ -88,7 +92,7 @@ def test_checkpoint_reload_after_convert(tmp_path):
     module = TinyLM()
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     accumulate = GradientAccumulationScheduler(scheduling={0: 2})
-    fit = trainer(tmp_path, [KBBQ(format="nvfp4"), checkpoint, accumulate],
+    fit = trainer(tmp_path, [KBBQ(), checkpoint, accumulate],
                   max_steps=3, enable_checkpointing=True)
     fit.fit(module, datamodule=datamodule())
     path = checkpoint.last_model_path
@@ -105,7 +109,7 @@ def test_checkpoint_reload_after_convert(tmp_path):
 
     # 2. a new trainer resuming from the checkpoint rebuilds the layers without calibrating
     fresh = TinyLM(seed=1)
-    resumed = KBBQ(format="nvfp4", calibration=[])  # would fail if it tried to calibrate
+    resumed = KBBQ(calibration=[])  # would fail if it tried to calibrate
     trainer(tmp_path, [resumed]).validate(fresh, dataloaders=datamodule().calibration_dataloader(),
                                           ckpt_path=path)
     fresh.eval()
@@ -114,7 +118,7 @@ def test_checkpoint_reload_after_convert(tmp_path):
 
     # 3. resuming training continues from the quantized state
     again = TinyLM(seed=2)
-    trainer(tmp_path, [KBBQ(format="nvfp4", calibration=[])], max_steps=5,
+    trainer(tmp_path, [KBBQ(calibration=[])], max_steps=5,
             enable_checkpointing=False).fit(again, datamodule=datamodule(), ckpt_path=path)
     assert len(quantized_linears(again)) == 14
 
@@ -128,7 +132,8 @@ def test_kbbq_errors_without_calibration_data(tmp_path):
 @pytest.mark.parametrize("arch", ["gpt2"])
 def test_forward_kwargs_and_conv1d_under_fit(tmp_path, arch):
     module = TinyLM(arch=arch)
-    trainer(tmp_path, [KBBQ(format="mxfp4", transform="wush")], max_steps=2,
+    wush = QuantizationConfig(format=FormatConfig("mxfp4"), transform=TransformConfig("wush"))
+    trainer(tmp_path, [KBBQ(wush)], max_steps=2,
             enable_checkpointing=False).fit(module, datamodule=datamodule())
     layers = quantized_linears(module)
     assert len(layers) == 8
@@ -159,7 +164,9 @@ def test_ddp_gptq_equals_single_process(tmp_path):
     loader = datamodule(n_tokens=512).calibration_dataloader()
     paths = {1: tmp_path / "single.pt", 2: tmp_path / "ddp.pt"}
     for devices, strategy in ((1, "auto"), (2, "ddp_spawn")):
-        kbbq = KBBQ(format="nvfp4", transform="kbbq", lam=0.5, weight_quantizer="gptq",
+        kbbq = KBBQ(QuantizationConfig(format=FormatConfig("nvfp4"),
+                                       transform=TransformConfig("kbbq", lam=0.5),
+                                       weights=WeightsConfig("gptq")),
                     calibration=loader)
         trainer(tmp_path, [kbbq, SaveQuantized(paths[devices])], devices=devices,
                 strategy=strategy).validate(TinyLM(), dataloaders=loader)
@@ -190,7 +197,7 @@ def test_nan_during_fit_is_an_error_naming_the_layer_before_the_weights_change(t
             layer.register_forward_pre_hook(nan)
 
     with pytest.raises(ValueError, match=rf"{name}\.input: non-finite values .* calls checked"):
-        trainer(tmp_path, [KBBQ(format="nvfp4"), Poison()], max_steps=2,
+        trainer(tmp_path, [KBBQ(), Poison()], max_steps=2,
                 enable_checkpointing=False).fit(module, datamodule=datamodule())
     assert torch.equal(module.model.get_submodule(name).weight.detach(), seen["weight"])
 
@@ -214,6 +221,7 @@ def test_fit_with_stored_codes_decodes_each_weight_once(tmp_path, monkeypatch):
             per_step.append(len(decodes))
 
     module = TinyLM()
-    trainer(tmp_path, [KBBQ(format="mxfp4", weight_quantizer="gptq"), Count()], max_steps=3,
+    gptq = QuantizationConfig(format=FormatConfig("mxfp4"), weights=WeightsConfig("gptq"))
+    trainer(tmp_path, [KBBQ(gptq), Count()], max_steps=3,
             enable_checkpointing=False).fit(module, datamodule=datamodule())
     assert per_step == [14, 0, 0]

@@ -4,12 +4,21 @@ block (``propagate``), and only the current block is moved to the compute device
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
 
 from kbbq_pl.io.models import tiny_model
-from kbbq_pl.quant import QuantizationConfig, quantize_model
+from kbbq_pl.quant import (
+    FormatConfig,
+    LayersConfig,
+    QuantizationConfig,
+    TransformConfig,
+    WeightsConfig,
+    quantize_model,
+)
 from kbbq_pl.quant.gptq_quantizer import GPTQ
 from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears
 from kbbq_pl.quant.pipeline import WEIGHT_QUANTIZERS
@@ -44,14 +53,14 @@ def _recording(base: type[WeightQuantizer]) -> type[WeightQuantizer]:
     return Recording
 
 
-@pytest.mark.parametrize("fields", [dict(transform="kbbq", lam=0.5),
-                                    dict(transform="kbbq", lam="auto"),
-                                    dict(transform="kbbq", weight_quantizer="gptq"),
-                                    dict(transform="hadamard", weight_quantizer="gptq",
-                                         scale_search="mse")])
-def test_every_method_runs_block_by_block_through_its_weight_quantizer(fields):
-    config = QuantizationConfig(format="nvfp4", **fields)
-    strategy = WEIGHT_QUANTIZERS[config.weight_quantizer]
+@pytest.mark.parametrize("config", [
+    QuantizationConfig(transform=TransformConfig("kbbq", 0.5)),
+    QuantizationConfig(transform=TransformConfig("kbbq", "auto")),
+    QuantizationConfig(transform=TransformConfig("kbbq"), weights=WeightsConfig("gptq")),
+    QuantizationConfig(transform=TransformConfig("hadamard"),
+                       weights=WeightsConfig("gptq", scale_search="mse"))])
+def test_every_method_runs_block_by_block_through_its_weight_quantizer(config):
+    strategy = WEIGHT_QUANTIZERS[config.weights.quantizer]
     quantizer = _recording(strategy)(config)
     model = tiny_model("llama")
     report = quantize_model(model, _batches(), config, weight_quantizer=quantizer,
@@ -64,18 +73,19 @@ def test_every_method_runs_block_by_block_through_its_weight_quantizer(fields):
     assert {RTN: "fp", GPTQ: "quantized"}[strategy] == strategy.propagate
 
 
-@pytest.mark.parametrize("fields", [dict(transform="kbbq", lam=0.5, act_scale="static"),
-                                    dict(transform="kbbq", lam="auto"),
-                                    dict(transform="haar", format="mxfp4")])
-def test_full_precision_propagation_equals_one_pass_over_the_whole_model(fields):
+@pytest.mark.parametrize("config", [
+    QuantizationConfig(format=FormatConfig("nvfp4", "static"),
+                       transform=TransformConfig("kbbq", 0.5)),
+    QuantizationConfig(transform=TransformConfig("kbbq", "auto")),
+    QuantizationConfig(format=FormatConfig("mxfp4"), transform=TransformConfig("haar"))])
+def test_full_precision_propagation_equals_one_pass_over_the_whole_model(config):
     """Targeting the LM head (outside the blocks) makes the pipeline run the whole model as one
     block; with ``propagate="fp"`` (RTN's default) every layer of the blocks gets the same
     statistics, hence the same codes, block scales and activation scales, block by block."""
     blockwise, whole = tiny_model("llama"), tiny_model("llama")
-    config = {"format": "nvfp4", **fields}
-    quantize_model(blockwise, _batches(), QuantizationConfig(**config), progress=False)
-    report = quantize_model(whole, _batches(), QuantizationConfig(**config, ignore=["embed"]),
-                            progress=False)
+    quantize_model(blockwise, _batches(), config, progress=False)
+    whole_model = replace(config, layers=LayersConfig(ignore=["embed"]))
+    report = quantize_model(whole, _batches(), whole_model, progress=False)
     assert "lm_head" in report.model["whole_model"] and report.model["blocks"] == 1
     assert isinstance(whole.lm_head, QuantizedLinear)
     layers, reference = quantized_linears(whole), quantized_linears(blockwise)
@@ -88,12 +98,40 @@ def test_full_precision_propagation_equals_one_pass_over_the_whole_model(fields)
         assert scales == (None, None) or torch.equal(*scales), name
 
 
+@pytest.mark.parametrize("config,passes", [
+    (QuantizationConfig(format=FormatConfig("nvfp4", "static"),
+                        transform=TransformConfig("kbbq", 0.5)), 1),
+    (QuantizationConfig(format=FormatConfig("nvfp4", "static"),
+                        transform=TransformConfig("kbbq", "auto")), 1),
+    (QuantizationConfig(format=FormatConfig("nvfp4", "static"), transform=TransformConfig("kbbq"),
+                        weights=WeightsConfig("gptq")), 2),
+    (QuantizationConfig(format=FormatConfig("nvfp4", "static"),
+                        transform=TransformConfig("kbbq", "auto"),
+                        weights=WeightsConfig("gptq")), 2)])
+def test_each_block_runs_the_fewest_passes_its_method_needs(config, passes):
+    """Static activation scales come from the inputs kept in the calibration pass, the
+    auto-brake's held-out statistics from the same pass, and with ``propagate="fp"`` the next
+    block's inputs are that pass's outputs: RTN runs each block once per batch, GPTQ twice
+    (calibration, then the quantized block for the next block's inputs)."""
+    model = tiny_model("llama")
+    calls = {name: 0 for name in BLOCKS}
+    for name in BLOCKS:
+        model.get_submodule(name).register_forward_hook(  # completed runs only
+            lambda module, args, output, name=name: calls.__setitem__(name, calls[name] + 1))
+    batches = _batches(rows=8)
+    quantize_model(model, batches, config, progress=False)
+    last = BLOCKS[-1]  # nothing runs after the last block: its outputs feed no one
+    assert calls == {name: len(batches) * (1 if name == last else passes) for name in BLOCKS}
+
+
 @pytest.mark.parametrize("weight_quantizer,other", [("rtn", "quantized"), ("gptq", "fp")])
 def test_propagate_chooses_where_the_next_blocks_inputs_come_from(weight_quantizer, other):
-    base = dict(format="nvfp4", transform="kbbq", lam=0.5, weight_quantizer=weight_quantizer)
+    base = QuantizationConfig(transform=TransformConfig("kbbq", 0.5),
+                              weights=WeightsConfig(weight_quantizer))
     default, changed = tiny_model("llama"), tiny_model("llama")
-    quantize_model(default, _batches(), QuantizationConfig(**base), progress=False)
-    report = quantize_model(changed, _batches(), QuantizationConfig(**base, propagate=other),
+    quantize_model(default, _batches(), base, progress=False)
+    report = quantize_model(changed, _batches(),
+                            replace(base, weights=WeightsConfig(weight_quantizer, propagate=other)),
                             progress=False)
     assert report.model["propagate"] == other
     first, second = _codes(default), _codes(changed)
@@ -106,8 +144,8 @@ def test_propagate_chooses_where_the_next_blocks_inputs_come_from(weight_quantiz
 
 def test_propagate_and_the_weight_quantizer_are_validated():
     with pytest.raises(ValueError, match="propagate must be one of"):
-        QuantizationConfig(propagate="int8")
-    other = RTN(QuantizationConfig(format="mxfp4"))
+        QuantizationConfig(weights=WeightsConfig(propagate="int8"))
+    other = RTN(QuantizationConfig(format=FormatConfig("mxfp4")))
     with pytest.raises(ValueError, match="built for another recipe"):
         quantize_model(tiny_model("llama"), _batches(), QuantizationConfig(),
                        weight_quantizer=other, progress=False)
@@ -115,8 +153,10 @@ def test_propagate_and_the_weight_quantizer_are_validated():
 
 def test_gptq_quantizes_layers_outside_the_blocks_with_the_model_as_one_block():
     model = tiny_model("llama")
-    report = quantize_model(model, _batches(), QuantizationConfig(
-        weight_quantizer="gptq", transform="identity", ignore=["embed"]), progress=False)
+    config = QuantizationConfig(transform=TransformConfig("identity"),
+                                weights=WeightsConfig("gptq"),
+                                layers=LayersConfig(ignore=["embed"]))
+    report = quantize_model(model, _batches(), config, progress=False)
     assert isinstance(model.lm_head, QuantizedLinear) and len(report.layers) == 15
     assert report.model["blocks"] == 1 and "lm_head" in report.model["whole_model"]
 
@@ -136,8 +176,8 @@ def test_a_model_without_a_stack_of_blocks_runs_as_one_block():
     wrapped = Wrapped()
     batches = [{"x": torch.randn(8, 64, generator=torch.Generator().manual_seed(i))}
                for i in range(2)]
-    report = quantize_model(wrapped, batches, QuantizationConfig(transform="wush"),
-                            progress=False)
+    wush = QuantizationConfig(transform=TransformConfig("wush"))
+    report = quantize_model(wrapped, batches, wush, progress=False)
     assert report.model["blocks"] == 1 and "no stack" in report.model["whole_model"]
     assert len(quantized_linears(wrapped)) == 2
 
@@ -158,7 +198,7 @@ def test_only_the_current_block_is_moved_to_the_compute_device(monkeypatch):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(nn.Module, "to", to)
-    quantize_model(model, _batches(), QuantizationConfig(weight_quantizer="gptq"),
+    quantize_model(model, _batches(), QuantizationConfig(weights=WeightsConfig("gptq")),
                    device="cpu", progress=False)
     assert moves == [(BLOCKS[0], "cpu"), (BLOCKS[0], "cpu"), (BLOCKS[1], "cpu"),
                      (BLOCKS[1], "cpu")]
@@ -172,7 +212,7 @@ def test_modules_keep_their_modes_and_new_layers_can_be_fine_tuned(weight_quanti
     model = tiny_model("llama")
     model.model.norm.train()
     before = {name: m.training for name, m in model.named_modules()}
-    quantize_model(model, _batches(), QuantizationConfig(weight_quantizer=weight_quantizer),
+    quantize_model(model, _batches(), QuantizationConfig(weights=WeightsConfig(weight_quantizer)),
                    trainable=weight_quantizer == "rtn", progress=False)
     layers = quantized_linears(model)
     after = {name: m.training for name, m in model.named_modules()}

@@ -15,7 +15,13 @@ from kbbq_pl.io import fileio
 from kbbq_pl.io.checkpoint import CheckpointError, save_quantized
 from kbbq_pl.io.fileio import MARKER_NAME, OutputPathError, check_output, write_folder
 from kbbq_pl.io.models import from_pretrained, load_model, tiny_model
-from kbbq_pl.quant import QuantizationConfig, quantize_model
+from kbbq_pl.quant import (
+    FormatConfig,
+    QuantizationConfig,
+    TransformConfig,
+    WeightsConfig,
+    quantize_model,
+)
 
 QUICK = ["--data.init_args.n_tokens", "64", "--data.init_args.seq_len", "32",
          "--eval_sentences", "4"]
@@ -323,7 +329,7 @@ def test_metadata_that_disagrees_with_the_tensors_names_layer_and_values(quantiz
 def test_gptq_report_is_labelled_from_the_whole_recipe(tiny_llama_dir, tmp_path):
     out = tmp_path / "gptq"
     assert main(["quantize", "--config", "gptq_kbbq_nvfp4", "--model", str(tiny_llama_dir),
-                 "--output_dir", str(out), "--quantizer.init_args.targets", "[layers\\.0\\.]",
+                 "--output_dir", str(out), "--recipe.layers.targets", "[layers\\.0\\.]",
                  *QUICK]) == 0
     text = (out / "report.md").read_text()
     assert "**GPTQ-KBBQ nvfp4, lambda 0.75**" in text and "RTN-KBBQ" not in text
@@ -335,9 +341,11 @@ def test_gptq_report_is_labelled_from_the_whole_recipe(tiny_llama_dir, tmp_path)
 
 
 def test_labels():
-    assert QuantizationConfig(lam="auto").label == "RTN-KBBQ nvfp4, lambda auto"
-    assert QuantizationConfig(transform="hadamard", weight_quantizer="gptq",
-                              scale_search="mse", format="mxfp4").label == "MR-GPTQ mxfp4"
+    auto = QuantizationConfig(transform=TransformConfig(lam="auto"))
+    assert auto.label == "RTN-KBBQ nvfp4, lambda auto"
+    mr_gptq = QuantizationConfig(format=FormatConfig("mxfp4"), transform=TransformConfig("hadamard"),
+                                 weights=WeightsConfig("gptq", scale_search="mse"))
+    assert mr_gptq.label == "MR-GPTQ mxfp4"
 
 
 def test_eval_sentences_records_what_was_used(tmp_path, capsys):
@@ -346,7 +354,7 @@ def test_eval_sentences_records_what_was_used(tmp_path, capsys):
 
     assert len(eval_sentences()) == EMBEDDED
     args = ["quantize", "--data.init_args.n_tokens", "128", "--data.init_args.seq_len", "64",
-            "--quantizer.init_args.targets", "[layer\\.0\\.attention\\.self\\.query]"]
+            "--recipe.layers.targets", "[layer\\.0\\.attention\\.self\\.query]"]
     assert main([*args, "--output_dir", str(tmp_path / "a"), "--eval_sentences", "256"]) == 2
     assert "the embedded set holds 64 sentences" in one_line_error(capsys, "quantize")
     assert not (tmp_path / "a").exists()

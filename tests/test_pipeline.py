@@ -9,9 +9,17 @@ import torch
 from torch import nn
 
 from kbbq_pl import formats as F
+from kbbq_pl.formats import QuantizedTensor
 from kbbq_pl.io.data import token_blocks
 from kbbq_pl.io.models import load_model, tiny_model
-from kbbq_pl.quant import QuantizationConfig, quantize_model
+from kbbq_pl.quant import (
+    FormatConfig,
+    LayersConfig,
+    QuantizationConfig,
+    TransformConfig,
+    WeightsConfig,
+    quantize_model,
+)
 from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears
 from kbbq_pl.transforms.fit import fit_transform, transform_inputs, transform_weight
 
@@ -76,7 +84,8 @@ def test_pipeline_on_tiny_causal_lms(arch, transform):
     model = tiny_model(arch)
     ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
     reference = model(input_ids=ids).logits
-    config = QuantizationConfig(format="nvfp4", transform=transform, lam=0.5)
+    config = QuantizationConfig(format=FormatConfig("nvfp4"),
+                                transform=TransformConfig(transform, lam=0.5))
     report = quantize_model(model, batches_of(ids), config, progress=False)
     layers = quantized_linears(model)
     assert len(layers) == len(report.layers) == 7 * 2 if arch != "gpt2" else 4 * 2
@@ -96,8 +105,8 @@ def test_pipeline_is_deterministic_and_wush_attains_the_paired_ceiling():
     outputs, reports = [], []
     for _ in range(2):
         m = copy.deepcopy(model)
-        reports.append(quantize_model(m, batches_of(ids), QuantizationConfig(transform="wush"),
-                                      progress=False))
+        wush = QuantizationConfig(transform=TransformConfig("wush"))
+        reports.append(quantize_model(m, batches_of(ids), wush, progress=False))
         outputs.append(m(input_ids=ids).logits)
     assert torch.equal(outputs[0], outputs[1])
     # the fit damps its Gram matrices by 1%, the report measures on the undamped statistics:
@@ -109,7 +118,8 @@ def test_pipeline_is_deterministic_and_wush_attains_the_paired_ceiling():
 def test_static_activation_scales_make_outputs_independent_of_the_batch():
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(2))
-    quantize_model(model, batches_of(ids), QuantizationConfig(format="nvfp4"), progress=False)
+    quantize_model(model, batches_of(ids), QuantizationConfig(format=FormatConfig("nvfp4")),
+                   progress=False)
     alone = model(input_ids=ids[:1]).logits
     loud = ids.clone()
     with torch.no_grad():
@@ -121,12 +131,12 @@ def test_skip_policy_and_tiny_llama_width():
     model = tiny_model("llama", intermediate_size=172)
     ids = torch.randint(0, 256, (2, 16))
     skipping = copy.deepcopy(model)
-    report = quantize_model(skipping, batches_of(ids), QuantizationConfig(unaligned="skip"),
-                            progress=False)
+    skip = QuantizationConfig(format=FormatConfig(unaligned="skip"))
+    report = quantize_model(skipping, batches_of(ids), skip, progress=False)
     assert set(report.skipped) == {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"}
     assert "not a multiple" in report.skipped["model.layers.0.mlp.down_proj"]
-    padded = quantize_model(model, batches_of(ids), QuantizationConfig(unaligned="pad"),
-                            progress=False)
+    pad = QuantizationConfig(format=FormatConfig(unaligned="pad"))
+    padded = quantize_model(model, batches_of(ids), pad, progress=False)
     down = {r.name: r for r in padded.layers}["model.layers.0.mlp.down_proj"]
     assert (down.in_features, down.padded_in) == (172, 176)
     assert torch.isfinite(model(input_ids=ids).logits).all()
@@ -137,10 +147,11 @@ def test_bad_calibration_input():
     with pytest.raises(ValueError, match="calibration set is empty"):
         quantize_model(model, [], QuantizationConfig(), progress=False)
     with pytest.raises(ValueError, match="W4A4 needs a block FP4 format"):
-        QuantizationConfig(format="fp8_e4m3")
+        QuantizationConfig(format=FormatConfig("fp8_e4m3"))
     with pytest.raises(ValueError, match="no linear layer"):
         quantize_model(tiny_model("llama"), batches_of(torch.randint(0, 256, (2, 8))),
-                       QuantizationConfig(targets=["nothing_here"]), progress=False)
+                       QuantizationConfig(layers=LayersConfig(targets=["nothing_here"])),
+                       progress=False)
 
 
 @pytest.mark.parametrize("weight_quantizer", ["rtn", "gptq"])
@@ -152,7 +163,7 @@ def test_non_finite_weight_names_the_layer_before_calibrating(weight_quantizer):
     with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.q_proj: its weight "
                                          r"holds 1 NaN and 0 Inf values \(shape \(64, 64\)"):
         quantize_model(model, batches_of(torch.randint(0, 256, (2, 8))),
-                       QuantizationConfig(weight_quantizer=weight_quantizer), progress=False)
+                       QuantizationConfig(weights=WeightsConfig(weight_quantizer)), progress=False)
     assert not calls  # refused before any calibration forward
 
 
@@ -165,7 +176,7 @@ def test_non_finite_input_names_the_layer(poison_input, value, count, weight_qua
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.o_proj: its input "
                                          rf"holds {count} values \(shape \(16, 64\)"):
         quantize_model(model, batches_of(torch.randint(0, 256, (2, 8))),
-                       QuantizationConfig(weight_quantizer=weight_quantizer), progress=False)
+                       QuantizationConfig(weights=WeightsConfig(weight_quantizer)), progress=False)
 
 
 def test_transform_fit_error_names_the_layer():
@@ -186,8 +197,9 @@ def test_minilm_kbbq_beats_identity_on_calibration_fidelity():
     scores = {}
     for transform in ("identity", "kbbq"):
         m = copy.deepcopy(model)
-        report = quantize_model(m, batches_of(calib, 4), QuantizationConfig(
-            format="mxfp4", transform=transform, lam=0.75), progress=False)
+        config = QuantizationConfig(format=FormatConfig("mxfp4"),
+                                    transform=TransformConfig(transform, lam=0.75))
+        report = quantize_model(m, batches_of(calib, 4), config, progress=False)
         assert len(report.layers) == 36
         with torch.no_grad():
             out = m(input_ids=probe).last_hidden_state.mean(1)
@@ -210,11 +222,11 @@ def test_real_tiny_llama_with_unaligned_ffn(shared_data, tmp_path):
     with torch.no_grad():
         reference = model(input_ids=probe).logits.argmax(-1)
     skipping = copy.deepcopy(model)
-    report = quantize_model(skipping, batches_of(calib, 4), QuantizationConfig(
-        format="nvfp4", unaligned="skip"), progress=False)
+    skip = QuantizationConfig(format=FormatConfig("nvfp4", unaligned="skip"))
+    report = quantize_model(skipping, batches_of(calib, 4), skip, progress=False)
     assert sorted(report.skipped) == [f"model.layers.{i}.mlp.down_proj" for i in range(4)]
-    report = quantize_model(model, batches_of(calib, 4), QuantizationConfig(format="nvfp4"),
-                            progress=False)
+    report = quantize_model(model, batches_of(calib, 4),
+                            QuantizationConfig(format=FormatConfig("nvfp4")), progress=False)
     downs = [r for r in report.layers if r.name.endswith("down_proj")]
     assert len(downs) == 4 and all(r.padded_in == 176 for r in downs)
     quantized = perplexity(model, tokenizer, text, seq_len=128, stride=64, max_tokens=1024)
@@ -226,9 +238,17 @@ def test_real_tiny_llama_with_unaligned_ffn(shared_data, tmp_path):
     assert agreement > 0.6
 
 
-def test_nvfp4_weights_convert_to_torchao_for_its_kernels():
-    from kbbq_pl.quant.layers import to_torchao_nvfp4
+def to_torchao_nvfp4(q: QuantizedTensor):
+    """The same NVFP4 bits as a torchao ``NVFP4Tensor`` (codes, E4M3 scales and per-tensor
+    scale have one layout in both libraries)."""
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
 
+    if q.fmt.name != "nvfp4" or q.last_dim != q.qdata.shape[-1] * 2:
+        raise ValueError(f"only unpadded nvfp4 tensors convert to torchao, got {q.fmt.name}")
+    return NVFP4Tensor(q.qdata, q.scale, 16, q.orig_dtype, per_tensor_scale=q.global_scale)
+
+
+def test_nvfp4_weights_convert_to_torchao_for_its_kernels():
     q = F.quantize(torch.randn(32, 64), "nvfp4")
     converted = to_torchao_nvfp4(q)
     assert torch.equal(converted.dequantize(torch.float32), q.dequantize())

@@ -1,5 +1,7 @@
-"""Every Python block of the README runs as written: each as a script of its own, in a fresh
-process, from a folder beside ``shared/`` (as a user in a clone next to the data would)."""
+"""Every Python block of the documentation runs as written: README.md, docs/*.md and
+docs/results/*.md, each block as a script of its own, in a fresh process, from a folder beside
+``shared/`` (as a user in a clone next to the data would). Fragments not meant to run are
+written as ```text blocks."""
 
 from __future__ import annotations
 
@@ -13,13 +15,16 @@ from pathlib import Path
 import pytest
 from conftest import SHARED_DATA
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md")),
+             *sorted((ROOT / "docs" / "results").glob("*.md"))]
 
 
-def python_blocks() -> list[tuple[str, str]]:
-    """``(section/index, code)`` of every ```python block of the README."""
+def python_blocks(path: Path = README) -> list[tuple[str, str]]:
+    """``(section/index, code)`` of every ```python block of a markdown file."""
     blocks, section, counts = [], "top", {}
-    lines = iter(README.read_text(encoding="utf-8").splitlines())
+    lines = iter(path.read_text(encoding="utf-8").splitlines())
     for line in lines:
         if line.startswith("## "):
             section = re.sub(r"[^a-z0-9]+", "-", line[3:].lower()).strip("-")
@@ -34,10 +39,17 @@ def python_blocks() -> list[tuple[str, str]]:
     return blocks
 
 
-BLOCKS = python_blocks()
+def _document(path: Path) -> str:
+    return path.relative_to(ROOT).with_suffix("").as_posix()
 
 
-def test_the_readme_has_python_blocks():
+BLOCKS = [(f"{_document(path)}/{name}", code) for path in DOCUMENTS
+          for name, code in python_blocks(path)]
+
+
+def test_the_documents_have_python_blocks():
+    readme = [name for name, _ in BLOCKS if name.startswith("README/")]
+    assert len(readme) >= 5, readme
     assert len(BLOCKS) >= 8, [name for name, _ in BLOCKS]
 
 

@@ -188,7 +188,7 @@ def test_smollm2_smoke_quantize_score_and_reload(tmp_path, monkeypatch):
     tokens near the full-precision model's, and a reload that computes bit for bit the same."""
     import torch
 
-    from kbbq_pl import from_pretrained, save_quantized
+    from kbbq_pl import from_pretrained, quantize_model, save_quantized
     from kbbq_pl.cli.compare import load_recipe
     from kbbq_pl.eval.evaluation import perplexity
     from kbbq_pl.io.models import load_model
@@ -200,9 +200,9 @@ def test_smollm2_smoke_quantize_score_and_reload(tmp_path, monkeypatch):
     held_out = tokenizer(" ".join(eval_sentences()), add_special_tokens=False,
                          return_tensors="pt").input_ids[0, :384]
     fp = perplexity(model, tokenizer, held_out, seq_len=128, stride=64)["perplexity"]
-    data, quantizer, _ = load_recipe("rtn_kbbq_nvfp4_lam0.75", "smollm2", {"n_tokens": 512})
+    data, recipe, _ = load_recipe("rtn_kbbq_nvfp4_lam0.75", "smollm2", {"n_tokens": 512})
     data.tokenizer = tokenizer
-    report = quantizer.quantize(model, list(data.calibration_dataloader()), progress=False)
+    report = quantize_model(model, list(data.calibration_dataloader()), recipe, progress=False)
     assert len(report.layers) == 30 * 7
     quantized = perplexity(model, tokenizer, held_out, seq_len=128, stride=64)["perplexity"]
     assert 5.0 < fp < 200.0 and fp < quantized < 2.0 * fp, (fp, quantized)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,13 @@ from torch import nn
 from torchao.quantization import quantize_
 
 from kbbq_pl.io.models import tiny_model
-from kbbq_pl.quant import QuantizationConfig, quantize_model
+from kbbq_pl.quant import (
+    FormatConfig,
+    LayersConfig,
+    QuantizationConfig,
+    TransformConfig,
+    quantize_model,
+)
 from kbbq_pl.quant.layers import quantized_linears
 from kbbq_pl.quant.stats import run_calibration
 from kbbq_pl.quant.torchao import OBSERVER_ATTR, KBBQConfig
@@ -27,24 +34,27 @@ def calibration() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": ids[i:i + 2]} for i in range(0, 4, 2)]
 
 
-def torchao_quantize(model: nn.Module, batches, **recipe) -> None:
-    prepare = KBBQConfig(step="prepare", **recipe)
+def torchao_quantize(model: nn.Module, batches, recipe: QuantizationConfig) -> None:
+    prepare = KBBQConfig(recipe, step="prepare")
     quantize_(model, prepare, filter_fn=prepare.filter_fn)
     run_calibration(model, batches)
-    quantize_(model, KBBQConfig(step="convert", **recipe))
+    quantize_(model, KBBQConfig(recipe, step="convert"))
 
 
 @pytest.mark.parametrize("recipe", [
-    dict(format="nvfp4", transform="kbbq", lam=0.75, act_scale="static"),
-    dict(format="nvfp4", transform="kbbq", lam=0.75, act_scale="dynamic"),
-    dict(format="mxfp4", transform="hadamard", act_scale="dynamic"),
+    QuantizationConfig(format=FormatConfig("nvfp4", "static"),
+                       transform=TransformConfig("kbbq", 0.75)),
+    QuantizationConfig(format=FormatConfig("nvfp4", "dynamic"),
+                       transform=TransformConfig("kbbq", 0.75)),
+    QuantizationConfig(format=FormatConfig("mxfp4", "dynamic"),
+                       transform=TransformConfig("hadamard")),
 ], ids=["nvfp4-kbbq-static", "nvfp4-kbbq-dynamic", "mxfp4-hadamard"])
 def test_quantize_equals_quantize_model(recipe):
     model = tiny_model("llama", intermediate_size=172)  # the down projection is padded
     reference = copy.deepcopy(model)
     batches = calibration()
-    quantize_model(reference, batches, QuantizationConfig(**recipe), progress=False)
-    torchao_quantize(model, batches, **recipe)
+    quantize_model(reference, batches, recipe, progress=False)
+    torchao_quantize(model, batches, recipe)
     layers = quantized_linears(reference)
     assert len(layers) == 14
     for name, layer in layers.items():
@@ -65,7 +75,8 @@ def test_quantize_equals_quantize_model(recipe):
 
 def test_state_dict_reloads_into_a_fresh_model(tmp_path):
     model = tiny_model("llama")
-    torchao_quantize(model, calibration(), act_scale="static")
+    torchao_quantize(model, calibration(),
+                     QuantizationConfig(format=FormatConfig("nvfp4", "static")))
     torch.save(model.state_dict(), tmp_path / "model.pt")
     fresh = tiny_model("llama", seed=1)
     fresh.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True), assign=True)
@@ -78,20 +89,24 @@ def test_steps_and_recipes_are_checked():
     with pytest.raises(ValueError, match="step must be 'prepare' or 'convert'"):
         KBBQConfig(step="prepare_for_loading")
     with pytest.raises(ValueError, match="lam='auto'.*quantize_model"):
-        KBBQConfig(step="prepare", lam="auto")
+        KBBQConfig(QuantizationConfig(transform=TransformConfig(lam="auto")), step="prepare")
     with pytest.raises(ValueError, match="W4A4 needs a block FP4 format"):
-        KBBQConfig(step="prepare", format="fp8_e4m3")
+        KBBQConfig(QuantizationConfig(format=FormatConfig("fp8_e4m3")), step="prepare")
     model = tiny_model("llama")
-    prepare = KBBQConfig(step="prepare", format="nvfp4", transform="hadamard")
+    hadamard = QuantizationConfig(format=FormatConfig("nvfp4"),
+                                  transform=TransformConfig("hadamard"))
+    prepare = KBBQConfig(hadamard, step="prepare")
     quantize_(model, prepare, filter_fn=prepare.filter_fn)
     q_proj = model.model.layers[0].self_attn.q_proj
     with pytest.raises(ValueError, match="prepare and convert must agree on format"):
-        quantize_(model, KBBQConfig(step="convert", format="mxfp4", transform="hadamard"))
+        quantize_(model, KBBQConfig(replace(hadamard, format=FormatConfig("mxfp4")),
+                                    step="convert"))
     with pytest.raises(ValueError, match="fitted from input statistics"):
-        quantize_(model, KBBQConfig(step="convert", format="nvfp4", transform="kbbq"))
+        quantize_(model, KBBQConfig(replace(hadamard, transform=TransformConfig("kbbq")),
+                                    step="convert"))
     with pytest.raises(ValueError, match=r"nn\.Linear\(in_features=64, out_features=64\): no "
                                          r"calibration batch reached this layer"):
-        quantize_(model, KBBQConfig(step="convert", format="nvfp4", transform="hadamard"))
+        quantize_(model, KBBQConfig(hadamard, step="convert"))
     assert not isinstance(q_proj.weight, W4A4Weight)
     with pytest.raises(TypeError, match="KBBQConfig quantizes nn.Linear layers"):
         quantize_(model, KBBQConfig(step="prepare"), filter_fn=lambda m, fqn: fqn == "model.norm")
@@ -99,11 +114,14 @@ def test_steps_and_recipes_are_checked():
 
 def test_unprepared_layers_are_left_and_filters_follow_the_recipe():
     model = tiny_model("llama", intermediate_size=172)
-    prepare = KBBQConfig(step="prepare", act_scale="dynamic", unaligned="skip",
-                         ignore=[r"lm_head", r"o_proj"])
+    prepare = KBBQConfig(QuantizationConfig(format=FormatConfig(act_scale="dynamic",
+                                                                unaligned="skip"),
+                                            layers=LayersConfig(ignore=[r"lm_head", r"o_proj"])),
+                         step="prepare")
     quantize_(model, prepare, filter_fn=prepare.filter_fn)
     run_calibration(model, calibration())
-    quantize_(model, KBBQConfig(step="convert", act_scale="dynamic"))
+    quantize_(model, KBBQConfig(QuantizationConfig(format=FormatConfig(act_scale="dynamic")),
+                                step="convert"))
     quantized = {name for name, m in model.named_modules()
                  if isinstance(m, nn.Linear) and isinstance(m.weight, W4A4Weight)}
     assert quantized == {f"model.layers.{i}.{part}" for i in range(2) for part in (

@@ -15,9 +15,9 @@ from torch import nn
 
 from kbbq_pl import formats as F
 from kbbq_pl.io.models import tiny_model
-from kbbq_pl.quant import QuantizationConfig, quantize_model, w4a4
+from kbbq_pl.quant import FormatConfig, QuantizationConfig, quantize_model, w4a4
 from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears, w4a4_weight
-from kbbq_pl.quant.w4a4 import W4A4Weight, cache_decoded_weights, decoded_weight
+from kbbq_pl.quant.w4a4 import MasterWeight, W4A4Weight, cache_decoded_weights, decoded_weight
 from kbbq_pl.transforms.fit import fit_transform, transform_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -237,20 +237,40 @@ def test_quantized_linear_forward_is_f_linear_of_its_weight():
     assert layer.padded_in == 64 and layer.transform is None and layer.act_scale == "dynamic"
 
 
-def test_observing_records_the_transformed_amax():
+def test_a_static_scale_set_on_the_layer_reaches_its_weight():
     linear = nn.Linear(32, 8)
     t = fit_transform("hadamard", linear.weight.detach(), block=16)
     layer = QuantizedLinear.from_linear(linear, "nvfp4", t, act_scale="static")
     x = torch.randn(5, 32)
-    layer.observing = True
-    y = layer(x)
     amax = transform_inputs(x, t.float()).abs().max()
-    assert torch.equal(layer.observed_amax, amax)
-    assert torch.equal(y, TF.linear(x, layer.weight.replace(act_scale="dynamic",
-                                                            act_global_scale=None), layer.bias))
-    layer.observing = False
-    layer.act_global_scale = layer.observed_amax / (448 * 6)
+    layer.act_global_scale = amax / (448 * 6)
     assert torch.equal(layer.weight.act_global_scale, amax / (448 * 6))
+    assert torch.equal(layer(x), TF.linear(x, layer.weight, layer.bias))
+
+
+def test_a_trainable_layer_computes_through_f_linear_on_its_master_weight():
+    linear = nn.Linear(40, 8)  # 40 pads to 48
+    t = fit_transform("hadamard", TF.pad(linear.weight.detach(), (0, 8)), block=16)
+    layer = QuantizedLinear.from_linear(linear, "nvfp4", t, act_scale="dynamic", trainable=True)
+    assert type(layer.weight) is nn.Parameter and layer.trainable
+    view = layer.product_weight()
+    assert isinstance(view, MasterWeight) and view.master is layer.weight
+    x = torch.randn(3, 5, 40, requires_grad=True)
+    y = layer(x)
+    h = F.fake_quantize(transform_inputs(TF.pad(x.detach().reshape(-1, 40), (0, 8)), t.float()),
+                        "nvfp4")
+    expected = TF.linear(h, F.fake_quantize(layer.weight.detach(), "nvfp4"), layer.bias)
+    assert torch.equal(y.detach(), expected.reshape(3, 5, 8))
+    y.sum().backward()  # straight through to the master weight and the input
+    assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+    assert x.grad is not None and x.grad.shape == x.shape
+    with torch.no_grad():
+        trained = layer(x)
+        layer.freeze()
+        assert isinstance(layer.weight, W4A4Weight)
+        assert torch.equal(layer(x), trained)  # the frozen codes compute the same product
+    with pytest.raises(ValueError, match="in_features 40"):
+        QuantizedLinear.from_linear(linear, "nvfp4", trainable=True)(torch.randn(2, 48))
 
 
 def test_freeze_moves_the_activation_side_into_the_weight():
@@ -312,7 +332,8 @@ def held_tensors(layer: nn.Module) -> list[torch.Tensor]:
 def test_quantized_model_holds_codes_scales_and_transforms_only(fmt):
     model = tiny_model("llama", intermediate_size=172)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    quantize_model(model, [{"input_ids": ids}], QuantizationConfig(format=fmt), progress=False)
+    quantize_model(model, [{"input_ids": ids}], QuantizationConfig(format=FormatConfig(fmt)),
+                   progress=False)
     layers = quantized_linears(model)
 
     def check() -> None:

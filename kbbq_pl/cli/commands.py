@@ -138,7 +138,9 @@ def _eval(args: argparse.Namespace) -> int:
     device = parse_device(args.device)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     benchmarks = [t for t in tasks if t not in LM_METRICS]
-    # every path is checked before a model is loaded or lm-eval imported
+    # every path is checked before a model is loaded or lm-eval imported: the output first
+    if args.out:
+        check_output(args.out, overwrite=args.overwrite, kind="file")
     check_data(benchmarks, args.data_dir,
                args.mmlu_subjects.split(",") if args.mmlu_subjects else None,
                option="--data-dir")

@@ -65,18 +65,19 @@ def _digest(document: Any) -> str:
 
 
 def load_recipe(name: str, model: str, calibration: dict[str, Any]) -> tuple[Any, Any, str]:
-    """``(data module, KBBQ callback, recipe name)`` of a packaged recipe name or YAML file,
-    with the calibration fields of ``calibration`` (``source``, ``n_tokens``, ...) overriding
-    the recipe's."""
-    from .quantize import _parser, resolve_recipes
+    """``(data module, QuantizationConfig, recipe name)`` of a packaged recipe name or YAML
+    file, with the calibration fields of ``calibration`` (``source``, ``n_tokens``, ...)
+    overriding the recipe's."""
+    from .quantize import _parser, check_recipe_shape, resolve_recipes
 
     argv = resolve_recipes(["--config", name])  # an unknown name: the closest packaged ones
+    check_recipe_shape(argv)
     argv += ["--model", model]
     for key, value in calibration.items():
         argv += [f"--data.init_args.{key}", str(value)]
     parser = _parser("kbbq-pl compare")
     args = parser.instantiate(parser.parse_args(argv))
-    return args.data, args.quantizer, Path(argv[1]).stem
+    return args.data, args.recipe, Path(argv[1]).stem
 
 
 class Scorer:
@@ -193,6 +194,7 @@ def run_compare(
     from ..eval.benchmarks import check_data
     from ..eval.lm_metrics import default_text
     from ..io.models import load_model, parse_device, resolve_model_path
+    from ..quant import quantize_model
 
     device_ = parse_device(device)
     text = default_text(data_dir) if text is None else Path(text)
@@ -242,8 +244,8 @@ def run_compare(
     rows = [fp]
     durations: list[float] = []
     bar = tqdm(list(zip(recipes, loaded)), desc="compare", disable=not progress, unit="recipe")
-    for index, (name, (data, quantizer, stem)) in enumerate(bar):
-        settings = {**common, "recipe": quantizer.config.to_dict(),
+    for index, (name, (data, config, stem)) in enumerate(bar):
+        settings = {**common, "recipe": config.to_dict(),
                     "calibration": {"source": str(data.source), "n_tokens": data.n_tokens,
                                     "seq_len": data.seq_len, "seed": data.seed}}
         row = cached(stem, settings)
@@ -253,12 +255,14 @@ def run_compare(
             batches = [{k: v.to(device_) if isinstance(v, torch.Tensor) else v
                         for k, v in batch.items()} for batch in data.calibration_dataloader()]
             candidate = copy.deepcopy(model)
-            report = quantizer.quantize(candidate, batches, progress=False)
+            tokens = sum(int(b["input_ids"].numel()) for b in batches if "input_ids" in b)
+            report = quantize_model(candidate, batches, config, expected_tokens=tokens,
+                                    progress=False)
             quantized_at = time.perf_counter()
-            config = quantizer.config
-            row = {"name": stem, "format": config.format, "method": config.method
-                   + (" auto" if config.auto else (f" ({float(config.lam):g})"
-                                                    if config.transform == "kbbq" else "")),
+            lam = config.transform.lam
+            row = {"name": stem, "format": config.format.name, "method": config.method
+                   + (" auto" if config.auto else (f" ({float(lam):g})"
+                                                    if config.transform.name == "kbbq" else "")),
                    "label": config.label, **scorer.score(candidate),
                    "summary": report.summary(), "calibration": settings["calibration"]}
             if report.autobrake:  # how many layers chose each lambda

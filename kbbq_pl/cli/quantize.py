@@ -1,19 +1,21 @@
 """``kbbq-pl quantize`` and ``kbbq-pl sweep``: recipes in LightningCLI style, run post-training.
 
-A recipe is YAML with ``class_path`` / ``init_args`` entries, the same objects a Lightning
-user composes in Python::
+A recipe is YAML: the calibration data (a ``class_path`` / ``init_args`` entry, the data module
+a Lightning user composes in Python) and the ``recipe``, a
+:class:`~kbbq_pl.quant.config.QuantizationConfig` in its groups (the ``KBBQ`` callback and
+torchao's ``KBBQConfig`` take the same object)::
 
     model: minilm                              # a local HF folder, "minilm" or "smollm2"
     data:                                      # calibration data
       class_path: kbbq_pl.io.data.CalibrationDataModule
       init_args: {source: mixed, n_tokens: 4096, seq_len: 256, batch_size: 8}
-    quantizer:                                 # the callback that quantizes
-      class_path: kbbq_pl.callbacks.KBBQ
-      init_args: {format: nvfp4, transform: kbbq, lam: 0.75}
+    recipe:                                    # what to quantize and how
+      format: {name: nvfp4, act_scale: static}
+      transform: {name: kbbq, lam: 0.75}
     output_dir: null                           # kbbq-out/<model>-<recipe>
 
-``kbbq-pl quantize --config recipes/rtn_kbbq_nvfp4.yaml --quantizer.init_args.lam 0.5``
-overrides any field.  With no arguments it runs the embedded default above: all-MiniLM-L6-v2 to
+``kbbq-pl quantize --config recipes/rtn_kbbq_nvfp4_lam0.75.yaml --recipe.transform.lam 0.5``
+overrides any field (``kbbq-pl quantize -h`` describes each).  With no arguments it runs the embedded default above: all-MiniLM-L6-v2 to
 NVFP4 with RTN-KBBQ, calibrated on the shipped mixed-domain corpus (``source: random`` is the
 paper's random-token ablation), fidelity measured on the embedded sentences; it writes the quantized checkpoint and ``report.json`` / ``report.md`` to
 ``output_dir`` and prints the report.  The output folder is checked before any work
@@ -29,6 +31,7 @@ import logging
 import re
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +45,7 @@ from ..io.data import MIXED, RANDOM, CalibrationDataModule, token_blocks
 from ..io.fileio import check_output, write_folder, written_summary
 from ..io.models import load_model, parse_device, resolve_model_path
 from ..quant import QuantizationConfig, quantize_model
+from ..quant.config import FLAT_KEYS
 from ..quant.stats import model_device
 
 log = logging.getLogger(__name__)
@@ -55,8 +59,6 @@ METHODS = {"I": ("identity", 0.0), "HAAR": ("haar", 0.0), "RTN-HADAMARD": ("hada
 
 
 def _parser(prog: str) -> ArgumentParser:
-    from kbbq_pl.callbacks import KBBQ
-
     from kbbq_pl.recipes import packaged_recipes
 
     parser = ArgumentParser(
@@ -73,9 +75,7 @@ def _parser(prog: str) -> ArgumentParser:
         CalibrationDataModule, "data", skip={"tokenizer"}, required=False,
         default=lazy_instance(CalibrationDataModule, source=MIXED, n_tokens=4096,
                               seq_len=256, batch_size=8))
-    parser.add_subclass_arguments(
-        KBBQ, "quantizer", skip={"calibration", "calibrate_only", "trainable", "model_attr"},
-        required=False, default=lazy_instance(KBBQ, format="nvfp4", transform="kbbq", lam=0.75))
+    parser.add_class_arguments(QuantizationConfig, "recipe")
     parser.add_argument("--output_dir", type=str | None, default=None,
                         help=f"the folder to write (default: {OUTPUT_ROOT}/MODEL-RECIPE, e.g. "
                              f"{OUTPUT_ROOT}/smollm2-gptq-kbbq-nvfp4-lam0.75)")
@@ -188,17 +188,19 @@ def run_quantize(argv: list[str]) -> int:
     config = parser.parse_args(argv)
     args = parser.instantiate(config)
     start = time.perf_counter()
-    quantizer = args.quantizer
-    model, tokenizer, batches, source, out = _prepare(args, quantizer.config.label)
+    recipe: QuantizationConfig = args.recipe
+    model, tokenizer, batches, source, out = _prepare(args, recipe.label)
     probe = FidelityProbe(model, tokenizer, args.eval_data, args.eval_sentences)
-    report = quantizer.quantize(model, batches, device=parse_device(args.device))
+    tokens = sum(int(b["input_ids"].numel()) for b in batches if "input_ids" in b)
+    report = quantize_model(model, batches, recipe, expected_tokens=tokens,
+                            device=parse_device(args.device))
     report.model.update(probe.measure(model), model=str(args.model),
                         calibration_tokens=sum(int(b["input_ids"].numel()) for b in batches),
                         calibration_source=str(args.data.source))
-    recipe = {"config": quantizer.config.to_dict(), "model": str(args.model)}
+    metadata = {"config": recipe.to_dict(), "model": str(args.model)}
     report.seconds["command"] = time.perf_counter() - start
     config.eval_sentences = report.model["fidelity_samples"]  # what was used, not asked
-    save_quantized(model, out, tokenizer=tokenizer, recipe=recipe, source_dir=source,
+    save_quantized(model, out, tokenizer=tokenizer, recipe=metadata, source_dir=source,
                    overwrite=args.overwrite,
                    extra_files={"recipe.yaml": parser.dump(config), **report_files(report)})
     print(report_markdown(report))
@@ -221,15 +223,15 @@ def run_sweep(argv: list[str]) -> int:
         raise ValueError(f"--methods: unknown {unknown}; choose from {sorted(METHODS)}")
     model, tokenizer, batches, source, out = _prepare(args, "sweep")
     probe = FidelityProbe(model, tokenizer, args.eval_data, args.eval_sentences)
-    base = args.quantizer.config
-    formats = [f for f in args.formats.split(",") if f] or [base.format]
+    base = args.recipe
+    formats = [f for f in args.formats.split(",") if f] or [base.format.name]
     runs = [(name, *METHODS[name]) for name in args.methods.split(",") if name]
     runs += [("RTN-KBBQ", "kbbq", float(lam)) for lam in args.lams.split(",") if lam]
     rows = []
     for fmt in formats:
         for method, transform, lam in runs:
-            config = QuantizationConfig(**{**base.to_dict(), "format": fmt,
-                                           "transform": transform, "lam": lam})
+            config = replace(base, format=replace(base.format, name=fmt),
+                             transform=replace(base.transform, name=transform, lam=lam))
             candidate = copy.deepcopy(model)
             tokens = sum(int(b["input_ids"].numel()) for b in batches)
             start = time.perf_counter()
@@ -256,6 +258,50 @@ def run_sweep(argv: list[str]) -> int:
     return 0
 
 
+OLD_CALLBACK_ARGS = {"offload": "--offload"}
+"""Arguments of the ``KBBQ`` callback that old recipes set, and the command's own option."""
+
+
+def renamed_keys(old: list[str], prefix: str) -> str:
+    """``old -> new`` for each field of the flat recipe of earlier versions, in ``prefix``'s
+    notation (``recipe.`` in a YAML file, ``--recipe.`` on the command line)."""
+    def new(key: str) -> str:
+        if key in FLAT_KEYS:
+            return f"{prefix}{FLAT_KEYS[key]}"
+        return OLD_CALLBACK_ARGS.get(key, "(not a recipe field)")
+
+    return ", ".join(f"{key} -> {new(key)}" for key in old)
+
+
+def check_recipe_shape(argv: list[str]) -> None:
+    """A recipe file or an override in the flat ``quantizer: {class_path:
+    kbbq_pl.callbacks.KBBQ, init_args: {...}}`` shape of earlier kbbq-pl versions is an error
+    of one line naming the new key of each old one (the fields are now grouped under
+    ``recipe:``, :class:`~kbbq_pl.quant.config.QuantizationConfig`)."""
+    import yaml
+
+    files = [value[len("--config="):] for value in argv if value.startswith("--config=")]
+    files += [argv[i + 1] for i, value in enumerate(argv[:-1]) if value == "--config"]
+    for name in files:
+        path = Path(name)
+        try:
+            document = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            continue  # jsonargparse reports it
+        old = document.get("quantizer") if isinstance(document, dict) else None
+        if old is not None:
+            fields = list((old.get("init_args") or {}) if isinstance(old, dict) else {})
+            raise ValueError(
+                f"{name}: `quantizer:` (the KBBQ callback's init_args) is the recipe shape of "
+                "earlier kbbq-pl versions; the fields are now grouped under `recipe:` "
+                "(kbbq-pl quantize -h): rename " + (renamed_keys(fields, "recipe.") or "it"))
+    flags = [arg.split("=", 1)[0] for arg in argv if arg.startswith("--quantizer")]
+    if flags:
+        old = [flag.removeprefix("--quantizer.").removeprefix("init_args.") for flag in flags]
+        raise ValueError(f"{' '.join(flags)}: the recipe's options are now --recipe.GROUP.FIELD "
+                         f"(kbbq-pl quantize -h): {renamed_keys(old, '--recipe.')}")
+
+
 def resolve_recipes(argv: list[str]) -> list[str]:
     """``--config NAME`` may name a packaged recipe (``rtn_kbbq_nvfp4_lam0.75``) instead of a
     file: it resolves to the copy shipped in ``kbbq_pl.recipes``; a name that is neither is an
@@ -276,4 +322,5 @@ def main(argv: list[str] | None = None) -> int:
     prints them as one line."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command, rest = argv[0], resolve_recipes(argv[1:])
+    check_recipe_shape(rest)
     return {"quantize": run_quantize, "sweep": run_sweep}[command](rest)

@@ -1,4 +1,5 @@
 """Measuring quantized models: fidelity, perplexity and sentence embeddings
-(:mod:`~kbbq_pl.eval.evaluation`), lm-eval tasks (:mod:`~kbbq_pl.eval.benchmarks`), the noise
+(:mod:`~kbbq_pl.eval.evaluation`, accumulated in the torchmetrics metrics of
+:mod:`~kbbq_pl.eval.metrics`), lm-eval tasks (:mod:`~kbbq_pl.eval.benchmarks`), the noise
 law per GEMM cell and its report (:mod:`~kbbq_pl.eval.law_cells`,
 :mod:`~kbbq_pl.eval.law_report`) and quantization reports (:mod:`~kbbq_pl.eval.report`)."""

@@ -13,7 +13,11 @@
       # {"mean_cosine": 0.998..., "min_cosine": 0.97..., "n_sentences": 512}
 
 * :func:`perplexity` scores a causal LM on a token stream with rolling windows, every token
-  scored exactly once.
+  scored exactly once; :func:`window_batches` gives the same windows as dataloader batches
+  (held-out validation inside ``Trainer.fit``).
+* The figures accumulate in the torchmetrics metrics of :mod:`kbbq_pl.eval.metrics`
+  (:class:`~kbbq_pl.eval.metrics.CosineFidelity`, :class:`~kbbq_pl.eval.metrics.TokenPerplexity`),
+  which a LightningModule can log and which sync across processes.
 * :func:`run_benchmarks` runs MMLU, GSM8K, HellaSwag, WinoGrande and MBPP offline through
   lm-evaluation-harness on local data files (:mod:`kbbq_pl.eval.benchmarks`).
 """
@@ -21,10 +25,9 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,21 +37,24 @@ from torch import Tensor, nn
 from kbbq_pl.eval.benchmarks import BENCHMARKS, run_benchmarks
 
 __all__ = [
-    "wikitext_sentences",
-    "split_wikitext_sentences",
-    "detokenize_wikitext",
-    "mean_pooled_embeddings",
-    "mean_pool",
+    "BENCHMARKS",
     "cosine_summary",
     "cosine_to_reference",
+    "detokenize_wikitext",
     "embedding_fidelity",
-    "rolling_windows",
+    "mean_pool",
+    "mean_pooled_embeddings",
     "perplexity",
     "prepare_stream",
-    "window_shape",
-    "window_logits",
+    "rolling_windows",
     "run_benchmarks",
-    "BENCHMARKS",
+    "scored_positions",
+    "split_wikitext_sentences",
+    "wikitext_sentences",
+    "window_batches",
+    "window_groups",
+    "window_logits",
+    "window_shape",
 ]
 
 _SENTENCE_END = {".", "!", "?"}
@@ -242,15 +248,13 @@ def mean_pooled_embeddings(
 
 
 def cosine_summary(embeddings: Tensor, reference: Tensor) -> dict[str, float | int]:
-    """Row-wise cosine similarity of two ``[n, dim]`` embedding matrices: mean, min and n."""
-    if embeddings.shape != reference.shape:
-        raise ValueError(f"embeddings {tuple(embeddings.shape)} and reference "
-                         f"{tuple(reference.shape)} differ in shape")
-    cosine = torch.nn.functional.cosine_similarity(
-        embeddings.to(torch.float64), reference.to(torch.float64), dim=1
-    )
-    return {"mean_cosine": cosine.mean().item(), "min_cosine": cosine.min().item(),
-            "n_sentences": int(cosine.numel())}
+    """Row-wise cosine similarity of two ``[n, dim]`` embedding matrices (float64): mean, min
+    and n, as :class:`~kbbq_pl.eval.metrics.CosineFidelity` computes them."""
+    from .metrics import CosineFidelity
+
+    fidelity = CosineFidelity(sync_on_compute=False)  # both matrices are here whole
+    fidelity.update(embeddings, reference)
+    return fidelity.summary()
 
 
 def cosine_to_reference(
@@ -289,7 +293,10 @@ def embedding_fidelity(
 # Perplexity
 # ---------------------------------------------------------------------------------------------
 
-def rolling_windows(n_tokens: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
+Window = tuple[int, int, int]  # (begin, first_target, end) of rolling_windows
+
+
+def rolling_windows(n_tokens: int, seq_len: int, stride: int) -> list[Window]:
     """Windows ``(begin, first_target, end)`` over a stream of ``n_tokens`` tokens.
 
     The model reads ``tokens[begin:end]`` (at most ``seq_len`` tokens) and the window scores the
@@ -364,20 +371,18 @@ def perplexity(
     stream is scored; without one the first token has no context and is not scored.
     ``seq_len`` defaults to ``model.config.max_position_embeddings``, ``stride`` to
     ``seq_len // 2``.  Returns ``{"perplexity", "nll" (mean, nats), "n_tokens" (scored),
-    "n_windows"}``; ``perplexity == exp(nll)``.
+    "n_windows"}``; ``perplexity == exp(nll)``, the NLL summed in float64 window by window
+    (:class:`~kbbq_pl.eval.metrics.TokenPerplexity`).
     """
+    from .metrics import TokenPerplexity
+
     ids = prepare_stream(model, tokenizer, source, max_tokens, add_bos=add_bos)
     seq_len, stride = window_shape(model, seq_len, stride)
     windows = rolling_windows(len(ids), seq_len, stride)
-    total = 0.0
-    count = 0
+    scores = TokenPerplexity(sync_on_compute=False)  # the whole stream is scored here
     for _, targets, predicted in window_logits(model, ids, windows, batch_size):
-        nll = torch.nn.functional.cross_entropy(predicted, targets, reduction="sum")
-        total += nll.double().item()
-        count += len(targets)
-    mean = total / count
-    return {"perplexity": math.exp(mean), "nll": mean, "n_tokens": count,
-            "n_windows": len(windows)}
+        scores.update(predicted, targets)
+    return {**scores.summary(), "n_windows": len(windows)}
 
 
 def prepare_stream(model: nn.Module, tokenizer: Any, source: str | Path | Tensor | Sequence[int],
@@ -399,24 +404,52 @@ def window_shape(model: nn.Module, seq_len: int | None, stride: int | None) -> t
     return seq_len, seq_len // 2 if stride is None else stride
 
 
+def window_groups(windows: Sequence[Window], batch_size: int = 4) -> list[list[Window]]:
+    """The forward passes of :func:`window_logits`: ``batch_size`` windows at a time, in order,
+    or one at a time where their lengths differ (they stack into one batch only when equal)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    groups: list[list[Window]] = []
+    for start in range(0, len(windows), batch_size):
+        group = list(windows[start : start + batch_size])
+        lengths = {end - begin for begin, _, end in group}
+        groups.extend([group] if len(lengths) == 1 else [[w] for w in group])
+    return groups
+
+
+def window_batches(ids: Sequence[int], windows: Sequence[Window],
+                   batch_size: int = 4) -> list[dict[str, Tensor]]:
+    """:func:`window_groups`' forward passes as batches (``DataLoader(..., batch_size=None)``),
+    e.g. to validate on held-out text inside ``Trainer.fit``: ``{"input_ids": [b, length],
+    "first": [b]}``, ``first[r]`` the index in row ``r`` of its first scored position
+    (:func:`scored_positions` pairs the targets with the model's logits)."""
+    stream = torch.tensor(list(ids), dtype=torch.long)
+    return [{"input_ids": torch.stack([stream[b:e] for b, _, e in group]),
+             "first": torch.tensor([f - b for b, f, _ in group])}
+            for group in window_groups(windows, batch_size)]
+
+
+def scored_positions(batch: Mapping[str, Tensor], logits: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """For each row of a :func:`window_batches` batch and the model's ``logits`` on its
+    ``input_ids``: ``(targets, predicted)``, the window's scored tokens and the logits (float32)
+    that predict them, on ``logits``' device."""
+    ids = batch["input_ids"]
+    return [(ids[row, first:].to(logits.device), logits[row, first - 1 : ids.shape[1] - 1].float())
+            for row, first in enumerate(batch["first"].tolist())]
+
+
 def window_logits(
-    model: nn.Module, ids: Sequence[int], windows: Sequence[tuple[int, int, int]],
+    model: nn.Module, ids: Sequence[int], windows: Sequence[Window],
     batch_size: int = 4,
 ) -> Iterator[tuple[int, Tensor, Tensor]]:
     """For each of :func:`rolling_windows`' windows, in order: ``(first_target, targets,
     logits)``, the logits (float32) that predict ``ids[first_target:end]``."""
-    stream = torch.tensor(list(ids), dtype=torch.long)
     device = _device(model)
-    for start in range(0, len(windows), batch_size):
-        group = windows[start : start + batch_size]
-        lengths = {end - begin for begin, _, end in group}
-        batches = [group] if len(lengths) == 1 else [[w] for w in group]
-        for batch in batches:
-            inputs = torch.stack([stream[b:e] for b, _, e in batch]).to(device)
-            # inference mode is thread-global: held across a ``yield`` it would leak into the
-            # caller and, with two of these generators interleaved, outlive both
-            with _eval_mode(model):
-                logits = model(input_ids=inputs).logits
-            for row, (begin, first, end) in enumerate(batch):
-                predicted = logits[row, first - 1 - begin : end - 1 - begin].float()
-                yield first, stream[first:end].to(predicted.device), predicted
+    groups = window_groups(windows, batch_size)
+    for group, batch in zip(groups, window_batches(ids, windows, batch_size)):
+        # inference mode is thread-global: held across a ``yield`` it would leak into the
+        # caller and, with two of these generators interleaved, outlive both
+        with _eval_mode(model):
+            logits = model(input_ids=batch["input_ids"].to(device)).logits
+        for (_, first, _), (targets, predicted) in zip(group, scored_positions(batch, logits)):
+            yield first, targets, predicted

@@ -11,26 +11,41 @@ positions scored, every position scored exactly once) and reports
   same context (:func:`token_kl`): the fidelity metric LLM quantizers report beside
   perplexity, zero only when the two models predict identically.
 
-The reference's log-probabilities can be computed once (:func:`reference_log_probs`, ``[n
-scored, vocab]``, float32 or bfloat16 on the CPU) and passed to every quantized variant.
+The figures accumulate window by window in :class:`~kbbq_pl.eval.metrics.TokenPerplexity`
+and :class:`~kbbq_pl.eval.metrics.TokenKL` (torchmetrics metrics, which a LightningModule can
+log during ``fit``).  The reference's log-probabilities can be computed once
+(:func:`reference_log_probs`, ``[n scored, vocab]``, float32 or bfloat16 on the CPU) and
+passed to every quantized variant.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from .evaluation import prepare_stream, rolling_windows, window_logits, window_shape
 
-__all__ = ["ReferenceLogProbs", "token_kl", "reference_log_probs", "lm_metrics", "default_text"]
+if TYPE_CHECKING:
+    from .metrics import token_kl
+
+__all__ = ["ReferenceLogProbs", "default_text", "lm_metrics", "reference_log_probs", "token_kl"]
 
 WIKITEXT2_TEST = Path("wikitext2") / "test.txt"
+
+
+def __getattr__(name: str) -> Any:
+    # token_kl lives in kbbq_pl.eval.metrics, which imports torchmetrics (seconds): imported
+    # when used, so that `kbbq-pl eval` checks its paths (default_text) before that
+    if name == "token_kl":
+        from .metrics import token_kl
+
+        return token_kl
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def default_text(data_dir: str | Path) -> Path:
@@ -43,17 +58,6 @@ def default_text(data_dir: str | Path) -> Path:
 
     full = Path(data_dir) / WIKITEXT2_TEST
     return full if full.is_file() else eval_text()
-
-
-def token_kl(reference_log_probs: Tensor, logits: Tensor) -> Tensor:
-    """``KL(p_ref || p)`` per row (nats, float64 sum): ``sum_v p_ref (log p_ref - log p)`` with
-    ``p = softmax(logits)``; rows are positions, columns the vocabulary."""
-    if reference_log_probs.shape != logits.shape:
-        raise ValueError(f"reference log-probabilities {tuple(reference_log_probs.shape)} and "
-                         f"logits {tuple(logits.shape)} differ in shape")
-    ref = reference_log_probs.float()
-    log_p = torch.log_softmax(logits.float(), dim=-1)
-    return (ref.exp() * (ref - log_p)).sum(-1).double()
 
 
 @dataclass
@@ -103,6 +107,8 @@ def lm_metrics(
 
     Returns ``{"perplexity", "nll", "kl" (None without a reference), "kl_max" (the largest
     per-position KL), "n_tokens" (scored), "n_windows", "context", "stride"}``."""
+    from .metrics import TokenKL, TokenPerplexity
+
     ids, context, stride, windows = _windows(model, tokenizer, source, context, stride,
                                              max_tokens, add_bos)
     cached = reference if isinstance(reference, ReferenceLogProbs) else None
@@ -114,23 +120,22 @@ def lm_metrics(
             f"here {len(ids)} tokens, context {context}, stride {stride})")
     reference_windows = (window_logits(reference, ids, windows, batch_size)
                          if isinstance(reference, nn.Module) else None)
-    nll = kl = 0.0
-    kl_max = 0.0
+    # the whole stream is scored here: no other process holds a share of it
+    nll = TokenPerplexity(sync_on_compute=False)
+    kl = TokenKL(sync_on_compute=False) if reference is not None else None
     count = 0
     for _, targets, logits in window_logits(model, ids, windows, batch_size):
-        nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").double().item()
-        if reference is not None:
+        nll.update(logits, targets)
+        if kl is not None:
             if cached is not None:
                 ref = cached.log_probs[count : count + len(targets)].to(logits.device)
             else:
                 assert reference_windows is not None
                 ref = torch.log_softmax(next(reference_windows)[2], dim=-1).to(logits.device)
-            per_token = token_kl(ref, logits)
-            kl += per_token.sum().item()
-            kl_max = max(kl_max, per_token.max().item())
+            kl.update(ref, logits)
         count += len(targets)
-    mean = nll / count
-    return {"perplexity": math.exp(mean), "nll": mean,
-            "kl": kl / count if reference is not None else None,
-            "kl_max": kl_max if reference is not None else None,
-            "n_tokens": count, "n_windows": len(windows), "context": context, "stride": stride}
+    scores = nll.summary()
+    kls = kl.summary() if kl is not None else {"kl": None, "kl_max": None}
+    return {"perplexity": scores["perplexity"], "nll": scores["nll"], "kl": kls["kl"],
+            "kl_max": kls["kl_max"], "n_tokens": scores["n_tokens"], "n_windows": len(windows),
+            "context": context, "stride": stride}

@@ -52,17 +52,18 @@ def report_markdown(report: QuantizationReport, title: str = "kbbq-pl quantizati
     Structures of the model section (e.g. GPTQ's per-layer damping) get one line each; they
     are whole in ``report.json``."""
     config = report.config
-    recipe = QuantizationConfig(**config)
+    recipe = QuantizationConfig.from_dict(config)
     details = ""
     if recipe.auto:
-        details = (f" (chosen per layer from {list(recipe.auto_grid)} on "
-                   f"{recipe.auto_holdout:.0%} held-out calibration sequences)")
-    if recipe.weight_quantizer == "gptq":
-        details += (f"; GPTQ damping {recipe.gptq_damping:g}, act-order "
-                    f"{'on' if recipe.gptq_act_order else 'off'}, {recipe.scale_search} scales"
+        details = (f" (chosen per layer from {list(recipe.autobrake.grid)} on "
+                   f"{recipe.autobrake.holdout:.0%} held-out calibration sequences)")
+    if recipe.weights.quantizer == "gptq":
+        details += (f"; GPTQ damping {recipe.weights.damping:g}, act-order "
+                    f"{'on' if recipe.gptq_act_order else 'off'}, "
+                    f"{recipe.weights.scale_search} scales"
                     + (", transform refit in the loop" if recipe.refits_in_loop else ""))
     parts = [f"# {title}", "",
-             f"**{recipe.label}**{details}, activations: {config.get('act_scale')} per-tensor "
+             f"**{recipe.label}**{details}, activations: {recipe.format.act_scale} per-tensor "
              "scale", ""]
     scalars = {k: v for k, v in report.model.items() if not isinstance(v, (dict, list))}
     structures = {k: v for k, v in report.model.items() if isinstance(v, (dict, list))}
@@ -79,7 +80,7 @@ def report_markdown(report: QuantizationReport, title: str = "kbbq-pl quantizati
         parts += ["## Skipped layers", ""]
         parts += [f"- `{name}`: {reason}" for name, reason in report.skipped.items()] + [""]
     if report.autobrake:
-        grid = config["auto_grid"]
+        grid = list(recipe.autobrake.grid)
         parts += ["## Auto-brake", "", "Chosen lambda per layer (histogram):", "", "```",
                   choice_histogram(report.autobrake, grid), "```", "",
                   "Held-out relative output error (dB) at each lambda; the chosen one is bold:",

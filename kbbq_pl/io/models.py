@@ -154,7 +154,7 @@ def describe_quantized(metadata: dict[str, Any]) -> str:
     recipe = metadata.get("recipe") or {}
     config = recipe.get("config", recipe)
     try:
-        label = QuantizationConfig(**config).label
+        label = QuantizationConfig.from_dict(config).label
     except (TypeError, ValueError):
         layers = metadata.get("layers", {}).values()
         label = "/".join(sorted({layer.get("format", "?") for layer in layers})) or "unknown format"

@@ -8,8 +8,16 @@ quantizers (:mod:`~kbbq_pl.quant.weight_quantizer`: :mod:`~kbbq_pl.quant.rtn`,
 :mod:`~kbbq_pl.quant.gptq_quantizer`) and torchao's ``quantize_`` entry
 (:mod:`~kbbq_pl.quant.torchao`).  No I/O, Lightning or HuggingFace imports."""
 
-from .config import QuantizationConfig
+from .config import (
+    AutoBrakeConfig,
+    FormatConfig,
+    LayersConfig,
+    QuantizationConfig,
+    TransformConfig,
+    WeightsConfig,
+)
 from .pipeline import quantize_model
 from .report import QuantizationReport
 
-__all__ = ["QuantizationConfig", "QuantizationReport", "quantize_model"]
+__all__ = ["AutoBrakeConfig", "FormatConfig", "LayersConfig", "QuantizationConfig",
+           "QuantizationReport", "TransformConfig", "WeightsConfig", "quantize_model"]

@@ -1,10 +1,15 @@
-"""What to quantize and how: :class:`QuantizationConfig` (the fields of a recipe), and the
-cross-rank operations the pipeline runs with (:class:`Collectives`)."""
+"""What to quantize and how: :class:`QuantizationConfig`, the recipe (the one place its fields
+are declared and described, in groups: :class:`FormatConfig`, :class:`TransformConfig`,
+:class:`WeightsConfig`, :class:`AutoBrakeConfig`, :class:`LayersConfig`), and the cross-rank
+operations the pipeline runs with (:class:`Collectives`).
+
+The recipe YAML (``recipe:``), ``kbbq-pl quantize --recipe.transform.lam 0.5``, the ``KBBQ``
+Lightning callback and torchao's ``KBBQConfig`` all take a :class:`QuantizationConfig`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from torch import Tensor
@@ -13,8 +18,21 @@ from ..formats import Format, get_format
 from ..transforms.autobrake import DEFAULT_GRID
 from ..transforms.fit import TRANSFORMS
 
-__all__ = ["Batches", "BroadcastFn", "Collectives", "QuantizationConfig", "ReduceFn",
-           "lightning_collectives", "torch_distributed_collectives"]
+__all__ = [
+    "FLAT_KEYS",
+    "AutoBrakeConfig",
+    "Batches",
+    "BroadcastFn",
+    "Collectives",
+    "FormatConfig",
+    "LayersConfig",
+    "QuantizationConfig",
+    "ReduceFn",
+    "TransformConfig",
+    "WeightsConfig",
+    "lightning_collectives",
+    "torch_distributed_collectives",
+]
 
 Batches = Iterable[Mapping[str, Tensor]]
 ReduceFn = Callable[[Tensor], Tensor]
@@ -81,45 +99,85 @@ def lightning_collectives(strategy: Any) -> dict[str, Any]:
             "rank": strategy.global_rank, "world_size": strategy.world_size}
 
 
-@dataclass
-class QuantizationConfig:
-    """What to quantize and how (the fields of a recipe).
+@dataclass(frozen=True)
+class FormatConfig:
+    """The FP4 format of weights and activations.
 
     Attributes:
-        format: FP4 format of weights and activations (``nvfp4``, ``mxfp4``, ...).
-        transform: ``identity``, ``haar``, ``hadamard``, ``wush`` or ``kbbq``.
-        lam: the KBBQ brake lambda in [0, 1] (Eq. kbbq), or ``auto``: chosen per layer on
-            held-out calibration tokens (the auto-brake).
-        targets: module-name regular expressions of the layers to quantize (default: every
-            linear layer but the LM head, embeddings and BERT's pooler; see
-            :mod:`kbbq_pl.quant.modules`).
-        ignore: module-name regular expressions of layers to leave in full precision.
+        name: FP4 format of weights and activations (``nvfp4``, ``mxfp4``, ...).
         act_scale: NVFP4 activation per-tensor scale, ``static`` (calibrated) or ``dynamic``.
-        damping: relative damping of the transform fit's Gram matrices.
-        seed: seed of the Haar rotation.
         unaligned: a layer whose ``in_features`` is not a multiple of the block: ``pad`` it with
             zero columns (and its inputs with zeros) or ``skip`` it (left in full precision).
-        keep_samples: calibration tokens kept per layer for the report's output SNR.
-        auto_grid: the auto-brake's candidate lambdas (``lam="auto"``,
-            :mod:`kbbq_pl.transforms.autobrake`).
-        auto_holdout: the auto-brake's fraction of calibration sequences held out for selection.
-        auto_tokens: the held-out tokens per layer the auto-brake scores on.
-        auto_refit: whether the auto-brake's chosen lambda is refitted on all tokens (``True``)
-            or the transform fitted on the fitting part is kept.
-        auto_select_on: where the auto-brake scores: ``holdout`` (the method) or ``fit`` (the
-            fitting tokens, only to measure what the split buys).
-        weight_quantizer: the strategy that turns a block's linears into FP4 weights: ``rtn``
-            (round to nearest, :class:`~kbbq_pl.quant.rtn.RTN`) or ``gptq`` (the GPTQ family,
-            :class:`~kbbq_pl.quant.gptq_quantizer.GPTQ`).
+    """
+
+    name: str = "nvfp4"
+    act_scale: Literal["static", "dynamic"] = "static"
+    unaligned: Literal["pad", "skip"] = "pad"
+
+    def __post_init__(self) -> None:
+        fmt = get_format(self.name)
+        if fmt.granularity != "block" or fmt.element != "e2m1":
+            raise ValueError(f"W4A4 needs a block FP4 format, got {self.name!r}")
+        if self.act_scale not in ("static", "dynamic"):
+            raise ValueError(f"format.act_scale must be 'static' or 'dynamic', "
+                             f"got {self.act_scale!r}")
+        if self.unaligned not in ("pad", "skip"):
+            raise ValueError(f"format.unaligned must be 'pad' or 'skip', got {self.unaligned!r}")
+
+
+@dataclass(frozen=True)
+class TransformConfig:
+    """The input transform of every quantized linear layer, and KBBQ's brake.
+
+    Attributes:
+        name: ``identity``, ``haar``, ``hadamard``, ``wush`` or ``kbbq``.
+        lam: the KBBQ brake lambda in [0, 1] (Eq. kbbq), or ``auto``: chosen per layer on
+            held-out calibration tokens (the auto-brake, set up by ``autobrake``).
+        damping: relative damping of the transform fit's Gram matrices.
+        seed: seed of the Haar rotation (and of the auto-brake's held-out split).
+        fold_o_proj: fit each attention ``o_proj``'s block transform shared by the query heads
+            that read one value head (pooled statistics) and fold it into ``v_proj``'s rows
+            before ``v_proj`` is quantized (:mod:`kbbq_pl.transforms.fold`; exact in full
+            precision), so ``o_proj`` needs no online transform (e.g. for a compressed-tensors
+            export).  Llama-style ``v_proj`` / ``o_proj`` names; RTN, fixed lambda,
+            post-training.
+    """
+
+    name: str = "kbbq"
+    lam: float | Literal["auto"] = 0.75
+    damping: float = 0.01
+    seed: int = 0
+    fold_o_proj: bool = False
+
+    def __post_init__(self) -> None:
+        if self.name not in TRANSFORMS:
+            raise ValueError(f"transform.name must be one of {TRANSFORMS}, got {self.name!r}")
+        if self.lam == "auto":
+            if self.name != "kbbq":
+                raise ValueError(f"lam='auto' chooses KBBQ's brake; transform is {self.name!r}")
+        elif not (isinstance(self.lam, (int, float)) and 0.0 <= self.lam <= 1.0):
+            raise ValueError(f"the brake lam lies in [0, 1] or is 'auto', got {self.lam!r}")
+        if self.fold_o_proj and (self.name == "haar" or self.lam == "auto"):
+            raise ValueError("fold_o_proj folds block transforms fitted with a fixed lambda; "
+                             f"got transform {self.name!r}, lam {self.lam!r}")
+
+
+@dataclass(frozen=True)
+class WeightsConfig:
+    """How a block's linears become FP4 weights: the weight quantizer and its settings.
+
+    Attributes:
+        quantizer: ``rtn`` (round to nearest, :class:`~kbbq_pl.quant.rtn.RTN`) or ``gptq`` (the
+            GPTQ family, :class:`~kbbq_pl.quant.gptq_quantizer.GPTQ`).
         propagate: where the next block's calibration inputs come from: the full-precision
             block (``fp``: every layer is calibrated on the full-precision model's activations)
             or the quantized one (``quantized``: later blocks see the error of earlier ones, as
             in GPTQ's reference loop).  None: the weight quantizer's own default (RTN ``fp``,
             GPTQ ``quantized``).
-        gptq_damping: GPTQ's relative Hessian damping (``H + gptq_damping * mean(diag H) I``).
+        damping: GPTQ's relative Hessian damping (``H + damping * mean(diag H) I``).
         act_order: GPTQ rounds columns by decreasing ``diag(H)``; None (default): yes, except
             for the in-loop refit, which rounds whole blocks in their order.
-        gptq_block_size: GPTQ's lazy-batch width (a multiple of the format's block).
+        block_size: GPTQ's lazy-batch width (a multiple of the format's block).
         scale_search: ``minmax`` block scales from each group's amax, or ``mse`` (the best of
             100 shrunk amaxes by ``sum |e|^2.4``, FP-Quant's observer); RTN and GPTQ.
         group_scales: GPTQ block scales computed once from the (transformed) weight before the
@@ -129,144 +187,255 @@ class QuantizationConfig:
             (the WUSH paper's variant); ``fixed`` fits ``T`` once from the calibration
             statistics and runs GPTQ on ``W T^-1`` with the Hessian ``T H T^T``.  Why
             ``in_loop`` is the default: :mod:`kbbq_pl.quant.gptq_quantizer`.
-        fold_o_proj: fit each attention ``o_proj``'s block transform shared by the query heads
-            that read one value head (pooled statistics) and fold it into ``v_proj``'s rows
-            before ``v_proj`` is quantized (:mod:`kbbq_pl.transforms.fold`; exact in full
-            precision), so ``o_proj`` needs no online transform (e.g. for a compressed-tensors
-            export).
-            Llama-style ``v_proj`` / ``o_proj`` names; RTN, fixed lambda, post-training.
     """
 
-    format: str = "nvfp4"
-    transform: str = "kbbq"
-    lam: float | Literal["auto"] = 0.75
-    targets: list[str] | None = None
-    ignore: list[str] | None = None
-    act_scale: Literal["static", "dynamic"] = "static"
-    damping: float = 0.01
-    seed: int = 0
-    unaligned: Literal["pad", "skip"] = "pad"
-    keep_samples: int = 512
-    auto_grid: tuple[float, ...] = DEFAULT_GRID
-    auto_holdout: float = 0.5
-    auto_tokens: int = 512
-    auto_refit: bool = True
-    auto_select_on: Literal["holdout", "fit"] = "holdout"
-    weight_quantizer: Literal["rtn", "gptq"] = "rtn"
+    quantizer: Literal["rtn", "gptq"] = "rtn"
     propagate: Literal["fp", "quantized"] | None = None
-    gptq_damping: float = 0.01
+    damping: float = 0.01
     act_order: bool | None = None
-    gptq_block_size: int = 128
+    block_size: int = 128
     scale_search: Literal["minmax", "mse"] = "minmax"
     group_scales: Literal["static", "dynamic"] = "static"
     transform_refit: Literal["fixed", "in_loop"] = "in_loop"
-    fold_o_proj: bool = False
 
     def __post_init__(self) -> None:
-        fmt = get_format(self.format)
-        if fmt.granularity != "block" or fmt.element != "e2m1":
-            raise ValueError(f"W4A4 needs a block FP4 format, got {self.format!r}")
-        if self.transform not in TRANSFORMS:
-            raise ValueError(f"transform must be one of {TRANSFORMS}, got {self.transform!r}")
-        if self.lam == "auto":
-            if self.transform != "kbbq":
-                raise ValueError(
-                    f"lam='auto' chooses KBBQ's brake; transform is {self.transform!r}")
-            if not self.auto_grid or not all(0.0 <= float(v) <= 1.0 for v in self.auto_grid):
-                raise ValueError(f"auto_grid holds lambdas in [0, 1], got {self.auto_grid}")
-            if self.auto_select_on not in ("holdout", "fit"):
-                raise ValueError(f"auto_select_on must be 'holdout' or 'fit', "
-                                 f"got {self.auto_select_on!r}")
-        elif not (isinstance(self.lam, (int, float)) and 0.0 <= self.lam <= 1.0):
-            raise ValueError(f"the brake lam lies in [0, 1] or is 'auto', got {self.lam!r}")
-        if self.act_scale not in ("static", "dynamic"):
-            raise ValueError(f"act_scale must be 'static' or 'dynamic', got {self.act_scale!r}")
-        if self.unaligned not in ("pad", "skip"):
-            raise ValueError(f"unaligned must be 'pad' or 'skip', got {self.unaligned!r}")
-        self._check_weight_quantizer(fmt)
-        if self.fold_o_proj and (self.transform == "haar" or self.auto
-                                 or self.weight_quantizer != "rtn"):
-            raise ValueError("fold_o_proj folds block transforms fitted by RTN with a fixed "
-                             f"lambda; got transform {self.transform!r}, lam {self.lam!r}, "
-                             f"weight_quantizer {self.weight_quantizer!r}")
-
-    @classmethod
-    def field_descriptions(cls) -> dict[str, str]:
-        """Each field's description, from the ``Attributes`` above (the one place a field is
-        described; the ``KBBQ`` callback's and the CLI's help show these)."""
-        from docstring_parser import parse
-
-        return {param.arg_name: " ".join((param.description or "").split())
-                for param in parse(cls.__doc__ or "").params}
-
-    def _check_weight_quantizer(self, fmt: Format) -> None:
-        choices = {"weight_quantizer": ("rtn", "gptq"), "scale_search": ("minmax", "mse"),
+        choices = {"quantizer": ("rtn", "gptq"), "scale_search": ("minmax", "mse"),
                    "group_scales": ("static", "dynamic"), "transform_refit": ("fixed", "in_loop"),
                    "propagate": (None, "fp", "quantized")}
         for field_name, allowed in choices.items():
             if getattr(self, field_name) not in allowed:
-                raise ValueError(f"{field_name} must be one of {allowed}, "
+                raise ValueError(f"weights.{field_name} must be one of {allowed}, "
                                  f"got {getattr(self, field_name)!r}")
-        if not (isinstance(self.gptq_damping, (int, float)) and self.gptq_damping > 0):
-            raise ValueError(f"gptq_damping must be a positive number, got {self.gptq_damping!r}")
-        block = fmt.block_size or 1
-        if self.gptq_block_size < block or self.gptq_block_size % block:
-            raise ValueError(f"gptq_block_size must be a positive multiple of the {fmt.name} "
-                             f"block {block}, got {self.gptq_block_size}")
+        if not (isinstance(self.damping, (int, float)) and self.damping > 0):
+            raise ValueError(f"weights.damping (GPTQ's) must be a positive number, "
+                             f"got {self.damping!r}")
+        if not (isinstance(self.block_size, int) and self.block_size > 0):
+            raise ValueError(f"weights.block_size must be a positive integer, "
+                             f"got {self.block_size!r}")
         if self.act_order not in (None, True, False):
-            raise ValueError(f"act_order must be True, False or None (auto), "
+            raise ValueError(f"weights.act_order must be True, False or None (auto), "
                              f"got {self.act_order!r}")
-        if self.refits_in_loop and self.act_order:
+
+
+@dataclass(frozen=True)
+class AutoBrakeConfig:
+    """The auto-brake (``transform.lam: auto``, :mod:`kbbq_pl.transforms.autobrake`).
+
+    Attributes:
+        grid: the auto-brake's candidate lambdas.
+        holdout: the fraction of calibration sequences held out for selection.
+        tokens: the held-out tokens per layer the auto-brake scores on.
+        refit: whether the chosen lambda is refitted on all tokens (``True``) or the
+            transform fitted on the fitting part is kept.
+        select_on: where the auto-brake scores: ``holdout`` (the method) or ``fit`` (the
+            fitting tokens, only to measure what the split buys).
+    """
+
+    grid: tuple[float, ...] = DEFAULT_GRID
+    holdout: float = 0.5
+    tokens: int = 512
+    refit: bool = True
+    select_on: Literal["holdout", "fit"] = "holdout"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "grid", tuple(self.grid))
+        if not self.grid or not all(0.0 <= float(v) <= 1.0 for v in self.grid):
+            raise ValueError(f"autobrake.grid holds lambdas in [0, 1], got {self.grid}")
+        if self.select_on not in ("holdout", "fit"):
+            raise ValueError(f"autobrake.select_on must be 'holdout' or 'fit', "
+                             f"got {self.select_on!r}")
+
+
+@dataclass(frozen=True)
+class LayersConfig:
+    """Which layers are quantized.
+
+    Attributes:
+        targets: module-name regular expressions of the layers to quantize (default: every
+            linear layer but the LM head, embeddings and BERT's pooler; see
+            :mod:`kbbq_pl.quant.modules`).
+        ignore: module-name regular expressions of layers to leave in full precision.
+    """
+
+    targets: list[str] | None = None
+    ignore: list[str] | None = None
+
+
+GROUPS: dict[str, type] = {"format": FormatConfig, "transform": TransformConfig,
+                           "weights": WeightsConfig, "autobrake": AutoBrakeConfig,
+                           "layers": LayersConfig}
+"""The groups of a recipe: field of :class:`QuantizationConfig` -> its dataclass."""
+
+FLAT_KEYS: dict[str, str] = {
+    "format": "format.name", "act_scale": "format.act_scale", "unaligned": "format.unaligned",
+    "transform": "transform.name", "lam": "transform.lam", "damping": "transform.damping",
+    "seed": "transform.seed", "fold_o_proj": "transform.fold_o_proj",
+    "weight_quantizer": "weights.quantizer", "propagate": "weights.propagate",
+    "gptq_damping": "weights.damping", "act_order": "weights.act_order",
+    "gptq_block_size": "weights.block_size", "scale_search": "weights.scale_search",
+    "group_scales": "weights.group_scales", "transform_refit": "weights.transform_refit",
+    "auto_grid": "autobrake.grid", "auto_holdout": "autobrake.holdout",
+    "auto_tokens": "autobrake.tokens", "auto_refit": "autobrake.refit",
+    "auto_select_on": "autobrake.select_on", "targets": "layers.targets",
+    "ignore": "layers.ignore", "keep_samples": "keep_samples"}
+"""Each field of the flat recipe of kbbq-pl before the groups (checkpoint metadata,
+``quantizer: init_args:`` recipe files) -> its place in :class:`QuantizationConfig`."""
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """What to quantize and how: a recipe, in groups of fields (each group's own docstring
+    describes its fields).  ``QuantizationConfig()`` is the default recipe, RTN-KBBQ NVFP4 with
+    lambda 0.75; e.g. GPTQ-KBBQ MXFP4 with the auto-brake::
+
+        QuantizationConfig(format=FormatConfig("mxfp4"), transform=TransformConfig(lam="auto"),
+                           weights=WeightsConfig("gptq"))
+
+    Attributes:
+        format: the FP4 format of weights and activations.
+        transform: the input transform and KBBQ's brake.
+        weights: the weight quantizer (RTN or GPTQ) and its settings.
+        autobrake: the auto-brake's settings (with ``transform.lam: auto``).
+        layers: which layers are quantized.
+        keep_samples: calibration tokens kept per layer for the report's output SNR.
+    """
+
+    format: FormatConfig = field(default_factory=FormatConfig)
+    transform: TransformConfig = field(default_factory=TransformConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    autobrake: AutoBrakeConfig = field(default_factory=AutoBrakeConfig)
+    layers: LayersConfig = field(default_factory=LayersConfig)
+    keep_samples: int = 512
+
+    def __post_init__(self) -> None:
+        for name, group in GROUPS.items():
+            value = getattr(self, name)
+            if not isinstance(value, group):
+                example = {"format": 'FormatConfig("mxfp4")',
+                           "transform": 'TransformConfig("kbbq", lam=0.5)',
+                           "weights": 'WeightsConfig("gptq")'}.get(name, f"{group.__name__}()")
+                raise TypeError(f"QuantizationConfig {name} must be a {group.__name__} "
+                                f"(e.g. {name}={example}), got {value!r}")
+        block = self.block
+        if self.weights.block_size % block:
+            raise ValueError(f"weights.block_size must be a positive multiple of the "
+                             f"{self.format.name} block {block}, got {self.weights.block_size}")
+        if self.refits_in_loop and self.weights.act_order:
             raise ValueError("transform_refit='in_loop' refits and rounds the blocks in their "
                              "order: act-order needs transform_refit='fixed' (or act_order=None)")
+        if self.transform.fold_o_proj and self.weights.quantizer != "rtn":
+            raise ValueError("fold_o_proj folds block transforms fitted by RTN; got "
+                             f"weights.quantizer {self.weights.quantizer!r}")
+
+    @classmethod
+    def field_descriptions(cls) -> dict[str, str]:
+        """Each leaf field's description by its dotted name (``transform.lam``,
+        ``keep_samples``), from the ``Attributes`` of its group's docstring (the one place a
+        field is described; the CLI's and the ``KBBQ`` callback's help show these)."""
+        from docstring_parser import parse
+
+        def described(group: type) -> dict[str, str]:
+            return {param.arg_name: " ".join((param.description or "").split())
+                    for param in parse(group.__doc__ or "").params}
+
+        out = {}
+        for name, text in described(cls).items():
+            if name in GROUPS:
+                out.update({f"{name}.{leaf}": leaf_text
+                            for leaf, leaf_text in described(GROUPS[name]).items()})
+            else:
+                out[name] = text
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> QuantizationConfig:
+        """The recipe of :meth:`to_dict`'s nested dictionary; the flat dictionary of earlier
+        kbbq-pl versions (:data:`FLAT_KEYS`, e.g. in the metadata of older checkpoints) is read
+        too."""
+        data = dict(data)
+        flat = any(key in data and not isinstance(data[key], Mapping) for key in GROUPS) or \
+            any(key in FLAT_KEYS and key not in GROUPS and key != "keep_samples" for key in data)
+        if flat:
+            unknown = sorted(set(data) - set(FLAT_KEYS))
+            if unknown:
+                raise ValueError(f"unknown recipe fields {unknown}")
+            nested: dict[str, Any] = {}
+            for key, value in data.items():
+                group, _, leaf = FLAT_KEYS[key].rpartition(".")
+                if group:
+                    nested.setdefault(group, {})[leaf] = value
+                else:
+                    nested[leaf] = value
+            data = nested
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown recipe fields {unknown}")
+        groups = {name: GROUPS[name](**data.pop(name)) for name in list(data) if name in GROUPS}
+        return cls(**groups, **data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The recipe as nested JSON-ready dictionaries (tuples as lists)."""
+        def plain(value: Any) -> Any:
+            if isinstance(value, dict):
+                return {k: plain(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [plain(v) for v in value]
+            return value
+
+        return plain(asdict(self))
+
+    @property
+    def fmt(self) -> Format:
+        """The :class:`~kbbq_pl.formats.Format` that ``format.name`` names."""
+        return get_format(self.format.name)
+
+    @property
+    def block(self) -> int:
+        """The format's block size (16 for NVFP4, 32 for MXFP4)."""
+        block = self.fmt.block_size
+        assert block is not None
+        return block
+
+    @property
+    def weight_quantizer(self) -> str:
+        """The weight quantizer's name, ``rtn`` or ``gptq`` (``weights.quantizer``)."""
+        return self.weights.quantizer
+
+    @property
+    def auto(self) -> bool:
+        """Whether the auto-brake chooses each layer's lambda (``transform.lam: auto``)."""
+        return self.transform.name == "kbbq" and self.transform.lam == "auto"
 
     @property
     def refits_in_loop(self) -> bool:
         """Whether GPTQ refits the WUSH / KBBQ blocks inside its loop."""
-        return (self.weight_quantizer == "gptq" and self.transform in ("wush", "kbbq")
-                and self.transform_refit == "in_loop")
+        return (self.weights.quantizer == "gptq" and self.transform.name in ("wush", "kbbq")
+                and self.weights.transform_refit == "in_loop")
 
     @property
     def gptq_act_order(self) -> bool:
-        """The act-order GPTQ runs with (``act_order``, or its automatic choice)."""
-        return (not self.refits_in_loop) if self.act_order is None else self.act_order
-
-    @property
-    def fmt(self) -> Format:
-        return get_format(self.format)
-
-    @property
-    def block(self) -> int:
-        assert self.fmt.block_size is not None
-        return self.fmt.block_size
+        """The act-order GPTQ runs with (``weights.act_order``, or its automatic choice)."""
+        order = self.weights.act_order
+        return (not self.refits_in_loop) if order is None else order
 
     @property
     def method(self) -> str:
         """The paper's name of the method (I, HAAR, RTN-WUSH, RTN-KBBQ, ...)."""
-        if self.weight_quantizer == "gptq":
-            if self.transform == "hadamard" and self.scale_search == "mse":
+        if self.weights.quantizer == "gptq":
+            if self.transform.name == "hadamard" and self.weights.scale_search == "mse":
                 return "MR-GPTQ"
             names = {"identity": "GPTQ", "haar": "GPTQ-HAAR", "hadamard": "GPTQ-HADAMARD",
                      "wush": "GPTQ-WUSH", "kbbq": "GPTQ-KBBQ"}
         else:
             names = {"identity": "I", "haar": "HAAR", "hadamard": "RTN-HADAMARD",
                      "wush": "RTN-WUSH", "kbbq": "RTN-KBBQ"}
-        return names[self.transform]
+        return names[self.transform.name]
 
     @property
     def label(self) -> str:
         """The whole recipe in a few words: method, format and the brake (``GPTQ-KBBQ nvfp4,
         lambda 0.75``; ``RTN-KBBQ mxfp4, lambda auto``; ``MR-GPTQ nvfp4``)."""
-        label = f"{self.method} {self.format}"
-        if self.transform == "kbbq":
-            label += ", lambda auto" if self.auto else f", lambda {float(self.lam):g}"
+        label = f"{self.method} {self.format.name}"
+        if self.transform.name == "kbbq":
+            label += ", lambda auto" if self.auto else f", lambda {float(self.transform.lam):g}"
         return label
-
-    @property
-    def auto(self) -> bool:
-        return self.transform == "kbbq" and self.lam == "auto"
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["auto_grid"] = list(self.auto_grid)
-        return data

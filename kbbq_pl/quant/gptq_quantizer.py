@@ -40,6 +40,8 @@ KBBQ refit does not.
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -174,53 +176,61 @@ def quantize_layers(weights: Mapping[str, Tensor], h: Tensor, config: Quantizati
     they run as one stacked GPTQ (:func:`kbbq_pl.quant.gptq.gptq_layers`).
     """
     fmt = config.fmt
-    kind = config.transform
+    kind = config.transform.name
     names = list(weights)
-    common = dict(damping=config.gptq_damping, block_size=config.gptq_block_size,
-                  scale_search=config.scale_search)
+    common = dict(damping=config.weights.damping, block_size=config.weights.block_size,
+                  scale_search=config.weights.scale_search)
     if kind in ("wush", "kbbq"):
         if len(names) != 1:
             raise ValueError(f"{kind} transforms are fitted per layer: quantize {names} one by one")
         name, weight = names[0], weights[names[0]]
         if config.refits_in_loop:
-            result = gptq_refit(weight, h, fmt, lam=1.0 if kind == "wush" else config.lam,
-                                transform_damping=config.damping, name=name, **common)
+            lam = 1.0 if kind == "wush" else config.transform.lam
+            result = gptq_refit(weight, h, fmt, lam=lam, transform_damping=config.transform.damping,
+                                name=name, **common)
             return {name: (result, result.transform)}
         sigma = sigma_blocks_from_hessian(h, config.block)
-        transform = fit_transform(kind, weight, sigma, block=config.block, lam=config.lam,
-                                  seed=config.seed, damping=config.damping, name=name)
+        transform = fit_transform(kind, weight, sigma, block=config.block,
+                                  lam=config.transform.lam, seed=config.transform.seed,
+                                  damping=config.transform.damping, name=name)
     else:
         transform = fit_transform(kind, weights[names[0]], None, block=config.block,
-                                  seed=config.seed, name=names[0])
+                                  seed=config.transform.seed, name=names[0])
     results = gptq_layers([transform_weight(weights[n].to(torch.float32), transform)
                            for n in names], transform_hessian(h, transform), fmt,
-                          act_order=config.gptq_act_order, group_scales_mode=config.group_scales,
+                          act_order=config.gptq_act_order,
+                          group_scales_mode=config.weights.group_scales,
                           names=names, **common)
     return {name: (result, transform) for name, result in zip(names, results)}
+
+
+def _with_lam(config: QuantizationConfig, lam: float) -> QuantizationConfig:
+    return replace(config, transform=replace(config.transform, lam=lam))
 
 
 def auto_gptq(name: str, weight: Tensor, h_fit: Tensor, h_all: Tensor, x_select: Tensor,
               config: QuantizationConfig) -> tuple[tuple[GPTQResult, Tensor | None], LambdaChoice]:
     """GPTQ-KBBQ with ``lam="auto"``: run GPTQ-KBBQ(lambda) with the fitting part's Hessian
-    ``h_fit`` for every lambda of ``config.auto_grid``, score each quantized weight by its
+    ``h_fit`` for every lambda of ``config.autobrake.grid``, score each quantized weight by its
     realized output error on ``x_select`` (the held-out inputs, both operands rounded as
-    deployed), and keep the best; with ``config.auto_refit`` the chosen lambda is quantized
+    deployed), and keep the best; with ``config.autobrake.refit`` the chosen lambda is quantized
     again with the Hessian of all tokens ``h_all``.  Returns ``(result, transform)`` as
     :func:`quantize_layers` does, and the choice."""
-    act_scale = "static" if config.act_scale == "static" and config.fmt.global_scale else "dynamic"
+    static = config.format.act_scale == "static" and config.fmt.global_scale
+    act_scale = "static" if static else "dynamic"
     errors: dict[float, float] = {}
     best: tuple[GPTQResult, Tensor | None] | None = None
     y = x_select.float() @ weight.float().T
-    for lam in map(float, config.auto_grid):
-        done = quantize_layers({name: weight}, h_fit, replace(config, lam=lam))[name]
+    for lam in map(float, config.autobrake.grid):
+        done = quantize_layers({name: weight}, h_fit, _with_lam(config, lam))[name]
         error = quantized_output_error(weight, done[0].values, x_select, done[1], config.fmt,
                                        act_scale, y=y)
         if best is None or error < min(errors.values()):  # ties keep the first, as best_lambda
             best = done
         errors[lam] = error
     choice = best_lambda(errors)
-    if config.auto_refit:
-        best = quantize_layers({name: weight}, h_all, replace(config, lam=choice.lam))[name]
+    if config.autobrake.refit:
+        best = quantize_layers({name: weight}, h_all, _with_lam(config, choice.lam))[name]
     assert best is not None
     return best, choice
 
@@ -278,10 +288,10 @@ def _fitting_hessian(collector: HessianCollector, selection: HessianCollector, n
                      config: QuantizationConfig) -> Tensor:
     """The Hessian GPTQ-KBBQ's candidates are fitted with: of the tokens not held out (all
     tokens minus the selection part), or of the selection part itself when
-    ``auto_select_on="fit"``."""
+    ``autobrake.select_on: fit``."""
     chosen = selection.stats[name]
     assert chosen.full_sum is not None
-    if config.auto_select_on == "fit":
+    if config.autobrake.select_on == "fit":
         return hessian(chosen.full_sum, chosen.tokens)
     total = collector.stats[name]
     assert total.full_sum is not None
@@ -307,7 +317,7 @@ class GPTQ(WeightQuantizer):
     def __init__(self, config: QuantizationConfig, *, trainable: bool = False) -> None:
         if trainable:
             raise ValueError("GPTQ stores rounded codes, not master weights: fine-tune from "
-                             "weight_quantizer='rtn' (trainable=True), or run GPTQ after")
+                             "weights.quantizer='rtn' (trainable=True), or run GPTQ after")
         super().__init__(config)
         self.info: dict[str, dict[str, Any]] = {}
 
@@ -317,18 +327,25 @@ class GPTQ(WeightQuantizer):
         reduce_sum, reduce_max = block.collectives.reduce_sum, block.collectives.reduce_max
         stride = max(1, (split.expected_tokens or split.tokens) // max(1, config.keep_samples))
         collector = HessianCollector(block.linears, config.block, config.keep_samples, stride)
+        selection, select = None, None
+        if config.auto:
+            select = (split.held_out_part if config.autobrake.select_on == "holdout"
+                      else split.fit_part)
+            tokens = sum(c.hidden.shape[:-1].numel() for c in step.inputs[select])
+            selection = HessianCollector(block.linears, config.block, config.autobrake.tokens,
+                                         max(1, tokens // max(1, config.autobrake.tokens)))
+        # one pass over the batches in order; the selection's batches feed both collectors
+        outputs: list[Tensor] | None = [] if keep_outputs else None
         with collector.hooks():
-            outputs = step.run(keep_outputs)
+            for part in (split.fit_part, split.held_out_part):
+                with (selection.hooks() if selection is not None and part == select
+                      else contextlib.nullcontext()):
+                    part_outputs = step.run(keep_outputs, subset=part)
+                if outputs is not None and part_outputs is not None:
+                    outputs += part_outputs
         collector.reduce(reduce_sum, reduce_max)
         collector.check_nonempty()
-        selection = None
-        if config.auto:
-            select = split.held_out_part if config.auto_select_on == "holdout" else split.fit_part
-            tokens = sum(c.hidden.shape[:-1].numel() for c in step.inputs[select])
-            selection = HessianCollector(block.linears, config.block, config.auto_tokens,
-                                         max(1, tokens // max(1, config.auto_tokens)))
-            with selection.hooks():
-                step.run(keep_outputs=False, subset=select)
+        if selection is not None:
             selection.reduce(reduce_sum, reduce_max)
             selection.check_nonempty()
         trim_heap()
@@ -343,7 +360,7 @@ class GPTQ(WeightQuantizer):
         collector, selection = calibration.all, calibration.selection
         weights = {name: pad_features(linear_weight(m).detach(), config.fmt)
                    for name, m in linears.items()}
-        stacked = config.transform not in ("wush", "kbbq")
+        stacked = config.transform.name not in ("wush", "kbbq")
         groups = collector.groups()
         jobs = groups if stacked else [[name] for group in groups for name in group]
         costs = {job[0]: float(weights[job[0]].shape[1]) ** 2 * (
@@ -352,7 +369,7 @@ class GPTQ(WeightQuantizer):
         payloads: dict[str, Any] = {}
         bar = tqdm(total=len(linears), desc=block.step.name, unit="layer", leave=False,
                    disable=not block.progress)
-        dense = config.transform == "haar"
+        dense = config.transform.name == "haar"
         for group in groups:
             mine = [job for job in jobs if job[0] in group and owners[job[0]] == rank]
             h_fit = None

@@ -6,14 +6,14 @@ which holds the codes, the scales, the online transform ``T``, the activation sc
 padding of an ``in_features`` that is not a multiple of the block, and computes the product
 (the project's kernels on GPUs, exact emulation elsewhere, no dense copy of the weight kept).
 The module adds what the tensor cannot: construction from an ``nn.Linear`` or ``Conv1D``
-(:meth:`QuantizedLinear.from_linear`), a trainable master weight for fine-tuning, observing
-the activations' amax for a static scale, and the layer's name and sizes for reports,
-checkpoints and GPTQ.
+(:meth:`QuantizedLinear.from_linear`), a trainable master weight for fine-tuning, and the
+layer's name and sizes for reports, checkpoints and GPTQ.
 
 For fine-tuning, ``trainable=True`` keeps a high-precision master copy of ``W T^-1`` as the
-parameter (with ``T`` and the activation scale in buffers) and rounds it (and the activations)
-in every forward with a straight-through estimator, so gradients reach the master weight;
-:meth:`QuantizedLinear.freeze` turns it into stored codes.
+parameter (with ``T`` and the activation scale in buffers); the forward is the same
+``F.linear``, on the master weight's :class:`~kbbq_pl.quant.w4a4.MasterWeight` view, which
+rounds it (and the activations) in every call with a straight-through estimator, so gradients
+reach the master weight; :meth:`QuantizedLinear.freeze` turns it into stored codes.
 """
 
 from __future__ import annotations
@@ -24,29 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..formats import (
-    Format,
-    QuantizedTensor,
-    fake_quantize,
-    get_format,
-    quantize,
-    ste_fake_quantize,
-)
-from ..transforms.fit import transform_inputs, transform_weight
+from ..formats import Format, QuantizedTensor, get_format, quantize, ste_fake_quantize
+from ..transforms.fit import transform_weight
 from .modules import linear_weight, parent_and_attr
-from .w4a4 import ActScale, W4A4Weight, effective_act_scale, transformed_input, w4a4_linear
+from .w4a4 import ActScale, MasterWeight, W4A4Weight, effective_act_scale
 
 log = logging.getLogger(__name__)
-
-
-def to_torchao_nvfp4(q: QuantizedTensor):
-    """The same NVFP4 bits as a torchao ``NVFP4Tensor`` (codes, E4M3 scales and per-tensor
-    scale have one layout in both libraries), for torchao's kernels."""
-    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
-
-    if q.fmt.name != "nvfp4" or q.last_dim != q.qdata.shape[-1] * 2:
-        raise ValueError(f"only unpadded nvfp4 tensors convert to torchao, got {q.fmt.name}")
-    return NVFP4Tensor(q.qdata, q.scale, 16, q.orig_dtype, per_tensor_scale=q.global_scale)
 
 
 def w4a4_weight(
@@ -128,8 +111,6 @@ class QuantizedLinear(nn.Module):
                     weight, in_features=in_features, transform=transform, act_scale=scale_mode,
                     act_global_scale=act_global_scale, layer_name=name)
             self.weight = nn.Parameter(weight, requires_grad=False)
-        self.observing = False
-        self.register_buffer("observed_amax", None, persistent=False)
 
     # ------------------------------------------------------------------ the activation side
 
@@ -203,44 +184,16 @@ class QuantizedLinear(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.trainable:
-            return self._master_forward(x)
-        if self.observing:
-            self._observe(transformed_input(x, self.in_features, self.padded_in, self.transform))
-            return w4a4_linear(x, self.weight, self.bias, dynamic=True)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.product_weight(), self.bias)
 
-    def _observe(self, h: Tensor) -> None:
-        amax = h.detach().abs().max().float()
-        self.observed_amax = amax if self.observed_amax is None else torch.maximum(
-            self.observed_amax, amax)
-
-    def _pad_input(self, x: Tensor) -> Tensor:
-        extra = self.padded_in - self.in_features
-        return F.pad(x, (0, extra)) if extra else x
-
-    def quantized_input(self, x: Tensor) -> Tensor:
-        """The activations as the master weight's GEMM sees them: padded, transformed, rounded
-        (straight-through while training)."""
-        h = transform_inputs(self._pad_input(x.reshape(-1, self.in_features)), self.transform)
-        if self.observing:
-            self._observe(h)
-        use_static = self.act_scale == "static" and not self.observing
-        static = self.act_global_scale if use_static else None
-        name = f"{self.name}.input" if self.name else "input"
-        if self.training and torch.is_grad_enabled():
-            return ste_fake_quantize(h, self.fmt, global_scale=static, name=name)
-        return fake_quantize(h, self.fmt, global_scale=static, name=name)
-
-    def _master_forward(self, x: Tensor) -> Tensor:
-        if self.act_scale == "static" and self.act_global_scale is None and not self.observing:
-            raise RuntimeError(f"{self.name or 'QuantizedLinear'}: static activation scale not "
-                               "calibrated; run calibration or use act_scale='dynamic'")
-        h = self.quantized_input(x)
-        y = F.linear(h, self.dequantized_weight(h.dtype), None)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+    def product_weight(self) -> W4A4Weight | MasterWeight:
+        """The weight ``F.linear`` multiplies by: the stored codes, or the trainable master
+        weight's :class:`~kbbq_pl.quant.w4a4.MasterWeight` view (rounded in every call)."""
+        if not self.trainable:
+            return self.weight
+        return MasterWeight.of(self.weight, self.fmt, in_features=self.in_features,
+                               transform=self.transform, act_scale=self.act_scale,
+                               act_global_scale=self.act_global_scale, layer_name=self.name)
 
     def dequantized_weight(self, dtype: torch.dtype) -> Tensor:
         """``Q(W T^-1)`` as a dense ``[out, padded_in]`` tensor, decoded on request (for

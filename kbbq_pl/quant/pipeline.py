@@ -5,12 +5,12 @@
 once, then each block runs over its cached inputs).  For each block, on ``device``:
 
 1. the weight quantizer (:class:`~kbbq_pl.quant.weight_quantizer.WeightQuantizer`: RTN or the
-   GPTQ family, the recipe's ``weight_quantizer``) runs the full-precision block with its hooks:
+   GPTQ family, the recipe's ``weights.quantizer``) runs the full-precision block with its hooks:
    input second moments or Hessians, held-out samples for ``lam="auto"``, summed over ranks;
 2. it fits each linear's transform and quantizes ``W T^-1``;
-3. for a static NVFP4 activation scale, the full-precision block runs once more recording
-   ``amax(T x)`` of every layer's transformed inputs
-   (:func:`~kbbq_pl.quant.stats.act_scales_from_amax`);
+3. for a static NVFP4 activation scale, ``amax(T x)`` of every layer's transformed inputs,
+   from its inputs kept in step 1's pass (:func:`~kbbq_pl.quant.stats.kept_inputs`: the
+   transform is known only after it, and running the block again would cost a pass);
 4. every linear is swapped for a :class:`~kbbq_pl.quant.layers.QuantizedLinear` and gets its
    report row (kappas, utilization, output SNR on kept calibration tokens);
 5. the next block's inputs are the outputs of the full-precision block (``propagate="fp"``, kept
@@ -23,6 +23,7 @@ model larger than the accelerator's memory quantizes) and the cached activations
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -38,8 +39,9 @@ from .layers import QuantizedLinear, quantized_linears, swap_module
 from .modules import check_finite, find_linears, in_out_features, linear_weight
 from .report import QuantizationReport, chosen_lambda, layer_report, peak_memory_mb
 from .rtn import RTN
-from .sequential import BlockStep, SequentialRunner, trim_heap
-from .stats import act_scales_from_amax, transformed_amax_hooks
+from .sequential import SequentialRunner, trim_heap
+from .stats import act_scales_from_amax, kept_inputs, transformed_amax
+from .w4a4 import cache_decoded_weights
 from .weight_quantizer import Block, CalibrationSplit, LayerPlan, WeightQuantizer
 
 __all__ = ["WEIGHT_QUANTIZERS", "quantize_model", "select_layers"]
@@ -47,7 +49,7 @@ __all__ = ["WEIGHT_QUANTIZERS", "quantize_model", "select_layers"]
 log = logging.getLogger(__name__)
 
 WEIGHT_QUANTIZERS: dict[str, type[WeightQuantizer]] = {"rtn": RTN, "gptq": GPTQ}
-"""The weight quantizer a recipe's ``weight_quantizer`` names."""
+"""The weight quantizer a recipe's ``weights.quantizer`` names."""
 
 
 def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[str, nn.Module],
@@ -60,16 +62,16 @@ def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[st
         raise ValueError(f"{type(model).__name__} is already quantized ({len(existing)} quantized "
                          f"layers, e.g. {existing[0]}): quantizing again would round rounded "
                          "weights; quantize the full-precision model")
-    modules = find_linears(model, config.targets, config.ignore)
+    modules = find_linears(model, config.layers.targets, config.layers.ignore)
     for name, module in modules.items():
         check_finite(linear_weight(module), name, "weight")
     skipped: dict[str, str] = {}
-    if config.unaligned == "skip":
+    if config.format.unaligned == "skip":
         for name, module in list(modules.items()):
             in_features, _ = in_out_features(module)
             if in_features % config.block:
                 skipped[name] = (f"in_features {in_features} is not a multiple of the "
-                                 f"{config.format} block {config.block}")
+                                 f"{config.format.name} block {config.block}")
                 del modules[name]
                 log.warning("%s: skipped (%s)", name, skipped[name])
     if not modules:
@@ -113,7 +115,7 @@ def quantize_model(
     """
     start = time.perf_counter()
     collectives = Collectives(reduce_sum, reduce_max, broadcast, rank, world_size)
-    quantizer = weight_quantizer or WEIGHT_QUANTIZERS[config.weight_quantizer](
+    quantizer = weight_quantizer or WEIGHT_QUANTIZERS[config.weights.quantizer](
         config, trainable=trainable)
     if quantizer.config != config or quantizer.trainable != trainable:
         raise ValueError(f"weight_quantizer {type(quantizer).__name__} was built for another "
@@ -122,13 +124,13 @@ def quantize_model(
     if world_size > 1 and broadcast is None and quantizer.splits_work:
         raise ValueError(f"world_size {world_size}: {config.method} splits layers across ranks "
                          "and needs broadcast(obj, src)")
-    propagate = config.propagate or quantizer.propagate
+    propagate = config.weights.propagate or quantizer.propagate
     batches = list(batches)
     if not batches:
         raise ValueError("the calibration set is empty: no batches")
     modules, skipped = select_layers(model, config)
-    fit, held_out = (split_sequences(batches, config.auto_holdout, config.seed) if config.auto
-                     else (batches, []))
+    fit, held_out = (split_sequences(batches, config.autobrake.holdout, config.transform.seed)
+                     if config.auto else (batches, []))
     split = CalibrationSplit(len(fit), len(held_out), _token_count(batches), expected_tokens)
     runner = SequentialRunner(model, fit + held_out, device=device,
                               offload_device=offload_device, targets=modules)
@@ -140,7 +142,7 @@ def quantize_model(
     modes = {module: module.training for module in model.modules()}
     model.eval()
     try:
-        steps = tqdm(runner, total=len(runner), desc=f"{config.method} {config.format}",
+        steps = tqdm(runner, total=len(runner), desc=f"{config.method} {config.format.name}",
                      unit="block", disable=not progress or len(runner) == 1)
         for step in steps:
             last = step.index == len(runner) - 1
@@ -154,7 +156,10 @@ def quantize_model(
                                               report)
                 if not last:
                     tick = time.perf_counter()
-                    step.advance(outputs if outputs is not None else step.run())
+                    if outputs is None:  # the quantized block's: each weight decoded once
+                        with cache_decoded_weights():
+                            outputs = step.run()
+                    step.advance(outputs)
                     timing["propagation"] += time.perf_counter() - tick
             trim_heap()
     finally:  # every module back in its mode; the new layers in training mode, ready to be
@@ -177,20 +182,23 @@ def _quantize_block(block: Block, quantizer: WeightQuantizer, keep_outputs: bool
     """Steps 1-4 of the module docstring for one block; returns the full-precision block's
     outputs when ``keep_outputs``."""
     config, timing, step = block.config, block.timing, block.step
+    static = config.format.act_scale == "static" and config.fmt.global_scale
     tick = time.perf_counter()
-    calibration, outputs = quantizer.calibrate(block, keep_outputs)
+    with (kept_inputs(block.linears, step.module, step.runner.offload_device) if static
+          else contextlib.nullcontext({})) as inputs:
+        calibration, outputs = quantizer.calibrate(block, keep_outputs)
     timing["calibration"] += time.perf_counter() - tick
 
     tick = time.perf_counter()
     plans = quantizer.quantize(block, calibration)
     timing[quantizer.work_stage] += time.perf_counter() - tick
 
-    static = config.act_scale == "static" and config.fmt.global_scale
     scales: dict[str, Tensor] = {}
     if static:
         tick = time.perf_counter()
-        scales = _static_act_scales(step, block.linears, plans, config,
+        scales = _static_act_scales(inputs, block.linears, plans, config, step.runner.device,
                                     block.collectives.reduce_max)
+        inputs.clear()
         timing["activation_scales"] += time.perf_counter() - tick
 
     tick = time.perf_counter()
@@ -216,15 +224,14 @@ def _quantize_block(block: Block, quantizer: WeightQuantizer, keep_outputs: bool
     return outputs
 
 
-def _static_act_scales(step: BlockStep, linears: Mapping[str, nn.Module],
+def _static_act_scales(inputs: Mapping[str, list[Tensor]], linears: Mapping[str, nn.Module],
                        plans: Mapping[str, LayerPlan], config: QuantizationConfig,
-                       reduce_max: ReduceFn) -> dict[str, Tensor]:
+                       device: torch.device, reduce_max: ReduceFn) -> dict[str, Tensor]:
     """Per-tensor NVFP4 scales ``amax(T x) / (448 * 6)`` of every layer's transformed inputs,
-    from one more run of the full-precision block (a folded layer's ``T`` is applied to its
-    inputs here: the block still holds the unfolded weights)."""
+    from the inputs kept in the calibration pass of the full-precision block (no second run
+    of it; a folded layer's ``T`` applies to the unfolded weights' inputs, which these are)."""
     transforms = {name: plan.transform for name, plan in plans.items()}
-    with transformed_amax_hooks(linears, transforms, config.fmt) as amax:
-        step.run(keep_outputs=False)
+    amax = transformed_amax(inputs, linears, transforms, config.fmt, device)
     return act_scales_from_amax(amax, reduce_max)
 
 

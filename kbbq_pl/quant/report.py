@@ -103,12 +103,17 @@ def layer_kappas(stats: LayerStatistics, weight: Tensor, transform: Tensor | Non
 
 
 def output_snr_db(layer: QuantizedLinear, weight: Tensor, bias: Tensor | None, x: Tensor) -> float:
-    """SNR of the quantized layer's output against the original on inputs ``x`` (isolation)."""
+    """SNR of the quantized layer's output against the original on inputs ``x`` (isolation).
+
+    The products are float32: FP4 noise is 20-30 dB below the signal, float32's rounding
+    ~140 dB, so a float64 product (twice the time on a CPU) moves the figure by < 1e-7 dB (measured
+    on 1024- and 2752-wide layers); the means are float64."""
     if x.numel() == 0:
         return float("nan")
     with torch.no_grad():
-        exact = x.to(torch.float64) @ weight.to(torch.float64).T
-        approx = layer(x.to(torch.float32)).to(torch.float64)
+        x = x.to(torch.float32)
+        exact = (x @ weight.to(torch.float32).T).to(torch.float64)
+        approx = layer(x).to(torch.float64)
         if bias is not None:
             approx = approx - bias.to(torch.float64)
         noise = (approx - exact).square().mean()
@@ -143,9 +148,9 @@ def layer_report(name: str, module: nn.Module, layer: QuantizedLinear, stats: La
 
 def chosen_lambda(config: QuantizationConfig, choice: LambdaChoice | None) -> float | None:
     """The brake a layer was quantized with (None for a transform without one)."""
-    if config.transform != "kbbq":
+    if config.transform.name != "kbbq":
         return None
-    return choice.lam if choice is not None else float(config.lam)
+    return choice.lam if choice is not None else float(config.transform.lam)
 
 
 def peak_memory_mb(device: torch.device | None = None) -> dict[str, float]:

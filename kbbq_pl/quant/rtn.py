@@ -45,16 +45,17 @@ def auto_transform(weight: Tensor, fit: LayerStatistics, held_out: LayerStatisti
 
     The basis (Cholesky and eigendecomposition of every block) is fitted once on the fitting
     part and shared by every candidate; the chosen lambda is then refitted on all tokens when
-    ``config.auto_refit``."""
-    basis = kbbq_basis(weight, fit.sigma_blocks(), config.damping, name=name)
-    samples = (held_out if config.auto_select_on == "holdout" else fit).sample()
+    ``config.autobrake.refit``."""
+    basis = kbbq_basis(weight, fit.sigma_blocks(), config.transform.damping, name=name)
+    samples = (held_out if config.autobrake.select_on == "holdout" else fit).sample()
     samples = pad_features(samples, config.fmt).to(weight.device)
-    act_scale = "static" if config.act_scale == "static" and config.fmt.global_scale else "dynamic"
-    choice = select_lambda(weight, basis, samples, config.fmt, config.auto_grid, act_scale,
+    static = config.format.act_scale == "static" and config.fmt.global_scale
+    act_scale = "static" if static else "dynamic"
+    choice = select_lambda(weight, basis, samples, config.fmt, config.autobrake.grid, act_scale,
                            reduce_sum, reduce_max)
-    if config.auto_refit:
+    if config.autobrake.refit:
         pooled = (fit.sigma_sum + held_out.sigma_sum) / (fit.tokens + held_out.tokens)
-        basis = kbbq_basis(weight, pooled, config.damping, name=name)
+        basis = kbbq_basis(weight, pooled, config.transform.damping, name=name)
     return basis.transform(choice.lam), choice
 
 
@@ -71,7 +72,7 @@ def fold_o_proj_transforms(model: nn.Module, modules: dict[str, nn.Module],
                            transforms: dict[str, Tensor | None],
                            config: QuantizationConfig
                            ) -> dict[str, tuple[str, Tensor, Tensor | None]]:
-    """``config.fold_o_proj``: refit every ``o_proj``'s transform shared per value head and
+    """``transform.fold_o_proj``: refit every ``o_proj``'s transform shared per value head and
     fold it into its ``v_proj``'s rows; refit that ``v_proj``'s transform on its new weight.
     Updates ``transforms``; returns, per folded ``o_proj``, its ``v_proj`` and the new
     full-precision ``(weight, bias)`` of the ``v_proj`` (the model is not changed)."""
@@ -84,8 +85,9 @@ def fold_o_proj_transforms(model: nn.Module, modules: dict[str, nn.Module],
                          f"in {type(model).__name__} ({', '.join(modules)})")
 
     def fit(weight: Tensor, sigma: Tensor) -> Tensor | None:
-        return fit_transform(config.transform, weight, sigma, block=config.block,
-                             lam=float(config.lam), seed=config.seed, damping=config.damping)
+        return fit_transform(config.transform.name, weight, sigma, block=config.block,
+                             lam=float(config.transform.lam), seed=config.transform.seed,
+                             damping=config.transform.damping)
 
     folded = {}
     for o_name, v_name in pairs:
@@ -123,7 +125,7 @@ class RTN(WeightQuantizer):
 
     def __init__(self, config: QuantizationConfig, *, trainable: bool = False) -> None:
         super().__init__(config, trainable=trainable)
-        if trainable and config.fold_o_proj:
+        if trainable and config.transform.fold_o_proj:
             raise ValueError("fold_o_proj changes v_proj's full-precision weights before "
                              "quantizing: it is for post-training quantization (trainable=False)")
         self.folded: list[str] = []
@@ -132,12 +134,12 @@ class RTN(WeightQuantizer):
                   ) -> tuple[RTNCalibration, list[Tensor] | None]:
         config, split, step = self.config, block.split, block.step
         keep = config.keep_samples
-        if config.auto and config.auto_select_on == "fit":
-            keep = max(keep, config.auto_tokens)
+        if config.auto and config.autobrake.select_on == "fit":
+            keep = max(keep, config.autobrake.tokens)
         fit = StatisticsCollector(
             block.linears, config.block, keep,
             sample_stride(split.expected_tokens, keep, split.fit, split.total),
-            full=config.transform == "haar")
+            full=config.transform.name == "haar")
         with fit.hooks():
             outputs = step.run(keep_outputs, subset=split.fit_part)
         fit.reduce(block.collectives.reduce_sum)
@@ -145,8 +147,8 @@ class RTN(WeightQuantizer):
         held_out = None
         if split.held_out:
             held_out = StatisticsCollector(
-                block.linears, config.block, config.auto_tokens,
-                sample_stride(split.expected_tokens, config.auto_tokens, split.held_out,
+                block.linears, config.block, config.autobrake.tokens,
+                sample_stride(split.expected_tokens, config.autobrake.tokens, split.held_out,
                               split.total))
             with held_out.hooks():
                 rest = step.run(keep_outputs, subset=split.held_out_part)
@@ -170,10 +172,11 @@ class RTN(WeightQuantizer):
                     block.collectives.reduce_sum, block.collectives.reduce_max, name)
             else:
                 transforms[name] = fit_transform(
-                    config.transform, weight, stats[name].sigma_blocks(), block=config.block,
-                    lam=config.lam, seed=config.seed, damping=config.damping, name=name)
+                    config.transform.name, weight, stats[name].sigma_blocks(), block=config.block,
+                    lam=config.transform.lam, seed=config.transform.seed,
+                    damping=config.transform.damping, name=name)
         folded = {}
-        if config.fold_o_proj:
+        if config.transform.fold_o_proj:
             folded = fold_o_proj_transforms(block.model, block.linears, stats, transforms, config)
             self.folded += list(folded)
         new_values = {v_name: (weight, bias) for v_name, weight, bias in folded.values()}
@@ -185,7 +188,7 @@ class RTN(WeightQuantizer):
             if full_precision is not None:  # the weight the module takes (in its dtype)
                 weight = pad_features(full_precision[0].to(weight.dtype), config.fmt)
             quantized = None
-            if config.scale_search == "mse":
+            if config.weights.scale_search == "mse":
                 quantized = rtn(transform_weight(weight, transforms[name]), config.fmt,
                                 search="mse")[0]
             elif name in folded:
@@ -198,5 +201,5 @@ class RTN(WeightQuantizer):
         return plans
 
     def finish(self, report: QuantizationReport) -> None:
-        if self.config.fold_o_proj:
+        if self.config.transform.fold_o_proj:
             report.model["o_proj_folded_into_v_proj"] = self.folded

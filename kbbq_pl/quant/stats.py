@@ -17,6 +17,7 @@ are added with the caller's reduce function (:meth:`StatisticsCollector.reduce`)
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -238,29 +239,54 @@ def run_calibration(model: nn.Module, batches: Iterable[Mapping[str, Tensor]]) -
 
 
 @contextlib.contextmanager
-def transformed_amax_hooks(modules: Mapping[str, nn.Module],
-                           transforms: Mapping[str, Tensor | None],
-                           fmt: Format) -> Iterator[dict[str, Tensor]]:
-    """Pre-hooks recording, per layer, the amax of its padded, transformed inputs ``T x``
-    while they are attached; yields the dict they fill."""
-    amax: dict[str, Tensor] = {}
-    handles = []
-    for name, module in modules.items():
-        in_features, _ = in_out_features(module)
-        padded = pad_features(torch.empty(1, in_features), fmt).shape[1]
+def kept_inputs(modules: Mapping[str, nn.Module], block: nn.Module,
+                store: torch.device) -> Iterator[dict[str, list[Tensor]]]:
+    """Pre-hooks keeping a copy (on ``store``) of every layer's inputs in each call of
+    ``block`` while attached; layers that read one tensor (``q``/``k``/``v``, ``gate``/``up``)
+    share one copy.  Yields ``{name: [inputs of each call]}``: what a measurement that needs
+    the fitted transforms reads instead of running the block again."""
+    kept: dict[str, list[Tensor]] = {name: [] for name in modules}
+    # this call's inputs by identity, each held (so its id is not reused) with its copy
+    copies: dict[int, tuple[Tensor, Tensor]] = {}
 
-        @torch.no_grad()
-        def hook(module, args, kwargs, name=name, in_features=in_features, padded=padded):
-            x = first_input(args, kwargs)
-            value = transformed_input(x, in_features, padded, transforms[name]).abs().max()
-            amax[name] = value if name not in amax else torch.maximum(amax[name], value)
+    def new_call(module, args):
+        copies.clear()
 
-        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    def hook(module, args, kwargs, name):
+        x = first_input(args, kwargs)
+        entry = copies.get(id(x))
+        if entry is None or entry[0] is not x:
+            entry = copies[id(x)] = (x, x.detach().to(store, copy=True))
+        kept[name].append(entry[1])
+
+    handles = [block.register_forward_pre_hook(new_call)]
+    handles += [module.register_forward_pre_hook(functools.partial(hook, name=name),
+                                                 with_kwargs=True)
+                for name, module in modules.items()]
     try:
-        yield amax
+        yield kept
     finally:
         for handle in handles:
             handle.remove()
+        copies.clear()
+
+
+@torch.no_grad()
+def transformed_amax(kept: Mapping[str, Iterable[Tensor]], modules: Mapping[str, nn.Module],
+                     transforms: Mapping[str, Tensor | None], fmt: Format,
+                     device: torch.device) -> dict[str, Tensor]:
+    """Per layer, the amax of its padded, transformed inputs ``T x`` over its kept inputs
+    (:func:`kept_inputs`), computed on ``device`` (where the block runs: the same bits as a
+    run of the block there); layers never called are absent."""
+    amax: dict[str, Tensor] = {}
+    for name, inputs in kept.items():
+        in_features, _ = in_out_features(modules[name])
+        padded = pad_features(torch.empty(1, in_features), fmt).shape[1]
+        for x in inputs:
+            value = transformed_input(x.to(device), in_features, padded,
+                                      transforms[name]).abs().max()
+            amax[name] = value if name not in amax else torch.maximum(amax[name], value)
+    return amax
 
 
 def act_scales_from_amax(amax: Mapping[str, Tensor],

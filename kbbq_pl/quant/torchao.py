@@ -8,38 +8,41 @@ fits each layer's transform from what was observed and replaces its weight by a
 computes the quantized product in ``F.linear``)::
 
     from torchao.quantization import quantize_
+    from kbbq_pl.quant import FormatConfig, QuantizationConfig, TransformConfig
     from kbbq_pl.quant.torchao import KBBQConfig
 
-    prepare = KBBQConfig(step="prepare", format="nvfp4", transform="kbbq", lam=0.75)
+    recipe = QuantizationConfig(format=FormatConfig("nvfp4"),
+                                transform=TransformConfig("kbbq", lam=0.75))
+    prepare = KBBQConfig(recipe, step="prepare")
     quantize_(model, prepare, filter_fn=prepare.filter_fn)
     with torch.no_grad():
         for batch in calibration_batches:
             model(**batch)
-    quantize_(model, KBBQConfig(step="convert", format="nvfp4", transform="kbbq", lam=0.75))
+    quantize_(model, KBBQConfig(recipe, step="convert"))
 
 The observers are the pipeline's own: a :class:`~kbbq_pl.quant.stats.StatisticsCollector` per layer
 (the ``d x d`` input second-moment blocks the WUSH / KBBQ fit needs) and, for a static NVFP4
 activation scale, the layer's calibration inputs, kept on the CPU until ``convert`` computes
 ``amax(T x)`` with the fitted ``T`` (as torchao's AWQ and SmoothQuant observers keep theirs:
-one copy of every targeted layer's inputs; ``act_scale="dynamic"`` keeps none, and
+one copy of every targeted layer's inputs; ``format.act_scale: dynamic`` keeps none, and
 :func:`kbbq_pl.quant.pipeline.quantize_model` makes a second pass over the data instead).  The fit,
 the rounding and the scales are :mod:`kbbq_pl.transforms`, :func:`kbbq_pl.quant.layers.w4a4_weight`
 and :func:`kbbq_pl.quant.stats.act_scales_from_amax`: on the same calibration batches the result
 equals ``quantize_model`` with the same recipe bit for bit.
 
-``prepare.filter_fn`` selects the layers ``quantize_model`` would (``targets`` / ``ignore``
-patterns; by default not the LM head); without it torchao's default filter prepares every
-``nn.Linear``.  ``convert`` converts the layers that were prepared and leaves the others.
+``prepare.filter_fn`` selects the layers ``quantize_model`` would (``layers.targets`` /
+``layers.ignore`` patterns; by default not the LM head); without it torchao's default filter
+prepares every ``nn.Linear``.  ``convert`` converts the layers that were prepared and leaves the others.
 Only ``nn.Linear`` layers are handled (transformers' ``Conv1D``, GPT-2, multiplies with
-``addmm``, not ``F.linear``: quantize it with ``quantize_model``); ``lam="auto"`` and GPTQ
-select or compensate on the calibration set as a whole and run only through ``quantize_model``.
+``addmm``, not ``F.linear``: quantize it with ``quantize_model``); ``lam: auto`` and GPTQ
+select or compensate on the calibration set as a whole and run only through ``quantize_model``
+(as do MSE scales, ``propagate: quantized`` and ``fold_o_proj``).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -67,24 +70,19 @@ class KBBQConfig(AOBaseConfig):
     """A KBBQ-family W4A4 recipe for ``torchao.quantization.quantize_`` (module docstring).
 
     Args:
-        step: ``prepare`` (attach observers) or ``convert`` (fit and quantize).
-        format, transform, lam, act_scale, damping, seed, targets, ignore, unaligned: the
-            :class:`~kbbq_pl.quant.config.QuantizationConfig` fields of the same names (and
-            defaults); ``targets``, ``ignore`` and ``unaligned="skip"`` act through
-            :meth:`filter_fn`.  ``prepare`` and ``convert`` must agree on ``format`` and
-            ``act_scale`` (they decide what is observed).
+        config: the recipe, a :class:`~kbbq_pl.quant.config.QuantizationConfig` (default: the
+            default recipe).  torchao quantizes each layer on its own with RTN and a fixed
+            lambda: GPTQ, ``transform.lam: auto``, ``weights.scale_search: mse``,
+            ``weights.propagate: quantized`` and ``transform.fold_o_proj`` run only through
+            :func:`kbbq_pl.quant.pipeline.quantize_model`.  ``layers`` and
+            ``format.unaligned: skip`` act through :meth:`filter_fn`.  ``prepare`` and
+            ``convert`` must agree on ``format.name`` and ``format.act_scale`` (they decide
+            what is observed).
+        step: ``prepare`` (attach observers) or ``convert`` (fit and quantize); keyword-only.
     """
 
-    step: QuantizationStep | str
-    format: str = "nvfp4"
-    transform: str = "kbbq"
-    lam: float = 0.75
-    act_scale: Literal["static", "dynamic"] = "static"
-    damping: float = 0.01
-    seed: int = 0
-    targets: list[str] | None = None
-    ignore: list[str] | None = None
-    unaligned: Literal["pad", "skip"] = "pad"
+    config: QuantizationConfig = field(default_factory=QuantizationConfig)
+    step: QuantizationStep | str = field(kw_only=True)
 
     def __post_init__(self) -> None:
         step = self.step.value if isinstance(self.step, QuantizationStep) else str(self.step)
@@ -93,34 +91,38 @@ class KBBQConfig(AOBaseConfig):
                              "(a saved state dict loads with model.load_state_dict(state, "
                              "assign=True))")
         self.step = QuantizationStep(step.lower())
-        if self.lam == "auto":
+        if not isinstance(self.config, QuantizationConfig):
+            raise TypeError(f"KBBQConfig takes a QuantizationConfig, got {self.config!r}")
+        recipe = self.config
+        if recipe.auto:
             raise ValueError("lam='auto' selects each layer's brake on held-out calibration "
                              "sequences; run it with kbbq_pl.quantize_model")
-        self.recipe  # noqa: B018  (validates the fields)
-
-    @property
-    def recipe(self) -> QuantizationConfig:
-        """The same recipe as a :class:`~kbbq_pl.quant.config.QuantizationConfig`."""
-        return QuantizationConfig(
-            format=self.format, transform=self.transform, lam=self.lam, targets=self.targets,
-            ignore=self.ignore, act_scale=self.act_scale, damping=self.damping, seed=self.seed,
-            unaligned=self.unaligned)
+        pipeline_only = {"weights.quantizer": recipe.weights.quantizer != "rtn",
+                         "weights.scale_search": recipe.weights.scale_search != "minmax",
+                         "weights.propagate": recipe.weights.propagate == "quantized",
+                         "transform.fold_o_proj": recipe.transform.fold_o_proj}
+        named = [name for name, used in pipeline_only.items() if used]
+        if named:
+            raise ValueError(f"KBBQConfig quantizes each layer on its own with RTN; "
+                             f"{', '.join(named)} of {recipe.label} need the block-sequential "
+                             "pipeline: run it with kbbq_pl.quantize_model")
 
     @property
     def static(self) -> bool:
         """Whether activations get a calibrated (static) per-tensor scale."""
-        return self.act_scale == "static" and bool(self.recipe.fmt.global_scale)
+        return self.config.format.act_scale == "static" and bool(self.config.fmt.global_scale)
 
     def filter_fn(self, module: nn.Module, fqn: str) -> bool:
         """torchao's ``filter_fn``: the ``nn.Linear`` layers ``quantize_model`` would quantize
-        (``targets`` / ``ignore`` patterns; unaligned widths unless ``unaligned="skip"``)."""
+        (``layers`` patterns; unaligned widths unless ``format.unaligned: skip``)."""
         if not isinstance(module, nn.Linear) or isinstance(module.weight, QuantizedTensor):
             return False
-        if not is_targeted(fqn, self.targets, self.ignore):
+        recipe = self.config
+        if not is_targeted(fqn, recipe.layers.targets, recipe.layers.ignore):
             return False
-        if self.unaligned == "skip" and module.in_features % self.recipe.block:
+        if recipe.format.unaligned == "skip" and module.in_features % recipe.block:
             log.info("%s: skipped (in_features %d is not a multiple of the %s block %d)", fqn,
-                     module.in_features, self.format, self.recipe.block)
+                     module.in_features, recipe.format.name, recipe.block)
             return False
         return True
 
@@ -130,16 +132,16 @@ class KBBQObserver:
     the input statistics of a fitted transform and, for a static activation scale, copies of
     the calibration inputs on the CPU; removed by ``step="convert"``."""
 
-    def __init__(self, module: nn.Linear, config: KBBQConfig) -> None:
-        recipe = config.recipe
-        self.format = recipe.format
-        self.static = config.static
+    def __init__(self, module: nn.Linear, ao_config: KBBQConfig) -> None:
+        recipe = ao_config.config
+        self.format = recipe.format.name
+        self.static = ao_config.static
         self.label = f"nn.Linear(in_features={module.in_features}, " \
                      f"out_features={module.out_features})"
         self.collector: StatisticsCollector | None = None
         self.inputs: list[Tensor] = []
         self.handles: list[RemovableHandle] = []
-        if recipe.transform in FITTED_TRANSFORMS:
+        if recipe.transform.name in FITTED_TRANSFORMS:
             self.collector = StatisticsCollector({self.label: module}, recipe.block,
                                                  keep_samples=0)
             self.handles += self.collector.attach()
@@ -177,7 +179,7 @@ class KBBQObserver:
         return amax
 
 
-def _prepare(module: nn.Module, config: KBBQConfig) -> nn.Module:
+def _prepare(module: nn.Module, ao_config: KBBQConfig) -> nn.Module:
     if not isinstance(module, nn.Linear):
         raise TypeError(f"KBBQConfig quantizes nn.Linear layers (their forward is F.linear), "
                         f"got {type(module).__name__}; use kbbq_pl.quantize_model")
@@ -186,38 +188,38 @@ def _prepare(module: nn.Module, config: KBBQConfig) -> nn.Module:
     previous = getattr(module, OBSERVER_ATTR, None)
     if previous is not None:
         previous.remove()
-    setattr(module, OBSERVER_ATTR, KBBQObserver(module, config))
+    setattr(module, OBSERVER_ATTR, KBBQObserver(module, ao_config))
     return module
 
 
-def _convert(module: nn.Module, config: KBBQConfig) -> nn.Module:
+def _convert(module: nn.Module, ao_config: KBBQConfig) -> nn.Module:
     observer: KBBQObserver | None = getattr(module, OBSERVER_ATTR, None)
     if observer is None:
         log.info("KBBQConfig convert: %s was not prepared; left as it is", module)
         return module
-    if (observer.format, observer.static) != (config.format, config.static):
+    recipe = ao_config.config
+    if (observer.format, observer.static) != (recipe.format.name, ao_config.static):
         raise ValueError(f"{observer.label}: prepared for format {observer.format!r} with a "
                          f"{'static' if observer.static else 'dynamic'} activation scale, "
-                         f"converted with {config.format!r} / {config.act_scale!r}: prepare and "
-                         "convert must agree on format and act_scale")
-    if config.transform in FITTED_TRANSFORMS and observer.collector is None:
-        raise ValueError(f"{observer.label}: the {config.transform} transform is fitted from "
+                         f"converted with {recipe.format.name!r} / {recipe.format.act_scale!r}: "
+                         "prepare and convert must agree on format and act_scale")
+    if recipe.transform.name in FITTED_TRANSFORMS and observer.collector is None:
+        raise ValueError(f"{observer.label}: the {recipe.transform.name} transform is fitted from "
                          "input statistics, which step='prepare' did not collect (it was "
                          "prepared for a data-free transform)")
-    recipe = config.recipe
     observer.remove()
     weight = module.weight.detach()
     padded = pad_features(weight, recipe.fmt)
-    transform = fit_transform(recipe.transform, padded, observer.sigma_blocks(),
-                              block=recipe.block, lam=float(recipe.lam), seed=recipe.seed,
-                              damping=recipe.damping)
+    transform = fit_transform(recipe.transform.name, padded, observer.sigma_blocks(),
+                              block=recipe.block, lam=float(recipe.transform.lam),
+                              seed=recipe.transform.seed, damping=recipe.transform.damping)
     scale = None
-    if config.static:
+    if ao_config.static:
         amax = observer.transformed_amax(module.in_features, padded.shape[1], transform,
                                          weight.device)
         scale = act_scales_from_amax({observer.label: amax}, lambda t: t)[observer.label]
     quantized = w4a4_weight(module, recipe.fmt, transform,
-                            act_scale="static" if config.static else "dynamic",
+                            act_scale="static" if ao_config.static else "dynamic",
                             act_global_scale=scale)
     module.weight = nn.Parameter(quantized, requires_grad=False)
     delattr(module, OBSERVER_ATTR)
@@ -225,10 +227,10 @@ def _convert(module: nn.Module, config: KBBQConfig) -> nn.Module:
 
 
 @register_quantize_module_handler(KBBQConfig)
-def _kbbq_transform(module: nn.Module, config: KBBQConfig) -> nn.Module:
-    if config.step == QuantizationStep.PREPARE:
-        return _prepare(module, config)
-    return _convert(module, config)
+def _kbbq_transform(module: nn.Module, ao_config: KBBQConfig) -> nn.Module:
+    if ao_config.step == QuantizationStep.PREPARE:
+        return _prepare(module, ao_config)
+    return _convert(module, ao_config)
 
 
 __all__ = ["KBBQConfig", "KBBQObserver", "OBSERVER_ATTR"]

@@ -202,14 +202,17 @@ def _check_fields(weight: W4A4Weight) -> None:
 # ---------------------------------------------------------------------- the product
 
 
+def padded_input(x: Tensor, in_features: int, padded_in: int) -> Tensor:
+    """Inputs ``x [..., in_features]`` as ``[tokens, padded_in]``, zero-padded to whole blocks."""
+    h = x.reshape(-1, in_features)
+    return F.pad(h, (0, padded_in - in_features)) if padded_in != in_features else h
+
+
 def transformed_input(x: Tensor, in_features: int, padded_in: int,
                       transform: Tensor | None) -> Tensor:
     """``T x`` in FP32 for inputs ``x [..., in_features]``: ``[tokens, padded_in]``, the input
     zero-padded to whole blocks and upcast (exactly) before the product (Sec. Transforms)."""
-    h = x.reshape(-1, in_features)
-    if padded_in != in_features:
-        h = F.pad(h, (0, padded_in - in_features))
-    return transform_inputs(h.to(_F32), transform)
+    return transform_inputs(padded_input(x, in_features, padded_in).to(_F32), transform)
 
 
 _decoded: WeakIdKeyDictionary | None = None
@@ -309,12 +312,14 @@ def w4a4_linear(x: Tensor, weight: W4A4Weight, bias: Tensor | None = None, *,
     return _emulated_linear(x, weight, bias, scale)
 
 
-def _linear_arguments(args: tuple, kwargs: dict) -> tuple[Tensor, W4A4Weight, Tensor | None]:
+def _linear_arguments(args: tuple, kwargs: dict,
+                      kind: type = QuantizedTensor) -> tuple[Tensor, Any, Tensor | None]:
     x = args[0] if args else kwargs["input"]
     weight = args[1] if len(args) > 1 else kwargs["weight"]
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
-    if not isinstance(weight, W4A4Weight) or isinstance(x, W4A4Weight):
-        raise NotImplementedError("W4A4Weight multiplies only as the weight of F.linear(x, w, b)")
+    if not isinstance(weight, kind) or isinstance(x, kind):
+        raise NotImplementedError(f"{kind.__name__} multiplies only as the weight of "
+                                  "F.linear(x, w, b)")
     return x, weight, bias
 
 
@@ -323,17 +328,91 @@ def _linear_arguments(args: tuple, kwargs: dict) -> tuple[Tensor, W4A4Weight, Te
 @W4A4Weight.implements_torch_function([F.linear, torch.ops.aten.linear.default])
 @W4A4Weight.implements(torch.ops.aten.linear.default)
 def _linear(func, types, args, kwargs):
-    return w4a4_linear(*_linear_arguments(args, kwargs or {}))
+    return w4a4_linear(*_linear_arguments(args, kwargs or {}, W4A4Weight))
+
+
+# ---------------------------------------------------------------------- the trainable weight
+
+
+class MasterWeight(Tensor):
+    """A trainable layer's high-precision master copy of ``W T^-1`` (``[out, K]``) as the
+    weight of its W4A4 product: ``F.linear(x, master_weight, b)`` rounds the master weight and
+    the activations to the format in every call, with straight-through gradients (the QAT
+    estimator of torchao and FP-Quant), so ``y = Q(W T^-1) Q(T x) + b`` trains the master copy.
+
+    A view made per call by :meth:`of` around the layer's plain ``nn.Parameter`` (optimizers,
+    ``state_dict`` and device moves see an ordinary tensor); it carries the activation side as
+    :class:`W4A4Weight` does (``in_features``, ``transform``, ``act_scale``,
+    ``act_global_scale``, ``layer_name``).  Every other torch function sees a plain tensor.
+    """
+
+    master: Tensor
+    fmt: Format
+    in_features: int
+    transform: Tensor | None
+    act_scale: ActScale
+    act_global_scale: Tensor | None
+    layer_name: str
+
+    @classmethod
+    def of(cls, master: Tensor, fmt: Format, *, in_features: int, transform: Tensor | None,
+           act_scale: ActScale, act_global_scale: Tensor | None,
+           layer_name: str = "") -> MasterWeight:
+        """The product's view of ``master`` (its gradient reaches ``master``)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            view = master.as_subclass(cls)
+        view.master, view.fmt, view.in_features = master, fmt, in_features
+        view.transform, view.act_scale, view.act_global_scale = transform, act_scale, \
+            act_global_scale
+        view.layer_name = layer_name
+        return view
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (F.linear, torch.ops.aten.linear.default):
+            return master_linear(*_linear_arguments(args, kwargs, MasterWeight))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def master_linear(x: Tensor, weight: MasterWeight, bias: Tensor | None = None) -> Tensor:
+    """``Q(W T^-1) Q(T x) + b`` of a trainable master weight, in the input's dtype (no FP32
+    upcast: the rounding is :func:`kbbq_pl.formats.ste_fake_quantize` while a gradient is
+    recorded, :func:`kbbq_pl.formats.fake_quantize` otherwise, the same values)."""
+    label = weight.layer_name or "QuantizedLinear"
+    if x.shape[-1] != weight.in_features:
+        raise ValueError(f"{label}: input of shape {tuple(x.shape)} on {x.device} does not "
+                         f"match in_features {weight.in_features}")
+    if weight.act_scale == "static" and weight.act_global_scale is None:
+        raise RuntimeError(f"{label}: static activation scale not calibrated; run "
+                           "calibration or use act_scale='dynamic'")
+    h = transform_inputs(padded_input(x, weight.in_features, weight.shape[-1]),
+                         weight.transform)
+    static = weight.act_global_scale if weight.act_scale == "static" else None
+    name = f"{weight.layer_name}.input" if weight.layer_name else "input"
+    if torch.is_grad_enabled() and h.requires_grad:
+        h = ste_fake_quantize(h, weight.fmt, global_scale=static, name=name)
+    else:
+        h = fake_quantize(h, weight.fmt, global_scale=static, name=name)
+    w = ste_fake_quantize(weight.master, weight.fmt, name=f"{weight.layer_name}.weight")
+    y = F.linear(h, w.to(h.dtype))
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 __all__ = [
     "ACT_SCALES",
-    "ActScale",
     "KERNEL_DEVICE_TYPES",
+    "ActScale",
+    "MasterWeight",
     "W4A4Weight",
     "cache_decoded_weights",
     "decoded_weight",
     "effective_act_scale",
+    "master_linear",
+    "padded_input",
     "transformed_input",
     "uses_kernels",
     "w4a4_linear",

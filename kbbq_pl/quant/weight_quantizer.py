@@ -98,8 +98,8 @@ class WeightQuantizer(ABC):
     """A method of quantizing a block's weights (module docstring).
 
     ``propagate`` is the default source of the next block's inputs (``fp`` or ``quantized``;
-    a recipe's ``propagate`` overrides it); ``trainable`` keeps high-precision master weights
-    for fine-tuning where the method allows it; ``work_stage`` names the method's stage in
+    a recipe's ``weights.propagate`` overrides it); ``trainable`` keeps high-precision master
+    weights for fine-tuning where the method allows it; ``work_stage`` names the method's stage in
     ``report.seconds``; ``splits_work``: the method splits its work across data-parallel ranks
     (and needs a ``broadcast``)."""
 

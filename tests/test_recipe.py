@@ -1,0 +1,187 @@
+"""The recipe, :class:`QuantizationConfig`, is declared once: every leaf field is settable from
+recipe YAML, from the command line, through the ``KBBQ`` callback and through torchao's
+``KBBQConfig``; the flat recipes of earlier versions are read (checkpoint metadata) or refused
+with one line naming the new keys (recipe files, command-line options)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from jsonargparse import ArgumentParser
+from kbbq_pl.callbacks import KBBQ
+
+from kbbq_pl.cli.commands import main
+from kbbq_pl.cli.quantize import _parser
+from kbbq_pl.quant.config import FLAT_KEYS, QuantizationConfig, TransformConfig
+from kbbq_pl.quant.torchao import KBBQConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A valid value other than the default for every leaf field; a new field must get one here.
+OTHER_VALUES: dict[str, Any] = {
+    "format.name": "mxfp4", "format.act_scale": "dynamic", "format.unaligned": "skip",
+    "transform.name": "wush", "transform.lam": 0.5, "transform.damping": 0.02,
+    "transform.seed": 3, "transform.fold_o_proj": True,
+    "weights.quantizer": "gptq", "weights.propagate": "quantized", "weights.damping": 0.05,
+    "weights.act_order": False, "weights.block_size": 256, "weights.scale_search": "mse",
+    "weights.group_scales": "dynamic", "weights.transform_refit": "fixed",
+    "autobrake.grid": (0.25, 0.5), "autobrake.holdout": 0.25, "autobrake.tokens": 64,
+    "autobrake.refit": False, "autobrake.select_on": "fit",
+    "layers.targets": [r"q_proj"], "layers.ignore": [r"lm_head"],
+    "keep_samples": 7,
+}
+# What torchao's per-layer RTN cannot do: KBBQConfig refuses it, naming quantize_model.
+PIPELINE_ONLY = {"weights.quantizer", "weights.scale_search", "weights.propagate",
+                 "transform.fold_o_proj"}
+
+
+def leaf_fields(cls: type = QuantizationConfig, prefix: str = "") -> list[str]:
+    """The dotted names of every leaf field of the recipe (dataclasses, recursively)."""
+    names = []
+    for field in dataclasses.fields(cls):
+        group = field.default_factory
+        if dataclasses.is_dataclass(group):
+            names += leaf_fields(group, f"{prefix}{field.name}.")
+        else:
+            names.append(prefix + field.name)
+    return names
+
+
+LEAVES = leaf_fields()
+
+
+def value_at(config: QuantizationConfig, name: str) -> Any:
+    for part in name.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def nested(name: str, value: Any) -> dict[str, Any]:
+    group, _, leaf = name.rpartition(".")
+    return {group: {leaf: value}} if group else {leaf: value}
+
+
+def with_value(name: str, value: Any) -> QuantizationConfig:
+    return QuantizationConfig.from_dict(nested(name, value))
+
+
+def cli_value(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(list(value) if isinstance(
+        value, tuple) else value)
+
+
+def same(got: Any, expected: Any) -> bool:
+    return list(got) == list(expected) if isinstance(expected, (list, tuple)) else (
+        got == expected and type(got) is type(expected))
+
+
+def test_every_leaf_has_a_test_value_and_a_description():
+    assert sorted(OTHER_VALUES) == sorted(LEAVES)
+    assert sorted(QuantizationConfig.field_descriptions()) == sorted(LEAVES)
+    assert all(QuantizationConfig.field_descriptions().values())
+    defaults = QuantizationConfig()
+    assert all(value_at(defaults, name) != value for name, value in OTHER_VALUES.items())
+    flat_targets = set(FLAT_KEYS.values())
+    assert flat_targets <= set(LEAVES)  # every field of the old flat recipe has a new place
+
+
+@pytest.mark.parametrize("name", LEAVES)
+def test_every_leaf_is_settable_from_yaml_cli_kbbq_and_torchao(name, tmp_path):
+    value = OTHER_VALUES[name]
+    parser = _parser("kbbq-pl quantize")
+
+    # recipe YAML (a file, as --config reads it)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"recipe": nested(name, list(value) if isinstance(
+        value, tuple) else value)}))
+    from_yaml = parser.instantiate(parser.parse_args(["--config", str(recipe)])).recipe
+    assert same(value_at(from_yaml, name), value), from_yaml
+
+    # the command line
+    from_cli = parser.instantiate(parser.parse_args([f"--recipe.{name}", cli_value(value)])).recipe
+    assert same(value_at(from_cli, name), value), from_cli
+    assert from_cli == from_yaml == with_value(name, value)
+
+    # the KBBQ callback: in Python, and as LightningCLI builds it from its signature
+    assert value_at(KBBQ(from_cli, model_attr="net").config, name) == value
+    callback_parser = ArgumentParser(exit_on_error=False)
+    callback_parser.add_class_arguments(KBBQ, "kbbq")
+    built = callback_parser.instantiate(callback_parser.parse_args(
+        [f"--kbbq.config.{name}", cli_value(value)])).kbbq
+    assert isinstance(built, KBBQ) and built.config == from_cli
+
+    # torchao's KBBQConfig: the recipe, or a refusal that names the field and quantize_model
+    if name in PIPELINE_ONLY:
+        with pytest.raises(ValueError, match=rf"{name}.*quantize_model"):
+            KBBQConfig(from_cli, step="prepare")
+    else:
+        assert value_at(KBBQConfig(from_cli, step="prepare").config, name) == value
+
+
+def test_defaults_and_python_spelling():
+    config = QuantizationConfig()
+    assert config.label == "RTN-KBBQ nvfp4, lambda 0.75"
+    assert KBBQ().config == config == KBBQConfig(step="convert").config
+    assert QuantizationConfig.from_dict(config.to_dict()) == config
+    json.dumps(config.to_dict())  # JSON-ready
+    with pytest.raises(TypeError, match=r"format must be a FormatConfig \(e\.g\. format="):
+        QuantizationConfig(format="nvfp4")  # type: ignore[arg-type]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.transform.lam = 0.5  # type: ignore[misc]
+    assert dataclasses.replace(config, transform=TransformConfig("kbbq", lam=0.5)).label == \
+        "RTN-KBBQ nvfp4, lambda 0.5"
+
+
+def test_flat_dictionaries_of_earlier_versions_are_read():
+    """Checkpoint metadata (``quantization_config.json``'s recipe, report.json) written before
+    the groups holds the flat fields: they map to the same recipe."""
+    stored = json.loads((ROOT / "tests/data/v1/nvfp4_kbbq_static/quantization_config.json")
+                        .read_text())["recipe"]
+    assert "lam" in stored
+    config = QuantizationConfig.from_dict(stored)
+    assert config == QuantizationConfig()
+    flat = {"format": "mxfp4", "lam": "auto", "weight_quantizer": "gptq", "gptq_block_size": 64,
+            "auto_grid": [0.5, 1.0], "ignore": ["lm_head"], "keep_samples": 3}
+    config = QuantizationConfig.from_dict(flat)
+    assert (config.format.name, config.transform.lam, config.weights.quantizer,
+            config.weights.block_size, config.autobrake.grid, config.layers.ignore,
+            config.keep_samples) == ("mxfp4", "auto", "gptq", 64, (0.5, 1.0), ["lm_head"], 3)
+    with pytest.raises(ValueError, match="unknown recipe fields"):
+        QuantizationConfig.from_dict({"format": "nvfp4", "brake": 1})
+
+    from kbbq_pl.io.models import describe_quantized, quantized_checkpoint
+
+    metadata = quantized_checkpoint(ROOT / "tests/data/v1/nvfp4_kbbq_static")
+    assert describe_quantized(metadata) == "RTN-KBBQ nvfp4, lambda 0.75"
+
+
+def test_a_flat_recipe_file_is_one_line_naming_the_new_keys(tmp_path, capsys):
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump({"model": "minilm", "quantizer": {
+        "class_path": "kbbq_pl.callbacks.KBBQ",
+        "init_args": {"format": "mxfp4", "transform": "kbbq", "lam": 0.5,
+                      "weight_quantizer": "gptq", "gptq_block_size": 128, "auto_grid": [0.5],
+                      "offload": True}}}))
+    assert main(["quantize", "--config", str(old), "--output_dir", str(tmp_path / "o")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0, error
+    for key, new in (("format", "recipe.format.name"), ("lam", "recipe.transform.lam"),
+                     ("weight_quantizer", "recipe.weights.quantizer"),
+                     ("gptq_block_size", "recipe.weights.block_size"),
+                     ("auto_grid", "recipe.autobrake.grid"), ("offload", "--offload")):
+        assert f"{key} -> {new}" in error, (key, error)
+    assert not (tmp_path / "o").exists()
+
+
+def test_flat_command_line_options_are_one_line_naming_the_new_ones(capsys):
+    assert main(["quantize", "--quantizer.init_args.lam", "0.5", "--quantizer.gptq_damping",
+                 "0.1"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0, error
+    assert "lam -> --recipe.transform.lam" in error
+    assert "gptq_damping -> --recipe.weights.damping" in error

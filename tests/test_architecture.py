@@ -1,16 +1,18 @@
 """The package's architecture, read from its import graph (every ``import`` and ``from ...
 import`` statement, at module level or inside functions, and ``importlib.import_module`` of a
 literal name): no import cycles; the subpackages form layers and import only downward; the
-pure-math subpackages import no Lightning, HuggingFace or I/O module."""
+pure-math subpackages import no Lightning, HuggingFace or I/O module.  And its rooms: each weight
+quantizer keeps its math and its strategy in one subpackage, each rule is one function in one
+module, and no two modules or classes share a name for different things."""
 
 from __future__ import annotations
 
 import ast
 import functools
+import re
 from pathlib import Path
 
 import pytest
-
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +30,28 @@ LAYERS = {
     "kbbq_pl.cli": 8,
     "kbbq_pl": 9,
 }
-PURE_MATH = ("kbbq_pl.formats", "kbbq_pl.law", "kbbq_pl.transforms", "kbbq_pl.quant.gptq")
+PURE_MATH = ("kbbq_pl.formats", "kbbq_pl.law", "kbbq_pl.transforms", "kbbq_pl.quant.scales",
+             "kbbq_pl.quant.rtn.algorithm", "kbbq_pl.quant.gptq.algorithm",
+             "kbbq_pl.quant.act_scale")
+WEIGHT_QUANTIZER_ROOMS = {"rtn": "RTN", "gptq": "GPTQ"}
+"""Each weight quantizer's room, ``kbbq_pl.quant.<room>``: its math on tensors (``algorithm``) and
+its strategy of the pipeline (``quantizer``, the class named here), nothing else."""
+ONE_HOME = {"pad_features": "kbbq_pl.formats.padding",
+            "check_act_scale": "kbbq_pl.quant.act_scale",
+            "effective_act_scale": "kbbq_pl.quant.act_scale",
+            "count_tokens": "kbbq_pl.quant.config",
+            "rtn": "kbbq_pl.quant.rtn.algorithm",
+            "group_scales": "kbbq_pl.quant.scales",
+            "fold_o_proj": "kbbq_pl.transforms.fold"}
+"""Functions that each hold one rule, and the one module that defines them."""
+WRITTEN_ONCE = {r'"input_ids"\]\.numel\(\)': "kbbq_pl.quant.config",
+                r'act_scale == "static" and [\w.(]*fmt\.global_scale': "kbbq_pl.quant.act_scale",
+                r"act_scale not in ": "kbbq_pl.quant.act_scale"}
+"""Source patterns of a rule (token counting, the static activation scale rule, the act_scale
+values) and the one module it may appear in: everywhere else calls its function."""
+SHARED_MODULE_NAMES = {"__init__", "algorithm", "quantizer"}
+"""Module names that several subpackages hold for the same thing (a package, a weight
+quantizer's math, its strategy); any other name is one module's."""
 LIGHTNING_HF_IO = {"lightning", "pytorch_lightning", "lightning_fabric", "transformers",
                    "huggingface_hub", "tokenizers", "safetensors", "datasets", "lm_eval",
                    "compressed_tensors", "jsonargparse", "yaml", "json", "pickle", "requests"}
@@ -203,3 +226,60 @@ def test_quantization_imports_no_lightning_and_no_io():
         external = set().union(*(_graph()[m][1] for m in reached))
         assert not external & {"lightning", "pytorch_lightning", "safetensors", "datasets",
                                "jsonargparse", "lm_eval", "compressed_tensors"}, module
+
+
+def test_each_weight_quantizer_has_one_room():
+    from kbbq_pl.quant.pipeline import WEIGHT_QUANTIZERS
+    from kbbq_pl.quant.weight_quantizer import WeightQuantizer
+
+    assert set(WEIGHT_QUANTIZERS) == set(WEIGHT_QUANTIZER_ROOMS)
+    for room, cls in WEIGHT_QUANTIZER_ROOMS.items():
+        package = f"kbbq_pl.quant.{room}"
+        assert {m for m in MODULES if m.startswith(package + ".")} == {
+            f"{package}.algorithm", f"{package}.quantizer"}
+        strategy = WEIGHT_QUANTIZERS[room]
+        assert strategy.__name__ == cls and issubclass(strategy, WeightQuantizer)
+        assert strategy.__module__ == f"{package}.quantizer"
+        # the math is below its strategy: it never imports a weight quantizer
+        assert not {m for m in _closure(f"{package}.algorithm")
+                    if m.endswith(".quantizer") or m == "kbbq_pl.quant.weight_quantizer"}
+
+
+def _definitions() -> dict[str, list[str]]:
+    """Top-level function and class names -> the modules that define them."""
+    found: dict[str, list[str]] = {}
+    for module, (path, _) in MODULES.items():
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                found.setdefault(node.name, []).append(module)
+    return found
+
+
+def test_each_rule_has_one_function():
+    definitions = _definitions()
+    for name, home in ONE_HOME.items():
+        assert definitions.get(name) == [home], f"{name} is defined in {definitions.get(name)}"
+    for text, home in WRITTEN_ONCE.items():
+        places = sorted(m for m, (path, _) in MODULES.items()
+                        if re.search(text, path.read_text(encoding="utf-8")))
+        assert places == [home], f"{text!r} is written in {places}: call {home}'s function"
+
+
+def test_names_say_one_thing():
+    by_name: dict[str, list[str]] = {}
+    for module in MODULES:
+        by_name.setdefault(module.rpartition(".")[2], []).append(module)
+    shared = {n: ms for n, ms in by_name.items() if len(ms) > 1 and n not in SHARED_MODULE_NAMES}
+    assert not shared, f"modules that share a name for different things: {shared}"
+    classes = {n: ms for n, ms in _definitions().items() if n[:1].isupper() and len(ms) > 1}
+    assert not classes, f"classes that share a name for different things: {classes}"
+
+
+def test_every_package_is_shipped():
+    tomllib = pytest.importorskip("tomllib")
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+                 ["tool"]["setuptools"]["packages"])
+    packages = {name for name, (_, is_package) in MODULES.items() if is_package}
+    assert packages == listed, ("pyproject.toml's [tool.setuptools] packages must list every "
+                                f"package: missing {sorted(packages - listed)}, "
+                                f"stale {sorted(listed - packages)}")

@@ -70,7 +70,7 @@ def test_select_lambda_takes_the_smallest_held_out_error():
 
 
 def test_auto_lambda_in_the_pipeline_reports_choices():
-    from kbbq_pl.eval.report import report_markdown
+    from kbbq_pl.eval.report_files import report_markdown
     from kbbq_pl.io.models import tiny_model
     from kbbq_pl.quant import QuantizationConfig, TransformConfig, quantize_model
 

@@ -1,4 +1,5 @@
-"""GPTQ for the FP4 formats: the algorithm on tensors (kbbq_pl.quant.gptq)."""
+"""GPTQ for the FP4 formats: the algorithm on tensors (kbbq_pl.quant.gptq.algorithm), with the
+block scales (kbbq_pl.quant.scales) and round to nearest (kbbq_pl.quant.rtn.algorithm) it uses."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kbbq_pl import formats as F
-from kbbq_pl.quant import gptq as G
+from kbbq_pl.quant import scales as S
+from kbbq_pl.quant.gptq import algorithm as G
+from kbbq_pl.quant.rtn.algorithm import rtn
 from kbbq_pl.transforms import fit as T
 
 FORMATS = ["nvfp4", "mxfp4", "mxfp4_no_clip"]
@@ -53,7 +56,7 @@ def test_identity_hessian_is_rtn_bit_for_bit(fmt, mode):
     assert same_tensor(result.weight, reference)
     assert torch.equal(result.values, F.dequantize(reference))
     assert torch.equal(result.perm, torch.arange(weight.shape[1]))  # equal diagonal: stable
-    assert same_tensor(G.rtn(weight, fmt)[0], reference)
+    assert same_tensor(rtn(weight, fmt)[0], reference)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -151,19 +154,19 @@ def test_act_order_returns_a_valid_permutation():
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), fmt=st.sampled_from(FORMATS),
-       norm=st.sampled_from([2.0, G.MSE_NORM]), outlier=st.floats(1.0, 50.0))
+       norm=st.sampled_from([2.0, S.MSE_NORM]), outlier=st.floats(1.0, 50.0))
 def test_mse_scale_search_never_increases_the_group_error(seed, fmt, norm, outlier):
     g = torch.Generator().manual_seed(seed)
     block = F.get_format(fmt).block_size
     groups = torch.randn(8, 4, block, generator=g) * torch.exp(torch.randn(8, 4, 1, generator=g))
     groups[..., 0] *= outlier
-    global_scale = G.weight_global_scale(groups, F.get_format(fmt))
-    minmax = G.group_scales(groups, fmt, global_scale, "minmax")
-    mse = G.group_scales(groups, fmt, global_scale, "mse", norm=norm)
-    error_minmax = G.group_error(groups, G.round_to_scales(groups, minmax, F.get_format(fmt)), norm)
-    error_mse = G.group_error(groups, G.round_to_scales(groups, mse, F.get_format(fmt)), norm)
+    global_scale = S.weight_global_scale(groups, F.get_format(fmt))
+    minmax = S.group_scales(groups, fmt, global_scale, "minmax")
+    mse = S.group_scales(groups, fmt, global_scale, "mse", norm=norm)
+    error_minmax = S.group_error(groups, S.round_to_scales(groups, minmax, F.get_format(fmt)), norm)
+    error_mse = S.group_error(groups, S.round_to_scales(groups, mse, F.get_format(fmt)), norm)
     assert (error_mse <= error_minmax).all()
-    tensor, values = G.rtn(groups.reshape(8, -1), fmt, search="mse", norm=norm)
+    tensor, values = rtn(groups.reshape(8, -1), fmt, search="mse", norm=norm)
     assert torch.equal(tensor.dequantize(torch.float32), values)
 
 
@@ -231,15 +234,15 @@ def test_lazy_batches_match_the_plain_column_recursion():
     perm = result.perm
     upper, _ = G.inverse_hessian_factor(h[perm][:, perm], 0.01)
     w = weight.clone()[:, perm]
-    gs = G.weight_global_scale(weight, fmt)
+    gs = S.weight_global_scale(weight, fmt)
     values = torch.empty_like(w)
     scales = {}
     for j in range(64):  # no lazy batching: every update applied at once
         group = int(perm[j]) // 16
         if group not in scales:
             members = [int(k) for k in (perm // 16 == group).nonzero().squeeze(1)]
-            scales[group] = G.group_scales(w[:, members], fmt, gs)    # [out, 1] fields
-        y = G.round_to_scales(w[:, j:j + 1], scales[group], fmt).squeeze(1)
+            scales[group] = S.group_scales(w[:, members], fmt, gs)    # [out, 1] fields
+        y = S.round_to_scales(w[:, j:j + 1], scales[group], fmt).squeeze(1)
         values[:, j] = y
         err = (w[:, j] - y) / upper[j, j]
         w[:, j + 1:] -= err[:, None] * upper[j, j + 1:][None, :]
@@ -255,18 +258,18 @@ def test_mse_search_over_distinct_scales_equals_the_full_grid(fmt):
     groups = torch.randn(64, 8, fmt.block_size, generator=g) * torch.exp(
         2 * torch.randn(64, 8, 1, generator=g))
     groups[::3, :, 0] *= 20
-    gs = G.weight_global_scale(groups, fmt)
+    gs = S.weight_global_scale(groups, fmt)
     amax = groups.abs().amax(-1, keepdim=True)
-    best = G._scales(amax, fmt, gs)
-    best_error = G.group_error(groups, G.round_to_scales(groups, best, fmt))
-    for i in range(1, G.MSE_GRID):  # the definition: every shrink factor in turn
-        shrink = torch.tensor(1.0 - G.MSE_SHRINK * i / G.MSE_GRID, dtype=torch.float64).float()
-        candidate = G._scales(amax * shrink, fmt, gs)
-        error = G.group_error(groups, G.round_to_scales(groups, candidate, fmt))
+    best = S._scales(amax, fmt, gs)
+    best_error = S.group_error(groups, S.round_to_scales(groups, best, fmt))
+    for i in range(1, S.MSE_GRID):  # the definition: every shrink factor in turn
+        shrink = torch.tensor(1.0 - S.MSE_SHRINK * i / S.MSE_GRID, dtype=torch.float64).float()
+        candidate = S._scales(amax * shrink, fmt, gs)
+        error = S.group_error(groups, S.round_to_scales(groups, candidate, fmt))
         better = error < best_error
-        best = G._select(better, candidate, best)
+        best = S._select(better, candidate, best)
         best_error = torch.where(better, error, best_error)
-    fast = G.group_scales(groups, fmt, gs, "mse")
+    fast = S.group_scales(groups, fmt, gs, "mse")
     raw = (lambda t: t.view(torch.uint8)) if fmt.scale_kind == "e4m3" else (lambda t: t)
     assert torch.equal(raw(fast.code), raw(best.code))
     assert torch.equal(fast.dequant, best.dequant)
@@ -300,8 +303,8 @@ def test_mse_search_in_row_chunks_equals_one_piece(monkeypatch):
     fmt = F.get_format("nvfp4")
     rows = torch.linspace(0.01, 1, 40)[:, None, None]  # per-row global scales, as when stacked
     grouped = weight.reshape(40, 4, 16)
-    whole = G.group_scales(grouped, fmt, rows, "mse")
-    monkeypatch.setattr(G, "_MSE_CHUNK", 4 * 100 * 7)  # 7 rows per chunk
-    chunked = G.group_scales(grouped, fmt, rows, "mse")
+    whole = S.group_scales(grouped, fmt, rows, "mse")
+    monkeypatch.setattr(S, "_MSE_CHUNK", 4 * 100 * 7)  # 7 rows per chunk
+    chunked = S.group_scales(grouped, fmt, rows, "mse")
     assert torch.equal(whole.code.view(torch.uint8), chunked.code.view(torch.uint8))
     assert torch.equal(whole.dequant, chunked.dequant)

@@ -1,4 +1,4 @@
-"""The GPTQ family (kbbq_pl.quant.gptq_quantizer) in the block-sequential pipeline, one and two
+"""The GPTQ family (kbbq_pl.quant.gptq.quantizer) in the block-sequential pipeline, one and two
 processes."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kbbq_pl.quant import (
     WeightsConfig,
     quantize_model,
 )
-from kbbq_pl.quant.gptq_quantizer import HessianCollector, assign_owners, gather_rows
+from kbbq_pl.quant.gptq.quantizer import HessianCollector, assign_owners, gather_rows
 from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -19,10 +19,10 @@ from kbbq_pl.quant import (
     WeightsConfig,
     quantize_model,
 )
-from kbbq_pl.quant.gptq_quantizer import GPTQ
+from kbbq_pl.quant.gptq.quantizer import GPTQ
 from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears
 from kbbq_pl.quant.pipeline import WEIGHT_QUANTIZERS
-from kbbq_pl.quant.rtn import RTN
+from kbbq_pl.quant.rtn.quantizer import RTN
 from kbbq_pl.quant.weight_quantizer import WeightQuantizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..eval.report import markdown_table
+from ..eval.report_files import markdown_table
 from ..io.fileio import add_resumable_file, open_resumable_folder
 
 log = logging.getLogger(__name__)
@@ -195,6 +195,7 @@ def run_compare(
     from ..eval.lm_metrics import default_text
     from ..io.models import load_model, parse_device, resolve_model_path
     from ..quant import quantize_model
+    from ..quant.config import count_tokens
 
     device_ = parse_device(device)
     text = default_text(data_dir) if text is None else Path(text)
@@ -255,7 +256,7 @@ def run_compare(
             batches = [{k: v.to(device_) if isinstance(v, torch.Tensor) else v
                         for k, v in batch.items()} for batch in data.calibration_dataloader()]
             candidate = copy.deepcopy(model)
-            tokens = sum(int(b["input_ids"].numel()) for b in batches if "input_ids" in b)
+            tokens = count_tokens(batches)
             report = quantize_model(candidate, batches, config, expected_tokens=tokens,
                                     progress=False)
             quantized_at = time.perf_counter()

@@ -39,13 +39,13 @@ import torch
 from jsonargparse import ActionConfigFile, ActionYesNo, ArgumentParser, lazy_instance
 from torch import nn
 
-from ..eval.report import report_files, report_markdown, sweep_markdown
+from ..eval.report_files import report_files, report_markdown, sweep_markdown
 from ..io.checkpoint import save_quantized
 from ..io.data import MIXED, RANDOM, CalibrationDataModule, token_blocks
 from ..io.fileio import check_output, write_folder, written_summary
 from ..io.models import load_model, parse_device, resolve_model_path
 from ..quant import QuantizationConfig, quantize_model
-from ..quant.config import FLAT_KEYS
+from ..quant.config import FLAT_KEYS, count_tokens
 from ..quant.stats import model_device
 
 log = logging.getLogger(__name__)
@@ -191,11 +191,11 @@ def run_quantize(argv: list[str]) -> int:
     recipe: QuantizationConfig = args.recipe
     model, tokenizer, batches, source, out = _prepare(args, recipe.label)
     probe = FidelityProbe(model, tokenizer, args.eval_data, args.eval_sentences)
-    tokens = sum(int(b["input_ids"].numel()) for b in batches if "input_ids" in b)
+    tokens = count_tokens(batches)
     report = quantize_model(model, batches, recipe, expected_tokens=tokens,
                             device=parse_device(args.device))
     report.model.update(probe.measure(model), model=str(args.model),
-                        calibration_tokens=sum(int(b["input_ids"].numel()) for b in batches),
+                        calibration_tokens=count_tokens(batches),
                         calibration_source=str(args.data.source))
     metadata = {"config": recipe.to_dict(), "model": str(args.model)}
     report.seconds["command"] = time.perf_counter() - start
@@ -233,7 +233,7 @@ def run_sweep(argv: list[str]) -> int:
             config = replace(base, format=replace(base.format, name=fmt),
                              transform=replace(base.transform, name=transform, lam=lam))
             candidate = copy.deepcopy(model)
-            tokens = sum(int(b["input_ids"].numel()) for b in batches)
+            tokens = count_tokens(batches)
             start = time.perf_counter()
             report = quantize_model(candidate, batches, config, expected_tokens=tokens,
                                     device=parse_device(args.device), progress=False)

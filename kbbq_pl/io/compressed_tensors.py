@@ -204,7 +204,7 @@ def _loaded_transform(stored: Tensor, block: int) -> Tensor:
 # ------------------------------------------------------------------ export
 
 @dataclass(frozen=True)
-class LayerPlan:
+class ExportLayer:
     """How one kbbq-pl layer is exported: ``fp4`` (compressed-tensors FP4) or ``dense``, with
     its transform ``none`` / ``hadamard`` / ``custom`` and why when not plain FP4."""
 
@@ -236,7 +236,7 @@ ISSUES = {
 export logs one warning per issue present (:func:`describe_issues`), ``strict`` refuses."""
 
 
-def describe_issues(plans: Mapping[str, LayerPlan]) -> list[str]:
+def describe_issues(plans: Mapping[str, ExportLayer]) -> list[str]:
     """One line per kind of layer stock readers do not compute as kbbq-pl does
     (:data:`ISSUES`): how many layers, the first ones by name, and what to do."""
     lines = []
@@ -262,13 +262,13 @@ def _check_format(name: str, fmt: Format) -> None:
 
 
 def plan_layers(layers: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, Tensor],
-                linear_types: Mapping[str, str], strict: bool) -> dict[str, LayerPlan]:
+                linear_types: Mapping[str, str], strict: bool) -> dict[str, ExportLayer]:
     """What each quantized layer becomes (the module docstring); ``linear_types`` maps every
     linear module of the architecture to its class name.  Raises :class:`ExportError` for what
     cannot be written, and with ``strict`` for anything stock readers would not compute as
     kbbq-pl does (:data:`ISSUES`: per-block transforms, the block Hadamard that transformers
     drops, dense fallbacks), naming the layers."""
-    plans: dict[str, LayerPlan] = {}
+    plans: dict[str, ExportLayer] = {}
     for name, meta in layers.items():
         fmt = get_format(meta["format"])
         _check_format(name, fmt)
@@ -277,15 +277,15 @@ def plan_layers(layers: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, T
                               f"this one is a {linear_types.get(name, 'missing module')}")
         kind = transform_kind(tensors.get(f"{name}.transform"), fmt.block_size or 1)
         if meta["padded_in"] != meta["in_features"]:
-            plans[name] = LayerPlan(name, False, kind, "padded", (
+            plans[name] = ExportLayer(name, False, kind, "padded", (
                 f"in_features {meta['in_features']} is not a multiple of the {fmt.name} block "
                 f"{fmt.block_size}: written dense, dequantized"))
         elif kind == "custom":
-            plans[name] = LayerPlan(name, True, kind, "transform")
+            plans[name] = ExportLayer(name, True, kind, "transform")
         elif kind == "hadamard":
-            plans[name] = LayerPlan(name, True, kind, "hadamard")
+            plans[name] = ExportLayer(name, True, kind, "hadamard")
         else:
-            plans[name] = LayerPlan(name, True, kind)
+            plans[name] = ExportLayer(name, True, kind)
     issues = describe_issues(plans)
     if strict and issues:
         raise ExportError(
@@ -296,7 +296,7 @@ def plan_layers(layers: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, T
     return plans
 
 
-def _uniform(plans: Mapping[str, LayerPlan], layers: Mapping[str, Mapping[str, Any]],
+def _uniform(plans: Mapping[str, ExportLayer], layers: Mapping[str, Mapping[str, Any]],
              field: Callable[[Mapping[str, Any]], Any], what: str) -> Any:
     values = {n: field(layers[n]) for n, p in plans.items() if p.fp4}
     distinct = set(values.values())
@@ -336,7 +336,7 @@ def hadamard_transform_config(block: int, ignore: list[str]):
 
 def compressed_tensors_state(
     tensors: dict[str, Tensor], layers: Mapping[str, Mapping[str, Any]],
-    plans: Mapping[str, LayerPlan], weight_only: bool,
+    plans: Mapping[str, ExportLayer], weight_only: bool,
 ) -> tuple[dict[str, Tensor], dict[str, dict[str, str]]]:
     """kbbq-pl checkpoint ``tensors`` (:func:`kbbq_pl.io.checkpoint.checkpoint_contents`) in
     compressed-tensors layout (module docstring), and kbbq-pl's exact per-tensor scales per
@@ -713,7 +713,7 @@ def dense_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module
 
 
 __all__ = [
-    "CONFIG_NAME", "ExportError", "LayerPlan", "bf16_decodes_agree", "ct_global_scale",
+    "CONFIG_NAME", "ExportError", "ExportLayer", "bf16_decodes_agree", "ct_global_scale",
     "dense_model", "effective_weight", "export_compressed_tensors", "hadamard_transform_config",
     "is_compressed_tensors_folder", "kbbq_global_scale", "plan_layers", "quantization_config",
     "read_compressed_tensors", "save_compressed_tensors", "transform_kind",

@@ -17,6 +17,7 @@ from torch import Tensor
 from ..formats import Format, get_format
 from ..transforms.autobrake import DEFAULT_GRID
 from ..transforms.fit import TRANSFORMS
+from .act_scale import ActScale, check_act_scale, effective_act_scale
 
 __all__ = [
     "FLAT_KEYS",
@@ -30,6 +31,7 @@ __all__ = [
     "ReduceFn",
     "TransformConfig",
     "WeightsConfig",
+    "count_tokens",
     "lightning_collectives",
     "torch_distributed_collectives",
 ]
@@ -38,6 +40,13 @@ Batches = Iterable[Mapping[str, Tensor]]
 ReduceFn = Callable[[Tensor], Tensor]
 BroadcastFn = Callable[[Any, int], Any]
 """``broadcast(obj, src)``: every rank returns rank ``src``'s ``obj`` (identity on one process)."""
+
+
+def count_tokens(batches: Iterable[Mapping[str, Any]]) -> int:
+    """The calibration tokens of ``batches``: the elements of their ``input_ids`` (a batch
+    without an ``input_ids`` tensor counts none)."""
+    return sum(int(b["input_ids"].numel()) for b in batches
+               if isinstance(b.get("input_ids"), Tensor))
 
 
 def _identity(t: Tensor) -> Tensor:
@@ -118,9 +127,7 @@ class FormatConfig:
         fmt = get_format(self.name)
         if fmt.granularity != "block" or fmt.element != "e2m1":
             raise ValueError(f"W4A4 needs a block FP4 format, got {self.name!r}")
-        if self.act_scale not in ("static", "dynamic"):
-            raise ValueError(f"format.act_scale must be 'static' or 'dynamic', "
-                             f"got {self.act_scale!r}")
+        check_act_scale(self.act_scale, "format.act_scale")
         if self.unaligned not in ("pad", "skip"):
             raise ValueError(f"format.unaligned must be 'pad' or 'skip', got {self.unaligned!r}")
 
@@ -168,7 +175,7 @@ class WeightsConfig:
 
     Attributes:
         quantizer: ``rtn`` (round to nearest, :class:`~kbbq_pl.quant.rtn.RTN`) or ``gptq`` (the
-            GPTQ family, :class:`~kbbq_pl.quant.gptq_quantizer.GPTQ`).
+            GPTQ family, :class:`~kbbq_pl.quant.gptq.GPTQ`).
         propagate: where the next block's calibration inputs come from: the full-precision
             block (``fp``: every layer is calibrated on the full-precision model's activations)
             or the quantized one (``quantized``: later blocks see the error of earlier ones, as
@@ -186,7 +193,7 @@ class WeightsConfig:
             (default) refits every block ``T_b`` on the error-updated weight inside the loop
             (the WUSH paper's variant); ``fixed`` fits ``T`` once from the calibration
             statistics and runs GPTQ on ``W T^-1`` with the Hessian ``T H T^T``.  Why
-            ``in_loop`` is the default: :mod:`kbbq_pl.quant.gptq_quantizer`.
+            ``in_loop`` is the default: :mod:`kbbq_pl.quant.gptq.quantizer`.
     """
 
     quantizer: Literal["rtn", "gptq"] = "rtn"
@@ -395,6 +402,13 @@ class QuantizationConfig:
         block = self.fmt.block_size
         assert block is not None
         return block
+
+    @property
+    def effective_act_scale(self) -> ActScale:
+        """The activations' per-tensor scale the layers get: ``format.act_scale`` where the
+        format has a per-tensor scale, else ``dynamic``
+        (:func:`~kbbq_pl.quant.act_scale.effective_act_scale`)."""
+        return effective_act_scale(self.fmt, self.format.act_scale)
 
     @property
     def weight_quantizer(self) -> str:

@@ -25,9 +25,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..formats import Format, QuantizedTensor, get_format, quantize, ste_fake_quantize
+from ..formats.padding import pad_features
 from ..transforms.fit import transform_weight
+from .act_scale import ActScale, effective_act_scale
 from .modules import linear_weight, parent_and_attr
-from .w4a4 import ActScale, MasterWeight, W4A4Weight, effective_act_scale
+from .w4a4 import MasterWeight, W4A4Weight
 
 log = logging.getLogger(__name__)
 
@@ -253,13 +255,6 @@ class QuantizedLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"fmt={self.fmt.name}, transform={kind}, act_scale={self.act_scale}, "
                 f"bias={self.bias is not None}, trainable={self.trainable}")
-
-
-def pad_features(weight: Tensor, fmt: Format) -> Tensor:
-    """``weight [out, in]`` with zero columns up to a multiple of the format's block."""
-    block = fmt.block_size or 1
-    extra = -weight.shape[1] % block
-    return F.pad(weight, (0, extra)) if extra else weight
 
 
 def swap_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:

@@ -26,19 +26,27 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..transforms.autobrake import split_sequences
-from .config import Batches, BroadcastFn, Collectives, QuantizationConfig, ReduceFn, _identity
-from .gptq_quantizer import GPTQ
+from .config import (
+    Batches,
+    BroadcastFn,
+    Collectives,
+    QuantizationConfig,
+    ReduceFn,
+    _identity,
+    count_tokens,
+)
+from .gptq.quantizer import GPTQ
 from .layers import QuantizedLinear, quantized_linears, swap_module
 from .modules import check_finite, find_linears, in_out_features, linear_weight
 from .report import QuantizationReport, chosen_lambda, layer_report, peak_memory_mb
-from .rtn import RTN
+from .rtn.quantizer import RTN
 from .sequential import SequentialRunner, trim_heap
 from .stats import act_scales_from_amax, kept_inputs, transformed_amax
 from .w4a4 import cache_decoded_weights
@@ -77,11 +85,6 @@ def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[st
     if not modules:
         raise ValueError("every targeted layer was skipped; nothing to quantize")
     return modules, skipped
-
-
-def _token_count(batches: Sequence[Mapping[str, Tensor]]) -> int:
-    return sum(b["input_ids"].numel() for b in batches
-               if isinstance(b.get("input_ids"), Tensor))
 
 
 @torch.no_grad()
@@ -131,7 +134,7 @@ def quantize_model(
     modules, skipped = select_layers(model, config)
     fit, held_out = (split_sequences(batches, config.autobrake.holdout, config.transform.seed)
                      if config.auto else (batches, []))
-    split = CalibrationSplit(len(fit), len(held_out), _token_count(batches), expected_tokens)
+    split = CalibrationSplit(len(fit), len(held_out), count_tokens(batches), expected_tokens)
     runner = SequentialRunner(model, fit + held_out, device=device,
                               offload_device=offload_device, targets=modules)
     if runner.device.type == "cuda":
@@ -182,7 +185,7 @@ def _quantize_block(block: Block, quantizer: WeightQuantizer, keep_outputs: bool
     """Steps 1-4 of the module docstring for one block; returns the full-precision block's
     outputs when ``keep_outputs``."""
     config, timing, step = block.config, block.timing, block.step
-    static = config.format.act_scale == "static" and config.fmt.global_scale
+    static = config.effective_act_scale == "static"
     tick = time.perf_counter()
     with (kept_inputs(block.linears, step.module, step.runner.offload_device) if static
           else contextlib.nullcontext({})) as inputs:
@@ -208,7 +211,7 @@ def _quantize_block(block: Block, quantizer: WeightQuantizer, keep_outputs: bool
             _set_full_precision(module, *plan.full_precision)
         weight = linear_weight(module)
         layer = QuantizedLinear.from_linear(
-            module, config.fmt, plan.online, act_scale="static" if static else "dynamic",
+            module, config.fmt, plan.online, act_scale=config.effective_act_scale,
             act_global_scale=scales[name].to(weight.device) if static else None,
             trainable=quantizer.trainable and plan.weight is None, name=name,
             quantized_weight=plan.weight)

@@ -27,8 +27,8 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from ..formats import Format
+from ..formats.padding import pad_features
 from ..formats.rounding import NVFP4_MIN_GLOBAL_SCALE
-from .layers import pad_features
 from .modules import check_finite, first_input, flatten_tokens, in_out_features, linear_weight
 from .w4a4 import transformed_input
 

@@ -32,8 +32,8 @@ equals ``quantize_model`` with the same recipe bit for bit.
 
 ``prepare.filter_fn`` selects the layers ``quantize_model`` would (``layers.targets`` /
 ``layers.ignore`` patterns; by default not the LM head); without it torchao's default filter
-prepares every ``nn.Linear``.  ``convert`` converts the layers that were prepared and leaves the others.
-Only ``nn.Linear`` layers are handled (transformers' ``Conv1D``, GPT-2, multiplies with
+prepares every ``nn.Linear``.  ``convert`` converts the layers that were prepared and leaves the
+others.  Only ``nn.Linear`` layers are handled (transformers' ``Conv1D``, GPT-2, multiplies with
 ``addmm``, not ``F.linear``: quantize it with ``quantize_model``); ``lam: auto`` and GPTQ
 select or compensate on the calibration set as a whole and run only through ``quantize_model``
 (as do MSE scales, ``propagate: quantized`` and ``fold_o_proj``).
@@ -52,9 +52,10 @@ from torchao.quantization.quantize_.common.quantization_step import Quantization
 from torchao.quantization.transform_module import register_quantize_module_handler
 
 from ..formats import QuantizedTensor
+from ..formats.padding import pad_features
 from ..transforms.fit import FITTED_TRANSFORMS, fit_transform
 from .config import QuantizationConfig
-from .layers import pad_features, w4a4_weight
+from .layers import w4a4_weight
 from .modules import first_input, is_targeted
 from .stats import StatisticsCollector, act_scales_from_amax
 from .w4a4 import transformed_input
@@ -110,7 +111,7 @@ class KBBQConfig(AOBaseConfig):
     @property
     def static(self) -> bool:
         """Whether activations get a calibrated (static) per-tensor scale."""
-        return self.config.format.act_scale == "static" and bool(self.config.fmt.global_scale)
+        return self.config.effective_act_scale == "static"
 
     def filter_fn(self, module: nn.Module, fqn: str) -> bool:
         """torchao's ``filter_fn``: the ``nn.Linear`` layers ``quantize_model`` would quantize
@@ -219,7 +220,7 @@ def _convert(module: nn.Module, ao_config: KBBQConfig) -> nn.Module:
                                          weight.device)
         scale = act_scales_from_amax({observer.label: amax}, lambda t: t)[observer.label]
     quantized = w4a4_weight(module, recipe.fmt, transform,
-                            act_scale="static" if ao_config.static else "dynamic",
+                            act_scale=recipe.effective_act_scale,
                             act_global_scale=scale)
     module.weight = nn.Parameter(quantized, requires_grad=False)
     delattr(module, OBSERVER_ATTR)

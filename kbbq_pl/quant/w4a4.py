@@ -33,7 +33,7 @@ import contextlib
 import importlib
 from collections.abc import Iterator
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,21 +44,13 @@ from .._compat import TorchAOBaseTensor
 from ..formats import Format, QuantizedTensor, fake_quantize, ste_fake_quantize
 from ..kernels.reference import supports_format
 from ..transforms.fit import transform_inputs
+from .act_scale import ActScale, check_act_scale, effective_act_scale
 
-ActScale = Literal["static", "dynamic"]
-ACT_SCALES: tuple[str, ...] = ("static", "dynamic")
 KERNEL_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 """Device types whose products go through ``kbbq_pl.kernels`` when it is available there (the
 CPU runs the kernels only under Triton's interpreter, far slower than the emulation)."""
 _KERNEL_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _F32 = torch.float32
-
-
-def effective_act_scale(fmt: Format, act_scale: str) -> ActScale:
-    """``act_scale`` checked; formats without a per-tensor scale (MX) are always ``dynamic``."""
-    if act_scale not in ACT_SCALES:
-        raise ValueError(f"act_scale must be 'static' or 'dynamic', got {act_scale!r}")
-    return "static" if act_scale == "static" and fmt.global_scale else "dynamic"
 
 
 class W4A4Weight(QuantizedTensor):
@@ -183,10 +175,8 @@ def _check_fields(weight: W4A4Weight) -> None:
     if k % block or not k - block < weight.in_features <= k:
         raise ValueError(f"{label}: in_features {weight.in_features} does not pad to the codes' "
                          f"width {k} (whole {fmt.name} blocks of {block})")
-    if weight.act_scale not in ACT_SCALES:
-        raise ValueError(f"{label}: act_scale must be 'static' or 'dynamic', "
-                         f"got {weight.act_scale!r}")
-    if weight.act_scale == "static" and not fmt.global_scale:
+    check_act_scale(weight.act_scale, f"{label}: act_scale")
+    if effective_act_scale(fmt, weight.act_scale) != weight.act_scale:
         raise ValueError(f"{label}: {fmt.name} has no per-tensor activation scale to calibrate")
     t = weight.transform
     if t is not None and not (t.shape == (k, k) or (
@@ -403,14 +393,11 @@ def master_linear(x: Tensor, weight: MasterWeight, bias: Tensor | None = None) -
 
 
 __all__ = [
-    "ACT_SCALES",
     "KERNEL_DEVICE_TYPES",
-    "ActScale",
     "MasterWeight",
     "W4A4Weight",
     "cache_decoded_weights",
     "decoded_weight",
-    "effective_act_scale",
     "master_linear",
     "padded_input",
     "transformed_input",

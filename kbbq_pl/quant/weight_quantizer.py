@@ -6,7 +6,7 @@ block's calibration run, and how it turns the block's linears into FP4 weights.
 method's hooks) and :meth:`WeightQuantizer.quantize` (fits the transforms and quantizes the
 weights, returning one :class:`LayerPlan` per linear); the pipeline then calibrates the static
 activation scales, swaps the layers in and produces the next block's inputs.  Two strategies
-ship: :class:`~kbbq_pl.quant.rtn.RTN` and :class:`~kbbq_pl.quant.gptq_quantizer.GPTQ`.
+ship: :class:`~kbbq_pl.quant.rtn.RTN` and :class:`~kbbq_pl.quant.gptq.GPTQ`.
 """
 
 from __future__ import annotations

@@ -15,12 +15,29 @@ for data-free transforms; for fitted ones (WUSH, KBBQ) :func:`pooled_group_stati
 one transform per value head from the statistics of the query heads that share it.  No other
 per-block transform folds: the inputs of ``q/k/v_proj`` and ``gate/up_proj`` come from a norm
 (a diagonal scale) and ``down_proj``'s from an elementwise product.
+
+:func:`fold_o_proj` is one fold: ``o_proj``'s transform fitted shared per value head, folded
+into ``v_proj``'s rows, and ``v_proj``'s own transform refitted on its new weight.  Walking a
+model for its ``o_proj`` / ``v_proj`` pairs and their statistics is the quantizer's part
+(:func:`kbbq_pl.quant.rtn.quantizer.fold_o_proj_transforms`): transforms sit below
+:mod:`kbbq_pl.quant` and read no modules.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import Tensor
+
+from ..formats import Format
+from ..formats.padding import pad_features
+
+FitFn = Callable[[Tensor, Tensor], "Tensor | None"]
+"""``fit(weight, sigma_blocks)``: the transform of a weight from its input statistics (None for
+the identity)."""
 
 
 def _heads(transform: Tensor, head_dim: int, n_heads: int) -> Tensor:
@@ -88,3 +105,41 @@ def expand_to_query_heads(blocks: Tensor, n_heads: int, n_kv_heads: int) -> Tens
     query heads that read it: ``[n_heads * head_dim / d, d, d]``."""
     per_group = blocks.reshape(n_kv_heads, -1, *blocks.shape[-2:])
     return per_group.repeat_interleave(n_heads // n_kv_heads, 0).reshape(-1, *blocks.shape[-2:])
+
+
+def attention_heads(config: Any) -> tuple[int, int, int]:
+    """``(n_heads, n_kv_heads, head_dim)`` of a HuggingFace config."""
+    n_heads = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    return n_heads, n_kv, head_dim
+
+
+@dataclass
+class FoldedPair:
+    """One ``o_proj`` transform folded into its ``v_proj``: the transforms both layers get and
+    the ``v_proj``'s new full-precision weight and bias."""
+
+    o_transform: Tensor
+    v_transform: Tensor | None
+    v_weight: Tensor
+    v_bias: Tensor | None
+
+
+def fold_o_proj(o_weight: Tensor, o_sigma: Tensor, v_weight: Tensor, v_bias: Tensor | None,
+                v_sigma: Tensor, heads: tuple[int, int, int], fit: FitFn, fmt: Format
+                ) -> FoldedPair | None:
+    """Fit ``o_proj``'s transform shared per value head (``fit`` on the statistics pooled by
+    :func:`pooled_group_statistics`), fold it into ``v_proj``'s rows and refit ``v_proj``'s
+    transform on its new weight (zero-padded to whole ``fmt`` blocks) and input statistics
+    ``v_sigma``; None when ``fit`` gives the identity (nothing to fold).  ``heads`` is
+    ``(n_heads, n_kv_heads, head_dim)`` (:func:`attention_heads`)."""
+    n_heads, n_kv, head_dim = heads
+    stacked, sigma = pooled_group_statistics(o_weight, o_sigma, head_dim, n_heads, n_kv)
+    shared = fit(stacked, sigma)
+    if shared is None:
+        return None
+    o_transform = expand_to_query_heads(shared, n_heads, n_kv)
+    weight, bias = fold_into_values(v_weight, v_bias, o_transform, head_dim, n_heads, n_kv)
+    v_transform = fit(pad_features(weight, fmt), v_sigma)
+    return FoldedPair(o_transform, v_transform, weight, bias)

@@ -4,7 +4,9 @@ Per block (:class:`RTN`): hooks on the targeted linears collect the ``d x d`` bl
 moments of their inputs (:mod:`kbbq_pl.quant.stats`), summed over ranks; each layer's transform
 is fitted (:mod:`kbbq_pl.transforms`; with ``lam="auto"`` the brake is chosen on held-out
 sequences, :func:`auto_transform`) and ``W T^-1`` is rounded to nearest with min-max block scales
-(or MSE-searched ones, ``scale_search="mse"``).  By default the next block is calibrated on the
+(or MSE-searched ones, ``scale_search="mse"``, :func:`~kbbq_pl.quant.rtn.algorithm.rtn`); with
+``transform.fold_o_proj`` the ``o_proj`` transforms are folded into the ``v_proj`` rows
+(:func:`fold_o_proj_transforms`, over :func:`kbbq_pl.transforms.fold.fold_o_proj`).  By default the next block is calibrated on the
 full-precision block's outputs, so every layer's statistics are those of the full-precision
 model (``propagate="fp"``).
 """
@@ -12,23 +14,23 @@ model (``propagate="fp"``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from torch import Tensor, nn
 
-from ..formats import quantize
-from ..transforms.autobrake import LambdaChoice, select_lambda
-from ..transforms.fit import fit_transform, kbbq_basis, transform_weight
-from ..transforms.fold import expand_to_query_heads, fold_into_values, pooled_group_statistics
-from .config import QuantizationConfig, ReduceFn, _identity
-from .gptq import rtn
-from .layers import pad_features
-from .modules import linear_weight
-from .report import QuantizationReport
-from .stats import LayerStatistics, StatisticsCollector
-from .weight_quantizer import Block, LayerPlan, WeightQuantizer
+from ...formats import quantize
+from ...formats.padding import pad_features
+from ...transforms.autobrake import LambdaChoice, select_lambda
+from ...transforms.fit import fit_transform, kbbq_basis, transform_weight
+from ...transforms.fold import attention_heads, fold_o_proj
+from ..config import QuantizationConfig, ReduceFn, _identity
+from ..modules import linear_weight
+from ..report import QuantizationReport
+from ..stats import LayerStatistics, StatisticsCollector
+from ..weight_quantizer import Block, LayerPlan, WeightQuantizer
+from .algorithm import rtn
 
-__all__ = ["RTN", "attention_heads", "auto_transform", "fold_o_proj_transforms"]
+__all__ = ["RTN", "auto_transform", "fold_o_proj_transforms"]
 
 
 def sample_stride(expected_tokens: int | None, keep: int, part: int, whole: int) -> int:
@@ -49,22 +51,12 @@ def auto_transform(weight: Tensor, fit: LayerStatistics, held_out: LayerStatisti
     basis = kbbq_basis(weight, fit.sigma_blocks(), config.transform.damping, name=name)
     samples = (held_out if config.autobrake.select_on == "holdout" else fit).sample()
     samples = pad_features(samples, config.fmt).to(weight.device)
-    static = config.format.act_scale == "static" and config.fmt.global_scale
-    act_scale = "static" if static else "dynamic"
-    choice = select_lambda(weight, basis, samples, config.fmt, config.autobrake.grid, act_scale,
-                           reduce_sum, reduce_max)
+    choice = select_lambda(weight, basis, samples, config.fmt, config.autobrake.grid,
+                           config.effective_act_scale, reduce_sum, reduce_max)
     if config.autobrake.refit:
         pooled = (fit.sigma_sum + held_out.sigma_sum) / (fit.tokens + held_out.tokens)
         basis = kbbq_basis(weight, pooled, config.transform.damping, name=name)
     return basis.transform(choice.lam), choice
-
-
-def attention_heads(config: Any) -> tuple[int, int, int]:
-    """``(n_heads, n_kv_heads, head_dim)`` of a HuggingFace config."""
-    n_heads = config.num_attention_heads
-    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
-    return n_heads, n_kv, head_dim
 
 
 def fold_o_proj_transforms(model: nn.Module, modules: dict[str, nn.Module],
@@ -76,7 +68,7 @@ def fold_o_proj_transforms(model: nn.Module, modules: dict[str, nn.Module],
     fold it into its ``v_proj``'s rows; refit that ``v_proj``'s transform on its new weight.
     Updates ``transforms``; returns, per folded ``o_proj``, its ``v_proj`` and the new
     full-precision ``(weight, bias)`` of the ``v_proj`` (the model is not changed)."""
-    n_heads, n_kv, head_dim = attention_heads(model.config)
+    heads = attention_heads(model.config)
     pairs = [(name, name.removesuffix("o_proj") + "v_proj") for name in modules
              if name.endswith("o_proj")]
     pairs = [(o, v) for o, v in pairs if v in modules]
@@ -91,19 +83,15 @@ def fold_o_proj_transforms(model: nn.Module, modules: dict[str, nn.Module],
 
     folded = {}
     for o_name, v_name in pairs:
-        o_weight = linear_weight(modules[o_name]).detach()
-        stacked, sigma = pooled_group_statistics(o_weight, stats[o_name].sigma_blocks(),
-                                                 head_dim, n_heads, n_kv)
-        shared = fit(stacked, sigma)
-        if shared is None:
-            continue
-        transforms[o_name] = expand_to_query_heads(shared, n_heads, n_kv)
         v_module = modules[v_name]
-        weight, bias = fold_into_values(linear_weight(v_module).detach(), v_module.bias,
-                                        transforms[o_name], head_dim, n_heads, n_kv)
-        transforms[v_name] = fit(pad_features(weight, config.fmt),
-                                 stats[v_name].sigma_blocks())
-        folded[o_name] = (v_name, weight, bias)
+        pair = fold_o_proj(linear_weight(modules[o_name]).detach(), stats[o_name].sigma_blocks(),
+                           linear_weight(v_module).detach(), v_module.bias,
+                           stats[v_name].sigma_blocks(), heads, fit, config.fmt)
+        if pair is None:
+            continue
+        transforms[o_name] = pair.o_transform
+        transforms[v_name] = pair.v_transform
+        folded[o_name] = (v_name, pair.v_weight, pair.v_bias)
     return folded
 
 
@@ -182,7 +170,7 @@ class RTN(WeightQuantizer):
         new_values = {v_name: (weight, bias) for v_name, weight, bias in folded.values()}
 
         plans = {}
-        for name, module in block.linears.items():
+        for name in block.linears:
             weight = padded[name]
             full_precision = new_values.get(name)
             if full_precision is not None:  # the weight the module takes (in its dtype)

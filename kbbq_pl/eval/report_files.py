@@ -1,4 +1,6 @@
-"""The quantization report: ``report.json`` (everything) and ``report.md`` (for people)."""
+"""The quantization report's files: ``report.json`` (everything) and ``report.md`` (for people),
+rendered from :class:`~kbbq_pl.quant.report.QuantizationReport`, and the markdown tables of
+sweeps and comparisons."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The GPTQ family as a weight quantizer: GPTQ, MR-GPTQ, GPTQ-WUSH, GPTQ-KBBQ.
+"""The GPTQ family as a weight quantizer: GPTQ, MR-GPTQ, GPTQ-WUSH, GPTQ-KBBQ (the algorithm on
+tensors is :mod:`kbbq_pl.quant.gptq.algorithm`).
 
 :class:`GPTQ` is the weight quantizer (:mod:`kbbq_pl.quant.weight_quantizer`) of the GPTQ family in
 the block-sequential pipeline (:func:`kbbq_pl.quant.pipeline.quantize_model`).  For each block:
@@ -26,22 +27,21 @@ batches) starts GPTQ from the same float32 ``H`` (:meth:`HessianCollector.reduce
 (or stack of layers sharing a Hessian) is quantized by one rank and broadcast.
 
 GPTQ-WUSH / GPTQ-KBBQ: ``transform_refit="in_loop"`` (the default; the WUSH paper's variant,
-:func:`kbbq_pl.quant.gptq.gptq_refit`) refits each ``T_b`` on the error-updated weight block when
-GPTQ reaches it and rounds the block's columns with GPTQ's updates in its coordinates; ``"fixed"``
-fits ``T`` once from the calibration statistics and runs GPTQ on ``W T^-1`` with ``T H T^T`` (with
-act-order).  ``lam="auto"`` (:func:`auto_gptq`) runs the candidates on the fitting part's Hessian
-and keeps the lambda whose GPTQ-quantized layer has the smallest realized W4A4 output error on the
-held-out tokens.  On all-MiniLM-L6-v2 (``bench/w4a4_table.py --extra``, calibration seed 0) the
-in-loop refit gives GPTQ-KBBQ a better embedding fidelity in MXFP4 (+0.0031 in mean cosine) and the
-same within noise in NVFP4 (-0.0002), hence the default.  GPTQ-WUSH (lambda = 1) refit in the loop
-is better in NVFP4 (+0.0015) but collapses in MXFP4 (0.892 against 0.955 with ``fixed``); the braked
-KBBQ refit does not.
+:func:`~kbbq_pl.quant.gptq.algorithm.gptq_refit`) refits each ``T_b`` on the error-updated weight
+block when GPTQ reaches it and rounds the block's columns with GPTQ's updates in its coordinates;
+``"fixed"`` fits ``T`` once from the calibration statistics and runs GPTQ on ``W T^-1`` with
+``T H T^T`` (with act-order).  ``lam="auto"`` (:func:`auto_gptq`) runs the candidates on the
+fitting part's Hessian and keeps the lambda whose GPTQ-quantized layer has the smallest realized
+W4A4 output error on the held-out tokens.  On all-MiniLM-L6-v2 (``bench/w4a4_table.py --extra``,
+calibration seed 0) the in-loop refit gives GPTQ-KBBQ a better embedding fidelity in MXFP4
+(+0.0031 in mean cosine) and the same within noise in NVFP4 (-0.0002), hence the default.
+GPTQ-WUSH (lambda = 1) refit in the loop is better in NVFP4 (+0.0015) but collapses in MXFP4
+(0.892 against 0.955 with ``fixed``); the braked KBBQ refit does not.
 """
 
 from __future__ import annotations
 
 import contextlib
-
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -50,11 +50,17 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..formats import QuantizedTensor
-from ..transforms.autobrake import LambdaChoice, best_lambda, quantized_output_error
-from ..transforms.fit import fit_transform, transform_weight
-from .config import QuantizationConfig, ReduceFn, _identity
-from .gptq import (
+from ...formats import QuantizedTensor
+from ...formats.padding import pad_features
+from ...transforms.autobrake import LambdaChoice, best_lambda, quantized_output_error
+from ...transforms.fit import fit_transform, transform_weight
+from ..config import QuantizationConfig, ReduceFn, _identity
+from ..modules import check_finite, first_input, flatten_tokens, linear_weight
+from ..report import QuantizationReport
+from ..sequential import trim_heap
+from ..stats import StatisticsCollector
+from ..weight_quantizer import Block, LayerPlan, WeightQuantizer
+from .algorithm import (
     GPTQResult,
     gptq_layers,
     gptq_refit,
@@ -62,12 +68,6 @@ from .gptq import (
     sigma_blocks_from_hessian,
     transform_hessian,
 )
-from .layers import pad_features
-from .modules import check_finite, first_input, flatten_tokens, linear_weight
-from .report import QuantizationReport
-from .sequential import trim_heap
-from .stats import StatisticsCollector
-from .weight_quantizer import Block, LayerPlan, WeightQuantizer
 
 __all__ = ["GPTQ", "HessianCollector", "assign_owners", "auto_gptq", "gather_rows",
            "quantize_layers"]
@@ -173,13 +173,13 @@ def quantize_layers(weights: Mapping[str, Tensor], h: Tensor, config: Quantizati
     result (the quantized ``W T^-1``) and the transform ``T`` (float64, None for the identity).
 
     Several layers need a data-free transform (identity, Hadamard, Haar: one ``T`` for all);
-    they run as one stacked GPTQ (:func:`kbbq_pl.quant.gptq.gptq_layers`).
+    they run as one stacked GPTQ (:func:`kbbq_pl.quant.gptq.algorithm.gptq_layers`).
     """
     fmt = config.fmt
     kind = config.transform.name
     names = list(weights)
-    common = dict(damping=config.weights.damping, block_size=config.weights.block_size,
-                  scale_search=config.weights.scale_search)
+    common = {"damping": config.weights.damping, "block_size": config.weights.block_size,
+              "scale_search": config.weights.scale_search}
     if kind in ("wush", "kbbq"):
         if len(names) != 1:
             raise ValueError(f"{kind} transforms are fitted per layer: quantize {names} one by one")
@@ -216,8 +216,7 @@ def auto_gptq(name: str, weight: Tensor, h_fit: Tensor, h_all: Tensor, x_select:
     deployed), and keep the best; with ``config.autobrake.refit`` the chosen lambda is quantized
     again with the Hessian of all tokens ``h_all``.  Returns ``(result, transform)`` as
     :func:`quantize_layers` does, and the choice."""
-    static = config.format.act_scale == "static" and config.fmt.global_scale
-    act_scale = "static" if static else "dynamic"
+    act_scale = config.effective_act_scale
     errors: dict[float, float] = {}
     best: tuple[GPTQResult, Tensor | None] | None = None
     y = x_select.float() @ weight.float().T

@@ -1,12 +1,13 @@
 """Test configuration: offline, deterministic, eager kernels unless a test asks for compiled."""
 
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Compiling a kernel costs seconds; the suite runs eager kernels and tests/test_formats.py
+# Compiling a kernel costs seconds; the suite runs eager kernels and tests/formats/test_formats.py
 # checks the compiled ones against them bit for bit.
 os.environ.setdefault("KBBQ_PL_COMPILE", "0")
 
@@ -21,6 +22,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+# The tests mirror the package (tests/formats/, tests/quant/, ...) with no __init__.py files, so
+# every test module is imported by its basename (all unique).  Helper modules (tests/*.py) and
+# test modules that others import from (tests/formats/test_formats.py, ...) are found the same
+# way whichever file pytest is asked to run.
+TESTS = Path(__file__).resolve().parent
+for _folder in [TESTS, *sorted(p for p in TESTS.iterdir() if p.is_dir() and p.name[0] not in "._"
+                                 and p.name != "data")]:
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 
 def pytest_collection_modifyitems(config, items):

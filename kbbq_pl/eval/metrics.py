@@ -34,7 +34,7 @@ they compute other numbers than kbbq-pl reports.  ``Perplexity`` takes ``log`` o
 casts to float32, has no min, and keeps every embedding as a list state (gathered whole across
 processes) where three scalars suffice.  The metrics here sum in float64, in the order of the
 updates, so on one process they give the figures kbbq-pl computed by hand before them bit for
-bit (``tests/test_metrics.py``).
+bit (``tests/eval/test_metrics.py``).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ The Triton kernels of :mod:`kbbq_pl.kernels` compute exactly these functions:
   accumulates (its FMA lowering runs ``k`` upwards from the accumulator), and the kernel's
   explicit ``tl.fma`` chain under the interpreter.  A GPU that lowered the product otherwise
   (another Triton version) would differ in the last bit of some ``h``, and a code flips only when
-  such an ``h`` sits within that ulp of a rounding boundary; ``tests/test_kernels.py`` measures
-  the mismatch rate on the GPU.
+  such an ``h`` sits within that ulp of a rounding boundary;
+  ``tests/kernels/test_kernels.py`` measures the mismatch rate on the GPU.
 * :func:`reference_quantize_activations` rounds ``h`` with
   :func:`kbbq_pl.formats.rounding.e2m1_groups` (NVFP4 or MXFP4, every E8M0 rounding mode), under
   the ``propagate`` policy for non-finite values (a block holding NaN or Inf gets a NaN scale,

@@ -1,5 +1,5 @@
 """Writes ``tests/data/pipeline_guard.json``, the bit-identity guard of
-``tests/test_pipeline_guard.py``.
+``tests/quant/test_pipeline_guard.py``.
 
 Every shipped recipe (``recipes/*.yaml``: RTN I / HAAR / WUSH / KBBQ at each lambda and ``auto``,
 GPTQ, MR-GPTQ, GPTQ-WUSH, GPTQ-KBBQ (fixed and auto), NVFP4 and MXFP4) quantizes the same tiny
@@ -9,8 +9,8 @@ quantized layers (FP4 codes, block scales, global scales, transforms, static act
 the number of such tensors and one SHA-256 over their names, dtypes, shapes and bytes.  The
 codes, scales and transforms of a later version must match bit for bit.
 
-Written at commit e6ca8dc (before the package was reorganized into subpackages), from the
-repository root::
+Written by the code before the package was reorganized into subpackages, from the repository
+root::
 
     python tests/data/make_pipeline_guard.py
 
@@ -22,8 +22,8 @@ eigendecompositions, whose last bits depend on the CPU kernels torch and MKL pic
 AVX2): on an AVX2-only CPU 20 of the 28 recipes differ from the file above in their last bits,
 deterministically.  So a CPU whose ``torch.backends.cpu.get_cpu_capability()`` has its own file,
 ``pipeline_guard.<capability>.json``, is checked against that one (:func:`guard_path`):
-``pipeline_guard.AVX2.json`` was written on an AVX2 machine by commit f0f312b, the code that
-matched ``pipeline_guard.json`` on the machines before (``--capability-file``).
+``pipeline_guard.AVX2.json`` was written on an AVX2 machine by code that matched
+``pipeline_guard.json`` on the machines before (``--capability-file``).
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def guard_path() -> Path:
 
 
 def recipe_configs() -> dict[str, QuantizationConfig]:
-    """The recipe of every shipped recipe file (its ``recipe:`` section; the files of commit
-    e6ca8dc held the same fields, flat, under ``quantizer: init_args:``), by file name."""
+    """The recipe of every shipped recipe file (its ``recipe:`` section; the files that wrote
+    the guard held the same fields, flat, under ``quantizer: init_args:``), by file name."""
     return {path.stem: QuantizationConfig.from_dict(yaml.safe_load(path.read_text())["recipe"])
             for path in sorted((ROOT / "recipes").glob("*.yaml"))}
 

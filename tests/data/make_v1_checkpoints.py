@@ -1,7 +1,7 @@
-"""Writes the format-1 checkpoint fixtures of ``tests/test_checkpoint_compat.py``.
+"""Writes the format-1 checkpoint fixtures of ``tests/io/test_checkpoint_compat.py``.
 
-Run once, at commit 9857e0e (the code that wrote format 1 and computed W4A4 products on a dense
-dequantized copy of the weights), from the repository root:
+Run once, with the code that wrote format 1 and computed W4A4 products on a dense dequantized
+copy of the weights, from the repository root:
 
     python tests/data/make_v1_checkpoints.py
 

@@ -130,7 +130,7 @@ class HessianCollector(StatisticsCollector):
         over ranks, as long as an entry's per-call values span less than ``2^29 / calls`` in
         magnitude; beyond that, the differences are float64 roundings (~1e-16 relative), and
         :meth:`hessian` rounds to float32 (6e-8) once at the end.  One process and several give
-        the same float32 ``H``, and the same codes (tests/test_gptq_pipeline.py).
+        the same float32 ``H``, and the same codes (tests/quant/test_gptq_pipeline.py).
         """
         self._cached = None
         for group in self.groups():

@@ -1,7 +1,7 @@
 """Bit-identity guard: every shipped recipe quantizes the tiny seeded model of
 ``tests/data/make_pipeline_guard.py`` to the same FP4 codes, block scales, global scales,
 transforms and activation scales as the code that wrote ``tests/data/pipeline_guard.json``
-(commit e6ca8dc, before the package was reorganized into subpackages)."""
+(before the package was reorganized into subpackages)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 _spec = importlib.util.spec_from_file_location("make_pipeline_guard",
                                                DATA / "make_pipeline_guard.py")
 guard = importlib.util.module_from_spec(_spec)

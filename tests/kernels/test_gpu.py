@@ -1,14 +1,14 @@
-"""The CUDA path end to end (issue 11): rounding bit-identical to the CPU's, compiled and
+"""The CUDA path end to end: rounding bit-identical to the CPU's, compiled and
 eager; quantization, the Lightning callback and checkpoints with the model on a GPU.
 
 Skipped without a CUDA device (the conftest gives the reason).  On a GPU machine::
 
     python -m pytest -m gpu            # these and the other GPU tests of the suite
 
-(``tests/test_outputs.py`` runs ``kbbq-pl quantize / sweep / law --device cuda``,
-``tests/test_benchmarks.py`` ``kbbq-pl eval --device cuda``, ``tests/test_kernels.py`` the
-Triton kernels on the GPU.)  The CPU half of these checks is in tests/test_device_rounding.py
-and tests/test_devices.py.
+(``tests/cli/test_outputs.py`` runs ``kbbq-pl quantize / sweep / law --device cuda``,
+``tests/eval/test_benchmarks.py`` ``kbbq-pl eval --device cuda``,
+``tests/kernels/test_kernels.py`` the Triton kernels on the GPU.)  The CPU half of these checks
+is in tests/formats/test_device_rounding.py and tests/quant/test_device_placement.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning_helpers import TinyLM
 from test_device_rounding import CASES, DTYPES, _all_outputs
 from test_formats import ALL_FORMATS, bits
-from test_lightning import datamodule, trainer
+from test_kbbq import datamodule, trainer
 from torch import nn
 
 from kbbq_pl import formats as F

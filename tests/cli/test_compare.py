@@ -90,7 +90,7 @@ def test_finetune_example_runs_on_the_tiny_model(tiny_llama2c_folder, tmp_path):
 
     import yaml
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     settings = yaml.safe_load((root / "examples" / "finetune_smollm2.yaml").read_text())
     settings.update(model=str(tiny_llama2c_folder), calibration_tokens=512, steps=3, seq_len=64,
                     heldout_tokens=256, context=64, stride=32, val_every=1)

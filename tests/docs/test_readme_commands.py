@@ -18,7 +18,7 @@ from conftest import SHARED_DATA
 
 from kbbq_pl.cli.commands import RECIPE_COMMANDS, build_parser, main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCUMENTS = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 TINY = SHARED_DATA / "tiny_llama_aidreams260K"
@@ -110,7 +110,7 @@ def _anchors(text: str) -> set[str]:
     return anchors
 
 
-# paths the documents name as removed or renamed (issue 21)
+# paths the documents name as removed or renamed
 GONE = {"kbbq_pl/formats/kernels.py", "formats/kernels.py", "kbbq_pl/_aliases.py",
         "kbbq_pl/quant/gptq.py", "kbbq_pl/quant/gptq_quantizer.py", "kbbq_pl/quant/rtn.py",
         "kbbq_pl/eval/report.py"}

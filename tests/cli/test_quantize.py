@@ -21,7 +21,7 @@ from kbbq_pl.quant import (
     quantize_model,
 )
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 
 def folder_digest(folder: Path) -> dict[str, str]:

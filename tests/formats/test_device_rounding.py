@@ -1,4 +1,4 @@
-"""Rounding that does not depend on the device or the backend (issue 11), checked on the CPU.
+"""Rounding that does not depend on the device or the backend, checked on the CPU.
 
 A GPU divides differently from a CPU: Triton (``torch.compile`` on CUDA) emits the approximate
 ``div.full.f32`` for an FP32 ``/``, and eager CUDA divides by a Python number as
@@ -6,8 +6,8 @@ A GPU divides differently from a CPU: Triton (``torch.compile`` on CUDA) emits t
 :class:`GpuLikeDivision` runs them with every FP32 (or lower) quotient one ulp off and every
 FP64 quotient by a number formed as a product with the reciprocal, and the bits must not move.
 The arithmetic is also checked against an independent IEEE FP32 reference in numpy, and the
-compiled CPU kernels against the eager ones (tests/test_formats.py); tests/test_gpu.py repeats
-the comparisons on a CUDA device.
+compiled CPU kernels against the eager ones (tests/formats/test_formats.py);
+tests/kernels/test_gpu.py repeats the comparisons on a CUDA device.
 """
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ def test_a_json_output_file_is_replaced_only_when_kbbq_pl_wrote_it(tmp_path):
 # --- every writer -------------------------------------------------------------------------
 
 def test_quantize_refuses_before_any_work(tiny_llama_dir, tmp_path, capsys, monkeypatch):
-    """The issue's three cases: an existing regular file, a folder with other files, and the
+    """Three refused outputs: an existing regular file, a folder with other files, and the
     source model's parent folder; nothing is loaded, nothing is touched."""
     import kbbq_pl.cli.quantize as cli
 

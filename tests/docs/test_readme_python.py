@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import SHARED_DATA
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md")),
              *sorted((ROOT / "docs" / "results").glob("*.md"))]

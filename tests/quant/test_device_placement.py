@@ -1,7 +1,7 @@
-"""The GPU path (issue 11), the parts a CPU can check: inputs follow the model's device, and a
+"""The GPU path, the parts a CPU can check: inputs follow the model's device, and a
 fine-tuning step reads nothing back from the device.
 
-The end-to-end runs with the model on a GPU are in tests/test_gpu.py; here the sequential
+The end-to-end runs with the model on a GPU are in tests/kernels/test_gpu.py; here the sequential
 runner's offloading is checked with the ``meta`` device standing in for a second device, and
 host synchronizations are counted as the reads of a tensor's value that cause them.
 """

@@ -20,7 +20,7 @@ from kbbq_pl.cli.quantize import _parser
 from kbbq_pl.quant.config import FLAT_KEYS, QuantizationConfig, TransformConfig
 from kbbq_pl.quant.torchao import KBBQConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # A valid value other than the default for every leaf field; a new field must get one here.
 OTHER_VALUES: dict[str, Any] = {

@@ -1,5 +1,5 @@
 """Format-1 checkpoints written by the code before the weight subclass owned the linear
-(``tests/data/make_v1_checkpoints.py``, run at commit 9857e0e) load bit-identically."""
+(``tests/data/make_v1_checkpoints.py``) load bit-identically."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from kbbq_pl.io.models import from_pretrained
 from kbbq_pl.quant.layers import quantized_linears
 
-V1 = Path(__file__).resolve().parent / "data" / "v1"
+V1 = Path(__file__).resolve().parents[1] / "data" / "v1"
 FIXTURES = ["nvfp4_kbbq_static", "mxfp4_haar_dynamic"]
 
 

@@ -450,7 +450,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     import subprocess
 
     pytest.importorskip("triton")
-    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    bench = str(Path(__file__).resolve().parents[2] / "bench")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", COMPILE_CHECK.format(bench=bench)],
                             capture_output=True, text=True, env=env, timeout=300)
@@ -462,7 +462,7 @@ def test_kernels_compile_for_hopper_without_a_gpu():
 def test_gpu_bench_dry_run(capsys):
     """bench/gpu.py's CPU-side logic on tiny shapes under the interpreter."""
     needs_kernels()
-    path = Path(__file__).resolve().parents[1] / "bench" / "gpu.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
     spec = importlib.util.spec_from_file_location("bench_gpu", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules["bench_gpu"] = module  # dataclasses look their module up there

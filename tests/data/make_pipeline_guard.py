@@ -38,8 +38,10 @@ import torch
 import yaml
 
 from kbbq_pl.io.checkpoint import checkpoint_contents
-from kbbq_pl.io.models import tiny_model
 from kbbq_pl.quant import QuantizationConfig, quantize_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, run as a script too
+from tiny_models import tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 GUARD = Path(__file__).resolve().parent / "pipeline_guard.json"

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny_models import tiny_model
 from torch import nn
 
 from kbbq_pl.eval.evaluation import (
@@ -24,7 +25,7 @@ from kbbq_pl.eval.evaluation import (
     split_wikitext_sentences,
     wikitext_sentences,
 )
-from kbbq_pl.io.models import load_model, tiny_model
+from kbbq_pl.io.models import load_model
 
 SAMPLE = """
  = Some Title =

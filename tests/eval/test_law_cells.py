@@ -10,6 +10,7 @@ import weakref
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
 from kbbq_pl import formats as F
 from kbbq_pl.cli.commands import main
@@ -17,7 +18,7 @@ from kbbq_pl.eval import law_cells
 from kbbq_pl.eval.law_cells import measure_law, quantized_rows
 from kbbq_pl.eval.law_report import summarize, write_report
 from kbbq_pl.io.data import token_blocks
-from kbbq_pl.io.models import load_model, tiny_model
+from kbbq_pl.io.models import load_model
 from kbbq_pl.law import noise_law as law
 from kbbq_pl.quant.modules import linear_weight
 

@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
 from kbbq_pl.cli import main
 from kbbq_pl.eval.evaluation import perplexity
 from kbbq_pl.eval.lm_metrics import lm_metrics, reference_log_probs, token_kl
-from kbbq_pl.io.models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,6 +10,7 @@ import tempfile
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
 from kbbq_pl.eval.evaluation import (
     cosine_summary,
@@ -23,7 +24,7 @@ from kbbq_pl.eval.evaluation import (
 )
 from kbbq_pl.eval.lm_metrics import lm_metrics, reference_log_probs
 from kbbq_pl.eval.metrics import CosineFidelity, TokenKL, TokenPerplexity, token_kl
-from kbbq_pl.io.models import load_model, tiny_model
+from kbbq_pl.io.models import load_model
 from kbbq_pl.resources import eval_sentences, eval_text
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -20,6 +20,7 @@ from compressed_tensors.compressors import BaseCompressor  # noqa: E402
 from compressed_tensors.quantization import QuantizationConfig as CTConfig  # noqa: E402
 from compressed_tensors.quantization import preset_name_to_scheme  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
+from tiny_models import tiny_model  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.utils.quantization_config import CompressedTensorsConfig  # noqa: E402
 
@@ -37,11 +38,7 @@ from kbbq_pl.io.compressed_tensors import (  # noqa: E402
 )
 from kbbq_pl.io.data import token_blocks  # noqa: E402
 from kbbq_pl.io.fileio import OutputPathError  # noqa: E402
-from kbbq_pl.io.models import (  # noqa: E402
-    from_pretrained,  # noqa: E402
-    load_model,
-    tiny_model,
-)
+from kbbq_pl.io.models import from_pretrained, load_model  # noqa: E402
 from kbbq_pl.quant import (  # noqa: E402
     FormatConfig,
     QuantizationConfig,

@@ -218,8 +218,9 @@ def test_a_hub_id_loads_through_the_huggingface_cache(monkeypatch, tmp_path):
     reachable (here: a snapshot function standing in for it), and one clear line where it is
     not (the tests run with ``HF_HUB_OFFLINE=1``)."""
     import huggingface_hub
+    from tiny_models import tiny_model
 
-    from kbbq_pl.io.models import load_model, resolve_model_path, tiny_model
+    from kbbq_pl.io.models import load_model, resolve_model_path
 
     snapshot = tmp_path / "snapshot"
     tiny_model("llama").save_pretrained(snapshot)

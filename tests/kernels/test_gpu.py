@@ -22,11 +22,12 @@ from lightning_helpers import TinyLM
 from test_device_rounding import CASES, DTYPES, _all_outputs
 from test_formats import ALL_FORMATS, bits
 from test_kbbq import datamodule, trainer
+from tiny_models import tiny_model
 from torch import nn
 
 from kbbq_pl import formats as F
 from kbbq_pl.io.checkpoint import save_quantized
-from kbbq_pl.io.models import from_pretrained, tiny_model
+from kbbq_pl.io.models import from_pretrained
 from kbbq_pl.quant import (
     FormatConfig,
     QuantizationConfig,

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kbbq_pl import formats as F
 from kbbq_pl.formats import deferred_checks
-from kbbq_pl.io.models import tiny_model
 from kbbq_pl.quant import FormatConfig, QuantizationConfig, TransformConfig, quantize_model
 from kbbq_pl.quant.layers import quantized_linears
 from kbbq_pl.quant.sequential import SequentialRunner

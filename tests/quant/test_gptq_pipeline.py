@@ -10,8 +10,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
-from kbbq_pl.io.models import tiny_model
 from kbbq_pl.quant import (
     AutoBrakeConfig,
     FormatConfig,

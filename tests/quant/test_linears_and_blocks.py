@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
 from kbbq_pl.io.data import token_blocks
-from kbbq_pl.io.models import load_model, tiny_model
+from kbbq_pl.io.models import load_model
 from kbbq_pl.quant.modules import cell_kind, find_linears, linear_weight
 from kbbq_pl.quant.sequential import SequentialRunner, find_blocks
 

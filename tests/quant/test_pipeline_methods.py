@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from tiny_models import tiny_model
 from torch import nn
 
-from kbbq_pl.io.models import tiny_model
 from kbbq_pl.quant import (
     FormatConfig,
     LayersConfig,

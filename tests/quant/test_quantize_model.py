@@ -6,12 +6,13 @@ import copy
 
 import pytest
 import torch
+from tiny_models import tiny_model
 from torch import nn
 
 from kbbq_pl import formats as F
 from kbbq_pl.formats import QuantizedTensor
 from kbbq_pl.io.data import token_blocks
-from kbbq_pl.io.models import load_model, tiny_model
+from kbbq_pl.io.models import load_model
 from kbbq_pl.quant import (
     FormatConfig,
     LayersConfig,

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_model
 from torch import nn
 from torchao.quantization import quantize_
 
-from kbbq_pl.io.models import tiny_model
 from kbbq_pl.quant import (
     FormatConfig,
     LayersConfig,

@@ -11,10 +11,10 @@ import types
 import pytest
 import torch
 import torch.nn.functional as TF
+from tiny_models import tiny_model
 from torch import nn
 
 from kbbq_pl import formats as F
-from kbbq_pl.io.models import tiny_model
 from kbbq_pl.quant import FormatConfig, QuantizationConfig, quantize_model, w4a4
 from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears, w4a4_weight
 from kbbq_pl.quant.w4a4 import MasterWeight, W4A4Weight, cache_decoded_weights, decoded_weight

@@ -70,8 +70,9 @@ def test_select_lambda_takes_the_smallest_held_out_error():
 
 
 def test_auto_lambda_in_the_pipeline_reports_choices():
+    from tiny_models import tiny_model
+
     from kbbq_pl.eval.report_files import report_markdown
-    from kbbq_pl.io.models import tiny_model
     from kbbq_pl.quant import QuantizationConfig, TransformConfig, quantize_model
 
     ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))

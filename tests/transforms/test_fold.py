@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
 from kbbq_pl.io.data import token_blocks
-from kbbq_pl.io.models import tiny_model
 from kbbq_pl.quant import (
     FormatConfig,
     QuantizationConfig,

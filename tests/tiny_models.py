@@ -1,0 +1,42 @@
+"""Tiny random-initialized causal LMs for tests: ``tiny_model("llama" | "qwen3" | "gpt2")``
+builds a small model of each causal-LM architecture from a config, with no download."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                  max_position_embeddings=256),
+    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+                  max_position_embeddings=256),
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=256,
+                 bos_token_id=255, eos_token_id=255),
+}
+
+
+
+def tiny_config(arch: str, **overrides: Any):
+    """A small config of a causal-LM architecture (``llama``, ``qwen3``, ``gpt2``)."""
+    from transformers import GPT2Config, LlamaConfig, Qwen3Config
+
+    classes = {"llama": LlamaConfig, "qwen3": Qwen3Config, "gpt2": GPT2Config}
+    if arch not in classes:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(classes)}")
+    return classes[arch](**{**TINY_CONFIGS[arch], **overrides})
+
+
+def tiny_model(arch: str, seed: int = 0, **overrides: Any) -> nn.Module:
+    """A random-initialized causal LM of ``arch`` built from :func:`tiny_config`, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.eval()
+    return model

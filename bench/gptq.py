@@ -97,10 +97,10 @@ def run_ours(folder: Path, args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     report = quantize_model(model, _batches(calib, args.batch_size), config, progress=False)
     seconds = time.perf_counter() - start
-    weights = {name: layer.dequantized_weight(torch.float32)[:, :layer.in_features]
-               for name, layer in quantized_linears(model).items()}
-    if config.transform.name != "identity":  # errors are compared for the identity versions
-        weights = {}
+    weights = {}  # errors are compared for the identity versions, where Q(W T^-1) = Q(W)
+    if config.transform.name == "identity":
+        weights = {name: layer.dequantized_weight(torch.float32)[:, :layer.in_features]
+                   for name, layer in quantized_linears(model).items()}
     torch.save(weights, folder / f"ours_{args.method}.pt")
     return {"seconds": seconds, "peak_rss_mb": _peak_rss_mb(),
             "phases": {k: round(v, 2) for k, v in report.seconds.items()}}

@@ -278,14 +278,18 @@ def transformed_amax(kept: Mapping[str, Iterable[Tensor]], modules: Mapping[str,
     """Per layer, the amax of its padded, transformed inputs ``T x`` over its kept inputs
     (:func:`kept_inputs`), computed on ``device`` (where the block runs: the same bits as a
     run of the block there); layers never called are absent."""
-    amax: dict[str, Tensor] = {}
+    readers: dict[tuple[int, ...], list[str]] = {}  # layers that read the same tensors
     for name, inputs in kept.items():
-        in_features, _ = in_out_features(modules[name])
+        readers.setdefault(tuple(map(id, inputs)), []).append(name)
+    amax: dict[str, Tensor] = {}
+    for names in readers.values():
+        in_features, _ = in_out_features(modules[names[0]])
         padded = pad_features(torch.empty(1, in_features), fmt).shape[1]
-        for x in inputs:
-            value = transformed_input(x.to(device), in_features, padded,
-                                      transforms[name]).abs().max()
-            amax[name] = value if name not in amax else torch.maximum(amax[name], value)
+        for x in kept[names[0]]:
+            x = x.to(device)  # once for every layer that reads it
+            for name in names:
+                value = transformed_input(x, in_features, padded, transforms[name]).abs().max()
+                amax[name] = value if name not in amax else torch.maximum(amax[name], value)
     return amax
 
 

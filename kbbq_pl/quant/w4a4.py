@@ -264,14 +264,20 @@ def uses_kernels(x: Tensor, weight: W4A4Weight) -> bool:
     return kernels is not None and bool(kernels.available(x.device))
 
 
+def _rounded_input(h: Tensor, fmt: Format, global_scale: Tensor | None,
+                   layer_name: str) -> Tensor:
+    """The transformed activations rounded to ``fmt``: straight-through while a gradient
+    reaches them (the same values either way)."""
+    name = f"{layer_name}.input" if layer_name else "input"
+    if torch.is_grad_enabled() and h.requires_grad:
+        return ste_fake_quantize(h, fmt, global_scale=global_scale, name=name)
+    return fake_quantize(h, fmt, global_scale=global_scale, name=name)
+
+
 def _emulated_linear(x: Tensor, weight: W4A4Weight, bias: Tensor | None,
                      act_global_scale: Tensor | None) -> Tensor:
     h = transformed_input(x, x.shape[-1], weight.last_dim, weight.transform)
-    name = f"{weight.layer_name}.input" if weight.layer_name else "input"
-    if torch.is_grad_enabled() and h.requires_grad:
-        h = ste_fake_quantize(h, weight.fmt, global_scale=act_global_scale, name=name)
-    else:
-        h = fake_quantize(h, weight.fmt, global_scale=act_global_scale, name=name)
+    h = _rounded_input(h, weight.fmt, act_global_scale, weight.layer_name)
     y = F.linear(h, decoded_weight(weight))
     if bias is not None:
         y = y + bias.to(y.dtype)
@@ -380,11 +386,7 @@ def master_linear(x: Tensor, weight: MasterWeight, bias: Tensor | None = None) -
     h = transform_inputs(padded_input(x, weight.in_features, weight.shape[-1]),
                          weight.transform)
     static = weight.act_global_scale if weight.act_scale == "static" else None
-    name = f"{weight.layer_name}.input" if weight.layer_name else "input"
-    if torch.is_grad_enabled() and h.requires_grad:
-        h = ste_fake_quantize(h, weight.fmt, global_scale=static, name=name)
-    else:
-        h = fake_quantize(h, weight.fmt, global_scale=static, name=name)
+    h = _rounded_input(h, weight.fmt, static, weight.layer_name)
     w = ste_fake_quantize(weight.master, weight.fmt, name=f"{weight.layer_name}.weight")
     y = F.linear(h, w.to(h.dtype))
     if bias is not None:

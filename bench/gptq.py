@@ -128,12 +128,14 @@ def run_llmc(folder: Path, args: argparse.Namespace) -> dict:
     processor = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")),
         unk_token="<unk>", pad_token="<unk>")
+    phases = _time_llmc_phases()
     start = time.perf_counter()
     oneshot(model=model, dataset=dataset, recipe=recipe, processor=processor,
             num_calibration_samples=len(calib),
             max_seq_length=calib.shape[1], batch_size=args.batch_size,
             shuffle_calibration_samples=False, pipeline="sequential")
     seconds = time.perf_counter() - start
+    phases["other"] = seconds - sum(phases.values())
     weights = {}
     idempotent = True
     with torch.no_grad():
@@ -147,7 +149,39 @@ def run_llmc(folder: Path, args: argparse.Namespace) -> dict:
             idempotent &= bool(torch.equal(q, module.weight))
             weights[name] = q.float()
     torch.save(weights, folder / f"llmc_{args.method}.pt")
-    return {"seconds": seconds, "peak_rss_mb": _peak_rss_mb(), "weights_on_grid": idempotent}
+    return {"seconds": seconds, "peak_rss_mb": _peak_rss_mb(), "weights_on_grid": idempotent,
+            "phases": {k: round(v, 2) for k, v in phases.items()}}
+
+
+def _time_llmc_phases() -> dict[str, float]:
+    """Time llm-compressor's phases by wrapping its functions: its sequential pipeline's block
+    forwards, with the calibration hooks on (``calibration``: forward + Hessian / observer
+    hooks) or off (``propagation``), the end of each block's calibration (``quantize``: GPTQ's
+    ``compress_modules`` or RTN's scales, run from ``sequential_epoch_end``) and the graph
+    tracing (``tracing``)."""
+    from llmcompressor.core import LifecycleCallbacks
+    from llmcompressor.modifiers.utils.hooks import HooksMixin
+    from llmcompressor.pipelines.sequential import helpers, pipeline
+
+    phases = dict.fromkeys(("calibration", "propagation", "quantize", "tracing"), 0.0)
+
+    def timed(function, phase):
+        def run(*args, **kwargs):
+            key = phase() if callable(phase) else phase
+            tick = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                phases[key] += time.perf_counter() - tick
+        return run
+
+    helpers.Subgraph.forward = timed(
+        helpers.Subgraph.forward,
+        lambda: "propagation" if HooksMixin._HOOKS_DISABLED else "calibration")
+    LifecycleCallbacks.sequential_epoch_end = timed(LifecycleCallbacks.sequential_epoch_end,
+                                                    "quantize")
+    pipeline.trace_subgraphs = timed(pipeline.trace_subgraphs, "tracing")
+    return phases
 
 
 # ------------------------------------------------------------------------------ parent
@@ -293,8 +327,8 @@ def main() -> None:
         print(f"{LABELS[m]} per-layer error ratio ours/theirs: geometric mean {geo:.3f}, "
               f"ours <= theirs in {sum(r <= 1 for r in ratios)} / {len(ratios)} layers")
     for (tool, m), run in runs.items():
-        if tool == "ours":
-            print(f"kbbq-pl {LABELS[m]} phases (s): {run['phases']}")
+        print(f"{'kbbq-pl' if tool == 'ours' else 'llm-compressor'} {LABELS[m]} phases (s): "
+              f"{run.get('phases')}")
 
 
 if __name__ == "__main__":

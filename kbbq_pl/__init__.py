@@ -5,6 +5,7 @@ from ._version import __version__  # noqa: F401
 from .io.checkpoint import save_quantized  # noqa: E402
 from .io.compressed_tensors import export_compressed_tensors, save_compressed_tensors  # noqa: E402
 from .io.models import from_pretrained
+from .io.streaming import quantize_checkpoint  # noqa: E402
 from .quant import (  # noqa: E402
     AutoBrakeConfig,
     FormatConfig,
@@ -17,4 +18,4 @@ from .quant import (  # noqa: E402
 
 __all__ = ["AutoBrakeConfig", "FormatConfig", "LayersConfig", "QuantizationConfig",
            "TransformConfig", "WeightsConfig", "export_compressed_tensors", "from_pretrained",
-           "quantize_model", "save_compressed_tensors", "save_quantized"]
+           "quantize_checkpoint", "quantize_model", "save_compressed_tensors", "save_quantized"]

@@ -47,6 +47,7 @@ from ..io.models import load_model, parse_device, resolve_model_path
 from ..quant import QuantizationConfig, quantize_model
 from ..quant.config import FLAT_KEYS, count_tokens
 from ..quant.stats import model_device
+from .launch import Launch, launched
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,11 @@ def _parser(prog: str) -> ArgumentParser:
     parser.add_argument("--offload", action=ActionYesNo, default=False,
                         help="keep the model on the CPU and move one block at a time to "
                              "--device (a model larger than the device's memory)")
+    parser.add_argument("--stream", action=ActionYesNo, default=False,
+                        help="read each block's weights from the model's safetensors files "
+                             "when it is quantized and write it out after (a model larger "
+                             "than the machine's memory; bit for bit --offload's checkpoint, "
+                             "written in shards; the fidelity line is left to kbbq-pl eval)")
     return parser
 
 
@@ -158,17 +164,27 @@ def default_output_dir(model: str, recipe: str) -> Path:
     return Path(OUTPUT_ROOT) / re.sub(r"[^a-z0-9._]+", "-", f"{name}-{recipe}".lower()).strip("-")
 
 
-def _prepare(args, recipe: str) -> tuple[nn.Module, Any, list, Path, Path]:
+def _prepare(args, recipe: str, device: torch.device | None = None
+             ) -> tuple[nn.Module, Any, list, Path, Path]:
     """Check the device and the output folder (``recipe``: the name of the default one), then
     load the model (an already quantized one is refused) and cut the calibration batches, on
-    the model's device."""
-    device = parse_device(args.device)
+    the model's device (``device``, default ``--device``)."""
+    device = device or parse_device(args.device)
     if args.offload:  # the model on the CPU; quantize_model moves one block at a time
         device = torch.device("cpu")
-    source = resolve_model_path(args.model)
-    out = check_output(args.output_dir or default_output_dir(args.model, recipe),
-                       overwrite=args.overwrite, sources=[source])
+    source, out = _source_and_output(args, recipe)
     model, tokenizer = load_model(args.model, device=device, quantized="refuse")
+    return model, tokenizer, _calibration(args, model, tokenizer, device), source, out
+
+
+def _source_and_output(args, recipe: str) -> tuple[Path, Path]:
+    source = resolve_model_path(args.model)
+    return source, check_output(args.output_dir or default_output_dir(args.model, recipe),
+                                overwrite=args.overwrite, sources=[source])
+
+
+def _calibration(args, model: nn.Module, tokenizer: Any, device: torch.device) -> list:
+    """The calibration batches of ``args.data`` for ``model``, on ``device``."""
     data = args.data
     if data.tokenizer is None and tokenizer is not None:
         data.tokenizer = tokenizer
@@ -178,9 +194,8 @@ def _prepare(args, recipe: str) -> tuple[nn.Module, Any, list, Path, Path]:
         data.source = RANDOM
     if tokenizer is None and data.vocab_size is None:
         data.vocab_size = model.config.vocab_size
-    batches = [{key: value.to(device) if isinstance(value, torch.Tensor) else value
-                for key, value in batch.items()} for batch in data.calibration_dataloader()]
-    return model, tokenizer, batches, source, out
+    return [{key: value.to(device) if isinstance(value, torch.Tensor) else value
+             for key, value in batch.items()} for batch in data.calibration_dataloader()]
 
 
 def run_quantize(argv: list[str]) -> int:
@@ -188,21 +203,74 @@ def run_quantize(argv: list[str]) -> int:
     config = parser.parse_args(argv)
     args = parser.instantiate(config)
     start = time.perf_counter()
+    with launched(args.device) as launch:
+        if args.stream:
+            return _quantize_streamed(args, parser, config, start, launch)
+        return _quantize_in_memory(args, parser, config, start, launch)
+
+
+def _quantize_in_memory(args, parser: ArgumentParser, config, start: float,
+                        launch: Launch) -> int:
     recipe: QuantizationConfig = args.recipe
-    model, tokenizer, batches, source, out = _prepare(args, recipe.label)
-    probe = FidelityProbe(model, tokenizer, args.eval_data, args.eval_sentences)
+    model, tokenizer, batches, source, out = _prepare(args, recipe.label, launch.device)
+    probe = (FidelityProbe(model, tokenizer, args.eval_data, args.eval_sentences)
+             if launch.writes else None)
     tokens = count_tokens(batches)
-    report = quantize_model(model, batches, recipe, expected_tokens=tokens,
-                            device=parse_device(args.device))
-    report.model.update(probe.measure(model), model=str(args.model),
-                        calibration_tokens=count_tokens(batches),
-                        calibration_source=str(args.data.source))
+    shard = launch.shard(batches)
+    report = quantize_model(model, shard, recipe, expected_tokens=count_tokens(shard),
+                            device=launch.device, **launch.collectives)
+    if not launch.writes:
+        return 0
+    report.model.update(probe.measure(model), model=str(args.model), calibration_tokens=tokens,
+                        calibration_source=str(args.data.source),
+                        processes=launch.world_size)
     metadata = {"config": recipe.to_dict(), "model": str(args.model)}
     report.seconds["command"] = time.perf_counter() - start
     config.eval_sentences = report.model["fidelity_samples"]  # what was used, not asked
     save_quantized(model, out, tokenizer=tokenizer, recipe=metadata, source_dir=source,
                    overwrite=args.overwrite,
                    extra_files={"recipe.yaml": parser.dump(config), **report_files(report)})
+    print(report_markdown(report))
+    print(f"\n{written_summary(out)}\ndone in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _quantize_streamed(args, parser: ArgumentParser, config, start: float,
+                       launch: Launch) -> int:
+    """``quantize --stream``: the model's blocks read from disk one at a time and written out
+    as they are quantized (:func:`kbbq_pl.io.streaming.quantize_checkpoint`)."""
+    from ..io.models import load_tokenizer, quantized_folder_kind, refuse_quantized
+    from ..io.streaming import quantize_checkpoint
+
+    if args.offload:
+        raise ValueError("--stream and --offload: choose one (--stream keeps one block in "
+                         "memory, --offload the whole model in CPU memory)")
+    recipe: QuantizationConfig = args.recipe
+    source, out = _source_and_output(args, recipe.label)
+    refuse_quantized(args.model, quantized_folder_kind(source))
+    tokenizer = load_tokenizer(source)
+    metadata = {"config": recipe.to_dict(), "model": str(args.model)}
+    fidelity = "not measured when streaming: kbbq-pl eval --model OUTPUT_DIR"
+    tokens: dict[str, int] = {}
+
+    def batches(model: nn.Module) -> list:
+        every = _calibration(args, model, tokenizer, torch.device("cpu"))
+        tokens["all"] = count_tokens(every)
+        return launch.shard(every)
+
+    def reports(report) -> dict[str, str]:
+        report.model.update(fidelity=fidelity, model=str(args.model),
+                            calibration_tokens=tokens["all"],
+                            calibration_source=str(args.data.source),
+                            processes=launch.world_size)
+        report.seconds["command"] = time.perf_counter() - start
+        return {"recipe.yaml": parser.dump(config), **report_files(report)}
+
+    report = quantize_checkpoint(source, out, recipe, batches, device=launch.device,
+                                 tokenizer=tokenizer, recipe=metadata, extra_files=reports,
+                                 overwrite=args.overwrite, **launch.collectives)
+    if not launch.writes:
+        return 0
     print(report_markdown(report))
     print(f"\n{written_summary(out)}\ndone in {time.perf_counter() - start:.1f} s")
     return 0

@@ -4,7 +4,8 @@
 rename):
 
 * ``config.json``: the HuggingFace model config (and the tokenizer's files when given);
-* ``model.safetensors``: every tensor of the model.  A quantized layer ``L`` stores
+* ``model.safetensors`` (a model streamed from disk: one shard per block, with
+  ``model.safetensors.index.json``): every tensor of the model.  A quantized layer ``L`` stores
   ``L.weight_packed`` (uint8, two E2M1 codes per byte, element ``2i`` in the low nibble),
   ``L.weight_scale`` (E4M3 or E8M0 block scales), ``L.weight_global_scale`` (NVFP4: the FP32
   dequantization multiplier ``amax / (448 * 6)``, torchao's ``per_tensor_scale``; the reciprocal
@@ -32,12 +33,14 @@ from torch import Tensor, nn
 
 from ..formats import Format, QuantizedTensor, get_format, quantize
 from ..quant.layers import QuantizedLinear, quantized_linears, swap_module
+from ..quant.sequential import trim_heap
 from .fileio import check_output, sha256_file, write_folder
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt",
                    "vocab.json", "spiece.model")
 CONFIG_NAME = "quantization_config.json"
 WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
 FORMAT_TAG = "kbbq-pl"
 FORMAT_VERSION = 1
 
@@ -98,15 +101,21 @@ def install_empty_layers(model: nn.Module, layers: dict[str, dict[str, Any]],
 
 
 def checkpoint_contents(
-    model: nn.Module,
+    model: nn.Module, prefix: str = "",
 ) -> tuple[dict[str, Tensor], dict[str, dict[str, Any]], dict[str, str]]:
     """What a checkpoint of ``model`` holds: every tensor to store (the layout of the module
     docstring), each quantized layer's :func:`layer_metadata`, and tied names (alias -> stored
-    name).  :func:`save_quantized` and
+    name).  ``prefix``: ``model``'s name in the whole model, for a block written on its own
+    (:class:`kbbq_pl.io.streaming.StreamedBlocks`).  :func:`save_quantized` and
     :func:`kbbq_pl.io.compressed_tensors.save_compressed_tensors` both write from it."""
     tensors: dict[str, Tensor] = {}
     tied: dict[str, str] = {}
     seen: dict[tuple, str] = {}
+    if prefix:
+        tensors, layers, tied = checkpoint_contents(model)
+        return ({f"{prefix}.{k}": v for k, v in tensors.items()},
+                {f"{prefix}.{k}": v for k, v in layers.items()},
+                {f"{prefix}.{k}": f"{prefix}.{v}" for k, v in tied.items()})
     layers = quantized_linears(model)
     layer_params = {f"{n}.{p}" for n in layers for p in ("weight", "bias", "transform",
                                                           "act_global_scale")}
@@ -155,32 +164,86 @@ def save_quantized(
     folder kbbq-pl wrote is replaced (:func:`kbbq_pl.io.fileio.check_output`).
     """
     check_output(out_dir, overwrite=overwrite, sources=[source_dir])
-    layers = quantized_linears(model)
-    if not layers:
+    if not quantized_linears(model):
         raise ValueError("the model has no quantized layers to save")
 
     def write(staging: Path) -> None:
-        write_hf_files(staging, model, tokenizer)
-        tensors, layers, tied = checkpoint_contents(model)
-        weights = staging / WEIGHTS_NAME
-        save_file(tensors, str(weights), metadata={"format": FORMAT_TAG})
-        metadata = {
-            "format": FORMAT_TAG,
-            "version": FORMAT_VERSION,
-            "model_class": type(model).__name__,
-            "causal_lm": is_causal_model(model),
-            "recipe": recipe or {},
-            "layers": layers,
-            "tied": tied,
-            "files": {WEIGHTS_NAME: {"bytes": weights.stat().st_size,
-                                     "sha256": sha256_file(weights)}},
-        }
-        (staging / CONFIG_NAME).write_text(json.dumps(metadata, indent=2) + "\n")
-        for file_name, text in (extra_files or {}).items():
-            (staging / file_name).write_text(text)
+        shards = ShardWriter(staging)
+        shards.add(checkpoint_contents(model))
+        write_checkpoint_files(staging, model, shards, tokenizer=tokenizer, recipe=recipe,
+                               extra_files=extra_files)
 
     return write_folder(out_dir, write, kind="checkpoint", overwrite=overwrite,
                         sources=[source_dir])
+
+
+class ShardWriter:
+    """The checkpoint's tensors, written to safetensors files as they come: one file
+    (``model.safetensors``) when everything is added at once, else one shard per :meth:`add`
+    (a block of a streamed model) named as HuggingFace names them
+    (``model-00001-of-00031.safetensors``) with ``model.safetensors.index.json``.  It also
+    gathers the layers' metadata and the tied names of what it wrote."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.parts: list[Path] = []
+        self.weight_map: dict[str, int] = {}
+        self.layers: dict[str, dict[str, Any]] = {}
+        self.tied: dict[str, str] = {}
+        self.total_bytes = 0
+
+    def add(self, contents: tuple[dict[str, Tensor], dict[str, dict[str, Any]],
+                                  dict[str, str]]) -> None:
+        """Write ``contents`` (:func:`checkpoint_contents`) as the next shard."""
+        tensors, layers, tied = contents
+        clash = sorted(set(tensors) & set(self.weight_map))
+        if clash:
+            raise ValueError(f"tensors written twice: {clash[:3]}")
+        part = self.folder / f"model-{len(self.parts) + 1:05d}.part"
+        save_file(tensors, str(part), metadata={"format": FORMAT_TAG})
+        self.parts.append(part)
+        self.weight_map.update(dict.fromkeys(tensors, len(self.parts)))
+        self.total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        self.layers.update(layers)
+        self.tied.update(tied)
+
+    def finish(self) -> dict[str, dict[str, Any]]:
+        """Give the shards their final names (and write the index); returns each file's size
+        and SHA-256, as ``quantization_config.json`` lists them."""
+        count = len(self.parts)
+        names = ([WEIGHTS_NAME] if count == 1 else
+                 [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)])
+        for part, name in zip(self.parts, names):
+            part.rename(self.folder / name)
+        if count > 1:
+            index = {"metadata": {"total_size": self.total_bytes},
+                     "weight_map": {k: names[i - 1] for k, i in sorted(self.weight_map.items())}}
+            (self.folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        return {name: {"bytes": (self.folder / name).stat().st_size,
+                       "sha256": sha256_file(self.folder / name)} for name in names}
+
+
+def write_checkpoint_files(staging: Path, model: nn.Module, shards: ShardWriter, *,
+                           tokenizer: Any = None, recipe: dict[str, Any] | None = None,
+                           extra_files: dict[str, str] | None = None) -> None:
+    """Finish a checkpoint in ``staging`` whose tensors ``shards`` wrote: the HuggingFace files
+    of ``model`` (its config, architecture and tokenizer), ``quantization_config.json`` and the
+    ``extra_files``."""
+    write_hf_files(staging, model, tokenizer)
+    files = shards.finish()
+    metadata = {
+        "format": FORMAT_TAG,
+        "version": FORMAT_VERSION,
+        "model_class": type(model).__name__,
+        "causal_lm": is_causal_model(model),
+        "recipe": recipe or {},
+        "layers": shards.layers,
+        "tied": shards.tied,
+        "files": files,
+    }
+    (staging / CONFIG_NAME).write_text(json.dumps(metadata, indent=2) + "\n")
+    for file_name, text in (extra_files or {}).items():
+        (staging / file_name).write_text(text)
 
 
 def write_hf_files(folder: Path, model: nn.Module, tokenizer: Any = None) -> None:
@@ -241,9 +304,27 @@ def load_safetensors(file: str | Path) -> dict[str, Tensor]:
         raise CheckpointError(f"{file} cannot be read ({error})") from None
 
 
+def weight_files(folder: str | Path) -> list[Path]:
+    """``folder``'s safetensors files: the shards its ``model.safetensors.index.json`` names,
+    else ``model.safetensors``."""
+    folder = Path(folder)
+    index = folder / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise CheckpointError(f"{index} is not a safetensors index ({error})") from None
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    return [folder / WEIGHTS_NAME]
+
+
 def read_tensors(folder: str | Path) -> dict[str, Tensor]:
-    """Every tensor of ``folder``'s ``model.safetensors`` (a CheckpointError when unreadable)."""
-    return load_safetensors(Path(folder) / WEIGHTS_NAME)
+    """Every tensor of ``folder``'s safetensors file or shards (a CheckpointError when
+    unreadable)."""
+    tensors: dict[str, Tensor] = {}
+    for file in weight_files(folder):
+        tensors.update(load_safetensors(file))
+    return tensors
 
 
 def _layout(shape: Sequence[int], dtype: torch.dtype) -> str:
@@ -340,32 +421,50 @@ def load_tensors(model: nn.Module, tensors: dict[str, Tensor], metadata: dict[st
         if f"{name}.bias" in tensors:
             state[f"{name}.bias"] = tensors.pop(f"{name}.bias")
     state.update(tensors)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if m not in metadata.get("tied", {})]
     if missing or unexpected:
         raise CheckpointError(f"{source}: tensors do not match the model: missing {missing[:5]}, "
                               f"unexpected {unexpected[:5]}")
+    if metadata.get("tied"):
+        model.tie_weights()
+    check_materialized(model, source)
 
 
-def empty_model(config: Any, causal: bool) -> nn.Module:
-    """The architecture of a HuggingFace ``config`` (a causal-LM head or the bare model)."""
+def empty_model(config: Any, causal: bool, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The architecture of a HuggingFace ``config`` (a causal-LM head or the bare model) with
+    its parameters on the meta device (no memory, no initialization; loading assigns them)
+    and its buffers (rotary frequencies) computed as the model computes them."""
+    from accelerate import init_empty_weights
     from transformers import AutoModel, AutoModelForCausalLM
 
-    return (AutoModelForCausalLM if causal else AutoModel).from_config(config)
+    with init_empty_weights(include_buffers=False):
+        return (AutoModelForCausalLM if causal else AutoModel).from_config(config, dtype=dtype)
+
+
+def check_materialized(model: nn.Module, source: str | Path, skip: str | None = None) -> None:
+    """A CheckpointError naming the parameters of ``model`` that loading left on the meta
+    device (the checkpoint lacks them), except those under ``skip`` (blocks still on disk)."""
+    left = [name for name, p in model.named_parameters()
+            if p.is_meta and not (skip and name.startswith(skip + "."))]
+    if left:
+        raise CheckpointError(f"{source}: the checkpoint has no tensor {', '.join(left[:3])}"
+                              f"{f' (and {len(left) - 3} more)' if len(left) > 3 else ''}")
 
 
 def build_quantized_model(folder: Path, metadata: dict[str, Any], tensors: dict[str, Tensor],
                           device: str | torch.device = "cpu") -> nn.Module:
     """The model of ``folder``'s ``config.json`` with the quantized layers of ``metadata`` and
-    the checkpoint ``tensors`` loaded, in eval mode."""
+    the checkpoint ``tensors`` loaded, in eval mode: built on the meta device and assigned the
+    stored tensors, so no dense model is made first (memory: the quantized size)."""
     from transformers import AutoConfig
 
     check_layer_tensors(metadata["layers"], tensors)
     model = empty_model(AutoConfig.from_pretrained(folder), metadata["causal_lm"])
     install_empty_layers(model, metadata["layers"])
     load_tensors(model, tensors, metadata, folder)
-    if metadata.get("tied"):
-        model.tie_weights()
+    del tensors
+    trim_heap()  # the placeholders' memory back to the system
     model.to(device)
     model.eval()
     return model

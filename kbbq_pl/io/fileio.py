@@ -164,12 +164,15 @@ def write_folder(out_dir: str | Path, write: Callable[[Path], None], *, kind: st
     """Call ``write(staging)`` on a fresh folder beside ``out_dir``, add the marker (``kind``:
     what the folder is, the files written, ``metadata``), then move it into place; an existing
     ``out_dir`` is replaced only as :func:`check_output` allows.  Nothing is left behind on
-    failure.  Returns the resolved folder."""
+    failure, and the staging folder of an earlier writer of ``out_dir`` that was killed is
+    removed (:func:`remove_stale_staging`).  Returns the resolved folder."""
     from .._version import __version__
 
     out_dir = check_output(out_dir, overwrite=overwrite, sources=sources)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    remove_stale_staging(out_dir)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{STAGING}{os.getpid()}.",
+                                    dir=out_dir.parent))
     try:
         write(staging)
         marker = {"written_by": WRITTEN_BY, "version": __version__, "kind": kind,
@@ -191,6 +194,33 @@ def write_folder(out_dir: str | Path, write: Callable[[Path], None], *, kind: st
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
+
+
+STAGING = "staging-"
+"""Part of the hidden name of :func:`write_folder`'s staging folder, before the writer's pid."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_stale_staging(out_dir: Path) -> list[Path]:
+    """Remove the staging folders of ``out_dir`` (``.NAME.staging-PID.*``) left by a writer
+    that was killed (its process no longer runs; a failing writer removes its own); returns
+    them.  A run killed on a full disk or by the out-of-memory killer leaves nothing else."""
+    removed = []
+    for path in out_dir.parent.glob(f".{out_dir.name}.{STAGING}*"):
+        pid = path.name[len(f".{out_dir.name}.{STAGING}"):].split(".", 1)[0]
+        if path.is_dir() and pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def write_output_json(path: str | Path, document: dict[str, Any], *, overwrite: bool = False,

@@ -160,6 +160,15 @@ def quantized_folder_kind(folder: str | Path) -> str | None:
     return None
 
 
+def refuse_quantized(path: str | Path, kind: str | None) -> None:
+    """A ValueError for a model ``path`` that is already quantized (``kind``:
+    :func:`quantized_folder_kind`; None passes): quantizing it again would round rounded
+    weights."""
+    if kind is not None:
+        raise ValueError(f"{path} is already {kind}: quantizing it again would round "
+                         "rounded weights; pass the full-precision model")
+
+
 def load_model(
     path: str | Path, dtype: torch.dtype = torch.float32, causal: bool | None = None, *,
     device: str | torch.device = "cpu",
@@ -175,15 +184,14 @@ def load_model(
     ``quantized="refuse"`` it is a ValueError saying what it is (quantizing it again would
     round rounded weights).  ``causal=True`` asks for a causal LM (an error for a quantized
     encoder)."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     folder = resolve_model_path(path)
     device = parse_device(device)
     kind = quantized_folder_kind(folder)
     if kind is not None:
         if quantized == "refuse":
-            raise ValueError(f"{path} is already {kind}: quantizing it again would round "
-                             "rounded weights; pass the full-precision model")
+            refuse_quantized(path, kind)
         metadata = quantized_checkpoint(folder)
         if causal and metadata is not None and not metadata.get("causal_lm"):
             raise ValueError(f"{path}: a quantized {metadata.get('model_class')}, not a causal "
@@ -198,11 +206,18 @@ def load_model(
         model = loader.from_pretrained(folder, dtype=dtype)
         model.to(device)
     model.eval()
-    tokenizer = None
+    return model, load_tokenizer(folder)
+
+
+def load_tokenizer(folder: str | Path) -> Any:
+    """The tokenizer saved in ``folder``, or None when it has none."""
+    from transformers import AutoTokenizer
+
+    folder = Path(folder)
     # transformers 5 builds an empty tokenizer for a folder without one: look first
-    if any((folder / name).is_file() for name in TOKENIZER_FILES):
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(folder)
-        except (OSError, ValueError, TypeError):
-            tokenizer = None
-    return model, tokenizer
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError):
+        return None

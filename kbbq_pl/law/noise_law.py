@@ -118,8 +118,17 @@ def _denominator(sigma: Tensor, gram: Tensor, transform: Tensor | None) -> Tenso
         b = torch.diagonal(t @ sigma @ t.T)
         return (a * b).sum()
     block = t.shape[-1]
-    s_blocks = diagonal_blocks(sigma, block)
-    g_blocks = diagonal_blocks(gram, block)
+    return block_denominator(diagonal_blocks(sigma, block), diagonal_blocks(gram, block), t)
+
+
+def block_denominator(s_blocks: Tensor, g_blocks: Tensor, transform: Tensor | None) -> Tensor:
+    """:func:`_denominator` from the diagonal blocks ``[D / d, d, d]`` of ``Sigma`` and ``G``
+    alone (the only part a block-diagonal ``transform`` of the same blocks, or none, reads):
+    no ``D x D`` matrix is formed."""
+    if transform is None:
+        a = torch.diagonal(g_blocks, dim1=-2, dim2=-1).reshape(-1)
+        return (a * torch.diagonal(s_blocks, dim1=-2, dim2=-1).reshape(-1)).sum()
+    t = transform.to(_F64)
     b = torch.diagonal(t @ s_blocks @ t.transpose(-1, -2), dim1=-2, dim2=-1)
     left = torch.linalg.solve(t.transpose(-1, -2), g_blocks)  # T^-T G per block
     a = torch.diagonal(torch.linalg.solve(t.transpose(-1, -2), left.transpose(-1, -2)),
@@ -141,9 +150,14 @@ def block_kappa_star(sigma: Tensor, block: int) -> Tensor:
     """Block ceilings (Eq. blockceiling): ``kappa_b* = d tr(Sigma_b^2) / (tr Sigma_b)^2`` for
     every diagonal block ``Sigma_b`` of size ``d = block``; returns ``[D / d]`` (NaN where a
     block has no energy)."""
-    blocks = diagonal_blocks(sigma.to(_F64), block)
+    return block_ceilings(diagonal_blocks(sigma.to(_F64), block))
+
+
+def block_ceilings(sigma_blocks: Tensor) -> Tensor:
+    """:func:`block_kappa_star` from the diagonal blocks ``[D / d, d, d]`` of ``Sigma``."""
+    blocks = sigma_blocks.to(_F64)
     trace = torch.diagonal(blocks, dim1=-2, dim2=-1).sum(-1)
-    return block * blocks.square().sum((-1, -2)) / trace.square()
+    return blocks.shape[-1] * blocks.square().sum((-1, -2)) / trace.square()
 
 
 def paired_spectrum(sigma_blocks: Tensor, gram_blocks: Tensor, damping: float = 0.0) -> Tensor:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -47,7 +48,7 @@ from .layers import QuantizedLinear, quantized_linears, swap_module
 from .modules import check_finite, find_linears, in_out_features, linear_weight
 from .report import QuantizationReport, chosen_lambda, layer_report, peak_memory_mb
 from .rtn.quantizer import RTN
-from .sequential import SequentialRunner, trim_heap
+from .sequential import BlockResidency, SequentialRunner, trim_heap
 from .stats import act_scales_from_amax, kept_inputs, transformed_amax
 from .w4a4 import cache_decoded_weights
 from .weight_quantizer import Block, CalibrationSplit, LayerPlan, WeightQuantizer
@@ -64,7 +65,9 @@ def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[st
                                                                            dict[str, str]]:
     """Targeted layers, and those skipped with the reason; a weight holding NaN or Inf is an
     error naming the layer (before any calibration), and so is a model that already holds
-    quantized layers (quantizing again would round rounded weights)."""
+    quantized layers (quantizing again would round rounded weights).  A weight still on the meta
+    device (a block streamed from disk, not read yet) is checked when :func:`quantize_model`
+    reaches its block."""
     existing = list(quantized_linears(model))
     if existing:
         raise ValueError(f"{type(model).__name__} is already quantized ({len(existing)} quantized "
@@ -72,7 +75,8 @@ def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[st
                          "weights; quantize the full-precision model")
     modules = find_linears(model, config.layers.targets, config.layers.ignore)
     for name, module in modules.items():
-        check_finite(linear_weight(module), name, "weight")
+        if not linear_weight(module).is_meta:  # a streamed block's: checked when it is read
+            check_finite(linear_weight(module), name, "weight")
     skipped: dict[str, str] = {}
     if config.format.unaligned == "skip":
         for name, module in list(modules.items()):
@@ -104,6 +108,7 @@ def quantize_model(
     progress: bool = True,
     device: torch.device | str | None = None,
     offload_device: torch.device | str = "cpu",
+    residency: BlockResidency | None = None,
 ) -> QuantizationReport:
     """Quantize ``model`` in place with ``config`` (module docstring); returns the report.
 
@@ -114,7 +119,9 @@ def quantize_model(
     master weights ``W T^-1`` for fine-tuning (RTN).  ``weight_quantizer`` replaces the one the
     recipe names (built with the same ``config`` and ``trainable``).  ``device`` runs each
     block (default: where the model is); ``offload_device`` holds the cached activations
-    between blocks.
+    between blocks; ``residency`` brings each block's weights there (default: the model is in
+    memory, :class:`~kbbq_pl.quant.sequential.MoveToDevice`; a model streamed from disk:
+    :class:`kbbq_pl.io.streaming.StreamedBlocks`).
     """
     start = time.perf_counter()
     collectives = Collectives(reduce_sum, reduce_max, broadcast, rank, world_size)
@@ -135,22 +142,31 @@ def quantize_model(
     fit, held_out = (split_sequences(batches, config.autobrake.holdout, config.transform.seed)
                      if config.auto else (batches, []))
     split = CalibrationSplit(len(fit), len(held_out), count_tokens(batches), expected_tokens)
+    streamed = {name for name, module in modules.items() if linear_weight(module).is_meta}
+    targets = set(modules)  # names only: a replaced layer's weights are freed with its block
+    del modules
     runner = SequentialRunner(model, fit + held_out, device=device,
-                              offload_device=offload_device, targets=modules)
+                              offload_device=offload_device, targets=targets,
+                              residency=residency)
+    if streamed and runner.whole_model is not None:
+        raise ValueError(f"{type(model).__name__} runs as one block ({runner.whole_model}): its "
+                         "weights cannot be read block by block; load the model in memory")
     if runner.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(runner.device)
     report = QuantizationReport(config=config.to_dict(), skipped=skipped)
     timing = dict.fromkeys(("calibration", quantizer.work_stage, "activation_scales",
                             "quantize", "propagation"), 0.0)
-    modes = {module: module.training for module in model.modules()}
+    modes = weakref.WeakKeyDictionary((module, module.training) for module in model.modules())
     model.eval()
     try:
         steps = tqdm(runner, total=len(runner), desc=f"{config.method} {config.format.name}",
                      unit="block", disable=not progress or len(runner) == 1)
         for step in steps:
             last = step.index == len(runner) - 1
-            linears = {n: m for n, m in step.linears().items() if n in modules}
+            linears = {n: m for n, m in step.linears().items() if n in targets}
             with step.on_device():
+                for name in streamed.intersection(linears):
+                    check_finite(linear_weight(linears[name]), name, "weight")
                 outputs = None
                 if linears:
                     block = Block(step, linears, model, config, collectives, split, timing,

@@ -84,6 +84,21 @@ def layer_kappas(stats: LayerStatistics, weight: Tensor, transform: Tensor | Non
     out_features = w.shape[0]
     numerator = stats.output_energy / (stats.tokens * out_features)
     sigma_blocks = stats.sigma_blocks()
+    if sigma_full is None and (transform is None or tuple(transform.shape[1:]) == (block, block)):
+        # everything reads the diagonal blocks only: no D x D matrix (D = 28672 is 6.6 GB)
+        gram_blocks = weight_block_grams(w, block)
+        spectrum = law.paired_spectrum(sigma_blocks, gram_blocks, damping=1e-12)
+        best = law.optimal_block_denominator(spectrum)
+        after = law.block_denominator(sigma_blocks, gram_blocks, transform)
+        ceilings = law.block_ceilings(sigma_blocks)
+        return {
+            "kappa_before": float(numerator / law.block_denominator(sigma_blocks, gram_blocks,
+                                                                    None)),
+            "kappa_after": float(numerator / after),
+            "utilization": float(best / after),
+            "block_ceiling": float(ceilings[torch.isfinite(ceilings)].mean()),
+            "paired_ceiling": float(numerator / best),
+        }
     dense = transform is not None and transform.dim() == 2
     # only the gram's diagonal blocks enter unless the transform is dense: O(out D d), not D^2
     gram = law.weight_gram(w) if dense else torch.block_diag(*weight_block_grams(w, block))
@@ -154,10 +169,24 @@ def chosen_lambda(config: QuantizationConfig, choice: LambdaChoice | None) -> fl
     return choice.lam if choice is not None else float(config.transform.lam)
 
 
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process in MiB: ``VmHWM`` of ``/proc/self/status`` on
+    Linux (``ru_maxrss`` there starts at the RSS of the process that spawned this one, a
+    large parent's), else ``ru_maxrss``."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
 def peak_memory_mb(device: torch.device | None = None) -> dict[str, float]:
-    """Peak resident memory of this process (MiB, ``ru_maxrss``) and, on a CUDA device, the
-    peak memory allocated by torch since the last reset."""
-    peak = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
+    """Peak resident memory of this process (MiB, :func:`peak_rss_mb`) and, on a CUDA device,
+    the peak memory allocated by torch since the last reset."""
+    peak = {"peak_rss_mb": peak_rss_mb()}
     if device is not None and device.type == "cuda":
         peak["peak_cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     return peak

@@ -15,6 +15,11 @@ sequential pipeline of llm-compressor and of the GPTQ reference loop.
 
 A model without a stack of blocks, or one whose targeted layers (``targets``) are not all inside
 it (an ``lm_head`` quantized too), runs as one step: the whole model over the batches.
+
+Where a block's weights live between steps is the runner's :class:`BlockResidency`:
+:class:`MoveToDevice` (the model in memory, each block moved to the device for its step and back)
+or :class:`kbbq_pl.io.streaming.StreamedBlocks` (each block read from the checkpoint on disk for
+its step, written to the output and released after it).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import ctypes
 import logging
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -127,14 +132,17 @@ class BlockStep:
 
     @contextlib.contextmanager
     def on_device(self) -> Iterator[BlockStep]:
-        """The block on the runner's device for the duration, then back where it was (every
-        other block stays where it is: the model need not fit on the device)."""
-        home = next(self.module.parameters()).device
-        self.module.to(self.runner.device)
+        """The block's weights on the runner's device for the duration (the runner's
+        :class:`BlockResidency` brings them and takes them away: every other block stays where
+        it is, and the model need not fit on the device)."""
+        residency = self.runner.residency
+        residency.load(self)
+        done = False
         try:
             yield self
+            done = True
         finally:
-            self.module.to(home)
+            residency.unload(self, done)
 
     @torch.no_grad()
     def run(self, keep_outputs: bool = True, subset: slice = slice(None)
@@ -157,12 +165,38 @@ class BlockStep:
         self.runner.inputs = [c.with_hidden(o) for c, o in zip(self.inputs, outputs)]
 
 
+class BlockResidency(Protocol):
+    """Where a block's weights come from for its step and go after it."""
+
+    def load(self, step: BlockStep) -> None:
+        """Put ``step.module``'s weights on ``step.runner.device``."""
+
+    def unload(self, step: BlockStep, done: bool) -> None:
+        """Take them away after the step (``done``: the step finished; False on an error)."""
+
+
+class MoveToDevice:
+    """The model in memory: each block moves to the runner's device for its step and back to
+    where it was after it."""
+
+    def __init__(self) -> None:
+        self._home: dict[int, torch.device] = {}
+
+    def load(self, step: BlockStep) -> None:
+        self._home[step.index] = next(step.module.parameters()).device
+        step.module.to(step.runner.device)
+
+    def unload(self, step: BlockStep, done: bool) -> None:
+        step.module.to(self._home.pop(step.index))
+
+
 class SequentialRunner:
     """Iterate over a model's blocks with their calibration inputs (see the module docstring).
 
     ``batches`` are the model's keyword inputs (dicts such as ``{"input_ids",
     "attention_mask"}``); ``device`` runs the blocks, ``offload_device`` holds the cached
-    activations between blocks.  ``whole_model``: why the model runs as one block (targeted
+    activations between blocks, ``residency`` brings each block's weights (default
+    :class:`MoveToDevice`).  ``whole_model``: why the model runs as one block (targeted
     layers outside the stack, ``targets``, or no stack), None when it runs block by block.
     """
 
@@ -173,8 +207,10 @@ class SequentialRunner:
         device: torch.device | str | None = None,
         offload_device: torch.device | str = "cpu",
         targets: Collection[str] | None = None,
+        residency: BlockResidency | None = None,
     ) -> None:
         self.model = model
+        self.residency = residency or MoveToDevice()
         self.device = torch.device(device) if device else next(model.parameters()).device
         self.offload_device = torch.device(offload_device)
         self.blocks_name, self.blocks, self.whole_model = _block_stack(model, targets)
@@ -216,9 +252,9 @@ class SequentialRunner:
         return len(self.blocks)
 
     def __iter__(self) -> Iterator[BlockStep]:
-        for index, module in enumerate(self.blocks):
+        for index in range(len(self.blocks)):  # by index: a released block is not held here
             name = f"{self.blocks_name}.{index}" if self.whole_model is None else ""
-            yield BlockStep(self, index, name, module)
+            yield BlockStep(self, index, name, self.blocks[index])
 
 
 def trim_heap() -> None:

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shlex
@@ -78,11 +79,14 @@ def test_documented_command_parses(argv, monkeypatch):
     monkeypatch.chdir(ROOT)
     if argv[0] in RECIPE_COMMANDS:
         from kbbq_pl.cli import quantize
+        from kbbq_pl.cli.launch import Launch
 
         def parsed(*args, **kwargs):
             raise _Parsed
 
-        monkeypatch.setattr(quantize, "_prepare", parsed)
+        monkeypatch.setattr(quantize, "_source_and_output", parsed)  # before any loading
+        # --device cuda is documented for GPU machines: the device is not checked here
+        monkeypatch.setattr(quantize, "launched", lambda device: contextlib.nullcontext(Launch()))
         with pytest.raises(_Parsed):
             quantize.main(argv)
     else:

@@ -1,0 +1,165 @@
+"""Quantizing a model streamed from disk block by block: the same checkpoint as in memory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from kbbq_pl.cli.commands import main
+from kbbq_pl.io.checkpoint import CheckpointError, read_tensors, save_quantized
+from kbbq_pl.io.models import from_pretrained, load_model
+from kbbq_pl.io.streaming import SafetensorsSource, model_skeleton, quantize_checkpoint
+from kbbq_pl.quant import QuantizationConfig, quantize_model
+
+RECIPES = {
+    "rtn-kbbq": {"transform": {"name": "kbbq", "lam": 0.75}},
+    "rtn-auto": {"transform": {"name": "kbbq", "lam": "auto"}},
+    "rtn-fold": {"transform": {"name": "kbbq", "lam": 0.75, "fold_o_proj": True}},
+    "gptq-kbbq-auto": {"weights": {"quantizer": "gptq"},
+                       "transform": {"name": "kbbq", "lam": "auto"}},
+    "gptq-mxfp4-quantized": {"format": {"name": "mxfp4"}, "weights": {"quantizer": "gptq",
+                                                                      "propagate": "quantized"}},
+}
+
+
+@pytest.fixture(scope="module")
+def sharded_llama(tmp_path_factory) -> Path:
+    """A three-block Llama with tied embeddings saved as bf16 safetensors in three shards."""
+    folder = tmp_path_factory.mktemp("src") / "llama"
+    model = tiny_model("llama", num_hidden_layers=3, tie_word_embeddings=True)
+    model.to(torch.bfloat16).save_pretrained(folder, max_shard_size="100KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    return folder
+
+
+def _batches(seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(0, 256, (2, 32), generator=generator)}
+            for _ in range(4)]
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_streamed_checkpoint_is_bit_for_bit_the_in_memory_one(sharded_llama, tmp_path, recipe):
+    config = QuantizationConfig.from_dict(RECIPES[recipe])
+    before = _files(sharded_llama)
+    model, _ = load_model(sharded_llama)
+    quantize_model(model, _batches(), config, progress=False)
+    save_quantized(model, tmp_path / "memory")
+    report = quantize_checkpoint(sharded_llama, tmp_path / "streamed", config, _batches(),
+                                 progress=False)
+    assert _files(sharded_llama) == before  # the source is only read
+    memory, streamed = read_tensors(tmp_path / "memory"), read_tensors(tmp_path / "streamed")
+    assert memory.keys() == streamed.keys()
+    assert all(torch.equal(memory[k], streamed[k]) for k in memory)
+    metadata = {name: json.loads((tmp_path / name / "quantization_config.json").read_text())
+                for name in ("memory", "streamed")}
+    assert metadata["memory"]["layers"] == metadata["streamed"]["layers"]
+    assert metadata["streamed"]["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    # one shard per block and one for the rest, with the index HuggingFace reads
+    shards = sorted(p.name for p in (tmp_path / "streamed").glob("*.safetensors"))
+    assert shards == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+    assert set(metadata["streamed"]["files"]) == set(shards)
+    assert len(report.layers) == 21
+    ids = torch.randint(0, 256, (1, 16))
+    reloaded = [from_pretrained(tmp_path / name) for name in ("memory", "streamed")]
+    assert torch.equal(reloaded[0](input_ids=ids).logits, reloaded[1](input_ids=ids).logits)
+
+
+def test_the_skeleton_holds_no_block_weights(sharded_llama):
+    model, source = model_skeleton(sharded_llama)
+    blocks = [p for n, p in model.named_parameters() if n.startswith("model.layers.")]
+    assert blocks and all(p.is_meta for p in blocks)
+    assert not model.model.embed_tokens.weight.is_meta
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    assert source.total_bytes == sum(p.stat().st_size
+                                     for p in sharded_llama.glob("*.safetensors"))
+
+
+def test_a_block_with_nan_stops_the_run_and_leaves_no_output(sharded_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for file in sharded_llama.iterdir():
+        (broken / file.name).write_bytes(file.read_bytes())
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    name = "model.layers.2.mlp.down_proj.weight"
+    shard = broken / index["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.down_proj: its weight holds 1 NaN"):
+        quantize_checkpoint(broken, tmp_path / "out", QuantizationConfig(), _batches(),
+                            progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]  # no folder, no staging
+
+
+def test_a_tensor_missing_from_the_checkpoint_is_named(sharded_llama, tmp_path):
+    source = SafetensorsSource(sharded_llama)
+    with pytest.raises(CheckpointError, match="no tensor model.layers.9.mlp.up_proj.weight"):
+        source.read(["model.layers.9.mlp.up_proj.weight"])
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        SafetensorsSource(tmp_path)
+
+
+def test_quantize_stream_from_the_command_line(sharded_llama, tmp_path, capsys):
+    common = ["--config", "rtn_kbbq_nvfp4_lam0.75", "--model", str(sharded_llama),
+              "--data.n_tokens", "256", "--data.seq_len", "32"]
+    assert main(["quantize", *common, "--offload", "--output_dir", str(tmp_path / "a")]) == 0
+    assert main(["quantize", *common, "--stream", "--output_dir", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "fidelity | not measured when streaming" in out
+    memory, streamed = read_tensors(tmp_path / "a"), read_tensors(tmp_path / "b")
+    assert memory.keys() == streamed.keys()
+    assert all(torch.equal(memory[k], streamed[k]) for k in memory)
+    report = json.loads((tmp_path / "b" / "report.json").read_text())
+    assert report["model"]["calibration_tokens"] == 256
+
+
+def test_streaming_refuses_a_model_run_as_one_block(sharded_llama, tmp_path):
+    config = QuantizationConfig.from_dict({"layers": {"targets": [r"lm_head", r"_proj$"], "ignore": []}})
+    with pytest.raises(ValueError, match="cannot be read block by block"):
+        quantize_checkpoint(sharded_llama, tmp_path / "out", config, _batches(), progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+KILLED_RUN = """
+import os, signal, sys, torch
+from kbbq_pl.io import streaming
+from kbbq_pl.quant import QuantizationConfig
+
+def unload(self, step, done):  # the process dies after the first block is written
+    streaming.ShardWriter.add(self.shards, streaming.checkpoint_contents(step.module, step.name))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+streaming.StreamedBlocks.unload = unload
+batches = [{"input_ids": torch.randint(0, 256, (2, 32))}]
+streaming.quantize_checkpoint(sys.argv[1], sys.argv[2], QuantizationConfig(), batches,
+                              progress=False)
+"""
+
+
+def test_a_killed_run_leaves_no_output_and_the_next_run_clears_its_staging(sharded_llama,
+                                                                           tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-c", KILLED_RUN, str(sharded_llama), str(out)],
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == -9, result.stderr[-2000:]
+    assert not out.exists()
+    staging = [p for p in tmp_path.iterdir() if p.name.startswith(".out.staging-")]
+    assert len(staging) == 1 and any(staging[0].glob("model-00001.part"))
+    quantize_checkpoint(sharded_llama, out, QuantizationConfig(), _batches(), progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    from_pretrained(out)

@@ -2,6 +2,7 @@
 loaded in memory, in one run.
 
     python bench/scale.py [--sizes 0.25 0.5 1 2] [--methods rtn_kbbq gptq_kbbq] [--threads 1]
+                          [--processes 1 2] [--no-table]
 
 1. For each size (GB of bf16 weights), saves a random-initialized Llama (hidden 1024, FFN 2816,
    16 heads, 4 KV heads, vocabulary 1024, tied embeddings; the depth sets the size, 22.4 MB a
@@ -17,6 +18,10 @@ loaded in memory, in one run.
    its time (imports excluded, loading and writing included), whether the two checkpoints hold
    the same tensors bit for bit, and the ratio of the largest to the smallest streamed peak.
 
+4. Then (``--processes``) runs ``kbbq-pl quantize --stream`` on the smallest model with one
+   process and under ``torchrun`` with two (gloo): wall time and whether the checkpoints are
+   the one-process one bit for bit.
+
 The subprocesses run one after another with ``--threads`` threads each; compare ratios taken
 in the same run.
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -98,6 +104,10 @@ def main() -> None:
                         choices=["streamed", "memory"])
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--processes", type=int, nargs="*", default=[1, 2],
+                        help="process counts of the torchrun comparison (none: skip it)")
+    parser.add_argument("--table", action=argparse.BooleanOptionalAction, default=True,
+                        help="the streamed / in-memory table (--no-table: skip it)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
@@ -106,6 +116,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    if args.table:
+        size_table(args)
+    if args.processes:
+        processes_table(args)
+
+
+def size_table(args: argparse.Namespace) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
@@ -147,6 +164,46 @@ def main() -> None:
             print(f"\n{method}: streamed peak RSS, largest / smallest model: "
                   f"{peaks[-1] / peaks[0]:.2f}; largest model's peak / its bf16 size: "
                   f"{peaks[-1] / largest['size_mb']:.2f}")
+
+
+CLI_RECIPES = {"rtn_kbbq": "rtn_kbbq_nvfp4_lam0.75", "gptq_kbbq": "gptq_kbbq_nvfp4"}
+
+
+def processes_table(args: argparse.Namespace) -> None:
+    """``kbbq-pl quantize --stream`` on the smallest model with 1 process and under torchrun
+    with more (gloo, ``--threads`` threads each): wall time of the command (imports and start
+    included) and whether the checkpoints equal the one-process one bit for bit."""
+    import shutil
+
+    kbbq = shutil.which("kbbq-pl")
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "llama"
+        blocks = save_model(source, min(args.sizes))
+        for method in args.methods:
+            digests = {}
+            for count in args.processes:
+                out = Path(tmp) / f"out-{method}-{count}"
+                command = [kbbq, "quantize", "--config", CLI_RECIPES[method], "--model",
+                           str(source), "--stream", "--data.n_tokens", str(args.tokens),
+                           "--data.seq_len", "256", "--data.batch_size", "1",
+                           "--output_dir", str(out)]
+                if count > 1:
+                    command = [sys.executable, "-m", "torch.distributed.run",
+                               "--nproc_per_node", str(count), "--master_port", "29561",
+                               *command]
+                start = time.perf_counter()
+                subprocess.run(command, capture_output=True, text=True, check=True, env=env)
+                seconds = time.perf_counter() - start
+                digests[count] = tensor_digest(out)
+                rows.append((method, count, seconds, digests[count] == digests[args.processes[0]]))
+                print(f"{method} {count} process(es): {seconds:.1f} s", flush=True)
+    print(f"\n`kbbq-pl quantize --stream`, {blocks} blocks, {args.tokens} calibration tokens in "
+          f"batches of one sequence, {args.threads} thread(s) per process\n")
+    print("| method | processes | wall s | same tensors as 1 process |\n|---|---:|---:|---|")
+    for method, count, seconds, same in rows:
+        print(f"| {method} | {count} | {seconds:.1f} | {same} |")
 
 
 if __name__ == "__main__":

@@ -448,8 +448,13 @@ def check_materialized(model: nn.Module, source: str | Path, skip: str | None = 
     left = [name for name, p in model.named_parameters()
             if p.is_meta and not (skip and name.startswith(skip + "."))]
     if left:
-        raise CheckpointError(f"{source}: the checkpoint has no tensor {', '.join(left[:3])}"
-                              f"{f' (and {len(left) - 3} more)' if len(left) > 3 else ''}")
+        raise missing_tensors(source, left)
+
+
+def missing_tensors(source: str | Path, names: list[str]) -> CheckpointError:
+    """The error for tensors ``names`` that the checkpoint ``source`` lacks (three named)."""
+    more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
+    return CheckpointError(f"{source}: the checkpoint has no tensor {', '.join(names[:3])}{more}")
 
 
 def build_quantized_model(folder: Path, metadata: dict[str, Any], tensors: dict[str, Tensor],

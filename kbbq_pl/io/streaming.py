@@ -36,6 +36,7 @@ from .checkpoint import (
     checkpoint_contents,
     empty_model,
     is_causal_lm_config,
+    missing_tensors,
     write_checkpoint_files,
 )
 from .fileio import check_output, write_folder
@@ -98,9 +99,7 @@ class SafetensorsSource:
         stored = {name: self.stored_name(name) for name in names}
         missing = [name for name, key in stored.items() if key is None]
         if missing:
-            raise CheckpointError(f"{self.folder}: the checkpoint has no tensor "
-                                  f"{', '.join(missing[:3])}"
-                                  f"{f' (and {len(missing) - 3} more)' if len(missing) > 3 else ''}")
+            raise missing_tensors(self.folder, missing)
         by_file: dict[Path, list[str]] = {}
         for name, key in stored.items():
             by_file.setdefault(self.files[key], []).append(name)

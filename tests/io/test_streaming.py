@@ -97,7 +97,8 @@ def test_a_block_with_nan_stops_the_run_and_leaves_no_output(sharded_llama, tmp_
     tensors = load_file(shard)
     tensors[name][0, 0] = float("nan")
     save_file(tensors, shard, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.down_proj: its weight holds 1 NaN"):
+    message = r"model\.layers\.2\.mlp\.down_proj: its weight holds 1 NaN"
+    with pytest.raises(ValueError, match=message):
         quantize_checkpoint(broken, tmp_path / "out", QuantizationConfig(), _batches(),
                             progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]  # no folder, no staging
@@ -126,7 +127,8 @@ def test_quantize_stream_from_the_command_line(sharded_llama, tmp_path, capsys):
 
 
 def test_streaming_refuses_a_model_run_as_one_block(sharded_llama, tmp_path):
-    config = QuantizationConfig.from_dict({"layers": {"targets": [r"lm_head", r"_proj$"], "ignore": []}})
+    layers = {"targets": [r"lm_head", r"_proj$"], "ignore": []}
+    config = QuantizationConfig.from_dict({"layers": layers})
     with pytest.raises(ValueError, match="cannot be read block by block"):
         quantize_checkpoint(sharded_llama, tmp_path / "out", config, _batches(), progress=False)
     assert not (tmp_path / "out").exists()

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from ..quant.config import QuantizationConfig, count_tokens
 from ..quant.pipeline import quantize_model
 from ..quant.report import QuantizationReport
-from ..quant.sequential import BlockStep, find_blocks, trim_heap
+from ..quant.sequential import BlockStep, find_blocks
 from .checkpoint import (
     CheckpointError,
     ShardWriter,
@@ -180,8 +180,7 @@ class StreamedBlocks:
     def unload(self, step: BlockStep, done: bool) -> None:
         if done and self.shards is not None:
             self.shards.add(checkpoint_contents(step.module, prefix=step.name))
-        step.runner.blocks[step.index] = ReleasedBlock(step.name)
-        trim_heap()
+        step.runner.blocks[step.index] = ReleasedBlock(step.name)  # the pipeline trims the heap
 
 
 def quantize_checkpoint(
@@ -214,25 +213,28 @@ def quantize_checkpoint(
              source.total_bytes >> 20, source_dir)
     calibration = batches(model) if callable(batches) else list(batches)
     pipeline.setdefault("expected_tokens", count_tokens(calibration))
+    rank = pipeline.get("rank", 0)
+
+    def run(shards: ShardWriter | None) -> QuantizationReport:
+        report = quantize_model(model, calibration, config, device=device,
+                                residency=StreamedBlocks(source, shards),
+                                progress=progress and rank == 0, **pipeline)
+        report.model.update(streamed_from=str(source_dir),
+                            calibration_tokens=count_tokens(calibration))
+        return report
+
+    if rank != 0:  # another rank of a process group: it calibrates and quantizes, rank 0 writes
+        return run(None)
     report: QuantizationReport | None = None
 
     def write(staging: Path) -> None:
         nonlocal report
         shards = ShardWriter(staging)
-        report = quantize_model(model, calibration, config, device=device,
-                                residency=StreamedBlocks(source, shards), progress=progress,
-                                **pipeline)
-        report.model.update(streamed_from=str(source_dir),
-                            calibration_tokens=count_tokens(calibration))
+        report = run(shards)
         shards.add(checkpoint_contents(model))
         write_checkpoint_files(staging, model, shards, tokenizer=tokenizer, recipe=recipe,
                                extra_files=extra_files(report) if extra_files else None)
 
-    if pipeline.get("rank", 0) == 0:
-        write_folder(out, write, kind="checkpoint", overwrite=overwrite, sources=[source_dir])
-    else:  # another rank of a process group: it calibrates and quantizes, rank 0 writes
-        report = quantize_model(model, calibration, config, device=device,
-                                residency=StreamedBlocks(source, None), progress=False,
-                                **pipeline)
+    write_folder(out, write, kind="checkpoint", overwrite=overwrite, sources=[source_dir])
     assert report is not None
     return report

@@ -1,7 +1,7 @@
 """Auto-brake against every global lambda, on all-MiniLM-L6-v2 (the auto-brake acceptance).
 
     python bench/autobrake.py [--formats nvfp4,mxfp4] [--quantizer rtn|gptq] [--seeds 0,1,2]
-                              [--lams 0,0.25,...] [--variants refit,keep,fit]
+                              [--lams 0,0.25,...] [--variants refit,keep,fit,folds4]
                               [--data ../shared/data/wikitext2]
 
 Calibrates on WikiText-2 ``valid.txt`` (16 x 256 tokens), measures embedding fidelity (mean cosine
@@ -44,8 +44,9 @@ def main() -> None:
     parser.add_argument("--seeds", default="0",
                         help="calibration seeds (which 16 x 256-token blocks, and the split)")
     parser.add_argument("--variants", default="refit,keep,fit",
-                        help="auto variants: refit (default), keep (fit-half T), fit (selection "
-                             "on the fitting tokens)")
+                        help="auto variants: refit (one held-out split), keep (fit-half T), fit "
+                             "(selection on the fitting tokens), folds4 (4-fold cross-fitting on "
+                             "4,096 scored tokens: the shipped RTN auto recipes)")
     parser.add_argument("--lams", default=",".join(f"{lam:g}" for lam in DEFAULT_GRID),
                         help="the global lambdas to compare with (default: the whole grid)")
     parser.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent
@@ -63,7 +64,9 @@ def main() -> None:
     # (name, lambda, auto-brake settings)
     variants = {"refit": ("auto (refit)", "auto", AutoBrakeConfig()),
                 "keep": ("auto (keep fit-half T)", "auto", AutoBrakeConfig(refit=False)),
-                "fit": ("auto, selected on fit tokens", "auto", AutoBrakeConfig(select_on="fit"))}
+                "fit": ("auto, selected on fit tokens", "auto", AutoBrakeConfig(select_on="fit")),
+                "folds4": ("auto, 4-fold cross-fitting", "auto",
+                           AutoBrakeConfig(folds=4, tokens=4096))}
     runs = [(f"lambda {float(lam):g}", float(lam), AutoBrakeConfig())
             for lam in args.lams.split(",")]
     runs += [variants[v] for v in args.variants.split(",") if v]

@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python bench/autobrake_e2e.py [--format nvfp4]
         [--seeds 0,1,2] [--tokens 4096] [--out bench-out/autobrake_e2e] [--validate]
-        [--diagnose] [--margins 0.05,0.1,0.2]
+        [--diagnose] [--margins 0.05,0.1,0.2] [--kfolds 4,8]
 
 One calibration pass per (format, seed) with :class:`CachingRTN`, a subclass of the package's
 RTN weight quantizer run through the unchanged ``quantize_model`` with the packaged
@@ -31,14 +31,24 @@ Candidates (chosen from calibration data only):
   calibration KL; per layer keep ``g`` unless another lambda's held-out output error is lower by
   more than ``--margin-a`` dB.
 
+* ``kfold<K>`` (``--kfolds 4,8``): K-fold cross-fitting over whole sequences, emulated from
+  every calibration token kept: fold ``j`` (the sequences ``s`` with ``s % K == j``) is scored
+  on all its tokens with candidates fitted on the other folds, errors pooled over the folds,
+  the chosen lambda refitted on all tokens (what ``autobrake.folds: K`` does in the package);
+  ``kfold<K>_global``: one lambda for every layer, the smallest mean fold-pooled error (dB)
+  over the layers; ``kfold<K>_sig<t>``: that global lambda, a layer leaving it only when its
+  own best wins by a paired t above ``--t-move`` over the folds.
+
 Rows are appended to ``OUT/rows.jsonl`` (resumable: a row already there is not recomputed);
-per-layer errors go to ``OUT/layers-<fmt>-seed<k>.json``.
+per-layer errors go to ``OUT/layers-<fmt>-seed<k>.json``, the folds' errors to
+``OUT/folds<K>-<fmt>-seed<k>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import statistics
@@ -62,7 +72,10 @@ from kbbq_pl.quant.stats import act_scales_from_amax
 from kbbq_pl.quant.w4a4 import cache_decoded_weights
 from kbbq_pl.quant.weight_quantizer import LayerPlan
 from kbbq_pl.transforms.autobrake import best_lambda, select_lambda, split_sequences
-from kbbq_pl.transforms.fit import kbbq_basis
+from kbbq_pl.formats import fake_quantize
+from kbbq_pl.transforms.autobrake import quantized_output_error
+from kbbq_pl.transforms.fit import kbbq_basis, transform_weight
+from torch import Tensor
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 TYPES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -85,17 +98,23 @@ class CachingRTN(RTN):
     """RTN with ``lam="auto"`` that also keeps, per layer, every lambda's transforms and held-out
     errors (module docstring).  Deploys the package's auto choice."""
 
-    def __init__(self, config):
+    def __init__(self, config, kfolds=(), seq_len=256):
         super().__init__(config)
         self.cache: dict[str, dict] = {}
         self.fit_batches = 0
+        self.kfolds = tuple(kfolds)
+        self.seq_len = seq_len
 
     def calibrate(self, block, keep_outputs):
         config, split, step = self.config, block.split, block.step
         keep = config.keep_samples
-        fit = StatisticsCollector(block.linears, config.block, keep,
-                                  sample_stride(split.expected_tokens, keep, split.fit,
-                                                split.total))
+        if self.kfolds:  # every fitting token too (the folds' second moments)
+            fit = StatisticsCollector(block.linears, config.block,
+                                      split.expected_tokens * split.fit // split.total, 1)
+        else:
+            fit = StatisticsCollector(block.linears, config.block, keep,
+                                      sample_stride(split.expected_tokens, keep, split.fit,
+                                                    split.total))
         with fit.hooks():
             outputs = step.run(keep_outputs, subset=split.fit_part)
         fit.check_nonempty()
@@ -142,9 +161,58 @@ class CachingRTN(RTN):
                 "T_all": {lam: basis_all.transform(lam) for lam in grid},
                 "T_fit": {lam: basis_fit.transform(lam) for lam in grid},
             }
+            if self.kfolds:
+                x_all = pad_features(torch.cat([fit.sample(), held.sample()]), config.fmt)
+                for k in self.kfolds:
+                    self.cache[name][f"folds_k{k}"] = kfold_errors(
+                        weight, x_all, k, self.seq_len, config, grid)
             t = self.cache[name]["T_all"][choice.lam]
+            fit.samples = fit.samples[:1]  # the report's kept inputs only (memory)
             plans[name] = LayerPlan(transform=t, online=t, stats=fit, choice=choice)
         return plans
+
+
+def block_moments(x: Tensor, block: int) -> Tensor:
+    """``sum_t x_t x_t^T`` per diagonal block, float64 ``[D / d, d, d]``."""
+    g = x.double().reshape(len(x), -1, block).transpose(0, 1)
+    return g.transpose(-1, -2) @ g
+
+
+def kfold_errors(weight, x_all, k, seq_len, config, grid) -> list[dict]:
+    """K-fold cross-fitting over whole sequences: fold ``j`` holds the sequences ``s`` with
+    ``s % k == j``; its candidates are fitted on the other folds' second moments and scored on
+    its tokens.  Per fold and lambda: the squared output error and the output energy."""
+    seq = torch.arange(len(x_all)) // seq_len
+    total = block_moments(x_all, config.block)
+    folds = []
+    w = weight.float()
+    for j in range(k):
+        mask = seq % k == j
+        xj = x_all[mask]
+        rest = len(x_all) - len(xj)
+        sigma = (total - block_moments(xj, config.block)) / rest
+        basis = kbbq_basis(weight, sigma, config.transform.damping)
+        y = xj.float() @ w.T
+        energy = float(y.double().square().sum())
+        row = {}
+        for lam in grid:
+            tr = basis.transform(lam)
+            w_hat = fake_quantize(transform_weight(w, tr), config.fmt)
+            rel = quantized_output_error(weight, w_hat, xj, tr, config.fmt,
+                                         config.effective_act_scale, y=y)
+            row[lam] = (rel * energy, energy)
+        folds.append(row)
+    return folds
+
+
+def fold_choice(folds: list[dict], grid) -> float:
+    """The lambda of the smallest pooled error over the folds (first in grid order on ties)."""
+    pooled = {lam: sum(f[lam][0] for f in folds) / sum(f[lam][1] for f in folds) for lam in grid}
+    return best_of(pooled)
+
+
+def fold_db(folds: list[dict], lam: float) -> list[float]:
+    return [db(f[lam][0] / f[lam][1]) for f in folds]
 
 
 def patched_scales(quantizer: CachingRTN):
@@ -255,6 +323,10 @@ def main() -> None:
     parser.add_argument("--margins", default="0.05,0.1,0.2",
                         help="diagnosis: keep lambda 1 unless another wins by more (dB)")
     parser.add_argument("--margin-a", type=float, default=0.1, help="cand_A's margin (dB)")
+    parser.add_argument("--kfolds", default="",
+                        help="K-fold cross-fitted selection for these K (comma-separated)")
+    parser.add_argument("--t-move", type=float, default=2.0,
+                        help="kfold<K>_sig: leave the global lambda only at this paired t")
     parser.add_argument("--diagnose", action="store_true",
                         help="also the per-type and per-depth substitutions")
     parser.add_argument("--validate", action="store_true",
@@ -299,6 +371,10 @@ def main() -> None:
     for seed in [] if args.summary else [int(s) for s in args.seeds.split(",")]:
         calibration = {"n_tokens": args.tokens, "seed": seed}
         data, config, _ = load_recipe(f"rtn_kbbq_{fmt}_auto", args.model, calibration)
+        # the single held-out split on 512 tokens this study diagnoses (the recipes before
+        # cross-fitting); the K-fold variants are emulated from its cache
+        config = dataclasses.replace(config, autobrake=dataclasses.replace(
+            config.autobrake, folds=1, holdout=0.5, tokens=512))
         data.tokenizer = tokenizer
         batches = list(data.calibration_dataloader())
         tokens = count_tokens(batches)
@@ -323,7 +399,8 @@ def main() -> None:
                 del cand
 
         # one calibration pass that caches everything
-        quantizer = CachingRTN(config)
+        kfolds = [int(k) for k in args.kfolds.split(",") if k]
+        quantizer = CachingRTN(config, kfolds, seq_len=data.seq_len)
         original, patched = patched_scales(quantizer)
         auto_model = copy.deepcopy(model)
         pipeline._static_act_scales = patched
@@ -381,6 +458,23 @@ def main() -> None:
         for lam in grid:
             run(f"lam{lam:g}", dict.fromkeys(names, lam), test=lam in lams, held=True)
         run("auto_rebuilt", auto, held=True)
+        for k in kfolds:
+            folds = {n: cache[n][f"folds_k{k}"] for n in names}
+            (out / f"folds{k}-{fmt}-seed{seed}.json").write_text(json.dumps(folds))
+            per_layer = {n: fold_choice(folds[n], grid) for n in names}
+            run(f"kfold{k}", per_layer)
+            mean_db = {lam: statistics.mean(statistics.mean(fold_db(folds[n], lam))
+                                            for n in names) for lam in grid}
+            g = best_of(mean_db)
+            run(f"kfold{k}_global", dict.fromkeys(names, g), extra={"global": g})
+            assign = {}
+            for n in names:
+                best = per_layer[n]
+                gain = [a - b for a, b in zip(fold_db(folds[n], g), fold_db(folds[n], best))]
+                se = statistics.stdev(gain) / math.sqrt(len(gain)) if len(gain) > 1 else 0.0
+                t = statistics.mean(gain) / se if se > 0 else 0.0
+                assign[n] = best if best != g and t > args.t_move else g
+            run(f"kfold{k}_sig{args.t_move:g}", assign, extra={"global": g})
         auto_all = {n: best_lambda(cache[n]["errors_all"]).lam for n in names}
         run("auto_all_heldout_tokens", auto_all)
         for m in [float(x) for x in args.margins.split(",") if x]:

@@ -115,7 +115,17 @@ def _clean(x: Tensor, nonfinite: str) -> Tensor:
     """Zero non-finite inputs under the ``zero`` and ``propagate`` policies."""
     if nonfinite == "raise":
         return x
-    return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)  # one pass, not two
+
+
+def all_finite(x: Tensor) -> bool:
+    """Whether the floating tensor ``x`` holds no NaN or Inf: min and max propagate both, so
+    one reduction answers it (an order of magnitude faster on a CPU than ``isfinite(x).all()``,
+    which writes a boolean tensor first)."""
+    if x.numel() == 0:
+        return True
+    low, high = torch.aminmax(x)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 def _bad_groups(x: Tensor) -> Tensor:
@@ -313,14 +323,21 @@ def int4_unpack(packed: Tensor) -> Tensor:
     return torch.where(nibbles > 7, nibbles - 16, nibbles)
 
 
+def _e2m1_values(device: torch.device) -> Tensor:
+    """The FP32 value of every 4-bit E2M1 code (sign in bit 3; code 8 is -0): decoding is one
+    table lookup, several times faster on a CPU than the arithmetic of
+    :func:`e2m1_code_magnitude` and bit for bit the same."""
+    magnitude = e2m1_code_magnitude(torch.arange(8, device=device))
+    return torch.cat((magnitude, -magnitude))
+
+
 def e2m1_decode_groups(packed: Tensor, multiplier: Tensor, *, no_clip: bool,
                        out_dtype: torch.dtype) -> Tensor:
     """The values of packed E2M1 groups ``packed [G, B/2]`` with their FP32 scale multipliers
     ``multiplier [G]`` (``pts * s``, ``2^e`` or an FP32 scale): ``[G, B]`` in ``out_dtype``.
     MX ``no_clip`` blocks are divided by 0.75 (their scale maps amax into [3, 6))."""
     codes = unpack_nibbles(packed)
-    magnitude = e2m1_code_magnitude(codes & 0x7)
-    values = torch.where((codes & 0x8) > 0, -magnitude, magnitude) * multiplier.unsqueeze(-1)
+    values = torch.take(_e2m1_values(codes.device), codes.long()) * multiplier.unsqueeze(-1)
     if no_clip:
         values = div_rn(values, 0.75)
     return values.to(out_dtype)

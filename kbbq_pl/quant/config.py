@@ -230,8 +230,12 @@ class AutoBrakeConfig:
 
     Attributes:
         grid: the auto-brake's candidate lambdas.
-        holdout: the fraction of calibration sequences held out for selection.
-        tokens: the held-out tokens per layer the auto-brake scores on.
+        holdout: the fraction of calibration sequences held out for selection (``folds: 1``).
+        folds: 1 holds out ``holdout`` of the sequences once and scores the candidates fitted
+            on the rest; K >= 2 cross-fits: the sequences are dealt into K folds, each fold is
+            scored with candidates fitted on the other K - 1, and the errors are pooled (every
+            sequence scored, each transform fitted on (K - 1) / K of the data; RTN only).
+        tokens: the held-out tokens per layer the auto-brake scores on (over all folds).
         refit: whether the chosen lambda is refitted on all tokens (``True``) or the
             transform fitted on the fitting part is kept.
         select_on: where the auto-brake scores: ``holdout`` (the method) or ``fit`` (the
@@ -240,6 +244,7 @@ class AutoBrakeConfig:
 
     grid: tuple[float, ...] = DEFAULT_GRID
     holdout: float = 0.5
+    folds: int = 1
     tokens: int = 512
     refit: bool = True
     select_on: Literal["holdout", "fit"] = "holdout"
@@ -248,6 +253,15 @@ class AutoBrakeConfig:
         object.__setattr__(self, "grid", tuple(self.grid))
         if not self.grid or not all(0.0 <= float(v) <= 1.0 for v in self.grid):
             raise ValueError(f"autobrake.grid holds lambdas in [0, 1], got {self.grid}")
+        if isinstance(self.folds, bool) or not isinstance(self.folds, int) or self.folds < 1:
+            raise ValueError(f"autobrake.folds is a positive integer (1: one held-out split, "
+                             f"K >= 2: K-fold cross-fitting), got {self.folds!r}")
+        if self.folds > 1 and not self.refit:
+            raise ValueError("autobrake.folds > 1 fits every fold's candidates on the other "
+                             "folds; the chosen lambda is refitted on all tokens (refit: true)")
+        if self.folds > 1 and self.select_on != "holdout":
+            raise ValueError("autobrake.folds > 1 scores every fold held out: select_on must "
+                             f"be 'holdout', got {self.select_on!r}")
         if self.select_on not in ("holdout", "fit"):
             raise ValueError(f"autobrake.select_on must be 'holdout' or 'fit', "
                              f"got {self.select_on!r}")
@@ -330,6 +344,10 @@ class QuantizationConfig:
         if self.refits_in_loop and self.weights.act_order:
             raise ValueError("transform_refit='in_loop' refits and rounds the blocks in their "
                              "order: act-order needs transform_refit='fixed' (or act_order=None)")
+        if self.auto and self.autobrake.folds > 1 and self.weights.quantizer != "rtn":
+            raise ValueError(f"autobrake.folds {self.autobrake.folds}: cross-fitting is "
+                             "implemented for RTN-KBBQ; GPTQ-KBBQ with lam: auto selects on one "
+                             "held-out split (autobrake.folds: 1)")
         if self.transform.fold_o_proj and self.weights.quantizer != "rtn":
             raise ValueError("fold_o_proj folds block transforms fitted by RTN; got "
                              f"weights.quantizer {self.weights.quantizer!r}")

@@ -15,6 +15,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
+from ..formats.rounding import all_finite
+
 DEFAULT_TARGETS: tuple[str, ...] = (".*",)
 DEFAULT_IGNORE: tuple[str, ...] = (r"(^|\.)lm_head$", r"embed", r"(^|\.)(wte|wpe)$", r"pooler")
 
@@ -151,7 +153,7 @@ def flatten_tokens(x: Tensor) -> Tensor:
 def check_finite(x: Tensor, layer: str, what: str = "input") -> None:
     """Raise a ValueError naming ``layer`` when ``x`` (its ``what``: input or weight) holds NaN
     or Inf."""
-    if not torch.isfinite(x).all():
+    if not all_finite(x):
         nan = int(torch.isnan(x).sum())
         inf = int(torch.isinf(x).sum())
         advice = "check the model" + (" and the calibration data" if what == "input" else "")

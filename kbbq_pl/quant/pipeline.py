@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..transforms.autobrake import split_sequences
+from ..transforms.autobrake import fold_sequences, split_sequences
 from .config import (
     Batches,
     BroadcastFn,
@@ -139,9 +139,16 @@ def quantize_model(
     if not batches:
         raise ValueError("the calibration set is empty: no batches")
     modules, skipped = select_layers(model, config)
-    fit, held_out = (split_sequences(batches, config.autobrake.holdout, config.transform.seed)
-                     if config.auto else (batches, []))
-    split = CalibrationSplit(len(fit), len(held_out), count_tokens(batches), expected_tokens)
+    folds: list[list[dict[str, Tensor]]] = []
+    if config.auto and config.autobrake.folds > 1:
+        folds = fold_sequences(batches, config.autobrake.folds, config.transform.seed)
+        fit, held_out = [batch for fold in folds for batch in fold], []
+    elif config.auto:
+        fit, held_out = split_sequences(batches, config.autobrake.holdout, config.transform.seed)
+    else:
+        fit, held_out = batches, []
+    split = CalibrationSplit(len(fit), len(held_out), count_tokens(batches), expected_tokens,
+                             tuple(len(fold) for fold in folds))
     streamed = {name for name, module in modules.items() if linear_weight(module).is_meta}
     targets = set(modules)  # names only: a replaced layer's weights are freed with its block
     del modules

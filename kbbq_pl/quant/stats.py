@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..formats import Format
 from ..formats.padding import pad_features
-from ..formats.rounding import NVFP4_MIN_GLOBAL_SCALE
+from ..formats.rounding import NVFP4_MIN_GLOBAL_SCALE, all_finite
 from .modules import check_finite, first_input, flatten_tokens, in_out_features, linear_weight
 from .w4a4 import transformed_input
 
@@ -143,7 +143,7 @@ class StatisticsCollector:
             xf = F.pad(xf, (0, extra))
         grouped = xf.reshape(-1, stats.sigma_sum.shape[0], self.block).transpose(0, 1)
         update = torch.bmm(grouped.transpose(-1, -2), grouped)
-        if not torch.isfinite(update).all():  # NaN/Inf inputs reach the products
+        if not all_finite(update):  # NaN/Inf inputs reach the products
             check_finite(x, name)
         stats.sigma_sum += update
         if stats.full_sum is not None:
@@ -157,7 +157,8 @@ class StatisticsCollector:
         y = flatten_tokens(output).detach().float()
         if bias is not None:
             y = y - bias.detach().float()
-        stats.output_energy += y.square().sum(dtype=_F64)
+        flat = y.reshape(-1).to(_F64)  # exact squares, float64 sums: one fused product
+        stats.output_energy += torch.dot(flat, flat)
         stats.tokens += x.shape[0]
         stats.input_amax = torch.maximum(stats.input_amax, x.abs().max().float())
         self._keep(stats, x)

@@ -33,12 +33,21 @@ Propagation = Literal["fp", "quantized"]
 class CalibrationSplit:
     """How the cached calibration inputs divide: the first ``fit`` batches fit the transforms,
     the ``held_out`` batches after them select the auto-brake's lambda (none without
-    ``lam="auto"``); ``tokens`` is the calibration's token count (for the sample strides)."""
+    ``lam="auto"``); with cross-fitting (``autobrake.folds`` K >= 2) every batch fits
+    (``held_out`` is 0) and ``folds`` holds the batch count of each fold, in order;
+    ``tokens`` is the calibration's token count (for the sample strides)."""
 
     fit: int
     held_out: int
     tokens: int
     expected_tokens: int | None = None
+    folds: tuple[int, ...] = ()
+
+    @property
+    def fold_parts(self) -> list[slice]:
+        """The batches of each fold (cross-fitting)."""
+        ends = [sum(self.folds[:k + 1]) for k in range(len(self.folds))]
+        return [slice(end - size, end) for end, size in zip(ends, self.folds)]
 
     @property
     def total(self) -> int:

@@ -187,6 +187,31 @@ def test_grid_tables_and_packing_round_trip():
     assert torch.equal(e2m1_magnitude_code(E2M1_GRID), torch.arange(8, dtype=torch.float32))
 
 
+def test_e2m1_decode_table_is_the_arithmetic_bit_for_bit():
+    """Decoding by table lookup gives every code's sign and magnitude (code 8 is -0) exactly
+    as sign times :func:`e2m1_code_magnitude` times the group's multiplier."""
+    from kbbq_pl.formats.rounding import e2m1_code_magnitude, e2m1_decode_groups
+
+    codes = torch.arange(16, dtype=torch.uint8).repeat(3, 1)
+    multiplier = torch.tensor([1.0, 0.375, 2.0**-9])
+    values = e2m1_decode_groups(F.pack_nibbles(codes), multiplier, no_clip=False,
+                                out_dtype=torch.float32)
+    magnitude = e2m1_code_magnitude(codes & 0x7)
+    expected = torch.where((codes & 0x8) > 0, -magnitude, magnitude) * multiplier[:, None]
+    assert torch.equal(values.view(torch.int32), expected.view(torch.int32))
+    assert torch.signbit(values[:, 8]).all() and (values[:, 8] == 0).all()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_all_finite_sees_any_nonfinite_value(value):
+    from kbbq_pl.formats.rounding import all_finite
+
+    x = torch.randn(64, 48)
+    assert all_finite(x) and all_finite(x[:0]) and all_finite(x.double())
+    x[17, 5] = value
+    assert not all_finite(x) and not all_finite(x.bfloat16())
+
+
 @pytest.mark.parametrize("name", ALL_FORMATS)
 def test_all_zero_blocks_give_zeros(name):
     x = ADVERSARIAL["zero_blocks"]

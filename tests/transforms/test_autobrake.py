@@ -10,6 +10,8 @@ from kbbq_pl.law import noise_law as law
 from kbbq_pl.transforms.autobrake import (
     DEFAULT_GRID,
     choice_histogram,
+    cross_fitted_lambda,
+    fold_sequences,
     realized_output_error,
     select_lambda,
     split_sequences,
@@ -34,6 +36,49 @@ def test_split_is_deterministic_disjoint_and_complete():
         split_sequences(batches, 1.0)
     with pytest.raises(ValueError, match="at least 2"):
         split_sequences([{"input_ids": ids[:1]}], 0.5)
+
+
+def test_folds_are_deterministic_disjoint_balanced_and_complete():
+    ids = torch.arange(44).reshape(11, 4)
+    batches = [{"input_ids": ids[i:i + 3]} for i in range(0, 11, 3)]
+    folds = fold_sequences(batches, 4, seed=1)
+    again = fold_sequences(batches, 4, seed=1)
+    rows = [torch.cat([b["input_ids"] for b in fold]) for fold in folds]
+    assert [r.tolist() for r in rows] == [
+        torch.cat([b["input_ids"] for b in fold]).tolist() for fold in again]
+    assert sorted(len(r) for r in rows) == [2, 3, 3, 3]
+    assert sorted(torch.cat(rows)[:, 0].tolist()) == list(range(0, 44, 4))
+    assert all(r[:, 0].tolist() == sorted(r[:, 0].tolist()) for r in rows)  # original order
+    assert max(len(b["input_ids"]) for fold in folds for b in fold) == 3
+    assert [r.tolist() for r in rows] != [
+        torch.cat([b["input_ids"] for b in fold]).tolist()
+        for fold in fold_sequences(batches, 4, seed=2)]
+    with pytest.raises(ValueError, match="at least 2 folds"):
+        fold_sequences(batches, 1)
+    with pytest.raises(ValueError, match="needs at least 12 calibration sequences, got 11"):
+        fold_sequences(batches, 12)
+
+
+def test_cross_fitting_pools_each_fold_scored_with_the_other_folds_fit():
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, 32, generator=g)
+    x = torch.randn(4, 96, 32, generator=g) * torch.exp(torch.randn(32, generator=g))
+    sums = [law.diagonal_blocks(xk.double().T @ xk.double(), 16) for xk in x]
+    grid = (0.0, 0.5, 1.0)
+    choice = cross_fitted_lambda(weight, sums, [96.0] * 4, list(x), "nvfp4", grid)
+    for lam in grid:  # the same sums, one fold at a time, with the library's own pieces
+        error = energy = 0.0
+        for k in range(4):
+            rest = torch.cat([x[j] for j in range(4) if j != k])
+            basis = kbbq_basis(weight, law.diagonal_blocks(law.second_moment(rest), 16))
+            share = realized_output_error(weight, x[k], basis.transform(lam), "nvfp4")
+            y_energy = float((x[k] @ weight.T).double().square().sum())
+            error, energy = error + share * y_energy, energy + y_energy
+        assert choice.errors[lam] == pytest.approx(error / energy, rel=1e-5)
+    assert choice.errors[choice.lam] == min(choice.errors.values())
+    with pytest.raises(ValueError, match="no scored tokens"):
+        cross_fitted_lambda(weight, sums, [96.0] * 4, [xk[:0] for xk in x], "nvfp4", grid,
+                            name="layer.q")
 
 
 def test_realized_error_matches_a_direct_computation():
@@ -97,8 +142,43 @@ def test_auto_lambda_in_the_pipeline_reports_choices():
     assert "## Auto-brake" in text and "lambda 0.625" in text
 
 
+def test_cross_fitted_auto_lambda_in_the_pipeline():
+    """``autobrake.folds: 4``: every layer's lambda is the cross-fitted choice and its
+    transform the one fitted on all tokens (the fixed-lambda recipe's at that lambda, up to
+    the order in which the batches' moments are summed)."""
+    from tiny_models import tiny_model
+
+    from kbbq_pl.quant import QuantizationConfig, TransformConfig, quantize_model
+    from kbbq_pl.quant.config import AutoBrakeConfig
+    from kbbq_pl.quant.layers import quantized_linears
+
+    ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
+    batches = [{"input_ids": ids[i:i + 2]} for i in range(0, 8, 2)]
+    config = QuantizationConfig(transform=TransformConfig(lam="auto"),
+                                autobrake=AutoBrakeConfig(folds=4, tokens=256))
+    model = tiny_model("llama")
+    report = quantize_model(model, batches, config, expected_tokens=256, progress=False)
+    assert len(report.autobrake) == 14
+    chosen = {row.name: row.lam for row in report.layers}
+    assert all(choice.errors[choice.lam] == min(choice.errors.values())
+               for choice in report.autobrake.values())
+    for lam in sorted(set(chosen.values())):
+        fixed = tiny_model("llama")
+        quantize_model(fixed, batches, QuantizationConfig(transform=TransformConfig(lam=lam)),
+                       expected_tokens=256, progress=False)
+        ours, theirs = quantized_linears(model), quantized_linears(fixed)
+        for name in (n for n, v in chosen.items() if v == lam and n.startswith("model.layers.0")):
+            torch.testing.assert_close(ours[name].transform, theirs[name].transform,
+                                       rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_auto_lambda_configuration_errors():
-    from kbbq_pl.quant.config import AutoBrakeConfig, QuantizationConfig, TransformConfig
+    from kbbq_pl.quant.config import (
+        AutoBrakeConfig,
+        QuantizationConfig,
+        TransformConfig,
+        WeightsConfig,
+    )
 
     with pytest.raises(ValueError, match="chooses KBBQ's brake"):
         QuantizationConfig(transform=TransformConfig("wush", lam="auto"))
@@ -107,6 +187,13 @@ def test_auto_lambda_configuration_errors():
                            autobrake=AutoBrakeConfig(grid=(0.5, 2.0)))
     with pytest.raises(ValueError, match="lies in \\[0, 1\\] or is 'auto'"):
         QuantizationConfig(transform=TransformConfig(lam="best"))
+    with pytest.raises(ValueError, match="autobrake.folds is a positive integer"):
+        AutoBrakeConfig(folds=0)
+    with pytest.raises(ValueError, match="refit: true"):
+        AutoBrakeConfig(folds=4, refit=False)
+    with pytest.raises(ValueError, match="cross-fitting is implemented for RTN-KBBQ"):
+        QuantizationConfig(transform=TransformConfig(lam="auto"),
+                           weights=WeightsConfig("gptq"), autobrake=AutoBrakeConfig(folds=4))
 
 
 def test_samples_are_spread_over_every_sequence_position():

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from ...formats import Format, QuantizedTensor
-from ...formats.rounding import E2M1Scales
+from ...formats.rounding import E2M1Scales, all_finite
 from ...transforms.fit import DEFAULT_DAMPING, kbbq_basis, transform_weight
 from ..rtn.algorithm import rtn
 from ..scales import (
@@ -146,11 +146,11 @@ def inverse_hessian_factor(h: Tensor, damping: float = 0.01, name: str = "layer"
         damped.diagonal().add_(level * mean)
         lower, info = torch.linalg.cholesky_ex(damped)
         del damped
-        if int(info) == 0 and bool(torch.isfinite(lower).all()):
+        if int(info) == 0 and all_finite(lower):
             inverse = torch.cholesky_inverse(lower)
             del lower
             upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
-            if int(info) == 0 and bool(torch.isfinite(upper).all()):
+            if int(info) == 0 and all_finite(upper):
                 if attempt:
                     warnings.warn(f"{name}: Hessian not positive definite with damping "
                                   f"{damping:g}; used {level:g}", RuntimeWarning, stacklevel=3)
@@ -189,7 +189,7 @@ def _check_inputs(weight: Tensor, h: Tensor, fmt: Format, name: str) -> None:
     if h.shape != (size, size):
         raise ValueError(f"{name}: Hessian shape {tuple(h.shape)} does not match weight shape "
                          f"{tuple(weight.shape)} (expected [{size}, {size}])")
-    if not bool(torch.isfinite(weight).all()):
+    if not all_finite(weight):
         raise ValueError(f"{name}: the weight of shape {tuple(weight.shape)} holds NaN or Inf")
 
 

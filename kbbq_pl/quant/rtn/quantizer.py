@@ -13,14 +13,15 @@ model (``propagate="fp"``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from torch import Tensor, nn
 
 from ...formats import quantize
 from ...formats.padding import pad_features
-from ...transforms.autobrake import LambdaChoice, select_lambda
+from ...transforms.autobrake import LambdaChoice, cross_fitted_lambda, select_lambda
 from ...transforms.fit import fit_transform, kbbq_basis, transform_weight
 from ...transforms.fold import attention_heads, fold_o_proj
 from ..config import QuantizationConfig, ReduceFn, _identity
@@ -30,7 +31,7 @@ from ..stats import LayerStatistics, StatisticsCollector
 from ..weight_quantizer import Block, LayerPlan, WeightQuantizer
 from .algorithm import rtn
 
-__all__ = ["RTN", "auto_transform", "fold_o_proj_transforms"]
+__all__ = ["RTN", "auto_transform", "cross_fitted_transform", "fold_o_proj_transforms"]
 
 
 def sample_stride(expected_tokens: int | None, keep: int, part: int, whole: int) -> int:
@@ -56,6 +57,22 @@ def auto_transform(weight: Tensor, fit: LayerStatistics, held_out: LayerStatisti
     if config.autobrake.refit:
         pooled = (fit.sigma_sum + held_out.sigma_sum) / (fit.tokens + held_out.tokens)
         basis = kbbq_basis(weight, pooled, config.transform.damping, name=name)
+    return basis.transform(choice.lam), choice
+
+
+def cross_fitted_transform(weight: Tensor, every: LayerStatistics,
+                           folds: Sequence[LayerStatistics], config: QuantizationConfig,
+                           reduce_sum: ReduceFn = _identity, reduce_max: ReduceFn = _identity,
+                           name: str = "") -> tuple[Tensor, LambdaChoice]:
+    """KBBQ with the lambda K-fold cross-fitting prefers (``autobrake.folds`` K >= 2,
+    :func:`~kbbq_pl.transforms.autobrake.cross_fitted_lambda`), fitted on every token
+    (``every``: the statistics of all folds together)."""
+    choice = cross_fitted_lambda(
+        weight, [fold.sigma_sum for fold in folds], [float(fold.tokens) for fold in folds],
+        [pad_features(fold.sample(), config.fmt).to(weight.device) for fold in folds],
+        config.fmt, config.autobrake.grid, config.effective_act_scale, config.transform.damping,
+        reduce_sum, reduce_max, name)
+    basis = kbbq_basis(weight, every.sigma_blocks(), config.transform.damping, name=name)
     return basis.transform(choice.lam), choice
 
 
@@ -97,10 +114,12 @@ def fold_o_proj_transforms(model: nn.Module, modules: dict[str, nn.Module],
 
 @dataclass
 class RTNCalibration:
-    """A block's statistics: of the fitting batches, and of the held-out ones (``lam="auto"``)."""
+    """A block's statistics: of the fitting batches, and of the held-out ones (``lam="auto"``
+    with one split), or of every batch and of each fold (cross-fitting)."""
 
     fit: StatisticsCollector
     held_out: StatisticsCollector | None
+    folds: list[StatisticsCollector] = field(default_factory=list)
 
 
 class RTN(WeightQuantizer):
@@ -121,6 +140,8 @@ class RTN(WeightQuantizer):
     def calibrate(self, block: Block, keep_outputs: bool
                   ) -> tuple[RTNCalibration, list[Tensor] | None]:
         config, split, step = self.config, block.split, block.step
+        if split.folds:
+            return self._calibrate_folds(block, keep_outputs)
         keep = config.keep_samples
         if config.auto and config.autobrake.select_on == "fit":
             keep = max(keep, config.autobrake.tokens)
@@ -145,6 +166,32 @@ class RTN(WeightQuantizer):
                 outputs += rest
         return RTNCalibration(fit, held_out), outputs
 
+    def _calibrate_folds(self, block: Block, keep_outputs: bool
+                         ) -> tuple[RTNCalibration, list[Tensor] | None]:
+        """One pass over the folds in order: the statistics of every batch (the transform
+        and the report), and each fold's (its second moments and scored tokens)."""
+        config, split, step = self.config, block.split, block.step
+        reduce_sum = block.collectives.reduce_sum
+        keep = config.keep_samples
+        every = StatisticsCollector(
+            block.linears, config.block, keep,
+            sample_stride(split.expected_tokens, keep, split.total, split.total))
+        per_fold = -(-config.autobrake.tokens // len(split.folds))
+        folds, outputs = [], None
+        for part, size in zip(split.fold_parts, split.folds):
+            fold = StatisticsCollector(
+                block.linears, config.block, per_fold,
+                sample_stride(split.expected_tokens, per_fold, size, split.total))
+            with every.hooks(), fold.hooks():
+                out = step.run(keep_outputs, subset=part)
+            fold.reduce(reduce_sum)
+            folds.append(fold)
+            if out is not None:
+                outputs = out if outputs is None else outputs + out
+        every.reduce(reduce_sum)
+        every.check_nonempty()
+        return RTNCalibration(every, None, folds), outputs
+
     def quantize(self, block: Block, calibration: RTNCalibration) -> dict[str, LayerPlan]:
         config = self.config
         stats = calibration.fit.stats
@@ -153,7 +200,11 @@ class RTN(WeightQuantizer):
         padded = {name: pad_features(linear_weight(module).detach(), config.fmt)
                   for name, module in block.linears.items()}
         for name, weight in padded.items():
-            if config.auto:
+            if config.auto and calibration.folds:
+                transforms[name], choices[name] = cross_fitted_transform(
+                    weight, stats[name], [fold.stats[name] for fold in calibration.folds],
+                    config, block.collectives.reduce_sum, block.collectives.reduce_max, name)
+            elif config.auto:
                 assert calibration.held_out is not None
                 transforms[name], choices[name] = auto_transform(
                     weight, stats[name], calibration.held_out.stats[name], config,

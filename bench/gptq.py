@@ -23,8 +23,11 @@ llmcompressor``) and pass its python.  The script
 3. compares, per linear layer, the relative output error on held-out inputs with only that
    layer's weight quantized: ``||X (W_q - W)^T||^2 / ||X W^T||^2``, ``X`` the layer's inputs in
    the full-precision model on the held-out tokens (identity versions only);
-4. prints one table: wall time of the quantization call (model loading and imports excluded),
-   peak RSS of each process, mean error, the ratios, and kbbq-pl's phase timer.
+4. prints one table: wall time of the quantization call (model loading and imports excluded);
+   "to disk": that plus writing the compressed-tensors checkpoint vLLM serves (kbbq-pl's
+   ``save_compressed_tensors``, llm-compressor's ``save_pretrained(save_compressed=True)``,
+   which is where llm-compressor rounds and packs the weights that its RTN only calibrated
+   scales for); peak RSS of each process, mean error, the ratios, and both phase timers.
 
 Every subprocess runs with the same number of threads (``--threads``); kbbq-pl runs its eager
 rounding kernels unless ``--compile``.  The subprocesses run one after another: run the script
@@ -60,6 +63,20 @@ def _batches(ids: torch.Tensor, size: int) -> list[dict[str, torch.Tensor]]:
 # ----------------------------------------------------------------------------- workers
 
 
+def _timed_save(save, folder: Path, name: str) -> float:
+    """Seconds to write the quantized model as the compressed-tensors checkpoint a server
+    reads (packed FP4 codes and scales), into ``folder / name`` (deleted after): llm-compressor
+    rounds and packs its weights there, kbbq-pl already did while quantizing."""
+    import shutil
+
+    out = folder / f"{name}_checkpoint"
+    start = time.perf_counter()
+    save(out)
+    seconds = time.perf_counter() - start
+    shutil.rmtree(out, ignore_errors=True)
+    return seconds
+
+
 OUR_METHODS = ("gptq", "rtn", "gptq_kbbq", "rtn_kbbq")
 THEIR_METHODS = ("gptq", "rtn")
 LABELS = {"gptq": "GPTQ", "rtn": "RTN", "gptq_kbbq": "GPTQ-KBBQ", "rtn_kbbq": "RTN-KBBQ"}
@@ -88,6 +105,7 @@ def run_ours(folder: Path, args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(ROOT))
     from transformers import AutoModelForCausalLM
 
+    from kbbq_pl.io.compressed_tensors import save_compressed_tensors
     from kbbq_pl.quant import quantize_model
     from kbbq_pl.quant.layers import quantized_linears
 
@@ -97,12 +115,14 @@ def run_ours(folder: Path, args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     report = quantize_model(model, _batches(calib, args.batch_size), config, progress=False)
     seconds = time.perf_counter() - start
+    save_seconds = _timed_save(lambda out: save_compressed_tensors(model, out), folder,
+                               f"ours_{args.method}")
     weights = {}  # errors are compared for the identity versions, where Q(W T^-1) = Q(W)
     if config.transform.name == "identity":
         weights = {name: layer.dequantized_weight(torch.float32)[:, :layer.in_features]
                    for name, layer in quantized_linears(model).items()}
     torch.save(weights, folder / f"ours_{args.method}.pt")
-    return {"seconds": seconds, "peak_rss_mb": _peak_rss_mb(),
+    return {"seconds": seconds, "save_seconds": save_seconds, "peak_rss_mb": _peak_rss_mb(),
             "phases": {k: round(v, 2) for k, v in report.seconds.items()}}
 
 
@@ -149,7 +169,10 @@ def run_llmc(folder: Path, args: argparse.Namespace) -> dict:
             idempotent &= bool(torch.equal(q, module.weight))
             weights[name] = q.float()
     torch.save(weights, folder / f"llmc_{args.method}.pt")
-    return {"seconds": seconds, "peak_rss_mb": _peak_rss_mb(), "weights_on_grid": idempotent,
+    save_seconds = _timed_save(lambda out: model.save_pretrained(out, save_compressed=True),
+                               folder, f"llmc_{args.method}")
+    return {"seconds": seconds, "save_seconds": save_seconds, "peak_rss_mb": _peak_rss_mb(),
+            "weights_on_grid": idempotent,
             "phases": {k: round(v, 2) for k, v in phases.items()}}
 
 
@@ -251,6 +274,11 @@ def layer_errors(folder: Path, weights: dict[str, dict[str, torch.Tensor]]) -> d
             sums.items()}
 
 
+def _to_disk(run: dict) -> float:
+    """Quantization call plus writing the compressed-tensors checkpoint."""
+    return run["seconds"] + run["save_seconds"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llmc-python", default="/work/venvs/llmc/bin/python")
@@ -297,13 +325,14 @@ def main() -> None:
           f"Llama: hidden {args.hidden}, FFN {args.intermediate}, {args.layers} layers, vocab "
           f"{args.vocab}; calibration {args.calib_tokens} tokens, held-out "
           f"{args.heldout_tokens} tokens, {args.threads} thread(s) per process")
-    print(f"{'':30}{'wall (s)':>10}{'peak RSS (MiB)':>16}{'mean error':>12}")
+    print(f"{'':30}{'wall (s)':>10}{'to disk (s)':>13}{'peak RSS (MiB)':>16}"
+          f"{'mean error':>12}")
     mean_error = {key: sum(r[key] for r in errors.values()) / len(errors)
                   for key in weights}
     for (tool, m), run in runs.items():
         name = f"{'kbbq-pl' if tool == 'ours' else 'llm-compressor'} {LABELS[m]}"
         error = mean_error.get(f"{tool}_{m}")
-        print(f"{name:30}{run['seconds']:10.1f}{run['peak_rss_mb']:16.0f}"
+        print(f"{name:30}{run['seconds']:10.1f}{_to_disk(run):13.1f}{run['peak_rss_mb']:16.0f}"
               + (f"{error:12.3e}" if error is not None else f"{'':>12}"))
     print("ratios:")
     pairs = [(("ours", m), ("llmc", m), f"kbbq-pl / llm-compressor, {LABELS[m]}")
@@ -313,6 +342,7 @@ def main() -> None:
     for a, b, label in pairs:
         if a in runs and b in runs:
             line = (f"  {label:44} wall {runs[a]['seconds'] / runs[b]['seconds']:.2f}x, "
+                    f"to disk {_to_disk(runs[a]) / _to_disk(runs[b]):.2f}x, "
                     f"RSS {runs[a]['peak_rss_mb'] / runs[b]['peak_rss_mb']:.2f}x")
             ka, kb = "_".join(a), "_".join(b)
             if ka in mean_error and kb in mean_error:

@@ -171,7 +171,10 @@ def quantize_model(
         for step in steps:
             last = step.index == len(runner) - 1
             linears = {n: m for n, m in step.linears().items() if n in targets}
-            with step.on_device():
+            # propagating through the quantized block decodes its weights: the report's output
+            # SNR decodes them first, and the block's forward reuses those copies
+            with step.on_device(), (cache_decoded_weights() if propagate == "quantized"
+                                    else contextlib.nullcontext()):
                 for name in streamed.intersection(linears):
                     check_finite(linear_weight(linears[name]), name, "weight")
                 outputs = None
@@ -183,8 +186,7 @@ def quantize_model(
                 if not last:
                     tick = time.perf_counter()
                     if outputs is None:  # the quantized block's: each weight decoded once
-                        with cache_decoded_weights():
-                            outputs = step.run()
+                        outputs = step.run()
                     step.advance(outputs)
                     timing["propagation"] += time.perf_counter() - tick
             trim_heap()

@@ -118,22 +118,32 @@ def layer_kappas(stats: LayerStatistics, weight: Tensor, transform: Tensor | Non
     }
 
 
-def output_snr_db(layer: QuantizedLinear, weight: Tensor, bias: Tensor | None, x: Tensor) -> float:
+def output_snr_db(layer: QuantizedLinear, weight: Tensor, bias: Tensor | None, x: Tensor,
+                  exact: Tensor | None = None) -> float:
     """SNR of the quantized layer's output against the original on inputs ``x`` (isolation).
 
-    The products are float32: FP4 noise is 20-30 dB below the signal, float32's rounding
-    ~140 dB, so a float64 product (twice the time on a CPU) moves the figure by < 1e-7 dB (measured
-    on 1024- and 2752-wide layers); the means are float64."""
+    ``exact``: the original outputs ``x W^T`` where the caller has them (the calibration pass
+    kept them, :meth:`~kbbq_pl.quant.stats.LayerStatistics.sample_output`), else they are
+    computed here.  The products and the difference are float32: FP4 noise is 20-30 dB below
+    the signal, float32's rounding ~140 dB, so a float64 product (twice the time on a CPU)
+    moves the figure by < 1e-7 dB (measured on 1024- and 2752-wide layers); the sums of squares
+    are float64."""
     if x.numel() == 0:
         return float("nan")
     with torch.no_grad():
         x = x.to(torch.float32)
-        exact = (x @ weight.to(torch.float32).T).to(torch.float64)
-        approx = layer(x).to(torch.float64)
+        if exact is None:
+            exact = x @ weight.to(torch.float32).T
+        approx = layer(x).to(torch.float32)
         if bias is not None:
-            approx = approx - bias.to(torch.float64)
-        noise = (approx - exact).square().mean()
-        return float(10 * torch.log10(exact.square().mean() / noise))
+            approx = approx - bias.to(torch.float32)
+        noise = torch.linalg.vector_norm(approx.sub_(exact), dtype=torch.float64)
+        signal = torch.linalg.vector_norm(exact, dtype=torch.float64)
+        return float(20 * torch.log10(signal / noise))
+
+
+def _on(t: Tensor | None, device: torch.device) -> Tensor | None:
+    return None if t is None else t.to(device)
 
 
 def layer_report(name: str, module: nn.Module, layer: QuantizedLinear, stats: LayerStatistics,
@@ -152,7 +162,8 @@ def layer_report(name: str, module: nn.Module, layer: QuantizedLinear, stats: La
     received = transform_inputs(pad_features(sample, config.fmt), transform)[
         :, :sample.shape[1]] if folded else sample
     exact_weight = transform_weight(padded, transform) if folded else weight
-    snr = output_snr_db(layer, exact_weight, getattr(module, "bias", None), received)
+    snr = output_snr_db(layer, exact_weight, getattr(module, "bias", None), received,
+                        exact=_on(stats.sample_output(), weight.device))
     return LayerReport(
         name=name, kind=cell_kind(name), in_features=layer.in_features,
         out_features=layer.out_features, padded_in=layer.padded_in,

@@ -161,17 +161,25 @@ def _distinct_candidates(amax: Tensor, fmt: Format, global_scale: Tensor | None
 
 
 def assemble(rounded_from: Tensor, scales: E2M1Scales, fmt: Format, orig_dtype: torch.dtype,
-             global_scale: Tensor | None = None) -> QuantizedTensor:
+             global_scale: Tensor | None = None, *,
+             magnitude_codes: Tensor | None = None) -> QuantizedTensor:
     """The :class:`QuantizedTensor` of ``rounded_from [out, D]`` (the float32 values that were
     rounded) with per-group scales ``[out, D / d]``: codes ``e2m1(x * reciprocal)`` packed two
-    per byte, the stored block scales and NVFP4's per-tensor scale ``global_scale``."""
+    per byte, the stored block scales and NVFP4's per-tensor scale ``global_scale``.
+    ``magnitude_codes`` (uint8 ``[out, D]``, 0-7): the magnitudes' codes where the caller
+    rounded them already (GPTQ's column loop); the sign bit is ``x``'s, as the scales are
+    positive."""
     out_features, size = rounded_from.shape
     d = fmt.block_size
     assert d is not None
-    grouped = rounded_from.to(_F32).reshape(out_features, size // d, d)
-    per_group = E2M1Scales(scales.code, scales.reciprocal.unsqueeze(-1),
-                           scales.dequant.unsqueeze(-1), scales.gain, None)
-    codes = pack_nibbles(encode_e2m1(e2m1_scaled(grouped, per_group, fmt.scale_kind)))
+    if magnitude_codes is not None:
+        sign = torch.signbit(rounded_from).to(torch.uint8) << 3
+        codes = pack_nibbles(magnitude_codes.to(torch.uint8) | sign)
+    else:
+        grouped = rounded_from.to(_F32).reshape(out_features, size // d, d)
+        per_group = E2M1Scales(scales.code, scales.reciprocal.unsqueeze(-1),
+                               scales.dequant.unsqueeze(-1), scales.gain, None)
+        codes = pack_nibbles(encode_e2m1(e2m1_scaled(grouped, per_group, fmt.scale_kind)))
     code = scales.code
     if fmt.scale_kind == "e8m0":
         code = code.view(torch.float8_e8m0fnu)

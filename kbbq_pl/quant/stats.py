@@ -46,6 +46,7 @@ class LayerStatistics:
     tokens: Tensor                        # [] float64 count
     input_amax: Tensor                    # [] float32
     samples: list[Tensor] = field(default_factory=list)
+    sample_outputs: list[Tensor] = field(default_factory=list)  # their float32 outputs, no bias
     seen: int = 0                         # tokens seen on this rank (for sampling)
     full_sum: Tensor | None = None        # [D, D] float64, when the full moment is asked for
 
@@ -76,6 +77,15 @@ class LayerStatistics:
         if not self.samples:
             return torch.empty(0, self.in_features)
         return torch.cat(self.samples)
+
+    def sample_output(self) -> Tensor | None:
+        """The full-precision layer's outputs ``x W^T`` on the kept tokens, as its forward computed
+        them in the calibration pass (float32, bias removed), or None where they were not kept
+        (outputs of another dtype: the report then multiplies the kept inputs again)."""
+        rows = sum(len(s) for s in self.samples)
+        if not self.sample_outputs or sum(len(y) for y in self.sample_outputs) != rows:
+            return None
+        return torch.cat(self.sample_outputs)
 
 
 _FIBONACCI_HASH = 2654435769  # round(2^32 / golden ratio)
@@ -161,14 +171,17 @@ class StatisticsCollector:
         stats.output_energy += torch.dot(flat, flat)
         stats.tokens += x.shape[0]
         stats.input_amax = torch.maximum(stats.input_amax, x.abs().max().float())
-        self._keep(stats, x)
+        self._keep(stats, x, y if output.dtype == torch.float32 else None)
 
-    def _keep(self, stats: LayerStatistics, x: Tensor) -> None:
+    def _keep(self, stats: LayerStatistics, x: Tensor, y: Tensor | None = None) -> None:
+        """Keep the spread sample of this call's tokens and, when given (float32 forwards, where
+        they are exact), their outputs: the report's reference needs no second product."""
         kept = sum(len(s) for s in stats.samples)
         if kept < self.keep_samples:
             chosen = spread_sample(stats.seen, x.shape[0], self.sample_stride).to(x.device)
-            picked = x[chosen][: self.keep_samples - kept]
-            stats.samples.append(picked.float().cpu())
+            stats.samples.append(x[chosen][: self.keep_samples - kept].float().cpu())
+            if y is not None:
+                stats.sample_outputs.append(y[chosen][: self.keep_samples - kept].cpu())
         stats.seen += x.shape[0]
 
     def attach(self) -> list[RemovableHandle]:
@@ -206,6 +219,7 @@ class StatisticsCollector:
         stats.sigma_sum = stats.sigma_sum[:0]
         stats.full_sum = None
         stats.samples = []
+        stats.sample_outputs = []
 
     def check_nonempty(self) -> None:
         missing = [name for name, s in self.stats.items() if s.count == 0]

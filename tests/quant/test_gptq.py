@@ -201,6 +201,44 @@ def test_column_rounder_is_round_e2m1_bit_for_bit():
     assert torch.equal(rounder(values), round_e2m1(values))
 
 
+def test_column_rounder_codes_are_encode_e2m1s():
+    from kbbq_pl.formats.rounding import e2m1_magnitude_code, round_e2m1
+
+    rounder = G._ColumnRounder(torch.device("cpu"))
+    values = torch.cat([torch.linspace(0, 8, 100_001), torch.rand(10_000) * 10])
+    code = torch.empty(values.shape, dtype=torch.uint8)
+    rounder(values, code)
+    assert torch.equal(code, e2m1_magnitude_code(round_e2m1(values)).to(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("loop", ["columns", "refit"])
+def test_the_loops_codes_are_a_fresh_encode_of_what_they_rounded(fmt, loop, monkeypatch):
+    """GPTQ stores the codes its column loop rounded to; encoding the values it rounded from
+    again (what assemble did before) gives the same bytes, zero and negative-zero columns
+    included."""
+    weight, _, h = correlated_layer(out=24)
+    weight = weight.clone()
+    weight[:, 5] = 0.0
+    weight[:, 6] = -0.0
+    weight[3, :16] = 0.0  # a whole zero group
+    seen = []
+    original = S.assemble
+
+    def both(rounded_from, scales, fmt_, dtype, gs=None, *, magnitude_codes=None):
+        fresh = original(rounded_from, scales, fmt_, dtype, gs)
+        stored = original(rounded_from, scales, fmt_, dtype, gs, magnitude_codes=magnitude_codes)
+        seen.append(magnitude_codes is not None and torch.equal(fresh.qdata, stored.qdata))
+        return stored
+
+    monkeypatch.setattr(G, "assemble", both)
+    if loop == "columns":
+        G.gptq(weight, h, fmt, act_order=True)
+    else:
+        G.gptq_refit(weight, h, fmt, lam=0.75)
+    assert seen == [True]
+
+
 @pytest.mark.parametrize("fmt,act_order,mode", [("nvfp4", True, "static"),
                                                 ("mxfp4", False, "dynamic"),
                                                 ("nvfp4", True, "dynamic")])

@@ -100,6 +100,36 @@ def test_pipeline_on_tiny_causal_lms(arch, transform):
         assert row.act_global_scale is not None and row.output_snr_db > 5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_outputs_are_the_layers_own_and_give_the_reports_snr(dtype):
+    """The calibration pass keeps the full-precision outputs of the sampled tokens (float32
+    forwards only), and the report's output SNR from them equals a fresh product's."""
+    from kbbq_pl.quant.report import output_snr_db
+    from kbbq_pl.quant.stats import StatisticsCollector
+
+    linear = nn.Linear(64, 48).to(dtype)
+    collector = StatisticsCollector({"fc": linear}, block=16, keep_samples=10, sample_stride=2)
+    with collector.hooks():
+        for _ in range(3):
+            linear(torch.randn(2, 11, 64).to(dtype))
+    stats = collector.stats["fc"]
+    x, kept = stats.sample(), stats.sample_output()
+    assert x.shape == (10, 64)
+    if dtype != torch.float32:
+        assert kept is None  # a bf16 output is rounded: the report multiplies again
+        return
+    exact = x @ linear.weight.detach().T
+    torch.testing.assert_close(kept, exact, rtol=1e-5, atol=1e-5)
+    layer = QuantizedLinear.from_linear(linear, "nvfp4", None, act_scale="dynamic")
+    weight, bias = linear.weight.detach(), linear.bias.detach()
+    fresh = output_snr_db(layer, weight, bias, x)
+    assert abs(output_snr_db(layer, weight, bias, x, exact=kept) - fresh) < 1e-4
+    approx = layer(x).double() - bias.double()
+    expected = 10 * torch.log10(exact.double().square().sum()
+                                / (approx - exact.double()).square().sum())
+    assert abs(fresh - float(expected)) < 1e-4
+
+
 def test_pipeline_is_deterministic_and_wush_attains_the_paired_ceiling():
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))

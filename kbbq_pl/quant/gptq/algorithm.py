@@ -233,16 +233,21 @@ class _ColumnRounder:
         self.bounds = torch.where(torch.tensor(self.TIE_UP, device=device), below, mid)
         self.grid = torch.tensor(self.GRID, dtype=_F32, device=device)
 
-    def __call__(self, magnitude: Tensor) -> Tensor:
-        return torch.take(self.grid, torch.bucketize(magnitude, self.bounds))
+    def __call__(self, magnitude: Tensor, code: Tensor | None = None) -> Tensor:
+        """The rounded magnitudes; their 3-bit E2M1 codes (the grid's indices) into ``code``."""
+        index = torch.bucketize(magnitude, self.bounds)
+        if code is not None:
+            code.copy_(index)
+        return torch.take(self.grid, index)
 
 
 def _round_column(column: Tensor, scales: E2M1Scales, rounder: _ColumnRounder, divide: bool,
-                  out: Tensor) -> None:
+                  out: Tensor, code: Tensor | None = None) -> None:
     """One column rounded with its fixed scales into ``out`` (:func:`round_to_scales`'s
-    arithmetic, bit for bit)."""
+    arithmetic, bit for bit), and its magnitudes' E2M1 codes into ``code`` (uint8): the
+    checkpoint's codes are then these, not a second rounding of the same values."""
     y = column / scales.dequant if divide else column * scales.reciprocal
-    torch.mul(torch.copysign(rounder(y.abs()), y), scales.dequant, out=out)
+    torch.mul(torch.copysign(rounder(y.abs(), code), y), scales.dequant, out=out)
     if scales.gain is not None:
         out.div_(scales.gain)
 
@@ -296,14 +301,16 @@ def gptq_layers(
             results.append(GPTQResult(tensor, values, None, float("nan"), True))
         return results
     upper, used = factor
-    rounded_from, values, scales = _gptq_columns(w, upper, perm, fmt, row_scale, block_size,
-                                                 scale_search, group_scales_mode)
+    rounded_from, values, codes, scales = _gptq_columns(w, upper, perm, fmt, row_scale,
+                                                        block_size, scale_search,
+                                                        group_scales_mode)
     results = []
     offset = 0
     for n, gs, dtype in zip(rows, layer_scales, dtypes):
         part = E2M1Scales(scales.code[offset:offset + n], scales.reciprocal[offset:offset + n],
                           scales.dequant[offset:offset + n], scales.gain, None)
-        tensor = assemble(rounded_from[offset:offset + n], part, fmt, dtype, gs)
+        tensor = assemble(rounded_from[offset:offset + n], part, fmt, dtype, gs,
+                          magnitude_codes=codes[offset:offset + n])
         results.append(GPTQResult(tensor, values[offset:offset + n].contiguous(), perm, used,
                                   False))
         offset += n
@@ -332,10 +339,11 @@ def gptq(
 
 def _gptq_columns(w: Tensor, upper: Tensor, perm: Tensor | None, fmt: Format,
                   row_scale: Tensor | None, block_size: int, scale_search: ScaleSearch,
-                  group_scales_mode: GroupScales) -> tuple[Tensor, Tensor, E2M1Scales]:
+                  group_scales_mode: GroupScales) -> tuple[Tensor, Tensor, Tensor, E2M1Scales]:
     """The column recursion on ``w [out, D]`` (dead columns masked) with the factor ``U`` of the
-    (permuted) inverse Hessian: returns the values that were rounded and the rounded values
-    (both ``[out, D]``, original column order) and the scales ``[out, D / d]``."""
+    (permuted) inverse Hessian: returns the values that were rounded, the rounded values and
+    their magnitudes' E2M1 codes (all ``[out, D]``, original column order) and the scales
+    ``[out, D / d]``."""
     out_features, size = w.shape
     d = fmt.block_size
     assert d is not None
@@ -353,6 +361,7 @@ def _gptq_columns(w: Tensor, upper: Tensor, perm: Tensor | None, fmt: Format,
 
     rounder = _ColumnRounder(w.device)
     values_t = torch.empty_like(wt)
+    codes_t = torch.empty_like(wt, dtype=torch.uint8)
     diag = torch.diagonal(upper).tolist()
     divide = fmt.scale_kind == "fp32"
     for i1 in range(0, size, block_size):
@@ -373,7 +382,7 @@ def _gptq_columns(w: Tensor, upper: Tensor, perm: Tensor | None, fmt: Format,
                     parts[g] = scales
                 column = wt[j]
                 q = values_t[j]
-                _round_column(column, scales, rounder, divide, q)
+                _round_column(column, scales, rounder, divide, q, codes_t[j])
                 err = errors[j - i1]
                 torch.sub(column, q, out=err)
                 err.div_(diag[j])
@@ -386,8 +395,8 @@ def _gptq_columns(w: Tensor, upper: Tensor, perm: Tensor | None, fmt: Format,
 
     if perm is not None:
         inverse = torch.argsort(perm)
-        wt, values_t = wt[inverse], values_t[inverse]
-    return wt.T, values_t.T, _stack_scales(parts)  # type: ignore[arg-type]
+        wt, values_t, codes_t = wt[inverse], values_t[inverse], codes_t[inverse]
+    return wt.T, values_t.T, codes_t.T, _stack_scales(parts)  # type: ignore[arg-type]
 
 
 def _current_group(wt: Tensor, upper: Tensor, errors: Tensor, positions: list[int], i1: int,
@@ -454,6 +463,7 @@ def gptq_refit(
     wt = w.T.contiguous()                                           # [D, out]
     rounded_t = torch.empty_like(wt)
     values_t = torch.empty_like(wt)
+    codes_t = torch.empty_like(wt, dtype=torch.uint8)
     fitted = torch.empty(groups, d, d, dtype=_F64, device=w.device)
     parts: list[E2M1Scales] = []
     for i1 in range(0, size, block_size):
@@ -477,7 +487,8 @@ def gptq_refit(
             diag = torch.diagonal(r).tolist()
             for j in range(d):
                 hat_t[j] = work[j]                                  # what is rounded
-                _round_column(work[j], scales, rounder, divide, values_t[c0 + j])
+                _round_column(work[j], scales, rounder, divide, values_t[c0 + j],
+                              codes_t[c0 + j])
                 torch.sub(work[j], values_t[c0 + j], out=scaled[j])
                 scaled[j].div_(diag[j])
                 if j + 1 < d:
@@ -488,5 +499,6 @@ def gptq_refit(
                 wt[c1:i2].addmm_(upper[c0:c1, c1:i2].T, rotated, alpha=-1.0)
         if i2 < size:
             wt[i2:].addmm_(upper[i1:i2, i2:].T, errors, alpha=-1.0)
-    tensor = assemble(rounded_t.T, _stack_scales(parts), fmt, weight.dtype, global_scale)
+    tensor = assemble(rounded_t.T, _stack_scales(parts), fmt, weight.dtype, global_scale,
+                      magnitude_codes=codes_t.T)
     return GPTQResult(tensor, values_t.T.contiguous(), None, used, False, fitted)

@@ -104,11 +104,37 @@ def unpack_nibbles(packed: Tensor) -> Tensor:
     return torch.stack((low, high), dim=-1).flatten(-2)
 
 
+E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+"""Midpoints between neighbouring E2M1 magnitudes; the tie at each goes to the even code
+(the upper neighbour at 0.75, 1.75 and 3.5)."""
+_E2M1_TIE_UP = (False, True, False, True, False, True, False)
+
+
+def e2m1_code_bounds(device: torch.device | str = "cpu") -> Tensor:
+    """The 7 float32 boundaries whose ``torch.bucketize`` index is the 3-bit E2M1 code of
+    :func:`round_e2m1` (a boundary where the tie rounds up sits one float below its midpoint;
+    tested bit for bit against the arithmetic)."""
+    mid = torch.tensor(E2M1_MIDPOINTS, dtype=torch.float32, device=device)
+    below = torch.nextafter(mid, torch.zeros_like(mid))
+    return torch.where(torch.tensor(_E2M1_TIE_UP, device=device), below, mid)
+
+
+_CODE_BOUNDS: dict[torch.device, Tensor] = {}
+
+
 def encode_e2m1(y: Tensor) -> Tensor:
-    """E2M1 codes (uint8, sign in bit 3) of the already-scaled values ``y``."""
-    magnitude = e2m1_magnitude_code(round_e2m1(y.abs()))
+    """E2M1 codes (uint8, sign in bit 3) of the already-scaled finite values ``y``.
+
+    Eagerly, the magnitude's code is one binary search over :func:`e2m1_code_bounds` (half the
+    time on a CPU of rounding and then mapping the rounded value, which a compiled graph fuses
+    instead)."""
     sign = torch.signbit(y).to(torch.uint8) << 3
-    return magnitude.to(torch.uint8) | sign
+    if torch.compiler.is_compiling():
+        return e2m1_magnitude_code(round_e2m1(y.abs())).to(torch.uint8) | sign
+    bounds = _CODE_BOUNDS.get(y.device)
+    if bounds is None:
+        bounds = _CODE_BOUNDS[y.device] = e2m1_code_bounds(y.device)
+    return torch.bucketize(y.abs(), bounds, out_int32=True).to(torch.uint8) | sign
 
 
 def _clean(x: Tensor, nonfinite: str) -> Tensor:

@@ -187,6 +187,26 @@ def test_grid_tables_and_packing_round_trip():
     assert torch.equal(e2m1_magnitude_code(E2M1_GRID), torch.arange(8, dtype=torch.float32))
 
 
+def test_e2m1_encode_search_is_the_arithmetic_bit_for_bit():
+    """Encoding by binary search over the code boundaries gives the code of rounding first and
+    mapping the rounded magnitude (the compiled path), ties and both zeros included."""
+    from kbbq_pl.formats.rounding import (
+        E2M1_MIDPOINTS,
+        e2m1_magnitude_code,
+        encode_e2m1,
+        round_e2m1,
+    )
+
+    points = torch.cat([torch.tensor(E2M1_MIDPOINTS + (7.0, 1e30, 2.0**-149)), E2M1_GRID])
+    ulps = torch.arange(-300, 301, dtype=torch.int32)
+    near = (points.view(torch.int32)[:, None] + ulps).reshape(-1).view(torch.float32).abs()
+    y = torch.cat([near, -near, torch.linspace(-8, 8, 100_001), torch.tensor([0.0, -0.0])])
+    y = y[torch.isfinite(y)]
+    arithmetic = (e2m1_magnitude_code(round_e2m1(y.abs())).to(torch.uint8)
+                  | (torch.signbit(y).to(torch.uint8) << 3))
+    assert torch.equal(encode_e2m1(y), arithmetic)
+
+
 def test_e2m1_decode_table_is_the_arithmetic_bit_for_bit():
     """Decoding by table lookup gives every code's sign and magnitude (code 8 is -0) exactly
     as sign times :func:`e2m1_code_magnitude` times the group's multiplier."""

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from ...formats import Format, QuantizedTensor
-from ...formats.rounding import E2M1Scales, all_finite
+from ...formats.rounding import E2M1Scales, all_finite, e2m1_code_bounds, e2m1_code_magnitude
 from ...transforms.fit import DEFAULT_DAMPING, kbbq_basis, transform_weight
 from ..rtn.algorithm import rtn
 from ..scales import (
@@ -220,18 +220,11 @@ def _warn_fallback(name: str, size: int) -> None:
 
 class _ColumnRounder:
     """E2M1 rounding of magnitudes by table lookup: ``round_e2m1`` bit for bit (tested), in two
-    ops instead of a dozen, for GPTQ's column loop where per-op overhead dominates.  Ties go to
-    the even code: a boundary where the tie rounds up sits one float below the midpoint."""
-
-    MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-    TIE_UP = (False, True, False, True, False, True, False)
-    GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+    ops instead of a dozen, for GPTQ's column loop where per-op overhead dominates."""
 
     def __init__(self, device: torch.device) -> None:
-        mid = torch.tensor(self.MIDPOINTS, dtype=_F32, device=device)
-        below = torch.nextafter(mid, torch.zeros_like(mid))
-        self.bounds = torch.where(torch.tensor(self.TIE_UP, device=device), below, mid)
-        self.grid = torch.tensor(self.GRID, dtype=_F32, device=device)
+        self.bounds = e2m1_code_bounds(device)
+        self.grid = e2m1_code_magnitude(torch.arange(8, device=device))
 
     def __call__(self, magnitude: Tensor, code: Tensor | None = None) -> Tensor:
         """The rounded magnitudes; their 3-bit E2M1 codes (the grid's indices) into ``code``."""

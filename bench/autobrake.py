@@ -1,7 +1,7 @@
 """Auto-brake against every global lambda, on all-MiniLM-L6-v2 (the auto-brake acceptance).
 
     python bench/autobrake.py [--formats nvfp4,mxfp4] [--quantizer rtn|gptq] [--seeds 0,1,2]
-                              [--lams 0,0.25,...] [--variants refit,keep,fit,folds4]
+                              [--lams 0,0.25,...] [--variants refit,keep,fit,folds4,model]
                               [--data ../shared/data/wikitext2]
 
 Calibrates on WikiText-2 ``valid.txt`` (16 x 256 tokens), measures embedding fidelity (mean cosine
@@ -46,7 +46,8 @@ def main() -> None:
     parser.add_argument("--variants", default="refit,keep,fit",
                         help="auto variants: refit (one held-out split), keep (fit-half T), fit "
                              "(selection on the fitting tokens), folds4 (4-fold cross-fitting on "
-                             "4,096 scored tokens: the shipped RTN auto recipes)")
+                             "4,096 scored tokens), model (one lambda for the model, "
+                             "autobrake.scope: model)")
     parser.add_argument("--lams", default=",".join(f"{lam:g}" for lam in DEFAULT_GRID),
                         help="the global lambdas to compare with (default: the whole grid)")
     parser.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent
@@ -66,7 +67,9 @@ def main() -> None:
                 "keep": ("auto (keep fit-half T)", "auto", AutoBrakeConfig(refit=False)),
                 "fit": ("auto, selected on fit tokens", "auto", AutoBrakeConfig(select_on="fit")),
                 "folds4": ("auto, 4-fold cross-fitting", "auto",
-                           AutoBrakeConfig(folds=4, tokens=4096))}
+                           AutoBrakeConfig(folds=4, tokens=4096)),
+                "model": ("auto, one lambda (scope model)", "auto",
+                          AutoBrakeConfig(scope="model"))}
     runs = [(f"lambda {float(lam):g}", float(lam), AutoBrakeConfig())
             for lam in args.lams.split(",")]
     runs += [variants[v] for v in args.variants.split(",") if v]

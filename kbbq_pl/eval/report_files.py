@@ -57,7 +57,9 @@ def report_markdown(report: QuantizationReport, title: str = "kbbq-pl quantizati
     recipe = QuantizationConfig.from_dict(config)
     details = ""
     if recipe.auto:
-        details = (f" (chosen per layer from {list(recipe.autobrake.grid)} on "
+        how = ("one for the model, the smallest mean over layers"
+               if recipe.autobrake.scope == "model" else "chosen per layer")
+        details = (f" ({how} from {list(recipe.autobrake.grid)} on "
                    f"{recipe.autobrake.holdout:.0%} held-out calibration sequences)")
     if recipe.weights.quantizer == "gptq":
         details += (f"; GPTQ damping {recipe.weights.damping:g}, act-order "

@@ -240,6 +240,12 @@ class AutoBrakeConfig:
             transform fitted on the fitting part is kept.
         select_on: where the auto-brake scores: ``holdout`` (the method) or ``fit`` (the
             fitting tokens, only to measure what the split buys).
+        scope: ``layer``: each layer keeps the candidate of its smallest held-out error;
+            ``model``: one lambda for every layer, the candidate of the smallest held-out error
+            in dB averaged over the layers (:func:`~kbbq_pl.transforms.autobrake.model_lambda`).
+            ``model`` quantizes twice: a first run with the per-layer choice scores the
+            candidates (on a copy of the model, in memory), a second quantizes with the
+            chosen lambda, bit for bit the fixed-lambda recipe.
     """
 
     grid: tuple[float, ...] = DEFAULT_GRID
@@ -248,6 +254,7 @@ class AutoBrakeConfig:
     tokens: int = 512
     refit: bool = True
     select_on: Literal["holdout", "fit"] = "holdout"
+    scope: Literal["layer", "model"] = "layer"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grid", tuple(self.grid))
@@ -265,6 +272,9 @@ class AutoBrakeConfig:
         if self.select_on not in ("holdout", "fit"):
             raise ValueError(f"autobrake.select_on must be 'holdout' or 'fit', "
                              f"got {self.select_on!r}")
+        if self.scope not in ("layer", "model"):
+            raise ValueError(f"autobrake.scope must be 'layer' (a lambda per layer) or 'model' "
+                             f"(one lambda for the model), got {self.scope!r}")
 
 
 @dataclass(frozen=True)

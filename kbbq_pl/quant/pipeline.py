@@ -24,16 +24,19 @@ model larger than the accelerator's memory quantizes) and the cached activations
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import time
 import weakref
 from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..transforms.autobrake import fold_sequences, split_sequences
+from ..transforms.autobrake import LambdaChoice, fold_sequences, model_lambda, split_sequences
 from .config import (
     Batches,
     BroadcastFn,
@@ -123,6 +126,12 @@ def quantize_model(
     memory, :class:`~kbbq_pl.quant.sequential.MoveToDevice`; a model streamed from disk:
     :class:`kbbq_pl.io.streaming.StreamedBlocks`).
     """
+    if config.auto and config.autobrake.scope == "model":
+        return _quantize_model_scope(
+            model, batches, config, weight_quantizer=weight_quantizer, residency=residency,
+            reduce_sum=reduce_sum, reduce_max=reduce_max, broadcast=broadcast, rank=rank,
+            world_size=world_size, expected_tokens=expected_tokens, trainable=trainable,
+            progress=progress, device=device, offload_device=offload_device)
     start = time.perf_counter()
     collectives = Collectives(reduce_sum, reduce_max, broadcast, rank, world_size)
     quantizer = weight_quantizer or WEIGHT_QUANTIZERS[config.weights.quantizer](
@@ -202,6 +211,44 @@ def quantize_model(
     report.model["propagate"] = propagate
     if runner.whole_model is not None:
         report.model["whole_model"] = runner.whole_model
+    return report
+
+
+def _quantize_model_scope(model: nn.Module, batches: Batches, config: QuantizationConfig, *,
+                          weight_quantizer: WeightQuantizer | None,
+                          residency: BlockResidency | None, **run: Any) -> QuantizationReport:
+    """``autobrake.scope: model``: the per-layer auto-brake runs on a copy of ``model`` to score
+    every candidate in every layer, :func:`model_lambda` takes the one lambda of the smallest
+    mean error, and ``model`` is quantized with it (bit for bit the fixed-lambda recipe).  The
+    report is the second run's, with every layer's scores and the first run's time."""
+    if weight_quantizer is not None:
+        raise ValueError("autobrake.scope 'model' builds its own weight quantizers (one per "
+                         "run); pass weight_quantizer=None")
+    if residency is not None or any(linear_weight(m).is_meta
+                                    for m in find_linears(model, config.layers.targets,
+                                                          config.layers.ignore).values()):
+        raise ValueError("autobrake.scope 'model' quantizes a copy of the model first: load the "
+                         "model in memory, or choose per layer (autobrake.scope: layer)")
+    layer_scope = replace(config, autobrake=replace(config.autobrake, scope="layer"))
+    scratch = copy.deepcopy(model)
+    try:
+        scoring = quantize_model(scratch, batches, layer_scope, **run)
+    finally:
+        del scratch
+        trim_heap()
+    lam, means = model_lambda(scoring.autobrake)
+    log.info("autobrake.scope model: lambda %g (mean held-out error %s dB)", lam,
+             ", ".join(f"{k:g}: {v:.3f}" for k, v in means.items()))
+    fixed = replace(config, transform=replace(config.transform, lam=lam))
+    report = quantize_model(model, batches, fixed, **run)
+    report.config = config.to_dict()
+    report.autobrake = {name: LambdaChoice(lam, choice.errors)
+                        for name, choice in scoring.autobrake.items()}
+    report.model["autobrake_model"] = {"lam": lam, "mean_error_db": means,
+                                       "layer_choices": {name: choice.lam for name, choice
+                                                         in scoring.autobrake.items()}}
+    report.seconds["autobrake_scoring"] = scoring.seconds["total"]
+    report.seconds["total"] += scoring.seconds["total"]
     return report
 
 

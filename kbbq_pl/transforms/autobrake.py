@@ -168,6 +168,27 @@ def best_lambda(errors: Mapping[float, float]) -> LambdaChoice:
     return LambdaChoice(best, dict(errors))
 
 
+def model_lambda(choices: Mapping[str, LambdaChoice]) -> tuple[float, dict[float, float]]:
+    """One lambda for every layer (``autobrake.scope: model``): the candidate whose held-out
+    output error in dB, averaged over the layers, is the smallest (the first in grid order on
+    a tie); returns it and every candidate's mean in dB.
+
+    The per-layer minimum wins a fraction of a dB per layer that does not reach the model's
+    output: on SmolLM2 the layer choices lose to the best single lambda, which the mean over
+    layers finds (docs/results/2026-11-25-autobrake-scope.md).  Averaging dB weighs every
+    layer's relative error alike, whatever its output energy."""
+    if not choices:
+        raise ValueError("no layer scored the auto-brake's candidates")
+    grids = {tuple(choice.errors) for choice in choices.values()}
+    if len(grids) != 1:
+        raise ValueError(f"the layers scored different candidates: {sorted(grids)}")
+    (grid,) = grids
+    means = {lam: sum(choice.errors_db[lam] for choice in choices.values()) / len(choices)
+             for lam in grid}
+    best = min(grid, key=lambda lam: (means[lam], grid.index(lam)))
+    return best, means
+
+
 def select_lambda(
     weight: Tensor, basis: KBBQBasis, x_holdout: Tensor, fmt: str | Format,
     grid: Sequence[float] = DEFAULT_GRID, act_scale: str = "static",

@@ -15,6 +15,7 @@ from kbbq_pl.io.checkpoint import CheckpointError
 from kbbq_pl.io.data import token_blocks
 from kbbq_pl.io.models import from_pretrained, load_model
 from kbbq_pl.quant import (
+    AutoBrakeConfig,
     FormatConfig,
     QuantizationConfig,
     TransformConfig,
@@ -187,9 +188,9 @@ def test_gptq_recipe_with_auto_brake_reloads_bit_exactly(tiny_llama_dir, tmp_pat
     batches = [{"input_ids": b, "attention_mask": torch.ones_like(b)}
                for b in token_blocks("random", None, n_tokens=256, seq_len=32,
                                      vocab_size=256).split(8)]
-    quantize_model(model, batches, QuantizationConfig(transform=TransformConfig(lam="auto"),
-                                                      weights=WeightsConfig("gptq")),
-                   progress=False)
+    recipe = QuantizationConfig(transform=TransformConfig(lam="auto"), weights=WeightsConfig("gptq"),
+                                autobrake=AutoBrakeConfig(scope="model"))  # the recipe's
+    quantize_model(model, batches, recipe, progress=False)
     reloaded = from_pretrained(out)
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

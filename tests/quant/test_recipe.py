@@ -32,7 +32,7 @@ OTHER_VALUES: dict[str, Any] = {
     "weights.group_scales": "dynamic", "weights.transform_refit": "fixed",
     "autobrake.grid": (0.25, 0.5), "autobrake.holdout": 0.25, "autobrake.folds": 3,
     "autobrake.tokens": 64,
-    "autobrake.refit": False, "autobrake.select_on": "fit",
+    "autobrake.refit": False, "autobrake.select_on": "fit", "autobrake.scope": "model",
     "layers.targets": [r"q_proj"], "layers.ignore": [r"lm_head"],
     "keep_samples": 7,
 }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -11,7 +13,9 @@ from kbbq_pl.transforms.autobrake import (
     DEFAULT_GRID,
     choice_histogram,
     cross_fitted_lambda,
+    LambdaChoice,
     fold_sequences,
+    model_lambda,
     realized_output_error,
     select_lambda,
     split_sequences,
@@ -140,6 +144,76 @@ def test_auto_lambda_in_the_pipeline_reports_choices():
         DEFAULT_GRID)
     text = report_markdown(report)
     assert "## Auto-brake" in text and "lambda 0.625" in text
+
+
+def test_model_lambda_takes_the_smallest_mean_error_in_db():
+    # layer a prefers 0.5 by 3 dB, layers b and c prefer 1 by 2 dB: the mean picks 1
+    choices = {"a": LambdaChoice(0.5, {0.5: 1e-3, 1.0: 2e-3}),
+               "b": LambdaChoice(1.0, {0.5: 1.585e-3, 1.0: 1e-3}),
+               "c": LambdaChoice(1.0, {0.5: 1.585e-3, 1.0: 1e-3})}
+    lam, means = model_lambda(choices)
+    assert lam == 1.0 and means[1.0] < means[0.5]
+    assert means[0.5] == pytest.approx((-30 + 2 * 10 * math.log10(1.585e-3)) / 3)
+    tie = {"a": LambdaChoice(1.0, {0.75: 1e-3, 1.0: 1e-3})}
+    assert model_lambda(tie)[0] == 0.75  # the first in grid order
+    with pytest.raises(ValueError, match="different candidates"):
+        model_lambda({"a": choices["a"], "d": LambdaChoice(1.0, {0.25: 1.0, 1.0: 0.5})})
+    with pytest.raises(ValueError, match="no layer"):
+        model_lambda({})
+
+
+@pytest.mark.parametrize("quantizer", ["rtn", "gptq"])
+def test_model_scope_is_the_fixed_recipe_at_the_lambda_it_chose(quantizer):
+    """``autobrake.scope: model`` scores like the per-layer brake, then quantizes the model
+    with one lambda: the codes of the fixed-lambda recipe at that lambda, bit for bit."""
+    from dataclasses import replace
+
+    from tiny_models import tiny_model
+
+    from kbbq_pl.eval.report_files import report_markdown
+    from kbbq_pl.quant import (
+        AutoBrakeConfig,
+        QuantizationConfig,
+        TransformConfig,
+        WeightsConfig,
+        quantize_model,
+    )
+    from kbbq_pl.quant.layers import quantized_linears
+
+    ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
+    batches = [{"input_ids": ids[i:i + 2]} for i in range(0, 8, 2)]
+    grid = (0.25, 0.75, 1.0)
+    config = QuantizationConfig(transform=TransformConfig(lam="auto"),
+                                weights=WeightsConfig(quantizer),
+                                autobrake=AutoBrakeConfig(grid=grid, scope="model"))
+    model, per_layer = tiny_model("llama"), tiny_model("llama")
+    source = {k: v.clone() for k, v in model.state_dict().items()}
+    report = quantize_model(model, batches, config, expected_tokens=256, progress=False)
+    layer_scope = replace(config, autobrake=replace(config.autobrake, scope="layer"))
+    layers = quantize_model(per_layer, batches, layer_scope, expected_tokens=256,
+                            progress=False)
+    lam, means = model_lambda(layers.autobrake)
+    assert report.model["autobrake_model"]["lam"] == lam and lam in grid
+    assert report.model["autobrake_model"]["mean_error_db"] == means
+    assert report.model["autobrake_model"]["layer_choices"] == {
+        n: c.lam for n, c in layers.autobrake.items()}
+    assert {r.lam for r in report.layers} == {lam}
+    assert report.config["autobrake"]["scope"] == "model"
+    assert report.seconds["total"] > report.seconds["autobrake_scoring"] > 0
+
+    fixed_model = tiny_model("llama")
+    assert all(torch.equal(fixed_model.state_dict()[k], v) for k, v in source.items())
+    fixed = replace(config, transform=replace(config.transform, lam=lam))
+    quantize_model(fixed_model, batches, fixed, expected_tokens=256, progress=False)
+    ours, theirs = quantized_linears(model), quantized_linears(fixed_model)
+    assert ours.keys() == theirs.keys() and len(ours) == 14
+    for name in ours:
+        a, b = ours[name].weight, theirs[name].weight
+        assert torch.equal(a.qdata, b.qdata) and torch.equal(a.scale.view(torch.uint8),
+                                                                b.scale.view(torch.uint8))
+    assert "one for the model" in report_markdown(report)
+    with pytest.raises(ValueError, match="quantizes a copy of the model first"):
+        quantize_model(tiny_model("llama"), batches, config, residency=object(), progress=False)
 
 
 def test_cross_fitted_auto_lambda_in_the_pipeline():

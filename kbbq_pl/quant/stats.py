@@ -178,10 +178,11 @@ class StatisticsCollector:
         they are exact), their outputs: the report's reference needs no second product."""
         kept = sum(len(s) for s in stats.samples)
         if kept < self.keep_samples:
-            chosen = spread_sample(stats.seen, x.shape[0], self.sample_stride).to(x.device)
-            stats.samples.append(x[chosen][: self.keep_samples - kept].float().cpu())
+            chosen = spread_sample(stats.seen, x.shape[0], self.sample_stride)
+            rows = chosen.nonzero().squeeze(1)[: self.keep_samples - kept].to(x.device)
+            stats.samples.append(x.index_select(0, rows).float().cpu())
             if y is not None:
-                stats.sample_outputs.append(y[chosen][: self.keep_samples - kept].cpu())
+                stats.sample_outputs.append(y.index_select(0, rows).cpu())
         stats.seen += x.shape[0]
 
     def attach(self) -> list[RemovableHandle]:

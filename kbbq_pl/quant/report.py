@@ -142,10 +142,6 @@ def output_snr_db(layer: QuantizedLinear, weight: Tensor, bias: Tensor | None, x
         return float(20 * torch.log10(signal / noise))
 
 
-def _on(t: Tensor | None, device: torch.device) -> Tensor | None:
-    return None if t is None else t.to(device)
-
-
 def layer_report(name: str, module: nn.Module, layer: QuantizedLinear, stats: LayerStatistics,
                  transform: Tensor | None, config: QuantizationConfig,
                  act_global_scale: Tensor | None, lam: float | None = None,
@@ -162,8 +158,9 @@ def layer_report(name: str, module: nn.Module, layer: QuantizedLinear, stats: La
     received = transform_inputs(pad_features(sample, config.fmt), transform)[
         :, :sample.shape[1]] if folded else sample
     exact_weight = transform_weight(padded, transform) if folded else weight
+    kept = stats.sample_output()
     snr = output_snr_db(layer, exact_weight, getattr(module, "bias", None), received,
-                        exact=_on(stats.sample_output(), weight.device))
+                        exact=None if kept is None else kept.to(weight.device))
     return LayerReport(
         name=name, kind=cell_kind(name), in_features=layer.in_features,
         out_features=layer.out_features, padded_in=layer.padded_in,

@@ -86,8 +86,7 @@ def main() -> None:
             config = QuantizationConfig(format=FormatConfig(fmt),
                                         transform=TransformConfig("kbbq", lam=lam),
                                         weights=WeightsConfig(args.quantizer))
-            quantize_model(copy.deepcopy(model), warm, config, expected_tokens=args.tokens,
-                           progress=False)
+            quantize_model(copy.deepcopy(model), warm, config, progress=False)
         rows = []
         for name, lam, autobrake in runs:
             fidelities, times, chosen = [], [], []
@@ -102,8 +101,7 @@ def main() -> None:
                                             weights=WeightsConfig(args.quantizer),
                                             autobrake=autobrake)
                 start = time.perf_counter()
-                report = quantize_model(candidate, batches, config, expected_tokens=args.tokens,
-                                        progress=False)
+                report = quantize_model(candidate, batches, config, progress=False)
                 times.append(time.perf_counter() - start)
                 fidelities.append(cosine_summary(
                     mean_pooled_embeddings(candidate, tokenizer, sentences),

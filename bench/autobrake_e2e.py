@@ -63,10 +63,9 @@ from kbbq_pl.formats.padding import pad_features
 from kbbq_pl.io.models import load_model
 from kbbq_pl.quant import pipeline
 from kbbq_pl.quant import quantize_model
-from kbbq_pl.quant.config import count_tokens
 from kbbq_pl.quant.layers import QuantizedLinear, swap_module
 from kbbq_pl.quant.modules import linear_weight
-from kbbq_pl.quant.rtn.quantizer import RTN, RTNCalibration, sample_stride
+from kbbq_pl.quant.rtn.quantizer import RTN, RTNCalibration
 from kbbq_pl.quant.stats import StatisticsCollector, spread_sample, transformed_amax
 from kbbq_pl.quant.stats import act_scales_from_amax
 from kbbq_pl.quant.w4a4 import cache_decoded_weights
@@ -109,24 +108,19 @@ class CachingRTN(RTN):
         config, split, step = self.config, block.split, block.step
         keep = config.keep_samples
         if self.kfolds:  # every fitting token too (the folds' second moments)
-            fit = StatisticsCollector(block.linears, config.block,
-                                      split.expected_tokens * split.fit // split.total, 1)
+            fit = StatisticsCollector(block.linears, config.block, split.part_tokens[0], 1)
         else:
-            fit = StatisticsCollector(block.linears, config.block, keep,
-                                      sample_stride(split.expected_tokens, keep, split.fit,
-                                                    split.total))
+            fit = StatisticsCollector(block.linears, config.block, keep, split.stride(keep, 0))
         with fit.hooks():
             outputs = step.run(keep_outputs, subset=split.fit_part)
         fit.check_nonempty()
         # every held-out token (stride 1); the package's 512-token sample is a subset of it
-        held_tokens = split.expected_tokens * split.held_out // split.total
-        held_out = StatisticsCollector(block.linears, config.block, held_tokens, 1)
+        held_out = StatisticsCollector(block.linears, config.block, split.part_tokens[1], 1)
         with held_out.hooks():
             rest = step.run(keep_outputs, subset=split.held_out_part)
         if outputs is not None and rest is not None:
             outputs += rest
-        self.package_stride = sample_stride(split.expected_tokens, config.autobrake.tokens,
-                                            split.held_out, split.total)
+        self.package_stride = split.stride(config.autobrake.tokens, 1)
         self.fit_batches = split.fit
         return RTNCalibration(fit, held_out), outputs
 
@@ -377,7 +371,6 @@ def main() -> None:
             config.autobrake, folds=1, holdout=0.5, tokens=512))
         data.tokenizer = tokenizer
         batches = list(data.calibration_dataloader())
-        tokens = count_tokens(batches)
         if args.validate and seed == 0:
             for recipe in (f"rtn_kbbq_{fmt}_lam1", f"rtn_kbbq_{fmt}_auto"):
                 variant = f"package:{recipe}"
@@ -388,8 +381,7 @@ def main() -> None:
                 b = list(d.calibration_dataloader())
                 cand = copy.deepcopy(model)
                 start = time.perf_counter()
-                report = quantize_model(cand, b, c, expected_tokens=count_tokens(b),
-                                        progress=False)
+                report = quantize_model(cand, b, c, progress=False)
                 seconds = time.perf_counter() - start
                 row = {"format": fmt, "seed": seed, "variant": variant, "seconds": seconds,
                        **score(cand)}
@@ -406,8 +398,7 @@ def main() -> None:
         pipeline._static_act_scales = patched
         try:
             start = time.perf_counter()
-            quantize_model(auto_model, batches, config, expected_tokens=tokens,
-                           weight_quantizer=quantizer, progress=False)
+            quantize_model(auto_model, batches, config, weight_quantizer=quantizer, progress=False)
             cache_seconds = time.perf_counter() - start
         finally:
             pipeline._static_act_scales = original

@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - lightning is a dependency
 from kbbq_pl.formats import DeferredChecks, QuantizedTensor, deferred_checks
 from kbbq_pl.io.checkpoint import install_empty_layers, layer_metadata
 from kbbq_pl.quant import QuantizationConfig, QuantizationReport, quantize_model
-from kbbq_pl.quant.config import count_tokens, lightning_collectives
+from kbbq_pl.quant.config import lightning_collectives
 from kbbq_pl.quant.layers import quantized_linears
 from kbbq_pl.quant.modules import find_linears
 from kbbq_pl.quant.stats import StatisticsCollector, run_calibration
@@ -215,9 +215,7 @@ class KBBQ(Callback):
         batches = calibration_batches(trainer, self.calibration)
         trainable = self.trainable if self.trainable is not None else (
             stage == "fit" and not self.calibrate_only and self.config.weights.quantizer == "rtn")
-        tokens = count_tokens(batches)
-        self.report = quantize_model(model, batches, self.config, expected_tokens=tokens,
-                                     trainable=trainable, progress=trainer.is_global_zero,
+        self.report = quantize_model(model, batches, self.config, trainable=trainable, progress=trainer.is_global_zero,
                                      device=device, **_collectives(trainer))
         model.to(device)
 

@@ -195,7 +195,6 @@ def run_compare(
     from ..eval.lm_metrics import default_text
     from ..io.models import load_model, parse_device, resolve_model_path
     from ..quant import quantize_model
-    from ..quant.config import count_tokens
 
     device_ = parse_device(device)
     text = default_text(data_dir) if text is None else Path(text)
@@ -256,9 +255,7 @@ def run_compare(
             batches = [{k: v.to(device_) if isinstance(v, torch.Tensor) else v
                         for k, v in batch.items()} for batch in data.calibration_dataloader()]
             candidate = copy.deepcopy(model)
-            tokens = count_tokens(batches)
-            report = quantize_model(candidate, batches, config, expected_tokens=tokens,
-                                    progress=False)
+            report = quantize_model(candidate, batches, config, progress=False)
             quantized_at = time.perf_counter()
             lam = config.transform.lam
             row = {"name": stem, "format": config.format.name, "method": config.method

@@ -4,7 +4,7 @@
 (several nodes: torchrun's rendezvous options); each finds ``RANK``, ``LOCAL_RANK`` and
 ``WORLD_SIZE`` in its environment.  :func:`launched` then initializes the default process group
 (NCCL for CUDA, one GPU per local rank; gloo for the CPU), and the command calibrates each rank on
-its shard of the calibration batches, sums the statistics over the group
+its share of the calibration batches, sums the statistics over the group
 (:func:`~kbbq_pl.quant.config.torch_distributed_collectives`), splits GPTQ's layers across the
 ranks, and rank 0 alone writes.  Without torchrun it is one process, as before.
 """
@@ -15,7 +15,7 @@ import contextlib
 import datetime
 import os
 import signal
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,8 +27,9 @@ from ..io.models import parse_device
 @dataclass
 class Launch:
     """This process's place: its ``rank`` of ``world_size``, the ``device`` it computes on and
-    the keyword arguments of :func:`~kbbq_pl.quant.pipeline.quantize_model` that sum over
-    the group (none on one process)."""
+    the keyword arguments of :func:`~kbbq_pl.quant.pipeline.quantize_model` for the group (none
+    on one process): its collectives, and ``shard`` (every rank builds the whole calibration set
+    and calibrates on its share of it)."""
 
     rank: int = 0
     world_size: int = 1
@@ -39,17 +40,6 @@ class Launch:
     def writes(self) -> bool:
         """Whether this process writes the output (rank 0)."""
         return self.rank == 0
-
-    def shard(self, batches: Sequence[Any]) -> list[Any]:
-        """This rank's contiguous share of the calibration batches (all of them on one
-        process); fewer batches than ranks is an error on every rank, before any work."""
-        if len(batches) < self.world_size:
-            raise ValueError(f"{self.world_size} processes need at least one calibration batch "
-                             f"each; the calibration set has {len(batches)} (more tokens, a "
-                             "smaller --data.batch_size, or fewer processes)")
-        start = self.rank * len(batches) // self.world_size
-        stop = (self.rank + 1) * len(batches) // self.world_size
-        return list(batches[start:stop])
 
 
 def _stop_on_sigterm(signum: int, frame: Any) -> None:
@@ -82,7 +72,7 @@ def launched(device: str, timeout_minutes: float = 30.0) -> Iterator[Launch]:
     dist.init_process_group("nccl" if parsed.type == "cuda" else "gloo",
                             timeout=datetime.timedelta(minutes=timeout_minutes))
     try:
-        yield Launch(rank, world_size, parsed, torch_distributed_collectives())
+        yield Launch(rank, world_size, parsed, {**torch_distributed_collectives(), "shard": True})
     finally:
         dist.destroy_process_group()
         signal.signal(signal.SIGTERM, previous)

@@ -216,9 +216,7 @@ def _quantize_in_memory(args, parser: ArgumentParser, config, start: float,
     probe = (FidelityProbe(model, tokenizer, args.eval_data, args.eval_sentences)
              if launch.writes else None)
     tokens = count_tokens(batches)
-    shard = launch.shard(batches)
-    report = quantize_model(model, shard, recipe, expected_tokens=count_tokens(shard),
-                            device=launch.device, **launch.collectives)
+    report = quantize_model(model, batches, recipe, device=launch.device, **launch.collectives)
     if not launch.writes:
         return 0
     report.model.update(probe.measure(model), model=str(args.model), calibration_tokens=tokens,
@@ -256,7 +254,7 @@ def _quantize_streamed(args, parser: ArgumentParser, config, start: float,
     def batches(model: nn.Module) -> list:
         every = _calibration(args, model, tokenizer, torch.device("cpu"))
         tokens["all"] = count_tokens(every)
-        return launch.shard(every)
+        return every
 
     def reports(report) -> dict[str, str]:
         report.model.update(fidelity=fidelity, model=str(args.model),
@@ -301,10 +299,8 @@ def run_sweep(argv: list[str]) -> int:
             config = replace(base, format=replace(base.format, name=fmt),
                              transform=replace(base.transform, name=transform, lam=lam))
             candidate = copy.deepcopy(model)
-            tokens = count_tokens(batches)
             start = time.perf_counter()
-            report = quantize_model(candidate, batches, config, expected_tokens=tokens,
-                                    device=parse_device(args.device), progress=False)
+            report = quantize_model(candidate, batches, config, device=parse_device(args.device), progress=False)
             seconds = time.perf_counter() - start
             row = {"method": method, "format": fmt, "lam": lam if transform == "kbbq" else None,
                    **probe.measure(candidate), **report.summary(), "seconds": seconds}

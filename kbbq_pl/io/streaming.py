@@ -212,7 +212,6 @@ def quantize_checkpoint(
     log.info("%s: streaming %d MiB of weights from %s", type(model).__name__,
              source.total_bytes >> 20, source_dir)
     calibration = batches(model) if callable(batches) else list(batches)
-    pipeline.setdefault("expected_tokens", count_tokens(calibration))
     rank = pipeline.get("rank", 0)
 
     def run(shards: ShardWriter | None) -> QuantizationReport:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
+import torch
 from torch import Tensor
 
 from ..formats import Format, get_format
@@ -75,6 +76,30 @@ class Collectives:
             raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
         if self.broadcast is None:
             object.__setattr__(self, "broadcast", _same)
+
+    def share(self, count: int, what: str = "the calibration set") -> slice:
+        """This rank's contiguous share of ``count`` batches (all of them on one process); fewer
+        batches than ranks is an error on every rank, before any work."""
+        if count < self.world_size:
+            raise ValueError(f"{self.world_size} processes need at least one calibration batch "
+                             f"each; {what} has {count} (more calibration tokens, smaller "
+                             "batches, or fewer processes)")
+        return slice(self.rank * count // self.world_size,
+                     (self.rank + 1) * count // self.world_size)
+
+    def gather_rows(self, x: Tensor, limit: int | None = None) -> Tensor:
+        """The rows of every rank's ``x [n_r, D]`` stacked in rank order, on every rank, at most
+        ``limit`` of them, through the sum all-reduce (each rank fills its slot of a zero tensor;
+        adding zeros is exact)."""
+        if self.world_size > 1:
+            counts = torch.zeros(self.world_size, dtype=torch.float64, device=x.device)
+            counts[self.rank] = x.shape[0]
+            counts = self.reduce_sum(counts).long()
+            start = int(counts[:self.rank].sum())
+            stacked = x.new_zeros(int(counts.sum()), x.shape[1])
+            stacked[start:start + x.shape[0]] = x
+            x = self.reduce_sum(stacked)
+        return x if limit is None else x[:limit]
 
 
 def torch_distributed_collectives(group: Any = None) -> dict[str, Any]:

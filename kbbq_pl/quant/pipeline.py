@@ -105,8 +105,8 @@ def quantize_model(
     broadcast: BroadcastFn | None = None,
     rank: int = 0,
     world_size: int = 1,
+    shard: bool = False,
     weight_quantizer: WeightQuantizer | None = None,
-    expected_tokens: int | None = None,
     trainable: bool = False,
     progress: bool = True,
     device: torch.device | str | None = None,
@@ -118,7 +118,11 @@ def quantize_model(
     ``batches`` are the model's keyword inputs (a list or a DataLoader).  ``reduce_sum`` /
     ``reduce_max`` all-reduce a tensor across data-parallel ranks, ``broadcast(obj, src)``,
     ``rank`` and ``world_size`` split GPTQ's layers over them (identities on one process; see
-    :func:`~kbbq_pl.quant.config.lightning_collectives`).  ``trainable`` keeps high-precision
+    :func:`~kbbq_pl.quant.config.lightning_collectives`).  ``shard``: ``batches`` are every
+    rank's calibration, the same on each (``kbbq-pl quantize`` under torchrun); the sequences are
+    split for the auto-brake first and each rank calibrates on its contiguous share of every
+    part, so that ``lam: auto`` scores one process's held-out tokens (without it each rank
+    brought its own batches, as under a Lightning sampler).  ``trainable`` keeps high-precision
     master weights ``W T^-1`` for fine-tuning (RTN).  ``weight_quantizer`` replaces the one the
     recipe names (built with the same ``config`` and ``trainable``).  ``device`` runs each
     block (default: where the model is); ``offload_device`` holds the cached activations
@@ -130,7 +134,7 @@ def quantize_model(
         return _quantize_model_scope(
             model, batches, config, weight_quantizer=weight_quantizer, residency=residency,
             reduce_sum=reduce_sum, reduce_max=reduce_max, broadcast=broadcast, rank=rank,
-            world_size=world_size, expected_tokens=expected_tokens, trainable=trainable,
+            world_size=world_size, shard=shard, trainable=trainable,
             progress=progress, device=device, offload_device=offload_device)
     start = time.perf_counter()
     collectives = Collectives(reduce_sum, reduce_max, broadcast, rank, world_size)
@@ -148,20 +152,11 @@ def quantize_model(
     if not batches:
         raise ValueError("the calibration set is empty: no batches")
     modules, skipped = select_layers(model, config)
-    folds: list[list[dict[str, Tensor]]] = []
-    if config.auto and config.autobrake.folds > 1:
-        folds = fold_sequences(batches, config.autobrake.folds, config.transform.seed)
-        fit, held_out = [batch for fold in folds for batch in fold], []
-    elif config.auto:
-        fit, held_out = split_sequences(batches, config.autobrake.holdout, config.transform.seed)
-    else:
-        fit, held_out = batches, []
-    split = CalibrationSplit(len(fit), len(held_out), count_tokens(batches), expected_tokens,
-                             tuple(len(fold) for fold in folds))
+    split, batches = _calibration_parts(batches, config, collectives, shard)
     streamed = {name for name, module in modules.items() if linear_weight(module).is_meta}
     targets = set(modules)  # names only: a replaced layer's weights are freed with its block
     del modules
-    runner = SequentialRunner(model, fit + held_out, device=device,
+    runner = SequentialRunner(model, batches, device=device,
                               offload_device=offload_device, targets=targets,
                               residency=residency)
     if streamed and runner.whole_model is not None:
@@ -250,6 +245,35 @@ def _quantize_model_scope(model: nn.Module, batches: Batches, config: Quantizati
     report.seconds["autobrake_scoring"] = scoring.seconds["total"]
     report.seconds["total"] += scoring.seconds["total"]
     return report
+
+
+def _calibration_parts(batches: list[Any], config: QuantizationConfig, collectives: Collectives,
+                       shard: bool) -> tuple[CalibrationSplit, list[Any]]:
+    """The parts of the calibration (the fitting and held-out sequences of ``lam: auto``, its
+    folds, or every batch) and this rank's batches, part after part; with ``shard`` each rank
+    keeps its contiguous share of every part."""
+    folded = config.auto and config.autobrake.folds > 1
+    if folded:
+        parts = fold_sequences(batches, config.autobrake.folds, config.transform.seed)
+    elif config.auto:
+        parts = list(split_sequences(batches, config.autobrake.holdout, config.transform.seed))
+    else:
+        parts = [batches, []]
+    part_tokens = tuple(count_tokens(part) for part in parts)
+    offsets = [0] * len(parts)
+    if shard:
+        names = ([f"fold {k}" for k in range(len(parts))] if folded else
+                 ["the calibration set" if not config.auto else "the fitting part",
+                  "the held-out part"])
+        for k, part in enumerate(parts):
+            if part or k == 0:
+                share = collectives.share(len(part), names[k])
+                offsets[k] = count_tokens(part[:share.start])
+                parts[k] = part[share]
+    sizes = [len(part) for part in parts]
+    split = (CalibrationSplit(sum(sizes), 0, part_tokens, tuple(offsets), tuple(sizes))
+             if folded else CalibrationSplit(sizes[0], sizes[1], part_tokens, tuple(offsets)))
+    return split, [batch for part in parts for batch in part]
 
 
 def _quantize_block(block: Block, quantizer: WeightQuantizer, keep_outputs: bool,

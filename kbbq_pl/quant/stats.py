@@ -47,7 +47,7 @@ class LayerStatistics:
     input_amax: Tensor                    # [] float32
     samples: list[Tensor] = field(default_factory=list)
     sample_outputs: list[Tensor] = field(default_factory=list)  # their float32 outputs, no bias
-    seen: int = 0                         # tokens seen on this rank (for sampling)
+    seen: int = 0                         # index of the next token (for sampling)
     full_sum: Tensor | None = None        # [D, D] float64, when the full moment is asked for
 
     @property
@@ -184,6 +184,12 @@ class StatisticsCollector:
             if y is not None:
                 stats.sample_outputs.append(y.index_select(0, rows).cpu())
         stats.seen += x.shape[0]
+
+    def seek(self, token: int) -> None:
+        """Index the next token as ``token`` (the sample is a function of the index: a rank
+        that runs the calibration's tokens from ``token`` on keeps those one process keeps)."""
+        for stats in self.stats.values():
+            stats.seen = token
 
     def attach(self) -> list[RemovableHandle]:
         """Register the accumulating forward hook on every module; the caller removes them

@@ -34,14 +34,29 @@ class CalibrationSplit:
     """How the cached calibration inputs divide: the first ``fit`` batches fit the transforms,
     the ``held_out`` batches after them select the auto-brake's lambda (none without
     ``lam="auto"``); with cross-fitting (``autobrake.folds`` K >= 2) every batch fits
-    (``held_out`` is 0) and ``folds`` holds the batch count of each fold, in order;
-    ``tokens`` is the calibration's token count (for the sample strides)."""
+    (``held_out`` is 0) and ``folds`` holds the batch count of each fold, in order.
+
+    ``part_tokens``: the tokens of each part (fit and held-out, or each fold) over the ranks
+    that share it (this rank's alone when each rank brought its own batches); ``offsets``: the
+    index of this rank's first token within each part.  The kept samples are spread over these
+    indices (:func:`~kbbq_pl.quant.stats.spread_sample`), so a calibration sharded over ranks
+    keeps one process's tokens."""
 
     fit: int
     held_out: int
-    tokens: int
-    expected_tokens: int | None = None
+    part_tokens: tuple[int, ...]
+    offsets: tuple[int, ...]
     folds: tuple[int, ...] = ()
+
+    def stride(self, keep: int, part: int | None = None) -> int:
+        """One token in how many a sample of ``keep`` tokens spread over ``part`` (all parts
+        when None) keeps."""
+        tokens = sum(self.part_tokens) if part is None else self.part_tokens[part]
+        return max(1, tokens // max(1, keep))
+
+    def position(self, part: int) -> int:
+        """The index of this rank's first token of ``part`` when the parts are run in order."""
+        return sum(self.part_tokens[:part]) + self.offsets[part]
 
     @property
     def fold_parts(self) -> list[slice]:

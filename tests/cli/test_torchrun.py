@@ -49,7 +49,7 @@ def _args(llama_dir: Path, recipe: str, out: Path, *extra: str) -> list[str]:
             "--data.seq_len", "32", "--data.batch_size", "2", "--output_dir", str(out), *extra]
 
 
-@pytest.mark.parametrize("recipe", ["rtn_kbbq_nvfp4_lam0.75", "i_mxfp4"])
+@pytest.mark.parametrize("recipe", ["rtn_kbbq_nvfp4_lam0.75", "i_mxfp4", "rtn_kbbq_nvfp4_auto"])
 def test_two_processes_write_the_one_process_checkpoint_bit_for_bit(llama_dir, tmp_path,
                                                                     recipe):
     assert main(_args(llama_dir, recipe, tmp_path / "one")) == 0

@@ -20,7 +20,8 @@ from kbbq_pl.quant import (
     WeightsConfig,
     quantize_model,
 )
-from kbbq_pl.quant.gptq.quantizer import HessianCollector, assign_owners, gather_rows
+from kbbq_pl.quant.gptq.quantizer import HessianCollector, assign_owners
+from kbbq_pl.quant.config import Collectives
 from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -237,6 +238,9 @@ def test_auto_lambda_picks_the_best_gptq_candidate_per_layer():
 DDP_CONFIG = QuantizationConfig(format=FormatConfig("nvfp4"),
                                 transform=TransformConfig("kbbq", 0.5),
                                 weights=WeightsConfig("gptq"))
+AUTO_CONFIGS = {"rtn auto": QuantizationConfig(transform=TransformConfig(lam="auto")),
+                "gptq auto": replace(DDP_CONFIG, transform=TransformConfig(lam="auto"))}
+"""Two processes given every batch (``shard=True``, as ``kbbq-pl quantize`` under torchrun)."""
 
 
 def _quantized_state(model) -> dict[str, torch.Tensor]:
@@ -264,15 +268,24 @@ def _ddp_worker(rank: int, world_size: int, init_file: str, out_file: str) -> No
         mine = batches[rank * len(batches) // world_size:(rank + 1) * len(batches) // world_size]
         collectives = torch_distributed_collectives()
         quantize_model(model, mine, DDP_CONFIG, progress=False, **collectives)
-        rows = gather_rows(torch.full((rank + 1, 3), float(rank + 1)),
-                           collectives["reduce_sum"], rank, world_size)
+        states = {"fixed": _quantized_state(model)}
+        for name, config in AUTO_CONFIGS.items():
+            model = tiny_model("llama")
+            report = quantize_model(model, batches, config, shard=True, progress=False,
+                                    **collectives)
+            states[name] = {**_quantized_state(model), "choices": _choices(report)}
+        states["rows"] = Collectives(collectives["reduce_sum"], rank=rank,
+                                     world_size=world_size).gather_rows(
+            torch.full((rank + 1, 3), float(rank + 1)), limit=2)
         if rank == 0:
-            torch.save({**_quantized_state(model), "gathered_rows": rows}, out_file)
+            torch.save(states, out_file)
     finally:
         dist.destroy_process_group()
 
 
 def test_two_processes_give_the_same_quantized_weights_as_one():
+    """Fixed lambda on each rank's own batches; ``lam: auto`` sharded from every batch: the
+    same split, held-out sample, choices and scores as one process."""
     import torch.multiprocessing as mp
 
     threads = torch.get_num_threads()
@@ -280,18 +293,30 @@ def test_two_processes_give_the_same_quantized_weights_as_one():
     try:
         model = tiny_model("llama")
         quantize_model(model, batches_of(calibration_ids()), DDP_CONFIG, progress=False)
+        singles = {"fixed": _quantized_state(model)}
+        for name, config in AUTO_CONFIGS.items():  # lam auto: one process's split and sample
+            model = tiny_model("llama")
+            report = quantize_model(model, batches_of(calibration_ids()), config, progress=False)
+            singles[name] = {**_quantized_state(model), "choices": _choices(report)}
     finally:
         torch.set_num_threads(threads)
-    single = _quantized_state(model)
     with tempfile.TemporaryDirectory() as folder:
         init_file = os.path.join(folder, "init")
         out_file = os.path.join(folder, "rank0.pt")
         mp.spawn(_ddp_worker, args=(2, init_file, out_file), nprocs=2, join=True)
-        double = torch.load(out_file)
-    assert torch.equal(double.pop("gathered_rows"), torch.tensor([[1.0] * 3, [2.0] * 3, [2.0] * 3]))
-    assert single.keys() == double.keys()
-    for key, value in single.items():
-        assert torch.equal(value, double[key]), key
+        doubles = torch.load(out_file)
+    assert torch.equal(doubles.pop("rows"), torch.tensor([[1.0] * 3, [2.0] * 3]))
+    assert singles.keys() == doubles.keys()
+    for run, single in singles.items():
+        double = doubles[run]
+        assert single.keys() == double.keys()
+        assert single.pop("choices", None) == double.pop("choices", None), run
+        for key, value in single.items():
+            assert torch.equal(value, double[key]), (run, key)
+
+
+def _choices(report) -> dict[str, tuple[float, dict[float, float]]]:
+    return {name: (choice.lam, choice.errors) for name, choice in report.autobrake.items()}
 
 
 def test_lightning_collectives_map_onto_the_strategy():
@@ -333,3 +358,13 @@ def test_sequential_loop_moves_each_block_to_the_device_and_back():
     assert all(p.device.type == "cpu" for p in model.parameters())
     assert report.model["peak_cuda_mb"] > 0 and len(report.layers) == 14
     assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+def test_a_part_with_fewer_batches_than_processes_is_an_error_before_any_work():
+    model = tiny_model("llama")
+    auto = QuantizationConfig(transform=TransformConfig(lam="auto"))
+    batches = batches_of(calibration_ids(rows=4))  # two batches: one to fit, one held out
+    with pytest.raises(ValueError, match="2 processes need at least one calibration batch each; "
+                                         "the fitting part has 1"):
+        quantize_model(model, batches, auto, shard=True, rank=1, world_size=2, progress=False)
+    assert not quantized_linears(model)

@@ -130,8 +130,7 @@ def test_auto_lambda_in_the_pipeline_reports_choices():
     for _ in range(2):
         model = tiny_model("llama")
         auto = QuantizationConfig(transform=TransformConfig(lam="auto"))
-        reports.append(quantize_model(model, batches, auto, expected_tokens=256,
-                                      progress=False))
+        reports.append(quantize_model(model, batches, auto, progress=False))
     report = reports[0]
     assert [r.lam for r in report.layers] == [r.lam for r in reports[1].layers]
     assert len(report.autobrake) == 14
@@ -188,10 +187,9 @@ def test_model_scope_is_the_fixed_recipe_at_the_lambda_it_chose(quantizer):
                                 autobrake=AutoBrakeConfig(grid=grid, scope="model"))
     model, per_layer = tiny_model("llama"), tiny_model("llama")
     source = {k: v.clone() for k, v in model.state_dict().items()}
-    report = quantize_model(model, batches, config, expected_tokens=256, progress=False)
+    report = quantize_model(model, batches, config, progress=False)
     layer_scope = replace(config, autobrake=replace(config.autobrake, scope="layer"))
-    layers = quantize_model(per_layer, batches, layer_scope, expected_tokens=256,
-                            progress=False)
+    layers = quantize_model(per_layer, batches, layer_scope, progress=False)
     lam, means = model_lambda(layers.autobrake)
     assert report.model["autobrake_model"]["lam"] == lam and lam in grid
     assert report.model["autobrake_model"]["mean_error_db"] == means
@@ -204,7 +202,7 @@ def test_model_scope_is_the_fixed_recipe_at_the_lambda_it_chose(quantizer):
     fixed_model = tiny_model("llama")
     assert all(torch.equal(fixed_model.state_dict()[k], v) for k, v in source.items())
     fixed = replace(config, transform=replace(config.transform, lam=lam))
-    quantize_model(fixed_model, batches, fixed, expected_tokens=256, progress=False)
+    quantize_model(fixed_model, batches, fixed, progress=False)
     ours, theirs = quantized_linears(model), quantized_linears(fixed_model)
     assert ours.keys() == theirs.keys() and len(ours) == 14
     for name in ours:
@@ -231,7 +229,7 @@ def test_cross_fitted_auto_lambda_in_the_pipeline():
     config = QuantizationConfig(transform=TransformConfig(lam="auto"),
                                 autobrake=AutoBrakeConfig(folds=4, tokens=256))
     model = tiny_model("llama")
-    report = quantize_model(model, batches, config, expected_tokens=256, progress=False)
+    report = quantize_model(model, batches, config, progress=False)
     assert len(report.autobrake) == 14
     chosen = {row.name: row.lam for row in report.layers}
     assert all(choice.errors[choice.lam] == min(choice.errors.values())
@@ -239,7 +237,7 @@ def test_cross_fitted_auto_lambda_in_the_pipeline():
     for lam in sorted(set(chosen.values())):
         fixed = tiny_model("llama")
         quantize_model(fixed, batches, QuantizationConfig(transform=TransformConfig(lam=lam)),
-                       expected_tokens=256, progress=False)
+                       progress=False)
         ours, theirs = quantized_linears(model), quantized_linears(fixed)
         for name in (n for n, v in chosen.items() if v == lam and n.startswith("model.layers.0")):
             torch.testing.assert_close(ours[name].transform, theirs[name].transform,

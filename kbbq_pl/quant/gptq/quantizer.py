@@ -69,7 +69,7 @@ from .algorithm import (
     transform_hessian,
 )
 
-__all__ = ["GPTQ", "HessianCollector", "assign_owners", "auto_gptq", "gather_rows",
+__all__ = ["GPTQ", "HessianCollector", "assign_owners", "auto_gptq",
            "quantize_layers"]
 
 
@@ -234,20 +234,6 @@ def auto_gptq(name: str, weight: Tensor, h_fit: Tensor, h_all: Tensor, x_select:
     return best, choice
 
 
-def gather_rows(x: Tensor, reduce_sum: ReduceFn, rank: int, world_size: int) -> Tensor:
-    """The rows of every rank's ``x [n_r, D]`` stacked in rank order, on every rank, through
-    the sum all-reduce (each rank fills its slot of a zero tensor; adding zeros is exact)."""
-    if world_size == 1:
-        return x
-    counts = torch.zeros(world_size, dtype=torch.float64, device=x.device)
-    counts[rank] = x.shape[0]
-    counts = reduce_sum(counts).long()
-    start = int(counts[:rank].sum())
-    stacked = x.new_zeros(int(counts.sum()), x.shape[1])
-    stacked[start:start + x.shape[0]] = x
-    return reduce_sum(stacked)
-
-
 def assign_owners(costs: Mapping[str, float], world_size: int) -> dict[str, int]:
     """Rank that quantizes each layer: largest cost first to the least loaded rank (ties to the
     lower rank, then by name), deterministic."""
@@ -324,20 +310,20 @@ class GPTQ(WeightQuantizer):
                   ) -> tuple[GPTQCalibration, list[Tensor] | None]:
         config, split, step = self.config, block.split, block.step
         reduce_sum, reduce_max = block.collectives.reduce_sum, block.collectives.reduce_max
-        stride = max(1, (split.expected_tokens or split.tokens) // max(1, config.keep_samples))
-        collector = HessianCollector(block.linears, config.block, config.keep_samples, stride)
+        collector = HessianCollector(block.linears, config.block, config.keep_samples,
+                                     split.stride(config.keep_samples))
         selection, select = None, None
         if config.auto:
-            select = (split.held_out_part if config.autobrake.select_on == "holdout"
-                      else split.fit_part)
-            tokens = sum(c.hidden.shape[:-1].numel() for c in step.inputs[select])
+            select = 1 if config.autobrake.select_on == "holdout" else 0
             selection = HessianCollector(block.linears, config.block, config.autobrake.tokens,
-                                         max(1, tokens // max(1, config.autobrake.tokens)))
+                                         split.stride(config.autobrake.tokens, select))
+            selection.seek(split.offsets[select])
         # one pass over the batches in order; the selection's batches feed both collectors
         outputs: list[Tensor] | None = [] if keep_outputs else None
         with collector.hooks():
-            for part in (split.fit_part, split.held_out_part):
-                with (selection.hooks() if selection is not None and part == select
+            for k, part in enumerate((split.fit_part, split.held_out_part)):
+                collector.seek(split.position(k))
+                with (selection.hooks() if selection is not None and k == select
                       else contextlib.nullcontext()):
                     part_outputs = step.run(keep_outputs, subset=part)
                 if outputs is not None and part_outputs is not None:
@@ -373,9 +359,9 @@ class GPTQ(WeightQuantizer):
             mine = [job for job in jobs if job[0] in group and owners[job[0]] == rank]
             h_fit = None
             if selection is not None:
-                x_select = {n: gather_rows(pad_features(selection.stats[n].sample(), config.fmt),
-                                           collectives.reduce_sum, rank, world_size)
-                            for n in group}
+                x_select = {n: collectives.gather_rows(
+                    pad_features(selection.stats[n].sample(), config.fmt), selection.keep_samples)
+                    for n in group}
                 if mine:
                     h_fit = _fitting_hessian(collector, selection, group[0], config)
             h = collector.hessian(group[0], keep_sum=dense) if mine else None

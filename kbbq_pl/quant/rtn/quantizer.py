@@ -34,26 +34,20 @@ from .algorithm import rtn
 __all__ = ["RTN", "auto_transform", "cross_fitted_transform", "fold_o_proj_transforms"]
 
 
-def sample_stride(expected_tokens: int | None, keep: int, part: int, whole: int) -> int:
-    """Keep every n-th token so that ``keep`` tokens spread over ``part`` of ``whole`` batches
-    (every token while the token count is not known)."""
-    tokens = (expected_tokens or 0) * part // max(1, whole)
-    return max(1, tokens // max(1, keep))
-
-
 def auto_transform(weight: Tensor, fit: LayerStatistics, held_out: LayerStatistics,
-                   config: QuantizationConfig, reduce_sum: ReduceFn = _identity,
-                   reduce_max: ReduceFn = _identity, name: str = "") -> tuple[Tensor, LambdaChoice]:
-    """KBBQ with the lambda the held-out tokens prefer (:mod:`kbbq_pl.transforms.autobrake`).
+                   samples: Tensor, config: QuantizationConfig, name: str = ""
+                   ) -> tuple[Tensor, LambdaChoice]:
+    """KBBQ with the lambda the scored ``samples`` prefer (:mod:`kbbq_pl.transforms.autobrake`):
+    the held-out tokens, or the fitting ones with ``autobrake.select_on: fit``, gathered from
+    every rank.
 
     The basis (Cholesky and eigendecomposition of every block) is fitted once on the fitting
     part and shared by every candidate; the chosen lambda is then refitted on all tokens when
     ``config.autobrake.refit``."""
     basis = kbbq_basis(weight, fit.sigma_blocks(), config.transform.damping, name=name)
-    samples = (held_out if config.autobrake.select_on == "holdout" else fit).sample()
     samples = pad_features(samples, config.fmt).to(weight.device)
     choice = select_lambda(weight, basis, samples, config.fmt, config.autobrake.grid,
-                           config.effective_act_scale, reduce_sum, reduce_max)
+                           config.effective_act_scale)
     if config.autobrake.refit:
         pooled = (fit.sigma_sum + held_out.sigma_sum) / (fit.tokens + held_out.tokens)
         basis = kbbq_basis(weight, pooled, config.transform.damping, name=name)
@@ -145,20 +139,18 @@ class RTN(WeightQuantizer):
         keep = config.keep_samples
         if config.auto and config.autobrake.select_on == "fit":
             keep = max(keep, config.autobrake.tokens)
-        fit = StatisticsCollector(
-            block.linears, config.block, keep,
-            sample_stride(split.expected_tokens, keep, split.fit, split.total),
-            full=config.transform.name == "haar")
+        fit = StatisticsCollector(block.linears, config.block, keep, split.stride(keep, 0),
+                                  full=config.transform.name == "haar")
+        fit.seek(split.offsets[0])
         with fit.hooks():
             outputs = step.run(keep_outputs, subset=split.fit_part)
         fit.reduce(block.collectives.reduce_sum)
         fit.check_nonempty()
         held_out = None
         if split.held_out:
-            held_out = StatisticsCollector(
-                block.linears, config.block, config.autobrake.tokens,
-                sample_stride(split.expected_tokens, config.autobrake.tokens, split.held_out,
-                              split.total))
+            held_out = StatisticsCollector(block.linears, config.block, config.autobrake.tokens,
+                                           split.stride(config.autobrake.tokens, 1))
+            held_out.seek(split.offsets[1])
             with held_out.hooks():
                 rest = step.run(keep_outputs, subset=split.held_out_part)
             held_out.reduce(block.collectives.reduce_sum)
@@ -173,15 +165,14 @@ class RTN(WeightQuantizer):
         config, split, step = self.config, block.split, block.step
         reduce_sum = block.collectives.reduce_sum
         keep = config.keep_samples
-        every = StatisticsCollector(
-            block.linears, config.block, keep,
-            sample_stride(split.expected_tokens, keep, split.total, split.total))
+        every = StatisticsCollector(block.linears, config.block, keep, split.stride(keep))
         per_fold = -(-config.autobrake.tokens // len(split.folds))
         folds, outputs = [], None
-        for part, size in zip(split.fold_parts, split.folds):
-            fold = StatisticsCollector(
-                block.linears, config.block, per_fold,
-                sample_stride(split.expected_tokens, per_fold, size, split.total))
+        for k, part in enumerate(split.fold_parts):
+            fold = StatisticsCollector(block.linears, config.block, per_fold,
+                                       split.stride(per_fold, k))
+            fold.seek(split.offsets[k])
+            every.seek(split.position(k))
             with every.hooks(), fold.hooks():
                 out = step.run(keep_outputs, subset=part)
             fold.reduce(reduce_sum)
@@ -206,9 +197,12 @@ class RTN(WeightQuantizer):
                     config, block.collectives.reduce_sum, block.collectives.reduce_max, name)
             elif config.auto:
                 assert calibration.held_out is not None
+                scored = calibration.held_out if config.autobrake.select_on == "holdout" \
+                    else calibration.fit
+                samples = block.collectives.gather_rows(scored.stats[name].sample(),
+                                                        scored.keep_samples)
                 transforms[name], choices[name] = auto_transform(
-                    weight, stats[name], calibration.held_out.stats[name], config,
-                    block.collectives.reduce_sum, block.collectives.reduce_max, name)
+                    weight, stats[name], calibration.held_out.stats[name], samples, config, name)
             else:
                 transforms[name] = fit_transform(
                     config.transform.name, weight, stats[name].sigma_blocks(), block=config.block,

@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from ..formats import Format, QuantizedTensor, get_format, quantize
 from ..quant.layers import QuantizedLinear, quantized_linears, swap_module
 from ..quant.sequential import trim_heap
-from .fileio import check_output, sha256_file, write_folder
+from .fileio import check_output, save_safetensors, sha256_file, write_folder
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt",
                    "vocab.json", "spiece.model")
@@ -200,7 +200,7 @@ class ShardWriter:
         if clash:
             raise ValueError(f"tensors written twice: {clash[:3]}")
         part = self.folder / f"model-{len(self.parts) + 1:05d}.part"
-        save_file(tensors, str(part), metadata={"format": FORMAT_TAG})
+        save_safetensors(tensors, part, metadata={"format": FORMAT_TAG})
         self.parts.append(part)
         self.weight_map.update(dict.fromkeys(tensors, len(self.parts)))
         self.total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())

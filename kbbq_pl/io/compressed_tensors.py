@@ -59,7 +59,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from ..formats import Format, get_format
@@ -81,7 +80,7 @@ from .checkpoint import (
     stored_weight,
     write_hf_files,
 )
-from .fileio import check_output, write_folder
+from .fileio import check_output, save_safetensors, write_folder
 
 log = logging.getLogger(__name__)
 
@@ -408,7 +407,7 @@ def _write_export(staging: Path, tensors: dict[str, Tensor], layers: dict[str, d
         block = get_format(layers[hadamards[0]]["format"]).block_size
         transform_config = hadamard_transform_config(block, ignore + without)
     state, exact_scales = compressed_tensors_state(tensors, layers, plans, weight_only)
-    save_file(state, str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
+    save_safetensors(state, staging / WEIGHTS_NAME, metadata={"format": "pt"})
     ModelCompressor(quantization_config=config,
                     transform_config=transform_config).update_config(str(staging))
     hf_config = json.loads((staging / "config.json").read_text())

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
@@ -190,10 +191,31 @@ def write_folder(out_dir: str | Path, write: Callable[[Path], None], *, kind: st
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(staging, out_dir)
+    except OSError as error:  # a full disk, a quota: name the output, not the staging file
+        shutil.rmtree(staging, ignore_errors=True)
+        file = f" ({Path(error.filename).name})" if error.filename else ""
+        raise OSError(error.errno, f"{out_dir} was not written, nothing was left: "
+                      f"{error.strerror or error}{file}") from error
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
+
+
+def save_safetensors(tensors: dict[str, Any], path: str | Path,
+                     metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file``, whose I/O failures (a full disk) become the
+    ``OSError`` they are (safetensors raises its own ``SafetensorError``) naming ``path``."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as error:
+        found = re.search(r"I/O error: (.*?) \(os error (\d+)\)", str(error))
+        if found is None:
+            raise
+        raise OSError(int(found.group(2)), found.group(1), str(path)) from error
 
 
 STAGING = "staging-"

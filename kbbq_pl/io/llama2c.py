@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .fileio import check_output, write_folder
+from .fileio import check_output, save_safetensors, write_folder
 
 __all__ = [
     "Llama2cConfig",
@@ -344,7 +344,6 @@ def convert_llama2c(
     ``overwrite``, and even then only a folder kbbq-pl wrote is replaced
     (:func:`kbbq_pl.io.fileio.check_output`).  Returns the folder.
     """
-    from safetensors.torch import save_file
     from transformers import GenerationConfig
 
     sources = [checkpoint_path, tokenizer_path]
@@ -359,7 +358,7 @@ def convert_llama2c(
         hf_config.save_pretrained(folder)
         GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID,
                          pad_token_id=UNK_ID).save_pretrained(folder)
-        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(state, folder / "model.safetensors", metadata={"format": "pt"})
         tokenizer.save_pretrained(folder)
         _portable_tokenizer_class(folder / "tokenizer_config.json")
 

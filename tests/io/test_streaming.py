@@ -165,3 +165,33 @@ def test_a_killed_run_leaves_no_output_and_the_next_run_clears_its_staging(shard
     quantize_checkpoint(sharded_llama, out, QuantizationConfig(), _batches(), progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     from_pretrained(out)
+
+
+FULL_DISK = """
+import resource, signal, sys
+from kbbq_pl.cli.commands import main
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), like ENOSPC
+resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, 16 * 1024))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "in-memory"])
+def test_a_full_disk_is_one_line_and_leaves_nothing(sharded_llama, tmp_path, stream):
+    """A file that cannot be written (the process may write at most 16 KiB a file: the first
+    shard is larger) stops the command with one line naming the file, and no folder is left."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    args = ["quantize", "--model", str(sharded_llama), "--data.n_tokens", "256",
+            "--data.seq_len", "32", "--output_dir", str(out), *(["--stream"] if stream else [])]
+    result = subprocess.run([sys.executable, "-c", FULL_DISK, *args], capture_output=True,
+                            text=True, timeout=300, check=False,
+                            env={**os.environ, "KBBQ_PL_COMPILE": "0", "HF_HUB_OFFLINE": "1"})
+    lines = [line for line in result.stderr.splitlines() if line.startswith("kbbq-pl")]
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert len(lines) == 1 and "kbbq-pl quantize: error:" in lines[0], result.stderr[-3000:]
+    assert f"{out} was not written, nothing was left: File too large (model-" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -197,6 +197,33 @@ def test_a_model_larger_than_the_gpus_memory_cap_quantizes_block_by_block(weight
         assert torch.isfinite(model(**_batches("cpu")[0]).logits).all()
 
 
+@pytest.mark.parametrize("weight_quantizer", ["rtn", "gptq"])
+def test_streamed_from_disk_on_the_gpu_is_bit_for_bit_the_offloaded_run(tmp_path,
+                                                                         weight_quantizer):
+    """``kbbq-pl quantize --stream --device cuda``: each block read from the safetensors shards
+    onto the GPU gives the checkpoint of the model in CPU memory run block by block on the GPU
+    (``--offload``), bit for bit."""
+    from kbbq_pl.io.checkpoint import read_tensors
+    from kbbq_pl.io.models import load_model
+    from kbbq_pl.io.streaming import quantize_checkpoint
+
+    source = tmp_path / "llama"
+    tiny_model("llama", num_hidden_layers=3, tie_word_embeddings=True).to(
+        torch.bfloat16).save_pretrained(source, max_shard_size="100KB")
+    config = QuantizationConfig(format=FormatConfig("nvfp4"),
+                                transform=TransformConfig("kbbq", "auto"),
+                                weights=WeightsConfig(weight_quantizer))
+    batches = _batches("cpu", rows=8)
+    quantize_checkpoint(source, tmp_path / "streamed", config, batches, device=DEVICE,
+                        progress=False)
+    model, _ = load_model(source)
+    quantize_model(model, batches, config, device=DEVICE, progress=False)
+    save_quantized(model, tmp_path / "offloaded")
+    streamed, offloaded = read_tensors(tmp_path / "streamed"), read_tensors(tmp_path / "offloaded")
+    assert streamed.keys() == offloaded.keys()
+    assert all(torch.equal(streamed[k], offloaded[k]) for k in streamed)
+
+
 # --------------------------------------------------------------------- 3. Lightning
 
 

@@ -1,7 +1,7 @@
 """Auto-brake against every global lambda, on all-MiniLM-L6-v2 (the auto-brake acceptance).
 
     python bench/autobrake.py [--formats nvfp4,mxfp4] [--quantizer rtn|gptq] [--seeds 0,1,2]
-                              [--lams 0,0.25,...] [--variants refit,keep,fit,folds4,model]
+                              [--lams 0,0.25,...] [--variants refit,keep,fit,folds4,model,best]
                               [--data ../shared/data/wikitext2]
 
 Calibrates on WikiText-2 ``valid.txt`` (16 x 256 tokens), measures embedding fidelity (mean cosine
@@ -69,7 +69,9 @@ def main() -> None:
                 "folds4": ("auto, 4-fold cross-fitting", "auto",
                            AutoBrakeConfig(folds=4, tokens=4096)),
                 "model": ("auto, one lambda (scope model)", "auto",
-                          AutoBrakeConfig(scope="model"))}
+                          AutoBrakeConfig(scope="model")),
+                "best": ("auto, the better of the two (scope best)", "auto",
+                         AutoBrakeConfig(scope="best"))}
     runs = [(f"lambda {float(lam):g}", float(lam), AutoBrakeConfig())
             for lam in args.lams.split(",")]
     runs += [variants[v] for v in args.variants.split(",") if v]

@@ -8,10 +8,10 @@ loaded in memory, in one run.
    16 heads, 4 KV heads, vocabulary 1024, tied embeddings; the depth sets the size, 22.4 MB a
    block) to a temporary folder as sharded bf16 safetensors (shards of 256 MB, as HuggingFace
    writes large models); the calibration tokens are fixed (seeded, ``--tokens``).
-2. Quantizes each model with each method (RTN-KBBQ lambda 0.75 and GPTQ-KBBQ lambda 0.75,
-   NVFP4, static activation scales) in one subprocess per run, twice: streamed
-   (:func:`kbbq_pl.io.streaming.quantize_checkpoint`, ``kbbq-pl quantize --stream``) and in
-   memory (``load_model`` + ``quantize_model`` + ``save_quantized``, what ``kbbq-pl quantize``
+2. Quantizes each model with each method (RTN-KBBQ lambda 0.75 and GPTQ-KBBQ lambda 0.75 by
+   default, ``rtn_kbbq_auto`` on request; NVFP4, static activation scales) in one subprocess
+   per run, twice: streamed (:func:`kbbq_pl.io.streaming.quantize_checkpoint`, ``kbbq-pl
+   quantize --stream``) and in memory (``load_model`` + ``quantize_model`` + ``save_quantized``, what ``kbbq-pl quantize``
    does without ``--stream``).
 3. Prints one table: the model's size, blocks, the peak RSS of each process (``VmHWM``: not
    ``ru_maxrss``, which a subprocess inherits from this large parent) and
@@ -47,6 +47,7 @@ BLOCK_BYTES = 2 * (2 * 1024 * 1024 + 2 * 1024 * 256 + 3 * 1024 * 2816 + 2 * 1024
 METHODS = {
     "rtn_kbbq": {"transform": {"name": "kbbq", "lam": 0.75}},
     "gptq_kbbq": {"weights": {"quantizer": "gptq"}, "transform": {"name": "kbbq", "lam": 0.75}},
+    "rtn_kbbq_auto": {"transform": {"name": "kbbq", "lam": "auto"}},
 }
 
 
@@ -99,7 +100,8 @@ def worker(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--methods", nargs="+", default=["rtn_kbbq", "gptq_kbbq"],
+                        choices=list(METHODS))
     parser.add_argument("--modes", nargs="+", default=["streamed", "memory"],
                         choices=["streamed", "memory"])
     parser.add_argument("--tokens", type=int, default=1024)
@@ -166,7 +168,8 @@ def size_table(args: argparse.Namespace) -> None:
                   f"{peaks[-1] / largest['size_mb']:.2f}")
 
 
-CLI_RECIPES = {"rtn_kbbq": "rtn_kbbq_nvfp4_lam0.75", "gptq_kbbq": "gptq_kbbq_nvfp4"}
+CLI_RECIPES = {"rtn_kbbq": "rtn_kbbq_nvfp4_lam0.75", "gptq_kbbq": "gptq_kbbq_nvfp4",
+               "rtn_kbbq_auto": "rtn_kbbq_nvfp4_auto"}
 
 
 def processes_table(args: argparse.Namespace) -> None:

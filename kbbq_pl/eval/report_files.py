@@ -57,8 +57,15 @@ def report_markdown(report: QuantizationReport, title: str = "kbbq-pl quantizati
     recipe = QuantizationConfig.from_dict(config)
     details = ""
     if recipe.auto:
-        how = ("one for the model, the smallest mean over layers"
-               if recipe.autobrake.scope == "model" else "chosen per layer")
+        how = {"model": "one for the model, the smallest mean over layers",
+               "layer": "chosen per layer"}.get(recipe.autobrake.scope, "")
+        best = report.model.get("autobrake_best")
+        if best is not None:  # scope best
+            lam, scores = report.model["autobrake_model"]["lam"], best["divergence"]
+            metric = {"kl": "KL", "relative_error": "relative error"}[best["metric"]]
+            how = (f"the better of per layer (held-out {metric} "
+                   f"{scores['layer']:.4g}) and {lam:g} for the model ({scores['model']:.4g}): "
+                   f"{'per layer' if best['kept'] == 'layer' else f'{lam:g}'}")
         details = (f" ({how} from {list(recipe.autobrake.grid)} on "
                    f"{recipe.autobrake.holdout:.0%} held-out calibration sequences)")
     if recipe.weights.quantizer == "gptq":

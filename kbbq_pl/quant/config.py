@@ -270,7 +270,11 @@ class AutoBrakeConfig:
             in dB averaged over the layers (:func:`~kbbq_pl.transforms.autobrake.model_lambda`).
             ``model`` quantizes twice: a first run with the per-layer choice scores the
             candidates (on a copy of the model, in memory), a second quantizes with the
-            chosen lambda, bit for bit the fixed-lambda recipe.
+            chosen lambda, bit for bit the fixed-lambda recipe.  ``best``: both, and keeps
+            the model whose outputs on the held-out calibration sequences are closer to the
+            full-precision model's (KL of the next-token distributions, or the relative error
+            of the last hidden state for a model without logits); one more copy of the model
+            in memory and three forwards of the held-out sequences.
     """
 
     grid: tuple[float, ...] = DEFAULT_GRID
@@ -279,7 +283,7 @@ class AutoBrakeConfig:
     tokens: int = 512
     refit: bool = True
     select_on: Literal["holdout", "fit"] = "holdout"
-    scope: Literal["layer", "model"] = "layer"
+    scope: Literal["layer", "model", "best"] = "layer"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grid", tuple(self.grid))
@@ -297,9 +301,13 @@ class AutoBrakeConfig:
         if self.select_on not in ("holdout", "fit"):
             raise ValueError(f"autobrake.select_on must be 'holdout' or 'fit', "
                              f"got {self.select_on!r}")
-        if self.scope not in ("layer", "model"):
-            raise ValueError(f"autobrake.scope must be 'layer' (a lambda per layer) or 'model' "
-                             f"(one lambda for the model), got {self.scope!r}")
+        if self.scope not in ("layer", "model", "best"):
+            raise ValueError(f"autobrake.scope must be 'layer' (a lambda per layer), 'model' "
+                             f"(one lambda for the model) or 'best' (the better of the two on "
+                             f"the held-out sequences), got {self.scope!r}")
+        if self.scope == "best" and self.folds > 1:
+            raise ValueError("autobrake.scope 'best' compares the two models on the held-out "
+                             "sequences: folds must be 1")
 
 
 @dataclass(frozen=True)

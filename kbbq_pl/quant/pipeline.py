@@ -130,7 +130,7 @@ def quantize_model(
     memory, :class:`~kbbq_pl.quant.sequential.MoveToDevice`; a model streamed from disk:
     :class:`kbbq_pl.io.streaming.StreamedBlocks`).
     """
-    if config.auto and config.autobrake.scope == "model":
+    if config.auto and config.autobrake.scope != "layer":
         return _quantize_model_scope(
             model, batches, config, weight_quantizer=weight_quantizer, residency=residency,
             reduce_sum=reduce_sum, reduce_max=reduce_max, broadcast=broadcast, rank=rank,
@@ -215,36 +215,111 @@ def _quantize_model_scope(model: nn.Module, batches: Batches, config: Quantizati
     """``autobrake.scope: model``: the per-layer auto-brake runs on a copy of ``model`` to score
     every candidate in every layer, :func:`model_lambda` takes the one lambda of the smallest
     mean error, and ``model`` is quantized with it (bit for bit the fixed-lambda recipe).  The
-    report is the second run's, with every layer's scores and the first run's time."""
+    report is the second run's, with every layer's scores and the first run's time.
+
+    ``best``: the outputs of both models on the held-out calibration sequences are compared
+    with the full-precision model's (:func:`held_out_divergence`), and ``model`` becomes the
+    closer one; the report is that run's, with both divergences."""
+    scope = config.autobrake.scope
     if weight_quantizer is not None:
-        raise ValueError("autobrake.scope 'model' builds its own weight quantizers (one per "
+        raise ValueError(f"autobrake.scope {scope!r} builds its own weight quantizers (one per "
                          "run); pass weight_quantizer=None")
     if residency is not None or any(linear_weight(m).is_meta
                                     for m in find_linears(model, config.layers.targets,
                                                           config.layers.ignore).values()):
-        raise ValueError("autobrake.scope 'model' quantizes a copy of the model first: load the "
-                         "model in memory, or choose per layer (autobrake.scope: layer)")
+        raise ValueError(f"autobrake.scope {scope!r} quantizes a copy of the model first: load "
+                         "the model in memory, or choose per layer (autobrake.scope: layer)")
     layer_scope = replace(config, autobrake=replace(config.autobrake, scope="layer"))
+    reference = copy.deepcopy(model) if scope == "best" else None
     scratch = copy.deepcopy(model)
     try:
         scoring = quantize_model(scratch, batches, layer_scope, **run)
+        lam, means = model_lambda(scoring.autobrake)
+        log.info("autobrake.scope %s: lambda %g (mean held-out error %s dB)", scope, lam,
+                 ", ".join(f"{k:g}: {v:.3f}" for k, v in means.items()))
+        fixed = replace(config, transform=replace(config.transform, lam=lam))
+        report = fixed_run = quantize_model(model, batches, fixed, **run)
+        report.autobrake = {name: LambdaChoice(lam, choice.errors)
+                            for name, choice in scoring.autobrake.items()}
+        chosen = {"lam": lam, "mean_error_db": means,
+                  "layer_choices": {name: choice.lam for name, choice
+                                    in scoring.autobrake.items()}}
+        seconds = {"autobrake_scoring": scoring.seconds["total"]}
+        if reference is not None:
+            tick = time.perf_counter()
+            held_out = _held_out_batches(batches, layer_scope, run)
+            reduce_sum = run.get("reduce_sum", _identity)
+            divergence = {"layer": held_out_divergence(reference, scratch, held_out, reduce_sum),
+                          "model": held_out_divergence(reference, model, held_out, reduce_sum)}
+            kept = "layer" if divergence["layer"][0] < divergence["model"][0] else "model"
+            log.info("autobrake.scope best: held-out %s per layer %.5g, lambda %g %.5g: keeps "
+                     "the %s", divergence["layer"][1], divergence["layer"][0], lam,
+                     divergence["model"][0], kept)
+            seconds.update(autobrake_fixed=fixed_run.seconds["total"],
+                           autobrake_compare=time.perf_counter() - tick)
+            if kept == "layer":
+                _adopt(model, scratch)
+                report = scoring
+            report.model["autobrake_best"] = {
+                "kept": kept, "metric": divergence["layer"][1],
+                "divergence": {k: v[0] for k, v in divergence.items()}}
     finally:
-        del scratch
+        del scratch, reference
         trim_heap()
-    lam, means = model_lambda(scoring.autobrake)
-    log.info("autobrake.scope model: lambda %g (mean held-out error %s dB)", lam,
-             ", ".join(f"{k:g}: {v:.3f}" for k, v in means.items()))
-    fixed = replace(config, transform=replace(config.transform, lam=lam))
-    report = quantize_model(model, batches, fixed, **run)
     report.config = config.to_dict()
-    report.autobrake = {name: LambdaChoice(lam, choice.errors)
-                        for name, choice in scoring.autobrake.items()}
-    report.model["autobrake_model"] = {"lam": lam, "mean_error_db": means,
-                                       "layer_choices": {name: choice.lam for name, choice
-                                                         in scoring.autobrake.items()}}
-    report.seconds["autobrake_scoring"] = scoring.seconds["total"]
-    report.seconds["total"] += scoring.seconds["total"]
+    report.model["autobrake_model"] = chosen
+    report.seconds.update(seconds)
+    report.seconds["total"] = fixed_run.seconds["total"] + sum(
+        v for k, v in seconds.items() if k != "autobrake_fixed")
     return report
+
+
+def _held_out_batches(batches: Batches, config: QuantizationConfig, run: Mapping[str, Any]
+                      ) -> list[Any]:
+    """This rank's held-out sequences of the auto-brake's split (as the pipeline makes it)."""
+    collectives = Collectives(run.get("reduce_sum", _identity), run.get("reduce_max", _identity),
+                              run.get("broadcast"), run.get("rank", 0), run.get("world_size", 1))
+    split, mine = _calibration_parts(list(batches), config, collectives, run.get("shard", False))
+    return mine[split.held_out_part]
+
+
+def _adopt(model: nn.Module, other: nn.Module) -> None:
+    """Make ``model`` hold ``other``'s submodules, parameters and buffers (``other`` is a deep
+    copy of ``model`` quantized another way)."""
+    for key in ("_modules", "_parameters", "_buffers"):
+        model.__dict__[key] = other.__dict__[key]
+
+
+@torch.no_grad()
+def held_out_divergence(reference: nn.Module, candidate: nn.Module, batches: Batches,
+                        reduce_sum: ReduceFn = _identity) -> tuple[float, str]:
+    """How far ``candidate``'s outputs on ``batches`` are from ``reference``'s, summed over
+    ranks: the mean per-token ``KL(p_ref || p)`` of the next-token distributions (``"kl"``,
+    :func:`~kbbq_pl.eval.metrics.token_kl`) for a model with logits, else the relative squared
+    error of the last hidden state (``"relative_error"``); positions the ``attention_mask``
+    masks are not counted."""
+    from ..eval.metrics import token_kl
+
+    total = torch.zeros((), dtype=torch.float64)
+    count = torch.zeros((), dtype=torch.float64)
+    metric = "kl"
+    device = next(reference.parameters()).device
+    for batch in batches:
+        batch = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
+        want, got = reference(**batch), candidate(**batch)
+        mask = batch.get("attention_mask")
+        if getattr(want, "logits", None) is not None:
+            per_token = token_kl(torch.log_softmax(want.logits.float(), -1), got.logits)
+            weight = torch.ones_like(per_token) if mask is None else mask.double()
+            total += (per_token * weight).sum().cpu()
+            count += weight.sum().cpu()
+        else:
+            metric = "relative_error"
+            want, got = want[0].double(), got[0].double()
+            weight = 1.0 if mask is None else mask.double()[..., None]
+            total += (((got - want) ** 2) * weight).sum().cpu()
+            count += ((want ** 2) * weight).sum().cpu()
+    return float(reduce_sum(total) / reduce_sum(count)), metric
 
 
 def _calibration_parts(batches: list[Any], config: QuantizationConfig, collectives: Collectives,

@@ -214,6 +214,71 @@ def test_model_scope_is_the_fixed_recipe_at_the_lambda_it_chose(quantizer):
         quantize_model(tiny_model("llama"), batches, config, residency=object(), progress=False)
 
 
+@pytest.mark.parametrize("quantizer", ["rtn", "gptq"])
+def test_scope_best_keeps_the_model_closer_on_the_held_out_sequences(quantizer):
+    """``autobrake.scope: best``: the per-layer model and the one-lambda model are both made,
+    their divergences from the full-precision model on the held-out calibration sequences
+    are in the report, and the kept one is bit for bit that run's model."""
+    from dataclasses import replace
+
+    from tiny_models import tiny_model
+
+    from kbbq_pl.quant import (
+        AutoBrakeConfig,
+        QuantizationConfig,
+        TransformConfig,
+        WeightsConfig,
+        quantize_model,
+    )
+    from kbbq_pl.quant.layers import quantized_linears
+    from kbbq_pl.quant.pipeline import held_out_divergence
+    from kbbq_pl.transforms.autobrake import split_sequences
+
+    ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
+    batches = [{"input_ids": ids[i:i + 2]} for i in range(0, 8, 2)]
+    config = QuantizationConfig(transform=TransformConfig(lam="auto"),
+                                weights=WeightsConfig(quantizer),
+                                autobrake=AutoBrakeConfig(grid=(0.25, 0.75, 1.0), scope="best"))
+    model = tiny_model("llama")
+    report = quantize_model(model, batches, config, progress=False)
+    best = report.model["autobrake_best"]
+    lam = report.model["autobrake_model"]["lam"]
+    runs = {"layer": replace(config, autobrake=replace(config.autobrake, scope="layer")),
+            "model": replace(config, transform=replace(config.transform, lam=lam))}
+    models = {kept: tiny_model("llama") for kept in runs}
+    for kept, run in runs.items():
+        quantize_model(models[kept], batches, run, progress=False)
+    held_out = split_sequences(batches, 0.5, seed=0)[1]
+    divergence = {kept: held_out_divergence(tiny_model("llama"), m, held_out)
+                  for kept, m in models.items()}
+    assert best["metric"] == "kl" and best["divergence"] == {k: v[0] for k, v in
+                                                             divergence.items()}
+    assert best["kept"] == min(divergence, key=lambda k: divergence[k][0])
+    assert report.seconds["total"] >= (report.seconds["autobrake_scoring"]
+                                       + report.seconds["autobrake_fixed"]
+                                       + report.seconds["autobrake_compare"])
+    ours, theirs = quantized_linears(model), quantized_linears(models[best["kept"]])
+    assert ours.keys() == theirs.keys() and len(ours) == 14
+    for name in ours:
+        a, b = ours[name].weight, theirs[name].weight
+        assert torch.equal(a.qdata, b.qdata) and torch.equal(a.transform, b.transform)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, models[best["kept"]](input_ids=ids).logits)
+
+
+def test_held_out_divergence_is_zero_for_the_same_model_and_uses_hidden_states_without_logits():
+    from tiny_models import tiny_model
+
+    from kbbq_pl.quant.pipeline import held_out_divergence
+
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    batches = [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}]
+    assert held_out_divergence(tiny_model("llama"), tiny_model("llama"), batches) == (0.0, "kl")
+    encoder, other = tiny_model("llama").model, tiny_model("llama", seed=1).model
+    error, metric = held_out_divergence(encoder, other, batches)
+    assert metric == "relative_error" and error > 0.1
+
+
 def test_cross_fitted_auto_lambda_in_the_pipeline():
     """``autobrake.folds: 4``: every layer's lambda is the cross-fitted choice and its
     transform the one fitted on all tokens (the fixed-lambda recipe's at that lambda, up to

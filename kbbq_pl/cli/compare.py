@@ -266,6 +266,8 @@ def run_compare(
             if report.autobrake:  # how many layers chose each lambda
                 lams = [choice.lam for choice in report.autobrake.values()]
                 row["auto_lambdas"] = {f"{lam:g}": lams.count(lam) for lam in sorted(set(lams))}
+            if "autobrake_best" in report.model:  # scope best: which model it kept, and why
+                row["autobrake_best"] = report.model["autobrake_best"]
             row["seconds"] = {"quantize": quantized_at - begin,
                               "eval": time.perf_counter() - quantized_at}
             store(row, settings)

@@ -154,7 +154,9 @@ def test_auto_brake_recipe(tiny_llama_dir, tmp_path):
     assert len(report["autobrake"]) == 14
     assert all(layer["lam"] in (0.0, 0.25, 0.5, 0.625, 0.75, 0.875, 1.0)
                for layer in report["layers"])
-    assert "## Auto-brake" in (out / "report.md").read_text()
+    assert report["model"]["autobrake_best"]["kept"] in ("layer", "model")  # scope: best
+    markdown = (out / "report.md").read_text()
+    assert "## Auto-brake" in markdown and "the better of per layer (held-out KL" in markdown
 
 
 def test_every_packaged_recipe_names_its_method():

@@ -3,6 +3,7 @@ one-process checkpoint (RTN bit for bit; GPTQ within the round-off of summing He
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -49,12 +50,15 @@ def _args(llama_dir: Path, recipe: str, out: Path, *extra: str) -> list[str]:
             "--data.seq_len", "32", "--data.batch_size", "2", "--output_dir", str(out), *extra]
 
 
-@pytest.mark.parametrize("recipe", ["rtn_kbbq_nvfp4_lam0.75", "i_mxfp4", "rtn_kbbq_nvfp4_auto"])
+@pytest.mark.parametrize("recipe,scope", [("rtn_kbbq_nvfp4_lam0.75", ()), ("i_mxfp4", ()),
+                                          ("rtn_kbbq_nvfp4_auto",
+                                           ("--recipe.autobrake.scope", "layer"))])
 def test_two_processes_write_the_one_process_checkpoint_bit_for_bit(llama_dir, tmp_path,
-                                                                    recipe):
-    assert main(_args(llama_dir, recipe, tmp_path / "one")) == 0
+                                                                    recipe, scope):
+    """Fixed lambda, and ``lam: auto`` chosen per layer (streaming needs ``scope: layer``)."""
+    assert main(_args(llama_dir, recipe, tmp_path / "one", *scope)) == 0
     for mode, extra in (("two", ()), ("two-streamed", ("--stream",))):
-        result = _torchrun(_args(llama_dir, recipe, tmp_path / mode, *extra))
+        result = _torchrun(_args(llama_dir, recipe, tmp_path / mode, *scope, *extra))
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.count("done in") == 1  # rank 0 alone reports and writes
         one, two = read_tensors(tmp_path / "one"), read_tensors(tmp_path / mode)
@@ -62,6 +66,24 @@ def test_two_processes_write_the_one_process_checkpoint_bit_for_bit(llama_dir, t
         assert all(torch.equal(one[k], two[k]) for k in one), mode
     report = (tmp_path / "two" / "report.md").read_text()
     assert "| processes | 2 |" in report
+
+
+def test_two_processes_keep_the_model_one_process_keeps_with_the_shipped_auto_recipe(llama_dir,
+                                                                                    tmp_path):
+    """``rtn_kbbq_nvfp4_auto`` as shipped (``autobrake.scope: best``): both runs, and the
+    held-out divergences summed over the ranks, choose as one process does."""
+    recipe = "rtn_kbbq_nvfp4_auto"
+    assert main(_args(llama_dir, recipe, tmp_path / "one")) == 0
+    result = _torchrun(_args(llama_dir, recipe, tmp_path / "two"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    one, two = read_tensors(tmp_path / "one"), read_tensors(tmp_path / "two")
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    reports = [json.loads((tmp_path / run / "report.json").read_text())["model"]
+               for run in ("one", "two")]
+    assert reports[0]["autobrake_best"]["kept"] == reports[1]["autobrake_best"]["kept"]
+    for run in ("layer", "model"):
+        assert reports[1]["autobrake_best"]["divergence"][run] == pytest.approx(
+            reports[0]["autobrake_best"]["divergence"][run], rel=1e-9)
 
 
 def test_two_processes_gptq_agrees_within_the_summation_round_off(llama_dir, tmp_path):

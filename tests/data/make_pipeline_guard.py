@@ -70,11 +70,12 @@ def quantized_digests(config: QuantizationConfig) -> dict[str, dict[str, Any]]:
     """Per kind of quantized-layer tensor (:data:`LAYER_TENSORS`) of the tiny model quantized
     by ``config``: ``[how many layers store one, the SHA-256 of them all, layer by layer]``.
 
-    A recipe with ``autobrake.scope: model`` is guarded through its first run, the per-layer
-    auto-brake whose scores choose the lambda (the recipe before the scope existed): its second
-    run is the fixed-lambda recipe at that lambda, bit for bit
-    (``tests/transforms/test_autobrake.py``), whose path the fixed recipes guard."""
-    if config.auto and config.autobrake.scope == "model":
+    A recipe with ``autobrake.scope: model`` or ``best`` is guarded through its first run, the
+    per-layer auto-brake whose scores choose the lambda (the recipe before the scope existed):
+    its second run is the fixed-lambda recipe at that lambda, bit for bit, and ``best`` keeps
+    one of the two runs' models (``tests/transforms/test_autobrake.py``); the fixed recipes
+    guard the second run's path."""
+    if config.auto and config.autobrake.scope != "layer":
         config = replace(config, autobrake=replace(config.autobrake, scope="layer"))
     torch.manual_seed(0)
     model = tiny_model("llama", seed=0, **TINY)

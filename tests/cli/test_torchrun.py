@@ -50,15 +50,12 @@ def _args(llama_dir: Path, recipe: str, out: Path, *extra: str) -> list[str]:
             "--data.seq_len", "32", "--data.batch_size", "2", "--output_dir", str(out), *extra]
 
 
-@pytest.mark.parametrize("recipe,scope", [("rtn_kbbq_nvfp4_lam0.75", ()), ("i_mxfp4", ()),
-                                          ("rtn_kbbq_nvfp4_auto",
-                                           ("--recipe.autobrake.scope", "layer"))])
+@pytest.mark.parametrize("recipe", ["rtn_kbbq_nvfp4_lam0.75", "i_mxfp4", "rtn_kbbq_nvfp4_auto"])
 def test_two_processes_write_the_one_process_checkpoint_bit_for_bit(llama_dir, tmp_path,
-                                                                    recipe, scope):
-    """Fixed lambda, and ``lam: auto`` chosen per layer (streaming needs ``scope: layer``)."""
-    assert main(_args(llama_dir, recipe, tmp_path / "one", *scope)) == 0
+                                                                    recipe):
+    assert main(_args(llama_dir, recipe, tmp_path / "one")) == 0
     for mode, extra in (("two", ()), ("two-streamed", ("--stream",))):
-        result = _torchrun(_args(llama_dir, recipe, tmp_path / mode, *scope, *extra))
+        result = _torchrun(_args(llama_dir, recipe, tmp_path / mode, *extra))
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.count("done in") == 1  # rank 0 alone reports and writes
         one, two = read_tensors(tmp_path / "one"), read_tensors(tmp_path / mode)
@@ -68,13 +65,12 @@ def test_two_processes_write_the_one_process_checkpoint_bit_for_bit(llama_dir, t
     assert "| processes | 2 |" in report
 
 
-def test_two_processes_keep_the_model_one_process_keeps_with_the_shipped_auto_recipe(llama_dir,
-                                                                                    tmp_path):
-    """``rtn_kbbq_nvfp4_auto`` as shipped (``autobrake.scope: best``): both runs, and the
-    held-out divergences summed over the ranks, choose as one process does."""
-    recipe = "rtn_kbbq_nvfp4_auto"
-    assert main(_args(llama_dir, recipe, tmp_path / "one")) == 0
-    result = _torchrun(_args(llama_dir, recipe, tmp_path / "two"))
+def test_two_processes_keep_the_model_one_process_keeps_with_scope_best(llama_dir, tmp_path):
+    """``autobrake.scope: best``: both runs, and the held-out divergences summed over the
+    ranks, choose as one process does."""
+    recipe, scope = "rtn_kbbq_nvfp4_auto", ("--recipe.autobrake.scope", "best")
+    assert main(_args(llama_dir, recipe, tmp_path / "one", *scope)) == 0
+    result = _torchrun(_args(llama_dir, recipe, tmp_path / "two", *scope))
     assert result.returncode == 0, result.stderr[-3000:]
     one, two = read_tensors(tmp_path / "one"), read_tensors(tmp_path / "two")
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
 from kbbq_pl.formats import fake_quantize
 from kbbq_pl.law import noise_law as law
@@ -20,7 +22,21 @@ from kbbq_pl.transforms.autobrake import (
     select_lambda,
     split_sequences,
 )
+from kbbq_pl.quant import (
+    AutoBrakeConfig,
+    QuantizationConfig,
+    TransformConfig,
+    WeightsConfig,
+    quantize_model,
+)
+from kbbq_pl.quant.layers import quantized_linears
+from kbbq_pl.quant.pipeline import held_out_divergence
 from kbbq_pl.transforms.fit import kbbq_basis, transform_inputs, transform_weight
+
+
+def _eight_sequences() -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
+    return [{"input_ids": ids[i:i + 2]} for i in range(0, 8, 2)]
 
 
 def test_split_is_deterministic_disjoint_and_complete():
@@ -119,13 +135,9 @@ def test_select_lambda_takes_the_smallest_held_out_error():
 
 
 def test_auto_lambda_in_the_pipeline_reports_choices():
-    from tiny_models import tiny_model
-
     from kbbq_pl.eval.report_files import report_markdown
-    from kbbq_pl.quant import QuantizationConfig, TransformConfig, quantize_model
 
-    ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
-    batches = [{"input_ids": ids[i:i + 2]} for i in range(0, 8, 2)]
+    batches = _eight_sequences()
     reports = []
     for _ in range(2):
         model = tiny_model("llama")
@@ -165,22 +177,9 @@ def test_model_lambda_takes_the_smallest_mean_error_in_db():
 def test_model_scope_is_the_fixed_recipe_at_the_lambda_it_chose(quantizer):
     """``autobrake.scope: model`` scores like the per-layer brake, then quantizes the model
     with one lambda: the codes of the fixed-lambda recipe at that lambda, bit for bit."""
-    from dataclasses import replace
-
-    from tiny_models import tiny_model
-
     from kbbq_pl.eval.report_files import report_markdown
-    from kbbq_pl.quant import (
-        AutoBrakeConfig,
-        QuantizationConfig,
-        TransformConfig,
-        WeightsConfig,
-        quantize_model,
-    )
-    from kbbq_pl.quant.layers import quantized_linears
 
-    ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
-    batches = [{"input_ids": ids[i:i + 2]} for i in range(0, 8, 2)]
+    batches = _eight_sequences()
     grid = (0.25, 0.75, 1.0)
     config = QuantizationConfig(transform=TransformConfig(lam="auto"),
                                 weights=WeightsConfig(quantizer),
@@ -219,23 +218,8 @@ def test_scope_best_keeps_the_model_closer_on_the_held_out_sequences(quantizer):
     """``autobrake.scope: best``: the per-layer model and the one-lambda model are both made,
     their divergences from the full-precision model on the held-out calibration sequences
     are in the report, and the kept one is bit for bit that run's model."""
-    from dataclasses import replace
 
-    from tiny_models import tiny_model
-
-    from kbbq_pl.quant import (
-        AutoBrakeConfig,
-        QuantizationConfig,
-        TransformConfig,
-        WeightsConfig,
-        quantize_model,
-    )
-    from kbbq_pl.quant.layers import quantized_linears
-    from kbbq_pl.quant.pipeline import held_out_divergence
-    from kbbq_pl.transforms.autobrake import split_sequences
-
-    ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
-    batches = [{"input_ids": ids[i:i + 2]} for i in range(0, 8, 2)]
+    batches = _eight_sequences()
     config = QuantizationConfig(transform=TransformConfig(lam="auto"),
                                 weights=WeightsConfig(quantizer),
                                 autobrake=AutoBrakeConfig(grid=(0.25, 0.75, 1.0), scope="best"))
@@ -263,13 +247,11 @@ def test_scope_best_keeps_the_model_closer_on_the_held_out_sequences(quantizer):
         a, b = ours[name].weight, theirs[name].weight
         assert torch.equal(a.qdata, b.qdata) and torch.equal(a.transform, b.transform)
     with torch.no_grad():
+        ids = batches[0]["input_ids"]
         assert torch.equal(model(input_ids=ids).logits, models[best["kept"]](input_ids=ids).logits)
 
 
 def test_held_out_divergence_is_zero_for_the_same_model_and_uses_hidden_states_without_logits():
-    from tiny_models import tiny_model
-
-    from kbbq_pl.quant.pipeline import held_out_divergence
 
     ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
     batches = [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}]
@@ -283,14 +265,8 @@ def test_cross_fitted_auto_lambda_in_the_pipeline():
     """``autobrake.folds: 4``: every layer's lambda is the cross-fitted choice and its
     transform the one fitted on all tokens (the fixed-lambda recipe's at that lambda, up to
     the order in which the batches' moments are summed)."""
-    from tiny_models import tiny_model
 
-    from kbbq_pl.quant import QuantizationConfig, TransformConfig, quantize_model
-    from kbbq_pl.quant.config import AutoBrakeConfig
-    from kbbq_pl.quant.layers import quantized_linears
-
-    ids = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
-    batches = [{"input_ids": ids[i:i + 2]} for i in range(0, 8, 2)]
+    batches = _eight_sequences()
     config = QuantizationConfig(transform=TransformConfig(lam="auto"),
                                 autobrake=AutoBrakeConfig(folds=4, tokens=256))
     model = tiny_model("llama")

@@ -46,6 +46,7 @@ from .config import (
     _identity,
     count_tokens,
 )
+from .divergence import held_out_divergence
 from .gptq.quantizer import GPTQ
 from .layers import QuantizedLinear, quantized_linears, swap_module
 from .modules import check_finite, find_linears, in_out_features, linear_weight
@@ -288,38 +289,6 @@ def _adopt(model: nn.Module, other: nn.Module) -> None:
     copy of ``model`` quantized another way)."""
     for key in ("_modules", "_parameters", "_buffers"):
         model.__dict__[key] = other.__dict__[key]
-
-
-@torch.no_grad()
-def held_out_divergence(reference: nn.Module, candidate: nn.Module, batches: Batches,
-                        reduce_sum: ReduceFn = _identity) -> tuple[float, str]:
-    """How far ``candidate``'s outputs on ``batches`` are from ``reference``'s, summed over
-    ranks: the mean per-token ``KL(p_ref || p)`` of the next-token distributions (``"kl"``,
-    :func:`~kbbq_pl.eval.metrics.token_kl`) for a model with logits, else the relative squared
-    error of the last hidden state (``"relative_error"``); positions the ``attention_mask``
-    masks are not counted."""
-    from ..eval.metrics import token_kl
-
-    total = torch.zeros((), dtype=torch.float64)
-    count = torch.zeros((), dtype=torch.float64)
-    metric = "kl"
-    device = next(reference.parameters()).device
-    for batch in batches:
-        batch = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
-        want, got = reference(**batch), candidate(**batch)
-        mask = batch.get("attention_mask")
-        if getattr(want, "logits", None) is not None:
-            per_token = token_kl(torch.log_softmax(want.logits.float(), -1), got.logits)
-            weight = torch.ones_like(per_token) if mask is None else mask.double()
-            total += (per_token * weight).sum().cpu()
-            count += weight.sum().cpu()
-        else:
-            metric = "relative_error"
-            want, got = want[0].double(), got[0].double()
-            weight = 1.0 if mask is None else mask.double()[..., None]
-            total += (((got - want) ** 2) * weight).sum().cpu()
-            count += ((want ** 2) * weight).sum().cpu()
-    return float(reduce_sum(total) / reduce_sum(count)), metric
 
 
 def _calibration_parts(batches: list[Any], config: QuantizationConfig, collectives: Collectives,

@@ -30,7 +30,7 @@ from kbbq_pl.quant import (
     quantize_model,
 )
 from kbbq_pl.quant.layers import quantized_linears
-from kbbq_pl.quant.pipeline import held_out_divergence
+from kbbq_pl.quant.divergence import held_out_divergence
 from kbbq_pl.transforms.fit import kbbq_basis, transform_inputs, transform_weight
 
 

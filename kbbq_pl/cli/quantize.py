@@ -300,7 +300,8 @@ def run_sweep(argv: list[str]) -> int:
                              transform=replace(base.transform, name=transform, lam=lam))
             candidate = copy.deepcopy(model)
             start = time.perf_counter()
-            report = quantize_model(candidate, batches, config, device=parse_device(args.device), progress=False)
+            report = quantize_model(candidate, batches, config, device=parse_device(args.device),
+                                    progress=False)
             seconds = time.perf_counter() - start
             row = {"method": method, "format": fmt, "lam": lam if transform == "kbbq" else None,
                    **probe.measure(candidate), **report.summary(), "seconds": seconds}

@@ -269,9 +269,8 @@ def _quantize_model_scope(model: nn.Module, batches: Batches, config: Quantizati
         trim_heap()
     report.config = config.to_dict()
     report.model["autobrake_model"] = chosen
-    report.seconds.update(seconds)
-    report.seconds["total"] = fixed_run.seconds["total"] + sum(
-        v for k, v in seconds.items() if k != "autobrake_fixed")
+    report.seconds.update(seconds, total=scoring.seconds["total"] + fixed_run.seconds["total"]
+                          + seconds.get("autobrake_compare", 0.0))
     return report
 
 

@@ -192,10 +192,10 @@ def model_lambda(choices: Mapping[str, LambdaChoice]) -> tuple[float, dict[float
 def select_lambda(
     weight: Tensor, basis: KBBQBasis, x_holdout: Tensor, fmt: str | Format,
     grid: Sequence[float] = DEFAULT_GRID, act_scale: str = "static",
-    reduce_sum=_identity, reduce_max=_identity,
 ) -> LambdaChoice:
     """Score every lambda of ``grid`` on the held-out inputs and keep the smallest error
-    (the first in grid order on a tie)."""
+    (the first in grid order on a tie); with several ranks, ``x_holdout`` is every rank's
+    scored tokens, gathered (:meth:`~kbbq_pl.quant.config.Collectives.gather_rows`)."""
     if x_holdout.numel() == 0:
         raise ValueError("no held-out tokens to select lambda on")
     fmt = get_format(fmt)
@@ -205,7 +205,7 @@ def select_lambda(
         transform = basis.transform(lam)
         w_hat = fake_quantize(transform_weight(weight.float(), transform), fmt)
         errors[lam] = quantized_output_error(weight, w_hat, x_holdout, transform, fmt, act_scale,
-                                             reduce_sum, reduce_max, y=y)
+                                             y=y)
     return best_lambda(errors)
 
 

@@ -250,8 +250,8 @@ def _quantize_model_scope(model: nn.Module, batches: Batches, config: Quantizati
             tick = time.perf_counter()
             held_out = _held_out_batches(batches, layer_scope, run)
             reduce_sum = run.get("reduce_sum", _identity)
-            divergence = {"layer": held_out_divergence(reference, scratch, held_out, reduce_sum),
-                          "model": held_out_divergence(reference, model, held_out, reduce_sum)}
+            divergence = held_out_divergence(reference, {"layer": scratch, "model": model},
+                                             held_out, reduce_sum)
             kept = "layer" if divergence["layer"][0] < divergence["model"][0] else "model"
             log.info("autobrake.scope best: held-out %s per layer %.5g, lambda %g %.5g: keeps "
                      "the %s", divergence["layer"][1], divergence["layer"][0], lam,

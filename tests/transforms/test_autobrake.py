@@ -233,8 +233,7 @@ def test_scope_best_keeps_the_model_closer_on_the_held_out_sequences(quantizer):
     for kept, run in runs.items():
         quantize_model(models[kept], batches, run, progress=False)
     held_out = split_sequences(batches, 0.5, seed=0)[1]
-    divergence = {kept: held_out_divergence(tiny_model("llama"), m, held_out)
-                  for kept, m in models.items()}
+    divergence = held_out_divergence(tiny_model("llama"), models, held_out)
     assert best["metric"] == "kl" and best["divergence"] == {k: v[0] for k, v in
                                                              divergence.items()}
     assert best["kept"] == min(divergence, key=lambda k: divergence[k][0])
@@ -255,9 +254,10 @@ def test_held_out_divergence_is_zero_for_the_same_model_and_uses_hidden_states_w
 
     ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
     batches = [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}]
-    assert held_out_divergence(tiny_model("llama"), tiny_model("llama"), batches) == (0.0, "kl")
+    assert held_out_divergence(tiny_model("llama"), {"same": tiny_model("llama")},
+                               batches) == {"same": (0.0, "kl")}
     encoder, other = tiny_model("llama").model, tiny_model("llama", seed=1).model
-    error, metric = held_out_divergence(encoder, other, batches)
+    ((error, metric),) = held_out_divergence(encoder, {"other": other}, batches).values()
     assert metric == "relative_error" and error > 0.1
 
 

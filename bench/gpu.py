@@ -223,7 +223,9 @@ def decode_tokens_per_second(model, prompt: torch.Tensor, tokens: int, use_graph
     from transformers import StaticCache
 
     device = prompt.device
-    length = prompt.shape[1] + tokens + 1
+    # room for the warm-up steps too: transformers may place each step after the cache's last
+    # filled slot rather than at ``cache_position`` (an index past the end asserts on the GPU)
+    length = prompt.shape[1] + tokens + 16
     try:
         cache = StaticCache(config=model.config, max_cache_len=length)
     except TypeError:  # transformers 4.x

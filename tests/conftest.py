@@ -98,3 +98,13 @@ def tiny_llama2c_folder(tmp_path_factory) -> Path:
         pytest.skip(f"the tiny llama2.c model is absent ({tiny})")
     return convert_llama2c(tiny / "aidreams260K.bin", tiny / "tok512.bin",
                            tmp_path_factory.mktemp("model") / "tiny")
+
+
+def pytest_runtest_logreport(report):
+    """With ``KBBQ_PL_FAILURE_LOG=PATH``, each failure's traceback is appended to PATH as it
+    happens (a GPU session stopped at its time limit keeps what failed and why)."""
+    path = os.environ.get("KBBQ_PL_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(f"\n===== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n"
+                      f"{report.longreprtext}\n")

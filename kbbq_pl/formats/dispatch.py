@@ -4,9 +4,15 @@
 over the data (a C++ loop on CPU, a Triton kernel on CUDA); eager PyTorch makes about ten.  The
 compiled and eager kernels are the same Python functions and agree bit for bit (tested).
 
-``KBBQ_PL_COMPILE`` chooses: ``auto`` (default: compile where a C++ compiler or Triton is
-found), ``1`` (always) or ``0`` (never).  :func:`set_compile` changes it at run time.  If a
-compilation fails, kbbq-pl warns once and stays eager.
+``KBBQ_PL_COMPILE`` chooses: ``auto`` (default: compile on the CPU where a C++ compiler is
+found, eager on CUDA), ``1`` (always) or ``0`` (never).  :func:`set_compile` changes it at run
+time.  If a compilation fails, kbbq-pl warns once and stays eager.
+
+On CUDA ``auto`` stays eager: on the first GPU run (an H200, 2026-11-26) the eager kernels gave
+the CPU's bits for every format and dtype, while the compiled E2M1 kernels (NVFP4, MXFP4) did
+not pass the same test (an FP8 -> FP64 conversion Triton cannot lower was fixed after it; the
+rest is unverified: docs/results/2026-11-26-first-gpu-run.md).  The W4A4 activation path on
+CUDA runs the Triton kernels of :mod:`kbbq_pl.kernels`, not these.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ def compile_enabled(device: torch.device) -> bool:
         return False
     if _mode in ("1", "on", "true"):
         return True
-    return _backend_available(device.type)
+    return device.type == "cpu" and _backend_available("cpu")
 
 
 def _specialize(kernel: Callable[..., Any], static: dict[str, Any]) -> Callable[..., Any]:

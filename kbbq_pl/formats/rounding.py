@@ -231,7 +231,10 @@ def e2m1_scales(
         code = div_rn(div_rn(amax, E2M1_MAX), pts).clamp(E4M3_MIN_NORMAL, E4M3_MAX)
         code = code.to(torch.float8_e4m3fn)
         block = code.to(torch.float32)
-        reciprocal = torch.where(usable, div_rn(div_rn(1.0, pts), block), torch.zeros_like(block))
+        # abs() (of a positive value) keeps inductor from folding the FP8 -> FP32 -> FP64 casts
+        # into one FP8 -> FP64 conversion, which Triton cannot lower (seen on an H200).
+        reciprocal = torch.where(usable, div_rn(div_rn(1.0, pts), block.abs()),
+                                 torch.zeros_like(block))
         dequant = pts * block
     elif scale_kind == "e8m0":
         exponent = e8m0_exponent(amax, e8m0_rounding)

@@ -73,7 +73,16 @@ def test_eager_rounding_on_the_gpu_is_bit_identical_to_the_cpu(name, dtype):
     _compare_with_cpu(name, dtype, compiled=False)
 
 
-@pytest.mark.parametrize("name", COMPILED_FORMATS)
+# On an H200 (2026-11-26) these failed for the E2M1 formats (the tracebacks were lost; one
+# cause, an FP8 -> FP64 cast Triton cannot lower, was fixed after the run), so KBBQ_PL_COMPILE=auto
+# keeps CUDA eager; an XPASS here says the compiled E2M1 kernels may be switched back on.
+_E2M1_COMPILED = pytest.mark.xfail(reason="compiled E2M1 rounding failed on an H200 (2026-11-26)")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_E2M1_COMPILED)
+                                  if n in ("nvfp4", "mxfp4", "mxfp4_rceil", "mxfp4_no_clip",
+                                           "e2m1_b64_fp32") else n
+                                  for n in COMPILED_FORMATS])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_compiled_rounding_on_the_gpu_is_bit_identical_to_the_cpu(name, dtype):
     _compare_with_cpu(name, dtype, compiled=True)

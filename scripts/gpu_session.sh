@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The GPU checks of a session lent a GPU machine (the `device` tool), in one short call.
+#
+#   bash scripts/gpu_session.sh prepare   # here, with network: wheels the image lacks -> .whl/,
+#                                         # the shared data the GPU tests read -> .devrun/data
+#   device run, carry [".whl", ".devrun"]:
+#       bash scripts/gpu_session.sh run [tests|bench|all]
+#
+# `run` installs the wheels and the package under /tmp, runs `pytest -m gpu` (each failure's
+# traceback written to $OUT/failures.txt as it happens, a per-test time limit) and/or
+# `python bench/gpu.py`, teeing both to $OUT.  Limits (seconds): TEST_S, BENCH_S, PER_TEST_S;
+# BENCH_ARGS is passed to bench/gpu.py.
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+# The image has torch, triton, lightning, transformers (older), pytest; not these (the versions
+# installed here travel).  sdist-only packages are built into wheels here.
+PACKAGES="torchao jsonargparse docstring_parser typeshed_client transformers
+datasets dill multiprocess lm_eval evaluate sqlitedict pytablewriter DataProperty mbstrdecoder
+pathvalidate tabledata tcolorpy typepy chardet rouge_score nltk word2number more-itertools
+compressed-tensors pydantic pydantic_core annotated-types typing-inspection loguru gguf pytz"
+DATA="MANIFEST.md tiny_llama_aidreams260K winogrande llama2_tokenizer wikitext2"
+
+prepare() {
+    mkdir -p .whl .devrun/data
+    grep -qx "/.devrun/" .git/info/exclude 2>/dev/null || echo "/.devrun/" >> .git/info/exclude
+    for name in $PACKAGES; do
+        version=$(python -c "import importlib.metadata as m; print(m.version('$name'))") || exit 1
+        python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+            --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+            --platform manylinux2014_x86_64 -d .whl "$name==$version" 2>/dev/null ||
+            python -m pip wheel -q --no-deps -w .whl "$name==$version" || exit 1
+    done
+    for item in $DATA; do cp -r "../shared/data/$item" .devrun/data/; done
+    du -sh .whl .devrun
+}
+
+run() {
+    local what=${1:-all}
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+        .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 3; }
+    # Installed, not run from the checkout: kbbq_pl.callbacks and kbbq_pl.recipes are mapped
+    # from callbacks/ and recipes/ (pyproject.toml), which a plain PYTHONPATH does not do.
+    PYTHONPATH=/tmp/site python3 -m pip install -q --no-index --no-deps --no-build-isolation \
+        --no-compile --target /tmp/pkg . >/tmp/pkg.log 2>&1 || { tail -20 /tmp/pkg.log; exit 4; }
+    export PYTHONPATH=/tmp/pkg:/tmp/site PATH=/tmp/pkg/bin:/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+    export HF_HUB_OFFLINE=1 KBBQ_PL_FAILURE_LOG=$OUT/failures.txt
+    mkdir -p ../shared && rm -rf ../shared/data && cp -r .devrun/data ../shared/data
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c "import torch, triton, transformers, torchao; print('torch', torch.__version__,
+    'triton', triton.__version__, 'transformers', transformers.__version__, torchao.__version__)"
+    if [ "$what" = tests ] || [ "$what" = all ]; then
+        # from /tmp: the checkout's kbbq_pl/ (without the mapped subpackages) stays off sys.path
+        (cd /tmp && timeout -k 5 "${TEST_S:-300}" python3 -m pytest -m gpu -q -rfEs \
+            -p no:cacheprovider --timeout "${PER_TEST_S:-90}" --durations=15 \
+            --rootdir "$ROOT" -c "$ROOT/pyproject.toml" "$ROOT/tests") 2>&1 |
+            grep -v "IndexKernel.cu" | tee "$OUT/pytest_gpu.txt" | tail -60
+    fi
+    if [ "$what" = bench ] || [ "$what" = all ]; then
+        timeout -k 5 "${BENCH_S:-280}" python3 bench/gpu.py ${BENCH_ARGS:-} 2>&1 |
+            grep -v "IndexKernel.cu" | tee "$OUT/bench_gpu.txt"
+    fi
+}
+
+case "${1:-}" in
+    prepare) prepare ;;
+    run) shift; run "$@" ;;
+    *) echo "usage: bash scripts/gpu_session.sh prepare | run [tests|bench|all]" >&2; exit 2 ;;
+esac

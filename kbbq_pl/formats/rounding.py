@@ -120,21 +120,30 @@ def e2m1_code_bounds(device: torch.device | str = "cpu") -> Tensor:
 
 
 _CODE_BOUNDS: dict[torch.device, Tensor] = {}
+_CODE_BOUND_VALUES = tuple(e2m1_code_bounds().tolist())
 
 
 def encode_e2m1(y: Tensor) -> Tensor:
     """E2M1 codes (uint8, sign in bit 3) of the already-scaled finite values ``y``.
 
-    Eagerly, the magnitude's code is one binary search over :func:`e2m1_code_bounds` (half the
-    time on a CPU of rounding and then mapping the rounded value, which a compiled graph fuses
-    instead)."""
+    Eagerly, the magnitude's code is the index of :func:`e2m1_code_bounds` that
+    ``torch.bucketize`` finds (NaN and Inf give 7): one binary search on GPUs; on a CPU,
+    ``7 - #{bounds >= |y|}``, seven comparisons that run 4x faster there than the search (the
+    same integers).  Either is half the time of rounding and then mapping the rounded value,
+    which a compiled graph fuses instead."""
     sign = torch.signbit(y).to(torch.uint8) << 3
+    magnitude = y.abs()
     if torch.compiler.is_compiling():
-        return e2m1_magnitude_code(round_e2m1(y.abs())).to(torch.uint8) | sign
+        return e2m1_magnitude_code(round_e2m1(magnitude)).to(torch.uint8) | sign
+    if y.device.type == "cpu":
+        codes = torch.full_like(magnitude, 7, dtype=torch.uint8)
+        for bound in _CODE_BOUND_VALUES:
+            codes.sub_(torch.le(magnitude, bound).view(torch.uint8))
+        return codes | sign
     bounds = _CODE_BOUNDS.get(y.device)
     if bounds is None:
         bounds = _CODE_BOUNDS[y.device] = e2m1_code_bounds(y.device)
-    return torch.bucketize(y.abs(), bounds, out_int32=True).to(torch.uint8) | sign
+    return torch.bucketize(magnitude, bounds, out_int32=True).to(torch.uint8) | sign
 
 
 def _clean(x: Tensor, nonfinite: str) -> Tensor:

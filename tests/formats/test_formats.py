@@ -205,6 +205,14 @@ def test_e2m1_encode_search_is_the_arithmetic_bit_for_bit():
     arithmetic = (e2m1_magnitude_code(round_e2m1(y.abs())).to(torch.uint8)
                   | (torch.signbit(y).to(torch.uint8) << 3))
     assert torch.equal(encode_e2m1(y), arithmetic)
+    # the CPU's comparisons give torch.bucketize's index, which the GPU path takes, NaN and
+    # Inf included (code 7, with their sign)
+    from kbbq_pl.formats.rounding import e2m1_code_bounds
+
+    y = torch.cat([y, torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf")])])
+    search = (torch.bucketize(y.abs(), e2m1_code_bounds(), out_int32=True).to(torch.uint8)
+              | (torch.signbit(y).to(torch.uint8) << 3))
+    assert torch.equal(encode_e2m1(y), search)
 
 
 def test_e2m1_decode_table_is_the_arithmetic_bit_for_bit():

@@ -130,6 +130,43 @@ def test_kept_outputs_are_the_layers_own_and_give_the_reports_snr(dtype):
     assert abs(fresh - float(expected)) < 1e-4
 
 
+@pytest.mark.parametrize("size", [40, 64, 100])
+def test_gram_from_the_upper_tiles_is_the_full_product(size):
+    from kbbq_pl.quant.stats import gram
+
+    x = torch.randn(37, size)
+    got = gram(x, tile=32)
+    torch.testing.assert_close(got, x.T @ x, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got, got.T, rtol=1e-6, atol=1e-5)
+
+
+def test_layers_reading_one_tensor_share_its_products_and_a_refilled_buffer_does_not():
+    """q/k/v read one tensor: its products are computed once and every layer's sums are what
+    a collector of its own gives; a buffer refilled in place between calls is a new input."""
+    from kbbq_pl.quant.stats import StatisticsCollector
+
+    q, k, v = (nn.Linear(64, 32) for _ in range(3))
+    together = StatisticsCollector({"q": q, "k": k, "v": v}, block=16, full=True)
+    alone = {n: StatisticsCollector({n: m}, block=16, full=True) for n, m in
+             {"q": q, "k": k, "v": v}.items()}
+    buffer, seen = torch.empty(3, 7, 64), []
+    with together.hooks():
+        for _ in range(2):
+            buffer.copy_(torch.randn(3, 7, 64))  # the same tensor object, new values
+            seen.append(buffer.clone())
+            for layer in (q, k, v):
+                layer(buffer)
+    for name, layer in {"q": q, "k": k, "v": v}.items():
+        with alone[name].hooks():
+            for x in seen:
+                layer(x)
+    for name in ("q", "k", "v"):
+        got, want = together.stats[name], alone[name].stats[name]
+        assert torch.equal(got.sigma_sum, want.sigma_sum), name
+        assert torch.equal(got.full_sum, want.full_sum), name
+    assert together._last is None  # nothing held after the hooks
+
+
 def test_pipeline_is_deterministic_and_wush_attains_the_paired_ceiling():
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))

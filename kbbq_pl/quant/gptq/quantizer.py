@@ -55,7 +55,7 @@ from ...formats.padding import pad_features
 from ...transforms.autobrake import LambdaChoice, best_lambda, quantized_output_error
 from ...transforms.fit import fit_transform, transform_weight
 from ..config import QuantizationConfig, ReduceFn, _identity
-from ..modules import check_finite, first_input, flatten_tokens, linear_weight
+from ..modules import first_input, linear_weight
 from ..report import QuantizationReport
 from ..sequential import trim_heap
 from ..stats import StatisticsCollector
@@ -86,29 +86,16 @@ class HessianCollector(StatisticsCollector):
     def __init__(self, modules: Mapping[str, nn.Module], block: int, keep_samples: int = 256,
                  sample_stride: int = 1) -> None:
         super().__init__(modules, block, keep_samples, sample_stride, full=True)
-        self._cached: tuple[Tensor, int, Tensor, Tensor, str] | None = None
+        self.block_products = False  # the blocks are the diagonal of the full sum (reduce)
         self._sources: dict[str, list[str]] = {name: [] for name in self.modules}
 
     @torch.no_grad()
     def _update(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Tensor):
-        raw = first_input(args, kwargs)
         stats = self.stats[name]
-        size = stats.padded_features
-        cached = self._cached
-        if cached is not None and cached[0] is raw and cached[1] == size:
-            x, product, source = cached[2], cached[3], cached[4]
-        else:
-            x = flatten_tokens(raw).detach()
-            check_finite(x, name)
-            xf = x.to(torch.float32)
-            if size != stats.in_features:
-                xf = torch.nn.functional.pad(xf, (0, size - stats.in_features))
-            product = xf.T @ xf
-            source = name
-            self._cached = (raw, size, x, product, name)
-        self._sources[name].append(source)
-        stats.full_sum += product
-        self._update_common(stats, module, x, output)
+        products = self._products(name, stats, first_input(args, kwargs))
+        self._sources[name].append(products.reader)
+        stats.full_sum += products.full
+        self._update_common(stats, module, products.x, output)
 
     def groups(self) -> list[list[str]]:
         """Layers whose Hessians are the same sums (they read the same tensor in every call),
@@ -132,7 +119,7 @@ class HessianCollector(StatisticsCollector):
         :meth:`hessian` rounds to float32 (6e-8) once at the end.  One process and several give
         the same float32 ``H``, and the same codes (tests/quant/test_gptq_pipeline.py).
         """
-        self._cached = None
+        self._last = None
         for group in self.groups():
             leader = self.stats[group[0]]
             assert leader.full_sum is not None

@@ -346,9 +346,11 @@ class GPTQ(WeightQuantizer):
             mine = [job for job in jobs if job[0] in group and owners[job[0]] == rank]
             h_fit = None
             if selection is not None:
+                # the kept samples live on the CPU: on the layer's device (the scoring's
+                # products, an NCCL gather) they meet its weight
                 x_select = {n: collectives.gather_rows(
-                    pad_features(selection.stats[n].sample(), config.fmt), selection.keep_samples)
-                    for n in group}
+                    pad_features(selection.stats[n].sample(), config.fmt).to(weights[n].device),
+                    selection.keep_samples) for n in group}
                 if mine:
                     h_fit = _fitting_hessian(collector, selection, group[0], config)
             h = collector.hessian(group[0], keep_sum=dense) if mine else None

@@ -199,8 +199,8 @@ class RTN(WeightQuantizer):
                 assert calibration.held_out is not None
                 scored = calibration.held_out if config.autobrake.select_on == "holdout" \
                     else calibration.fit
-                samples = block.collectives.gather_rows(scored.stats[name].sample(),
-                                                        scored.keep_samples)
+                samples = block.collectives.gather_rows(  # on the device, as NCCL needs
+                    scored.stats[name].sample().to(weight.device), scored.keep_samples)
                 transforms[name], choices[name] = auto_transform(
                     weight, stats[name], calibration.held_out.stats[name], samples, config, name)
             else:

@@ -34,6 +34,7 @@ from .modules import check_finite, first_input, flatten_tokens, in_out_features,
 from .w4a4 import transformed_input
 
 _F64 = torch.float64
+_ENERGY_CHUNK = 1 << 18
 
 
 @dataclass
@@ -220,8 +221,11 @@ class StatisticsCollector:
         y = flatten_tokens(output).detach().float()
         if bias is not None:
             y = y - bias.detach().float()
-        flat = y.reshape(-1).to(_F64)  # exact squares, float64 sums: one fused product
-        stats.output_energy += torch.dot(flat, flat)
+        # exact squares, float64 sums; in chunks that stay in the cache (a whole call's float64
+        # copy took 12x longer on a CPU: 2048 x 1536 outputs, one thread)
+        for chunk in y.reshape(-1).split(_ENERGY_CHUNK):
+            chunk = chunk.to(_F64)
+            stats.output_energy += torch.dot(chunk, chunk)
         stats.tokens += x.shape[0]
         stats.input_amax = torch.maximum(stats.input_amax, x.abs().max().float())
         self._keep(stats, x, y if output.dtype == torch.float32 else None)

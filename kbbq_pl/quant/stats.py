@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -126,13 +127,12 @@ def spread_sample(start: int, count: int, stride: int) -> Tensor:
 
 
 class InputProducts(NamedTuple):
-    """One input tensor of a forward call and its products, shared by the layers reading it."""
+    """The products of one input tensor of a forward call, shared by the layers reading it."""
 
-    source: Tensor                 # the tensor the layers were called with
+    source: weakref.ref[Tensor]    # the tensor the layers were called with (not kept alive)
     version: int                   # its version counter when the products were formed
     padded_features: int
     reader: str                    # the first layer that read it
-    x: Tensor                      # [tokens, in_features]
     blocks: Tensor | None          # [blocks, d, d] float32 diagonal blocks of x^T x
     full: Tensor | None            # [D, D] float32 x^T x (padded), when collected
 
@@ -181,22 +181,25 @@ class StatisticsCollector:
     @torch.no_grad()
     def _update(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Tensor):
         stats = self.stats[name]
-        products = self._products(name, stats, first_input(args, kwargs))
+        source = first_input(args, kwargs)
+        x = flatten_tokens(source).detach()
+        products = self._products(name, stats, source, x)
         stats.sigma_sum += products.blocks
         if products.full is not None:
             stats.full_sum += products.full
-        self._update_common(stats, module, products.x, output)
+        self._update_common(stats, module, x, output)
 
-    def _products(self, name: str, stats: LayerStatistics, source: Tensor) -> InputProducts:
-        """This call's input ``x`` and its products: computed once for the layers that read one
-        tensor in a row (``q``/``k``/``v``, ``gate``/``up``), the same bits as each computing
-        its own.  A NaN or Inf input raises, naming the first layer that reads it."""
+    def _products(self, name: str, stats: LayerStatistics, source: Tensor, x: Tensor
+                  ) -> InputProducts:
+        """The products of this call's input ``source`` (flattened: ``x``), computed once for
+        the layers that read one tensor in a row (``q``/``k``/``v``, ``gate``/``up``), the same
+        bits as each computing its own.  A NaN or Inf input raises, naming the first layer
+        that reads it."""
         last = self._last
-        if (last is not None and last.source is source and last.version == source._version
+        if (last is not None and last.source() is source and last.version == source._version
                 and last.padded_features == stats.padded_features
                 and (stats.full_sum is None or last.full is not None)):
             return last
-        x = flatten_tokens(source).detach()
         xf = x.float()
         extra = stats.padded_features - stats.in_features
         if extra:
@@ -208,10 +211,10 @@ class StatisticsCollector:
         full = gram(xf) if stats.full_sum is not None else None
         if not all_finite(blocks if blocks is not None else full):  # NaN/Inf reach the products
             check_finite(x, name)
-        # holds ``source`` (its identity stays unique); its version counter tells a buffer
-        # refilled in place from the same tensor
-        self._last = InputProducts(source, source._version, stats.padded_features, name, x,
-                                   blocks, full)
+        # a weak reference: a freed input is never matched (nor kept alive by a collector that
+        # stays attached); the version counter tells a buffer refilled in place
+        self._last = InputProducts(weakref.ref(source), source._version, stats.padded_features,
+                                   name, blocks, full)
         return self._last
 
     def _update_common(self, stats: LayerStatistics, module: nn.Module, x: Tensor,

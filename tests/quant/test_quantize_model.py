@@ -167,6 +167,23 @@ def test_layers_reading_one_tensor_share_its_products_and_a_refilled_buffer_does
     assert together._last is None  # nothing held after the hooks
 
 
+def test_an_attached_collector_does_not_keep_its_last_input_alive():
+    import weakref
+
+    from kbbq_pl.quant.stats import StatisticsCollector
+
+    layer = nn.Linear(64, 32)
+    collector = StatisticsCollector({"fc": layer}, block=16)
+    handles = collector.attach()  # attached for good, as the torchao observer is
+    x = torch.randn(5, 64)
+    layer(x)
+    seen = weakref.ref(x)
+    del x
+    assert seen() is None
+    for handle in handles:
+        handle.remove()
+
+
 def test_pipeline_is_deterministic_and_wush_attains_the_paired_ceiling():
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))

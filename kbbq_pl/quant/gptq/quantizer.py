@@ -55,7 +55,7 @@ from ...formats.padding import pad_features
 from ...transforms.autobrake import LambdaChoice, best_lambda, quantized_output_error
 from ...transforms.fit import fit_transform, transform_weight
 from ..config import QuantizationConfig, ReduceFn, _identity
-from ..modules import first_input, linear_weight
+from ..modules import first_input, flatten_tokens, linear_weight
 from ..report import QuantizationReport
 from ..sequential import trim_heap
 from ..stats import StatisticsCollector
@@ -92,10 +92,12 @@ class HessianCollector(StatisticsCollector):
     @torch.no_grad()
     def _update(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Tensor):
         stats = self.stats[name]
-        products = self._products(name, stats, first_input(args, kwargs))
+        source = first_input(args, kwargs)
+        x = flatten_tokens(source).detach()
+        products = self._products(name, stats, source, x)
         self._sources[name].append(products.reader)
         stats.full_sum += products.full
-        self._update_common(stats, module, products.x, output)
+        self._update_common(stats, module, x, output)
 
     def groups(self) -> list[list[str]]:
         """Layers whose Hessians are the same sums (they read the same tensor in every call),

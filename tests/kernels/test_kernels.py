@@ -268,12 +268,13 @@ def test_activation_argument_errors():
 # --------------------------------------------------------------------------- GEMM
 
 
-def operands(fmt, m, n, k, transform=None, seed=0):
+def operands(fmt, m, n, k, transform=None, seed=0, device="cpu"):
+    """Activations quantized by the kernels on ``device`` and a weight quantized on the CPU."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     w = torch.randn(n, k, generator=gen) * 0.05
     q = F.quantize(w, fmt)
-    a = K.quantize_activations(x, transform, fmt)
+    a = K.quantize_activations(x.to(device), transform, fmt)
     return a, q
 
 
@@ -507,7 +508,7 @@ def test_gpu_gemm_accuracy(fmt):
     needs_kernels(device)
     n = k = 2048
     for m in GPU_SHAPES:
-        (codes, scales, pts), q = operands(fmt, m, n, k, seed=m)
+        (codes, scales, pts), q = operands(fmt, m, n, k, seed=m, device=device)
         args = [v.to(device) if v is not None else None
                 for v in (codes, scales, pts, q.qdata, q.scale, q.global_scale)]
         bias = torch.randn(n, device=device)

@@ -118,6 +118,16 @@ def test_cholesky_failure_warns_naming_the_layer_and_falls_back_to_rtn():
         assert torch.equal(result.values, F.fake_quantize(weight, "nvfp4"))
 
 
+@pytest.mark.parametrize("chunk", [1, 7 * 48, 1 << 22])
+def test_the_hessian_scaled_in_chunks_has_the_bits_of_one_float64_product(monkeypatch, chunk):
+    x = torch.randn(300, 48, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    total = x.T @ x
+    monkeypatch.setattr(G, "HESSIAN_CHUNK", chunk)
+    assert torch.equal(G.hessian(total, 300.0), (total * (2.0 / 300)).to(torch.float32))
+    with pytest.raises(ValueError, match="no calibration tokens"):
+        G.hessian(total, 0.0)
+
+
 def test_more_damping_rescues_an_indefinite_hessian():
     weight, _, h = correlated_layer(size=64)
     shift = 0.05 * torch.diagonal(h).mean()

@@ -98,12 +98,23 @@ class GPTQResult:
 # ---------------------------------------------------------------------------------- Hessians
 
 
+HESSIAN_CHUNK = 1 << 22
+"""Elements of the float64 sum scaled at once by :func:`hessian`."""
+
+
 def hessian(sum_xxt: Tensor, tokens: float | Tensor) -> Tensor:
-    """``H = (2 / n) sum x x^T`` in float32 from the float64 sum of outer products."""
+    """``H = (2 / n) sum x x^T`` in float32 from the float64 sum of outer products.
+
+    Scaled a few rows at a time: a whole float64 temporary would double the sum's memory
+    (6.6 GB for a 28,672-input ``down_proj``), the same bits either way."""
     n = float(tokens)
     if n <= 0:
         raise ValueError("no calibration tokens: cannot form the Hessian")
-    return (sum_xxt.to(_F64) * (2.0 / n)).to(_F32)
+    h = torch.empty(sum_xxt.shape, dtype=_F32, device=sum_xxt.device)
+    rows = max(1, HESSIAN_CHUNK // max(1, sum_xxt.shape[-1]))
+    for start in range(0, sum_xxt.shape[0], rows):
+        h[start:start + rows] = sum_xxt[start:start + rows].to(_F64) * (2.0 / n)
+    return h
 
 
 def transform_hessian(h: Tensor, transform: Tensor | None) -> Tensor:

@@ -10,7 +10,9 @@ released.  Peak memory: embeddings + head + one block + the calibration activati
 output folder is written atomically (:func:`kbbq_pl.io.fileio.write_folder`: it appears
 complete or not at all) and reloads with :func:`kbbq_pl.from_pretrained`; its tensors are bit
 for bit those of the in-memory pipeline with ``--offload`` (the layers before the first block
-run on the CPU).
+run on the CPU).  With ``autobrake.scope: model`` the blocks are streamed twice
+(:func:`~kbbq_pl.quant.pipeline.one_lambda_runs`): a scoring pass that writes nothing, then
+the pass at the chosen lambda.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from ..quant.config import QuantizationConfig, count_tokens
-from ..quant.pipeline import quantize_model
+from ..quant.pipeline import one_lambda_runs, quantize_model
 from ..quant.report import QuantizationReport
 from ..quant.sequential import BlockStep, find_blocks
 from .checkpoint import (
@@ -207,6 +209,12 @@ def quantize_checkpoint(
     ``pipeline``: more arguments of :func:`~kbbq_pl.quant.pipeline.quantize_model` (the
     collectives of several processes: every rank reads the blocks, rank 0 alone writes).
     ``source_dir`` is only read."""
+    scope = config.autobrake.scope if config.auto else "layer"
+    if scope == "best":
+        raise ValueError("autobrake.scope 'best' runs the full-precision model and both "
+                         "quantized models on the held-out sequences, which streaming from disk "
+                         "does not hold: load the model in memory, or choose 'model' (one "
+                         "lambda) or 'layer'")
     out = check_output(out_dir, overwrite=overwrite, sources=[source_dir])
     model, source = model_skeleton(source_dir, causal=causal)
     log.info("%s: streaming %d MiB of weights from %s", type(model).__name__,
@@ -214,22 +222,36 @@ def quantize_checkpoint(
     calibration = batches(model) if callable(batches) else list(batches)
     rank = pipeline.get("rank", 0)
 
-    def run(shards: ShardWriter | None) -> QuantizationReport:
-        report = quantize_model(model, calibration, config, device=device,
+    def run(shards: ShardWriter | None, run_config: QuantizationConfig = config
+            ) -> QuantizationReport:
+        report = quantize_model(model, calibration, run_config, device=device,
                                 residency=StreamedBlocks(source, shards),
                                 progress=progress and rank == 0, **pipeline)
         report.model.update(streamed_from=str(source_dir),
                             calibration_tokens=count_tokens(calibration))
         return report
 
+    def runs(shards: ShardWriter | None) -> QuantizationReport:
+        if scope == "layer":
+            return run(shards)
+
+        def fresh_then_run(fixed: QuantizationConfig) -> QuantizationReport:
+            nonlocal model  # the scoring run released every block: read the skeleton again
+            model, _ = model_skeleton(source_dir, causal=causal)
+            return run(shards, fixed)
+
+        # scope 'model': the per-layer scoring run streams the blocks and writes nothing
+        return one_lambda_runs(config, lambda layer_scope: run(None, layer_scope),
+                               fresh_then_run)[1]
+
     if rank != 0:  # another rank of a process group: it calibrates and quantizes, rank 0 writes
-        return run(None)
+        return runs(None)
     report: QuantizationReport | None = None
 
     def write(staging: Path) -> None:
         nonlocal report
         shards = ShardWriter(staging)
-        report = run(shards)
+        report = runs(shards)
         shards.add(checkpoint_contents(model))
         write_checkpoint_files(staging, model, shards, tokenizer=tokenizer, recipe=recipe,
                                extra_files=extra_files(report) if extra_files else None)

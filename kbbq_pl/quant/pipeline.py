@@ -28,7 +28,7 @@ import copy
 import logging
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -57,7 +57,7 @@ from .stats import act_scales_from_amax, kept_inputs, transformed_amax
 from .w4a4 import cache_decoded_weights
 from .weight_quantizer import Block, CalibrationSplit, LayerPlan, WeightQuantizer
 
-__all__ = ["WEIGHT_QUANTIZERS", "quantize_model", "select_layers"]
+__all__ = ["WEIGHT_QUANTIZERS", "one_lambda_runs", "quantize_model", "select_layers"]
 
 log = logging.getLogger(__name__)
 
@@ -210,17 +210,41 @@ def quantize_model(
     return report
 
 
+def one_lambda_runs(config: QuantizationConfig,
+                    score: Callable[[QuantizationConfig], QuantizationReport],
+                    quantize: Callable[[QuantizationConfig], QuantizationReport]
+                    ) -> tuple[QuantizationReport, QuantizationReport]:
+    """The two runs of ``autobrake.scope: model``: ``score`` runs the per-layer auto-brake (on
+    a copy of the model, or streamed without output) to score every candidate in every layer,
+    :func:`model_lambda` takes the one lambda of the smallest mean error, and ``quantize``
+    makes the model with it (bit for bit the fixed-lambda recipe).  Returns the scoring run's
+    report and the kept run's: that one holds every layer's scores, the choice and both runs'
+    times."""
+    layer_scope = replace(config, autobrake=replace(config.autobrake, scope="layer"))
+    scoring = score(layer_scope)
+    lam, means = model_lambda(scoring.autobrake)
+    log.info("autobrake.scope %s: lambda %g (mean held-out error %s dB)",
+             config.autobrake.scope, lam, ", ".join(f"{k:g}: {v:.3f}" for k, v in means.items()))
+    report = quantize(replace(config, transform=replace(config.transform, lam=lam)))
+    report.autobrake = {name: LambdaChoice(lam, choice.errors)
+                        for name, choice in scoring.autobrake.items()}
+    report.config = config.to_dict()
+    report.model["autobrake_model"] = {
+        "lam": lam, "mean_error_db": means,
+        "layer_choices": {name: choice.lam for name, choice in scoring.autobrake.items()}}
+    report.seconds.update(autobrake_scoring=scoring.seconds["total"],
+                          autobrake_fixed=report.seconds["total"],
+                          total=scoring.seconds["total"] + report.seconds["total"])
+    return scoring, report
+
+
 def _quantize_model_scope(model: nn.Module, batches: Batches, config: QuantizationConfig, *,
                           weight_quantizer: WeightQuantizer | None,
                           residency: BlockResidency | None, **run: Any) -> QuantizationReport:
-    """``autobrake.scope: model``: the per-layer auto-brake runs on a copy of ``model`` to score
-    every candidate in every layer, :func:`model_lambda` takes the one lambda of the smallest
-    mean error, and ``model`` is quantized with it (bit for bit the fixed-lambda recipe).  The
-    report is the second run's, with every layer's scores and the first run's time.
-
-    ``best``: the outputs of both models on the held-out calibration sequences are compared
-    with the full-precision model's (:func:`held_out_divergence`), and ``model`` becomes the
-    closer one; the report is that run's, with both divergences."""
+    """``autobrake.scope: model`` (:func:`one_lambda_runs`, the per-layer run on a copy of
+    ``model``) and ``best``: the outputs of both models on the held-out calibration sequences
+    are compared with the full-precision model's (:func:`held_out_divergence`), and ``model``
+    becomes the closer one; the report is that run's, with both divergences."""
     scope = config.autobrake.scope
     if weight_quantizer is not None:
         raise ValueError(f"autobrake.scope {scope!r} builds its own weight quantizers (one per "
@@ -229,48 +253,40 @@ def _quantize_model_scope(model: nn.Module, batches: Batches, config: Quantizati
                                     for m in find_linears(model, config.layers.targets,
                                                           config.layers.ignore).values()):
         raise ValueError(f"autobrake.scope {scope!r} quantizes a copy of the model first: load "
-                         "the model in memory, or choose per layer (autobrake.scope: layer)")
-    layer_scope = replace(config, autobrake=replace(config.autobrake, scope="layer"))
+                         "the model in memory, stream it with kbbq_pl.io.streaming."
+                         "quantize_checkpoint (scope 'model'), or choose per layer "
+                         "(autobrake.scope: layer)")
     reference = copy.deepcopy(model) if scope == "best" else None
     scratch = copy.deepcopy(model)
     try:
-        scoring = quantize_model(scratch, batches, layer_scope, **run)
-        lam, means = model_lambda(scoring.autobrake)
-        log.info("autobrake.scope %s: lambda %g (mean held-out error %s dB)", scope, lam,
-                 ", ".join(f"{k:g}: {v:.3f}" for k, v in means.items()))
-        fixed = replace(config, transform=replace(config.transform, lam=lam))
-        report = fixed_run = quantize_model(model, batches, fixed, **run)
-        report.autobrake = {name: LambdaChoice(lam, choice.errors)
-                            for name, choice in scoring.autobrake.items()}
-        chosen = {"lam": lam, "mean_error_db": means,
-                  "layer_choices": {name: choice.lam for name, choice
-                                    in scoring.autobrake.items()}}
-        seconds = {"autobrake_scoring": scoring.seconds["total"]}
+        scoring, report = one_lambda_runs(
+            config, lambda layer_scope: quantize_model(scratch, batches, layer_scope, **run),
+            lambda fixed: quantize_model(model, batches, fixed, **run))
         if reference is not None:
             tick = time.perf_counter()
-            held_out = _held_out_batches(batches, layer_scope, run)
+            held_out = _held_out_batches(batches, config, run)
             reduce_sum = run.get("reduce_sum", _identity)
             divergence = held_out_divergence(reference, {"layer": scratch, "model": model},
                                              held_out, reduce_sum)
             kept = "layer" if divergence["layer"][0] < divergence["model"][0] else "model"
             log.info("autobrake.scope best: held-out %s per layer %.5g, lambda %g %.5g: keeps "
-                     "the %s", divergence["layer"][1], divergence["layer"][0], lam,
-                     divergence["model"][0], kept)
-            seconds.update(autobrake_fixed=fixed_run.seconds["total"],
-                           autobrake_compare=time.perf_counter() - tick)
+                     "the %s", divergence["layer"][1], divergence["layer"][0],
+                     report.model["autobrake_model"]["lam"], divergence["model"][0], kept)
             if kept == "layer":
                 _adopt(model, scratch)
+                for key in ("autobrake_scoring", "autobrake_fixed", "total"):
+                    scoring.seconds[key] = report.seconds[key]
+                scoring.model["autobrake_model"] = report.model["autobrake_model"]
+                scoring.config = report.config
                 report = scoring
+            report.seconds["autobrake_compare"] = time.perf_counter() - tick
+            report.seconds["total"] += report.seconds["autobrake_compare"]
             report.model["autobrake_best"] = {
                 "kept": kept, "metric": divergence["layer"][1],
                 "divergence": {k: v[0] for k, v in divergence.items()}}
     finally:
         del scratch, reference
         trim_heap()
-    report.config = config.to_dict()
-    report.model["autobrake_model"] = chosen
-    report.seconds.update(seconds, total=scoring.seconds["total"] + fixed_run.seconds["total"]
-                          + seconds.get("autobrake_compare", 0.0))
     return report
 
 

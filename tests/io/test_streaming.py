@@ -23,6 +23,13 @@ RECIPES = {
                        "transform": {"name": "kbbq", "lam": "auto"}},
     "gptq-mxfp4-quantized": {"format": {"name": "mxfp4"}, "weights": {"quantizer": "gptq",
                                                                       "propagate": "quantized"}},
+    # autobrake.scope model (gptq_kbbq_mxfp4_auto): a scoring pass, then the one-lambda pass
+    "rtn-auto-one-lambda": {"transform": {"name": "kbbq", "lam": "auto"},
+                            "autobrake": {"scope": "model"}},
+    "gptq-mxfp4-auto-one-lambda": {"format": {"name": "mxfp4"},
+                                   "weights": {"quantizer": "gptq"},
+                                   "transform": {"name": "kbbq", "lam": "auto"},
+                                   "autobrake": {"scope": "model"}},
 }
 
 
@@ -51,10 +58,12 @@ def test_streamed_checkpoint_is_bit_for_bit_the_in_memory_one(sharded_llama, tmp
     config = QuantizationConfig.from_dict(RECIPES[recipe])
     before = _files(sharded_llama)
     model, _ = load_model(sharded_llama)
-    quantize_model(model, _batches(), config, progress=False)
+    in_memory = quantize_model(model, _batches(), config, progress=False)
     save_quantized(model, tmp_path / "memory")
     report = quantize_checkpoint(sharded_llama, tmp_path / "streamed", config, _batches(),
                                  progress=False)
+    assert report.model.get("autobrake_model") == in_memory.model.get("autobrake_model")
+    assert report.config == in_memory.config
     assert _files(sharded_llama) == before  # the source is only read
     memory, streamed = read_tensors(tmp_path / "memory"), read_tensors(tmp_path / "streamed")
     assert memory.keys() == streamed.keys()
@@ -71,6 +80,14 @@ def test_streamed_checkpoint_is_bit_for_bit_the_in_memory_one(sharded_llama, tmp
     ids = torch.randint(0, 256, (1, 16))
     reloaded = [from_pretrained(tmp_path / name) for name in ("memory", "streamed")]
     assert torch.equal(reloaded[0](input_ids=ids).logits, reloaded[1](input_ids=ids).logits)
+
+
+def test_scope_best_is_refused_before_any_work_when_streaming(sharded_llama, tmp_path):
+    config = QuantizationConfig.from_dict({"transform": {"name": "kbbq", "lam": "auto"},
+                                           "autobrake": {"scope": "best"}})
+    with pytest.raises(ValueError, match="scope 'best'.*load the model in memory"):
+        quantize_checkpoint(sharded_llama, tmp_path / "out", config, _batches(), progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_skeleton_holds_no_block_weights(sharded_llama):

@@ -12,13 +12,16 @@ complete or not at all) and reloads with :func:`kbbq_pl.from_pretrained`; its te
 for bit those of the in-memory pipeline with ``--offload`` (the layers before the first block
 run on the CPU).  With ``autobrake.scope: model`` the blocks are streamed twice
 (:func:`~kbbq_pl.quant.pipeline.one_lambda_runs`): a scoring pass that writes nothing, then
-the pass at the chosen lambda.
+the pass at the chosen lambda.  With ``best`` both passes write their model into the staging
+folder, the held-out sequences run through each block as it is streamed
+(:class:`~kbbq_pl.quant.divergence.HeldOutStreams`), and the closer model is kept.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -28,7 +31,8 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from ..quant.config import QuantizationConfig, count_tokens
-from ..quant.pipeline import one_lambda_runs, quantize_model
+from ..quant.divergence import HeldOutStreams
+from ..quant.pipeline import held_out_batches, keep_the_closer, one_lambda_runs, quantize_model
 from ..quant.report import QuantizationReport
 from ..quant.sequential import BlockStep, find_blocks
 from .checkpoint import (
@@ -210,11 +214,6 @@ def quantize_checkpoint(
     collectives of several processes: every rank reads the blocks, rank 0 alone writes).
     ``source_dir`` is only read."""
     scope = config.autobrake.scope if config.auto else "layer"
-    if scope == "best":
-        raise ValueError("autobrake.scope 'best' runs the full-precision model and both "
-                         "quantized models on the held-out sequences, which streaming from disk "
-                         "does not hold: load the model in memory, or choose 'model' (one "
-                         "lambda) or 'layer'")
     out = check_output(out_dir, overwrite=overwrite, sources=[source_dir])
     model, source = model_skeleton(source_dir, causal=causal)
     log.info("%s: streaming %d MiB of weights from %s", type(model).__name__,
@@ -222,36 +221,60 @@ def quantize_checkpoint(
     calibration = batches(model) if callable(batches) else list(batches)
     rank = pipeline.get("rank", 0)
 
-    def run(shards: ShardWriter | None, run_config: QuantizationConfig = config
-            ) -> QuantizationReport:
+    def run(shards: ShardWriter | None, run_config: QuantizationConfig = config,
+            held_out: HeldOutStreams | None = None) -> QuantizationReport:
         report = quantize_model(model, calibration, run_config, device=device,
-                                residency=StreamedBlocks(source, shards),
+                                residency=StreamedBlocks(source, shards), held_out=held_out,
                                 progress=progress and rank == 0, **pipeline)
         report.model.update(streamed_from=str(source_dir),
                             calibration_tokens=count_tokens(calibration))
         return report
 
-    def runs(shards: ShardWriter | None) -> QuantizationReport:
+    def fresh_then_run(shards: ShardWriter | None, fixed: QuantizationConfig,
+                       held_out: HeldOutStreams | None = None) -> QuantizationReport:
+        nonlocal model  # the scoring run released every block: read the skeleton again
+        model, _ = model_skeleton(source_dir, causal=causal)
+        return run(shards, fixed, held_out)
+
+    def runs(staging: Path | None) -> tuple[ShardWriter | None, QuantizationReport]:
+        """The run(s) of the recipe; the shards of the kept model (in ``staging``)."""
         if scope == "layer":
-            return run(shards)
-
-        def fresh_then_run(fixed: QuantizationConfig) -> QuantizationReport:
-            nonlocal model  # the scoring run released every block: read the skeleton again
-            model, _ = model_skeleton(source_dir, causal=causal)
-            return run(shards, fixed)
-
-        # scope 'model': the per-layer scoring run streams the blocks and writes nothing
-        return one_lambda_runs(config, lambda layer_scope: run(None, layer_scope),
-                               fresh_then_run)[1]
+            shards = ShardWriter(staging) if staging else None
+            return shards, run(shards)
+        if scope == "model":  # the per-layer scoring pass writes nothing
+            shards = ShardWriter(staging) if staging else None
+            return shards, one_lambda_runs(config, lambda layer_scope: run(None, layer_scope),
+                                           lambda fixed: fresh_then_run(shards, fixed))[1]
+        # scope best: both models are written (beside each other) and one is kept; the
+        # held-out sequences run through each block as it is streamed
+        candidates: dict[str, ShardWriter | None] = dict.fromkeys(("layer", "model"))
+        if staging:
+            for name in candidates:
+                (staging / name).mkdir()
+                candidates[name] = ShardWriter(staging / name)
+        held_out = held_out_batches(calibration, config, pipeline)
+        scoring_streams = HeldOutStreams(held_out, before="reference", after="layer")
+        fixed_stream = HeldOutStreams(held_out, after="model")
+        scoring, fixed = one_lambda_runs(
+            config, lambda layer_scope: run(candidates["layer"], layer_scope, scoring_streams),
+            lambda fixed: fresh_then_run(candidates["model"], fixed, fixed_stream))
+        kept, report = keep_the_closer(pipeline, model, scoring, fixed, scoring_streams,
+                                       fixed_stream)
+        shards = candidates[kept]
+        if staging and shards:
+            shards.move_to(staging)
+            for name in candidates:
+                shutil.rmtree(staging / name)
+        return shards, report
 
     if rank != 0:  # another rank of a process group: it calibrates and quantizes, rank 0 writes
-        return runs(None)
+        return runs(None)[1]
     report: QuantizationReport | None = None
 
     def write(staging: Path) -> None:
         nonlocal report
-        shards = ShardWriter(staging)
-        report = runs(shards)
+        shards, report = runs(staging)
+        assert shards is not None
         shards.add(checkpoint_contents(model))
         write_checkpoint_files(staging, model, shards, tokenizer=tokenizer, recipe=recipe,
                                extra_files=extra_files(report) if extra_files else None)

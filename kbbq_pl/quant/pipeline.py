@@ -46,7 +46,7 @@ from .config import (
     _identity,
     count_tokens,
 )
-from .divergence import held_out_divergence
+from .divergence import HeldOutStreams, held_out_divergence
 from .gptq.quantizer import GPTQ
 from .layers import QuantizedLinear, quantized_linears, swap_module
 from .modules import check_finite, find_linears, in_out_features, linear_weight
@@ -57,7 +57,8 @@ from .stats import act_scales_from_amax, kept_inputs, transformed_amax
 from .w4a4 import cache_decoded_weights
 from .weight_quantizer import Block, CalibrationSplit, LayerPlan, WeightQuantizer
 
-__all__ = ["WEIGHT_QUANTIZERS", "one_lambda_runs", "quantize_model", "select_layers"]
+__all__ = ["WEIGHT_QUANTIZERS", "held_out_batches", "keep_the_closer", "one_lambda_runs",
+           "quantize_model", "select_layers"]
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ def quantize_model(
     device: torch.device | str | None = None,
     offload_device: torch.device | str = "cpu",
     residency: BlockResidency | None = None,
+    held_out: HeldOutStreams | None = None,
 ) -> QuantizationReport:
     """Quantize ``model`` in place with ``config`` (module docstring); returns the report.
 
@@ -129,7 +131,8 @@ def quantize_model(
     block (default: where the model is); ``offload_device`` holds the cached activations
     between blocks; ``residency`` brings each block's weights there (default: the model is in
     memory, :class:`~kbbq_pl.quant.sequential.MoveToDevice`; a model streamed from disk:
-    :class:`kbbq_pl.io.streaming.StreamedBlocks`).
+    :class:`kbbq_pl.io.streaming.StreamedBlocks`).  ``held_out`` carries the auto-brake's
+    held-out sequences through the blocks beside the run (``autobrake.scope: best``).
     """
     if config.auto and config.autobrake.scope != "layer":
         return _quantize_model_scope(
@@ -163,6 +166,8 @@ def quantize_model(
     if streamed and runner.whole_model is not None:
         raise ValueError(f"{type(model).__name__} runs as one block ({runner.whole_model}): its "
                          "weights cannot be read block by block; load the model in memory")
+    if held_out is not None:
+        held_out.start(runner)
     if runner.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(runner.device)
     report = QuantizationReport(config=config.to_dict(), skipped=skipped)
@@ -183,11 +188,15 @@ def quantize_model(
                 for name in streamed.intersection(linears):
                     check_finite(linear_weight(linears[name]), name, "weight")
                 outputs = None
+                if held_out is not None:
+                    held_out.before(step)
                 if linears:
                     block = Block(step, linears, model, config, collectives, split, timing,
                                   progress)
                     outputs = _quantize_block(block, quantizer, propagate == "fp" and not last,
                                               report)
+                if held_out is not None:
+                    held_out.after(step)
                 if not last:
                     tick = time.perf_counter()
                     if outputs is None:  # the quantized block's: each weight decoded once
@@ -253,45 +262,70 @@ def _quantize_model_scope(model: nn.Module, batches: Batches, config: Quantizati
                                     for m in find_linears(model, config.layers.targets,
                                                           config.layers.ignore).values()):
         raise ValueError(f"autobrake.scope {scope!r} quantizes a copy of the model first: load "
-                         "the model in memory, stream it with kbbq_pl.io.streaming."
-                         "quantize_checkpoint (scope 'model'), or choose per layer "
+                         "the model in memory, stream it from disk with kbbq_pl."
+                         "quantize_checkpoint (kbbq-pl quantize --stream), or choose per layer "
                          "(autobrake.scope: layer)")
-    reference = copy.deepcopy(model) if scope == "best" else None
-    scratch = copy.deepcopy(model)
+    best = scope == "best"
+    # scope best: the full-precision and per-layer models' held-out outputs come with the
+    # scoring run, the one-lambda model's with the second (no third copy of the model)
+    scoring_streams = fixed_stream = None
+    if best:
+        held_out = held_out_batches(batches, config, run)
+        scoring_streams = HeldOutStreams(held_out, before="reference", after="layer")
+        fixed_stream = HeldOutStreams(held_out, after="model")
+    scratch = [copy.deepcopy(model)]  # the scoring run's model, until it is kept or freed
     try:
         scoring, report = one_lambda_runs(
-            config, lambda layer_scope: quantize_model(scratch, batches, layer_scope, **run),
-            lambda fixed: quantize_model(model, batches, fixed, **run))
-        if reference is not None:
-            tick = time.perf_counter()
-            held_out = _held_out_batches(batches, config, run)
-            reduce_sum = run.get("reduce_sum", _identity)
-            divergence = held_out_divergence(reference, {"layer": scratch, "model": model},
-                                             held_out, reduce_sum)
-            kept = "layer" if divergence["layer"][0] < divergence["model"][0] else "model"
-            log.info("autobrake.scope best: held-out %s per layer %.5g, lambda %g %.5g: keeps "
-                     "the %s", divergence["layer"][1], divergence["layer"][0],
-                     report.model["autobrake_model"]["lam"], divergence["model"][0], kept)
+            config, lambda layer_scope: quantize_model(scratch[0], batches, layer_scope,
+                                                       held_out=scoring_streams, **run),
+            lambda fixed: quantize_model(model, batches, fixed, held_out=fixed_stream, **run))
+        if best:
+            assert scoring_streams is not None and fixed_stream is not None
+            kept, report = keep_the_closer(run, model, scoring, report, scoring_streams,
+                                           fixed_stream)
             if kept == "layer":
-                _adopt(model, scratch)
-                for key in ("autobrake_scoring", "autobrake_fixed", "total"):
-                    scoring.seconds[key] = report.seconds[key]
-                scoring.model["autobrake_model"] = report.model["autobrake_model"]
-                scoring.config = report.config
-                report = scoring
-            report.seconds["autobrake_compare"] = time.perf_counter() - tick
-            report.seconds["total"] += report.seconds["autobrake_compare"]
-            report.model["autobrake_best"] = {
-                "kept": kept, "metric": divergence["layer"][1],
-                "divergence": {k: v[0] for k, v in divergence.items()}}
+                _adopt(model, scratch[0])
     finally:
-        del scratch, reference
+        scratch.clear()
         trim_heap()
     return report
 
 
-def _held_out_batches(batches: Batches, config: QuantizationConfig, run: Mapping[str, Any]
-                      ) -> list[Any]:
+def keep_the_closer(run: Mapping[str, Any], tail: nn.Module, scoring: QuantizationReport,
+                    fixed: QuantizationReport, scoring_streams: HeldOutStreams,
+                    fixed_stream: HeldOutStreams) -> tuple[str, QuantizationReport]:
+    """``autobrake.scope: best``'s choice between the per-layer model (``scoring``'s run) and
+    the one-lambda model (``fixed``, from :func:`one_lambda_runs`): the one whose outputs on
+    the held-out calibration sequences are closer to the full-precision model's
+    (:func:`held_out_divergence` on the streams the runs carried; ``tail`` runs the layers
+    after the blocks).  Returns ``"layer"`` or ``"model"`` and the kept run's report, with
+    both divergences."""
+    tick = time.perf_counter()
+    divergence = held_out_divergence(
+        scoring_streams.model("reference", tail),
+        {"layer": scoring_streams.model("layer", tail),
+         "model": fixed_stream.model("model", tail)},
+        scoring_streams.batches, run.get("reduce_sum", _identity))
+    kept = "layer" if divergence["layer"][0] < divergence["model"][0] else "model"
+    log.info("autobrake.scope best: held-out %s per layer %.5g, lambda %g %.5g: keeps the %s",
+             divergence["layer"][1], divergence["layer"][0],
+             fixed.model["autobrake_model"]["lam"], divergence["model"][0], kept)
+    report = fixed
+    if kept == "layer":
+        for key in ("autobrake_scoring", "autobrake_fixed", "total"):
+            scoring.seconds[key] = fixed.seconds[key]
+        scoring.model["autobrake_model"] = fixed.model["autobrake_model"]
+        scoring.config = fixed.config
+        report = scoring
+    report.seconds["autobrake_compare"] = time.perf_counter() - tick
+    report.seconds["total"] += report.seconds["autobrake_compare"]
+    report.model["autobrake_best"] = {"kept": kept, "metric": divergence["layer"][1],
+                                      "divergence": {k: v[0] for k, v in divergence.items()}}
+    return kept, report
+
+
+def held_out_batches(batches: Batches, config: QuantizationConfig, run: Mapping[str, Any]
+                     ) -> list[Any]:
     """This rank's held-out sequences of the auto-brake's split (as the pipeline makes it)."""
     collectives = Collectives(run.get("reduce_sum", _identity), run.get("reduce_max", _identity),
                               run.get("broadcast"), run.get("rank", 0), run.get("world_size", 1))

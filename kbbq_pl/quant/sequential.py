@@ -145,17 +145,18 @@ class BlockStep:
             residency.unload(self, done)
 
     @torch.no_grad()
-    def run(self, keep_outputs: bool = True, subset: slice = slice(None)
-            ) -> list[Tensor] | None:
-        """Run the block over the cached inputs (all, or the batches ``subset``) on the
-        runner's device."""
+    def run(self, keep_outputs: bool = True, subset: slice = slice(None),
+            inputs: Sequence[BlockInput] | None = None) -> list[Tensor] | None:
+        """Run the block over the cached inputs (all, or the batches ``subset``; or other
+        ``inputs`` of the same kind) on the runner's device."""
         device = self.runner.device
         outputs = [] if keep_outputs else None
-        for cached in self.inputs[subset]:
+        for cached in (self.inputs if inputs is None else inputs)[subset]:
             call = _to(cached, device) if device != self.runner.offload_device else cached
-            hidden = _hidden(self.module(*call.args, **call.kwargs))
+            output = self.module(*call.args, **call.kwargs)
+            self.runner.returns_tuple = isinstance(output, (tuple, list))
             if outputs is not None:
-                outputs.append(hidden.detach().to(self.runner.offload_device))
+                outputs.append(_hidden(output).detach().to(self.runner.offload_device))
         return outputs
 
     def advance(self, outputs: Sequence[Tensor]) -> None:
@@ -214,8 +215,9 @@ class SequentialRunner:
         self.device = torch.device(device) if device else next(model.parameters()).device
         self.offload_device = torch.device(offload_device)
         self.blocks_name, self.blocks, self.whole_model = _block_stack(model, targets)
+        self.returns_tuple = False  # what a block returns: a tuple (hidden, ...) or the hidden
         if self.whole_model is None:
-            self.inputs = self._capture(batches)
+            self.inputs = self.capture(batches)
         else:
             log.info("%s: the model runs as one block (%s)", type(model).__name__,
                      self.whole_model)
@@ -225,7 +227,8 @@ class SequentialRunner:
                 raise ValueError("no calibration batches: the calibration set is empty")
 
     @torch.no_grad()
-    def _capture(self, batches: Sequence[Mapping[str, Tensor]]) -> list[BlockInput]:
+    def capture(self, batches: Sequence[Mapping[str, Tensor]]) -> list[BlockInput]:
+        """The first block's inputs for ``batches``: the model runs up to it."""
         captured: list[BlockInput] = []
 
         def hook(module, args, kwargs):
@@ -255,6 +258,41 @@ class SequentialRunner:
         for index in range(len(self.blocks)):  # by index: a released block is not held here
             name = f"{self.blocks_name}.{index}" if self.whole_model is None else ""
             yield BlockStep(self, index, name, self.blocks[index])
+
+
+class _Replay(nn.Module):
+    """Stands for a block in :func:`output_from_last_hidden`: the first returns the stored
+    last hidden state, the others pass their input on."""
+
+    def __init__(self, hidden: Tensor | None, returns_tuple: bool) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.returns_tuple = returns_tuple
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        hidden = self.hidden if self.hidden is not None else (
+            args[0] if args else kwargs["hidden_states"])
+        return (hidden,) if self.returns_tuple else hidden
+
+
+@torch.no_grad()
+def output_from_last_hidden(model: nn.Module, blocks_name: str, batch: Mapping[str, Tensor],
+                            hidden: Tensor, returns_tuple: bool = False) -> Any:
+    """``model(**batch)``'s output when its stack of blocks (the ``nn.ModuleList``
+    ``blocks_name``, a :class:`SequentialRunner`'s) outputs ``hidden`` (computed block by
+    block): the layers before the stack run (and are discarded), the stack is replayed, the
+    layers after it (final norm, head) run on ``hidden``.  The blocks themselves are not
+    touched (a streamed model has released them)."""
+    blocks = model.get_submodule(blocks_name)
+    kept = list(blocks)
+    device = next(model.parameters()).device
+    try:
+        for index in range(len(blocks)):
+            blocks[index] = _Replay(hidden.to(device) if index == 0 else None, returns_tuple)
+        return model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False)
+    finally:
+        for index, block in enumerate(kept):
+            blocks[index] = block
 
 
 def trim_heap() -> None:

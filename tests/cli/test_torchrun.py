@@ -70,16 +70,18 @@ def test_two_processes_keep_the_model_one_process_keeps_with_scope_best(llama_di
     ranks, choose as one process does."""
     recipe, scope = "rtn_kbbq_nvfp4_auto", ("--recipe.autobrake.scope", "best")
     assert main(_args(llama_dir, recipe, tmp_path / "one", *scope)) == 0
-    result = _torchrun(_args(llama_dir, recipe, tmp_path / "two", *scope))
-    assert result.returncode == 0, result.stderr[-3000:]
-    one, two = read_tensors(tmp_path / "one"), read_tensors(tmp_path / "two")
-    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
-    reports = [json.loads((tmp_path / run / "report.json").read_text())["model"]
-               for run in ("one", "two")]
-    assert reports[0]["autobrake_best"]["kept"] == reports[1]["autobrake_best"]["kept"]
-    for run in ("layer", "model"):
-        assert reports[1]["autobrake_best"]["divergence"][run] == pytest.approx(
-            reports[0]["autobrake_best"]["divergence"][run], rel=1e-9)
+    one = read_tensors(tmp_path / "one")
+    first = json.loads((tmp_path / "one" / "report.json").read_text())["model"]
+    for mode, extra in (("two", ()), ("two-streamed", ("--stream",))):
+        result = _torchrun(_args(llama_dir, recipe, tmp_path / mode, *scope, *extra))
+        assert result.returncode == 0, result.stderr[-3000:]
+        two = read_tensors(tmp_path / mode)
+        assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+        second = json.loads((tmp_path / mode / "report.json").read_text())["model"]
+        assert first["autobrake_best"]["kept"] == second["autobrake_best"]["kept"]
+        for run in ("layer", "model"):
+            assert second["autobrake_best"]["divergence"][run] == pytest.approx(
+                first["autobrake_best"]["divergence"][run], rel=1e-9)
 
 
 def test_two_streaming_processes_choose_the_one_lambda_one_process_chooses(llama_dir, tmp_path):

@@ -30,6 +30,12 @@ RECIPES = {
                                    "weights": {"quantizer": "gptq"},
                                    "transform": {"name": "kbbq", "lam": "auto"},
                                    "autobrake": {"scope": "model"}},
+    # scope best (gptq_kbbq_nvfp4_auto): both models written, the closer one kept
+    "rtn-auto-best": {"transform": {"name": "kbbq", "lam": "auto"},
+                      "autobrake": {"scope": "best"}},
+    "gptq-auto-best": {"weights": {"quantizer": "gptq"},
+                       "transform": {"name": "kbbq", "lam": "auto"},
+                       "autobrake": {"scope": "best"}},
 }
 
 
@@ -62,7 +68,8 @@ def test_streamed_checkpoint_is_bit_for_bit_the_in_memory_one(sharded_llama, tmp
     save_quantized(model, tmp_path / "memory")
     report = quantize_checkpoint(sharded_llama, tmp_path / "streamed", config, _batches(),
                                  progress=False)
-    assert report.model.get("autobrake_model") == in_memory.model.get("autobrake_model")
+    for key in ("autobrake_model", "autobrake_best"):
+        assert report.model.get(key) == in_memory.model.get(key)
     assert report.config == in_memory.config
     assert _files(sharded_llama) == before  # the source is only read
     memory, streamed = read_tensors(tmp_path / "memory"), read_tensors(tmp_path / "streamed")
@@ -82,12 +89,34 @@ def test_streamed_checkpoint_is_bit_for_bit_the_in_memory_one(sharded_llama, tmp
     assert torch.equal(reloaded[0](input_ids=ids).logits, reloaded[1](input_ids=ids).logits)
 
 
-def test_scope_best_is_refused_before_any_work_when_streaming(sharded_llama, tmp_path):
-    config = QuantizationConfig.from_dict({"transform": {"name": "kbbq", "lam": "auto"},
-                                           "autobrake": {"scope": "best"}})
-    with pytest.raises(ValueError, match="scope 'best'.*load the model in memory"):
-        quantize_checkpoint(sharded_llama, tmp_path / "out", config, _batches(), progress=False)
-    assert not (tmp_path / "out").exists()
+@pytest.mark.parametrize("kept", ["layer", "model"])
+def test_streamed_scope_best_writes_the_kept_model_alone(sharded_llama, tmp_path, monkeypatch,
+                                                         kept):
+    """Whichever model ``scope: best`` keeps (forced here), the output is the in-memory
+    checkpoint and holds nothing of the other."""
+    from kbbq_pl.quant import pipeline
+
+    measured = pipeline.held_out_divergence
+
+    def favour(*args, **kwargs):
+        divergence = measured(*args, **kwargs)
+        other = "model" if kept == "layer" else "layer"
+        return {**divergence, other: (divergence[kept][0] + 1.0, divergence[kept][1])}
+
+    monkeypatch.setattr(pipeline, "held_out_divergence", favour)
+    config = QuantizationConfig.from_dict(RECIPES["rtn-auto-best"])
+    model, _ = load_model(sharded_llama)
+    in_memory = quantize_model(model, _batches(), config, progress=False)
+    save_quantized(model, tmp_path / "memory")
+    report = quantize_checkpoint(sharded_llama, tmp_path / "streamed", config, _batches(),
+                                 progress=False)
+    assert report.model["autobrake_best"]["kept"] == kept
+    assert report.model["autobrake_best"] == in_memory.model["autobrake_best"]
+    memory, streamed = read_tensors(tmp_path / "memory"), read_tensors(tmp_path / "streamed")
+    assert memory.keys() == streamed.keys()
+    assert all(torch.equal(memory[k], streamed[k]) for k in memory)
+    assert not [p for p in (tmp_path / "streamed").iterdir() if p.is_dir()]
+    assert len(list((tmp_path / "streamed").glob("*.safetensors"))) == 4
 
 
 def test_the_skeleton_holds_no_block_weights(sharded_llama):

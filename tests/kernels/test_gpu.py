@@ -29,6 +29,7 @@ from kbbq_pl import formats as F
 from kbbq_pl.io.checkpoint import save_quantized
 from kbbq_pl.io.models import from_pretrained
 from kbbq_pl.quant import (
+    AutoBrakeConfig,
     FormatConfig,
     QuantizationConfig,
     TransformConfig,
@@ -224,12 +225,14 @@ def test_a_model_larger_than_the_gpus_memory_cap_quantizes_block_by_block(weight
         assert torch.isfinite(model(**_batches("cpu")[0]).logits).all()
 
 
+@pytest.mark.parametrize("scope", ["layer", "best"])
 @pytest.mark.parametrize("weight_quantizer", ["rtn", "gptq"])
 def test_streamed_from_disk_on_the_gpu_is_bit_for_bit_the_offloaded_run(tmp_path,
-                                                                         weight_quantizer):
+                                                                         weight_quantizer, scope):
     """``kbbq-pl quantize --stream --device cuda``: each block read from the safetensors shards
     onto the GPU gives the checkpoint of the model in CPU memory run block by block on the GPU
-    (``--offload``), bit for bit."""
+    (``--offload``), bit for bit; with ``autobrake.scope: best`` too (the held-out sequences
+    run through the blocks on the GPU, the head on the CPU)."""
     from kbbq_pl.io.checkpoint import read_tensors
     from kbbq_pl.io.models import load_model
     from kbbq_pl.io.streaming import quantize_checkpoint
@@ -239,7 +242,8 @@ def test_streamed_from_disk_on_the_gpu_is_bit_for_bit_the_offloaded_run(tmp_path
         torch.bfloat16).save_pretrained(source, max_shard_size="100KB")
     config = QuantizationConfig(format=FormatConfig("nvfp4"),
                                 transform=TransformConfig("kbbq", "auto"),
-                                weights=WeightsConfig(weight_quantizer))
+                                weights=WeightsConfig(weight_quantizer),
+                                autobrake=AutoBrakeConfig(scope=scope))
     batches = _batches("cpu", rows=8)
     quantize_checkpoint(source, tmp_path / "streamed", config, batches, device=DEVICE,
                         progress=False)

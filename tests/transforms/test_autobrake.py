@@ -250,6 +250,31 @@ def test_scope_best_keeps_the_model_closer_on_the_held_out_sequences(quantizer):
         assert torch.equal(model(input_ids=ids).logits, models[best["kept"]](input_ids=ids).logits)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "qwen3", "llama-without-head"])
+def test_scope_best_measures_block_by_block_what_the_whole_models_output(arch):
+    """The held-out streams (each block run beside the pipeline, the head replayed on the last
+    hidden state) give the divergences of the whole models' forwards, to the bit; a model
+    without logits is compared by its last hidden state."""
+
+    def make():
+        return tiny_model("llama").model if arch == "llama-without-head" else tiny_model(arch)
+
+    batches = _eight_sequences()
+    config = QuantizationConfig(transform=TransformConfig(lam="auto"),
+                                autobrake=AutoBrakeConfig(grid=(0.25, 1.0), scope="best"))
+    report = quantize_model(make(), batches, config, progress=False)
+    lam = report.model["autobrake_model"]["lam"]
+    runs = {"layer": replace(config, autobrake=replace(config.autobrake, scope="layer")),
+            "model": replace(config, transform=replace(config.transform, lam=lam))}
+    models = {name: make() for name in runs}
+    for name, run in runs.items():
+        quantize_model(models[name], batches, run, progress=False)
+    divergence = held_out_divergence(make(), models, split_sequences(batches, 0.5, seed=0)[1])
+    best = report.model["autobrake_best"]
+    assert best["divergence"] == {k: v[0] for k, v in divergence.items()}
+    assert best["metric"] == ("relative_error" if arch == "llama-without-head" else "kl")
+
+
 def test_held_out_divergence_is_zero_for_the_same_model_and_uses_hidden_states_without_logits():
 
     ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))

@@ -408,7 +408,8 @@ def _quantize_block(block: Block, quantizer: WeightQuantizer, keep_outputs: bool
         report.layers.append(layer_report(name, module, layer, plan.stats, plan.transform,
                                           config, scales.get(name),
                                           lam=chosen_lambda(config, plan.choice),
-                                          folded=plan.folded))
+                                          folded=plan.folded,
+                                          collectives=block.collectives))
         if plan.choice is not None:
             report.autobrake[name] = plan.choice
         swap_module(block.model, name, layer)

@@ -17,7 +17,7 @@ from ..formats.padding import pad_features
 from ..law import noise_law as law
 from ..transforms.autobrake import LambdaChoice
 from ..transforms.fit import transform_inputs, transform_weight, weight_block_grams
-from .config import QuantizationConfig
+from .config import Collectives, QuantizationConfig
 from .layers import QuantizedLinear
 from .modules import cell_kind, linear_weight
 from .stats import LayerStatistics
@@ -145,20 +145,31 @@ def output_snr_db(layer: QuantizedLinear, weight: Tensor, bias: Tensor | None, x
 def layer_report(name: str, module: nn.Module, layer: QuantizedLinear, stats: LayerStatistics,
                  transform: Tensor | None, config: QuantizationConfig,
                  act_global_scale: Tensor | None, lam: float | None = None,
-                 folded: bool = False) -> LayerReport:
+                 folded: bool = False, collectives: Collectives | None = None) -> LayerReport:
     """The report row of ``module`` quantized as ``layer``: kappas with the real weights, and
-    the output SNR on the kept calibration inputs (the layer in isolation).  ``folded``: the
-    layer receives ``T x`` (its transform folded into the producer of its input)."""
+    the output SNR on the kept calibration inputs (the layer in isolation; every rank's kept
+    tokens with ``collectives``, so that several processes report what one does).
+    ``folded``: the layer receives ``T x`` (its transform folded into the producer of its
+    input)."""
     weight = linear_weight(module).detach()
     padded = pad_features(weight, config.fmt)
     dense = transform is not None and transform.dim() == 2
     kappas = layer_kappas(stats, padded, transform, config.block,
                           stats.sigma_full() if dense else None)
     sample = stats.sample().to(weight.device)
+    kept = stats.sample_output()
+    if collectives is not None and collectives.world_size > 1:
+        sample = collectives.gather_rows(sample)
+        # the float32 outputs, where every rank kept them (a rank may have kept no token)
+        missing = torch.tensor([float(kept is None)], device=weight.device)
+        if float(collectives.reduce_max(missing)) == 0.0:
+            assert kept is not None
+            kept = collectives.gather_rows(kept.to(weight.device))
+        else:
+            kept = None
     received = transform_inputs(pad_features(sample, config.fmt), transform)[
         :, :sample.shape[1]] if folded else sample
     exact_weight = transform_weight(padded, transform) if folded else weight
-    kept = stats.sample_output()
     snr = output_snr_db(layer, exact_weight, getattr(module, "bias", None), received,
                         exact=None if kept is None else kept.to(weight.device))
     return LayerReport(

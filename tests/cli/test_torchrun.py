@@ -63,6 +63,11 @@ def test_two_processes_write_the_one_process_checkpoint_bit_for_bit(llama_dir, t
         assert all(torch.equal(one[k], two[k]) for k in one), mode
     report = (tmp_path / "two" / "report.md").read_text()
     assert "| processes | 2 |" in report
+    # the report's output SNRs are measured on every rank's kept tokens, one process's sample
+    snrs = [{row["name"]: row["output_snr_db"] for row in
+             json.loads((tmp_path / run / "report.json").read_text())["layers"]}
+            for run in ("one", "two")]
+    assert snrs[1] == pytest.approx(snrs[0], rel=1e-5)
 
 
 def test_two_processes_keep_the_model_one_process_keeps_with_scope_best(llama_dir, tmp_path):

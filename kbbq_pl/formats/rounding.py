@@ -120,30 +120,44 @@ def e2m1_code_bounds(device: torch.device | str = "cpu") -> Tensor:
 
 
 _CODE_BOUNDS: dict[torch.device, Tensor] = {}
-_CODE_BOUND_VALUES = tuple(e2m1_code_bounds().tolist())
+
+
+def _code_bounds(device: torch.device) -> Tensor:
+    bounds = _CODE_BOUNDS.get(device)
+    if bounds is None:
+        bounds = _CODE_BOUNDS[device] = e2m1_code_bounds(device)
+    return bounds
+
+
+def count_e2m1_codes(magnitude: Tensor, out: Tensor | None = None) -> Tensor:
+    """The 3-bit E2M1 codes (uint8, the shape of ``magnitude``, into ``out`` when given) of
+    magnitudes: the index of :func:`e2m1_code_bounds` that ``torch.bucketize`` finds (NaN and
+    Inf give 7), as ``7 - #{bounds >= m}`` counted by one broadcast comparison.
+
+    Branch-free: on a CPU about as fast as seven separate comparisons on large tensors (some 4x
+    faster than the search there) and twice as fast on one of GPTQ's 3,072-value columns, where
+    the search's branches also mispredict on each fresh column."""
+    not_below = torch.ge(_code_bounds(magnitude.device).view(-1, 1), magnitude.reshape(1, -1))
+    count = torch.sum(not_below.view(torch.uint8), 0, dtype=torch.uint8,
+                      out=None if out is None else out.view(-1))
+    return count.bitwise_xor_(7).view(magnitude.shape)  # 7 - count, for count in 0..7
 
 
 def encode_e2m1(y: Tensor) -> Tensor:
     """E2M1 codes (uint8, sign in bit 3) of the already-scaled finite values ``y``.
 
-    Eagerly, the magnitude's code is the index of :func:`e2m1_code_bounds` that
-    ``torch.bucketize`` finds (NaN and Inf give 7): one binary search on GPUs; on a CPU,
-    ``7 - #{bounds >= |y|}``, seven comparisons that run 4x faster there than the search (the
-    same integers).  Either is half the time of rounding and then mapping the rounded value,
-    which a compiled graph fuses instead."""
+    Eagerly, the magnitude's code is the index of :func:`e2m1_code_bounds`: one binary search
+    (``torch.bucketize``) on GPUs, :func:`count_e2m1_codes` on a CPU (the same integers).
+    Either is half the time of rounding and then mapping the rounded value, which a compiled
+    graph fuses instead."""
     sign = torch.signbit(y).to(torch.uint8) << 3
     magnitude = y.abs()
     if torch.compiler.is_compiling():
         return e2m1_magnitude_code(round_e2m1(magnitude)).to(torch.uint8) | sign
     if y.device.type == "cpu":
-        codes = torch.full_like(magnitude, 7, dtype=torch.uint8)
-        for bound in _CODE_BOUND_VALUES:
-            codes.sub_(torch.le(magnitude, bound).view(torch.uint8))
-        return codes | sign
-    bounds = _CODE_BOUNDS.get(y.device)
-    if bounds is None:
-        bounds = _CODE_BOUNDS[y.device] = e2m1_code_bounds(y.device)
-    return torch.bucketize(magnitude, bounds, out_int32=True).to(torch.uint8) | sign
+        return count_e2m1_codes(magnitude) | sign
+    return torch.bucketize(magnitude, _code_bounds(y.device),
+                           out_int32=True).to(torch.uint8) | sign
 
 
 def _clean(x: Tensor, nonfinite: str) -> Tensor:

@@ -238,11 +238,11 @@ def quantize_checkpoint(
 
     def runs(staging: Path | None) -> tuple[ShardWriter | None, QuantizationReport]:
         """The run(s) of the recipe; the shards of the kept model (in ``staging``)."""
-        if scope == "layer":
+        if scope != "best":
             shards = ShardWriter(staging) if staging else None
-            return shards, run(shards)
-        if scope == "model":  # the per-layer scoring pass writes nothing
-            shards = ShardWriter(staging) if staging else None
+            if scope == "layer":
+                return shards, run(shards)
+            # scope model: the per-layer scoring pass writes nothing
             return shards, one_lambda_runs(config, lambda layer_scope: run(None, layer_scope),
                                            lambda fixed: fresh_then_run(shards, fixed))[1]
         # scope best: both models are written (beside each other) and one is kept; the

@@ -380,7 +380,9 @@ def _e2m1_values(device: torch.device) -> Tensor:
     table lookup, several times faster on a CPU than the arithmetic of
     :func:`e2m1_code_magnitude` and bit for bit the same."""
     magnitude = e2m1_code_magnitude(torch.arange(8, device=device))
-    return torch.cat((magnitude, -magnitude))
+    # copysign, not negation: compiled for CUDA, Triton negates as 0 - x, which made code 8 +0
+    # (seen on an H100, 2026-11-26)
+    return torch.cat((magnitude, torch.copysign(magnitude, torch.full_like(magnitude, -1.0))))
 
 
 def e2m1_decode_groups(packed: Tensor, multiplier: Tensor, *, no_clip: bool,

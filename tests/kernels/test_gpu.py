@@ -74,10 +74,12 @@ def test_eager_rounding_on_the_gpu_is_bit_identical_to_the_cpu(name, dtype):
     _compare_with_cpu(name, dtype, compiled=False)
 
 
-# On an H200 (2026-11-26) these failed for the E2M1 formats (the tracebacks were lost; one
-# cause, an FP8 -> FP64 cast Triton cannot lower, was fixed after the run), so KBBQ_PL_COMPILE=auto
-# keeps CUDA eager; an XPASS here says the compiled E2M1 kernels may be switched back on.
-_E2M1_COMPILED = pytest.mark.xfail(reason="compiled E2M1 rounding failed on an H200 (2026-11-26)")
+# On an H200 (2026-11-26) these failed for the E2M1 formats, so KBBQ_PL_COMPILE=auto keeps CUDA
+# eager.  Causes found so far: an FP8 -> FP64 cast Triton cannot lower (fixed), and on an H100
+# the compiled decode gave +0 for code 8 (-0), Triton negating as 0 - x (fixed with copysign,
+# not yet rerun on a GPU).  An XPASS here says the compiled E2M1 kernels may be switched back on.
+_E2M1_COMPILED = pytest.mark.xfail(reason="compiled E2M1 rounding failed on an H200 and an H100 "
+                                          "(2026-11-26); fixes not yet rerun on a GPU")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_E2M1_COMPILED)
@@ -260,8 +262,8 @@ def test_streamed_from_disk_on_the_gpu_is_bit_for_bit_the_offloaded_run(tmp_path
 
 class _Seen(Callback):
     def on_train_start(self, trainer, pl_module):
-        self.master = {n: layer.weight.detach().clone()
-                       for n, layer in quantized_linears(pl_module).items()}
+        self.master = {n: layer.weight.detach().to("cpu", copy=True)  # compared after fit,
+                       for n, layer in quantized_linears(pl_module).items()}  # on the CPU
 
 
 def test_fit_through_fp4_on_the_gpu_in_bf16_mixed(tmp_path):

@@ -143,6 +143,22 @@ def count_e2m1_codes(magnitude: Tensor, out: Tensor | None = None) -> Tensor:
     return count.bitwise_xor_(7).view(magnitude.shape)  # 7 - count, for count in 0..7
 
 
+_GRID: dict[torch.device, Tensor] = {}
+
+
+def round_e2m1_fast(magnitude: Tensor) -> Tensor:
+    """:func:`round_e2m1` of ``magnitude >= 0`` (not NaN), bit for bit, the fastest way on the
+    device: eagerly on a CPU the grid value of the counted code (:func:`count_e2m1_codes`, one
+    comparison and a lookup instead of ten passes: 4096 x 2752 values, 142 against 233 ms, one
+    thread); the arithmetic elsewhere (a compiled graph fuses it into one pass)."""
+    if magnitude.device.type != "cpu" or torch.compiler.is_compiling():
+        return round_e2m1(magnitude)
+    grid = _GRID.get(magnitude.device)
+    if grid is None:
+        grid = _GRID[magnitude.device] = e2m1_code_magnitude(torch.arange(8))
+    return torch.take(grid, count_e2m1_codes(magnitude).long())
+
+
 def encode_e2m1(y: Tensor) -> Tensor:
     """E2M1 codes (uint8, sign in bit 3) of the already-scaled finite values ``y``.
 
@@ -315,7 +331,7 @@ def e2m1_groups(
         else:
             scale_code = torch.where(bad, nan, scale_code.to(torch.float32)).to(scale_code.dtype)
     if fake:
-        q = torch.copysign(round_e2m1(y.abs()), y)
+        q = torch.copysign(round_e2m1_fast(y.abs()), y)
         values = q * dequant_scale if gain is None else div_rn(q * dequant_scale, gain)
         return values.to(out_dtype), finite
     codes = pack_nibbles(encode_e2m1(y))

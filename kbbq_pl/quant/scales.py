@@ -32,7 +32,7 @@ from ..formats.rounding import (
     e2m1_scales,
     encode_e2m1,
     pack_nibbles,
-    round_e2m1,
+    round_e2m1_fast,
 )
 
 ScaleSearch = Literal["minmax", "mse"]
@@ -75,7 +75,7 @@ def round_to_scales(x: Tensor, scales: E2M1Scales, fmt: Format) -> Tensor:
     arithmetic of :func:`kbbq_pl.formats.fake_quantize` with the scales held fixed.  The scale
     fields broadcast against ``x``."""
     y = e2m1_scaled(x, scales, fmt.scale_kind)
-    q = torch.copysign(round_e2m1(y.abs()), y) * scales.dequant
+    q = torch.copysign(round_e2m1_fast(y.abs()), y) * scales.dequant
     return q if scales.gain is None else q / scales.gain
 
 

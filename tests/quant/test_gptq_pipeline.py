@@ -188,6 +188,34 @@ def test_hessians_are_shared_by_layers_reading_one_input():
     assert collector.stats["q"].count == 15
 
 
+def test_layers_reading_one_input_hold_one_sum_until_their_inputs_part_ways():
+    """q/k/v-like readers of one tensor hold one float64 sum, added to once per call; a layer
+    whose input parts ways, or that reads the input twice, keeps its own exact sum."""
+    from kbbq_pl.quant.stats import accumulate, gram
+
+    torch.manual_seed(0)
+    linears = {name: torch.nn.Linear(32, 8) for name in "abcd"}
+    collector = HessianCollector(linears, 16)
+    calls = [torch.randn(7, 32) for _ in range(3)]
+    other = torch.randn(5, 32)
+    expected = {name: torch.zeros(32, 32, dtype=torch.float64) for name in linears}
+    reads = {"a": [0, 1, 2], "b": [0, 1, 2], "c": [0, 1, "other"], "d": [0, 0, 1, 1, 2, 2]}
+    with collector.hooks():
+        for k, x in enumerate(calls):
+            linears["a"](x), linears["b"](x)
+            linears["c"](x if k < 2 else other)
+            linears["d"](x), linears["d"](x)
+    for name, read in reads.items():
+        for r in read:
+            accumulate(expected[name], gram(other if r == "other" else calls[r]))
+    assert collector.stats["a"].full_sum is collector.stats["b"].full_sum
+    assert collector.stats["c"].full_sum is not collector.stats["a"].full_sum
+    for name in linears:
+        assert torch.equal(collector.stats[name].full_sum, expected[name]), name
+    collector.reduce(lambda t: t)
+    assert [sorted(g) for g in collector.groups()] == [["a", "b"], ["c"], ["d"]]
+
+
 def test_owner_assignment_balances_and_is_deterministic():
     costs = {"a": 5.0, "b": 4.0, "c": 3.0, "d": 3.0, "e": 1.0}
     owners = assign_owners(costs, 2)

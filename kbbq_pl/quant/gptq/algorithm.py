@@ -478,9 +478,14 @@ def gptq_refit(
     codes_t = torch.empty_like(wt, dtype=torch.uint8)
     fitted = torch.empty(groups, d, d, dtype=_F64, device=w.device)
     parts: list[E2M1Scales] = []
+    # as in _gptq_columns: row views made once, buffers reused across blocks and groups
+    values, codes = values_t.unbind(0), codes_t.unbind(0)
+    all_errors = torch.empty(min(block_size, size), out_features, dtype=_F32, device=w.device)
+    scaled = torch.empty(d, out_features, dtype=_F32, device=w.device)
+    scaled_rows = scaled.unbind(0)
     for i1 in range(0, size, block_size):
         i2 = min(i1 + block_size, size)
-        errors = torch.empty(i2 - i1, out_features, dtype=_F32, device=w.device)
+        errors = all_errors[:i2 - i1]
         for c0 in range(i1, i2, d):
             c1 = c0 + d
             g = c0 // d
@@ -494,17 +499,17 @@ def gptq_refit(
             rotation, r = torch.linalg.qr(mixed)
             signs = torch.where(torch.diagonal(r) < 0, -1.0, 1.0).to(_F64)
             r, rotation = (signs[:, None] * r).to(_F32), (rotation * signs).to(_F32)
-            scaled = torch.empty(d, out_features, dtype=_F32, device=w.device)
             work = hat_t.clone()
             diag = torch.diagonal(r).tolist()
+            work_rows, hat_rows, r_rows = work.unbind(0), hat_t.unbind(0), r.unbind(0)
             for j in range(d):
-                hat_t[j] = work[j]                                  # what is rounded
-                _round_column(work[j], scales, rounder, divide, values_t[c0 + j],
-                              codes_t[c0 + j])
-                torch.sub(work[j], values_t[c0 + j], out=scaled[j])
-                scaled[j].div_(diag[j])
+                column, q, err = work_rows[j], values[c0 + j], scaled_rows[j]
+                hat_rows[j].copy_(column)                           # what is rounded
+                _round_column(column, scales, rounder, divide, q, codes[c0 + j])
+                torch.sub(column, q, out=err)
+                err.div_(diag[j])
                 if j + 1 < d:
-                    work[j + 1:].addr_(r[j, j + 1:], scaled[j], alpha=-1.0)
+                    work[j + 1:].addr_(r_rows[j][j + 1:], err, alpha=-1.0)
             rotated = rotation @ scaled                             # (E Q^T)^T
             errors[c0 - i1:c1 - i1] = rotated
             if c1 < i2:

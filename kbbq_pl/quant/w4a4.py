@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -208,6 +210,22 @@ def transformed_input(x: Tensor, in_features: int, padded_in: int,
 _decoded: WeakIdKeyDictionary | None = None
 
 
+@dataclass
+class _RoundedInput:
+    """The last emulated layer's rounded input ``Q(T x)`` and what it was rounded from."""
+
+    source: weakref.ref[Tensor]  # x (not kept alive); its version tells an in-place refill
+    version: int
+    transform: Tensor | None
+    padded_in: int
+    fmt: Format
+    scale: float | None          # the static activation scale, None when dynamic
+    value: Tensor
+
+
+_rounded: list[_RoundedInput] = []  # at most one entry, inside cache_decoded_weights
+
+
 @contextlib.contextmanager
 def cache_decoded_weights() -> Iterator[None]:
     """Keep the decoded FP32 copy of every W4A4 weight the emulation multiplies by, until the
@@ -216,6 +234,8 @@ def cache_decoded_weights() -> Iterator[None]:
     For evaluating many batches on the CPU: the decode is then paid once per weight, at the
     price of 4 bytes per weight element held for the duration.  The weights must not change
     inside the block.  Nested blocks share the outer cache.  Kernel products do not decode.
+    Inside the block, layers that read one tensor in a row (q/k/v, gate/up) with the same
+    transform object and activation scale also share its rounding (the same bits).
     """
     global _decoded
     outer = _decoded
@@ -226,6 +246,7 @@ def cache_decoded_weights() -> Iterator[None]:
     finally:
         if outer is None:
             _decoded = None
+            _rounded.clear()
 
 
 def decoded_weight(weight: W4A4Weight) -> Tensor:
@@ -274,10 +295,30 @@ def _rounded_input(h: Tensor, fmt: Format, global_scale: Tensor | None,
     return fake_quantize(h, fmt, global_scale=global_scale, name=name)
 
 
-def _emulated_linear(x: Tensor, weight: W4A4Weight, bias: Tensor | None,
-                     act_global_scale: Tensor | None) -> Tensor:
+def _shared_rounded_input(x: Tensor, weight: W4A4Weight,
+                          act_global_scale: Tensor | None) -> Tensor:
+    """``Q(T x)`` of :func:`_emulated_linear`, reused inside :func:`cache_decoded_weights` by
+    the next layer reading the same ``x`` with the same transform object, format and scale."""
+    # no graph to split; an inference tensor has no version counter to tell an in-place change
+    shared = _decoded is not None and not torch.is_grad_enabled() and not x.is_inference()
+    scale = None if act_global_scale is None or not shared else float(act_global_scale)
+    if shared and _rounded:
+        last = _rounded[0]
+        if (last.source() is x and last.version == x._version and last.transform is weight.transform
+                and last.padded_in == weight.last_dim and last.fmt == weight.fmt
+                and last.scale == scale):
+            return last.value
     h = transformed_input(x, x.shape[-1], weight.last_dim, weight.transform)
     h = _rounded_input(h, weight.fmt, act_global_scale, weight.layer_name)
+    if shared:
+        _rounded[:] = [_RoundedInput(weakref.ref(x), x._version, weight.transform,
+                                     weight.last_dim, weight.fmt, scale, h)]
+    return h
+
+
+def _emulated_linear(x: Tensor, weight: W4A4Weight, bias: Tensor | None,
+                     act_global_scale: Tensor | None) -> Tensor:
+    h = _shared_rounded_input(x, weight, act_global_scale)
     y = F.linear(h, decoded_weight(weight))
     if bias is not None:
         y = y + bias.to(y.dtype)

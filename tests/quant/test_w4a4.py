@@ -357,3 +357,30 @@ def test_quantized_model_holds_codes_scales_and_transforms_only(fmt):
     with torch.no_grad():
         model(input_ids=ids)
     check()
+
+
+def test_layers_reading_one_input_share_its_rounding_inside_the_decoded_cache(monkeypatch):
+    """q/k/v-like layers (one input, no transform, equal static scales) round it once inside
+    cache_decoded_weights; a different scale, an input changed in place, a gradient or no
+    cache round it again.  The outputs are the unshared ones bit for bit."""
+    torch.manual_seed(0)
+    linears = [nn.Linear(64, 24) for _ in range(3)]
+    weights = [w4a4_weight(lin, "nvfp4", None, act_scale="static",
+                           act_global_scale=torch.tensor(scale), name=f"l{i}")
+               for i, (lin, scale) in enumerate(zip(linears, (0.002, 0.002, 0.003)))]
+    x = torch.randn(5, 64)
+    expected = [TF.linear(x, w) for w in weights]
+    calls = []
+    rounded = w4a4._rounded_input
+    monkeypatch.setattr(w4a4, "_rounded_input", lambda *a, **k: calls.append(1) or rounded(*a, **k))
+    with torch.no_grad(), cache_decoded_weights():
+        got = [TF.linear(x, w) for w in weights]
+        assert len(calls) == 2  # the third layer's scale differs
+        x.mul_(1.0)  # an in-place change: rounded anew
+        TF.linear(x, weights[1])
+        assert len(calls) == 3
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    with cache_decoded_weights():  # with autograd on: each layer rounds its own
+        for w in weights[:2]:
+            TF.linear(x, w)
+    assert len(calls) == 5

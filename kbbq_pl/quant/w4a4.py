@@ -234,8 +234,8 @@ def cache_decoded_weights() -> Iterator[None]:
     For evaluating many batches on the CPU: the decode is then paid once per weight, at the
     price of 4 bytes per weight element held for the duration.  The weights must not change
     inside the block.  Nested blocks share the outer cache.  Kernel products do not decode.
-    Inside the block, layers that read one tensor in a row (q/k/v, gate/up) with the same
-    transform object and activation scale also share its rounding (the same bits).
+    Inside the block, layers without a transform that read one tensor in a row (q/k/v,
+    gate/up) with the same activation scale also share its rounding (the same bits).
     """
     global _decoded
     outer = _decoded
@@ -298,7 +298,7 @@ def _rounded_input(h: Tensor, fmt: Format, global_scale: Tensor | None,
 def _shared_rounded_input(x: Tensor, weight: W4A4Weight,
                           act_global_scale: Tensor | None) -> Tensor:
     """``Q(T x)`` of :func:`_emulated_linear`, reused inside :func:`cache_decoded_weights` by
-    the next layer reading the same ``x`` with the same transform object, format and scale."""
+    the next layer reading the same ``x`` without a transform, in the same format and scale."""
     # no graph to split; an inference tensor has no version counter to tell an in-place change
     shared = _decoded is not None and not torch.is_grad_enabled() and not x.is_inference()
     scale = None if act_global_scale is None or not shared else float(act_global_scale)
@@ -310,9 +310,12 @@ def _shared_rounded_input(x: Tensor, weight: W4A4Weight,
             return last.value
     h = transformed_input(x, x.shape[-1], weight.last_dim, weight.transform)
     h = _rounded_input(h, weight.fmt, act_global_scale, weight.layer_name)
-    if shared:
+    if shared and weight.transform is None:  # a layer's own transform is never shared: the
+        # rounded input is then not kept past its product (it is activation-sized)
         _rounded[:] = [_RoundedInput(weakref.ref(x), x._version, weight.transform,
                                      weight.last_dim, weight.fmt, scale, h)]
+    else:
+        _rounded.clear()
     return h
 
 

@@ -212,14 +212,12 @@ _decoded: WeakIdKeyDictionary | None = None
 
 @dataclass
 class _RoundedInput:
-    """The last emulated layer's rounded input ``Q(T x)`` and what it was rounded from."""
+    """The last emulated layer's rounded input ``Q(x)`` (a layer without a transform) and what
+    it was rounded from."""
 
     source: weakref.ref[Tensor]  # x (not kept alive); its version tells an in-place refill
     version: int
-    transform: Tensor | None
-    padded_in: int
-    fmt: Format
-    scale: float | None          # the static activation scale, None when dynamic
+    key: tuple[int, Format, float | None]  # padded width, format, static scale (None: dynamic)
     value: Tensor
 
 
@@ -297,25 +295,25 @@ def _rounded_input(h: Tensor, fmt: Format, global_scale: Tensor | None,
 
 def _shared_rounded_input(x: Tensor, weight: W4A4Weight,
                           act_global_scale: Tensor | None) -> Tensor:
-    """``Q(T x)`` of :func:`_emulated_linear`, reused inside :func:`cache_decoded_weights` by
-    the next layer reading the same ``x`` without a transform, in the same format and scale."""
+    """``Q(T x)`` of :func:`_emulated_linear`; inside :func:`cache_decoded_weights`, for layers
+    without a transform, reused by the next layer reading the same ``x`` in the same format,
+    width and scale.  A layer's own transform is never shared: its rounded input is not kept
+    past its product (it is activation-sized)."""
     # no graph to split; an inference tensor has no version counter to tell an in-place change
-    shared = _decoded is not None and not torch.is_grad_enabled() and not x.is_inference()
-    scale = None if act_global_scale is None or not shared else float(act_global_scale)
-    if shared and _rounded:
-        last = _rounded[0]
-        if (last.source() is x and last.version == x._version and last.transform is weight.transform
-                and last.padded_in == weight.last_dim and last.fmt == weight.fmt
-                and last.scale == scale):
-            return last.value
-    h = transformed_input(x, x.shape[-1], weight.last_dim, weight.transform)
-    h = _rounded_input(h, weight.fmt, act_global_scale, weight.layer_name)
-    if shared and weight.transform is None:  # a layer's own transform is never shared: the
-        # rounded input is then not kept past its product (it is activation-sized)
-        _rounded[:] = [_RoundedInput(weakref.ref(x), x._version, weight.transform,
-                                     weight.last_dim, weight.fmt, scale, h)]
-    else:
+    if (_decoded is None or weight.transform is not None or torch.is_grad_enabled()
+            or x.is_inference()):
         _rounded.clear()
+        h = transformed_input(x, x.shape[-1], weight.last_dim, weight.transform)
+        return _rounded_input(h, weight.fmt, act_global_scale, weight.layer_name)
+    key = (weight.last_dim, weight.fmt,
+           None if act_global_scale is None else float(act_global_scale))
+    if _rounded:
+        last = _rounded[0]
+        if last.source() is x and last.version == x._version and last.key == key:
+            return last.value
+    h = transformed_input(x, x.shape[-1], weight.last_dim, None)
+    h = _rounded_input(h, weight.fmt, act_global_scale, weight.layer_name)
+    _rounded[:] = [_RoundedInput(weakref.ref(x), x._version, key, h)]
     return h
 
 

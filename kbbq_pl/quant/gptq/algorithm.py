@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from ...formats import Format, QuantizedTensor
-from ...formats.rounding import E2M1Scales, all_finite, count_e2m1_codes, e2m1_code_magnitude
+from ...formats.rounding import E2M1Scales, all_finite, round_e2m1_counted
 from ...transforms.fit import DEFAULT_DAMPING, kbbq_basis, transform_weight
 from ..rtn.algorithm import rtn
 from ..scales import (
@@ -230,28 +230,13 @@ def _warn_fallback(name: str, size: int) -> None:
     log.warning("%s: GPTQ fell back to RTN (Cholesky failed)", name)
 
 
-class _ColumnRounder:
-    """E2M1 rounding of magnitudes by table lookup: ``round_e2m1`` bit for bit (tested), in a
-    few ops instead of a dozen, for GPTQ's column loop where per-op overhead dominates (the
-    codes by :func:`count_e2m1_codes`, branch-free)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.grid = e2m1_code_magnitude(torch.arange(8, device=device))
-
-    def __call__(self, magnitude: Tensor, code: Tensor | None = None) -> Tensor:
-        """The rounded magnitudes; their 3-bit E2M1 codes (the grid's indices) into ``code``
-        (uint8)."""
-        code = count_e2m1_codes(magnitude, code)
-        return torch.index_select(self.grid, 0, code.int())
-
-
-def _round_column(column: Tensor, scales: E2M1Scales, rounder: _ColumnRounder, divide: bool,
-                  out: Tensor, code: Tensor | None = None) -> None:
+def _round_column(column: Tensor, scales: E2M1Scales, divide: bool, out: Tensor,
+                  code: Tensor | None = None) -> None:
     """One column rounded with its fixed scales into ``out`` (:func:`round_to_scales`'s
     arithmetic, bit for bit), and its magnitudes' E2M1 codes into ``code`` (uint8): the
     checkpoint's codes are then these, not a second rounding of the same values."""
     y = column / scales.dequant if divide else column * scales.reciprocal
-    torch.mul(torch.copysign(rounder(y.abs(), code), y), scales.dequant, out=out)
+    torch.mul(torch.copysign(round_e2m1_counted(y.abs(), code), y), scales.dequant, out=out)
     if scales.gain is not None:
         out.div_(scales.gain)
 
@@ -365,7 +350,6 @@ def _gptq_columns(w: Tensor, upper: Tensor, perm: Tensor | None, fmt: Format,
         static = group_scales(w.reshape(out_features, groups, d), fmt, row_scale, scale_search)
         parts = [_column_scales(static, g) for g in range(groups)]
 
-    rounder = _ColumnRounder(w.device)
     values_t = torch.empty_like(wt)
     codes_t = torch.empty_like(wt, dtype=torch.uint8)
     diag = torch.diagonal(upper).tolist()
@@ -395,7 +379,7 @@ def _gptq_columns(w: Tensor, upper: Tensor, perm: Tensor | None, fmt: Format,
                                                          row_scale, scale_search))
                     parts[g] = scales
                 column, q, err = columns[j], values[j], block_errors[j - i1]
-                _round_column(column, scales, rounder, divide, q, codes[j])
+                _round_column(column, scales, divide, q, codes[j])
                 torch.sub(column, q, out=err)
                 err.div_(diag[j])
                 if j + 1 < s2:
@@ -470,7 +454,6 @@ def gptq_refit(
         return GPTQResult(tensor, values, None, float("nan"), True, initial)
     upper, used = factor
 
-    rounder = _ColumnRounder(w.device)
     divide = fmt.scale_kind == "fp32"
     wt = w.T.contiguous()                                           # [D, out]
     rounded_t = torch.empty_like(wt)
@@ -505,7 +488,7 @@ def gptq_refit(
             for j in range(d):
                 column, q, err = work_rows[j], values[c0 + j], scaled_rows[j]
                 hat_rows[j].copy_(column)                           # what is rounded
-                _round_column(column, scales, rounder, divide, q, codes[c0 + j])
+                _round_column(column, scales, divide, q, codes[c0 + j])
                 torch.sub(column, q, out=err)
                 err.div_(diag[j])
                 if j + 1 < d:

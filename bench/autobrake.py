@@ -1,7 +1,8 @@
 """Auto-brake against every global lambda, on all-MiniLM-L6-v2 (the auto-brake acceptance).
 
     python bench/autobrake.py [--formats nvfp4,mxfp4] [--quantizer rtn|gptq] [--seeds 0,1,2]
-                              [--lams 0,0.25,...] [--variants refit,keep,fit,folds4,model,best]
+                              [--lams 0,0.25,...]
+                              [--variants refit,keep,fit,folds4,model,best,finalists3,best3]
                               [--data ../shared/data/wikitext2]
 
 Calibrates on WikiText-2 ``valid.txt`` (16 x 256 tokens), measures embedding fidelity (mean cosine
@@ -47,7 +48,8 @@ def main() -> None:
                         help="auto variants: refit (one held-out split), keep (fit-half T), fit "
                              "(selection on the fitting tokens), folds4 (4-fold cross-fitting on "
                              "4,096 scored tokens), model (one lambda for the model, "
-                             "autobrake.scope: model)")
+                             "autobrake.scope: model), best (scope best), finalists3 / best3 "
+                             "(scope model / best with autobrake.finalists: 3)")
     parser.add_argument("--lams", default=",".join(f"{lam:g}" for lam in DEFAULT_GRID),
                         help="the global lambdas to compare with (default: the whole grid)")
     parser.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent
@@ -71,7 +73,11 @@ def main() -> None:
                 "model": ("auto, one lambda (scope model)", "auto",
                           AutoBrakeConfig(scope="model")),
                 "best": ("auto, the better of the two (scope best)", "auto",
-                         AutoBrakeConfig(scope="best"))}
+                         AutoBrakeConfig(scope="best")),
+                "finalists3": ("auto, one lambda of 3 finalists", "auto",
+                               AutoBrakeConfig(scope="model", finalists=3)),
+                "best3": ("auto, best with 3 finalists", "auto",
+                          AutoBrakeConfig(scope="best", finalists=3))}
     runs = [(f"lambda {float(lam):g}", float(lam), AutoBrakeConfig())
             for lam in args.lams.split(",")]
     runs += [variants[v] for v in args.variants.split(",") if v]

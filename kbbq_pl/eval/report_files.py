@@ -59,6 +59,11 @@ def report_markdown(report: QuantizationReport, title: str = "kbbq-pl quantizati
     if recipe.auto:
         how = {"model": "one for the model, the smallest mean over layers",
                "layer": "chosen per layer"}.get(recipe.autobrake.scope, "")
+        finalists = report.model.get("autobrake_model", {}).get("finalists")
+        if finalists and recipe.autobrake.scope == "model":
+            how = ("one for the model, the closest on the held-out sequences of the finalists "
+                   + ", ".join(f"{float(lam):g} ({value:.4g})"
+                               for lam, value in finalists.items()))
         best = report.model.get("autobrake_best")
         if best is not None:  # scope best
             lam, scores = report.model["autobrake_model"]["lam"], best["divergence"]

@@ -10,11 +10,13 @@ released.  Peak memory: embeddings + head + one block + the calibration activati
 output folder is written atomically (:func:`kbbq_pl.io.fileio.write_folder`: it appears
 complete or not at all) and reloads with :func:`kbbq_pl.from_pretrained`; its tensors are bit
 for bit those of the in-memory pipeline with ``--offload`` (the layers before the first block
-run on the CPU).  With ``autobrake.scope: model`` the blocks are streamed twice
-(:func:`~kbbq_pl.quant.pipeline.one_lambda_runs`): a scoring pass that writes nothing, then
-the pass at the chosen lambda.  With ``best`` both passes write their model into the staging
-folder, the held-out sequences run through each block as it is streamed
-(:class:`~kbbq_pl.quant.divergence.HeldOutStreams`), and the closer model is kept.
+run on the CPU).  With ``autobrake.scope: model`` the blocks are streamed more than once
+(:func:`~kbbq_pl.quant.pipeline.one_lambda_runs`): a scoring pass that writes nothing, with
+``autobrake.finalists`` above 1 a trial pass per finalist on the fitting sequences that writes
+nothing, then the pass at the chosen lambda.  With ``best`` the scoring pass and the last one
+both write their model into the staging folder and the closer is kept.  Where models are
+compared, the held-out sequences run through each block as it is streamed
+(:class:`~kbbq_pl.quant.divergence.HeldOutStreams`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,11 @@ from torch import Tensor, nn
 
 from ..quant.config import QuantizationConfig, count_tokens
 from ..quant.divergence import HeldOutStreams
-from ..quant.pipeline import held_out_batches, keep_the_closer, one_lambda_runs, quantize_model
+from ..quant.pipeline import (
+    HeldOutComparison,
+    one_lambda_runs,
+    quantize_model,
+)
 from ..quant.report import QuantizationReport
 from ..quant.sequential import BlockStep, find_blocks
 from .checkpoint import (
@@ -222,49 +228,53 @@ def quantize_checkpoint(
     rank = pipeline.get("rank", 0)
 
     def run(shards: ShardWriter | None, run_config: QuantizationConfig = config,
-            held_out: HeldOutStreams | None = None) -> QuantizationReport:
-        report = quantize_model(model, calibration, run_config, device=device,
+            held_out: HeldOutStreams | None = None,
+            sequences: list[Any] | None = None) -> QuantizationReport:
+        sequences = calibration if sequences is None else sequences
+        report = quantize_model(model, sequences, run_config, device=device,
                                 residency=StreamedBlocks(source, shards), held_out=held_out,
                                 progress=progress and rank == 0, **pipeline)
         report.model.update(streamed_from=str(source_dir),
-                            calibration_tokens=count_tokens(calibration))
+                            calibration_tokens=count_tokens(sequences))
         return report
 
     def fresh_then_run(shards: ShardWriter | None, fixed: QuantizationConfig,
-                       held_out: HeldOutStreams | None = None) -> QuantizationReport:
+                       held_out: HeldOutStreams | None = None,
+                       sequences: list[Any] | None = None) -> QuantizationReport:
         nonlocal model  # the scoring run released every block: read the skeleton again
         model, _ = model_skeleton(source_dir, causal=causal)
-        return run(shards, fixed, held_out)
+        return run(shards, fixed, held_out, sequences)
 
     def runs(staging: Path | None) -> tuple[ShardWriter | None, QuantizationReport]:
         """The run(s) of the recipe; the shards of the kept model (in ``staging``)."""
-        if scope != "best":
+        if scope == "layer":
             shards = ShardWriter(staging) if staging else None
-            if scope == "layer":
-                return shards, run(shards)
-            # scope model: the per-layer scoring pass writes nothing
-            return shards, one_lambda_runs(config, lambda layer_scope: run(None, layer_scope),
-                                           lambda fixed: fresh_then_run(shards, fixed))[1]
-        # scope best: both models are written (beside each other) and one is kept; the
-        # held-out sequences run through each block as it is streamed
-        candidates: dict[str, ShardWriter | None] = dict.fromkeys(("layer", "model"))
-        if staging:
-            for name in candidates:
-                (staging / name).mkdir()
-                candidates[name] = ShardWriter(staging / name)
-        held_out = held_out_batches(calibration, config, pipeline)
-        scoring_streams = HeldOutStreams(held_out, before="reference", after="layer")
-        fixed_stream = HeldOutStreams(held_out, after="model")
-        scoring, fixed = one_lambda_runs(
-            config, lambda layer_scope: run(candidates["layer"], layer_scope, scoring_streams),
-            lambda fixed: fresh_then_run(candidates["model"], fixed, fixed_stream))
-        kept, report = keep_the_closer(pipeline, model, scoring, fixed, scoring_streams,
-                                       fixed_stream)
-        shards = candidates[kept]
-        if staging and shards:
+            return shards, run(shards)
+        # scope model / best (one_lambda_runs): the scoring pass writes nothing (with best, its
+        # model is written beside the one-lambda model's and one is kept), the finalists'
+        # trials write nothing, and the held-out sequences run through each block as it is
+        # streamed where models are compared
+        comparison = HeldOutComparison(calibration, config, pipeline)
+        folders = {name: staging / name for name in ("layer", "model")
+                   if staging and scope == "best"}
+        writers = {name: ShardWriter(folder) for name, folder in folders.items()}
+        for folder in folders.values():
+            folder.mkdir()
+        final = writers.get("model", ShardWriter(staging) if staging else None)
+        kept, report = one_lambda_runs(
+            config,
+            lambda layer_scope: run(writers.get("layer"), layer_scope,
+                                    comparison.stream("layer")),
+            lambda fixed: fresh_then_run(None, fixed, comparison.stream(fixed.transform.lam),
+                                         comparison.fitting),
+            lambda fixed: fresh_then_run(final, fixed, comparison.stream("model")),
+            lambda candidate: comparison.divergence(candidate, model))
+        shards = writers.get(kept, final)
+        if folders and shards is not None:
+            assert staging is not None
             shards.move_to(staging)
-            for name in candidates:
-                shutil.rmtree(staging / name)
+            for folder in folders.values():
+                shutil.rmtree(folder)
         return shards, report
 
     if rank != 0:  # another rank of a process group: it calibrates and quantizes, rank 0 writes

@@ -275,6 +275,14 @@ class AutoBrakeConfig:
             full-precision model's (KL of the next-token distributions, or the relative error
             of the last hidden state for a model without logits); one more copy of the model
             in memory and three forwards of the held-out sequences.
+        finalists: with ``scope`` ``model`` or ``best``, how many candidates of the smallest
+            mean error in dB are tried as whole models; with more than one, each is quantized
+            on the fitting sequences alone and the model's lambda is the one whose outputs on
+            the held-out sequences are closest to the full-precision model's (as ``best``
+            compares), then quantized on every sequence: one run more per finalist, on half
+            the tokens.  The mean over layers does not tell apart candidates a few hundredths
+            of a dB apart that differ end to end
+            (docs/results/2026-11-26-autobrake-finalists.md).
     """
 
     grid: tuple[float, ...] = DEFAULT_GRID
@@ -284,6 +292,7 @@ class AutoBrakeConfig:
     refit: bool = True
     select_on: Literal["holdout", "fit"] = "holdout"
     scope: Literal["layer", "model", "best"] = "layer"
+    finalists: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grid", tuple(self.grid))
@@ -308,6 +317,16 @@ class AutoBrakeConfig:
         if self.scope == "best" and self.folds > 1:
             raise ValueError("autobrake.scope 'best' compares the two models on the held-out "
                              "sequences: folds must be 1")
+        if (isinstance(self.finalists, bool) or not isinstance(self.finalists, int)
+                or not 1 <= self.finalists <= len(self.grid)):
+            raise ValueError(f"autobrake.finalists is an integer from 1 to the grid's "
+                             f"{len(self.grid)} candidates, got {self.finalists!r}")
+        if self.finalists > 1 and self.scope == "layer":
+            raise ValueError("autobrake.finalists makes whole models of one lambda each: it "
+                             "needs autobrake.scope 'model' or 'best', not 'layer'")
+        if self.finalists > 1 and self.folds > 1:
+            raise ValueError("autobrake.finalists compares models on the held-out sequences: "
+                             "folds must be 1")
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..transforms.autobrake import LambdaChoice, fold_sequences, model_lambda, split_sequences
+from ..transforms.autobrake import LambdaChoice, fold_sequences, model_finalists, split_sequences
 from .config import (
     Batches,
     BroadcastFn,
@@ -57,7 +57,7 @@ from .stats import act_scales_from_amax, kept_inputs, transformed_amax
 from .w4a4 import cache_decoded_weights
 from .weight_quantizer import Block, CalibrationSplit, LayerPlan, WeightQuantizer
 
-__all__ = ["WEIGHT_QUANTIZERS", "held_out_batches", "keep_the_closer", "one_lambda_runs",
+__all__ = ["WEIGHT_QUANTIZERS", "HeldOutComparison", "held_out_batches", "one_lambda_runs",
            "quantize_model", "select_layers"]
 
 log = logging.getLogger(__name__)
@@ -219,41 +219,98 @@ def quantize_model(
     return report
 
 
+Candidate = str | float
+"""A model :func:`one_lambda_runs` compares: ``"layer"`` (the per-layer run), a finalist lambda
+(fitted on the fitting sequences alone) or ``"model"`` (the run at the chosen lambda)."""
+
+
 def one_lambda_runs(config: QuantizationConfig,
                     score: Callable[[QuantizationConfig], QuantizationReport],
-                    quantize: Callable[[QuantizationConfig], QuantizationReport]
-                    ) -> tuple[QuantizationReport, QuantizationReport]:
-    """The two runs of ``autobrake.scope: model``: ``score`` runs the per-layer auto-brake (on
-    a copy of the model, or streamed without output) to score every candidate in every layer,
-    :func:`model_lambda` takes the one lambda of the smallest mean error, and ``quantize``
-    makes the model with it (bit for bit the fixed-lambda recipe).  Returns the scoring run's
-    report and the kept run's: that one holds every layer's scores, the choice and both runs'
-    times."""
-    layer_scope = replace(config, autobrake=replace(config.autobrake, scope="layer"))
-    scoring = score(layer_scope)
-    lam, means = model_lambda(scoring.autobrake)
-    log.info("autobrake.scope %s: lambda %g (mean held-out error %s dB)",
-             config.autobrake.scope, lam, ", ".join(f"{k:g}: {v:.3f}" for k, v in means.items()))
-    report = quantize(replace(config, transform=replace(config.transform, lam=lam)))
+                    trial: Callable[[QuantizationConfig], QuantizationReport],
+                    quantize: Callable[[QuantizationConfig], QuantizationReport],
+                    divergence: Callable[[Candidate], tuple[float, str]]
+                    ) -> tuple[str, QuantizationReport]:
+    """The runs of ``autobrake.scope`` ``model`` and ``best``.
+
+    ``score`` runs the per-layer auto-brake (on a copy of the model, or streamed) to score every
+    candidate in every layer.  With one finalist (``autobrake.finalists: 1``) the model's
+    lambda is the candidate of the smallest mean error (:func:`model_finalists`); with several,
+    ``trial`` quantizes each finalist on the fitting sequences alone and the one whose outputs
+    on the held-out sequences are closest to the full-precision model's (``divergence``) is
+    the lambda: the comparison is out of sample, as the per-layer scores are (a model fitted
+    on the held-out sequences too flatters the lambdas that fit them more closely:
+    docs/results/2026-11-26-autobrake-finalists.md).  ``quantize`` then makes the model at
+    that lambda on every sequence (bit for bit the fixed-lambda recipe).  With ``best`` the
+    per-layer model and that one are compared on the held-out sequences (``"layer"`` against
+    ``"model"``).  Returns ``"layer"`` or ``"model"``, the model kept, and its report, which
+    holds every layer's scores, the choices, the divergences and the runs' times."""
+    autobrake = config.autobrake
+    best = autobrake.scope == "best"
+    scoring = score(replace(config, autobrake=replace(autobrake, scope="layer", finalists=1)))
+    finalists, means = model_finalists(scoring.autobrake, autobrake.finalists)
+    log.info("autobrake.scope %s: finalists %s (mean held-out error %s dB)", autobrake.scope,
+             ", ".join(f"{lam:g}" for lam in finalists),
+             ", ".join(f"{k:g}: {v:.3f}" for k, v in means.items()))
+
+    def fixed(lam: float) -> QuantizationConfig:
+        return replace(config, transform=replace(config.transform, lam=lam))
+
+    seconds = dict.fromkeys(("autobrake_scoring", "autobrake_trials", "autobrake_fixed",
+                             "autobrake_compare"), 0.0)
+    seconds["autobrake_scoring"] = scoring.seconds["total"]
+
+    def compared(candidate: Candidate) -> tuple[float, str]:
+        tick = time.perf_counter()
+        result = divergence(candidate)
+        seconds["autobrake_compare"] += time.perf_counter() - tick
+        return result
+
+    trials: dict[float, tuple[float, str]] = {}
+    if len(finalists) > 1:
+        for lam in finalists:
+            seconds["autobrake_trials"] += trial(fixed(lam)).seconds["total"]
+            trials[lam] = compared(lam)
+        log.info("autobrake.finalists: held-out %s %s", trials[finalists[0]][1],
+                 ", ".join(f"{lam:g}: {value:.5g}" for lam, (value, _) in trials.items()))
+    lam = min(finalists, key=lambda c: trials[c][0]) if trials else finalists[0]
+    report = quantize(fixed(lam))
+    seconds["autobrake_fixed"] = report.seconds["total"]
     report.autobrake = {name: LambdaChoice(lam, choice.errors)
                         for name, choice in scoring.autobrake.items()}
     report.config = config.to_dict()
     report.model["autobrake_model"] = {
         "lam": lam, "mean_error_db": means,
         "layer_choices": {name: choice.lam for name, choice in scoring.autobrake.items()}}
-    report.seconds.update(autobrake_scoring=scoring.seconds["total"],
-                          autobrake_fixed=report.seconds["total"],
-                          total=scoring.seconds["total"] + report.seconds["total"])
-    return scoring, report
+    if trials:
+        report.model["autobrake_model"]["finalists"] = {c: value for c, (value, _) in
+                                                        trials.items()}
+    kept = "model"
+    if best:
+        scores = {"layer": compared("layer"), "model": compared("model")}
+        kept = "layer" if scores["layer"][0] < scores["model"][0] else "model"
+        log.info("autobrake.scope best: held-out %s per layer %.5g, lambda %g %.5g: keeps %s",
+                 scores["layer"][1], scores["layer"][0], lam, scores["model"][0],
+                 "per layer" if kept == "layer" else f"lambda {lam:g}")
+        report.model["autobrake_best"] = {
+            "kept": kept, "metric": scores["layer"][1],
+            "divergence": {name: value for name, (value, _) in scores.items()}}
+        if kept == "layer":
+            scoring.model.update({k: report.model[k] for k in ("autobrake_model",
+                                                               "autobrake_best")})
+            scoring.config = report.config
+            report = scoring
+    report.seconds.update({k: v for k, v in seconds.items() if v or k == "autobrake_fixed"})
+    report.seconds["total"] = sum(seconds.values())
+    return kept, report
 
 
 def _quantize_model_scope(model: nn.Module, batches: Batches, config: QuantizationConfig, *,
                           weight_quantizer: WeightQuantizer | None,
                           residency: BlockResidency | None, **run: Any) -> QuantizationReport:
-    """``autobrake.scope: model`` (:func:`one_lambda_runs`, the per-layer run on a copy of
-    ``model``) and ``best``: the outputs of both models on the held-out calibration sequences
-    are compared with the full-precision model's (:func:`held_out_divergence`), and ``model``
-    becomes the closer one; the report is that run's, with both divergences."""
+    """``autobrake.scope`` ``model`` and ``best`` in memory (:func:`one_lambda_runs`): the
+    per-layer run and each finalist's trial on copies of ``model``, the run at the chosen
+    lambda on ``model``, the held-out sequences carried beside the runs
+    (:class:`HeldOutComparison`) where models are compared; ``model`` becomes the kept one."""
     scope = config.autobrake.scope
     if weight_quantizer is not None:
         raise ValueError(f"autobrake.scope {scope!r} builds its own weight quantizers (one per "
@@ -265,63 +322,76 @@ def _quantize_model_scope(model: nn.Module, batches: Batches, config: Quantizati
                          "the model in memory, stream it from disk with kbbq_pl."
                          "quantize_checkpoint (kbbq-pl quantize --stream), or choose per layer "
                          "(autobrake.scope: layer)")
-    best = scope == "best"
-    # scope best: the full-precision and per-layer models' held-out outputs come with the
-    # scoring run, the one-lambda model's with the second (no third copy of the model)
-    scoring_streams = fixed_stream = None
-    if best:
-        held_out = held_out_batches(batches, config, run)
-        scoring_streams = HeldOutStreams(held_out, before="reference", after="layer")
-        fixed_stream = HeldOutStreams(held_out, after="model")
-    scratch = [copy.deepcopy(model)]  # the scoring run's model, until it is kept or freed
+    comparison = HeldOutComparison(batches, config, run)
+    per_layer: list[nn.Module] = []  # scope best: kept until the comparison
+
+    def score(layer_scope: QuantizationConfig) -> QuantizationReport:
+        scratch = copy.deepcopy(model)
+        if scope == "best":
+            per_layer.append(scratch)
+        return quantize_model(scratch, batches, layer_scope,
+                              held_out=comparison.stream("layer"), **run)
+
+    def trial(fixed: QuantizationConfig) -> QuantizationReport:
+        report = quantize_model(copy.deepcopy(model), comparison.fitting, fixed,
+                                held_out=comparison.stream(fixed.transform.lam), **run)
+        trim_heap()  # the trial's model is freed: its held-out outputs are in its stream
+        return report
+
     try:
-        scoring, report = one_lambda_runs(
-            config, lambda layer_scope: quantize_model(scratch[0], batches, layer_scope,
-                                                       held_out=scoring_streams, **run),
-            lambda fixed: quantize_model(model, batches, fixed, held_out=fixed_stream, **run))
-        if best:
-            assert scoring_streams is not None and fixed_stream is not None
-            kept, report = keep_the_closer(run, model, scoring, report, scoring_streams,
-                                           fixed_stream)
-            if kept == "layer":
-                _adopt(model, scratch[0])
+        kept, report = one_lambda_runs(
+            config, score, trial,
+            lambda fixed: quantize_model(model, batches, fixed,
+                                         held_out=comparison.stream("model"), **run),
+            lambda candidate: comparison.divergence(candidate, model))
+        if kept == "layer":
+            _adopt(model, per_layer[0])
     finally:
-        scratch.clear()
+        per_layer.clear()
         trim_heap()
     return report
 
 
-def keep_the_closer(run: Mapping[str, Any], tail: nn.Module, scoring: QuantizationReport,
-                    fixed: QuantizationReport, scoring_streams: HeldOutStreams,
-                    fixed_stream: HeldOutStreams) -> tuple[str, QuantizationReport]:
-    """``autobrake.scope: best``'s choice between the per-layer model (``scoring``'s run) and
-    the one-lambda model (``fixed``, from :func:`one_lambda_runs`): the one whose outputs on
-    the held-out calibration sequences are closer to the full-precision model's
-    (:func:`held_out_divergence` on the streams the runs carried; ``tail`` runs the layers
-    after the blocks).  Returns ``"layer"`` or ``"model"`` and the kept run's report, with
-    both divergences."""
-    tick = time.perf_counter()
-    divergence = held_out_divergence(
-        scoring_streams.model("reference", tail),
-        {"layer": scoring_streams.model("layer", tail),
-         "model": fixed_stream.model("model", tail)},
-        scoring_streams.batches, run.get("reduce_sum", _identity))
-    kept = "layer" if divergence["layer"][0] < divergence["model"][0] else "model"
-    log.info("autobrake.scope best: held-out %s per layer %.5g, lambda %g %.5g: keeps the %s",
-             divergence["layer"][1], divergence["layer"][0],
-             fixed.model["autobrake_model"]["lam"], divergence["model"][0], kept)
-    report = fixed
-    if kept == "layer":
-        for key in ("autobrake_scoring", "autobrake_fixed", "total"):
-            scoring.seconds[key] = fixed.seconds[key]
-        scoring.model["autobrake_model"] = fixed.model["autobrake_model"]
-        scoring.config = fixed.config
-        report = scoring
-    report.seconds["autobrake_compare"] = time.perf_counter() - tick
-    report.seconds["total"] += report.seconds["autobrake_compare"]
-    report.model["autobrake_best"] = {"kept": kept, "metric": divergence["layer"][1],
-                                      "divergence": {k: v[0] for k, v in divergence.items()}}
-    return kept, report
+class HeldOutComparison:
+    """The held-out sequences of :func:`one_lambda_runs` and the streams its runs carry: the
+    full-precision model's rides with the per-layer run; each finalist's trial, and with
+    ``best`` the per-layer and the kept lambda's runs, carry their own (none where nothing is
+    compared: ``scope: model`` with one finalist).  ``fitting``: the fitting sequences the
+    trials calibrate on (every rank's, as ``batches`` are: the pipeline shards them)."""
+
+    def __init__(self, batches: Batches, config: QuantizationConfig,
+                 run: Mapping[str, Any]) -> None:
+        autobrake = config.autobrake
+        self.best = autobrake.scope == "best"
+        self.compare = self.best or autobrake.finalists > 1
+        self.reduce_sum = run.get("reduce_sum", _identity)
+        self.batches = held_out_batches(batches, config, run) if self.compare else []
+        self.fitting = (split_sequences(list(batches), autobrake.holdout,
+                                        config.transform.seed)[0]
+                        if autobrake.finalists > 1 else [])
+        self.streams: dict[Candidate, HeldOutStreams] = {}
+
+    def stream(self, candidate: Candidate) -> HeldOutStreams | None:
+        """The stream the run of ``candidate`` carries (None: nothing to carry)."""
+        if not self.compare or (candidate == "model" and not self.best):
+            return None
+        if candidate == "layer":
+            stream = HeldOutStreams(self.batches, before="reference",
+                                    after="candidate" if self.best else None)
+        else:
+            stream = HeldOutStreams(self.batches, after="candidate")
+        self.streams[candidate] = stream
+        return stream
+
+    def divergence(self, candidate: Candidate, tail: nn.Module) -> tuple[float, str]:
+        """How far ``candidate``'s outputs are from the full-precision model's
+        (:func:`held_out_divergence`; ``tail`` runs the layers after the blocks)."""
+        reference = self.streams["layer"]
+        stream = reference if candidate == "layer" else self.streams.pop(candidate)
+        (result,) = held_out_divergence(
+            reference.model("reference", tail), {candidate: stream.model("candidate", tail)},
+            reference.batches, self.reduce_sum).values()
+        return result
 
 
 def held_out_batches(batches: Batches, config: QuantizationConfig, run: Mapping[str, Any]

@@ -80,13 +80,16 @@ def layer_kappas(stats: LayerStatistics, weight: Tensor, transform: Tensor | Non
     """kappa_bar before and after ``transform`` with the layer's real weights, utilization of
     the paired ceiling, and the mean block ceiling (Thm. GL ceiling, Eqs. blockceiling,
     wushratio).  The invariant numerator ``tr(G Sigma)`` comes from the output energy."""
-    w = weight.to(torch.float64)
-    out_features = w.shape[0]
+    out_features = weight.shape[0]
     numerator = stats.output_energy / (stats.tokens * out_features)
     sigma_blocks = stats.sigma_blocks()
     if sigma_full is None and (transform is None or tuple(transform.shape[1:]) == (block, block)):
-        # everything reads the diagonal blocks only: no D x D matrix (D = 28672 is 6.6 GB)
-        gram_blocks = weight_block_grams(w, block)
+        # everything reads the diagonal blocks only: no D x D matrix (D = 28672 is 6.6 GB).
+        # The weight's block grams from float32 products, without the [blocks, d, out] copy
+        # of weight_block_grams (whose bits the fitted transforms keep): kappa moves by < 1e-8
+        # relative against float64 (the bench's layers), at a fifth of the time
+        grouped = weight.float().reshape(out_features, -1, block)
+        gram_blocks = (torch.einsum("obi,obj->bij", grouped, grouped) / out_features).double()
         spectrum = law.paired_spectrum(sigma_blocks, gram_blocks, damping=1e-12)
         best = law.optimal_block_denominator(spectrum)
         after = law.block_denominator(sigma_blocks, gram_blocks, transform)
@@ -100,6 +103,7 @@ def layer_kappas(stats: LayerStatistics, weight: Tensor, transform: Tensor | Non
             "paired_ceiling": float(numerator / best),
         }
     dense = transform is not None and transform.dim() == 2
+    w = weight.to(torch.float64)
     # only the gram's diagonal blocks enter unless the transform is dense: O(out D d), not D^2
     gram = law.weight_gram(w) if dense else torch.block_diag(*weight_block_grams(w, block))
     sigma = sigma_full if sigma_full is not None else torch.block_diag(*sigma_blocks)

@@ -177,6 +177,15 @@ def model_lambda(choices: Mapping[str, LambdaChoice]) -> tuple[float, dict[float
     output: on SmolLM2 the layer choices lose to the best single lambda, which the mean over
     layers finds (docs/results/2026-11-25-autobrake-scope.md).  Averaging dB weighs every
     layer's relative error alike, whatever its output energy."""
+    (best,), means = model_finalists(choices, 1)
+    return best, means
+
+
+def model_finalists(choices: Mapping[str, LambdaChoice], count: int
+                    ) -> tuple[list[float], dict[float, float]]:
+    """The ``count`` candidates of the smallest held-out error in dB averaged over the layers,
+    best first (:func:`model_lambda`'s order: ties in grid order), and every candidate's
+    mean (``autobrake.finalists``)."""
     if not choices:
         raise ValueError("no layer scored the auto-brake's candidates")
     grids = {tuple(choice.errors) for choice in choices.values()}
@@ -185,8 +194,8 @@ def model_lambda(choices: Mapping[str, LambdaChoice]) -> tuple[float, dict[float
     (grid,) = grids
     means = {lam: sum(choice.errors_db[lam] for choice in choices.values()) / len(choices)
              for lam in grid}
-    best = min(grid, key=lambda lam: (means[lam], grid.index(lam)))
-    return best, means
+    ranked = sorted(grid, key=lambda lam: (means[lam], grid.index(lam)))
+    return ranked[:count], means
 
 
 def select_lambda(

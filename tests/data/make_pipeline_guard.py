@@ -76,7 +76,7 @@ def quantized_digests(config: QuantizationConfig) -> dict[str, dict[str, Any]]:
     one of the two runs' models (``tests/transforms/test_autobrake.py``); the fixed recipes
     guard the second run's path."""
     if config.auto and config.autobrake.scope != "layer":
-        config = replace(config, autobrake=replace(config.autobrake, scope="layer"))
+        config = replace(config, autobrake=replace(config.autobrake, scope="layer", finalists=1))
     torch.manual_seed(0)
     model = tiny_model("llama", seed=0, **TINY)
     generator = torch.Generator().manual_seed(1)

@@ -23,7 +23,7 @@ RECIPES = {
                        "transform": {"name": "kbbq", "lam": "auto"}},
     "gptq-mxfp4-quantized": {"format": {"name": "mxfp4"}, "weights": {"quantizer": "gptq",
                                                                       "propagate": "quantized"}},
-    # autobrake.scope model (gptq_kbbq_mxfp4_auto): a scoring pass, then the one-lambda pass
+    # autobrake.scope model, one finalist: a scoring pass, then the one-lambda pass
     "rtn-auto-one-lambda": {"transform": {"name": "kbbq", "lam": "auto"},
                             "autobrake": {"scope": "model"}},
     "gptq-mxfp4-auto-one-lambda": {"format": {"name": "mxfp4"},
@@ -36,6 +36,13 @@ RECIPES = {
     "gptq-auto-best": {"weights": {"quantizer": "gptq"},
                        "transform": {"name": "kbbq", "lam": "auto"},
                        "autobrake": {"scope": "best"}},
+    # finalists (gptq_kbbq_mxfp4_auto): trial passes that write nothing, then the chosen lambda
+    "gptq-mxfp4-auto-finalists": {"format": {"name": "mxfp4"},
+                                  "weights": {"quantizer": "gptq"},
+                                  "transform": {"name": "kbbq", "lam": "auto"},
+                                  "autobrake": {"scope": "model", "finalists": 3}},
+    "rtn-auto-best-finalists": {"transform": {"name": "kbbq", "lam": "auto"},
+                                "autobrake": {"scope": "best", "finalists": 2}},
 }
 
 
@@ -98,10 +105,10 @@ def test_streamed_scope_best_writes_the_kept_model_alone(sharded_llama, tmp_path
 
     measured = pipeline.held_out_divergence
 
-    def favour(*args, **kwargs):
+    def favour(*args, **kwargs):  # one candidate per call: "layer", or the finalist lambda
         divergence = measured(*args, **kwargs)
-        other = "model" if kept == "layer" else "layer"
-        return {**divergence, other: (divergence[kept][0] + 1.0, divergence[kept][1])}
+        return {name: (value + (1.0 if (name == "layer") != (kept == "layer") else 0.0),
+                       metric) for name, (value, metric) in divergence.items()}
 
     monkeypatch.setattr(pipeline, "held_out_divergence", favour)
     config = QuantizationConfig.from_dict(RECIPES["rtn-auto-best"])

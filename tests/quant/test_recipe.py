@@ -33,9 +33,12 @@ OTHER_VALUES: dict[str, Any] = {
     "autobrake.grid": (0.25, 0.5), "autobrake.holdout": 0.25, "autobrake.folds": 3,
     "autobrake.tokens": 64,
     "autobrake.refit": False, "autobrake.select_on": "fit", "autobrake.scope": "model",
+    "autobrake.finalists": 2,
     "layers.targets": [r"q_proj"], "layers.ignore": [r"lm_head"],
     "keep_samples": 7,
 }
+# A field whose other value is valid only beside another field's other value.
+NEEDS: dict[str, str] = {"autobrake.finalists": "autobrake.scope"}
 # What torchao's per-layer RTN cannot do: KBBQConfig refuses it, naming quantize_model.
 PIPELINE_ONLY = {"weights.quantizer", "weights.scale_search", "weights.propagate",
                  "transform.fold_o_proj"}
@@ -63,12 +66,29 @@ def value_at(config: QuantizationConfig, name: str) -> Any:
 
 
 def nested(name: str, value: Any) -> dict[str, Any]:
-    group, _, leaf = name.rpartition(".")
-    return {group: {leaf: value}} if group else {leaf: value}
+    """``{group: {leaf: value}}``, with the field it needs (:data:`NEEDS`) beside it."""
+    fields = {name: value}
+    if name in NEEDS:
+        fields[NEEDS[name]] = OTHER_VALUES[NEEDS[name]]
+    out: dict[str, Any] = {}
+    for key, item in fields.items():
+        group, _, leaf = key.rpartition(".")
+        if group:
+            out.setdefault(group, {})[leaf] = item
+        else:
+            out[leaf] = item
+    return out
 
 
 def with_value(name: str, value: Any) -> QuantizationConfig:
     return QuantizationConfig.from_dict(nested(name, value))
+
+
+def cli_args(prefix: str, name: str, value: Any) -> list[str]:
+    """``--PREFIX.NAME VALUE``, with the field it needs (:data:`NEEDS`) before it."""
+    args = [f"--{prefix}.{NEEDS[name]}", cli_value(OTHER_VALUES[NEEDS[name]])] \
+        if name in NEEDS else []
+    return args + [f"--{prefix}.{name}", cli_value(value)]
 
 
 def cli_value(value: Any) -> str:
@@ -104,7 +124,7 @@ def test_every_leaf_is_settable_from_yaml_cli_kbbq_and_torchao(name, tmp_path):
     assert same(value_at(from_yaml, name), value), from_yaml
 
     # the command line
-    from_cli = parser.instantiate(parser.parse_args([f"--recipe.{name}", cli_value(value)])).recipe
+    from_cli = parser.instantiate(parser.parse_args(cli_args("recipe", name, value))).recipe
     assert same(value_at(from_cli, name), value), from_cli
     assert from_cli == from_yaml == with_value(name, value)
 
@@ -113,7 +133,7 @@ def test_every_leaf_is_settable_from_yaml_cli_kbbq_and_torchao(name, tmp_path):
     callback_parser = ArgumentParser(exit_on_error=False)
     callback_parser.add_class_arguments(KBBQ, "kbbq")
     built = callback_parser.instantiate(callback_parser.parse_args(
-        [f"--kbbq.config.{name}", cli_value(value)])).kbbq
+        cli_args("kbbq.config", name, value))).kbbq
     assert isinstance(built, KBBQ) and built.config == from_cli
 
     # torchao's KBBQConfig: the recipe, or a refusal that names the field and quantize_model

@@ -17,6 +17,7 @@ from kbbq_pl.transforms.autobrake import (
     cross_fitted_lambda,
     LambdaChoice,
     fold_sequences,
+    model_finalists,
     model_lambda,
     realized_output_error,
     select_lambda,
@@ -211,6 +212,79 @@ def test_model_scope_is_the_fixed_recipe_at_the_lambda_it_chose(quantizer):
     assert "one for the model" in report_markdown(report)
     with pytest.raises(ValueError, match="quantizes a copy of the model first"):
         quantize_model(tiny_model("llama"), batches, config, residency=object(), progress=False)
+
+
+def test_model_finalists_are_the_smallest_means_best_first():
+    choices = {"a": LambdaChoice(0.5, {0.25: 4e-3, 0.5: 1e-3, 0.75: 2e-3, 1.0: 2e-3}),
+               "b": LambdaChoice(1.0, {0.25: 4e-3, 0.5: 3e-3, 0.75: 2e-3, 1.0: 2e-3})}
+    finalists, means = model_finalists(choices, 3)
+    assert finalists == [0.5, 0.75, 1.0]  # 0.75 and 1 tie: grid order
+    assert finalists[0] == model_lambda(choices)[0] and means == model_lambda(choices)[1]
+    assert model_finalists(choices, 4)[0] == [0.5, 0.75, 1.0, 0.25]
+
+
+def test_finalists_need_a_model_scope_and_one_held_out_split():
+    for bad in (0, 4, True, 1.5):
+        with pytest.raises(ValueError, match="finalists is an integer from 1 to the grid's 3"):
+            AutoBrakeConfig(grid=(0.5, 0.75, 1.0), scope="model", finalists=bad)
+    with pytest.raises(ValueError, match="needs autobrake.scope 'model' or 'best'"):
+        AutoBrakeConfig(finalists=2)
+    with pytest.raises(ValueError, match="folds must be 1"):
+        AutoBrakeConfig(scope="model", finalists=2, folds=2)
+    assert AutoBrakeConfig(scope="best", finalists=7).finalists == 7
+
+
+@pytest.mark.parametrize("quantizer", ["rtn", "gptq"])
+def test_finalists_are_compared_out_of_sample_and_the_closest_is_refitted(quantizer):
+    """``autobrake.finalists: 3``: the three candidates of the smallest mean error are each
+    quantized on the fitting sequences alone and compared on the held-out ones; the model is
+    the fixed-lambda recipe at the closest one on every sequence, bit for bit, and the report
+    holds every finalist's divergence."""
+    from kbbq_pl.eval.report_files import report_markdown
+
+    batches = _eight_sequences()
+    grid = (0.25, 0.5, 0.75, 1.0)
+    config = QuantizationConfig(transform=TransformConfig(lam="auto"),
+                                weights=WeightsConfig(quantizer),
+                                autobrake=AutoBrakeConfig(grid=grid, scope="model", finalists=3))
+    model = tiny_model("llama")
+    report = quantize_model(model, batches, config, progress=False)
+    layer_scope = replace(config, autobrake=replace(config.autobrake, scope="layer",
+                                                    finalists=1))
+    scoring = quantize_model(tiny_model("llama"), batches, layer_scope, progress=False)
+    finalists, means = model_finalists(scoring.autobrake, 3)
+    one = report.model["autobrake_model"]
+    assert list(one["finalists"]) == finalists and one["mean_error_db"] == means
+
+    def fixed(lam: float) -> QuantizationConfig:
+        return replace(config, transform=replace(config.transform, lam=lam))
+
+    fitting, held_out = split_sequences(batches, 0.5, seed=0)
+    trials = {lam: tiny_model("llama") for lam in finalists}
+    for lam, trial in trials.items():
+        quantize_model(trial, fitting, fixed(lam), progress=False)
+    divergence = held_out_divergence(tiny_model("llama"), trials, held_out)
+    assert one["finalists"] == {lam: value for lam, (value, _) in divergence.items()}
+    kept = min(finalists, key=lambda lam: divergence[lam][0])
+    assert one["lam"] == kept and {r.lam for r in report.layers} == {kept}
+    assert "autobrake_best" not in report.model
+    assert report.seconds["total"] == pytest.approx(sum(
+        report.seconds[k] for k in ("autobrake_scoring", "autobrake_trials", "autobrake_fixed",
+                                    "autobrake_compare")))
+    refitted = tiny_model("llama")
+    quantize_model(refitted, batches, fixed(kept), progress=False)
+    ours, theirs = quantized_linears(model), quantized_linears(refitted)
+    assert ours.keys() == theirs.keys() and len(ours) == 14
+    for name in ours:
+        a, b = ours[name].weight, theirs[name].weight
+        assert torch.equal(a.qdata, b.qdata) and torch.equal(a.transform, b.transform)
+    assert f"finalists {finalists[0]:g} (" in report_markdown(report)
+
+    best = replace(config, autobrake=replace(config.autobrake, scope="best"))
+    again = quantize_model(tiny_model("llama"), batches, best, progress=False)
+    assert again.model["autobrake_model"] == one  # the same finalists and lambda
+    model_divergence = held_out_divergence(tiny_model("llama"), {"model": refitted}, held_out)
+    assert again.model["autobrake_best"]["divergence"]["model"] == model_divergence["model"][0]
 
 
 @pytest.mark.parametrize("quantizer", ["rtn", "gptq"])

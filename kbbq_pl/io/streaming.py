@@ -260,7 +260,7 @@ def quantize_checkpoint(
         writers = {name: ShardWriter(folder) for name, folder in folders.items()}
         for folder in folders.values():
             folder.mkdir()
-        final = writers.get("model", ShardWriter(staging) if staging else None)
+        final = writers["model"] if folders else ShardWriter(staging) if staging else None
         kept, report = one_lambda_runs(
             config,
             lambda layer_scope: run(writers.get("layer"), layer_scope,

@@ -61,6 +61,25 @@ def compile_enabled(device: torch.device) -> bool:
     return _backend_available(device.type)
 
 
+_SIMD_BITS = {"AVX512": 512, "AVX2": 256}
+
+
+def _inductor_options(device_type: str) -> dict[str, Any]:
+    """Inductor settings of the compiled kernels: on an x86 CPU the vector width of the
+    kernels ATen runs (``torch.backends.cpu.get_cpu_capability()``), set explicitly.
+
+    Left to inductor (``cpp.simdlen = None``), torch 2.13 on an AMD EPYC with AVX-512 VNNI
+    (2026-11-26) compiled E2M1 kernels that gave wrong values or corrupted the heap once a
+    second format's kernel was compiled in the same process (NVFP4 after MXFP4 and the
+    reverse); with the width named they match the eager kernels bit for bit
+    (``tests/formats/test_formats.py``), as they did on AVX2 CPUs, where this is the width
+    inductor picks by itself."""
+    if device_type != "cpu":
+        return {}
+    bits = _SIMD_BITS.get(torch.backends.cpu.get_cpu_capability())
+    return {"cpp.simdlen": bits} if bits else {}
+
+
 def _specialize(kernel: Callable[..., Any], static: dict[str, Any]) -> Callable[..., Any]:
     """``kernel`` with ``static`` bound, under a code object of its own: dynamo keeps its
     compiled graphs (and counts recompilations) per code object, so each set of options gets
@@ -94,7 +113,8 @@ def run_kernel(
     key = (kernel.__name__, groups.device.type, tuple(sorted(static.items())))
     compiled = _cache.get(key)
     if compiled is None:
-        compiled = torch.compile(_specialize(kernel, static), dynamic=False, fullgraph=True)
+        compiled = torch.compile(_specialize(kernel, static), dynamic=False, fullgraph=True,
+                                 options=_inductor_options(groups.device.type))
         _cache[key] = compiled
     torch._dynamo.maybe_mark_dynamic(groups, 0)
     for arg in args:  # per-group operands (the decode's scales [G]) follow the group count:

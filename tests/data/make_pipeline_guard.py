@@ -24,6 +24,19 @@ deterministically.  So a CPU whose ``torch.backends.cpu.get_cpu_capability()`` h
 ``pipeline_guard.<capability>.json``, is checked against that one (:func:`guard_path`):
 ``pipeline_guard.AVX2.json`` was written on an AVX2 machine by code that matched
 ``pipeline_guard.json`` on the machines before (``--capability-file``).
+
+An AVX-512 CPU writes both files: ``pipeline_guard.json`` as it is, the AVX2 one with ATen,
+MKL and oneDNN held to AVX2 (on an AMD EPYC with AVX-512, this reproduced all 28 digests
+that the AVX2 machine had written)::
+
+    KBBQ_PL_COMPILE=0 python tests/data/make_pipeline_guard.py
+    KBBQ_PL_COMPILE=0 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+        ONEDNN_MAX_CPU_ISA=AVX2 python tests/data/make_pipeline_guard.py --capability-file
+
+Rewritten since, in both files: the six GPTQ recipes that refit their transforms in the loop
+(``gptq_wush_*``, ``gptq_kbbq_*``), when GPTQ's inverse-Hessian factor came to be formed
+from one Cholesky factorization instead of three (2026-11-26): the factor moved in its last
+bits, and so did the transforms fitted from the error-updated weights.
 """
 
 from __future__ import annotations

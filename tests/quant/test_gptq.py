@@ -277,6 +277,34 @@ def test_inverse_hessian_factor_is_the_upper_cholesky_factor_of_the_inverse():
     assert torch.allclose(upper.double(), reference, rtol=1e-3, atol=1e-4 * reference.abs().max())
 
 
+@pytest.mark.parametrize("size", [7, 256, 600])
+def test_lower_triangular_inverse_matches_a_triangular_solve(size):
+    """By halves past the leaf (600 = 300 + 300, each 150 + 150), one solve below it."""
+    generator = torch.Generator().manual_seed(size)
+    lower = torch.randn(size, size, generator=generator, dtype=torch.float64).tril()
+    lower.diagonal().copy_(1.0 + torch.rand(size, generator=generator, dtype=torch.float64))
+    inverse = G.lower_triangular_inverse(lower)
+    reference = torch.linalg.solve_triangular(lower, torch.eye(size, dtype=torch.float64),
+                                              upper=False)
+    assert torch.equal(inverse, inverse.tril())
+    assert torch.allclose(inverse, reference, rtol=1e-9, atol=1e-9 * reference.abs().max())
+
+
+def test_inverse_hessian_factor_from_one_factorization_is_as_accurate_as_three():
+    """``J chol(J H J)^-1 J`` against the float64 factor, beside the float32 chain of three
+    factorizations it replaced (Cholesky, ``cholesky_inverse``, Cholesky)."""
+    _, _, h = correlated_layer(size=512)
+    damped = h.double() + 0.01 * torch.diagonal(h).double().mean() * torch.eye(512,
+                                                                               dtype=torch.float64)
+    reference = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(damped)),
+                                      upper=True)
+    upper, _ = G.inverse_hessian_factor(h, 0.01)
+    three = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(damped.float())),
+                                  upper=True)
+    error = float((upper.double() - reference).norm() / reference.norm())
+    assert error <= 2 * float((three.double() - reference).norm() / reference.norm())
+
+
 def test_lazy_batches_match_the_plain_column_recursion():
     """Act-order with dynamic scales: the scales of a group are computed from its columns as
     they are when its first column is reached, pending lazy updates included."""

@@ -1,7 +1,8 @@
 """Bit-identity guard: every shipped recipe quantizes the tiny seeded model of
 ``tests/data/make_pipeline_guard.py`` to the same FP4 codes, block scales, global scales,
 transforms and activation scales as the code that wrote ``tests/data/pipeline_guard.json``
-(before the package was reorganized into subpackages)."""
+(before the package was reorganized into subpackages; six GPTQ recipes rewritten since, as the
+writer's docstring says)."""
 
 from __future__ import annotations
 

@@ -242,7 +242,7 @@ def _check_block_size(block_size: int, fmt: Format, name: str) -> None:
 def _prepare(weight: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
     """float32 ``W`` and ``H`` with dead columns (``H_jj = 0``) masked: ``H_jj = 1``,
     ``W_:j = 0`` (copies where a column is dead; the callers only read them)."""
-    w, h = weight.detach().to(_F32), h.detach().to(_F32)  # read only, copied where changed
+    w, h = weight.detach().to(_F32), h.detach().to(_F32)
     dead = (torch.diagonal(h) == 0).nonzero().squeeze(1)
     if dead.numel():
         w, h = w.clone(), h.clone()

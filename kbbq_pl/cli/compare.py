@@ -266,7 +266,13 @@ def run_compare(
             if report.autobrake:  # how many layers chose each lambda
                 lams = [choice.lam for choice in report.autobrake.values()]
                 row["auto_lambdas"] = {f"{lam:g}": lams.count(lam) for lam in sorted(set(lams))}
-            if "autobrake_best" in report.model:  # scope best: which model it kept, and why
+            if "autobrake_model" in report.model:  # scope model / best: the lambda, the
+                # trials' held-out divergences, which model best kept, and the runs' times
+                row["autobrake_model"] = {k: v for k, v in report.model["autobrake_model"].items()
+                                          if k != "layer_choices"}
+                row["autobrake_seconds"] = {k: v for k, v in report.seconds.items()
+                                            if k.startswith("autobrake_")}
+            if "autobrake_best" in report.model:
                 row["autobrake_best"] = report.model["autobrake_best"]
             row["seconds"] = {"quantize": quantized_at - begin,
                               "eval": time.perf_counter() - quantized_at}

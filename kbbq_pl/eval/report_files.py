@@ -59,17 +59,17 @@ def report_markdown(report: QuantizationReport, title: str = "kbbq-pl quantizati
     if recipe.auto:
         how = {"model": "one for the model, the smallest mean over layers",
                "layer": "chosen per layer"}.get(recipe.autobrake.scope, "")
-        finalists = report.model.get("autobrake_model", {}).get("finalists")
+        finalists = report.model.get("autobrake_model", {}).get("finalists", {})
+        trials = ", ".join(f"{float(lam):g} ({value:.4g})" for lam, value in finalists.items())
         if finalists and recipe.autobrake.scope == "model":
             how = ("one for the model, the closest on the held-out sequences of the finalists "
-                   + ", ".join(f"{float(lam):g} ({value:.4g})"
-                               for lam, value in finalists.items()))
+                   + trials)
         best = report.model.get("autobrake_best")
         if best is not None:  # scope best
-            lam, scores = report.model["autobrake_model"]["lam"], best["divergence"]
             metric = {"kl": "KL", "relative_error": "relative error"}[best["metric"]]
-            how = (f"the better of per layer (held-out {metric} "
-                   f"{scores['layer']:.4g}) and {lam:g} for the model ({scores['model']:.4g}): "
+            lam = report.model["autobrake_model"]["lam"]
+            how = (f"the closest on the held-out sequences ({metric}, each fitted on the "
+                   f"others) of per layer ({best['divergence']['layer']:.4g}) and {trials}: "
                    f"{'per layer' if best['kept'] == 'layer' else f'{lam:g}'}")
         details = (f" ({how} from {list(recipe.autobrake.grid)} on "
                    f"{recipe.autobrake.holdout:.0%} held-out calibration sequences)")

@@ -13,8 +13,9 @@ for bit those of the in-memory pipeline with ``--offload`` (the layers before th
 run on the CPU).  With ``autobrake.scope: model`` the blocks are streamed more than once
 (:func:`~kbbq_pl.quant.pipeline.one_lambda_runs`): a scoring pass that writes nothing, with
 ``autobrake.finalists`` above 1 a trial pass per finalist on the fitting sequences that writes
-nothing, then the pass at the chosen lambda.  With ``best`` the scoring pass and the last one
-both write their model into the staging folder and the closer is kept.  Where models are
+nothing, then the pass at the chosen lambda.  With ``best`` the per-layer auto-brake's trial
+joins the finalists' and the scoring pass writes its model into the staging folder: kept where
+that trial is the closest, else replaced by the pass at the chosen lambda.  Where models are
 compared, the held-out sequences run through each block as it is streamed
 (:class:`~kbbq_pl.quant.divergence.HeldOutStreams`).
 """
@@ -250,10 +251,10 @@ def quantize_checkpoint(
         if scope == "layer":
             shards = ShardWriter(staging) if staging else None
             return shards, run(shards)
-        # scope model / best (one_lambda_runs): the scoring pass writes nothing (with best, its
-        # model is written beside the one-lambda model's and one is kept), the finalists'
-        # trials write nothing, and the held-out sequences run through each block as it is
-        # streamed where models are compared
+        # scope model / best (one_lambda_runs): the scoring pass writes nothing (with best,
+        # its model is the per-layer candidate: written, and kept or dropped), the trials write
+        # nothing, and the held-out sequences run through each block as it is streamed where
+        # models are compared
         comparison = HeldOutComparison(calibration, config, pipeline)
         folders = {name: staging / name for name in ("layer", "model")
                    if staging and scope == "best"}
@@ -263,11 +264,10 @@ def quantize_checkpoint(
         final = writers["model"] if folders else ShardWriter(staging) if staging else None
         kept, report = one_lambda_runs(
             config,
-            lambda layer_scope: run(writers.get("layer"), layer_scope,
-                                    comparison.stream("layer")),
-            lambda fixed: fresh_then_run(None, fixed, comparison.stream(fixed.transform.lam),
-                                         comparison.fitting),
-            lambda fixed: fresh_then_run(final, fixed, comparison.stream("model")),
+            lambda layer_scope: run(writers.get("layer"), layer_scope, comparison.reference()),
+            lambda candidate, recipe: fresh_then_run(None, recipe, comparison.stream(candidate),
+                                                     comparison.fitting),
+            lambda fixed: fresh_then_run(final, fixed),
             lambda candidate: comparison.divergence(candidate, model))
         shards = writers.get(kept, final)
         if folders and shards is not None:

@@ -270,18 +270,22 @@ class AutoBrakeConfig:
             in dB averaged over the layers (:func:`~kbbq_pl.transforms.autobrake.model_lambda`).
             ``model`` quantizes twice: a first run with the per-layer choice scores the
             candidates (on a copy of the model, in memory), a second quantizes with the
-            chosen lambda, bit for bit the fixed-lambda recipe.  ``best``: both, and keeps
-            the model whose outputs on the held-out calibration sequences are closer to the
-            full-precision model's (KL of the next-token distributions, or the relative error
-            of the last hidden state for a model without logits); one more copy of the model
-            in memory and three forwards of the held-out sequences.
+            chosen lambda, bit for bit the fixed-lambda recipe.  ``best``: the per-layer
+            model or one lambda, whichever generalizes better: the per-layer auto-brake and
+            each finalist are quantized on the fitting sequences alone and compared on the
+            held-out ones (KL of the next-token distributions, or the relative error of the
+            last hidden state for a model without logits); the closest is kept (the per-layer
+            model of the scoring run, fitted on every sequence) or quantized on every sequence
+            (a lambda).  One per-layer run more and one run per finalist, both on the fitting
+            half; in memory the per-layer model and one trial's beside the model (streamed:
+            none).
         finalists: with ``scope`` ``model`` or ``best``, how many candidates of the smallest
-            mean error in dB are tried as whole models; with more than one, each is quantized
-            on the fitting sequences alone and the model's lambda is the one whose outputs on
-            the held-out sequences are closest to the full-precision model's (as ``best``
-            compares), then quantized on every sequence: one run more per finalist, on half
-            the tokens.  The mean over layers does not tell apart candidates a few hundredths
-            of a dB apart that differ end to end
+            mean error in dB are tried as whole models; where models are compared (more than
+            one finalist, or ``best``), each is quantized on the fitting sequences alone and
+            the model's lambda is the one whose outputs on the held-out sequences are closest
+            to the full-precision model's, then quantized on every sequence: one run more per
+            finalist, on half the tokens.  The mean over layers does not tell apart candidates
+            a few hundredths of a dB apart that differ end to end
             (docs/results/2026-11-26-autobrake-finalists.md).
     """
 

@@ -220,33 +220,36 @@ def quantize_model(
 
 
 Candidate = str | float
-"""A model :func:`one_lambda_runs` compares: ``"layer"`` (the per-layer run), a finalist lambda
-(fitted on the fitting sequences alone) or ``"model"`` (the run at the chosen lambda)."""
+"""A model :func:`one_lambda_runs` compares, quantized on the fitting sequences alone:
+``"layer"`` (the per-layer auto-brake, ``autobrake.scope: best``) or a finalist lambda."""
 
 
 def one_lambda_runs(config: QuantizationConfig,
                     score: Callable[[QuantizationConfig], QuantizationReport],
-                    trial: Callable[[QuantizationConfig], QuantizationReport],
+                    trial: Callable[[Candidate, QuantizationConfig], QuantizationReport],
                     quantize: Callable[[QuantizationConfig], QuantizationReport],
                     divergence: Callable[[Candidate], tuple[float, str]]
                     ) -> tuple[str, QuantizationReport]:
     """The runs of ``autobrake.scope`` ``model`` and ``best``.
 
-    ``score`` runs the per-layer auto-brake (on a copy of the model, or streamed) to score every
-    candidate in every layer.  With one finalist (``autobrake.finalists: 1``) the model's
-    lambda is the candidate of the smallest mean error (:func:`model_finalists`); with several,
-    ``trial`` quantizes each finalist on the fitting sequences alone and the one whose outputs
-    on the held-out sequences are closest to the full-precision model's (``divergence``) is
-    the lambda: the comparison is out of sample, as the per-layer scores are (a model fitted
-    on the held-out sequences too flatters the lambdas that fit them more closely:
-    docs/results/2026-11-26-autobrake-finalists.md).  ``quantize`` then makes the model at
-    that lambda on every sequence (bit for bit the fixed-lambda recipe).  With ``best`` the
-    per-layer model and that one are compared on the held-out sequences (``"layer"`` against
-    ``"model"``).  Returns ``"layer"`` or ``"model"``, the model kept, and its report, which
-    holds every layer's scores, the choices, the divergences and the runs' times."""
+    ``score`` runs the per-layer auto-brake on every sequence (on a copy of the model, or
+    streamed) to score every candidate in every layer; its model is the ``scope: layer``
+    recipe's.  The finalists are the ``autobrake.finalists`` candidates of the smallest mean
+    error (:func:`model_finalists`).  Where models are compared (several finalists, or
+    ``best``), ``trial(candidate, recipe)`` quantizes each candidate on the fitting sequences
+    alone (with ``best``, the per-layer auto-brake too: ``"layer"``, which splits the fitting
+    sequences again to choose) and the one whose outputs on the held-out sequences are closest
+    to the full-precision model's (``divergence``) is kept.  Every comparison is out of
+    sample: a model fitted on the held-out sequences too flatters the choices that fit them
+    more closely (docs/results/2026-11-26-autobrake-finalists.md).  A kept lambda is then
+    quantized on every sequence by ``quantize`` (bit for bit the fixed-lambda recipe); a kept
+    ``"layer"`` is the scoring run's model.  Returns ``"layer"`` or ``"model"``, the model
+    kept, and its report, which holds every layer's scores, the choices, the divergences and
+    the runs' times."""
     autobrake = config.autobrake
     best = autobrake.scope == "best"
-    scoring = score(replace(config, autobrake=replace(autobrake, scope="layer", finalists=1)))
+    layer_scope = replace(config, autobrake=replace(autobrake, scope="layer", finalists=1))
+    scoring = score(layer_scope)
     finalists, means = model_finalists(scoring.autobrake, autobrake.finalists)
     log.info("autobrake.scope %s: finalists %s (mean held-out error %s dB)", autobrake.scope,
              ", ".join(f"{lam:g}" for lam in finalists),
@@ -258,47 +261,41 @@ def one_lambda_runs(config: QuantizationConfig,
     seconds = dict.fromkeys(("autobrake_scoring", "autobrake_trials", "autobrake_fixed",
                              "autobrake_compare"), 0.0)
     seconds["autobrake_scoring"] = scoring.seconds["total"]
-
-    def compared(candidate: Candidate) -> tuple[float, str]:
+    candidates: list[Candidate] = (["layer"] if best else []) + (
+        list(finalists) if best or len(finalists) > 1 else [])
+    trials: dict[Candidate, tuple[float, str]] = {}
+    for candidate in candidates:
+        recipe = layer_scope if candidate == "layer" else fixed(float(candidate))
+        seconds["autobrake_trials"] += trial(candidate, recipe).seconds["total"]
         tick = time.perf_counter()
-        result = divergence(candidate)
+        trials[candidate] = divergence(candidate)
         seconds["autobrake_compare"] += time.perf_counter() - tick
-        return result
-
-    trials: dict[float, tuple[float, str]] = {}
-    if len(finalists) > 1:
-        for lam in finalists:
-            seconds["autobrake_trials"] += trial(fixed(lam)).seconds["total"]
-            trials[lam] = compared(lam)
-        log.info("autobrake.finalists: held-out %s %s", trials[finalists[0]][1],
-                 ", ".join(f"{lam:g}: {value:.5g}" for lam, (value, _) in trials.items()))
-    lam = min(finalists, key=lambda c: trials[c][0]) if trials else finalists[0]
-    report = quantize(fixed(lam))
-    seconds["autobrake_fixed"] = report.seconds["total"]
-    report.autobrake = {name: LambdaChoice(lam, choice.errors)
-                        for name, choice in scoring.autobrake.items()}
-    report.config = config.to_dict()
-    report.model["autobrake_model"] = {
-        "lam": lam, "mean_error_db": means,
-        "layer_choices": {name: choice.lam for name, choice in scoring.autobrake.items()}}
     if trials:
-        report.model["autobrake_model"]["finalists"] = {c: value for c, (value, _) in
-                                                        trials.items()}
-    kept = "model"
+        log.info("autobrake.scope %s: held-out %s, fitted on the other sequences: %s",
+                 autobrake.scope, trials[candidates[0]][1],
+                 ", ".join(f"{'per layer' if c == 'layer' else f'{c:g}'}: {value:.5g}"
+                           for c, (value, _) in trials.items()))
+    lam = min(finalists, key=lambda c: trials[c][0]) if trials else finalists[0]
+    kept = "layer" if best and trials["layer"][0] < trials[lam][0] else "model"
+    summary = {"lam": lam, "mean_error_db": means,
+               "layer_choices": {name: choice.lam for name, choice in scoring.autobrake.items()}}
+    if trials:
+        summary["finalists"] = {c: value for c, (value, _) in trials.items() if c != "layer"}
+    if kept == "layer":
+        report = scoring
+    else:
+        report = quantize(fixed(lam))
+        seconds["autobrake_fixed"] = report.seconds["total"]
+        report.autobrake = {name: LambdaChoice(lam, choice.errors)
+                            for name, choice in scoring.autobrake.items()}
+    report.config = config.to_dict()
+    report.model["autobrake_model"] = summary
     if best:
-        scores = {"layer": compared("layer"), "model": compared("model")}
-        kept = "layer" if scores["layer"][0] < scores["model"][0] else "model"
-        log.info("autobrake.scope best: held-out %s per layer %.5g, lambda %g %.5g: keeps %s",
-                 scores["layer"][1], scores["layer"][0], lam, scores["model"][0],
-                 "per layer" if kept == "layer" else f"lambda {lam:g}")
         report.model["autobrake_best"] = {
-            "kept": kept, "metric": scores["layer"][1],
-            "divergence": {name: value for name, (value, _) in scores.items()}}
-        if kept == "layer":
-            scoring.model.update({k: report.model[k] for k in ("autobrake_model",
-                                                               "autobrake_best")})
-            scoring.config = report.config
-            report = scoring
+            "kept": kept, "metric": trials["layer"][1],
+            "divergence": {"layer": trials["layer"][0], "model": trials[lam][0]}}
+        log.info("autobrake.scope best: keeps %s", "per layer" if kept == "layer"
+                 else f"lambda {lam:g}")
     report.seconds.update({k: v for k, v in seconds.items() if v or k == "autobrake_fixed"})
     report.seconds["total"] = sum(seconds.values())
     return kept, report
@@ -308,9 +305,9 @@ def _quantize_model_scope(model: nn.Module, batches: Batches, config: Quantizati
                           weight_quantizer: WeightQuantizer | None,
                           residency: BlockResidency | None, **run: Any) -> QuantizationReport:
     """``autobrake.scope`` ``model`` and ``best`` in memory (:func:`one_lambda_runs`): the
-    per-layer run and each finalist's trial on copies of ``model``, the run at the chosen
-    lambda on ``model``, the held-out sequences carried beside the runs
-    (:class:`HeldOutComparison`) where models are compared; ``model`` becomes the kept one."""
+    per-layer run and each trial on copies of ``model``, the run at the chosen lambda on
+    ``model``, the held-out sequences carried beside the runs (:class:`HeldOutComparison`)
+    where models are compared; ``model`` becomes the kept one."""
     scope = config.autobrake.scope
     if weight_quantizer is not None:
         raise ValueError(f"autobrake.scope {scope!r} builds its own weight quantizers (one per "
@@ -329,20 +326,19 @@ def _quantize_model_scope(model: nn.Module, batches: Batches, config: Quantizati
         scratch = copy.deepcopy(model)
         if scope == "best":
             per_layer.append(scratch)
-        return quantize_model(scratch, batches, layer_scope,
-                              held_out=comparison.stream("layer"), **run)
+        return quantize_model(scratch, batches, layer_scope, held_out=comparison.reference(),
+                              **run)
 
-    def trial(fixed: QuantizationConfig) -> QuantizationReport:
-        report = quantize_model(copy.deepcopy(model), comparison.fitting, fixed,
-                                held_out=comparison.stream(fixed.transform.lam), **run)
+    def trial(candidate: Candidate, recipe: QuantizationConfig) -> QuantizationReport:
+        report = quantize_model(copy.deepcopy(model), comparison.fitting, recipe,
+                                held_out=comparison.stream(candidate), **run)
         trim_heap()  # the trial's model is freed: its held-out outputs are in its stream
         return report
 
     try:
         kept, report = one_lambda_runs(
             config, score, trial,
-            lambda fixed: quantize_model(model, batches, fixed,
-                                         held_out=comparison.stream("model"), **run),
+            lambda fixed: quantize_model(model, batches, fixed, **run),
             lambda candidate: comparison.divergence(candidate, model))
         if kept == "layer":
             _adopt(model, per_layer[0])
@@ -354,42 +350,42 @@ def _quantize_model_scope(model: nn.Module, batches: Batches, config: Quantizati
 
 class HeldOutComparison:
     """The held-out sequences of :func:`one_lambda_runs` and the streams its runs carry: the
-    full-precision model's rides with the per-layer run; each finalist's trial, and with
-    ``best`` the per-layer and the kept lambda's runs, carry their own (none where nothing is
-    compared: ``scope: model`` with one finalist).  ``fitting``: the fitting sequences the
-    trials calibrate on (every rank's, as ``batches`` are: the pipeline shards them)."""
+    full-precision model's rides with the scoring run (:meth:`reference`), each trial carries
+    its own (:meth:`stream`); nothing where nothing is compared (``scope: model`` with one
+    finalist).  ``fitting``: the fitting sequences the trials calibrate on (every rank's, as
+    ``batches`` are: the pipeline shards them)."""
 
     def __init__(self, batches: Batches, config: QuantizationConfig,
                  run: Mapping[str, Any]) -> None:
         autobrake = config.autobrake
-        self.best = autobrake.scope == "best"
-        self.compare = self.best or autobrake.finalists > 1
+        self.compare = autobrake.scope == "best" or autobrake.finalists > 1
         self.reduce_sum = run.get("reduce_sum", _identity)
         self.batches = held_out_batches(batches, config, run) if self.compare else []
         self.fitting = (split_sequences(list(batches), autobrake.holdout,
-                                        config.transform.seed)[0]
-                        if autobrake.finalists > 1 else [])
+                                        config.transform.seed)[0] if self.compare else [])
+        self.full_precision: HeldOutStreams | None = None
         self.streams: dict[Candidate, HeldOutStreams] = {}
 
-    def stream(self, candidate: Candidate) -> HeldOutStreams | None:
-        """The stream the run of ``candidate`` carries (None: nothing to carry)."""
-        if not self.compare or (candidate == "model" and not self.best):
-            return None
-        if candidate == "layer":
-            stream = HeldOutStreams(self.batches, before="reference",
-                                    after="candidate" if self.best else None)
-        else:
-            stream = HeldOutStreams(self.batches, after="candidate")
-        self.streams[candidate] = stream
-        return stream
+    def reference(self) -> HeldOutStreams | None:
+        """The stream the scoring run carries: each block in full precision (None: nothing
+        is compared)."""
+        if self.compare:
+            self.full_precision = HeldOutStreams(self.batches, before="reference")
+        return self.full_precision
+
+    def stream(self, candidate: Candidate) -> HeldOutStreams:
+        """The stream the trial of ``candidate`` carries: each block once quantized."""
+        self.streams[candidate] = HeldOutStreams(self.batches, after="candidate")
+        return self.streams[candidate]
 
     def divergence(self, candidate: Candidate, tail: nn.Module) -> tuple[float, str]:
         """How far ``candidate``'s outputs are from the full-precision model's
         (:func:`held_out_divergence`; ``tail`` runs the layers after the blocks)."""
-        reference = self.streams["layer"]
-        stream = reference if candidate == "layer" else self.streams.pop(candidate)
+        reference = self.full_precision
+        assert reference is not None, "the scoring run carries the full-precision stream"
         (result,) = held_out_divergence(
-            reference.model("reference", tail), {candidate: stream.model("candidate", tail)},
+            reference.model("reference", tail),
+            {candidate: self.streams.pop(candidate).model("candidate", tail)},
             reference.batches, self.reduce_sum).values()
         return result
 

@@ -71,8 +71,8 @@ def test_two_processes_write_the_one_process_checkpoint_bit_for_bit(llama_dir, t
 
 
 def test_two_processes_keep_the_model_one_process_keeps_with_scope_best(llama_dir, tmp_path):
-    """``autobrake.scope: best``: both runs, and the held-out divergences summed over the
-    ranks, choose as one process does."""
+    """``autobrake.scope: best``: the trials on the fitting sequences, and the held-out
+    divergences summed over the ranks, choose as one process does."""
     recipe, scope = "rtn_kbbq_nvfp4_auto", ("--recipe.autobrake.scope", "best")
     assert main(_args(llama_dir, recipe, tmp_path / "one", *scope)) == 0
     one = read_tensors(tmp_path / "one")

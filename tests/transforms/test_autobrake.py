@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
 import torch
 from tiny_models import tiny_model
+from torch import Tensor, nn
 
 from kbbq_pl.formats import fake_quantize
 from kbbq_pl.law import noise_law as law
@@ -282,46 +284,84 @@ def test_finalists_are_compared_out_of_sample_and_the_closest_is_refitted(quanti
 
     best = replace(config, autobrake=replace(config.autobrake, scope="best"))
     again = quantize_model(tiny_model("llama"), batches, best, progress=False)
-    assert again.model["autobrake_model"] == one  # the same finalists and lambda
-    model_divergence = held_out_divergence(tiny_model("llama"), {"model": refitted}, held_out)
-    assert again.model["autobrake_best"]["divergence"]["model"] == model_divergence["model"][0]
+    assert again.model["autobrake_model"] == one  # the same trials and lambda
+    assert again.model["autobrake_best"]["divergence"]["model"] == one["finalists"][kept]
+
+
+def _scope_best_trials(config: QuantizationConfig, lam: float, make: Callable[[], nn.Module],
+                       batches: list[dict[str, Tensor]]) -> dict[str, tuple[float, str]]:
+    """The divergences ``scope: best`` compares, from whole models: the per-layer auto-brake
+    and the lambda, each quantized on the fitting sequences, run on the held-out ones."""
+    fitting, held_out = split_sequences(batches, 0.5, seed=0)
+    recipes = {"layer": replace(config, autobrake=replace(config.autobrake, scope="layer")),
+               "model": replace(config, transform=replace(config.transform, lam=lam))}
+    models = {name: make() for name in recipes}
+    for name, recipe in recipes.items():
+        quantize_model(models[name], fitting, recipe, progress=False)
+    return held_out_divergence(make(), models, held_out)
 
 
 @pytest.mark.parametrize("quantizer", ["rtn", "gptq"])
-def test_scope_best_keeps_the_model_closer_on_the_held_out_sequences(quantizer):
-    """``autobrake.scope: best``: the per-layer model and the one-lambda model are both made,
-    their divergences from the full-precision model on the held-out calibration sequences
-    are in the report, and the kept one is bit for bit that run's model."""
+def test_scope_best_compares_the_per_layer_brake_and_the_lambda_out_of_sample(quantizer):
+    """``autobrake.scope: best``: the per-layer auto-brake and the finalist lambda are each
+    quantized on the fitting sequences alone; the report holds their divergences from the
+    full-precision model on the held-out sequences and keeps the smaller."""
+    from kbbq_pl.eval.report_files import report_markdown
 
     batches = _eight_sequences()
     config = QuantizationConfig(transform=TransformConfig(lam="auto"),
                                 weights=WeightsConfig(quantizer),
                                 autobrake=AutoBrakeConfig(grid=(0.25, 0.75, 1.0), scope="best"))
-    model = tiny_model("llama")
-    report = quantize_model(model, batches, config, progress=False)
-    best = report.model["autobrake_best"]
+    report = quantize_model(tiny_model("llama"), batches, config, progress=False)
     lam = report.model["autobrake_model"]["lam"]
-    runs = {"layer": replace(config, autobrake=replace(config.autobrake, scope="layer")),
-            "model": replace(config, transform=replace(config.transform, lam=lam))}
-    models = {kept: tiny_model("llama") for kept in runs}
-    for kept, run in runs.items():
-        quantize_model(models[kept], batches, run, progress=False)
-    held_out = split_sequences(batches, 0.5, seed=0)[1]
-    divergence = held_out_divergence(tiny_model("llama"), models, held_out)
+    divergence = _scope_best_trials(config, lam, lambda: tiny_model("llama"), batches)
+    best = report.model["autobrake_best"]
     assert best["metric"] == "kl" and best["divergence"] == {k: v[0] for k, v in
                                                              divergence.items()}
+    assert report.model["autobrake_model"]["finalists"] == {lam: divergence["model"][0]}
     assert best["kept"] == min(divergence, key=lambda k: divergence[k][0])
-    assert report.seconds["total"] >= (report.seconds["autobrake_scoring"]
-                                       + report.seconds["autobrake_fixed"]
-                                       + report.seconds["autobrake_compare"])
-    ours, theirs = quantized_linears(model), quantized_linears(models[best["kept"]])
+    assert "the closest on the held-out sequences (KL, each fitted on the others) of per layer (" \
+        in report_markdown(report)
+
+
+@pytest.mark.parametrize("kept", ["layer", "model"])
+def test_scope_best_keeps_the_scoring_run_or_refits_the_lambda(monkeypatch, kept):
+    """Whichever trial ``scope: best`` finds closest (forced here), the model is bit for bit
+    that recipe's on every sequence: the per-layer auto-brake's (the scoring run, no run
+    more) or the fixed lambda's."""
+    from kbbq_pl.quant import pipeline
+
+    measured = pipeline.held_out_divergence
+
+    def favour(*args, **kwargs):  # one candidate per call: "layer", or the finalist lambda
+        divergence = measured(*args, **kwargs)
+        return {name: (value + (1.0 if (name == "layer") != (kept == "layer") else 0.0),
+                       metric) for name, (value, metric) in divergence.items()}
+
+    monkeypatch.setattr(pipeline, "held_out_divergence", favour)
+    batches = _eight_sequences()
+    config = QuantizationConfig(transform=TransformConfig(lam="auto"),
+                                autobrake=AutoBrakeConfig(grid=(0.25, 0.75, 1.0), scope="best"))
+    model = tiny_model("llama")
+    report = quantize_model(model, batches, config, progress=False)
+    assert report.model["autobrake_best"]["kept"] == kept
+    lam = report.model["autobrake_model"]["lam"]
+    recipe = (replace(config, autobrake=replace(config.autobrake, scope="layer")) if kept == "layer"
+              else replace(config, transform=replace(config.transform, lam=lam)))
+    expected = tiny_model("llama")
+    quantize_model(expected, batches, recipe, progress=False)
+    assert (report.seconds["autobrake_fixed"] > 0) == (kept == "model")
+    assert report.seconds["total"] == pytest.approx(sum(
+        report.seconds[k] for k in ("autobrake_scoring", "autobrake_trials", "autobrake_fixed",
+                                    "autobrake_compare")))
+    ours, theirs = quantized_linears(model), quantized_linears(expected)
     assert ours.keys() == theirs.keys() and len(ours) == 14
     for name in ours:
         a, b = ours[name].weight, theirs[name].weight
         assert torch.equal(a.qdata, b.qdata) and torch.equal(a.transform, b.transform)
     with torch.no_grad():
         ids = batches[0]["input_ids"]
-        assert torch.equal(model(input_ids=ids).logits, models[best["kept"]](input_ids=ids).logits)
+        assert torch.equal(model(input_ids=ids).logits, expected(input_ids=ids).logits)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "qwen3", "llama-without-head"])
@@ -338,12 +378,7 @@ def test_scope_best_measures_block_by_block_what_the_whole_models_output(arch):
                                 autobrake=AutoBrakeConfig(grid=(0.25, 1.0), scope="best"))
     report = quantize_model(make(), batches, config, progress=False)
     lam = report.model["autobrake_model"]["lam"]
-    runs = {"layer": replace(config, autobrake=replace(config.autobrake, scope="layer")),
-            "model": replace(config, transform=replace(config.transform, lam=lam))}
-    models = {name: make() for name in runs}
-    for name, run in runs.items():
-        quantize_model(models[name], batches, run, progress=False)
-    divergence = held_out_divergence(make(), models, split_sequences(batches, 0.5, seed=0)[1])
+    divergence = _scope_best_trials(config, lam, make, batches)
     best = report.model["autobrake_best"]
     assert best["divergence"] == {k: v[0] for k, v in divergence.items()}
     assert best["metric"] == ("relative_error" if arch == "llama-without-head" else "kl")

@@ -72,7 +72,7 @@ def main() -> None:
                            AutoBrakeConfig(folds=4, tokens=4096)),
                 "model": ("auto, one lambda (scope model)", "auto",
                           AutoBrakeConfig(scope="model")),
-                "best": ("auto, the better of the two (scope best)", "auto",
+                "best": ("auto, per layer or one (best)", "auto",
                          AutoBrakeConfig(scope="best")),
                 "finalists3": ("auto, one lambda of 3 finalists", "auto",
                                AutoBrakeConfig(scope="model", finalists=3)),
@@ -97,7 +97,7 @@ def main() -> None:
             quantize_model(copy.deepcopy(model), warm, config, progress=False)
         rows = []
         for name, lam, autobrake in runs:
-            fidelities, times, chosen = [], [], []
+            fidelities, times, chosen, kept = [], [], [], []
             for seed in seeds:
                 blocks = token_blocks(data / "valid.txt", tokenizer, n_tokens=args.tokens,
                                       seq_len=args.seq_len, seed=seed)
@@ -115,21 +115,28 @@ def main() -> None:
                     mean_pooled_embeddings(candidate, tokenizer, sentences),
                     reference)["mean_cosine"])
                 chosen += [r.lam for r in report.layers]
-            rows.append((name, fidelities, statistics.mean(times), chosen))
+                if "autobrake_model" in report.model:  # scope model / best: the model kept
+                    best_kept = report.model.get("autobrake_best", {}).get("kept", "model")
+                    kept.append("layer" if best_kept == "layer"
+                                else f"{report.model['autobrake_model']['lam']:g}")
+            rows.append((name, [f"{f:.5f}" + (f" ({k})" if k else "")
+                                for f, k in zip(fidelities, kept or [""] * len(seeds))],
+                         fidelities, statistics.mean(times), chosen))
         fixed = [r for r in rows if r[0].startswith("lambda")]
-        fixed_time = statistics.median(t for _, _, t, _ in fixed)
-        best_name, best_fid, _, _ = max(fixed, key=lambda r: statistics.mean(r[1]))
+        fixed_time = statistics.median(t for _, _, _, t, _ in fixed)
+        best_name, _, best_fid, _, _ = max(fixed, key=lambda r: statistics.mean(r[2]))
         best = statistics.mean(best_fid)
         print(f"\n{fmt}: best global lambda {best_name} ({best:.5f}, mean over seeds); "
               f"median fixed-lambda quantize time {fixed_time:.1f} s")
         print(f"{'run':<30}{'fidelity':>10}{'sd':>9}{'vs best':>10}{'wins':>6}{'time s':>8}"
-              f"{'time ratio':>11}{'median lambda':>15}")
-        for name, fidelities, seconds, chosen in rows:
+              f"{'time ratio':>11}{'median lambda':>15}  per seed")
+        for name, per_seed, fidelities, seconds, chosen in rows:
             mean = statistics.mean(fidelities)
             sd = statistics.stdev(fidelities) if len(fidelities) > 1 else float("nan")
             wins = sum(f >= b for f, b in zip(fidelities, best_fid))
             print(f"{name:<30}{mean:10.5f}{sd:9.5f}{mean - best:+10.5f}{wins:>4}/{len(seeds)}"
-                  f"{seconds:8.1f}{seconds / fixed_time:11.2f}{statistics.median(chosen):15.3f}")
+                  f"{seconds:8.1f}{seconds / fixed_time:11.2f}{statistics.median(chosen):15.3f}  "
+                  + ", ".join(per_seed))
         print("(fidelity: mean over seeds; sd: across seeds; wins: seeds where the run is at "
               "least the best global lambda's fidelity on the same seed)")
 

@@ -189,7 +189,7 @@ def test_gptq_recipe_with_auto_brake_reloads_bit_exactly(tiny_llama_dir, tmp_pat
                for b in token_blocks("random", None, n_tokens=256, seq_len=32,
                                      vocab_size=256).split(8)]
     recipe = QuantizationConfig(transform=TransformConfig(lam="auto"), weights=WeightsConfig("gptq"),
-                                autobrake=AutoBrakeConfig(scope="best"))  # the recipe's
+                                autobrake=AutoBrakeConfig(scope="best", finalists=3))  # shipped
     quantize_model(model, batches, recipe, progress=False)
     reloaded = from_pretrained(out)
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))

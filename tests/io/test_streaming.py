@@ -30,7 +30,7 @@ RECIPES = {
                                    "weights": {"quantizer": "gptq"},
                                    "transform": {"name": "kbbq", "lam": "auto"},
                                    "autobrake": {"scope": "model"}},
-    # scope best (gptq_kbbq_nvfp4_auto): both models written, the closer one kept
+    # scope best: the per-layer model written, replaced where a lambda's trial is closer
     "rtn-auto-best": {"transform": {"name": "kbbq", "lam": "auto"},
                       "autobrake": {"scope": "best"}},
     "gptq-auto-best": {"weights": {"quantizer": "gptq"},

@@ -97,20 +97,11 @@ def test_streamed_checkpoint_is_bit_for_bit_the_in_memory_one(sharded_llama, tmp
 
 
 @pytest.mark.parametrize("kept", ["layer", "model"])
-def test_streamed_scope_best_writes_the_kept_model_alone(sharded_llama, tmp_path, monkeypatch,
-                                                         kept):
+def test_streamed_scope_best_writes_the_kept_model_alone(sharded_llama, tmp_path,
+                                                         force_scope_best, kept):
     """Whichever model ``scope: best`` keeps (forced here), the output is the in-memory
     checkpoint and holds nothing of the other."""
-    from kbbq_pl.quant import pipeline
-
-    measured = pipeline.held_out_divergence
-
-    def favour(*args, **kwargs):  # one candidate per call: "layer", or the finalist lambda
-        divergence = measured(*args, **kwargs)
-        return {name: (value + (1.0 if (name == "layer") != (kept == "layer") else 0.0),
-                       metric) for name, (value, metric) in divergence.items()}
-
-    monkeypatch.setattr(pipeline, "held_out_divergence", favour)
+    force_scope_best(kept)
     config = QuantizationConfig.from_dict(RECIPES["rtn-auto-best"])
     model, _ = load_model(sharded_llama)
     in_memory = quantize_model(model, _batches(), config, progress=False)

@@ -325,20 +325,11 @@ def test_scope_best_compares_the_per_layer_brake_and_the_lambda_out_of_sample(qu
 
 
 @pytest.mark.parametrize("kept", ["layer", "model"])
-def test_scope_best_keeps_the_scoring_run_or_refits_the_lambda(monkeypatch, kept):
+def test_scope_best_keeps_the_scoring_run_or_refits_the_lambda(force_scope_best, kept):
     """Whichever trial ``scope: best`` finds closest (forced here), the model is bit for bit
     that recipe's on every sequence: the per-layer auto-brake's (the scoring run, no run
     more) or the fixed lambda's."""
-    from kbbq_pl.quant import pipeline
-
-    measured = pipeline.held_out_divergence
-
-    def favour(*args, **kwargs):  # one candidate per call: "layer", or the finalist lambda
-        divergence = measured(*args, **kwargs)
-        return {name: (value + (1.0 if (name == "layer") != (kept == "layer") else 0.0),
-                       metric) for name, (value, metric) in divergence.items()}
-
-    monkeypatch.setattr(pipeline, "held_out_divergence", favour)
+    force_scope_best(kept)
     batches = _eight_sequences()
     config = QuantizationConfig(transform=TransformConfig(lam="auto"),
                                 autobrake=AutoBrakeConfig(grid=(0.25, 0.75, 1.0), scope="best"))

@@ -332,6 +332,12 @@ class AutoBrakeConfig:
             raise ValueError("autobrake.finalists compares models on the held-out sequences: "
                              "folds must be 1")
 
+    @property
+    def compares_models(self) -> bool:
+        """Whether whole models are quantized on the fitting sequences and compared on the
+        held-out ones (``scope: best``, or more than one finalist)."""
+        return self.scope == "best" or self.finalists > 1
+
 
 @dataclass(frozen=True)
 class LayersConfig:

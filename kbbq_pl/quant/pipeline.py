@@ -262,7 +262,7 @@ def one_lambda_runs(config: QuantizationConfig,
                              "autobrake_compare"), 0.0)
     seconds["autobrake_scoring"] = scoring.seconds["total"]
     candidates: list[Candidate] = (["layer"] if best else []) + (
-        list(finalists) if best or len(finalists) > 1 else [])
+        list(finalists) if autobrake.compares_models else [])
     trials: dict[Candidate, tuple[float, str]] = {}
     for candidate in candidates:
         recipe = layer_scope if candidate == "layer" else fixed(float(candidate))
@@ -358,7 +358,7 @@ class HeldOutComparison:
     def __init__(self, batches: Batches, config: QuantizationConfig,
                  run: Mapping[str, Any]) -> None:
         autobrake = config.autobrake
-        self.compare = autobrake.scope == "best" or autobrake.finalists > 1
+        self.compare = autobrake.compares_models
         self.reduce_sum = run.get("reduce_sum", _identity)
         self.batches = held_out_batches(batches, config, run) if self.compare else []
         self.fitting = (split_sequences(list(batches), autobrake.holdout,

@@ -2,7 +2,7 @@
 
     python bench/autobrake.py [--formats nvfp4,mxfp4] [--quantizer rtn|gptq] [--seeds 0,1,2]
                               [--lams 0,0.25,...]
-                              [--variants refit,keep,fit,folds4,model,best,finalists3,best3]
+                              [--variants refit,keep,fit,folds4,model,best,finalistsN,bestN]
                               [--data ../shared/data/wikitext2]
 
 Calibrates on WikiText-2 ``valid.txt`` (16 x 256 tokens), measures embedding fidelity (mean cosine
@@ -48,8 +48,9 @@ def main() -> None:
                         help="auto variants: refit (one held-out split), keep (fit-half T), fit "
                              "(selection on the fitting tokens), folds4 (4-fold cross-fitting on "
                              "4,096 scored tokens), model (one lambda for the model, "
-                             "autobrake.scope: model), best (scope best), finalists3 / best3 "
-                             "(scope model / best with autobrake.finalists: 3)")
+                             "autobrake.scope: model), best (scope best), finalistsN / bestN "
+                             "(scope model / best with autobrake.finalists: N, 2 to the grid's "
+                             "size)")
     parser.add_argument("--lams", default=",".join(f"{lam:g}" for lam in DEFAULT_GRID),
                         help="the global lambdas to compare with (default: the whole grid)")
     parser.add_argument("--data", default=str(Path(__file__).resolve().parents[1].parent
@@ -60,9 +61,6 @@ def main() -> None:
                         help="calibration block length (with the tokenizer's [CLS]/[SEP])")
     args = parser.parse_args()
     data = Path(args.data)
-    model, tokenizer = load_model("minilm")
-    sentences = wikitext_sentences(data / "test.txt", args.sentences)
-    reference = mean_pooled_embeddings(model, tokenizer, sentences)
     seeds = [int(s) for s in args.seeds.split(",")]
     # (name, lambda, auto-brake settings)
     variants = {"refit": ("auto (refit)", "auto", AutoBrakeConfig()),
@@ -73,14 +71,21 @@ def main() -> None:
                 "model": ("auto, one lambda (scope model)", "auto",
                           AutoBrakeConfig(scope="model")),
                 "best": ("auto, per layer or one (best)", "auto",
-                         AutoBrakeConfig(scope="best")),
-                "finalists3": ("auto, one lambda of 3 finalists", "auto",
-                               AutoBrakeConfig(scope="model", finalists=3)),
-                "best3": ("auto, best with 3 finalists", "auto",
-                          AutoBrakeConfig(scope="best", finalists=3))}
+                         AutoBrakeConfig(scope="best"))}
+    for count in range(2, len(DEFAULT_GRID) + 1):  # finalistsN / bestN: N finalists
+        variants[f"finalists{count}"] = (f"auto, one lambda of {count} finalists", "auto",
+                                         AutoBrakeConfig(scope="model", finalists=count))
+        variants[f"best{count}"] = (f"auto, best with {count} finalists", "auto",
+                                    AutoBrakeConfig(scope="best", finalists=count))
     runs = [(f"lambda {float(lam):g}", float(lam), AutoBrakeConfig())
             for lam in args.lams.split(",")]
+    unknown = [v for v in args.variants.split(",") if v and v not in variants]
+    if unknown:
+        parser.error(f"unknown --variants {unknown}; choose from {', '.join(variants)}")
     runs += [variants[v] for v in args.variants.split(",") if v]
+    model, tokenizer = load_model("minilm")
+    sentences = wikitext_sentences(data / "test.txt", args.sentences)
+    reference = mean_pooled_embeddings(model, tokenizer, sentences)
     method = "RTN-KBBQ" if args.quantizer == "rtn" else "GPTQ-KBBQ"
     print(f"all-MiniLM-L6-v2, calibration {args.tokens} tokens of valid.txt in blocks of "
           f"{args.seq_len} (seeds {seeds}), "
@@ -95,9 +100,9 @@ def main() -> None:
                                         transform=TransformConfig("kbbq", lam=lam),
                                         weights=WeightsConfig(args.quantizer))
             quantize_model(copy.deepcopy(model), warm, config, progress=False)
-        rows = []
+        rows, compared = [], {}
         for name, lam, autobrake in runs:
-            fidelities, times, chosen, kept = [], [], [], []
+            fidelities, times, chosen, kept, trials = [], [], [], [], []
             for seed in seeds:
                 blocks = token_blocks(data / "valid.txt", tokenizer, n_tokens=args.tokens,
                                       seq_len=args.seq_len, seed=seed)
@@ -119,9 +124,12 @@ def main() -> None:
                     best_kept = report.model.get("autobrake_best", {}).get("kept", "model")
                     kept.append("layer" if best_kept == "layer"
                                 else f"{report.model['autobrake_model']['lam']:g}")
+                    trials.append(held_out_trials(report.model))
             rows.append((name, [f"{f:.5f}" + (f" ({k})" if k else "")
                                 for f, k in zip(fidelities, kept or [""] * len(seeds))],
                          fidelities, statistics.mean(times), chosen))
+            if any(trials):
+                compared[name] = trials
         fixed = [r for r in rows if r[0].startswith("lambda")]
         fixed_time = statistics.median(t for _, _, _, t, _ in fixed)
         best_name, _, best_fid, _, _ = max(fixed, key=lambda r: statistics.mean(r[2]))
@@ -139,6 +147,22 @@ def main() -> None:
                   + ", ".join(per_seed))
         print("(fidelity: mean over seeds; sd: across seeds; wins: seeds where the run is at "
               "least the best global lambda's fidelity on the same seed)")
+        for name, trials in compared.items():
+            print(f"{name}: held-out calibration divergence of each trial (fitted on the other "
+                  "sequences; smaller is closer)")
+            for seed, line in zip(seeds, trials):
+                print(f"  seed {seed}: {line}")
+
+
+def held_out_trials(model_report: dict) -> str:
+    """The divergences ``scope`` ``model`` / ``best`` compared, as one line (empty where one
+    finalist of ``scope: model`` was kept without a comparison)."""
+    divergences = {f"{lam:g}": value for lam, value
+                   in model_report["autobrake_model"].get("finalists", {}).items()}
+    if "autobrake_best" in model_report:
+        divergences["per layer"] = model_report["autobrake_best"]["divergence"]["layer"]
+    return ", ".join(f"{name}: {value:.5f}" for name, value
+                     in sorted(divergences.items(), key=lambda item: item[1]))
 
 
 if __name__ == "__main__":

@@ -79,10 +79,11 @@ def main() -> None:
                                     AutoBrakeConfig(scope="best", finalists=count))
     runs = [(f"lambda {float(lam):g}", float(lam), AutoBrakeConfig())
             for lam in args.lams.split(",")]
-    unknown = [v for v in args.variants.split(",") if v and v not in variants]
+    chosen_variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in chosen_variants if v not in variants]
     if unknown:
         parser.error(f"unknown --variants {unknown}; choose from {', '.join(variants)}")
-    runs += [variants[v] for v in args.variants.split(",") if v]
+    runs += [variants[v] for v in chosen_variants]
     model, tokenizer = load_model("minilm")
     sentences = wikitext_sentences(data / "test.txt", args.sentences)
     reference = mean_pooled_embeddings(model, tokenizer, sentences)

@@ -137,17 +137,22 @@ def main() -> None:
         best = statistics.mean(best_fid)
         print(f"\n{fmt}: best global lambda {best_name} ({best:.5f}, mean over seeds); "
               f"median fixed-lambda quantize time {fixed_time:.1f} s")
-        print(f"{'run':<30}{'fidelity':>10}{'sd':>9}{'vs best':>10}{'wins':>6}{'time s':>8}"
-              f"{'time ratio':>11}{'median lambda':>15}  per seed")
+        print(f"{'run':<30}{'fidelity':>10}{'sd':>9}{'vs best':>10}{'se':>9}{'wins':>6}"
+              f"{'time s':>8}{'time ratio':>11}{'median lambda':>15}  per seed")
         for name, per_seed, fidelities, seconds, chosen in rows:
             mean = statistics.mean(fidelities)
             sd = statistics.stdev(fidelities) if len(fidelities) > 1 else float("nan")
-            wins = sum(f >= b for f, b in zip(fidelities, best_fid))
-            print(f"{name:<30}{mean:10.5f}{sd:9.5f}{mean - best:+10.5f}{wins:>4}/{len(seeds)}"
-                  f"{seconds:8.1f}{seconds / fixed_time:11.2f}{statistics.median(chosen):15.3f}  "
-                  + ", ".join(per_seed))
-        print("(fidelity: mean over seeds; sd: across seeds; wins: seeds where the run is at "
-              "least the best global lambda's fidelity on the same seed)")
+            gaps = [f - b for f, b in zip(fidelities, best_fid)]
+            se = (statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1
+                  else float("nan"))
+            wins = sum(gap >= 0 for gap in gaps)
+            print(f"{name:<30}{mean:10.5f}{sd:9.5f}{mean - best:+10.5f}{se:9.5f}"
+                  f"{wins:>4}/{len(seeds)}{seconds:8.1f}{seconds / fixed_time:11.2f}"
+                  f"{statistics.median(chosen):15.3f}  " + ", ".join(per_seed))
+        print("(fidelity: mean over seeds; sd: across seeds; vs best: the mean of the per-seed "
+              "gaps to the best global lambda, se: their standard error (paired, same seeds); "
+              "wins: seeds where the run is at least the best global lambda's fidelity on the "
+              "same seed)")
         for name, trials in compared.items():
             print(f"{name}: held-out calibration divergence of each trial (fitted on the other "
                   "sequences; smaller is closer)")

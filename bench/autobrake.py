@@ -9,7 +9,8 @@ Calibrates on WikiText-2 ``valid.txt`` (16 x 256 tokens), measures embedding fid
 of mean-pooled embeddings to the FP model) on 512 sentences of ``test.txt``, for RTN-KBBQ (or
 GPTQ-KBBQ) at every lambda of the grid and for ``lam="auto"`` in three variants: the chosen lambda
 refitted on all tokens (default), the transform fitted on the fitting half kept, and selection on
-the fitting tokens instead of held-out ones (what the split is for).  Prints one table with the
+the fitting tokens instead of held-out ones (what the split is for).  Prints one table with
+each run's paired gap to the best global lambda (mean over seeds, and its standard error), the
 quantize time of each run and the ratio of auto's time to a fixed-lambda run.
 """
 

@@ -3,9 +3,10 @@
     python bench/autobrake.py [--formats nvfp4,mxfp4] [--quantizer rtn|gptq] [--seeds 0,1,2]
                               [--lams 0,0.25,...]
                               [--variants refit,keep,fit,folds4,model,best,finalistsN,bestN]
-                              [--data ../shared/data/wikitext2]
+                              [--calibration blocks|sentences] [--data ../shared/data/wikitext2]
 
-Calibrates on WikiText-2 ``valid.txt`` (16 x 256 tokens), measures embedding fidelity (mean cosine
+Calibrates on WikiText-2 ``valid.txt`` (16 x 256 tokens, or with ``--calibration sentences``
+whole sentences of about as many tokens, each its own sequence, unpadded), measures embedding fidelity (mean cosine
 of mean-pooled embeddings to the FP model) on 512 sentences of ``test.txt``, for RTN-KBBQ (or
 GPTQ-KBBQ) at every lambda of the grid and for ``lam="auto"`` in three variants: the chosen lambda
 refitted on all tokens (default), the transform fitted on the fitting half kept, and selection on
@@ -60,6 +61,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--seq-len", type=int, default=256,
                         help="calibration block length (with the tokenizer's [CLS]/[SEP])")
+    parser.add_argument("--calibration", choices=["blocks", "sentences"], default="blocks",
+                        help="blocks: --tokens in blocks of --seq-len; sentences: whole valid.txt "
+                             "sentences (as the test embeds), one per sequence, to --tokens")
     args = parser.parse_args()
     data = Path(args.data)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -89,14 +93,14 @@ def main() -> None:
     sentences = wikitext_sentences(data / "test.txt", args.sentences)
     reference = mean_pooled_embeddings(model, tokenizer, sentences)
     method = "RTN-KBBQ" if args.quantizer == "rtn" else "GPTQ-KBBQ"
-    print(f"all-MiniLM-L6-v2, calibration {args.tokens} tokens of valid.txt in blocks of "
-          f"{args.seq_len} (seeds {seeds}), "
+    shape = (f"in blocks of {args.seq_len}" if args.calibration == "blocks"
+             else "in whole sentences")
+    print(f"all-MiniLM-L6-v2, calibration {args.tokens} tokens of valid.txt {shape} "
+          f"(seeds {seeds}), "
           f"fidelity on {len(sentences)} test.txt sentences, {method}")
     for fmt in args.formats.split(","):
         # untimed: the first calls of a process compile the rounding kernels of each shape
-        blocks = token_blocks(data / "valid.txt", tokenizer, n_tokens=args.tokens,
-                              seq_len=args.seq_len)
-        warm = [{"input_ids": b, "attention_mask": torch.ones_like(b)} for b in blocks.split(4)]
+        warm = calibration(data, tokenizer, args, seed=0)
         for lam in (0.75, "auto"):
             config = QuantizationConfig(format=FormatConfig(fmt),
                                         transform=TransformConfig("kbbq", lam=lam),
@@ -106,10 +110,7 @@ def main() -> None:
         for name, lam, autobrake in runs:
             fidelities, times, chosen, kept, trials = [], [], [], [], []
             for seed in seeds:
-                blocks = token_blocks(data / "valid.txt", tokenizer, n_tokens=args.tokens,
-                                      seq_len=args.seq_len, seed=seed)
-                batches = [{"input_ids": b, "attention_mask": torch.ones_like(b)}
-                           for b in blocks.split(4)]
+                batches = calibration(data, tokenizer, args, seed)
                 candidate = copy.deepcopy(model)
                 config = QuantizationConfig(format=FormatConfig(fmt),
                                             transform=TransformConfig("kbbq", lam, seed=seed),
@@ -159,6 +160,34 @@ def main() -> None:
                   "sequences; smaller is closer)")
             for seed, line in zip(seeds, trials):
                 print(f"  seed {seed}: {line}")
+
+
+def calibration(data: Path, tokenizer, args: argparse.Namespace, seed: int
+                ) -> list[dict[str, torch.Tensor]]:
+    """The calibration batches of ``seed``: ``--tokens`` of ``valid.txt`` in blocks of
+    ``--seq-len`` (4 per batch), or whole sentences (``--calibration sentences``: a seeded
+    draw of eligible sentences, as the test's, each with [CLS]/[SEP], until ``--tokens``;
+    sentences of one length share a batch)."""
+    if args.calibration == "blocks":
+        blocks = token_blocks(data / "valid.txt", tokenizer, n_tokens=args.tokens,
+                              seq_len=args.seq_len, seed=seed)
+        return [{"input_ids": b, "attention_mask": torch.ones_like(b)} for b in blocks.split(4)]
+    sentences = wikitext_sentences(data / "valid.txt", None)
+    order = torch.randperm(len(sentences), generator=torch.Generator().manual_seed(seed))
+    chosen, tokens = [], 0
+    for i in order.tolist():
+        chosen.append(tokenizer(sentences[i], return_tensors="pt")["input_ids"][0])
+        tokens += len(chosen[-1])
+        if tokens >= args.tokens:
+            break
+    else:
+        raise ValueError(f"valid.txt has {tokens} tokens of sentences, fewer than {args.tokens}")
+    by_length: dict[int, list[torch.Tensor]] = {}
+    for ids in chosen:  # sentences of one length share batches (of up to 4): nothing padded
+        by_length.setdefault(len(ids), []).append(ids)
+    return [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            for length in sorted(by_length)
+            for ids in torch.stack(by_length[length]).split(4)]
 
 
 def held_out_trials(model_report: dict) -> str:

@@ -34,24 +34,36 @@ DEFAULT_GRID: tuple[float, ...] = (0.0, 0.25, 0.5, 0.625, 0.75, 0.875, 1.0)
 
 
 class _PooledRows:
-    """The rows (sequences) of all calibration batches, pooled, to be re-batched by index."""
+    """The rows (sequences) of all calibration batches, pooled, to be re-batched by index.
+
+    Sequences may differ in length from batch to batch (e.g. one sentence per batch, unpadded):
+    a new batch then starts wherever the length changes, so no sequence is padded or cut."""
 
     def __init__(self, batches: Sequence[Mapping[str, Tensor]]) -> None:
         self.keys = list(batches[0].keys()) if batches else []
         if not self.keys:
             raise ValueError("the calibration set is empty: no batches")
-        self.pooled = {k: torch.cat([b[k] for b in batches]) for k in self.keys}
-        self.rows = len(self.pooled[self.keys[0]])
+        self.pooled = [{k: b[k][i:i + 1] for k in self.keys}
+                       for b in batches for i in range(len(b[self.keys[0]]))]
+        self.rows = len(self.pooled)
         self.batch_size = len(batches[0][self.keys[0]])
 
     def permutation(self, seed: int) -> Tensor:
         return torch.randperm(self.rows, generator=torch.Generator().manual_seed(seed))
 
     def rebatch(self, index: Tensor) -> list[dict[str, Tensor]]:
-        """The rows ``index`` in their original order, in batches of the original size."""
-        index, size = index.sort().values, self.batch_size
-        return [{k: self.pooled[k][index[i:i + size]] for k in self.keys}
-                for i in range(0, len(index), size)]
+        """The rows ``index`` in their original order, in batches of the original size (one
+        more batch wherever the sequence length changes)."""
+        groups: list[list[dict[str, Tensor]]] = []
+        for i in index.sort().values.tolist():
+            row = self.pooled[i]
+            last = groups[-1] if groups else None
+            if (last is None or len(last) == self.batch_size
+                    or any(last[0][k].shape != row[k].shape for k in self.keys)):
+                groups.append([row])
+            else:
+                last.append(row)
+        return [{k: torch.cat([row[k] for row in group]) for k in self.keys} for group in groups]
 
 
 def split_sequences(

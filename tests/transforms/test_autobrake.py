@@ -82,6 +82,56 @@ def test_folds_are_deterministic_disjoint_balanced_and_complete():
         fold_sequences(batches, 12)
 
 
+def _sentences(lengths: list[int]) -> list[dict[str, torch.Tensor]]:
+    """One unpadded sequence per batch, of the given lengths (an encoder calibrated on
+    sentences); row ``r`` starts with token ``r``."""
+    return [{"input_ids": torch.arange(r, r + n)[None],
+             "attention_mask": torch.ones(1, n, dtype=torch.long)}
+            for r, n in enumerate(lengths)]
+
+
+def test_split_and_folds_keep_sequences_of_different_lengths_whole():
+    lengths = [5, 9, 7, 5, 12, 6, 8, 5, 11, 7]
+    batches = _sentences(lengths) + [{"input_ids": torch.stack([torch.arange(10, 16)] * 2),
+                                      "attention_mask": torch.ones(2, 6, dtype=torch.long)}]
+    for parts in (split_sequences(batches, 0.5, seed=3), fold_sequences(batches, 3, seed=3)):
+        rows = [row for part in parts for batch in part for row in batch["input_ids"]]
+        assert sorted((len(r), int(r[0])) for r in rows) == sorted(
+            [(n, r) for r, n in enumerate(lengths)] + [(6, 10), (6, 10)])
+        for part in parts:
+            for batch in part:
+                assert batch["input_ids"].shape == batch["attention_mask"].shape
+                assert batch["attention_mask"].all()  # nothing padded, nothing cut
+                assert (batch["input_ids"][:, 1:] - batch["input_ids"][:, :-1] == 1).all()
+
+
+@pytest.mark.parametrize("scope", ["layer", "model"])
+def test_auto_lambda_calibrates_on_sequences_of_different_lengths(scope):
+    """An encoder calibrated on whole sentences, one per batch: the auto-brake splits and
+    compares them whole; the chosen lambda's run is the fixed recipe's, bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    batches = [{"input_ids": torch.randint(0, 256, (1, n), generator=g),
+                "attention_mask": torch.ones(1, n, dtype=torch.long)}
+               for n in (12, 30, 17, 25, 9, 21, 14, 28)]
+    config = QuantizationConfig(
+        transform=TransformConfig(lam="auto"),
+        autobrake=AutoBrakeConfig(grid=(0.25, 0.75), scope=scope,
+                                  finalists=2 if scope == "model" else 1))
+    model = tiny_model("llama")
+    report = quantize_model(model, batches, config, progress=False)
+    assert quantize_model(tiny_model("llama"), batches, config, progress=False).to_dict()[
+        "autobrake"] == report.to_dict()["autobrake"]
+    if scope == "model":
+        kept = report.model["autobrake_model"]["lam"]
+        assert set(report.model["autobrake_model"]["finalists"]) == {0.25, 0.75}
+        fixed = tiny_model("llama")
+        quantize_model(fixed, batches, replace(config, transform=replace(config.transform,
+                                                                       lam=kept)),
+                       progress=False)
+        ours, theirs = quantized_linears(model), quantized_linears(fixed)
+        assert all(torch.equal(ours[n].weight.qdata, theirs[n].weight.qdata) for n in ours)
+
+
 def test_cross_fitting_pools_each_fold_scored_with_the_other_folds_fit():
     g = torch.Generator().manual_seed(3)
     weight = torch.randn(40, 32, generator=g)

@@ -20,13 +20,14 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from kbbq_pl.eval.evaluation import cosine_summary, mean_pooled_embeddings, wikitext_sentences
-from kbbq_pl.io.data import token_blocks
+from kbbq_pl.io.data import batches_by_length, token_blocks, token_records
 from kbbq_pl.io.models import load_model
 from kbbq_pl.quant import (
     AutoBrakeConfig,
@@ -165,29 +166,21 @@ def main() -> None:
 def calibration(data: Path, tokenizer, args: argparse.Namespace, seed: int
                 ) -> list[dict[str, torch.Tensor]]:
     """The calibration batches of ``seed``: ``--tokens`` of ``valid.txt`` in blocks of
-    ``--seq-len`` (4 per batch), or whole sentences (``--calibration sentences``: a seeded
-    draw of eligible sentences, as the test's, each with [CLS]/[SEP], until ``--tokens``;
-    sentences of one length share a batch)."""
+    ``--seq-len`` (4 per batch), or whole sentences (``--calibration sentences``: the
+    eligible sentences, chosen as the test's, one per line, drawn as
+    ``CalibrationDataModule(packing=False)`` draws records, until ``--tokens``)."""
     if args.calibration == "blocks":
         blocks = token_blocks(data / "valid.txt", tokenizer, n_tokens=args.tokens,
                               seq_len=args.seq_len, seed=seed)
         return [{"input_ids": b, "attention_mask": torch.ones_like(b)} for b in blocks.split(4)]
-    sentences = wikitext_sentences(data / "valid.txt", None)
-    order = torch.randperm(len(sentences), generator=torch.Generator().manual_seed(seed))
-    chosen, tokens = [], 0
-    for i in order.tolist():
-        chosen.append(tokenizer(sentences[i], return_tensors="pt")["input_ids"][0])
-        tokens += len(chosen[-1])
-        if tokens >= args.tokens:
-            break
-    else:
-        raise ValueError(f"valid.txt has {tokens} tokens of sentences, fewer than {args.tokens}")
-    by_length: dict[int, list[torch.Tensor]] = {}
-    for ids in chosen:  # sentences of one length share batches (of up to 4): nothing padded
-        by_length.setdefault(len(ids), []).append(ids)
-    return [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-            for length in sorted(by_length)
-            for ids in torch.stack(by_length[length]).split(4)]
+    # one sentence per line: the records CalibrationDataModule(packing=False) calibrates on
+    with tempfile.TemporaryDirectory() as folder:
+        sentences = Path(folder) / "valid_sentences.txt"
+        sentences.write_text("\n".join(wikitext_sentences(data / "valid.txt", None)) + "\n",
+                             encoding="utf-8")
+        records = token_records(sentences, tokenizer, n_tokens=args.tokens,
+                                max_len=args.seq_len, seed=seed)
+    return batches_by_length(records, 4)
 
 
 def held_out_trials(model_report: dict) -> str:

@@ -12,6 +12,9 @@ wraps it for Lightning.  Sources:
 * ``"random"``: the paper's random corpus (its ablation), tokens uniform over the tokenizer's
   vocabulary (its special tokens excluded), seeded.
 
+:func:`token_records` (``CalibrationDataModule(packing=False)``) keeps each record whole
+instead, one per sequence, for a sentence encoder.
+
 Each block is ``seq_len`` tokens including the tokenizer's own special tokens (``[CLS] ...
 [SEP]`` for BERT, ``<s> ...`` for Llama).  Blocks are distinct, non-overlapping windows of the
 token stream chosen with the seed; the token budget ``n_tokens`` counts every token of every
@@ -38,7 +41,10 @@ RANDOM = "random"
 MIXED = "mixed"
 
 
-def _read_text(source: str | Path, text_key: str) -> str:
+def _read_records(source: str | Path, text_key: str) -> tuple[list[str], str]:
+    """The records of a local source and how they join into one stream: a ``.jsonl`` file's
+    ``text_key`` fields (joined by newlines), or a text file's non-empty lines (its text as
+    written); ``"mixed"`` is the shipped corpus (jsonl)."""
     if str(source) == MIXED:
         from ..resources import calibration_corpus
 
@@ -61,11 +67,12 @@ def _read_text(source: str | Path, text_key: str) -> str:
                     raise ValueError(f"{path}:{number}: no {text_key!r} field "
                                      f"(fields: {sorted(record)}); pass text_key=")
                 texts.append(str(record[text_key]))
-        return "\n".join(texts)
-    return path.read_text(encoding="utf-8")
+        return texts, "\n".join(texts)
+    text = path.read_text(encoding="utf-8")
+    return [line.strip() for line in text.splitlines() if line.strip()], text
 
 
-def _dataset_text(source: Any, text_key: str) -> str:
+def _dataset_records(source: Any, text_key: str) -> list[str]:
     if isinstance(source, str):
         import datasets
 
@@ -75,7 +82,16 @@ def _dataset_text(source: Any, text_key: str) -> str:
         source = datasets.load_dataset(path, config, split=split)
     if text_key not in source.column_names:
         raise ValueError(f"dataset has no {text_key!r} column (columns: {source.column_names})")
-    return "\n".join(str(t) for t in source[text_key])
+    return [str(t) for t in source[text_key]]
+
+
+def _source_records(source: Any, text_key: str) -> tuple[list[str], str]:
+    """The records of a text source (file, ``"mixed"``, ``hf:`` or a dataset) and the one
+    stream they make."""
+    if isinstance(source, (str, Path)) and not str(source).startswith("hf:"):
+        return _read_records(source, text_key)
+    records = _dataset_records(source, text_key)
+    return records, "\n".join(records)
 
 
 def random_tokens(vocab_size: int, count: int, seed: int,
@@ -137,10 +153,7 @@ def token_blocks(
         if tokenizer is None:
             raise ValueError(f"calibration source {source!r} is text: it needs a tokenizer (a "
                              "model without one calibrates on source 'random')")
-        if isinstance(source, (str, Path)) and not str(source).startswith("hf:"):
-            text = _read_text(source, text_key)
-        else:
-            text = _dataset_text(source, text_key)
+        text = _source_records(source, text_key)[1]
         ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False,
                         verbose=False)["input_ids"]
         available = len(ids) // body
@@ -164,12 +177,60 @@ def token_blocks(
     return blocks
 
 
+def token_records(
+    source: Any,
+    tokenizer: Any,
+    *,
+    n_tokens: int,
+    max_len: int,
+    seed: int = 0,
+    text_key: str = "text",
+) -> list[Tensor]:
+    """Whole records of ``source`` as token sequences (int64, 1-D), one record per sequence:
+    a seeded draw of the records (a text file's non-empty lines, a jsonl file's or a dataset's
+    ``text_key`` fields), each tokenized with the tokenizer's special tokens and cut at
+    ``max_len`` tokens, until ``n_tokens`` tokens; nothing is packed or padded (what a
+    sentence encoder embeds: docs/results/2026-11-27-autobrake-criteria.md)."""
+    if n_tokens < 1 or max_len < 2:
+        raise ValueError(f"need n_tokens >= 1 and max_len >= 2, got {n_tokens} and {max_len}")
+    if tokenizer is None or (isinstance(source, str) and source == RANDOM):
+        raise ValueError(f"calibration on whole records needs text and a tokenizer, got source "
+                         f"{source!r}{'' if tokenizer is not None else ' without a tokenizer'}")
+    records = _source_records(source, text_key)[0]
+    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed))
+    chosen: list[Tensor] = []
+    total = 0
+    for index in order.tolist():
+        ids = tokenizer(records[index], truncation=True, max_length=max_len,
+                        return_attention_mask=False, verbose=False)["input_ids"]
+        chosen.append(torch.tensor(ids, dtype=torch.long))
+        total += len(ids)
+        if total >= n_tokens:
+            return chosen
+    raise ValueError(f"calibration source {source!r} has {len(records)} records of {total} "
+                     f"tokens, fewer than n_tokens={n_tokens}")
+
+
+def batches_by_length(sequences: list[Tensor], batch_size: int) -> list[dict[str, Tensor]]:
+    """Sequences of one length share batches of up to ``batch_size`` (shortest first, each
+    length's in the given order), so none is padded."""
+    by_length: dict[int, list[Tensor]] = {}
+    for ids in sequences:
+        by_length.setdefault(len(ids), []).append(ids)
+    return [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            for length in sorted(by_length)
+            for ids in torch.stack(by_length[length]).split(batch_size)]
+
+
 class CalibrationDataModule(LightningDataModule):
     """Fixed-length token blocks for calibration (and, through the same pipeline, fine-tuning).
 
     Batches are dicts ``{"input_ids", "attention_mask"}`` of shape ``[batch, seq_len]``; the
-    blocks hold no padding, so every token counts.  ``tokenizer`` is a tokenizer object or a
-    local path it loads from.
+    blocks hold no padding, so every token counts.  With ``packing=False`` each record of the
+    source (a line of a text file, a jsonl record) is its own sequence instead, cut at
+    ``seq_len`` (:func:`token_records`), and records of one length share a batch: what a
+    sentence encoder should calibrate on.  ``tokenizer`` is a tokenizer object or a local path
+    it loads from.
     """
 
     def __init__(
@@ -182,6 +243,7 @@ class CalibrationDataModule(LightningDataModule):
         seed: int = 0,
         text_key: str = "text",
         vocab_size: int | None = None,
+        packing: bool = True,
     ) -> None:
         super().__init__()
         self.source = source
@@ -192,7 +254,9 @@ class CalibrationDataModule(LightningDataModule):
         self.seed = seed
         self.text_key = text_key
         self.vocab_size = vocab_size
+        self.packing = packing
         self.blocks: Tensor | None = None
+        self.records: list[Tensor] | None = None
 
     def _tokenizer(self):
         if isinstance(self.tokenizer, (str, Path)):
@@ -202,7 +266,12 @@ class CalibrationDataModule(LightningDataModule):
         return self.tokenizer
 
     def setup(self, stage: str | None = None) -> None:
-        if self.blocks is None:
+        if not self.packing:
+            if self.records is None:
+                self.records = token_records(
+                    self.source, self._tokenizer(), n_tokens=self.n_tokens, max_len=self.seq_len,
+                    seed=self.seed, text_key=self.text_key)
+        elif self.blocks is None:
             self.blocks = token_blocks(
                 self.source, self._tokenizer(), n_tokens=self.n_tokens, seq_len=self.seq_len,
                 seed=self.seed, text_key=self.text_key, vocab_size=self.vocab_size,
@@ -214,8 +283,11 @@ class CalibrationDataModule(LightningDataModule):
                           collate_fn=_collate)
 
     def calibration_dataloader(self) -> DataLoader:
-        """The calibration blocks in a fixed order."""
+        """The calibration blocks (or records) in a fixed order."""
         self.setup()
+        if not self.packing:
+            assert self.records is not None
+            return DataLoader(batches_by_length(self.records, self.batch_size), batch_size=None)
         assert self.blocks is not None
         return self._loader(self.blocks)
 

@@ -98,6 +98,22 @@ def test_default_main_job_on_minilm(tmp_path, capsys):
         assert torch.isfinite(reloaded(**batch).last_hidden_state).all()
 
 
+
+def test_a_sentence_encoder_calibrates_on_whole_sentences(tmp_path):
+    """``--data.init_args.packing false``: each line of the source is its own sequence, the
+    auto-brake included (sequences of different lengths, unpadded)."""
+    sentences = tmp_path / "sentences.txt"
+    sentences.write_text("\n".join(f"Sentence {i} is about {' and '.join(['tea'] * (i % 9))} "
+                                    "nothing else." for i in range(120)) + "\n")
+    out = tmp_path / "sentences"
+    assert main(["quantize", "--config", "rtn_kbbq_nvfp4_auto", "--output_dir", str(out),
+                 "--data.init_args.source", str(sentences), "--data.init_args.packing", "false",
+                 "--data.init_args.n_tokens", "512", "--data.init_args.seq_len", "64"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert 512 <= report["model"]["calibration_tokens"] < 512 + 64
+    assert len(report["autobrake"]) == 36 and report["model"]["fidelity_mean_cosine"] > 0.9
+    assert "packing: false" in (out / "recipe.yaml").read_text()
+
 def test_packaged_recipe_names_and_sweep(tiny_llama_dir, tmp_path):
     out = tmp_path / "sweep"
     code = main(["sweep", "--config", "rtn_kbbq_nvfp4_lam0.75", "--model", str(tiny_llama_dir),

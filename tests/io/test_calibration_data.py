@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from kbbq_pl.io.data import CalibrationDataModule, token_blocks
+from kbbq_pl.io.data import CalibrationDataModule, token_blocks, token_records
 from kbbq_pl.io.models import load_model
 
 
@@ -50,3 +50,39 @@ def test_datamodule_batches(minilm):
     batches = list(dm.calibration_dataloader())
     assert [b["input_ids"].shape[0] for b in batches] == [3, 3, 2]
     assert all((b["attention_mask"] == 1).all() for b in batches)
+
+
+def test_whole_records_unpacked_and_grouped_by_length(minilm, tmp_path):
+    """``packing=False``: each line is its own sequence ([CLS] ... [SEP], cut at ``seq_len``),
+    a seeded draw until the budget; lines of one length share a batch, nothing is padded."""
+    _, tokenizer = minilm
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    lines = [" ".join(words[: 1 + i % 8]) + f" line {i}" for i in range(60)]
+    lines[7] = " ".join(["word"] * 100)  # longer than seq_len: cut, not dropped
+    source = tmp_path / "sentences.txt"
+    source.write_text("\n".join(lines) + "\n\n")
+    dm = CalibrationDataModule(source, tokenizer, n_tokens=200, seq_len=32, batch_size=2,
+                               seed=1, packing=False)
+    batches = list(dm.calibration_dataloader())
+    again = list(CalibrationDataModule(source, tokenizer, n_tokens=200, seq_len=32,
+                                       batch_size=2, seed=1,
+                                       packing=False).calibration_dataloader())
+    assert [b["input_ids"].tolist() for b in batches] == [b["input_ids"].tolist() for b in again]
+    rows = [row for b in batches for row in b["input_ids"]]
+    drawn = token_records(source, tokenizer, n_tokens=200, max_len=32, seed=1)
+    assert sorted(map(tuple, rows)) == sorted(tuple(r.tolist()) for r in drawn)
+    assert sum(map(len, drawn)) >= 200 > sum(map(len, drawn[:-1]))  # stops at the budget
+    assert all(len(b["input_ids"]) <= 2 and (b["attention_mask"] == 1).all() for b in batches)
+    assert [b["input_ids"].shape[1] for b in batches] == sorted(
+        b["input_ids"].shape[1] for b in batches)
+    decoded = {tokenizer.decode(row[1:-1]) for row in rows}
+    assert all(row[0] == tokenizer.cls_token_id and row[-1] == tokenizer.sep_token_id
+               and len(row) <= 32 for row in rows)
+    assert decoded <= {line.lower() for line in lines} | {" ".join(["word"] * 30)}
+    other = CalibrationDataModule(source, tokenizer, n_tokens=200, seq_len=32, batch_size=2,
+                                  seed=2, packing=False).calibration_dataloader()
+    assert decoded != {tokenizer.decode(row[1:-1]) for b in other for row in b["input_ids"]}
+    with pytest.raises(ValueError, match="fewer than n_tokens=100000"):
+        CalibrationDataModule(source, tokenizer, n_tokens=100000, packing=False).setup()
+    with pytest.raises(ValueError, match="whole records needs text"):
+        CalibrationDataModule("random", tokenizer, packing=False).setup()

@@ -3,10 +3,13 @@
     python bench/autobrake.py [--formats nvfp4,mxfp4] [--quantizer rtn|gptq] [--seeds 0,1,2]
                               [--lams 0,0.25,...]
                               [--variants refit,keep,fit,folds4,model,best,finalistsN,bestN]
-                              [--calibration blocks|sentences] [--data ../shared/data/wikitext2]
+                              [--calibration blocks|sentences|mixed|mixed-records]
+                              [--data ../shared/data/wikitext2]
 
 Calibrates on WikiText-2 ``valid.txt`` (16 x 256 tokens, or with ``--calibration sentences``
-whole sentences of about as many tokens, each its own sequence, unpadded), measures embedding
+whole sentences of about as many tokens, each its own sequence, unpadded; ``mixed`` /
+``mixed-records``: the shipped corpus as the recipes draw it, packed into 256-token blocks or one
+record per sequence, ``--data.init_args.packing false``), measures embedding
 fidelity (mean cosine of mean-pooled embeddings to the FP model) on 512 sentences of
 ``test.txt``, for RTN-KBBQ (or GPTQ-KBBQ) at every lambda of the grid and for ``lam="auto"`` in
 three variants: the chosen lambda refitted on all tokens (default), the transform fitted on the
@@ -29,7 +32,13 @@ from pathlib import Path
 import torch
 
 from kbbq_pl.eval.evaluation import cosine_summary, mean_pooled_embeddings, wikitext_sentences
-from kbbq_pl.io.data import batches_by_length, token_blocks, token_records
+from kbbq_pl.io.data import (
+    MIXED,
+    CalibrationDataModule,
+    batches_by_length,
+    token_blocks,
+    token_records,
+)
 from kbbq_pl.io.models import load_model
 from kbbq_pl.quant import (
     AutoBrakeConfig,
@@ -64,9 +73,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--seq-len", type=int, default=256,
                         help="calibration block length (with the tokenizer's [CLS]/[SEP])")
-    parser.add_argument("--calibration", choices=["blocks", "sentences"], default="blocks",
-                        help="blocks: --tokens in blocks of --seq-len; sentences: whole valid.txt "
-                             "sentences (as the test embeds), one per sequence, to --tokens")
+    parser.add_argument("--calibration", default="blocks",
+                        choices=["blocks", "sentences", "mixed", "mixed-records"],
+                        help="blocks: --tokens of valid.txt in blocks of --seq-len; sentences: "
+                             "whole valid.txt sentences (as the test embeds), one per sequence, "
+                             "to --tokens; mixed / mixed-records: the shipped corpus, drawn by "
+                             "CalibrationDataModule as a recipe draws it (batches of 8), packed "
+                             "or one record per sequence")
     args = parser.parse_args()
     data = Path(args.data)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -96,9 +109,11 @@ def main() -> None:
     sentences = wikitext_sentences(data / "test.txt", args.sentences)
     reference = mean_pooled_embeddings(model, tokenizer, sentences)
     method = "RTN-KBBQ" if args.quantizer == "rtn" else "GPTQ-KBBQ"
-    shape = (f"in blocks of {args.seq_len}" if args.calibration == "blocks"
-             else "in whole sentences")
-    print(f"all-MiniLM-L6-v2, calibration {args.tokens} tokens of valid.txt {shape} "
+    shape = {"blocks": f"of valid.txt in blocks of {args.seq_len}",
+             "sentences": "of valid.txt in whole sentences",
+             "mixed": f"of the shipped corpus in blocks of {args.seq_len}",
+             "mixed-records": "of the shipped corpus in whole records"}[args.calibration]
+    print(f"all-MiniLM-L6-v2, calibration {args.tokens} tokens {shape} "
           f"(seeds {seeds}), "
           f"fidelity on {len(sentences)} test.txt sentences, {method}")
     calibrations = {seed: calibration(data, tokenizer, args, seed) for seed in {0, *seeds}}
@@ -171,7 +186,13 @@ def calibration(data: Path, tokenizer, args: argparse.Namespace, seed: int
     """The calibration batches of ``seed``: ``--tokens`` of ``valid.txt`` in blocks of
     ``--seq-len`` (4 per batch), or whole sentences (``--calibration sentences``: the
     eligible sentences, chosen as the test's, one per line, drawn as
-    ``CalibrationDataModule(packing=False)`` draws records, until ``--tokens``)."""
+    ``CalibrationDataModule(packing=False)`` draws records, until ``--tokens``), or the
+    shipped corpus as a recipe draws it (``mixed``, ``mixed-records``)."""
+    if args.calibration.startswith("mixed"):
+        module = CalibrationDataModule(MIXED, tokenizer, n_tokens=args.tokens,
+                                       seq_len=args.seq_len, batch_size=8, seed=seed,
+                                       packing=args.calibration == "mixed")
+        return list(module.calibration_dataloader())
     if args.calibration == "blocks":
         blocks = token_blocks(data / "valid.txt", tokenizer, n_tokens=args.tokens,
                               seq_len=args.seq_len, seed=seed)

@@ -54,21 +54,25 @@ def hf_model(pl_module: nn.Module, attr: str | None = "model") -> nn.Module:
     return pl_module
 
 
-def calibration_batches(trainer: Trainer, source: Any) -> list[Mapping[str, Tensor]]:
-    """This rank's share of the calibration batches.
+def calibration_batches(trainer: Trainer, source: Any, model: nn.Module | None = None
+                        ) -> list[Mapping[str, Tensor]]:
+    """This rank's share of the calibration batches for ``model``.
 
     ``source``: a dataloader or sequence of batches; else the trainer's datamodule's
-    ``calibration_dataloader()`` (a :class:`~kbbq_pl.io.data.CalibrationDataModule`) or its
+    ``calibration_dataloader()`` (a :class:`~kbbq_pl.io.data.CalibrationDataModule`, its
+    ``packing`` settled for ``model`` by ``for_model`` when one is given) or its
     ``train_dataloader()``.  Batches are dealt round-robin to the ranks.
     """
     if source is None:
-        datamodule = getattr(trainer, "datamodule", None)
-        if datamodule is None:
+        source = getattr(trainer, "datamodule", None)
+        if source is None:
             raise ValueError("KBBQ needs calibration data: pass calibration= (a dataloader or a "
                              "CalibrationDataModule) or fit with a datamodule")
-        loader = getattr(datamodule, "calibration_dataloader", None) or datamodule.train_dataloader
-        source = loader()
-    elif hasattr(source, "calibration_dataloader"):
+        if not hasattr(source, "calibration_dataloader"):
+            source = source.train_dataloader()
+    if model is not None and hasattr(source, "for_model"):
+        source.for_model(model)
+    if hasattr(source, "calibration_dataloader"):
         source = source.calibration_dataloader()
     batches = list(source)
     if not batches:
@@ -119,7 +123,7 @@ class CalibrationStatistics(Callback):
         modules = find_linears(model, self.targets, self.ignore)
         collector = StatisticsCollector(modules, self.block, self.keep_samples, full=self.full)
         with collector.hooks():
-            run_calibration(model, calibration_batches(trainer, self.calibration))
+            run_calibration(model, calibration_batches(trainer, self.calibration, model))
         collector.reduce(_collectives(trainer).get("reduce_sum", lambda t: t))
         collector.check_nonempty()
         self.collector = collector
@@ -212,7 +216,7 @@ class KBBQ(Callback):
         model = hf_model(pl_module, self.model_attr)
         device = trainer.strategy.root_device
         model.to("cpu" if self.offload else device)
-        batches = calibration_batches(trainer, self.calibration)
+        batches = calibration_batches(trainer, self.calibration, model)
         trainable = self.trainable if self.trainable is not None else (
             stage == "fit" and not self.calibrate_only and self.config.weights.quantizer == "rtn")
         self.report = quantize_model(model, batches, self.config, trainable=trainable, progress=trainer.is_global_zero,

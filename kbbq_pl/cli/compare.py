@@ -245,13 +245,15 @@ def run_compare(
     durations: list[float] = []
     bar = tqdm(list(zip(recipes, loaded)), desc="compare", disable=not progress, unit="recipe")
     for index, (name, (data, config, stem)) in enumerate(bar):
+        data.tokenizer = tokenizer
+        data.for_model(model)
         settings = {**common, "recipe": config.to_dict(),
                     "calibration": {"source": str(data.source), "n_tokens": data.n_tokens,
-                                    "seq_len": data.seq_len, "seed": data.seed}}
+                                    "seq_len": data.seq_len, "seed": data.seed,
+                                    "packing": data.packing}}
         row = cached(stem, settings)
         if row is None:
             begin = time.perf_counter()
-            data.tokenizer = tokenizer
             batches = [{k: v.to(device_) if isinstance(v, torch.Tensor) else v
                         for k, v in batch.items()} for batch in data.calibration_dataloader()]
             candidate = copy.deepcopy(model)

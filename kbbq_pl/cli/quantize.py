@@ -194,8 +194,19 @@ def _calibration(args, model: nn.Module, tokenizer: Any, device: torch.device) -
         data.source = RANDOM
     if tokenizer is None and data.vocab_size is None:
         data.vocab_size = model.config.vocab_size
+    data.for_model(model)
     return [{key: value.to(device) if isinstance(value, torch.Tensor) else value
              for key, value in batch.items()} for batch in data.calibration_dataloader()]
+
+
+def _calibration_shape(args, config) -> dict[str, str]:
+    """The calibration source and how it was cut, for the report; the settled ``packing``
+    also goes into the written ``recipe.yaml`` (rerunning it gives the same batches)."""
+    data = args.data
+    config.data.init_args.packing = data.packing
+    return {"calibration_source": str(data.source),
+            "calibration_sequences": (f"packed blocks of {data.seq_len} tokens" if data.packs
+                                      else f"whole records (at most {data.seq_len} tokens)")}
 
 
 def run_quantize(argv: list[str]) -> int:
@@ -220,8 +231,7 @@ def _quantize_in_memory(args, parser: ArgumentParser, config, start: float,
     if not launch.writes:
         return 0
     report.model.update(probe.measure(model), model=str(args.model), calibration_tokens=tokens,
-                        calibration_source=str(args.data.source),
-                        processes=launch.world_size)
+                        **_calibration_shape(args, config), processes=launch.world_size)
     metadata = {"config": recipe.to_dict(), "model": str(args.model)}
     report.seconds["command"] = time.perf_counter() - start
     config.eval_sentences = report.model["fidelity_samples"]  # what was used, not asked
@@ -259,8 +269,7 @@ def _quantize_streamed(args, parser: ArgumentParser, config, start: float,
     def reports(report) -> dict[str, str]:
         report.model.update(fidelity=fidelity, model=str(args.model),
                             calibration_tokens=tokens["all"],
-                            calibration_source=str(args.data.source),
-                            processes=launch.world_size)
+                            **_calibration_shape(args, config), processes=launch.world_size)
         report.seconds["command"] = time.perf_counter() - start
         return {"recipe.yaml": parser.dump(config), **report_files(report)}
 

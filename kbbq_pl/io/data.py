@@ -229,8 +229,10 @@ class CalibrationDataModule(LightningDataModule):
     blocks hold no padding, so every token counts.  With ``packing=False`` each record of the
     source (a line of a text file, a jsonl record) is its own sequence instead, cut at
     ``seq_len`` (:func:`token_records`), and records of one length share a batch: what a
-    sentence encoder should calibrate on.  ``tokenizer`` is a tokenizer object or a local path
-    it loads from.
+    sentence encoder should calibrate on.  ``packing=None`` (the default) leaves it to the model
+    (:meth:`for_model`, which the CLI and the KBBQ callback call): packed for a causal LM, whole
+    records for any other model with text to read; packed where no model says.  ``tokenizer``
+    is a tokenizer object or a local path it loads from.
     """
 
     def __init__(
@@ -243,7 +245,7 @@ class CalibrationDataModule(LightningDataModule):
         seed: int = 0,
         text_key: str = "text",
         vocab_size: int | None = None,
-        packing: bool = True,
+        packing: bool | None = None,
     ) -> None:
         super().__init__()
         self.source = source
@@ -258,6 +260,24 @@ class CalibrationDataModule(LightningDataModule):
         self.blocks: Tensor | None = None
         self.records: list[Tensor] | None = None
 
+    def for_model(self, model: Any) -> CalibrationDataModule:
+        """Settle ``packing=None`` for ``model``: a causal LM is scored on running text, so it
+        calibrates on packed blocks; an encoder embeds one text at a time, so it calibrates on
+        whole records (every lambda from 0.5 up gains on MiniLM:
+        docs/results/2026-11-27-packing-default.md), unless there is no text (``random``, or
+        no tokenizer).  An explicit ``packing`` is kept."""
+        from .checkpoint import is_causal_model
+
+        if self.packing is None:
+            self.packing = (is_causal_model(model) or self.tokenizer is None
+                            or (isinstance(self.source, str) and self.source == RANDOM))
+        return self
+
+    @property
+    def packs(self) -> bool:
+        """Whether the sequences are packed blocks (``packing`` True, or None unsettled)."""
+        return self.packing is not False
+
     def _tokenizer(self):
         if isinstance(self.tokenizer, (str, Path)):
             from transformers import AutoTokenizer
@@ -266,7 +286,7 @@ class CalibrationDataModule(LightningDataModule):
         return self.tokenizer
 
     def setup(self, stage: str | None = None) -> None:
-        if not self.packing:
+        if not self.packs:
             if self.records is None:
                 self.records = token_records(
                     self.source, self._tokenizer(), n_tokens=self.n_tokens, max_len=self.seq_len,
@@ -285,7 +305,7 @@ class CalibrationDataModule(LightningDataModule):
     def calibration_dataloader(self) -> DataLoader:
         """The calibration blocks (or records) in a fixed order."""
         self.setup()
-        if not self.packing:
+        if not self.packs:
             assert self.records is not None
             return DataLoader(batches_by_length(self.records, self.batch_size), batch_size=None)
         assert self.blocks is not None

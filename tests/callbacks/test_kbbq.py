@@ -225,3 +225,24 @@ def test_fit_with_stored_codes_decodes_each_weight_once(tmp_path, monkeypatch):
     trainer(tmp_path, [KBBQ(gptq), Count()], max_steps=3,
             enable_checkpointing=False).fit(module, datamodule=datamodule())
     assert per_step == [14, 0, 0]
+
+
+def test_calibration_batches_settle_packing_for_the_model():
+    """The trainer's ``CalibrationDataModule`` with ``packing`` unset reads whole records for an
+    encoder and packed blocks for a causal LM (``for_model``)."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kbbq_pl.callbacks import calibration_batches
+    from kbbq_pl.io.models import load_model
+
+    encoder, tokenizer = load_model("minilm")
+    causal = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                          num_hidden_layers=1, num_attention_heads=2))
+    for model, packed in ((encoder, False), (causal, True)):
+        data = CalibrationDataModule("mixed", tokenizer, n_tokens=300, seq_len=64)
+        trainer = SimpleNamespace(datamodule=data, global_rank=0, world_size=1)
+        lengths = {b["input_ids"].shape[1] for b in calibration_batches(trainer, None, model)}
+        assert data.packing is packed
+        assert (lengths == {64}) if packed else (len(lengths) > 1 and max(lengths) <= 64)

@@ -52,6 +52,7 @@ def test_quantize_recipe_on_a_local_model_reloads_bit_exactly(tiny_llama_dir, tm
     assert report["config"]["transform"]["lam"] == 0.5
     assert report["config"]["format"]["name"] == "mxfp4"
     assert len(report["layers"]) == 14 and report["model"]["fidelity_mean_cosine"] > 0.5
+    assert report["model"]["calibration_sequences"] == "packed blocks of 32 tokens"
     assert "RTN-KBBQ" in capsys.readouterr().out
 
     # the same recipe in process gives the model that was saved, bit for bit
@@ -90,6 +91,9 @@ def test_default_main_job_on_minilm(tmp_path, capsys):
     assert report["config"]["transform"]["name"] == "kbbq"
     assert report["model"]["fidelity_data"] == "embedded sentences"
     assert 0.9 < report["model"]["fidelity_mean_cosine"] <= 1.0
+    # an encoder calibrates on whole records of the corpus by default, and the recipe says so
+    assert report["model"]["calibration_sequences"] == "whole records (at most 256 tokens)"
+    assert "packing: false" in (out / "recipe.yaml").read_text()
     assert len(report["layers"]) == 36
     model, tokenizer = load_model("minilm")
     reloaded = from_pretrained(out)

@@ -86,3 +86,31 @@ def test_whole_records_unpacked_and_grouped_by_length(minilm, tmp_path):
         CalibrationDataModule(source, tokenizer, n_tokens=100000, packing=False).setup()
     with pytest.raises(ValueError, match="whole records needs text"):
         CalibrationDataModule("random", tokenizer, packing=False).setup()
+
+
+def test_packing_follows_the_model_unless_set(minilm):
+    """``packing=None`` (the default): whole records for an encoder, packed blocks for a causal
+    LM, and for an encoder without text to read; an explicit setting is kept."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    encoder, tokenizer = minilm
+    causal = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                          num_hidden_layers=1, num_attention_heads=2))
+
+    def settled(model, **overrides):
+        settings = {"source": "mixed", "tokenizer": tokenizer, "n_tokens": 300, "seq_len": 64,
+                    **overrides}
+        return CalibrationDataModule(**settings).for_model(model)
+
+    assert CalibrationDataModule().packing is None and CalibrationDataModule().packs
+    records = settled(encoder)
+    assert records.packing is False and not records.packs
+    shapes = {b["input_ids"].shape[1] for b in records.calibration_dataloader()}
+    assert len(shapes) > 1 and max(shapes) <= 64  # whole records of their own lengths
+    blocks = settled(causal)
+    assert blocks.packing is True
+    assert {b["input_ids"].shape[1] for b in blocks.calibration_dataloader()} == {64}
+    assert settled(encoder, packing=True).packing is True
+    assert settled(causal, packing=False).packing is False
+    assert settled(encoder, source="random").packing is True
+    assert settled(encoder, tokenizer=None).packing is True

@@ -263,7 +263,7 @@ class CalibrationDataModule(LightningDataModule):
     def for_model(self, model: Any) -> CalibrationDataModule:
         """Settle ``packing=None`` for ``model``: a causal LM is scored on running text, so it
         calibrates on packed blocks; an encoder embeds one text at a time, so it calibrates on
-        whole records (every lambda from 0.5 up gains on MiniLM:
+        whole records (on MiniLM every lambda of RTN-KBBQ gains:
         docs/results/2026-11-27-packing-default.md), unless there is no text (``random``, or
         no tokenizer).  An explicit ``packing`` is kept."""
         from .checkpoint import is_causal_model

@@ -66,7 +66,7 @@ def report_markdown(report: QuantizationReport, title: str = "kbbq-pl quantizati
                    + trials)
         best = report.model.get("autobrake_best")
         if best is not None:  # scope best
-            metric = {"kl": "KL", "relative_error": "relative error"}[best["metric"]]
+            metric = {"kl": "KL", "cosine_distance": "cosine distance"}[best["metric"]]
             lam = report.model["autobrake_model"]["lam"]
             how = (f"the closest on the held-out sequences ({metric}, each fitted on the "
                    f"others) of per layer ({best['divergence']['layer']:.4g}) and {trials}: "

@@ -273,12 +273,12 @@ class AutoBrakeConfig:
             chosen lambda, bit for bit the fixed-lambda recipe.  ``best``: the per-layer
             model or one lambda, whichever generalizes better: the per-layer auto-brake and
             each finalist are quantized on the fitting sequences alone and compared on the
-            held-out ones (KL of the next-token distributions, or the relative error of the
-            last hidden state for a model without logits); the closest is kept (the per-layer
-            model of the scoring run, fitted on every sequence) or quantized on every sequence
-            (a lambda).  One per-layer run more and one run per finalist, both on the fitting
-            half; in memory the per-layer model and one trial's beside the model (streamed:
-            none).
+            held-out ones (KL of the next-token distributions, or the per-token cosine
+            distance of the last hidden state for a model without logits); the closest is
+            kept (the per-layer model of the scoring run, fitted on every sequence) or
+            quantized on every sequence (a lambda).  One per-layer run more and one run per
+            finalist, both on the fitting half; in memory the per-layer model and one trial's
+            beside the model (streamed: none).
         finalists: with ``scope`` ``model`` or ``best``, how many candidates of the smallest
             mean error in dB are tried as whole models; where models are compared (more than
             one finalist, or ``best``), each is quantized on the fitting sequences alone and

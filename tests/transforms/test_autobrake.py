@@ -422,7 +422,7 @@ def test_scope_best_measures_block_by_block_what_the_whole_models_output(arch):
     divergence = _scope_best_trials(config, lam, make, batches)
     best = report.model["autobrake_best"]
     assert best["divergence"] == {k: v[0] for k, v in divergence.items()}
-    assert best["metric"] == ("relative_error" if arch == "llama-without-head" else "kl")
+    assert best["metric"] == ("cosine_distance" if arch == "llama-without-head" else "kl")
 
 
 def test_held_out_divergence_is_zero_for_the_same_model_and_uses_hidden_states_without_logits():
@@ -433,7 +433,21 @@ def test_held_out_divergence_is_zero_for_the_same_model_and_uses_hidden_states_w
                                batches) == {"same": (0.0, "kl")}
     encoder, other = tiny_model("llama").model, tiny_model("llama", seed=1).model
     ((error, metric),) = held_out_divergence(encoder, {"other": other}, batches).values()
-    assert metric == "relative_error" and error > 0.1
+    with torch.no_grad():
+        want, got = encoder(input_ids=ids)[0].double(), other(input_ids=ids)[0].double()
+    cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+    assert metric == "cosine_distance" and error == pytest.approx(float((1 - cosine).mean()))
+    # masked positions do not count; every kept token counts alike, whatever its norm
+    mask = torch.ones_like(ids)
+    mask[:, 12:] = 0
+    masked = [{"input_ids": ids[:2], "attention_mask": mask[:2]},
+              {"input_ids": ids[2:], "attention_mask": mask[2:]}]
+    with torch.no_grad():
+        want = encoder(input_ids=ids, attention_mask=mask)[0].double()
+        got = other(input_ids=ids, attention_mask=mask)[0].double()
+    expected = (1 - torch.nn.functional.cosine_similarity(got, want, dim=-1))[:, :12].mean()
+    ((error, _),) = held_out_divergence(encoder, {"other": other}, masked).values()
+    assert error == pytest.approx(float(expected))
 
 
 def test_cross_fitted_auto_lambda_in_the_pipeline():

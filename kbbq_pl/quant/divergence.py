@@ -105,8 +105,9 @@ def held_out_divergence(reference: Model, candidates: Mapping[str, Model],
     distributions (``"kl"``, :func:`token_kl`) for a model with logits, else the mean per-token
     cosine distance of the last hidden states (``"cosine_distance"``: one minus the cosine, as
     embeddings are compared, every token alike; it ranks MiniLM's GPTQ models closer to their
-    test fidelity than the relative squared error did: docs/results/2026-11-27-autobrake-
-    twofold.md); positions the ``attention_mask`` masks are not counted."""
+    test fidelity than the relative squared error did:
+    docs/results/2026-11-27-autobrake-twofold.md); positions the ``attention_mask`` masks are
+    not counted."""
     sums = {name: [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)]
             for name in candidates}
     metric = "kl"
@@ -125,17 +126,11 @@ def held_out_divergence(reference: Model, candidates: Mapping[str, Model],
         for name, candidate in candidates.items():
             got = candidate(**batch)
             total = sums[name]
-            if metric == "kl":
-                per_token = token_kl(log_probs, got.logits)
-                weight = (torch.ones_like(per_token) if mask is None
-                          else mask.to(per_token.device).double())
-                total[0] += (per_token * weight).sum().cpu()
-                total[1] += weight.sum().cpu()
-            else:
-                per_token = 1 - F.cosine_similarity(got[0].double(), hidden, dim=-1)
-                weight = (torch.ones_like(per_token) if mask is None
-                          else mask.to(per_token.device).double())
-                total[0] += (per_token * weight).sum().cpu()
-                total[1] += weight.sum().cpu()
+            per_token = (token_kl(log_probs, got.logits) if metric == "kl"
+                         else 1 - F.cosine_similarity(got[0].double(), hidden, dim=-1))
+            weight = (torch.ones_like(per_token) if mask is None
+                      else mask.to(per_token.device).double())
+            total[0] += (per_token * weight).sum().cpu()
+            total[1] += weight.sum().cpu()
     return {name: (float(reduce_sum(error) / reduce_sum(count)), metric)
             for name, (error, count) in sums.items()}

@@ -10,11 +10,11 @@ are split as the auto-brake splits them (:func:`~kbbq_pl.transforms.autobrake.sp
 half held out).  Per lambda, three models: one quantized on the fitting half and scored on the
 held-out half (what the auto-brake compares today), one quantized on the held-out half and
 scored on the fitting half (the second fold), and one quantized on every sequence (what it
-ships), scored by embedding fidelity on 512 ``test.txt`` sentences.  The score of a half model
-is the auto-brake's divergence for a model without logits: the squared error of the last hidden
-state against full precision, over its energy (error and energy are kept apart, so that the two
-folds pool as one ratio).  The finalists are the scoring run's (``autobrake.scope: layer`` on
-every sequence, :func:`~kbbq_pl.transforms.autobrake.model_finalists`).
+ships), scored by embedding fidelity on 512 ``test.txt`` sentences and on fresh records of the
+corpus.  A half model is scored on its last hidden state against full precision by each of
+:data:`CRITERIA` (numerators and denominators kept apart, so that the two folds pool as one
+ratio).  The finalists are the scoring run's (``autobrake.scope: layer`` on every sequence,
+:func:`~kbbq_pl.transforms.autobrake.model_finalists`).
 
 Each rule picks a lambda per seed; the table gives the test fidelity of the model of every
 sequence at that lambda and the paired gap to the best fixed lambda.  Rows are saved to
@@ -46,9 +46,11 @@ from kbbq_pl.quant import (
 from kbbq_pl.transforms.autobrake import model_finalists, split_sequences
 
 CRITERIA = ("relerr", "pooled", "tokcos")
-"""``relerr``: the auto-brake's divergence; ``pooled``: one minus the cosine of each sequence's
+"""``relerr``: the squared error over the reference's energy (the auto-brake's divergence for a
+model without logits until 2026-11-27); ``pooled``: one minus the cosine of each sequence's
 mean-pooled last hidden state (what the test's fidelity is, on calibration records);
-``tokcos``: one minus each token's cosine."""
+``tokcos``: one minus each token's cosine (the auto-brake's divergence now,
+:func:`~kbbq_pl.quant.divergence.held_out_divergence`)."""
 TARGETS = {"test": "512 test.txt sentences (the study's measure)",
            "fresh": "fresh records of the shipped corpus (in-domain)"}
 """What the models of every sequence are scored on."""
@@ -78,14 +80,9 @@ def distances(model: torch.nn.Module, reference: list[torch.Tensor], batches: li
 
 
 @torch.no_grad()
-def pooled_fidelity(model: torch.nn.Module, reference: torch.nn.Module, batches: list[dict]
-                    ) -> float:
-    """The embedding fidelity on ``batches`` of unpadded records: the mean over sequences of
-    the cosine of ``model``'s mean-pooled last hidden state to ``reference``'s."""
-    cosines = torch.cat([F.cosine_similarity(model(**b)[0].double().mean(1),
-                                             reference(**b)[0].double().mean(1), -1)
-                         for b in batches])
-    return float(cosines.mean())
+def pooled_states(model: torch.nn.Module, batches: list[dict]) -> torch.Tensor:
+    """Each unpadded record's mean-pooled last hidden state, ``[records, hidden]``."""
+    return torch.cat([model(**b)[0].double().mean(1) for b in batches])
 
 
 def measure(args: argparse.Namespace, rows: list[dict], out: Path) -> None:
@@ -112,13 +109,16 @@ def measure(args: argparse.Namespace, rows: list[dict], out: Path) -> None:
         assert sorted(map(tuple, drawn[:calibrated])) == sorted(
             tuple(ids) for b in batches for ids in b["input_ids"].tolist())
         fresh = batches_by_length(drawn[calibrated:], 8)
+        fresh_reference = pooled_states(model, fresh)
         with torch.no_grad():
             want = {"held_out": [model(**b)[0].double() for b in held_out],
                     "fitting": [model(**b)[0].double() for b in fitting]}
+        folds = (("a", fitting, held_out, want["held_out"]),
+                 ("b", held_out, fitting, want["fitting"]))
         if (seed, "finalists") not in done:
             scoring = quantize_model(copy.deepcopy(model), batches, config("auto", seed),
                                      progress=False)
-            ranked, means = model_finalists(scoring.autobrake, len(args.lams) + 1)
+            ranked, means = model_finalists(scoring.autobrake, len(AutoBrakeConfig().grid))
             rows.append({"seed": seed, "lam": "finalists", "ranked": ranked,
                          "means": {f"{k:g}": v for k, v in means.items()}})
             out.write_text(json.dumps(rows))
@@ -126,16 +126,15 @@ def measure(args: argparse.Namespace, rows: list[dict], out: Path) -> None:
             if (seed, lam) in done:
                 continue
             row: dict = {"seed": seed, "lam": lam}
-            for name, fit_on, score_on in (("a", fitting, "held_out"),
-                                           ("b", held_out, "fitting")):
+            for name, fit_on, score_on, reference_states in folds:
                 half = copy.deepcopy(model)
                 quantize_model(half, fit_on, config(lam, seed), progress=False)
-                scored = held_out if score_on == "held_out" else fitting
                 row.update({f"{name}_{key}": value for key, value
-                            in distances(half, want[score_on], scored).items()})
+                            in distances(half, reference_states, score_on).items()})
             full = copy.deepcopy(model)
             quantize_model(full, batches, config(lam, seed), progress=False)
-            row["fresh"] = pooled_fidelity(full, model, fresh)
+            row["fresh"] = float(F.cosine_similarity(pooled_states(full, fresh),
+                                                     fresh_reference, -1).mean())
             row["test"] = cosine_summary(mean_pooled_embeddings(full, tokenizer, sentences),
                                          reference)["mean_cosine"]
             rows.append(row)

@@ -17,7 +17,10 @@ fitting half kept, and selection on the fitting tokens instead of held-out ones 
 is for).  Each seed's calibration batches are built once and shared by every run.  Prints one
 table with
 each run's paired gap to the best global lambda (mean over seeds, and its standard error), the
-quantize time of each run and the ratio of auto's time to a fixed-lambda run.
+quantize time of each run and the ratio of auto's time to a fixed-lambda run.  With
+``--fresh-tokens N`` (``mixed-records`` only) every model is also scored on N tokens of fresh
+records of the shipped corpus (the records of the seed's draw after those calibrated on: text
+of the calibration's kind never calibrated on), in a second table.
 """
 
 from __future__ import annotations
@@ -80,7 +83,13 @@ def main() -> None:
                              "to --tokens; mixed / mixed-records: the shipped corpus, drawn by "
                              "CalibrationDataModule as a recipe draws it (batches of 8), packed "
                              "or one record per sequence")
+    parser.add_argument("--fresh-tokens", type=int, default=0,
+                        help="with mixed-records: also score every model on this many tokens "
+                             "of fresh records of the corpus (0: the test sentences only)")
     args = parser.parse_args()
+    if args.fresh_tokens and args.calibration != "mixed-records":
+        parser.error("--fresh-tokens scores fresh records of the corpus: it needs "
+                     "--calibration mixed-records")
     data = Path(args.data)
     seeds = [int(s) for s in args.seeds.split(",")]
     # (name, lambda, auto-brake settings)
@@ -117,6 +126,10 @@ def main() -> None:
           f"(seeds {seeds}), "
           f"fidelity on {len(sentences)} test.txt sentences, {method}")
     calibrations = {seed: calibration(data, tokenizer, args, seed) for seed in {0, *seeds}}
+    fresh = {seed: fresh_records(tokenizer, args, seed, calibrations[seed]) for seed in seeds
+             } if args.fresh_tokens else {}
+    fresh_reference = {seed: pooled_states(model, batches) for seed, batches in fresh.items()}
+    targets = ["test"] + (["fresh"] if fresh else [])
     for fmt in args.formats.split(","):
         # untimed: the first calls of a process compile the rounding kernels of each shape
         warm = calibrations[0]
@@ -125,9 +138,11 @@ def main() -> None:
                                         transform=TransformConfig("kbbq", lam=lam),
                                         weights=WeightsConfig(args.quantizer))
             quantize_model(copy.deepcopy(model), warm, config, progress=False)
-        rows, compared = [], {}
+        rows: dict[str, list] = {target: [] for target in targets}
+        compared = {}
         for name, lam, autobrake in runs:
-            fidelities, times, chosen, kept, trials = [], [], [], [], []
+            fidelities: dict[str, list[float]] = {target: [] for target in targets}
+            times, chosen, kept, trials = [], [], [], []
             for seed in seeds:
                 batches = calibrations[seed]
                 candidate = copy.deepcopy(model)
@@ -138,47 +153,82 @@ def main() -> None:
                 start = time.perf_counter()
                 report = quantize_model(candidate, batches, config, progress=False)
                 times.append(time.perf_counter() - start)
-                fidelities.append(cosine_summary(
+                fidelities["test"].append(cosine_summary(
                     mean_pooled_embeddings(candidate, tokenizer, sentences),
                     reference)["mean_cosine"])
+                if fresh:
+                    fidelities["fresh"].append(float(torch.nn.functional.cosine_similarity(
+                        pooled_states(candidate, fresh[seed]), fresh_reference[seed],
+                        -1).mean()))
                 chosen += [r.lam for r in report.layers]
                 if "autobrake_model" in report.model:  # scope model / best: the model kept
                     best_kept = report.model.get("autobrake_best", {}).get("kept", "model")
                     kept.append("layer" if best_kept == "layer"
                                 else f"{report.model['autobrake_model']['lam']:g}")
                     trials.append(held_out_trials(report.model))
-            rows.append((name, [f"{f:.5f}" + (f" ({k})" if k else "")
-                                for f, k in zip(fidelities, kept or [""] * len(seeds))],
-                         fidelities, statistics.mean(times), chosen))
+            for target in targets:
+                rows[target].append((name, [f"{f:.5f}" + (f" ({k})" if k else "") for f, k in
+                                            zip(fidelities[target], kept or [""] * len(seeds))],
+                                     fidelities[target], statistics.mean(times), chosen))
             if any(trials):
                 compared[name] = trials
-        fixed = [r for r in rows if r[0].startswith("lambda")]
-        fixed_time = statistics.median(t for _, _, _, t, _ in fixed)
-        best_name, _, best_fid, _, _ = max(fixed, key=lambda r: statistics.mean(r[2]))
-        best = statistics.mean(best_fid)
-        print(f"\n{fmt}: best global lambda {best_name} ({best:.5f}, mean over seeds); "
-              f"median fixed-lambda quantize time {fixed_time:.1f} s")
-        print(f"{'run':<30}{'fidelity':>10}{'sd':>9}{'vs best':>10}{'se':>9}{'wins':>6}"
-              f"{'time s':>8}{'time ratio':>11}{'median lambda':>15}  per seed")
-        for name, per_seed, fidelities, seconds, chosen in rows:
-            mean = statistics.mean(fidelities)
-            sd = statistics.stdev(fidelities) if len(fidelities) > 1 else float("nan")
-            gaps = [f - b for f, b in zip(fidelities, best_fid)]
-            se = (statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1
-                  else float("nan"))
-            wins = sum(gap >= 0 for gap in gaps)
-            print(f"{name:<30}{mean:10.5f}{sd:9.5f}{mean - best:+10.5f}{se:9.5f}"
-                  f"{wins:>4}/{len(seeds)}{seconds:8.1f}{seconds / fixed_time:11.2f}"
-                  f"{statistics.median(chosen):15.3f}  " + ", ".join(per_seed))
-        print("(fidelity: mean over seeds; sd: across seeds; vs best: the mean of the per-seed "
-              "gaps to the best global lambda, se: their standard error (paired, same seeds); "
-              "wins: seeds where the run is at least the best global lambda's fidelity on the "
-              "same seed)")
+        for target in targets:
+            print_table(f"{fmt}, fidelity on {TARGETS[target]}", rows[target], len(seeds))
         for name, trials in compared.items():
             print(f"{name}: held-out calibration divergence of each trial (fitted on the other "
                   "sequences; smaller is closer)")
             for seed, line in zip(seeds, trials):
                 print(f"  seed {seed}: {line}")
+
+
+TARGETS = {"test": "the test.txt sentences",
+           "fresh": "fresh records of the shipped corpus (--fresh-tokens)"}
+
+
+def print_table(title: str, rows: list[tuple], n_seeds: int) -> None:
+    """One table: each run's fidelity and paired gap to the best global lambda."""
+    fixed = [r for r in rows if r[0].startswith("lambda")]
+    fixed_time = statistics.median(t for _, _, _, t, _ in fixed)
+    best_name, _, best_fid, _, _ = max(fixed, key=lambda r: statistics.mean(r[2]))
+    best = statistics.mean(best_fid)
+    print(f"\n{title}: best global lambda {best_name} ({best:.5f}, mean over seeds); "
+          f"median fixed-lambda quantize time {fixed_time:.1f} s")
+    print(f"{'run':<30}{'fidelity':>10}{'sd':>9}{'vs best':>10}{'se':>9}{'wins':>6}"
+          f"{'time s':>8}{'time ratio':>11}{'median lambda':>15}  per seed")
+    for name, per_seed, fidelities, seconds, chosen in rows:
+        mean = statistics.mean(fidelities)
+        sd = statistics.stdev(fidelities) if len(fidelities) > 1 else float("nan")
+        gaps = [f - b for f, b in zip(fidelities, best_fid)]
+        se = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else float("nan")
+        wins = sum(gap >= 0 for gap in gaps)
+        print(f"{name:<30}{mean:10.5f}{sd:9.5f}{mean - best:+10.5f}{se:9.5f}"
+              f"{wins:>4}/{n_seeds}{seconds:8.1f}{seconds / fixed_time:11.2f}"
+              f"{statistics.median(chosen):15.3f}  " + ", ".join(per_seed))
+    print("(fidelity: mean over seeds; sd: across seeds; vs best: the mean of the per-seed "
+          "gaps to the best global lambda, se: their standard error (paired, same seeds); "
+          "wins: seeds where the run is at least the best global lambda's fidelity on the "
+          "same seed)")
+
+
+@torch.no_grad()
+def pooled_states(model: torch.nn.Module, batches: list[dict]) -> torch.Tensor:
+    """Each unpadded record's mean-pooled last hidden state, ``[records, hidden]``."""
+    return torch.cat([model(**b)[0].double().mean(1) for b in batches])
+
+
+def fresh_records(tokenizer, args: argparse.Namespace, seed: int,
+                  batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """``--fresh-tokens`` of records of the shipped corpus that ``seed``'s calibration did not
+    draw: :func:`token_records` takes a seeded permutation's prefix, so the records after the
+    calibrated ones are fresh."""
+    drawn = token_records(MIXED, tokenizer, n_tokens=args.tokens + args.fresh_tokens,
+                          max_len=args.seq_len, seed=seed)
+    calibrated = sum(len(b["input_ids"]) for b in batches)
+    if sorted(map(tuple, drawn[:calibrated])) != sorted(
+            tuple(ids) for b in batches for ids in b["input_ids"].tolist()):
+        raise RuntimeError(f"seed {seed}: the calibration is not the draw's first "
+                           f"{calibrated} records; the fresh records would overlap it")
+    return batches_by_length(drawn[calibrated:], 8)
 
 
 def calibration(data: Path, tokenizer, args: argparse.Namespace, seed: int

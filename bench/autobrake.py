@@ -124,7 +124,9 @@ def main() -> None:
              "mixed-records": "of the shipped corpus in whole records"}[args.calibration]
     print(f"all-MiniLM-L6-v2, calibration {args.tokens} tokens {shape} "
           f"(seeds {seeds}), "
-          f"fidelity on {len(sentences)} test.txt sentences, {method}")
+          f"fidelity on {len(sentences)} test.txt sentences"
+          + (f" and on {args.fresh_tokens} tokens of fresh corpus records" if args.fresh_tokens
+             else "") + f", {method}")
     calibrations = {seed: calibration(data, tokenizer, args, seed) for seed in {0, *seeds}}
     fresh = {seed: fresh_records(tokenizer, args, seed, calibrations[seed]) for seed in seeds
              } if args.fresh_tokens else {}

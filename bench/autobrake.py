@@ -128,8 +128,9 @@ def main() -> None:
           + (f" and on {args.fresh_tokens} tokens of fresh corpus records" if args.fresh_tokens
              else "") + f", {method}")
     calibrations = {seed: calibration(data, tokenizer, args, seed) for seed in {0, *seeds}}
-    fresh = {seed: fresh_records(tokenizer, args, seed, calibrations[seed]) for seed in seeds
-             } if args.fresh_tokens else {}
+    fresh = {seed: fresh_records(tokenizer, calibrations[seed], seed, tokens=args.tokens,
+                                 fresh_tokens=args.fresh_tokens, max_len=args.seq_len)
+             for seed in seeds} if args.fresh_tokens else {}
     fresh_reference = {seed: pooled_states(model, batches) for seed, batches in fresh.items()}
     targets = ["test"] + (["fresh"] if fresh else [])
     for fmt in args.formats.split(","):
@@ -159,9 +160,8 @@ def main() -> None:
                     mean_pooled_embeddings(candidate, tokenizer, sentences),
                     reference)["mean_cosine"])
                 if fresh:
-                    fidelities["fresh"].append(float(torch.nn.functional.cosine_similarity(
-                        pooled_states(candidate, fresh[seed]), fresh_reference[seed],
-                        -1).mean()))
+                    fidelities["fresh"].append(
+                        fresh_fidelity(candidate, fresh[seed], fresh_reference[seed]))
                 chosen += [r.lam for r in report.layers]
                 if "autobrake_model" in report.model:  # scope model / best: the model kept
                     best_kept = report.model.get("autobrake_best", {}).get("kept", "model")
@@ -218,19 +218,27 @@ def pooled_states(model: torch.nn.Module, batches: list[dict]) -> torch.Tensor:
     return torch.cat([model(**b)[0].double().mean(1) for b in batches])
 
 
-def fresh_records(tokenizer, args: argparse.Namespace, seed: int,
-                  batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-    """``--fresh-tokens`` of records of the shipped corpus that ``seed``'s calibration did not
-    draw: :func:`token_records` takes a seeded permutation's prefix, so the records after the
+def fresh_records(tokenizer, batches: list[dict[str, torch.Tensor]], seed: int, *,
+                  tokens: int, fresh_tokens: int, max_len: int) -> list[dict[str, torch.Tensor]]:
+    """``fresh_tokens`` of records of the shipped corpus that ``seed``'s calibration
+    (``batches``: ``tokens`` of whole records cut at ``max_len``) did not draw:
+    :func:`token_records` takes a seeded permutation's prefix, so the records after the
     calibrated ones are fresh."""
-    drawn = token_records(MIXED, tokenizer, n_tokens=args.tokens + args.fresh_tokens,
-                          max_len=args.seq_len, seed=seed)
+    drawn = token_records(MIXED, tokenizer, n_tokens=tokens + fresh_tokens, max_len=max_len,
+                          seed=seed)
     calibrated = sum(len(b["input_ids"]) for b in batches)
     if sorted(map(tuple, drawn[:calibrated])) != sorted(
             tuple(ids) for b in batches for ids in b["input_ids"].tolist()):
         raise RuntimeError(f"seed {seed}: the calibration is not the draw's first "
                            f"{calibrated} records; the fresh records would overlap it")
     return batches_by_length(drawn[calibrated:], 8)
+
+
+def fresh_fidelity(model: torch.nn.Module, fresh: list[dict], reference: torch.Tensor) -> float:
+    """Mean cosine of each fresh record's mean-pooled state to the full-precision ``reference``
+    (:func:`pooled_states` of the full-precision model)."""
+    return float(torch.nn.functional.cosine_similarity(pooled_states(model, fresh), reference,
+                                                       -1).mean())
 
 
 def calibration(data: Path, tokenizer, args: argparse.Namespace, seed: int

@@ -31,9 +31,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from autobrake import fresh_fidelity, fresh_records, pooled_states  # bench/autobrake.py
 
 from kbbq_pl.eval.evaluation import cosine_summary, mean_pooled_embeddings, wikitext_sentences
-from kbbq_pl.io.data import MIXED, CalibrationDataModule, batches_by_length, token_records
+from kbbq_pl.io.data import MIXED, CalibrationDataModule
 from kbbq_pl.io.models import load_model
 from kbbq_pl.quant import (
     AutoBrakeConfig,
@@ -79,12 +80,6 @@ def distances(model: torch.nn.Module, reference: list[torch.Tensor], batches: li
     return sums
 
 
-@torch.no_grad()
-def pooled_states(model: torch.nn.Module, batches: list[dict]) -> torch.Tensor:
-    """Each unpadded record's mean-pooled last hidden state, ``[records, hidden]``."""
-    return torch.cat([model(**b)[0].double().mean(1) for b in batches])
-
-
 def measure(args: argparse.Namespace, rows: list[dict], out: Path) -> None:
     model, tokenizer = load_model("minilm")
     sentences = wikitext_sentences(Path(args.data) / "test.txt", 512)
@@ -102,13 +97,8 @@ def measure(args: argparse.Namespace, rows: list[dict], out: Path) -> None:
                                        batch_size=8, seed=seed, packing=False)
         batches = list(module.calibration_dataloader())
         fitting, held_out = split_sequences(batches, 0.5, seed)
-        # token_records draws a seeded permutation's prefix: the records after it are fresh
-        drawn = token_records(MIXED, tokenizer, n_tokens=4096 + args.fresh_tokens,
-                              max_len=256, seed=seed)
-        calibrated = sum(len(b["input_ids"]) for b in batches)
-        assert sorted(map(tuple, drawn[:calibrated])) == sorted(
-            tuple(ids) for b in batches for ids in b["input_ids"].tolist())
-        fresh = batches_by_length(drawn[calibrated:], 8)
+        fresh = fresh_records(tokenizer, batches, seed, tokens=4096,
+                              fresh_tokens=args.fresh_tokens, max_len=256)
         fresh_reference = pooled_states(model, fresh)
         with torch.no_grad():
             want = {"held_out": [model(**b)[0].double() for b in held_out],
@@ -133,8 +123,7 @@ def measure(args: argparse.Namespace, rows: list[dict], out: Path) -> None:
                             in distances(half, reference_states, score_on).items()})
             full = copy.deepcopy(model)
             quantize_model(full, batches, config(lam, seed), progress=False)
-            row["fresh"] = float(F.cosine_similarity(pooled_states(full, fresh),
-                                                     fresh_reference, -1).mean())
+            row["fresh"] = fresh_fidelity(full, fresh, fresh_reference)
             row["test"] = cosine_summary(mean_pooled_embeddings(full, tokenizer, sentences),
                                          reference)["mean_cosine"]
             rows.append(row)

@@ -1,48 +1,38 @@
 """Writes ``tests/data/pipeline_guard.json``, the bit-identity guard of
 ``tests/quant/test_pipeline_guard.py``.
 
-Every shipped recipe (``recipes/*.yaml``: RTN I / HAAR / WUSH / KBBQ at each lambda and ``auto``,
-GPTQ, MR-GPTQ, GPTQ-WUSH, GPTQ-KBBQ (fixed and auto), NVFP4 and MXFP4) quantizes the same tiny
-seeded Llama (two blocks, so the GPTQ loop feeds a quantized block's outputs to the next one) on
-the same random calibration tokens; the guard stores, per recipe and per kind of tensor of the
-quantized layers (FP4 codes, block scales, global scales, transforms, static activation scales),
-the number of such tensors and one SHA-256 over their names, dtypes, shapes and bytes.  The
-codes, scales and transforms of a later version must match bit for bit.
+Every shipped recipe (``recipes/*.yaml``) quantizes the same tiny seeded Llama (two blocks, so
+the GPTQ loop feeds a quantized block's outputs to the next one) on the same random calibration
+tokens; the guard stores, per recipe and per kind of tensor of the quantized layers (FP4 codes,
+block scales, global scales, transforms, static activation scales), the number of such tensors
+and one SHA-256 over their names, dtypes, shapes and bytes.  The codes, scales and transforms of
+a later version must match bit for bit.
 
-Written by the code before the package was reorganized into subpackages, from the repository
-root::
+**The same bits on every x86 CPU.**  The transforms and the static activation scales come out of
+float32 matrix products and eigendecompositions whose last bits depend on the kernels torch and
+MKL pick for the CPU at hand (AVX-512 or AVX2, and Intel or AMD: the per-CPU files the guard
+had until 2026-11-27 failed on an Intel Xeon with AVX-512 at the commit that wrote them on an
+AMD EPYC).  So the digests are computed in a child process whose kernels are pinned
+(:data:`PINNED`: ATen's scalar kernels, MKL's conditional numerical reproducibility path, one
+thread, eager rounding), which gives the same bits whatever the CPU.
+
+Regenerate only when a change of results is intended, and say so in the commit (rerunning with
+later code would only test that code against itself); from the repository root::
 
     python tests/data/make_pipeline_guard.py
 
-Rerunning with later code would only test that code against itself: regenerate only when a
-change of results is intended, and say so in the commit.
-
-The static activation scales and the fitted transforms come out of float32 matrix products and
-eigendecompositions, whose last bits depend on the CPU kernels torch and MKL pick (AVX-512 or
-AVX2): on an AVX2-only CPU 20 of the 28 recipes differ from the file above in their last bits,
-deterministically.  So a CPU whose ``torch.backends.cpu.get_cpu_capability()`` has its own file,
-``pipeline_guard.<capability>.json``, is checked against that one (:func:`guard_path`):
-``pipeline_guard.AVX2.json`` was written on an AVX2 machine by code that matched
-``pipeline_guard.json`` on the machines before (``--capability-file``).
-
-An AVX-512 CPU writes both files: ``pipeline_guard.json`` as it is, the AVX2 one with ATen,
-MKL and oneDNN held to AVX2 (on an AMD EPYC with AVX-512, this reproduced all 28 digests
-that the AVX2 machine had written)::
-
-    KBBQ_PL_COMPILE=0 python tests/data/make_pipeline_guard.py
-    KBBQ_PL_COMPILE=0 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
-        ONEDNN_MAX_CPU_ISA=AVX2 python tests/data/make_pipeline_guard.py --capability-file
-
-Rewritten since, in both files: the six GPTQ recipes that refit their transforms in the loop
-(``gptq_wush_*``, ``gptq_kbbq_*``), when GPTQ's inverse-Hessian factor came to be formed
-from one Cholesky factorization instead of three (2026-11-26): the factor moved in its last
-bits, and so did the transforms fitted from the error-updated weights.
+Written at a31ce25 (2026-11-27, before the auto-brake was cut to its per-layer core): a
+``scope: model`` / ``best`` recipe of that code was guarded through its per-layer run, which is
+what every auto recipe is now.  The earlier guard (written at e6ca8dc, the six GPTQ recipes that
+refit in the loop rewritten at 5594156) is in the history.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -59,17 +49,15 @@ from tiny_models import tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 GUARD = Path(__file__).resolve().parent / "pipeline_guard.json"
+PINNED = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE",
+          "ONEDNN_MAX_CPU_ISA": "SSE41", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+          "KBBQ_PL_COMPILE": "0"}
+"""The environment of the child process that computes the digests (module docstring): read by
+torch, MKL and oneDNN when they load, so it is set before the process starts."""
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128)
 LAYER_TENSORS = ("weight_packed", "weight_scale", "weight_global_scale", "transform",
                  "input_global_scale")
-
-
-def guard_path() -> Path:
-    """The guard for this CPU: ``pipeline_guard.<capability>.json`` where it exists, else
-    ``pipeline_guard.json``."""
-    own = GUARD.with_name(f"{GUARD.stem}.{torch.backends.cpu.get_cpu_capability()}.json")
-    return own if own.is_file() else GUARD
 
 
 def recipe_configs() -> dict[str, QuantizationConfig]:
@@ -109,16 +97,25 @@ def quantized_digests(config: QuantizationConfig) -> dict[str, dict[str, Any]]:
     return digests
 
 
+def pinned_digests() -> dict[str, dict[str, Any]]:
+    """:func:`quantized_digests` of every shipped recipe, computed in a child process with the
+    kernels pinned (:data:`PINNED`)."""
+    result = subprocess.run([sys.executable, __file__, "--print"], check=True,
+                            capture_output=True, text=True, env={**os.environ, **PINNED})
+    return json.loads(result.stdout)
+
+
 def main() -> None:
-    torch.set_num_threads(1)
-    out = GUARD
-    if "--capability-file" in sys.argv:  # this CPU's own guard file
-        out = GUARD.with_name(f"{GUARD.stem}.{torch.backends.cpu.get_cpu_capability()}.json")
-    guard = {name: quantized_digests(config) for name, config in recipe_configs().items()}
+    if "--print" in sys.argv:  # the child process of pinned_digests
+        torch.set_num_threads(1)
+        guard = {name: quantized_digests(config) for name, config in recipe_configs().items()}
+        print(json.dumps(guard))
+        return
+    guard = pinned_digests()
     lines = [f" {json.dumps(name)}: {json.dumps(parts, sort_keys=True)}"
              for name, parts in sorted(guard.items())]
-    out.write_text("{\n" + ",\n".join(lines) + "\n}\n")
-    print(f"wrote {out} ({len(guard)} recipes)", file=sys.stderr)
+    GUARD.write_text("{\n" + ",\n".join(lines) + "\n}\n")
+    print(f"wrote {GUARD} ({len(guard)} recipes)", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ calibration tokens, scored on held-out text (the paper's Table calib, on a causa
     python bench/calibration_budget.py [--model smollm2] [--budgets 1024,4096,16384]
         [--recipes rtn_kbbq_nvfp4_lam0.75,rtn_kbbq_nvfp4_auto,gptq_kbbq_nvfp4]
         [--seeds 0,1,2] [--source mixed] [--max-tokens 2048] [--out bench-out/calibration_budget]
+    python bench/calibration_budget.py --tiny     # a tiny random Llama, budgets 512 and 1024
 
 Each (budget, calibration seed) is one ``kbbq-pl compare`` run
 (:func:`kbbq_pl.cli.compare.run_compare`) into ``OUT/<source>-<budget>/`` (seed 0) or
@@ -14,17 +15,24 @@ perplexity and mean KL to the FP model on the first ``--max-tokens`` tokens of W
 grid can be extended budget by budget.  Prints KL and perplexity per recipe and budget, with
 each budget's KL as a ratio to the smallest budget's, and the quantize time: one row per recipe
 and seed, and with several seeds the mean over them and the spread (max - min) of the KL.
+``--tiny`` only checks that the script runs (tests/bench/test_tiny_modes.py): the same recipes
+on a tiny random Llama, calibrated and scored on the WikiText-2 excerpt kbbq-pl ships, eager
+kernels, into a temporary folder.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 from statistics import mean
+
+import _tiny
 
 from kbbq_pl.cli.compare import run_compare
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+TINY = {"budgets": "512,1024", "seeds": "0", "max_tokens": 128}
 
 
 def run_folder(out: str | Path, source: str, budget: int, seed: int) -> Path:
@@ -56,7 +64,22 @@ def main() -> None:
     parser.add_argument("--text", default=str(DATA / "wikitext2" / "test.txt"))
     parser.add_argument("--max-tokens", type=int, default=2048)
     parser.add_argument("--out", default="bench-out/calibration_budget")
+    parser.add_argument("--tiny", action="store_true",
+                        help=f"a tiny random Llama, {TINY}, in seconds")
     args = parser.parse_args()
+    if not args.tiny:
+        return budget_table(args)
+    vars(args).update(TINY)
+    _tiny.eager()
+    with tempfile.TemporaryDirectory(prefix="kbbq-calibration-budget-") as tmp:
+        vars(args).update(model=str(_tiny.save_tiny_model(Path(tmp) / "tiny")),
+                          source=str(_tiny.wikitext_file()), text=str(_tiny.wikitext_file()),
+                          out=str(Path(tmp) / "out"))
+        budget_table(args)
+
+
+def budget_table(args: argparse.Namespace) -> None:
+    """Run (or resume) the compare runs of ``args``, print the table."""
     budgets = parse_ints(args.budgets, "budgets")
     seeds = parse_ints(args.seeds, "seeds")
     recipes = [r for r in args.recipes.split(",") if r]
@@ -86,7 +109,7 @@ def main() -> None:
 
     for label in dict.fromkeys(label for label, _ in table):
         per_seed = [table[(label, seed)] for seed in seeds]
-        for seed, cells in zip(seeds, per_seed):
+        for seed, cells in zip(seeds, per_seed, strict=True):
             print(line(label, str(seed), [cells[b]["kl"] for b in budgets],
                        [cells[b]["perplexity"] for b in budgets],
                        [cells[b]["seconds"]["quantize"] for b in budgets]))
@@ -97,6 +120,7 @@ def main() -> None:
                        [mean(cells[b]["seconds"]["quantize"] for cells in per_seed)
                         for b in budgets]))
             print(f"{'':<30}{'spread':>6}" + "".join(f"{max(v) - min(v):11.4f}" for v in kls))
+
 
 if __name__ == "__main__":
     main()

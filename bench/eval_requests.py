@@ -2,6 +2,7 @@
 
     python bench/eval_requests.py [--model smollm2] [--recipe rtn_kbbq_nvfp4_lam0.75]
         [--tasks arc_easy] [--limit 10] [--batch-size 8] [--calibration-tokens 1024]
+    python bench/eval_requests.py --tiny     # a tiny random Llama, two ARC-Easy questions
 
 Quantizes ``--model`` with ``--recipe`` in this process (``--calibration-tokens`` of its
 calibration source), then runs the likelihood tasks through lm-eval (:func:`run_benchmarks`,
@@ -11,6 +12,9 @@ evaluation), with eager kernels (``KBBQ_PL_COMPILE=0``), and without the decoded
 (every forward decodes every weight from its FP4 codes).  Prints seconds, requests per second
 and the time as a ratio to the FP model's, and checks that the three quantized settings return
 the same log-likelihoods bit for bit (the settings change the speed, never a result).
+``--tiny`` only checks that the script runs (tests/bench/test_tiny_modes.py): a tiny random
+Llama, 256 calibration tokens, two ARC-Easy questions written to a temporary folder, and every
+run with eager kernels (compiling them takes longer than the tiny run).
 """
 
 from __future__ import annotations
@@ -18,21 +22,28 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import os
+import tempfile
 import time
 from pathlib import Path
 
+import _tiny
 import torch
 
 from kbbq_pl.cli.compare import load_recipe
-from kbbq_pl.eval.benchmarks import run_benchmarks
+from kbbq_pl.cli.quantize import calibration_batches
+from kbbq_pl.eval.tasks import run_benchmarks
 from kbbq_pl.formats import dispatch
 from kbbq_pl.io.models import load_model
+from kbbq_pl.quant import quantize_model
 from kbbq_pl.quant.w4a4 import cache_decoded_weights
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+TINY = {"tasks": "arc_easy", "limit": 2, "batch_size": 2, "calibration_tokens": 256}
 
 
-def timed_run(model, tokenizer, args, *, compile_mode: str, cache: bool):
+def timed_run(model, tokenizer, args: argparse.Namespace, *, compile_mode: str,
+              cache: bool) -> tuple[float, int, list, dict[str, float]]:
     """(seconds, requests, log-likelihoods, scores) of one lm-eval run."""
     from lm_eval.models.huggingface import HFLM
 
@@ -65,22 +76,38 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--calibration-tokens", type=int, default=1024)
     parser.add_argument("--data-dir", default=str(DATA))
+    parser.add_argument("--tiny", action="store_true",
+                        help=f"a tiny random Llama, {TINY}, eager kernels, in seconds")
     args = parser.parse_args()
+    if not args.tiny:
+        return measure(args, compiled="auto")
+    vars(args).update(TINY)
+    _tiny.eager()
+    with tempfile.TemporaryDirectory(prefix="kbbq-eval-requests-") as tmp:
+        os.environ["KBBQ_PL_CACHE"] = str(Path(tmp) / "cache")  # lm-eval's converted data
+        vars(args).update(model=str(_tiny.save_tiny_model(Path(tmp) / "tiny")),
+                          data_dir=str(_tiny.save_arc_easy(Path(tmp) / "data")))
+        measure(args, compiled="0")
+
+
+def measure(args: argparse.Namespace, compiled: str) -> None:
+    """Quantize the model of ``args``, time the four lm-eval runs, print the table; the
+    settings called compiled run with ``KBBQ_PL_COMPILE`` = ``compiled``."""
     torch.manual_seed(0)
     model, tokenizer = load_model(args.model, causal=True, quantized="refuse")
-    data, quantizer, _ = load_recipe(args.recipe, args.model,
-                                     {"n_tokens": args.calibration_tokens})
-    data.tokenizer = tokenizer
+    data, config, _ = load_recipe(args.recipe, args.model,
+                                  {"n_tokens": args.calibration_tokens})
     quantized = copy.deepcopy(model)
-    quantizer.quantize(quantized, list(data.calibration_dataloader()), progress=False)
+    batches = calibration_batches(data, model, tokenizer, torch.device("cpu"), args.model)
+    quantize_model(quantized, batches, config, progress=False)
     runs = {
-        "FP": timed_run(model, tokenizer, args, compile_mode="auto", cache=True),
+        "FP": timed_run(model, tokenizer, args, compile_mode=compiled, cache=True),
         "W4A4, as kbbq-pl eval (compiled, cached)":
-            timed_run(quantized, tokenizer, args, compile_mode="auto", cache=True),
+            timed_run(quantized, tokenizer, args, compile_mode=compiled, cache=True),
         "W4A4, eager kernels (cached)":
             timed_run(quantized, tokenizer, args, compile_mode="0", cache=True),
         "W4A4, no decoded-weight cache (compiled)":
-            timed_run(quantized, tokenizer, args, compile_mode="auto", cache=False),
+            timed_run(quantized, tokenizer, args, compile_mode=compiled, cache=False),
     }
     dispatch.set_compile("auto")
     fp_seconds = runs["FP"][0]

@@ -2,6 +2,7 @@
 
     python bench/finetune.py                          # GPU: hidden 1024, 8 layers, batch 8 x 512
     python bench/finetune.py --hidden 256 --layers 2 --batch 2 --seq 128 --steps 6   # a CPU
+    python bench/finetune.py --tiny       # hidden 64, one layer, 1 x 16 tokens, 1 + 1 steps
 
 Two ``Trainer.fit`` runs of the same random-init Llama on the same random-token batches: one
 plain, one with RTN-KBBQ(0.75) in ``--format`` (straight-through rounding of
@@ -11,7 +12,8 @@ the master weights and the activations in every forward).  Each step is timed fr
 and their ratio (the issue's target: KBBQ within 3x of full precision on a GPU), the warm-up
 steps' total (the one-time compilation of the rounding kernels lands there; the fit total also
 holds the calibration, the quantization and the rounding into codes at the end), and the graphs
-``torch.compile`` built (in all, and during the timed steps, where it should be 0).
+``torch.compile`` built (in all, and during the timed steps, where it should be 0).  ``--tiny``
+only checks that the script runs (tests/bench/test_tiny_modes.py), with eager kernels.
 """
 
 from __future__ import annotations
@@ -23,12 +25,17 @@ import time
 
 import torch
 
+TINY = {"hidden": 64, "layers": 1, "batch": 1, "seq": 16, "vocab": 256, "steps": 1, "warmup": 1,
+        "precision": "32-true", "compile": "0"}
 
-def llama(args) -> torch.nn.Module:
+
+def llama(args: argparse.Namespace) -> torch.nn.Module:
+    """The random-initialized Llama of ``args`` (seed 0)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     heads = max(1, args.hidden // 64)
-    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75) // 16 * 16,
+    config = LlamaConfig(hidden_size=args.hidden,
+                         intermediate_size=int(args.hidden * 2.75) // 16 * 16,
                          num_attention_heads=heads, num_key_value_heads=heads,
                          num_hidden_layers=args.layers, vocab_size=args.vocab,
                          max_position_embeddings=max(2048, args.seq))
@@ -36,7 +43,8 @@ def llama(args) -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
-def run(args, quantized: bool) -> dict:
+def run(args: argparse.Namespace, quantized: bool) -> dict:
+    """One ``Trainer.fit``, with the KBBQ callback where ``quantized``: its step times."""
     from kbbq_pl.callbacks import KBBQ
     from lightning.pytorch import Callback, LightningModule, Trainer
 
@@ -124,7 +132,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precision", default="bf16-mixed" if cuda else "32-true")
     parser.add_argument("--compile", choices=("auto", "1", "0"), default=None,
                         help="KBBQ_PL_COMPILE for the rounding kernels (default: as set)")
+    parser.add_argument("--tiny", action="store_true", help=f"run on {TINY}, in seconds")
     args = parser.parse_args(argv)
+    if args.tiny:
+        vars(args).update(TINY)
     if args.compile is not None:
         from kbbq_pl.formats import set_compile
 

@@ -1,6 +1,7 @@
 """fake_quantize throughput for every format, side by side with torchao and a plain copy.
 
     python bench/formats.py [--size 4096] [--repeats 7] [--formats nvfp4,mxfp4] [--device cpu]
+    python bench/formats.py --tiny     # 64 x 64, NVFP4 and MXFP4, one repeat, eager kernels
 
 For each dtype (fp32, bf16) it times, in one run: a plain ``x.clone()`` (allocating, as
 fake_quantize allocates its output) and ``out.copy_(x)`` (preallocated: the memory-bandwidth
@@ -8,12 +9,16 @@ floor); kbbq-pl's compiled ``fake_quantize`` and its eager reference; torchao's 
 (``NVFP4Tensor.to_nvfp4(x, per_tensor_scale) .dequantize()`` and ``MXTensor.to_mx(...)
 .dequantize()``) where torchao has the format.  Times are the minimum over repeats after a
 warm-up (compile time is reported separately); ratios are computed within the run.
+``--tiny`` only checks that the script runs (tests/bench/test_tiny_modes.py): its "ours" column
+is the eager kernels, since compiling them takes longer than the rest of the run.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -35,10 +40,12 @@ TORCHAO_MX = {
     "mxfp4_even": ScaleCalculationMode.EVEN,
     "mxfp4_rceil": ScaleCalculationMode.RCEIL,
 }
+TINY = {"size": 64, "repeats": 1, "formats": "nvfp4,mxfp4", "device": "cpu"}
 
 
-def best_time(fn, repeats: int, device: torch.device) -> float:
-    def sync():
+def best_time(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """The shortest of ``repeats`` calls of ``fn``, the device synchronized around each."""
+    def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
@@ -52,7 +59,8 @@ def best_time(fn, repeats: int, device: torch.device) -> float:
     return min(times)
 
 
-def torchao_fn(name: str, x: torch.Tensor):
+def torchao_fn(name: str, x: torch.Tensor) -> Callable[[], torch.Tensor] | None:
+    """torchao's round trip of ``x`` through format ``name``; None where torchao lacks it."""
     if name == "nvfp4":
         def run():
             scale = per_tensor_amax_to_scale(x.abs().amax())
@@ -73,7 +81,12 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(DEFAULT_FORMATS))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-eager", action="store_true", help="skip the eager reference")
+    parser.add_argument("--tiny", action="store_true",
+                        help=f"run on {TINY} with eager kernels, in seconds")
     args = parser.parse_args()
+    if args.tiny:
+        vars(args).update(TINY)
+    compiled = not args.tiny
     device = torch.device(args.device)
     names = [n.strip() for n in args.formats.split(",") if n.strip()]
     print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__} "
@@ -83,22 +96,22 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(args.size, args.size, device=device).to(dtype)
         out = torch.empty_like(x)
-        clone = best_time(lambda: x.clone(), args.repeats, device)
-        copy = best_time(lambda: out.copy_(x), args.repeats, device)
+        clone = best_time(x.clone, args.repeats, device)
+        copy = best_time(partial(out.copy_, x), args.repeats, device)
         print(f"\n{dtype}: clone {clone * 1e3:.1f} ms, copy_ {copy * 1e3:.1f} ms")
         print(header)
         for name in names:
-            F.set_compile(True)
+            F.set_compile(compiled)
             start = time.perf_counter()
             F.fake_quantize(x, name)
             compile_s = time.perf_counter() - start
-            ours = best_time(lambda: F.fake_quantize(x, name), args.repeats, device)
+            ours = best_time(partial(F.fake_quantize, x, name), args.repeats, device)
             eager = float("nan")
             if not args.no_eager:
                 F.set_compile(False)
-                eager = best_time(lambda: F.fake_quantize(x, name), max(2, args.repeats // 3),
-                                  device)
-                F.set_compile(True)
+                eager = best_time(partial(F.fake_quantize, x, name),
+                                  max(2, args.repeats // 3), device)
+                F.set_compile(compiled)
             ref = torchao_fn(name, x)
             tao = best_time(ref, max(2, args.repeats // 3), device) if ref else float("nan")
             ratio = f"{tao / ours:13.1f}" if ref else f"{'-':>13}"

@@ -4,6 +4,7 @@ model's answer follows the FP model's, and how likely the FP model finds what it
     python bench/generation_agreement.py [--model smollm2]
         [--recipes rtn_kbbq_nvfp4_lam0.75,rtn_wush_nvfp4] [--seeds 0,1,2]
         [--prompts 64] [--new-tokens 64] [--calibration-tokens 4096] [--out FILE.json]
+    python bench/generation_agreement.py --tiny     # a tiny random Llama, 2 prompts, 4 tokens
 
 Perplexity and KL score one next token at a time on given text; the paper's interior optimum of
 the brake is carried by its generation tasks (GSM8K, MBPP), where errors compound over the
@@ -21,7 +22,9 @@ recipe (each calibration seed quantizes a fresh copy; the recipe's calibration c
   model, the text the quantized model wrote is).
 
 Deterministic: greedy decoding, seeded calibration, one thread recommended
-(``OMP_NUM_THREADS=1``) for bit-reproducible numbers.
+(``OMP_NUM_THREADS=1``) for bit-reproducible numbers.  ``--tiny`` only checks that the script
+runs (tests/bench/test_tiny_modes.py): a tiny random Llama with a byte-level tokenizer and a
+chat template, two GSM8K-style questions, 256 calibration tokens, eager kernels.
 """
 
 from __future__ import annotations
@@ -29,17 +32,22 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import tempfile
 import time
 from pathlib import Path
 from statistics import mean
 
+import _tiny
 import torch
 
 from kbbq_pl.cli.compare import load_recipe
+from kbbq_pl.cli.quantize import calibration_batches
 from kbbq_pl.io.models import load_model
+from kbbq_pl.quant import quantize_model
 from kbbq_pl.quant.w4a4 import cache_decoded_weights
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+TINY = {"seeds": "0", "prompts": 2, "new_tokens": 4, "batch_size": 2, "calibration_tokens": 256}
 
 
 def chat_prompts(tokenizer, path: Path, count: int) -> list[str]:
@@ -71,7 +79,7 @@ def greedy_answers(model, tokenizer, prompts: list[str], new_tokens: int,
 def fp_nll(model, tokenizer, prompts: list[str], answers: list[list[int]]) -> float:
     """The FP model's mean negative log-likelihood per answer token, given each prompt."""
     total, count = 0.0, 0
-    for prompt, answer in zip(prompts, answers):
+    for prompt, answer in zip(prompts, answers, strict=True):
         context = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
         ids = torch.cat([context, torch.tensor([answer])], dim=1)
         logits = model(input_ids=ids).logits[0, context.shape[1] - 1:-1].float()
@@ -84,12 +92,12 @@ def fp_nll(model, tokenizer, prompts: list[str], answers: list[list[int]]) -> fl
 def agreement(reference: list[list[int]], answers: list[list[int]]) -> dict[str, float]:
     """Leading-prefix length, full-match share and per-position agreement with ``reference``."""
     prefixes, positions = [], []
-    for want, got in zip(reference, answers):
-        same = [a == b for a, b in zip(want, got)]
+    for want, got in zip(reference, answers, strict=True):
+        same = [a == b for a, b in zip(want, got, strict=True)]
         prefixes.append(same.index(False) if False in same else len(same))
         positions.append(sum(same) / len(same))
     return {"prefix": mean(prefixes), "match": mean(p == len(r) for p, r in
-                                                     zip(prefixes, reference)),
+                                                     zip(prefixes, reference, strict=True)),
             "agree": mean(positions)}
 
 
@@ -104,7 +112,22 @@ def main() -> None:
     parser.add_argument("--calibration-tokens", type=int, default=4096)
     parser.add_argument("--questions", default=str(DATA / "gsm8k" / "test.jsonl"))
     parser.add_argument("--out", default=None, help="also write the rows as JSON here")
+    parser.add_argument("--tiny", action="store_true",
+                        help=f"a tiny random Llama, {TINY}, eager kernels, in seconds")
     args = parser.parse_args()
+    if not args.tiny:
+        return agreement_table(args)
+    vars(args).update(TINY)
+    _tiny.eager()
+    with tempfile.TemporaryDirectory(prefix="kbbq-generation-agreement-") as tmp:
+        vars(args).update(model=str(_tiny.save_tiny_model(Path(tmp) / "tiny")),
+                          questions=str(_tiny.save_gsm8k(Path(tmp) / "test.jsonl")))
+        agreement_table(args)
+
+
+def agreement_table(args: argparse.Namespace) -> None:
+    """Answer the prompts of ``args`` with the FP model and each recipe and seed, print the
+    table (and write the rows to ``args.out``)."""
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     model, tokenizer = load_model(args.model, causal=True, quantized="refuse")
     model.eval()
@@ -118,11 +141,11 @@ def main() -> None:
     for name in [r for r in args.recipes.split(",") if r]:
         for seed in seeds:
             begin = time.perf_counter()
-            data, quantizer, stem = load_recipe(
+            data, config, stem = load_recipe(
                 name, args.model, {"n_tokens": args.calibration_tokens, "seed": seed})
-            data.tokenizer = tokenizer
             quantized = copy.deepcopy(model)
-            quantizer.quantize(quantized, list(data.calibration_dataloader()), progress=False)
+            batches = calibration_batches(data, model, tokenizer, torch.device("cpu"), args.model)
+            quantize_model(quantized, batches, config, progress=False)
             quantized.eval()
             with cache_decoded_weights():
                 answers = greedy_answers(quantized, tokenizer, prompts, args.new_tokens,

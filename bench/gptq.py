@@ -2,6 +2,7 @@
 
     python bench/gptq.py [--llmc-python /work/venvs/llmc/bin/python] [--layers 4]
                          [--methods gptq rtn gptq_kbbq rtn_kbbq] ...
+    python bench/gptq.py --tiny     # kbbq-pl's GPTQ and GPTQ-KBBQ on a one-layer Llama only
 
 llm-compressor is not a dependency of kbbq-pl: install it in a virtual environment of its own
 (``python3 -m venv /work/venvs/llmc && /work/venvs/llmc/bin/pip install torch==2.13.0
@@ -31,7 +32,10 @@ llmcompressor``) and pass its python.  The script
 
 Every subprocess runs with the same number of threads (``--threads``); kbbq-pl runs its eager
 rounding kernels unless ``--compile``.  The subprocesses run one after another: run the script
-on an otherwise idle machine, or compare only ratios taken in the same run.
+on an otherwise idle machine, or compare only ratios taken in the same run.  ``--tiny`` only
+checks that the script runs (tests/bench/test_tiny_modes.py): kbbq-pl's side alone (no
+llm-compressor), GPTQ and GPTQ-KBBQ on a Llama of one layer of hidden size 64, 64 calibration
+and 32 held-out tokens.
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+TINY = {"hidden": 64, "intermediate": 128, "layers": 1, "heads": 4, "vocab": 256,
+        "calib_tokens": 64, "heldout_tokens": 32, "seq_len": 32, "batch_size": 2,
+        "methods": ["gptq", "gptq_kbbq"]}
 
 
 def _peak_rss_mb() -> float:
@@ -304,11 +311,16 @@ def main() -> None:
     parser.add_argument("--method", choices=list(OUR_METHODS), help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=["ours", "llmc"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--tiny", action="store_true",
+                        help=f"kbbq-pl's side only, {TINY}, in seconds")
     args = parser.parse_args()
     if args.worker:
         result = (run_ours if args.worker == "ours" else run_llmc)(args.folder, args)
         print(json.dumps(result))
         return
+    if args.tiny:
+        vars(args).update(TINY)
+        print("llm-compressor: skipped (--tiny runs kbbq-pl's side only)")
 
     with tempfile.TemporaryDirectory(prefix="kbbq_gptq_bench_") as tmp:
         folder = Path(tmp)
@@ -316,7 +328,7 @@ def main() -> None:
         runs = {("ours", m): worker("ours", m, sys.executable, folder, args)
                 for m in args.methods if m in OUR_METHODS}
         runs.update({("llmc", m): worker("llmc", m, args.llmc_python, folder, args)
-                     for m in args.methods if m in THEIR_METHODS})
+                     for m in args.methods if m in THEIR_METHODS and not args.tiny})
         weights = {f"{tool}_{m}": torch.load(folder / f"{tool}_{m}.pt") for tool, m in runs
                    if not m.endswith("_kbbq")}
         errors = layer_errors(folder, weights)

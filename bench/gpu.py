@@ -17,8 +17,9 @@ are read from memory as the 134 MB of bf16 weights are):
   K = N = 8192.  Targets: speed-up >= 2.5 at M = 1 and 16, >= 0.8 at M = 4096.
 * whole model: a random-init Llama (hidden 4096, 8 layers) in bf16 against the same model with
   every decoder linear's weight a ``W4A4Weight`` (Hadamard blocks, dynamic activation
-  scales; its ``F.linear`` runs ``kbbq_pl.kernels.linear_w4a4``): weight memory, batch-1 greedy decoding (CUDA graphs), prefill of 4 x 2048 tokens,
-  and two checks of the kernel path against ``W4A4Weight``'s emulation on the same GPU:
+  scales; its ``F.linear`` runs ``kbbq_pl.kernels.linear_w4a4``): weight memory, batch-1
+  greedy decoding (CUDA graphs), prefill of 4 x 2048 tokens, and two checks of the kernel path
+  against ``W4A4Weight``'s emulation on the same GPU:
   the first block's linears on the model's own activations (each output should be within one
   bf16 rounding of the emulation's: the products agree to ~1e-7 and the bf16 outputs differ
   at near-ties), and the logits of each path against the bf16 model's.  Whole-model logits of

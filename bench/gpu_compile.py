@@ -95,9 +95,10 @@ def activation_rows(target: GPUTarget, configs) -> list[dict]:
                                       target, num_warps=config.num_warps, enable_fp_fusion=True)
             ptx = compiled.asm["ptx"]
             used = resources(compiled.asm["cubin"])
-            per_thread = config.kwargs["BLOCK_M"] * config.kwargs["NB"] * d / (32 * config.num_warps)
+            kw = config.kwargs
+            per_thread = kw["BLOCK_M"] * kw["NB"] * d / (32 * config.num_warps)
             rows.append(dict(
-                kernel=f"act {fmt}", config=f"BM={config.kwargs['BLOCK_M']} NB={config.kwargs['NB']}"
+                kernel=f"act {fmt}", config=f"BM={kw['BLOCK_M']} NB={kw['NB']}"
                 f" w={config.num_warps}", seconds=time.perf_counter() - start, **used,
                 sass_per_element=f"{used['sass'] / per_thread:.0f}",
                 fma=count(r"fma\.rn\.f32", ptx), add=count(r"\badd\.f32", ptx),
@@ -129,7 +130,8 @@ def gemm_rows(target: GPUTarget, small: bool, configs) -> list[dict]:
                 kernel=f"gemm {'small' if small else 'large'} {fmt}",
                 config=f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w={config.num_warps} "
                 f"s={config.num_stages}", seconds=time.perf_counter() - start, **used,
-                sass_per_element=f"{used['sass'] / per_thread:.0f}", fma=count(r"fma\.rn\.f32", ptx),
+                sass_per_element=f"{used['sass'] / per_thread:.0f}",
+                fma=count(r"fma\.rn\.f32", ptx),
                 add=count(r"\badd\.f32", ptx), div_rn=count(r"div\.rn\.f32", ptx),
                 div_approx=count(r"div\.(?:full|approx)", ptx), ftz=count(r"\.ftz", ptx),
                 mma=count(r"wgmma\.mma_async", ptx) + count(r"mma\.sync", ptx)))

@@ -2,6 +2,7 @@
 
     python bench/law.py [--data ../shared/data/wikitext2/valid.txt] [--tokens 4096]
                         [--seq-len 256] [--out DIR] [--formats fp8_e4m3,nvfp4,mxfp4]
+    python bench/law.py --tiny     # a tiny random BERT on 64 random tokens, eager kernels
 
 Runs the command in a fresh process (imports, model loading and kernel compilation included),
 times it, then prints from its ``law.json``: per format the records, slope per decade,
@@ -9,6 +10,7 @@ intercept, median r, RMS of r and the predicted C_fmt; the cross-format spacings
 Prop. interceptgap; the kappa.md medians; and the targets of the resolving note (E4M3 median r
 within 0.4 dB of 28.51 dB, RMS of r under 1.5 dB, the command under 2 minutes on two cores).
 The load average is printed too: on a shared machine it explains a slow wall time.
+``--tiny`` only checks that the script runs (tests/bench/test_tiny_modes.py).
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import _tiny
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "wikitext2" / "valid.txt"
+TINY = {"data": "random", "tokens": 64, "seq_len": 32}
 
 
 def show(value: float | None, digits: int = 2) -> str:
@@ -38,7 +43,20 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--formats", default="fp8_e4m3,nvfp4,mxfp4")
     parser.add_argument("--out", default=None, help="report folder (default: a temporary one)")
+    parser.add_argument("--tiny", action="store_true",
+                        help=f"a tiny random BERT on {TINY}, eager kernels, in seconds")
     args = parser.parse_args()
+    if not args.tiny:
+        return measure(args)
+    with tempfile.TemporaryDirectory(prefix="kbbq-law-") as tmp:
+        vars(args).update(TINY, model=str(_tiny.save_tiny_model(Path(tmp) / "tiny", "bert")),
+                          out=args.out or str(Path(tmp) / "report"))
+        _tiny.eager()
+        return measure(args)
+
+
+def measure(args: argparse.Namespace) -> int:
+    """Run ``kbbq-pl law`` as ``args`` say, print its figures; the command's exit code."""
     out = Path(args.out or tempfile.mkdtemp(prefix="kbbq-law-"))
     command = [sys.executable, "-m", "kbbq_pl.cli", "law", "--model", args.model, "--data",
                args.data, "--formats", args.formats, "--tokens", str(args.tokens), "--seq-len",

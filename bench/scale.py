@@ -3,6 +3,7 @@ loaded in memory, in one run.
 
     python bench/scale.py [--sizes 0.25 0.5 1 2] [--methods rtn_kbbq gptq_kbbq] [--threads 1]
                           [--processes 1 2] [--no-table]
+    python bench/scale.py --tiny     # one block of a tiny Llama, RTN-KBBQ, one process
 
 1. For each size (GB of bf16 weights), saves a random-initialized Llama (hidden 1024, FFN 2816,
    16 heads, 4 KV heads, vocabulary 1024, tied embeddings; the depth sets the size, 22.4 MB a
@@ -11,8 +12,8 @@ loaded in memory, in one run.
 2. Quantizes each model with each method (RTN-KBBQ lambda 0.75 and GPTQ-KBBQ lambda 0.75 by
    default, ``rtn_kbbq_auto`` on request; NVFP4, static activation scales) in one subprocess
    per run, twice: streamed (:func:`kbbq_pl.io.streaming.quantize_checkpoint`, ``kbbq-pl
-   quantize --stream``) and in memory (``load_model`` + ``quantize_model`` + ``save_quantized``, what ``kbbq-pl quantize``
-   does without ``--stream``).
+   quantize --stream``) and in memory (``load_model`` + ``quantize_model`` +
+   ``save_quantized``, what ``kbbq-pl quantize`` does without ``--stream``).
 3. Prints one table: the model's size, blocks, the peak RSS of each process (``VmHWM``: not
    ``ru_maxrss``, which a subprocess inherits from this large parent) and
    its time (imports excluded, loading and writing included), whether the two checkpoints hold
@@ -23,7 +24,9 @@ loaded in memory, in one run.
    the one-process one bit for bit.
 
 The subprocesses run one after another with ``--threads`` threads each; compare ratios taken
-in the same run.
+in the same run.  ``--tiny`` only checks that the script runs (tests/bench/test_tiny_modes.py):
+both tables on one block of hidden size 64, 256 calibration tokens, RTN-KBBQ, one process,
+eager kernels.
 """
 
 from __future__ import annotations
@@ -38,12 +41,17 @@ import tempfile
 import time
 from pathlib import Path
 
+import _tiny
 import torch
 
 BLOCK = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16,
          "num_key_value_heads": 4, "vocab_size": 1024, "max_position_embeddings": 512,
          "tie_word_embeddings": True}
 BLOCK_BYTES = 2 * (2 * 1024 * 1024 + 2 * 1024 * 256 + 3 * 1024 * 2816 + 2 * 1024)
+TINY_BLOCK = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512,
+              "tie_word_embeddings": True}
+TINY = {"sizes": [0.0], "methods": ["rtn_kbbq"], "tokens": 256, "processes": [1]}
 METHODS = {
     "rtn_kbbq": {"transform": {"name": "kbbq", "lam": 0.75}},
     "gptq_kbbq": {"weights": {"quantizer": "gptq"}, "transform": {"name": "kbbq", "lam": 0.75}},
@@ -51,14 +59,15 @@ METHODS = {
 }
 
 
-def save_model(folder: Path, gigabytes: float) -> int:
-    """A random Llama of about ``gigabytes`` of bf16 weights in ``folder``; returns its
-    number of blocks."""
+def save_model(folder: Path, gigabytes: float, block: dict = BLOCK) -> int:
+    """A random Llama of about ``gigabytes`` of bf16 weights in ``folder`` (blocks of
+    ``BLOCK``'s size, at least one, each made as ``block`` says); returns its number of
+    blocks."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     blocks = max(1, round(gigabytes * 1e9 / BLOCK_BYTES))
     torch.manual_seed(0)
-    config = LlamaConfig(num_hidden_layers=blocks, **BLOCK)
+    config = LlamaConfig(num_hidden_layers=blocks, **block)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="256MB")
     return blocks
@@ -84,7 +93,8 @@ def worker(args: argparse.Namespace) -> None:
 
     config = QuantizationConfig.from_dict(METHODS[args.method])
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, BLOCK["vocab_size"], (args.tokens // 256, 256), generator=generator)
+    vocab = (TINY_BLOCK if args.tiny else BLOCK)["vocab_size"]
+    ids = torch.randint(0, vocab, (args.tokens // 256, 256), generator=generator)
     batches = [{"input_ids": ids[i:i + 4]} for i in range(0, len(ids), 4)]
     start = time.perf_counter()
     if args.mode == "streamed":
@@ -110,6 +120,8 @@ def main() -> None:
                         help="process counts of the torchrun comparison (none: skip it)")
     parser.add_argument("--table", action=argparse.BooleanOptionalAction, default=True,
                         help="the streamed / in-memory table (--no-table: skip it)")
+    parser.add_argument("--tiny", action="store_true",
+                        help=f"one block of hidden size 64, {TINY}, in seconds")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
@@ -118,6 +130,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    if args.tiny:
+        vars(args).update(TINY)
+        _tiny.eager()
     if args.table:
         size_table(args)
     if args.processes:
@@ -129,7 +144,7 @@ def size_table(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
             source = Path(tmp) / f"llama-{size}"
-            blocks = save_model(source, size)
+            blocks = save_model(source, size, TINY_BLOCK if args.tiny else BLOCK)
             disk = sum(p.stat().st_size for p in source.glob("*.safetensors")) / 2**20
             for method in args.methods:
                 row = {"size_mb": disk, "blocks": blocks, "method": method}
@@ -139,7 +154,8 @@ def size_table(args: argparse.Namespace) -> None:
                     result = subprocess.run(
                         [sys.executable, __file__, "--worker", "--mode", mode, "--method",
                          method, "--source", str(source), "--out", str(out), "--tokens",
-                         str(args.tokens), "--threads", str(args.threads)],
+                         str(args.tokens), "--threads", str(args.threads),
+                         *(["--tiny"] if args.tiny else [])],
                         capture_output=True, text=True, check=True)
                     row[mode] = json.loads(result.stdout.strip().splitlines()[-1])
                     digests[mode] = tensor_digest(out)
@@ -178,12 +194,12 @@ def processes_table(args: argparse.Namespace) -> None:
     included) and whether the checkpoints equal the one-process one bit for bit."""
     import shutil
 
-    kbbq = shutil.which("kbbq-pl")
+    kbbq = shutil.which("kbbq-pl") or str(Path(sys.executable).with_name("kbbq-pl"))
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "llama"
-        blocks = save_model(source, min(args.sizes))
+        blocks = save_model(source, min(args.sizes), TINY_BLOCK if args.tiny else BLOCK)
         for method in args.methods:
             digests = {}
             for count in args.processes:

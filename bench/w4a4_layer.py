@@ -2,6 +2,7 @@
 
     python bench/w4a4_layer.py [--features 4096] [--tokens 1,16,512] [--format nvfp4]
                                [--dtype bf16] [--repeats 5] [--device cpu]
+    python bench/w4a4_layer.py --tiny     # K = N = 64, M = 1 and 16, one repeat, eager kernels
 
 Memory: the bytes of every tensor the layer holds (parameters, buffers and the plain tensors
 inside the ``W4A4Weight``): the dense ``nn.Linear``; the quantized layer (codes, scales, the
@@ -11,13 +12,16 @@ held before the weight owned the product).  Time: one forward of the dense layer
 quantized layer (exact emulation: transform, activation rounding, the weight decoded in the
 call) and of the same inside ``cache_decoded_weights()`` (decoded once), minimum over repeats;
 ratios within the run.  On a GPU with ``kbbq_pl.kernels`` the quantized
-forward runs the kernels instead (see the kernels' own ``bench/gpu.py``).
+forward runs the kernels instead (see the kernels' own ``bench/gpu.py``).  ``--tiny`` only
+checks that the script runs (tests/bench/test_tiny_modes.py).
 """
 
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
+import _tiny
 import torch
 from formats import best_time
 from torch import nn
@@ -27,6 +31,7 @@ from kbbq_pl.quant.w4a4 import W4A4Weight, cache_decoded_weights, uses_kernels
 from kbbq_pl.transforms.fit import fit_transform
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TINY = {"features": 64, "tokens": "1,16", "repeats": 1, "device": "cpu"}
 
 
 def held_bytes(module: nn.Module) -> int:
@@ -49,7 +54,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tiny", action="store_true",
+                        help=f"run on {TINY} with eager kernels, in seconds")
     args = parser.parse_args()
+    if args.tiny:
+        vars(args).update(TINY)
+        _tiny.eager()
     device, dtype, k = torch.device(args.device), DTYPES[args.dtype], args.features
     torch.manual_seed(0)
     dense = nn.Linear(k, k).to(device, dtype)
@@ -73,11 +83,11 @@ def main() -> None:
         for m in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(m, k, device=device, dtype=dtype)
             path = "kernels" if uses_kernels(x, layer.weight) else "emulation"
-            times = [best_time(lambda: dense(x), args.repeats, device),
-                     best_time(lambda: layer(x), args.repeats, device)]
+            times = [best_time(partial(dense, x), args.repeats, device),
+                     best_time(partial(layer, x), args.repeats, device)]
             with cache_decoded_weights():
                 layer(x)  # decode once
-                times.append(best_time(lambda: layer(x), args.repeats, device))
+                times.append(best_time(partial(layer, x), args.repeats, device))
             print(f"| {m} | {times[0] * 1e3:.2f} ms | {times[1] * 1e3:.2f} ms ({path}) | "
                   f"{times[2] * 1e3:.2f} ms | {times[1] / times[0]:.1f}x | "
                   f"{times[2] / times[0]:.1f}x |")

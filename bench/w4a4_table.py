@@ -1,6 +1,7 @@
 """W4A4 fidelity of every method on all-MiniLM-L6-v2, in the shape of the paper's Table w4a4.
 
     python bench/w4a4_table.py [--formats nvfp4,mxfp4] [--methods I,HAAR,...] [--extra]
+    python bench/w4a4_table.py --tiny     # NVFP4, every method and --extra, a tiny random BERT
 
 Calibration: WikiText-2 ``valid.txt`` (``--calib-tokens`` tokens in blocks of ``--seq-len``);
 evaluation: ``--sentences`` sentences of WikiText-2 ``test.txt``
@@ -10,15 +11,19 @@ with the median per-layer output SNR (each layer in isolation, W4A4, on the inpu
 during calibration) beside it.  ``--extra`` adds GPTQ-WUSH / GPTQ-KBBQ with the transform
 fitted once (``transform_refit="fixed"``; the default refits it in the loop), GPTQ without
 act-order and with dynamic block scales, and RTN-KBBQ / GPTQ-KBBQ with ``lam="auto"``.
+``--tiny`` only checks that the script runs (tests/bench/test_tiny_modes.py): a tiny random
+BERT, calibrated and scored on the WikiText-2 excerpt kbbq-pl ships, eager kernels.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import tempfile
 import time
 from pathlib import Path
 
+import _tiny
 import torch
 
 from kbbq_pl.eval.evaluation import cosine_to_reference, mean_pooled_embeddings, wikitext_sentences
@@ -27,6 +32,8 @@ from kbbq_pl.io.models import load_model
 from kbbq_pl.quant import QuantizationConfig, TransformConfig, quantize_model
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext2"
+TINY = {"formats": "nvfp4", "calib_tokens": 128, "seq_len": 32, "batch_size": 2, "sentences": 8,
+        "extra": True}
 
 METHODS: dict[str, dict] = {
     "I": {"transform": {"name": "identity"}},
@@ -72,23 +79,37 @@ def main() -> None:
     parser.add_argument("--sentences", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument("--tiny", action="store_true",
+                        help=f"a tiny random BERT on the shipped text, {TINY}, in seconds")
     args = parser.parse_args()
+    if not args.tiny:
+        return table(args, "minilm", args.data / "valid.txt", args.data / "test.txt")
+    vars(args).update(TINY)
+    _tiny.eager()
+    with tempfile.TemporaryDirectory(prefix="kbbq-w4a4-table-") as tmp:
+        model = _tiny.save_tiny_model(Path(tmp) / "tiny", "bert")
+        table(args, str(model), _tiny.wikitext_file(), _tiny.wikitext_file())
 
+
+def table(args: argparse.Namespace, model_name: str, calib_text: Path, eval_text: Path) -> None:
+    """Quantize ``model_name`` with every method of ``args``, print the table: calibration on
+    ``calib_text``, fidelity on the sentences of ``eval_text`` (WikiText-2 files)."""
     torch.manual_seed(args.seed)
-    model, tokenizer = load_model("minilm")
-    calib = token_blocks(args.data / "valid.txt", tokenizer, n_tokens=args.calib_tokens,
+    model, tokenizer = load_model(model_name)
+    calib = token_blocks(calib_text, tokenizer, n_tokens=args.calib_tokens,
                          seq_len=args.seq_len, seed=args.seed)
     batches = [{"input_ids": calib[i:i + args.batch_size],
                 "attention_mask": torch.ones_like(calib[i:i + args.batch_size])}
                for i in range(0, len(calib), args.batch_size)]
-    texts = wikitext_sentences(args.data / "test.txt", n=args.sentences, seed=args.seed)
+    texts = wikitext_sentences(eval_text, n=args.sentences, seed=args.seed)
     reference = mean_pooled_embeddings(model, tokenizer, texts)
     methods = {name: METHODS[name] for name in args.methods.split(",")}
     if args.extra:
         methods.update(extra_methods())
     formats = args.formats.split(",")
-    print(f"all-MiniLM-L6-v2 W4A4: calibration {len(calib)} x {args.seq_len} tokens of "
-          f"WikiText-2 valid; {len(texts)} WikiText-2 test sentences; lambda {args.lam}; "
+    label = "tiny random BERT" if args.tiny else "all-MiniLM-L6-v2"
+    print(f"{label} W4A4: calibration {len(calib)} x {args.seq_len} tokens of "
+          f"{calib_text}; {len(texts)} sentences of {eval_text}; lambda {args.lam}; "
           f"cosine = mean cosine similarity of mean-pooled embeddings to FP; "
           f"SNR = median per-layer output SNR (dB)")
     results: dict[tuple[str, str], tuple[float, float, float]] = {}

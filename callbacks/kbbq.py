@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - lightning is a dependency
 from kbbq_pl.formats import DeferredChecks, QuantizedTensor, deferred_checks
 from kbbq_pl.io.checkpoint import install_empty_layers, layer_metadata
 from kbbq_pl.quant import QuantizationConfig, QuantizationReport, quantize_model
-from kbbq_pl.quant.config import lightning_collectives
+from kbbq_pl.quant.collectives import Collectives
 from kbbq_pl.quant.layers import quantized_linears
 from kbbq_pl.quant.modules import find_linears
 from kbbq_pl.quant.stats import StatisticsCollector, run_calibration
@@ -83,12 +83,6 @@ def calibration_batches(trainer: Trainer, source: Any, model: nn.Module | None =
     return batches[rank::world]
 
 
-def _collectives(trainer: Trainer) -> dict[str, Any]:
-    """The trainer's cross-rank reductions and broadcast for :func:`quantize_model` (none on
-    one process)."""
-    return lightning_collectives(trainer.strategy) if trainer.world_size > 1 else {}
-
-
 class CalibrationStatistics(Callback):
     """Collect per-layer input statistics (:mod:`kbbq_pl.quant.stats`) in ``setup``.
 
@@ -124,7 +118,7 @@ class CalibrationStatistics(Callback):
         collector = StatisticsCollector(modules, self.block, self.keep_samples, full=self.full)
         with collector.hooks():
             run_calibration(model, calibration_batches(trainer, self.calibration, model))
-        collector.reduce(_collectives(trainer).get("reduce_sum", lambda t: t))
+        collector.reduce(Collectives.lightning(trainer.strategy).reduce_sum)
         collector.check_nonempty()
         self.collector = collector
 
@@ -219,8 +213,9 @@ class KBBQ(Callback):
         batches = calibration_batches(trainer, self.calibration, model)
         trainable = self.trainable if self.trainable is not None else (
             stage == "fit" and not self.calibrate_only and self.config.weights.quantizer == "rtn")
-        self.report = quantize_model(model, batches, self.config, trainable=trainable, progress=trainer.is_global_zero,
-                                     device=device, **_collectives(trainer))
+        self.report = quantize_model(model, batches, self.config, trainable=trainable,
+                                     progress=trainer.is_global_zero, device=device,
+                                     collectives=Collectives.lightning(trainer.strategy))
         model.to(device)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -87,25 +87,6 @@ def poison_input():
         handle.remove()
 
 
-@pytest.fixture
-def force_scope_best(monkeypatch):
-    """``force_scope_best(kept)``: ``autobrake.scope: best`` keeps ``kept`` (``"layer"`` or
-    ``"model"``): the other trials' held-out divergences are measured, then raised by 1."""
-    from kbbq_pl.quant import pipeline
-
-    measured = pipeline.held_out_divergence
-
-    def force(kept: str) -> None:
-        def favour(*args, **kwargs):  # one candidate per call: "layer", or a finalist lambda
-            divergence = measured(*args, **kwargs)
-            return {name: (value + (1.0 if (name == "layer") != (kept == "layer") else 0.0),
-                           metric) for name, (value, metric) in divergence.items()}
-
-        monkeypatch.setattr(pipeline, "held_out_divergence", favour)
-
-    return force
-
-
 @pytest.fixture(scope="session")
 def tiny_llama2c_folder(tmp_path_factory) -> Path:
     """The real tiny llama2.c model of the shared data (aidreams260K) as a HF folder with its

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ast
 import functools
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -32,23 +34,31 @@ LAYERS = {
 }
 PURE_MATH = ("kbbq_pl.formats", "kbbq_pl.law", "kbbq_pl.transforms", "kbbq_pl.quant.scales",
              "kbbq_pl.quant.rtn.algorithm", "kbbq_pl.quant.gptq.algorithm",
-             "kbbq_pl.quant.act_scale")
+             "kbbq_pl.quant.act_scale", "kbbq_pl.quant.autobrake")
 WEIGHT_QUANTIZER_ROOMS = {"rtn": "RTN", "gptq": "GPTQ"}
 """Each weight quantizer's room, ``kbbq_pl.quant.<room>``: its math on tensors (``algorithm``) and
 its strategy of the pipeline (``quantizer``, the class named here), nothing else."""
 ONE_HOME = {"pad_features": "kbbq_pl.formats.padding",
             "check_act_scale": "kbbq_pl.quant.act_scale",
             "effective_act_scale": "kbbq_pl.quant.act_scale",
-            "count_tokens": "kbbq_pl.quant.config",
+            "count_tokens": "kbbq_pl.quant.sequential",
+            "split_sequences": "kbbq_pl.quant.sequential",
             "rtn": "kbbq_pl.quant.rtn.algorithm",
             "group_scales": "kbbq_pl.quant.scales",
-            "fold_o_proj": "kbbq_pl.transforms.fold"}
+            "fold_o_proj": "kbbq_pl.transforms.o_proj_fold",
+            "nvfp4_tensor_scale": "kbbq_pl.formats.rounding",
+            "static_act_scale": "kbbq_pl.quant.act_scale",
+            "choose_lambda": "kbbq_pl.quant.autobrake",
+            "output_error": "kbbq_pl.quant.autobrake"}
 """Functions that each hold one rule, and the one module that defines them."""
-WRITTEN_ONCE = {r'"input_ids"\]\.numel\(\)': "kbbq_pl.quant.config",
+WRITTEN_ONCE = {r'"input_ids"\]\.numel\(\)': "kbbq_pl.quant.sequential",
                 r'act_scale == "static" and [\w.(]*fmt\.global_scale': "kbbq_pl.quant.act_scale",
-                r"act_scale not in ": "kbbq_pl.quant.act_scale"}
-"""Source patterns of a rule (token counting, the static activation scale rule, the act_scale
-values) and the one module it may appear in: everywhere else calls its function."""
+                r"act_scale not in ": "kbbq_pl.quant.act_scale",
+                r"\b448(\.0*)?\s*\*\s*6\b|\b2688\b|E4M3_MAX\s*\*\s*E2M1_MAX":
+                    "kbbq_pl.formats.rounding"}
+"""Code patterns of a rule (token counting, the static activation scale rule, the act_scale
+values, the NVFP4 per-tensor scale ``amax / (448 * 6)``) and the one module whose code (not its
+docstrings or comments) may hold it: everywhere else calls its function."""
 SHARED_MODULE_NAMES = {"__init__", "algorithm", "quantizer"}
 """Module names that several subpackages hold for the same thing (a package, a weight
 quantizer's math, its strategy); any other name is one module's."""
@@ -260,9 +270,33 @@ def test_each_rule_has_one_function():
     for name, home in ONE_HOME.items():
         assert definitions.get(name) == [home], f"{name} is defined in {definitions.get(name)}"
     for text, home in WRITTEN_ONCE.items():
-        places = sorted(m for m, (path, _) in MODULES.items()
-                        if re.search(text, path.read_text(encoding="utf-8")))
+        places = sorted(m for m, (path, _) in MODULES.items() if re.search(text, _code(path)))
         assert places == [home], f"{text!r} is written in {places}: call {home}'s function"
+
+
+def _code(path: Path) -> str:
+    """The source of ``path`` without its docstrings and comments (the code that runs)."""
+    source = path.read_text(encoding="utf-8")
+    lines = source.splitlines(keepends=True)
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            docstrings.update(range(body[0].lineno - 1, body[0].end_lineno))
+    kept = []
+    for index, line in enumerate(lines):
+        if index in docstrings:
+            continue
+        tokens = io.StringIO(line)
+        try:
+            comment = next((t.start[1] for t in tokenize.generate_tokens(tokens.readline)
+                            if t.type == tokenize.COMMENT), None)
+        except (tokenize.TokenError, IndentationError):
+            comment = None
+        kept.append(line if comment is None else line[:comment] + "\n")
+    return "".join(kept)
 
 
 def test_names_say_one_thing():

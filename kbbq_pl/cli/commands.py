@@ -129,8 +129,8 @@ def _reference_model(args: argparse.Namespace) -> str:
 def _eval(args: argparse.Namespace) -> int:
     """Score a local causal LM: perplexity and KL to a reference on a text file (``ppl``,
     ``kl``), lm-eval benchmarks (the rest); write the metrics as JSON."""
-    from kbbq_pl.eval.benchmarks import check_data, run_benchmarks
     from kbbq_pl.eval.lm_metrics import lm_metrics
+    from kbbq_pl.eval.tasks import check_data, run_benchmarks
     from kbbq_pl.io.fileio import check_output, write_output_json
     from kbbq_pl.io.models import load_model, parse_device, resolve_model_path
     from kbbq_pl.quant.w4a4 import cache_decoded_weights
@@ -198,25 +198,29 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    """Quantize one model with several recipes; write the paper's Table w4a4 and a plot."""
-    from kbbq_pl.cli.compare import run_compare, table_recipes
-    from kbbq_pl.eval.benchmarks import check_data
+    """Quantize one model with several recipes (and lambdas); write the paper's Table w4a4 and
+    a plot, and with --save-closest the model closest to full precision."""
+    from kbbq_pl.cli.compare import FIDELITY, default_tasks, run_compare, table_recipes
+    from kbbq_pl.eval.tasks import check_data
 
     recipes = ([r.strip() for r in args.recipes.split(",") if r.strip()] if args.recipes
                else table_recipes([f.strip() for f in args.formats.split(",") if f.strip()]))
     calibration = {key: value for key, value in (("source", args.calibration_source),
                                                  ("n_tokens", args.calibration_tokens))
                    if value is not None}
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    tasks = ([t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks
+             else default_tasks(args.model))
+    lams = [float(lam) for lam in args.lams.split(",") if lam.strip()] if args.lams else []
     # every path is checked before a model is loaded or lm-eval imported
-    check_data([t for t in tasks if t not in LM_METRICS], args.data_dir, option="--data-dir")
+    check_data([t for t in tasks if t not in (*LM_METRICS, FIDELITY)], args.data_dir,
+               option="--data-dir")
     text = _scored_text(args, tasks)
     out, _ = run_compare(
         args.model, recipes, args.output_dir, tasks=tasks, text=text,
         context=args.context, stride=args.stride, max_tokens=args.max_tokens, limit=args.limit,
-        data_dir=args.data_dir, calibration=calibration, batch_size=args.batch_size,
+        data_dir=args.data_dir, calibration=calibration, lams=lams, batch_size=args.batch_size,
         cache_dir=args.cache_dir, device=args.device, resume=args.resume,
-        overwrite=args.overwrite, progress=not args.no_progress,
+        overwrite=args.overwrite, progress=not args.no_progress, save_closest=args.save_closest,
     )
     print((out / "compare.md").read_text(encoding="utf-8"))
     print(written_summary(out))
@@ -259,7 +263,7 @@ def _recipes(args: argparse.Namespace) -> int:
     width = max(map(len, recipes))
     for name, description in recipes.items():
         print(f"{name:<{width}}  {description}")
-    print(f"\nkbbq-pl quantize --config NAME [--model MODEL] runs one; `kbbq-pl quantize -h` "
+    print("\nkbbq-pl quantize --config NAME [--model MODEL] runs one; `kbbq-pl quantize -h` "
           "shows every field a recipe sets")
     return 0
 
@@ -295,8 +299,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("quantize", help="quantize a model with a recipe (see: kbbq-pl quantize -h)")
-    sub.add_parser("sweep", help="run a recipe over lambdas and baselines, one table "
-                                 "(see: kbbq-pl sweep -h)")
     sub.add_parser("recipes", help="list the packaged recipes and what each does"
                    ).set_defaults(run=_recipes)
     formats = sub.add_parser("formats", help="round test tensors onto every format, print a table")
@@ -352,17 +354,27 @@ def build_parser() -> argparse.ArgumentParser:
                           help="needed for mbpp: runs model-generated code, unsandboxed")
     evaluate.set_defaults(run=_eval)
     compare = sub.add_parser(
-        "compare", help="quantize one model with several recipes: the paper's Table w4a4 "
-                        "(per task, Average, Recovery), compare.json/.md and a plot")
+        "compare", help="quantize one model with several recipes or lambdas: the paper's Table "
+                        "w4a4 (per task, Average, Recovery), compare.json/.md, a plot, and the "
+                        "closest model (--save-closest)")
     compare.add_argument("--model", required=True,
-                         help="local full-precision causal-LM folder, or 'smollm2'")
+                         help="local full-precision model folder, 'minilm' or 'smollm2'")
     compare.add_argument("--recipes", default="",
                          help="comma-separated packaged recipe names or YAML files (default: "
                               "the paper's nine methods in each of --formats)")
     compare.add_argument("--formats", default="nvfp4,mxfp4",
                          help="formats of the default recipe list")
-    compare.add_argument("--tasks", default="ppl,kl",
-                         help="comma-separated, from ppl,kl and the kbbq-pl eval benchmarks")
+    compare.add_argument("--lams", default="",
+                         help="comma-separated lambdas: every fixed-lambda KBBQ recipe runs once "
+                              "per lambda (a sweep of the brake)")
+    compare.add_argument("--tasks", default=None,
+                         help="comma-separated, from ppl,kl (causal LMs), fidelity (mean cosine "
+                              "of the last hidden states, any model) and the kbbq-pl eval "
+                              "benchmarks (default: ppl,kl for a causal LM, else fidelity)")
+    compare.add_argument("--save-closest", default=None, metavar="DIR",
+                         help="write the quantized model closest to full precision (smallest "
+                              "KL, else highest fidelity, else lowest perplexity) to DIR as a "
+                              "checkpoint; score it on text held out from the calibration")
     compare.add_argument("--limit", type=_limit, default=None,
                          help="documents per benchmark (MMLU: per subject); <1: a fraction")
     compare.add_argument("--data-dir", default="../shared/data")
@@ -436,11 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-RECIPE_COMMANDS = ("quantize", "sweep")
-
-
 def _run(argv: list[str]) -> int:
-    if argv and argv[0] in RECIPE_COMMANDS:  # recipe commands parse with jsonargparse
+    if argv and argv[0] == "quantize":  # recipes parse with jsonargparse
         from .quantize import main as recipe_main
 
         return recipe_main(argv)

@@ -1,21 +1,27 @@
-"""``kbbq-pl compare``: one model, several recipes, the paper's Table w4a4.
+"""``kbbq-pl compare``: one model, several recipes side by side (the paper's Table w4a4), and
+sweeps of the brake.
 
 :func:`run_compare` loads the full-precision model once, scores it (the FP row), then for each
-recipe (a packaged name such as ``rtn_kbbq_nvfp4_lam0.75`` or a YAML file) calibrates and
-quantizes a copy, and scores that on the same text and tasks:
+recipe (a packaged name such as ``rtn_kbbq_nvfp4_lam0.75`` or a YAML file; with ``lams``, every
+fixed-lambda KBBQ recipe once per lambda) calibrates and quantizes a copy, and scores that on
+the same text and tasks:
 
 * ``ppl``: rolling-window perplexity on ``text`` (``context`` tokens read, ``stride`` scored
   per window, the first ``max_tokens`` tokens), and ``kl``: the mean KL divergence of the
   quantized model's next-token distributions from the FP model's on the same windows
-  (:mod:`kbbq_pl.eval.lm_metrics`; the FP log-probabilities are computed once);
-* lm-eval tasks (:mod:`kbbq_pl.eval.benchmarks`) at ``limit`` documents each.
+  (:mod:`kbbq_pl.eval.lm_metrics`; the FP log-probabilities are computed once): causal LMs;
+* ``fidelity``: the mean cosine of the mean-pooled last hidden states to the FP model's on
+  sentences (any model; an encoder's sentence embeddings);
+* lm-eval tasks (:mod:`kbbq_pl.eval.tasks`) at ``limit`` documents each.
 
-The table has one row per recipe: format, method, perplexity, KL, each task (percent),
-``Average`` (the mean of the tasks) and ``Recovery`` (Average as a percentage of the FP row's),
-as the paper's Table w4a4.  ``output_dir`` gets ``rows/<name>.json`` as each row finishes (a
-resumed run, ``resume=True``, reuses every row whose settings are unchanged and computes the
-rest), then ``compare.json``, ``compare.md`` and ``compare.png`` (recovery and KL per method,
-one bar per format).
+The table has one row per recipe: format, method, perplexity, KL, fidelity, each task
+(percent), ``Average`` (the mean of the tasks) and ``Recovery`` (Average as a percentage of the
+FP row's), as the paper's Table w4a4.  ``output_dir`` gets ``rows/<name>.json`` as each row
+finishes (a resumed run, ``resume=True``, reuses every row whose settings are unchanged and
+computes the rest), then ``compare.json``, ``compare.md`` and ``compare.png``.  With
+``save_closest`` the quantized model closest to full precision (smallest KL, else highest
+fidelity, else lowest perplexity) is written there as a checkpoint: choosing one lambda for a
+whole model is such a sweep, scored on text held out from the calibration.
 """
 
 from __future__ import annotations
@@ -24,15 +30,17 @@ import copy
 import hashlib
 import json
 import logging
+import re
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..eval.report_files import markdown_table
-from ..io.fileio import add_resumable_file, open_resumable_folder
+from ..eval.report_files import markdown_table, report_files
+from ..io.fileio import add_resumable_file, check_output, open_resumable_folder
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +48,39 @@ TABLE_METHODS = ("i_{f}", "haar_{f}", "rtn_wush_{f}", "rtn_kbbq_{f}_lam0.75", "r
                  "gptq_{f}", "mr_gptq_{f}", "gptq_wush_{f}", "gptq_kbbq_{f}")
 """The packaged recipes of the paper's table, per format ``{f}``."""
 LM_TASKS = ("ppl", "kl")
+FIDELITY = "fidelity"
 FP_ROW = "fp"
+
+
+def default_tasks(model_name: str) -> list[str]:
+    """``ppl,kl`` for a causal LM, ``fidelity`` for any other model (an encoder)."""
+    from transformers import AutoConfig
+
+    from ..io.checkpoint import is_causal_lm_config
+    from ..io.models import resolve_model_path
+
+    config = AutoConfig.from_pretrained(resolve_model_path(model_name))
+    return list(LM_TASKS) if is_causal_lm_config(config) else [FIDELITY]
+
+
+def lambda_variants(name: str, config: Any, lams: Sequence[float]) -> list[tuple[str, Any]]:
+    """``(name, recipe)`` of ``config`` once per lambda of ``lams`` where it is a KBBQ recipe
+    with a fixed lambda (``rtn_kbbq_nvfp4_lam0.75`` -> ``rtn_kbbq_nvfp4_lam0.5``, ...), else
+    ``config`` itself."""
+    if not lams or config.transform.name != "kbbq" or config.auto:
+        return [(name, config)]
+    stem = re.sub(r"_lam[0-9.]+$", "", name)
+    return [(f"{stem}_lam{lam:g}", replace(config, transform=replace(config.transform, lam=lam)))
+            for lam in lams]
+
+
+def closeness(row: dict[str, Any]) -> tuple[float, float, float]:
+    """A row's distance from full precision, smaller is closer: its KL, else its negated
+    fidelity, else its perplexity (whichever was scored first in that order)."""
+    inf = float("inf")
+    kl, fidelity, ppl = row.get("kl"), row.get("fidelity"), row.get("perplexity")
+    return (inf if kl is None else kl, inf if fidelity is None else -fidelity,
+            inf if ppl is None else ppl)
 
 
 def table_recipes(formats: Sequence[str] = ("nvfp4", "mxfp4")) -> list[str]:
@@ -68,10 +108,9 @@ def load_recipe(name: str, model: str, calibration: dict[str, Any]) -> tuple[Any
     """``(data module, QuantizationConfig, recipe name)`` of a packaged recipe name or YAML
     file, with the calibration fields of ``calibration`` (``source``, ``n_tokens``, ...)
     overriding the recipe's."""
-    from .quantize import _parser, check_recipe_shape, resolve_recipes
+    from .quantize import _parser, resolve_recipes
 
     argv = resolve_recipes(["--config", name])  # an unknown name: the closest packaged ones
-    check_recipe_shape(argv)
     argv += ["--model", model]
     for key, value in calibration.items():
         argv += [f"--data.init_args.{key}", str(value)]
@@ -81,17 +120,21 @@ def load_recipe(name: str, model: str, calibration: dict[str, Any]) -> tuple[Any
 
 
 class Scorer:
-    """Scores a causal LM on the comparison's text and tasks; holds the FP log-probabilities."""
+    """Scores a model on the comparison's text and tasks; holds the FP model's log-probabilities
+    (``kl``) and embeddings (``fidelity``)."""
 
     def __init__(self, fp_model: torch.nn.Module, tokenizer: Any, *, tasks: Sequence[str],
                  text: Path, context: int, stride: int, max_tokens: int | None,
                  limit: int | float | None, data_dir: str | Path, batch_size: int,
                  cache_dir: str | Path | None) -> None:
         from ..eval.lm_metrics import reference_log_probs
+        from .quantize import FidelityProbe
 
         self.tokenizer = tokenizer
         self.tasks = list(tasks)
-        self.benchmarks = [t for t in self.tasks if t not in LM_TASKS]
+        self.benchmarks = [t for t in self.tasks if t not in (*LM_TASKS, FIDELITY)]
+        self.fidelity = (FidelityProbe(fp_model, tokenizer, None, None) if FIDELITY in self.tasks
+                         else None)
         self.window = dict(context=context, stride=stride, max_tokens=max_tokens)
         self.text = text
         self.limit, self.data_dir = limit, data_dir
@@ -106,12 +149,16 @@ class Scorer:
                 "limit": self.limit, "data_dir": str(self.data_dir)}
 
     def score(self, model: torch.nn.Module) -> dict[str, Any]:
-        from ..eval.benchmarks import run_benchmarks
         from ..eval.lm_metrics import lm_metrics
+        from ..eval.tasks import run_benchmarks
         from ..quant.w4a4 import cache_decoded_weights
 
         row: dict[str, Any] = {}
         with cache_decoded_weights():
+            if self.fidelity is not None:
+                measured = self.fidelity.measure(model)
+                row["fidelity"] = measured["fidelity_mean_cosine"]
+                row["fidelity_min"] = measured["fidelity_min_cosine"]
             if any(t in LM_TASKS for t in self.tasks):
                 metrics = lm_metrics(model, self.tokenizer, self.text, reference=self.reference,
                                      **self.window, batch_size=self.batch_size)
@@ -131,20 +178,22 @@ class Scorer:
 
 
 def compare_markdown(rows: Sequence[dict[str, Any]], tasks: Sequence[str]) -> str:
-    """The paper's Table w4a4 shape: Format, Method, perplexity, KL, tasks, Average,
+    """The paper's Table w4a4 shape: Format, Method, perplexity, KL, fidelity, tasks, Average,
     Recovery."""
-    benchmarks = [t for t in tasks if t not in LM_TASKS]
+    benchmarks = [t for t in tasks if t not in (*LM_TASKS, FIDELITY)]
     header = ["Format", "Method", *(["PPL"] if "ppl" in tasks else []),
-              *(["KL"] if "kl" in tasks else []), *benchmarks, "Average", "Recovery"]
+              *(["KL"] if "kl" in tasks else []), *(["Fidelity"] if FIDELITY in tasks else []),
+              *benchmarks, "Average", "Recovery"]
     body = []
     for row in rows:
         body.append([row["format"], row["method"],
                      *([row.get("perplexity")] if "ppl" in tasks else []),
                      *([row.get("kl")] if "kl" in tasks else []),
+                     *([row.get("fidelity")] if FIDELITY in tasks else []),
                      *[row.get("tasks", {}).get(t) for t in benchmarks],
                      row.get("average"),
                      None if row.get("recovery") is None else f"{row['recovery']:.1f}%"])
-    return markdown_table(header, body, 3)
+    return markdown_table(header, body, 4 if FIDELITY in tasks else 3)
 
 
 def compare_plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
@@ -155,9 +204,14 @@ def compare_plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     quantized = [r for r in rows if r["name"] != FP_ROW]
-    key, label = (("recovery", "Recovery (% of FP task average)")
-                  if any(r.get("recovery") is not None for r in quantized)
-                  else ("kl", "mean KL to FP (nats/token)"))
+    if any(r.get("recovery") is not None for r in quantized):
+        key, label = "recovery", "Recovery (% of FP task average)"
+    elif any(r.get("kl") is not None for r in quantized):
+        key, label = "kl", "mean KL to FP (nats/token)"
+    elif any(r.get("fidelity") is not None for r in quantized):
+        key, label = "fidelity", "fidelity (mean cosine to FP)"
+    else:
+        key, label = "perplexity", "perplexity"
     methods = list(dict.fromkeys(r["method"] for r in quantized))
     formats = list(dict.fromkeys(r["format"] for r in quantized))
     figure, axis = plt.subplots(figsize=(max(6, 0.9 * len(methods) + 2), 4))
@@ -178,43 +232,63 @@ def compare_plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
 
 def run_compare(
     model_name: str, recipes: Sequence[str], output_dir: str | Path, *,
-    tasks: Sequence[str] = ("ppl", "kl"), text: str | Path | None = None,
+    tasks: Sequence[str] | None = None, text: str | Path | None = None,
     context: int = 512, stride: int = 256, max_tokens: int | None = 2048,
     limit: int | float | None = None, data_dir: str | Path = "../shared/data",
-    calibration: dict[str, Any] | None = None, batch_size: int = 4,
-    cache_dir: str | Path | None = None, device: str = "cpu", resume: bool = False,
-    overwrite: bool = False, progress: bool = True,
+    calibration: dict[str, Any] | None = None, lams: Sequence[float] = (),
+    batch_size: int = 4, cache_dir: str | Path | None = None, device: str = "cpu",
+    resume: bool = False, overwrite: bool = False, progress: bool = True,
+    save_closest: str | Path | None = None,
 ) -> tuple[Path, list[dict[str, Any]]]:
-    """Quantize ``model_name`` with every recipe, score each (and the FP model), and write the
-    table; see the module documentation.  ``text`` defaults to
-    :func:`kbbq_pl.eval.lm_metrics.default_text` of ``data_dir``; it and the benchmark data
-    are checked before anything is loaded.  Returns the output folder and the rows."""
+    """Quantize ``model_name`` with every recipe (with ``lams``, every fixed-lambda KBBQ recipe
+    once per lambda), score each (and the FP model), and write the table; with
+    ``save_closest``, write the model closest to full precision there; see the module
+    documentation.  ``tasks`` default to :func:`default_tasks`; ``text`` to
+    :func:`kbbq_pl.eval.lm_metrics.default_text` of ``data_dir``; it, the benchmark data and the
+    output folders are checked before anything is loaded.  Returns the output folder and the
+    rows."""
     from tqdm.auto import tqdm
 
-    from ..eval.benchmarks import check_data
     from ..eval.lm_metrics import default_text
+    from ..eval.tasks import check_data
+    from ..io.checkpoint import is_causal_model, save_quantized
     from ..io.models import load_model, parse_device, resolve_model_path
     from ..quant import quantize_model
+    from .quantize import calibration_batches, settle_data
 
     device_ = parse_device(device)
+    tasks = list(tasks) if tasks else default_tasks(model_name)
     text = default_text(data_dir) if text is None else Path(text)
     if any(t in LM_TASKS for t in tasks) and not text.is_file():
         raise FileNotFoundError(f"--tasks ppl/kl score the text file {text}, which does not "
                                 "exist; pass --text FILE")
-    check_data([t for t in tasks if t not in LM_TASKS], data_dir, option="--data-dir")
+    benchmarks = [t for t in tasks if t not in (*LM_TASKS, FIDELITY)]
+    check_data(benchmarks, data_dir, option="--data-dir")
     if not recipes:
         raise ValueError("no recipes to compare")
+    if any(not 0.0 <= lam <= 1.0 for lam in lams):
+        raise ValueError(f"--lams are lambdas in [0, 1], got {list(lams)}")
     calibration = dict(calibration or {})
-    loaded = [load_recipe(name, model_name, calibration) for name in recipes]  # fail early
-    names = [stem for _, _, stem in loaded]
+    runs = [variant for name in recipes  # every recipe is read before any work: fail early
+            for data, config, stem in [load_recipe(name, model_name, calibration)]
+            for variant in [(variant_name, data, variant_config) for variant_name, variant_config
+                            in lambda_variants(stem, config, lams)]]
+    names = [name for name, _, _ in runs]
     if len(set(names)) != len(names):
         raise ValueError(f"recipes named twice: {names}")
     source = resolve_model_path(model_name)
+    closest_dir = None if save_closest is None else check_output(
+        save_closest, overwrite=overwrite, sources=[source])
     out = open_resumable_folder(output_dir, kind="compare", resume=resume, overwrite=overwrite,
                                 sources=[source])
-    model, tokenizer = load_model(model_name, causal=True, device=device_, quantized="refuse")
-    if tokenizer is None:
-        raise ValueError(f"{model_name}: no tokenizer in the model folder")
+    model, tokenizer = load_model(model_name, device=device_, quantized="refuse")
+    scores_tokens = bool(benchmarks) or any(t in LM_TASKS for t in tasks)
+    if scores_tokens and not is_causal_model(model):
+        raise ValueError(f"{model_name} is not a causal language model: ppl, kl and the "
+                         f"benchmarks score next tokens; compare it with --tasks {FIDELITY}")
+    if scores_tokens and tokenizer is None:
+        raise ValueError(f"{model_name}: no tokenizer in the model folder (ppl, kl and the "
+                         f"benchmarks read text; --tasks {FIDELITY} runs on random tokens)")
     start = time.perf_counter()
     scorer = Scorer(model, tokenizer, tasks=tasks, text=text, context=context, stride=stride,
                     max_tokens=max_tokens, limit=limit, data_dir=data_dir,
@@ -234,19 +308,24 @@ def run_compare(
                            json.dumps(row, indent=2, default=str) + "\n")
         return row
 
+    def quantized(data: Any, config: Any) -> tuple[torch.nn.Module, Any]:
+        batches = calibration_batches(data, model, tokenizer, device_, model_name)
+        candidate = copy.deepcopy(model)
+        return candidate, quantize_model(candidate, batches, config, progress=False)
+
     fp = cached(FP_ROW, common)
     if fp is None:
         begin = time.perf_counter()
-        fp = {"name": FP_ROW, "format": "fp32", "method": "FP", "label": "full precision",
-              **scorer.score(model)}
+        fp = {"name": FP_ROW, "format": str(model.dtype).removeprefix("torch."),
+              "method": "FP", "label": "full precision", **scorer.score(model)}
         fp["seconds"] = {"eval": time.perf_counter() - begin}
         store(fp, common)
     rows = [fp]
     durations: list[float] = []
-    bar = tqdm(list(zip(recipes, loaded)), desc="compare", disable=not progress, unit="recipe")
-    for index, (name, (data, config, stem)) in enumerate(bar):
-        data.tokenizer = tokenizer
-        data.for_model(model)
+    closest: tuple[str, torch.nn.Module, Any] | None = None  # the closest row computed here
+    bar = tqdm(runs, desc="compare", disable=not progress, unit="recipe")
+    for index, (stem, data, config) in enumerate(bar):
+        settle_data(data, model, tokenizer, model_name)
         settings = {**common, "recipe": config.to_dict(),
                     "calibration": {"source": str(data.source), "n_tokens": data.n_tokens,
                                     "seq_len": data.seq_len, "seed": data.seed,
@@ -254,10 +333,7 @@ def run_compare(
         row = cached(stem, settings)
         if row is None:
             begin = time.perf_counter()
-            batches = [{k: v.to(device_) if isinstance(v, torch.Tensor) else v
-                        for k, v in batch.items()} for batch in data.calibration_dataloader()]
-            candidate = copy.deepcopy(model)
-            report = quantize_model(candidate, batches, config, progress=False)
+            candidate, report = quantized(data, config)
             quantized_at = time.perf_counter()
             lam = config.transform.lam
             row = {"name": stem, "format": config.format.name, "method": config.method
@@ -266,26 +342,22 @@ def run_compare(
                    "label": config.label, **scorer.score(candidate),
                    "summary": report.summary(), "calibration": settings["calibration"]}
             if report.autobrake:  # how many layers chose each lambda
-                lams = [choice.lam for choice in report.autobrake.values()]
-                row["auto_lambdas"] = {f"{lam:g}": lams.count(lam) for lam in sorted(set(lams))}
-            if "autobrake_model" in report.model:  # scope model / best: the lambda, the
-                # trials' held-out divergences, which model best kept, and the runs' times
-                row["autobrake_model"] = {k: v for k, v in report.model["autobrake_model"].items()
-                                          if k != "layer_choices"}
-                row["autobrake_seconds"] = {k: v for k, v in report.seconds.items()
-                                            if k.startswith("autobrake_")}
-            if "autobrake_best" in report.model:
-                row["autobrake_best"] = report.model["autobrake_best"]
+                lams_chosen = [choice.lam for choice in report.autobrake.values()]
+                row["auto_lambdas"] = {f"{lam:g}": lams_chosen.count(lam)
+                                       for lam in sorted(set(lams_chosen))}
             row["seconds"] = {"quantize": quantized_at - begin,
                               "eval": time.perf_counter() - quantized_at}
             store(row, settings)
+            if closest_dir is not None and (closest is None or closeness(row) < closeness(
+                    next(r for r in rows if r["name"] == closest[0]))):
+                closest = (stem, candidate, report)
             del candidate
             durations.append(sum(row["seconds"].values()))
-            remaining = len(recipes) - index - 1
+            remaining = len(runs) - index - 1
             eta = remaining * sum(durations) / len(durations)
             bar.set_postfix_str(f"about {eta / 60:.0f} min left")
         rows.append(row)
-        shown = " ".join(f"{k} {row[k]:.4g}" for k in ("perplexity", "kl", "average")
+        shown = " ".join(f"{k} {row[k]:.4g}" for k in ("perplexity", "kl", "fidelity", "average")
                          if row.get(k) is not None)
         bar.write(f"{row['label']:<32} {shown}  ({sum(row['seconds'].values()):.0f} s)")
     for row in rows:
@@ -293,12 +365,27 @@ def run_compare(
     table = compare_markdown(rows, tasks)
     window = (f"perplexity and KL: {text}, first {max_tokens or 'all'} tokens, context "
               f"{context}, stride {stride}" if any(t in LM_TASKS for t in tasks) else "")
-    header = (f"# kbbq-pl compare: {model_name}\n\n{window}"
-              f"{'; ' if window and scorer.benchmarks else ''}"
-              + (f"tasks at --limit {limit}" if scorer.benchmarks else "") + "\n\n")
-    seconds = time.perf_counter() - start
-    document = {"model": str(model_name), "settings": common, "rows": rows,
-                "seconds": seconds}
+    scored = [window, f"tasks at --limit {limit}" if scorer.benchmarks else "",
+              f"fidelity on {scorer.fidelity.source}" if scorer.fidelity is not None else ""]
+    what = "; ".join(part for part in scored if part)
+    header = f"# kbbq-pl compare: {model_name}\n\n" + (f"{what}\n\n" if what else "")
+    document = {"model": str(model_name), "settings": common, "rows": rows}
+    if closest_dir is not None:
+        best = min(rows[1:], key=closeness)
+        if closest is None or closest[0] != best["name"]:  # a resumed row: quantized again
+            stem, data, config = next(run for run in runs if run[0] == best["name"])
+            closest = (stem, *quantized(data, config))
+        stem, candidate, report = closest
+        _, data, config = next(run for run in runs if run[0] == stem)
+        report.model.update({k: best[k] for k in ("perplexity", "kl", "fidelity")
+                             if best.get(k) is not None}, model=str(model_name))
+        save_quantized(candidate, closest_dir, tokenizer=tokenizer,
+                       recipe={"config": config.to_dict(), "model": str(model_name)},
+                       source_dir=source, overwrite=overwrite, extra_files=report_files(report))
+        document["closest"] = {"name": stem, "folder": str(closest_dir)}
+        header += f"Closest to full precision: **{best['label']}** (`{stem}`), written to " \
+                  f"{closest_dir}\n\n"
+    document["seconds"] = time.perf_counter() - start
     add_resumable_file(out, "compare.json", json.dumps(document, indent=2, default=str) + "\n")
     add_resumable_file(out, "compare.md", header + table + "\n")
     add_resumable_file(out, "compare.png", lambda path: compare_plot(rows, path))

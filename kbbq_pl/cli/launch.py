@@ -5,7 +5,7 @@
 ``WORLD_SIZE`` in its environment.  :func:`launched` then initializes the default process group
 (NCCL for CUDA, one GPU per local rank; gloo for the CPU), and the command calibrates each rank on
 its share of the calibration batches, sums the statistics over the group
-(:func:`~kbbq_pl.quant.config.torch_distributed_collectives`), splits GPTQ's layers across the
+(:meth:`~kbbq_pl.quant.collectives.Collectives.torch_distributed`), splits GPTQ's layers across the
 ranks, and rank 0 alone writes.  Without torchrun it is one process, as before.
 """
 
@@ -22,19 +22,27 @@ from typing import Any
 import torch
 
 from ..io.models import parse_device
+from ..quant.collectives import Collectives
 
 
 @dataclass
 class Launch:
-    """This process's place: its ``rank`` of ``world_size``, the ``device`` it computes on and
-    the keyword arguments of :func:`~kbbq_pl.quant.pipeline.quantize_model` for the group (none
-    on one process): its collectives, and ``shard`` (every rank builds the whole calibration set
-    and calibrates on its share of it)."""
+    """This process's place: the ``device`` it computes on, the group's ``collectives`` and
+    ``shard``, as :func:`~kbbq_pl.quant.pipeline.quantize_model` takes them (one process: the
+    identities; under torchrun every rank builds the whole calibration set and calibrates on its
+    share of it)."""
 
-    rank: int = 0
-    world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    collectives: dict[str, Any] = field(default_factory=dict)
+    collectives: Collectives = field(default_factory=Collectives)
+    shard: bool = False
+
+    @property
+    def rank(self) -> int:
+        return self.collectives.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.collectives.world_size
 
     @property
     def writes(self) -> bool:
@@ -61,9 +69,7 @@ def launched(device: str, timeout_minutes: float = 30.0) -> Iterator[Launch]:
         return
     import torch.distributed as dist
 
-    from ..quant.config import torch_distributed_collectives
-
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     parsed = parse_device(device)
     if parsed.type == "cuda":
         parsed = parse_device(f"cuda:{local_rank}")
@@ -72,7 +78,7 @@ def launched(device: str, timeout_minutes: float = 30.0) -> Iterator[Launch]:
     dist.init_process_group("nccl" if parsed.type == "cuda" else "gloo",
                             timeout=datetime.timedelta(minutes=timeout_minutes))
     try:
-        yield Launch(rank, world_size, parsed, {**torch_distributed_collectives(), "shard": True})
+        yield Launch(parsed, Collectives.torch_distributed(), shard=True)
     finally:
         dist.destroy_process_group()
         signal.signal(signal.SIGTERM, previous)

@@ -1,4 +1,4 @@
-"""``kbbq-pl quantize`` and ``kbbq-pl sweep``: recipes in LightningCLI style, run post-training.
+"""``kbbq-pl quantize``: recipes in LightningCLI style, run post-training.
 
 A recipe is YAML: the calibration data (a ``class_path`` / ``init_args`` entry, the data module
 a Lightning user composes in Python) and the ``recipe``, a
@@ -15,23 +15,21 @@ torchao's ``KBBQConfig`` take the same object)::
     output_dir: null                           # kbbq-out/<model>-<recipe>
 
 ``kbbq-pl quantize --config recipes/rtn_kbbq_nvfp4_lam0.75.yaml --recipe.transform.lam 0.5``
-overrides any field (``kbbq-pl quantize -h`` describes each).  With no arguments it runs the embedded default above: all-MiniLM-L6-v2 to
-NVFP4 with RTN-KBBQ, calibrated on the shipped mixed-domain corpus (``source: random`` is the
-paper's random-token ablation), fidelity measured on the embedded sentences; it writes the quantized checkpoint and ``report.json`` / ``report.md`` to
-``output_dir`` and prints the report.  The output folder is checked before any work
-(:func:`kbbq_pl.io.fileio.check_output`: an existing one needs ``--overwrite`` and is replaced only
-when kbbq-pl wrote it); an already quantized ``--model`` is refused.
+overrides any field (``kbbq-pl quantize -h`` describes each).  With no arguments it runs the
+embedded default above: all-MiniLM-L6-v2 to NVFP4 with RTN-KBBQ, calibrated on the shipped
+mixed-domain corpus (``source: random`` is the paper's random-token ablation), fidelity
+measured on the embedded sentences; it writes the quantized checkpoint and ``report.json`` /
+``report.md`` to ``output_dir`` and prints the report.  The output folder is checked before any
+work (:func:`kbbq_pl.io.fileio.check_output`: an existing one needs ``--overwrite`` and is
+replaced only when kbbq-pl wrote it); an already quantized ``--model`` is refused.
 """
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
 import re
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +37,13 @@ import torch
 from jsonargparse import ActionConfigFile, ActionYesNo, ArgumentParser, lazy_instance
 from torch import nn
 
-from ..eval.report_files import report_files, report_markdown, sweep_markdown
+from ..eval.report_files import report_files, report_markdown
 from ..io.checkpoint import save_quantized
 from ..io.data import MIXED, RANDOM, CalibrationDataModule, token_blocks
-from ..io.fileio import check_output, write_folder, written_summary
+from ..io.fileio import check_output, written_summary
 from ..io.models import load_model, parse_device, resolve_model_path
 from ..quant import QuantizationConfig, quantize_model
-from ..quant.config import FLAT_KEYS, count_tokens
+from ..quant.sequential import count_tokens
 from ..quant.stats import model_device
 from .launch import Launch, launched
 
@@ -55,8 +53,6 @@ OUTPUT_ROOT = "kbbq-out"
 EMBEDDED = 64  # sentences in kbbq_pl/resources/eval_sentences.txt (checked by a test)
 EVAL_DATA_SENTENCES = 256
 RANDOM_BLOCKS = 32
-METHODS = {"I": ("identity", 0.0), "HAAR": ("haar", 0.0), "RTN-HADAMARD": ("hadamard", 0.0),
-           "RTN-WUSH": ("wush", 1.0)}
 
 
 def _parser(prog: str) -> ArgumentParser:
@@ -174,7 +170,8 @@ def _prepare(args, recipe: str, device: torch.device | None = None
         device = torch.device("cpu")
     source, out = _source_and_output(args, recipe)
     model, tokenizer = load_model(args.model, device=device, quantized="refuse")
-    return model, tokenizer, _calibration(args, model, tokenizer, device), source, out
+    batches = calibration_batches(args.data, model, tokenizer, device, args.model)
+    return model, tokenizer, batches, source, out
 
 
 def _source_and_output(args, recipe: str) -> tuple[Path, Path]:
@@ -183,18 +180,27 @@ def _source_and_output(args, recipe: str) -> tuple[Path, Path]:
                                 overwrite=args.overwrite, sources=[source])
 
 
-def _calibration(args, model: nn.Module, tokenizer: Any, device: torch.device) -> list:
-    """The calibration batches of ``args.data`` for ``model``, on ``device``."""
-    data = args.data
+def settle_data(data: CalibrationDataModule, model: nn.Module, tokenizer: Any,
+                name: str) -> None:
+    """Make ``data`` ready for ``model`` (called ``name`` in a warning): the model's tokenizer,
+    or without one the random-token corpus and the model's vocabulary, and the packing of the
+    model's kind."""
     if data.tokenizer is None and tokenizer is not None:
         data.tokenizer = tokenizer
     if data.tokenizer is None and data.source == MIXED:
         log.warning("%s has no tokenizer: calibrating on the random-token corpus instead of "
-                    "the mixed text corpus", args.model)
+                    "the mixed text corpus", name)
         data.source = RANDOM
     if tokenizer is None and data.vocab_size is None:
         data.vocab_size = model.config.vocab_size
     data.for_model(model)
+
+
+def calibration_batches(data: CalibrationDataModule, model: nn.Module, tokenizer: Any,
+                        device: torch.device, name: str) -> list:
+    """The calibration batches of ``data`` (:func:`settle_data`) for ``model``, on
+    ``device``."""
+    settle_data(data, model, tokenizer, name)
     return [{key: value.to(device) if isinstance(value, torch.Tensor) else value
              for key, value in batch.items()} for batch in data.calibration_dataloader()]
 
@@ -227,7 +233,8 @@ def _quantize_in_memory(args, parser: ArgumentParser, config, start: float,
     probe = (FidelityProbe(model, tokenizer, args.eval_data, args.eval_sentences)
              if launch.writes else None)
     tokens = count_tokens(batches)
-    report = quantize_model(model, batches, recipe, device=launch.device, **launch.collectives)
+    report = quantize_model(model, batches, recipe, device=launch.device,
+                            collectives=launch.collectives, shard=launch.shard)
     if not launch.writes:
         return 0
     report.model.update(probe.measure(model), model=str(args.model), calibration_tokens=tokens,
@@ -262,7 +269,7 @@ def _quantize_streamed(args, parser: ArgumentParser, config, start: float,
     tokens: dict[str, int] = {}
 
     def batches(model: nn.Module) -> list:
-        every = _calibration(args, model, tokenizer, torch.device("cpu"))
+        every = calibration_batches(args.data, model, tokenizer, torch.device("cpu"), args.model)
         tokens["all"] = count_tokens(every)
         return every
 
@@ -275,105 +282,13 @@ def _quantize_streamed(args, parser: ArgumentParser, config, start: float,
 
     report = quantize_checkpoint(source, out, recipe, batches, device=launch.device,
                                  tokenizer=tokenizer, recipe=metadata, extra_files=reports,
-                                 overwrite=args.overwrite, **launch.collectives)
+                                 overwrite=args.overwrite, collectives=launch.collectives,
+                                 shard=launch.shard)
     if not launch.writes:
         return 0
     print(report_markdown(report))
     print(f"\n{written_summary(out)}\ndone in {time.perf_counter() - start:.1f} s")
     return 0
-
-
-def run_sweep(argv: list[str]) -> int:
-    parser = _parser("kbbq-pl sweep")
-    parser.add_argument("--lams", type=str, default="0,0.25,0.5,0.75,1",
-                        help="comma-separated lambdas of RTN-KBBQ")
-    parser.add_argument("--methods", type=str, default="",
-                        help="baselines to add: comma-separated from I, HAAR, RTN-HADAMARD, "
-                             "RTN-WUSH")
-    parser.add_argument("--formats", type=str, default="",
-                        help="comma-separated formats (default: the recipe's)")
-    args = parser.instantiate(parser.parse_args(argv))
-    unknown = [name for name in args.methods.split(",") if name and name not in METHODS]
-    if unknown:
-        raise ValueError(f"--methods: unknown {unknown}; choose from {sorted(METHODS)}")
-    model, tokenizer, batches, source, out = _prepare(args, "sweep")
-    probe = FidelityProbe(model, tokenizer, args.eval_data, args.eval_sentences)
-    base = args.recipe
-    formats = [f for f in args.formats.split(",") if f] or [base.format.name]
-    runs = [(name, *METHODS[name]) for name in args.methods.split(",") if name]
-    runs += [("RTN-KBBQ", "kbbq", float(lam)) for lam in args.lams.split(",") if lam]
-    rows = []
-    for fmt in formats:
-        for method, transform, lam in runs:
-            config = replace(base, format=replace(base.format, name=fmt),
-                             transform=replace(base.transform, name=transform, lam=lam))
-            candidate = copy.deepcopy(model)
-            start = time.perf_counter()
-            report = quantize_model(candidate, batches, config, device=parse_device(args.device),
-                                    progress=False)
-            seconds = time.perf_counter() - start
-            row = {"method": method, "format": fmt, "lam": lam if transform == "kbbq" else None,
-                   **probe.measure(candidate), **report.summary(), "seconds": seconds}
-            rows.append(row)
-            print(f"{method:<13}{fmt:<8}{'' if row['lam'] is None else row['lam']:<6}"
-                  f"fidelity {row['fidelity_mean_cosine']:.5f}  "
-                  f"utilization {row['median_utilization']:.3f}  {seconds:.1f} s", flush=True)
-            del candidate
-    table = sweep_markdown(rows, "fidelity_mean_cosine")
-
-    def write(folder: Path) -> None:
-        (folder / "sweep.json").write_text(json.dumps(rows, indent=2, default=str) + "\n")
-        (folder / "sweep.md").write_text(f"# kbbq-pl sweep: {args.model}, fidelity on "
-                                         f"{probe.source}\n\n{table}\n")
-
-    write_folder(out, write, kind="sweep", overwrite=args.overwrite, sources=[source])
-    print("\n" + table)
-    print(f"\n{written_summary(out)}")
-    return 0
-
-
-OLD_CALLBACK_ARGS = {"offload": "--offload"}
-"""Arguments of the ``KBBQ`` callback that old recipes set, and the command's own option."""
-
-
-def renamed_keys(old: list[str], prefix: str) -> str:
-    """``old -> new`` for each field of the flat recipe of earlier versions, in ``prefix``'s
-    notation (``recipe.`` in a YAML file, ``--recipe.`` on the command line)."""
-    def new(key: str) -> str:
-        if key in FLAT_KEYS:
-            return f"{prefix}{FLAT_KEYS[key]}"
-        return OLD_CALLBACK_ARGS.get(key, "(not a recipe field)")
-
-    return ", ".join(f"{key} -> {new(key)}" for key in old)
-
-
-def check_recipe_shape(argv: list[str]) -> None:
-    """A recipe file or an override in the flat ``quantizer: {class_path:
-    kbbq_pl.callbacks.KBBQ, init_args: {...}}`` shape of earlier kbbq-pl versions is an error
-    of one line naming the new key of each old one (the fields are now grouped under
-    ``recipe:``, :class:`~kbbq_pl.quant.config.QuantizationConfig`)."""
-    import yaml
-
-    files = [value[len("--config="):] for value in argv if value.startswith("--config=")]
-    files += [argv[i + 1] for i, value in enumerate(argv[:-1]) if value == "--config"]
-    for name in files:
-        path = Path(name)
-        try:
-            document = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError):
-            continue  # jsonargparse reports it
-        old = document.get("quantizer") if isinstance(document, dict) else None
-        if old is not None:
-            fields = list((old.get("init_args") or {}) if isinstance(old, dict) else {})
-            raise ValueError(
-                f"{name}: `quantizer:` (the KBBQ callback's init_args) is the recipe shape of "
-                "earlier kbbq-pl versions; the fields are now grouped under `recipe:` "
-                "(kbbq-pl quantize -h): rename " + (renamed_keys(fields, "recipe.") or "it"))
-    flags = [arg.split("=", 1)[0] for arg in argv if arg.startswith("--quantizer")]
-    if flags:
-        old = [flag.removeprefix("--quantizer.").removeprefix("init_args.") for flag in flags]
-        raise ValueError(f"{' '.join(flags)}: the recipe's options are now --recipe.GROUP.FIELD "
-                         f"(kbbq-pl quantize -h): {renamed_keys(old, '--recipe.')}")
 
 
 def resolve_recipes(argv: list[str]) -> list[str]:
@@ -392,9 +307,7 @@ def resolve_recipes(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``kbbq-pl quantize|sweep ARGS``; errors propagate to :func:`kbbq_pl.cli.main`, which
-    prints them as one line."""
+    """``kbbq-pl quantize ARGS``; errors propagate to :func:`kbbq_pl.cli.main`, which prints
+    them as one line."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    command, rest = argv[0], resolve_recipes(argv[1:])
-    check_recipe_shape(rest)
-    return {"quantize": run_quantize, "sweep": run_sweep}[command](rest)
+    return run_quantize(resolve_recipes(argv[1:] if argv[:1] == ["quantize"] else argv))

@@ -19,7 +19,7 @@
   (:class:`~kbbq_pl.eval.metrics.CosineFidelity`, :class:`~kbbq_pl.eval.metrics.TokenPerplexity`),
   which a LightningModule can log and which sync across processes.
 * :func:`run_benchmarks` runs MMLU, GSM8K, HellaSwag, WinoGrande and MBPP offline through
-  lm-evaluation-harness on local data files (:mod:`kbbq_pl.eval.benchmarks`).
+  lm-evaluation-harness on local data files (:mod:`kbbq_pl.eval.tasks`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from kbbq_pl.eval.benchmarks import BENCHMARKS, run_benchmarks
+from kbbq_pl.eval.tasks import BENCHMARKS, run_benchmarks
 
 __all__ = [
     "BENCHMARKS",

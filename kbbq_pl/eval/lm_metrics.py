@@ -8,8 +8,8 @@ positions scored, every position scored exactly once) and reports
 * ``perplexity`` ``= exp(mean NLL)`` of the text;
 * ``kl``: the mean over scored positions of ``KL(p_ref || p)`` (nats), ``p_ref`` the
   reference (full-precision) model's next-token distribution and ``p`` the model's, on the
-  same context (:func:`token_kl`): the fidelity metric LLM quantizers report beside
-  perplexity, zero only when the two models predict identically.
+  same context (:func:`kbbq_pl.eval.metrics.token_kl`): the fidelity metric LLM quantizers
+  report beside perplexity, zero only when the two models predict identically.
 
 The figures accumulate window by window in :class:`~kbbq_pl.eval.metrics.TokenPerplexity`
 and :class:`~kbbq_pl.eval.metrics.TokenKL` (torchmetrics metrics, which a LightningModule can
@@ -23,29 +23,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from .evaluation import prepare_stream, rolling_windows, window_logits, window_shape
 
-if TYPE_CHECKING:
-    from .metrics import token_kl
-
-__all__ = ["ReferenceLogProbs", "default_text", "lm_metrics", "reference_log_probs", "token_kl"]
+__all__ = ["ReferenceLogProbs", "default_text", "lm_metrics", "reference_log_probs"]
 
 WIKITEXT2_TEST = Path("wikitext2") / "test.txt"
-
-
-def __getattr__(name: str) -> Any:
-    # token_kl lives in kbbq_pl.eval.metrics, which imports torchmetrics (seconds): imported
-    # when used, so that `kbbq-pl eval` checks its paths (default_text) before that
-    if name == "token_kl":
-        from .metrics import token_kl
-
-        return token_kl
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def default_text(data_dir: str | Path) -> Path:

@@ -47,8 +47,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics import Metric
 
-from ..quant.divergence import token_kl
-
 __all__ = ["CosineFidelity", "TokenKL", "TokenPerplexity", "perplexity_summary", "row_cosine",
            "token_kl", "token_nll_sum"]
 
@@ -56,6 +54,19 @@ __all__ = ["CosineFidelity", "TokenKL", "TokenPerplexity", "perplexity_summary",
 # ---------------------------------------------------------------------------------------------
 # The arithmetic: small pure functions
 # ---------------------------------------------------------------------------------------------
+
+def token_kl(reference_log_probs: Tensor, logits: Tensor) -> Tensor:
+    """``KL(p_ref || p)`` per position (nats, float64): ``sum_v p_ref (log p_ref - log p)``
+    with ``p = softmax(logits)``, computed in float32; both ``[..., vocab]``, the result
+    ``[...]`` (Kullback and Leibler 1951; the fidelity metric of LLM quantization beside
+    perplexity)."""
+    if reference_log_probs.shape != logits.shape:
+        raise ValueError(f"reference log-probabilities {tuple(reference_log_probs.shape)} and "
+                         f"logits {tuple(logits.shape)} differ in shape")
+    ref = reference_log_probs.float()
+    log_p = torch.log_softmax(logits.float(), dim=-1)
+    return (ref.exp() * (ref - log_p)).sum(-1).double()
+
 
 def token_nll_sum(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
     """The summed negative log-likelihood (nats) of ``targets`` ``[...]`` under ``logits``

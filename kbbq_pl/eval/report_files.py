@@ -1,6 +1,6 @@
 """The quantization report's files: ``report.json`` (everything) and ``report.md`` (for people),
 rendered from :class:`~kbbq_pl.quant.report.QuantizationReport`, and the markdown tables of
-sweeps and comparisons."""
+``kbbq-pl compare``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from ..quant.autobrake import choice_histogram
 from ..quant.config import QuantizationConfig
 from ..quant.report import QuantizationReport
-from ..transforms.autobrake import choice_histogram
 
 
 def _number(value: Any, digits: int = 3) -> str:
@@ -57,21 +57,7 @@ def report_markdown(report: QuantizationReport, title: str = "kbbq-pl quantizati
     recipe = QuantizationConfig.from_dict(config)
     details = ""
     if recipe.auto:
-        how = {"model": "one for the model, the smallest mean over layers",
-               "layer": "chosen per layer"}.get(recipe.autobrake.scope, "")
-        finalists = report.model.get("autobrake_model", {}).get("finalists", {})
-        trials = ", ".join(f"{float(lam):g} ({value:.4g})" for lam, value in finalists.items())
-        if finalists and recipe.autobrake.scope == "model":
-            how = ("one for the model, the closest on the held-out sequences of the finalists "
-                   + trials)
-        best = report.model.get("autobrake_best")
-        if best is not None:  # scope best
-            metric = {"kl": "KL", "cosine_distance": "cosine distance"}[best["metric"]]
-            lam = report.model["autobrake_model"]["lam"]
-            how = (f"the closest on the held-out sequences ({metric}, each fitted on the "
-                   f"others) of per layer ({best['divergence']['layer']:.4g}) and {trials}: "
-                   f"{'per layer' if best['kept'] == 'layer' else f'{lam:g}'}")
-        details = (f" ({how} from {list(recipe.autobrake.grid)} on "
+        details = (f" (chosen per layer from {list(recipe.autobrake.grid)} on "
                    f"{recipe.autobrake.holdout:.0%} held-out calibration sequences)")
     if recipe.weights.quantizer == "gptq":
         details += (f"; GPTQ damping {recipe.weights.damping:g}, act-order "
@@ -129,13 +115,3 @@ def report_files(report: QuantizationReport) -> dict[str, str]:
     """``report.json`` and ``report.md``: file name -> text, written beside the checkpoint."""
     return {"report.json": json.dumps(report.to_dict(), indent=2, default=str) + "\n",
             "report.md": report_markdown(report)}
-
-
-def sweep_markdown(rows: Sequence[dict[str, Any]], metric: str) -> str:
-    """One table for a lambda sweep (paper Table lambda_grid): a row per method and format."""
-    header = ["method", "format", "lambda", metric, "median utilization", "median kappa after",
-              "median SNR dB", "seconds"]
-    body = [[r["method"], r["format"], r.get("lam"), r.get(metric), r.get("median_utilization"),
-             r.get("median_kappa_after"), r.get("median_output_snr_db"), r.get("seconds")]
-            for r in rows]
-    return markdown_table(header, body, 4)

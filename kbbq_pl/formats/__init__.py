@@ -8,7 +8,6 @@ scales, per-tensor scale), ``dequantize(q)`` the values it represents, and
 """
 
 from .dispatch import compile_enabled, set_compile
-from .rounding import pack_nibbles, round_e2m1, unpack_nibbles
 from .noise import measure_sigma2, sigma2_fmt
 from .qtensor import (
     DeferredChecks,
@@ -20,6 +19,7 @@ from .qtensor import (
     fake_quantize,
     quantize,
 )
+from .rounding import pack_nibbles, round_e2m1, unpack_nibbles
 from .spec import (
     E8M0_ROUNDINGS,
     LOG_UNIFORM_INV_M2,

@@ -8,11 +8,9 @@ compiled and eager kernels are the same Python functions and agree bit for bit (
 found, eager on CUDA), ``1`` (always) or ``0`` (never).  :func:`set_compile` changes it at run
 time.  If a compilation fails, kbbq-pl warns once and stays eager.
 
-On CUDA ``auto`` stays eager: on the first GPU run (an H200, 2026-11-26) the eager kernels gave
-the CPU's bits for every format and dtype, while the compiled E2M1 kernels (NVFP4, MXFP4) did
-not pass the same test (an FP8 -> FP64 conversion Triton cannot lower was fixed after it; the
-rest is unverified: docs/results/2026-11-26-first-gpu-run.md).  The W4A4 activation path on
-CUDA runs the Triton kernels of :mod:`kbbq_pl.kernels`, not these.
+On CUDA ``auto`` stays eager: the eager kernels give the CPU's bits for every format and dtype
+on a GPU, the compiled E2M1 kernels (NVFP4, MXFP4) have not been shown to.  The W4A4 activation
+path on CUDA runs the Triton kernels of :mod:`kbbq_pl.kernels`, not these.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ def set_compile(mode: bool | str) -> None:
     _mode = str(value).lower()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _backend_available(device_type: str) -> bool:
     """Whether ``auto`` compiles on ``device_type``: on the CPU where a C++ compiler is found
     (CUDA stays eager, see the module docstring)."""

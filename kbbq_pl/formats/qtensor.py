@@ -146,9 +146,9 @@ class DeferredChecks:
 
     Checking a tensor for NaN/Inf (``nonfinite="raise"``) and a per-tensor scale for its range
     reads a flag back to the host: a synchronization with the GPU in every call, two or three
-    per layer in every forward when fine-tuning through FP4.  Inside :func:`deferred_checks` the rounding
-    functions compute the same flags and keep them here instead; :meth:`check` reads them all
-    back at once (one synchronization) and raises a ValueError for the first failed call,
+    per layer in every forward when fine-tuning through FP4.  Inside :func:`deferred_checks` the
+    rounding functions compute the same flags and keep them here instead; :meth:`check` reads
+    them all back at once (one synchronization) and raises a ValueError for the first failed call,
     naming the tensor, its shape, dtype and device.  Until then the rounding proceeds (what it
     returns for such inputs is meaningless: the check is what tells).  The ``KBBQ`` callback
     checks once per optimizer step during ``fit``, before the weights are updated.

@@ -37,6 +37,9 @@ from .spec import E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL
 
 NVFP4_MIN_GLOBAL_SCALE = 2.0**-122
 """Smallest per-tensor NVFP4 scale whose reciprocal chain stays finite in FP32."""
+NVFP4_SCALE_DIVISOR = E4M3_MAX * E2M1_MAX
+"""``448 * 6``: NVFP4's per-tensor scale is ``amax / NVFP4_SCALE_DIVISOR``
+(:func:`nvfp4_tensor_scale`; a kernel divides by this constant)."""
 
 _F32_MANTISSA_BITS = 23
 _E8M0_BIAS = 127
@@ -63,6 +66,14 @@ def div_rn(a: Tensor | float, b: Tensor | float) -> Tensor:
     a = a.to(_F64) if isinstance(a, Tensor) else float(a)
     b = b.to(_F64) if isinstance(b, Tensor) else float(b)
     return (a / b).to(torch.float32)  # type: ignore[union-attr]
+
+
+def nvfp4_tensor_scale(amax: Tensor) -> Tensor:
+    """NVFP4's FP32 per-tensor scale from a tensor's amax: ``amax / (448 * 6)``, so that the
+    largest magnitude takes the largest E4M3 block scale times the largest E2M1 element
+    (torchao's ``per_tensor_scale``; the one rule for weights and for static and dynamic
+    activations).  Correctly rounded on every device (:func:`div_rn`)."""
+    return div_rn(amax.to(torch.float32), NVFP4_SCALE_DIVISOR)
 
 
 def round_e2m1(a: Tensor) -> Tensor:
@@ -272,7 +283,7 @@ def e2m1_scales(
     pts = None
     if scale_kind == "e4m3":
         if global_scale is None:
-            pts = div_rn(amax.max(), E4M3_MAX * E2M1_MAX)
+            pts = nvfp4_tensor_scale(amax.max())
         else:
             pts = global_scale.to(torch.float32)
         usable = pts >= NVFP4_MIN_GLOBAL_SCALE

@@ -207,12 +207,6 @@ class ShardWriter:
         self.layers.update(layers)
         self.tied.update(tied)
 
-    def move_to(self, folder: Path) -> None:
-        """Move the shards written so far into ``folder`` (a run that wrote two candidate
-        models keeps one)."""
-        self.parts = [part.rename(folder / part.name) for part in self.parts]
-        self.folder = folder
-
     def finish(self) -> dict[str, dict[str, Any]]:
         """Give the shards their final names (and write the index); returns each file's size
         and SHA-256, as ``quantization_config.json`` lists them."""

@@ -190,7 +190,7 @@ def token_records(
     a seeded draw of the records (a text file's non-empty lines, a jsonl file's or a dataset's
     ``text_key`` fields), each tokenized with the tokenizer's special tokens and cut at
     ``max_len`` tokens, until ``n_tokens`` tokens; nothing is packed or padded (what a
-    sentence encoder embeds: docs/results/2026-11-27-autobrake-criteria.md)."""
+    sentence encoder embeds)."""
     if n_tokens < 1 or max_len < 2:
         raise ValueError(f"need n_tokens >= 1 and max_len >= 2, got {n_tokens} and {max_len}")
     if tokenizer is None or (isinstance(source, str) and source == RANDOM):
@@ -263,9 +263,8 @@ class CalibrationDataModule(LightningDataModule):
     def for_model(self, model: Any) -> CalibrationDataModule:
         """Settle ``packing=None`` for ``model``: a causal LM is scored on running text, so it
         calibrates on packed blocks; an encoder embeds one text at a time, so it calibrates on
-        whole records (on MiniLM every lambda of RTN-KBBQ gains:
-        docs/results/2026-11-27-packing-default.md), unless there is no text (``random``, or
-        no tokenizer).  An explicit ``packing`` is kept."""
+        whole records, unless there is no text (``random``, or no tokenizer).  An explicit
+        ``packing`` is kept."""
         from .checkpoint import is_causal_model
 
         if self.packing is None:

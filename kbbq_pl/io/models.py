@@ -126,7 +126,8 @@ def from_pretrained(folder: str | Path, device: str | torch.device = "cpu") -> n
 
 def quantized_checkpoint(path: str | Path) -> dict[str, Any] | None:
     """The ``quantization_config.json`` of a kbbq-pl quantized checkpoint folder, unchecked
-    (:func:`kbbq_pl.io.checkpoint.read_metadata` checks it when loading); None for any other folder."""
+    (:func:`kbbq_pl.io.checkpoint.read_metadata` checks it when loading); None for any other
+    folder."""
     try:
         metadata = json.loads((Path(path) / CONFIG_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):

@@ -10,21 +10,13 @@ released.  Peak memory: embeddings + head + one block + the calibration activati
 output folder is written atomically (:func:`kbbq_pl.io.fileio.write_folder`: it appears
 complete or not at all) and reloads with :func:`kbbq_pl.from_pretrained`; its tensors are bit
 for bit those of the in-memory pipeline with ``--offload`` (the layers before the first block
-run on the CPU).  With ``autobrake.scope: model`` the blocks are streamed more than once
-(:func:`~kbbq_pl.quant.pipeline.one_lambda_runs`): a scoring pass that writes nothing, with
-``autobrake.finalists`` above 1 a trial pass per finalist on the fitting sequences that writes
-nothing, then the pass at the chosen lambda.  With ``best`` the per-layer auto-brake's trial
-joins the finalists' and the scoring pass writes its model into the staging folder: kept where
-that trial is the closest, else replaced by the pass at the chosen lambda.  Where models are
-compared, the held-out sequences run through each block as it is streamed
-(:class:`~kbbq_pl.quant.divergence.HeldOutStreams`).
+run on the CPU).  Every recipe streams in one pass.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -33,15 +25,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
-from ..quant.config import QuantizationConfig, count_tokens
-from ..quant.divergence import HeldOutStreams
-from ..quant.pipeline import (
-    HeldOutComparison,
-    one_lambda_runs,
-    quantize_model,
-)
+from ..quant.collectives import Collectives
+from ..quant.config import QuantizationConfig
+from ..quant.pipeline import quantize_model
 from ..quant.report import QuantizationReport
-from ..quant.sequential import BlockStep, find_blocks
+from ..quant.sequential import BlockStep, count_tokens, find_blocks
 from .checkpoint import (
     CheckpointError,
     ShardWriter,
@@ -209,7 +197,8 @@ def quantize_checkpoint(
     overwrite: bool = False,
     causal: bool | None = None,
     progress: bool = True,
-    **pipeline: Any,
+    collectives: Collectives | None = None,
+    shard: bool = False,
 ) -> QuantizationReport:
     """Quantize the model of ``source_dir`` with ``config`` block by block from disk into the
     checkpoint folder ``out_dir`` (module docstring); returns the report.
@@ -217,74 +206,32 @@ def quantize_checkpoint(
     ``batches``: the calibration batches, or a function of the (empty) model that makes them
     (e.g. to read its vocabulary size).  ``device`` runs each block; ``recipe`` is stored in
     ``quantization_config.json``; ``extra_files(report)`` names files written beside (reports);
-    ``pipeline``: more arguments of :func:`~kbbq_pl.quant.pipeline.quantize_model` (the
-    collectives of several processes: every rank reads the blocks, rank 0 alone writes).
-    ``source_dir`` is only read."""
-    scope = config.autobrake.scope if config.auto else "layer"
+    ``collectives`` and ``shard``: several processes, as
+    :func:`~kbbq_pl.quant.pipeline.quantize_model` takes them (every rank reads the blocks,
+    rank 0 alone writes).  ``source_dir`` is only read."""
+    collectives = collectives or Collectives()
     out = check_output(out_dir, overwrite=overwrite, sources=[source_dir])
     model, source = model_skeleton(source_dir, causal=causal)
     log.info("%s: streaming %d MiB of weights from %s", type(model).__name__,
              source.total_bytes >> 20, source_dir)
     calibration = batches(model) if callable(batches) else list(batches)
-    rank = pipeline.get("rank", 0)
 
-    def run(shards: ShardWriter | None, run_config: QuantizationConfig = config,
-            held_out: HeldOutStreams | None = None,
-            sequences: list[Any] | None = None) -> QuantizationReport:
-        sequences = calibration if sequences is None else sequences
-        report = quantize_model(model, sequences, run_config, device=device,
-                                residency=StreamedBlocks(source, shards), held_out=held_out,
-                                progress=progress and rank == 0, **pipeline)
+    def run(shards: ShardWriter | None) -> QuantizationReport:
+        report = quantize_model(model, calibration, config, device=device,
+                                residency=StreamedBlocks(source, shards), collectives=collectives,
+                                shard=shard, progress=progress and collectives.rank == 0)
         report.model.update(streamed_from=str(source_dir),
-                            calibration_tokens=count_tokens(sequences))
+                            calibration_tokens=count_tokens(calibration))
         return report
 
-    def fresh_then_run(shards: ShardWriter | None, fixed: QuantizationConfig,
-                       held_out: HeldOutStreams | None = None,
-                       sequences: list[Any] | None = None) -> QuantizationReport:
-        nonlocal model  # the scoring run released every block: read the skeleton again
-        model, _ = model_skeleton(source_dir, causal=causal)
-        return run(shards, fixed, held_out, sequences)
-
-    def runs(staging: Path | None) -> tuple[ShardWriter | None, QuantizationReport]:
-        """The run(s) of the recipe; the shards of the kept model (in ``staging``)."""
-        if scope == "layer":
-            shards = ShardWriter(staging) if staging else None
-            return shards, run(shards)
-        # scope model / best (one_lambda_runs): the scoring pass writes nothing (with best,
-        # its model is the per-layer candidate: written, and kept or dropped), the trials write
-        # nothing, and the held-out sequences run through each block as it is streamed where
-        # models are compared
-        comparison = HeldOutComparison(calibration, config, pipeline)
-        folders = {name: staging / name for name in ("layer", "model")
-                   if staging and scope == "best"}
-        writers = {name: ShardWriter(folder) for name, folder in folders.items()}
-        for folder in folders.values():
-            folder.mkdir()
-        final = writers["model"] if folders else ShardWriter(staging) if staging else None
-        kept, report = one_lambda_runs(
-            config,
-            lambda layer_scope: run(writers.get("layer"), layer_scope, comparison.reference()),
-            lambda candidate, recipe: fresh_then_run(None, recipe, comparison.stream(candidate),
-                                                     comparison.fitting),
-            lambda fixed: fresh_then_run(final, fixed),
-            lambda candidate: comparison.divergence(candidate, model))
-        shards = writers.get(kept, final)
-        if folders and shards is not None:
-            assert staging is not None
-            shards.move_to(staging)
-            for folder in folders.values():
-                shutil.rmtree(folder)
-        return shards, report
-
-    if rank != 0:  # another rank of a process group: it calibrates and quantizes, rank 0 writes
-        return runs(None)[1]
+    if collectives.rank != 0:  # another rank of a process group: it quantizes, rank 0 writes
+        return run(None)
     report: QuantizationReport | None = None
 
     def write(staging: Path) -> None:
         nonlocal report
-        shards, report = runs(staging)
-        assert shards is not None
+        shards = ShardWriter(staging)
+        report = run(shards)
         shards.add(checkpoint_contents(model))
         write_checkpoint_files(staging, model, shards, tokenizer=tokenizer, recipe=recipe,
                                extra_files=extra_files(report) if extra_files else None)

@@ -91,7 +91,7 @@ __all__ = [
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -147,8 +147,8 @@ def _check_transform(transform: Tensor | None, k: int, d: int, device: torch.dev
     if transform is None:
         return None
     if transform.shape != (k // d, d, d):
-        raise ValueError(f"{name}: transform must be [K/d, d, d] = [{k // d}, {d}, {d}] for K = {k}, "
-                         f"got shape {tuple(transform.shape)}")
+        raise ValueError(f"{name}: transform must be [K/d, d, d] = [{k // d}, {d}, {d}] for "
+                         f"K = {k}, got shape {tuple(transform.shape)}")
     if transform.device != device:
         raise ValueError(f"{name}: transform is on {transform.device}, the input on {device}")
     return transform.to(torch.float32).contiguous()
@@ -180,7 +180,7 @@ def quantize_activations(
     _require(x.device, name)
     if global_scale is not None and not fmt.global_scale:
         raise ValueError(f"{name}: format {fmt.name} has no per-tensor scale to set")
-    if isinstance(global_scale, (int, float)) and not (global_scale > 0 and global_scale < float("inf")):
+    if isinstance(global_scale, (int, float)) and not 0 < global_scale < float("inf"):
         raise ValueError(f"{name}: global_scale must be positive and finite, got {global_scale!r}")
     gs = None if global_scale is None else _device_scalar(global_scale, x.device, "global_scale")
     t = _check_transform(transform, k, d, x.device, name)
@@ -238,7 +238,8 @@ def w4a4_matmul(
                          f"{tuple(bias.shape)} on {bias.device}")
     if fmt.global_scale:
         if a_global is None or w_global is None:
-            raise ValueError(f"{name}: {fmt.name} needs both per-tensor scales (a_global, w_global)")
+            raise ValueError(f"{name}: {fmt.name} needs both per-tensor scales "
+                             "(a_global, w_global)")
         a_global = _device_scalar(a_global, device, "a_global")
         w_global = _device_scalar(w_global, device, "w_global")
     elif a_global is not None or w_global is not None:

@@ -26,7 +26,8 @@ def blackwell_nvfp4_available(device: torch.device, fmt: Format) -> bool:
 
 def blackwell_nvfp4_matmul(a_codes: Tensor, a_scales: Tensor, a_global: Tensor,
                            w_codes: Tensor, w_scales: Tensor, w_global: Tensor,
-                           bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:  # pragma: no cover
+                           bias: Tensor | None,
+                           out_dtype: torch.dtype) -> Tensor:  # pragma: no cover
     """``(A W^T) * a_global * w_global + bias`` on FP4 tensor cores (NVFP4 operands)."""
     from torchao.prototype.mx_formats.utils import to_blocked
 

@@ -98,7 +98,8 @@ def reference_transform(x: Tensor, transform: Tensor | None) -> Tensor:
 
 
 def reference_quantize_activations(
-    x: Tensor, transform: Tensor | None, fmt: str | Format, global_scale: Tensor | float | None = None
+    x: Tensor, transform: Tensor | None, fmt: str | Format,
+    global_scale: Tensor | float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """What :func:`kbbq_pl.kernels.quantize_activations` returns, computed on the CPU (or any
     device) with the functions of :mod:`kbbq_pl.formats.rounding`: packed codes ``uint8 [M, K/2]``,
@@ -122,7 +123,8 @@ def reference_quantize_activations(
 def as_quantized(codes: Tensor, scales: Tensor, global_scale: Tensor | None, fmt: str | Format,
                  dtype: torch.dtype = _F32) -> QuantizedTensor:
     """Packed codes ``[R, K/2]``, block scales ``[R, K/d]`` and the NVFP4 per-tensor scale as a
-    :class:`~kbbq_pl.formats.QuantizedTensor` (the layout :func:`kbbq_pl.formats.quantize` stores)."""
+    :class:`~kbbq_pl.formats.QuantizedTensor` (the layout :func:`kbbq_pl.formats.quantize`
+    stores)."""
     fmt = fp4_format(fmt)
     scale_dtype = torch.float8_e4m3fn if fmt.scale_kind == "e4m3" else torch.float8_e8m0fnu
     gs = None

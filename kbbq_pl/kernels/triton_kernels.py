@@ -21,7 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats.rounding import NVFP4_MIN_GLOBAL_SCALE, NVFP4_SCALE_DIVISOR
 from .interpret import interpreting
+
+_PTS_DIVISOR = tl.constexpr(NVFP4_SCALE_DIVISOR)  # NVFP4's per-tensor scale: amax / (448 * 6)
+_MIN_PTS = tl.constexpr(NVFP4_MIN_GLOBAL_SCALE)
 
 INTERPRET = interpreting()
 
@@ -158,8 +162,8 @@ def _transformed_blocks(x_ptr, t_ptr, rows, row_mask, blocks, block_mask, stride
         for j in tl.static_range(D):
             xj = tl.load(base + j, mask=mask, other=0.0).to(tl.float32)  # x[:, j]
             tj = tl.load(t_base + offs_d[None, None, :] * D + j, mask=t_mask, other=0.0)  # T[:, j]
-            acc = tl.fma(tl.broadcast_to(xj, [NB, BLOCK_M, D]), tl.broadcast_to(tj, [NB, BLOCK_M, D]),
-                         acc)
+            acc = tl.fma(tl.broadcast_to(xj, [NB, BLOCK_M, D]),
+                         tl.broadcast_to(tj, [NB, BLOCK_M, D]), acc)
         return acc
     else:
         x = tl.load(base + offs_d[None, None, :], mask=mask, other=0.0).to(tl.float32)
@@ -203,8 +207,8 @@ def _quantize_activations_kernel(
             if STATIC:
                 pts = tl.load(global_ptr)
             else:
-                pts = tl.div_rn(tl.load(amax_ptr), 2688.0)  # 448 * 6
-            usable = pts >= 2.0**-122  # kbbq_pl.formats.rounding.NVFP4_MIN_GLOBAL_SCALE
+                pts = tl.div_rn(tl.load(amax_ptr), _PTS_DIVISOR)
+            usable = pts >= _MIN_PTS
             pts = tl.where(usable, pts, 1.0)
             pts_b = tl.full(amax.shape, 0.0, tl.float32) + pts
             s = tl.div_rn(tl.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)), pts_b)

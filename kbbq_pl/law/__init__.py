@@ -5,14 +5,9 @@ constants and ceilings (:mod:`kbbq_pl.law.noise_law`).  Measuring it on a model 
 from .noise_law import (
     block_kappa_star,
     c_fmt,
-    cat_factors,
     diagonal_blocks,
-    factorization,
     haar_attractor,
-    haar_attractor_mc,
     haar_rotation,
-    integer_noise,
-    integer_step,
     intercept_gap,
     kappa,
     kappa_bar,
@@ -23,10 +18,7 @@ from .noise_law import (
     paired_ceiling,
     paired_spectrum,
     predicted_snr_db,
-    product_noise,
     residual_db,
-    rounding_moments,
-    row_ceiling,
     second_moment,
     snr_db,
     utilization,
@@ -34,10 +26,8 @@ from .noise_law import (
 )
 
 __all__ = [
-    "block_kappa_star", "c_fmt", "cat_factors", "diagonal_blocks", "factorization",
-    "haar_attractor", "haar_attractor_mc", "haar_rotation", "integer_noise", "integer_step",
+    "block_kappa_star", "c_fmt", "diagonal_blocks", "haar_attractor", "haar_rotation",
     "intercept_gap", "kappa", "kappa_bar", "kappa_from_samples", "kappa_star", "law_fit",
     "optimal_block_denominator", "paired_ceiling", "paired_spectrum", "predicted_snr_db",
-    "product_noise", "residual_db", "rounding_moments", "row_ceiling", "second_moment", "snr_db",
-    "utilization", "weight_gram",
+    "residual_db", "second_moment", "snr_db", "utilization", "weight_gram",
 ]

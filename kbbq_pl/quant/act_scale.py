@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from typing import Literal
 
+from torch import Tensor
+
 from ..formats import Format
+from ..formats.rounding import NVFP4_MIN_GLOBAL_SCALE, nvfp4_tensor_scale
 
 ActScale = Literal["static", "dynamic"]
 ACT_SCALES: tuple[str, ...] = ("static", "dynamic")
 
-__all__ = ["ACT_SCALES", "ActScale", "check_act_scale", "effective_act_scale"]
+__all__ = ["ACT_SCALES", "ActScale", "check_act_scale", "effective_act_scale", "static_act_scale"]
 
 
 def check_act_scale(act_scale: str, what: str = "act_scale") -> ActScale:
@@ -25,3 +28,11 @@ def effective_act_scale(fmt: Format, act_scale: str) -> ActScale:
     """``act_scale`` checked; formats without a per-tensor scale (MX) are always ``dynamic``."""
     check_act_scale(act_scale)
     return "static" if act_scale == "static" and fmt.global_scale else "dynamic"
+
+
+def static_act_scale(amax: Tensor) -> Tensor:
+    """A static (calibrated) NVFP4 activation scale from the calibration inputs' amax: the
+    per-tensor scale rule (:func:`~kbbq_pl.formats.rounding.nvfp4_tensor_scale`), raised to the
+    smallest usable scale so that a layer calibrated on all-zero inputs still scales later
+    ones; a 0-d FP32 tensor."""
+    return nvfp4_tensor_scale(amax).clamp(min=NVFP4_MIN_GLOBAL_SCALE).reshape(())

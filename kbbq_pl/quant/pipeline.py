@@ -6,7 +6,8 @@ once, then each block runs over its cached inputs).  For each block, on ``device
 
 1. the weight quantizer (:class:`~kbbq_pl.quant.weight_quantizer.WeightQuantizer`: RTN or the
    GPTQ family, the recipe's ``weights.quantizer``) runs the full-precision block with its hooks:
-   input second moments or Hessians, held-out samples for ``lam="auto"``, summed over ranks;
+   input second moments or Hessians (with ``lam="auto"``, of the fitting and the held-out
+   sequences apart), summed over ranks;
 2. it fits each linear's transform and quantizes ``W T^-1``;
 3. for a static NVFP4 activation scale, ``amax(T x)`` of every layer's transformed inputs,
    from its inputs kept in step 1's pass (:func:`~kbbq_pl.quant.stats.kept_inputs`: the
@@ -24,41 +25,28 @@ model larger than the accelerator's memory quantizes) and the cached activations
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import time
 import weakref
-from collections.abc import Callable, Mapping
-from dataclasses import replace
-from typing import Any
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..transforms.autobrake import LambdaChoice, fold_sequences, model_finalists, split_sequences
-from .config import (
-    Batches,
-    BroadcastFn,
-    Collectives,
-    QuantizationConfig,
-    ReduceFn,
-    _identity,
-    count_tokens,
-)
-from .divergence import HeldOutStreams, held_out_divergence
+from .collectives import Collectives, ReduceFn
+from .config import QuantizationConfig
 from .gptq.quantizer import GPTQ
 from .layers import QuantizedLinear, quantized_linears, swap_module
 from .modules import check_finite, find_linears, in_out_features, linear_weight
 from .report import QuantizationReport, chosen_lambda, layer_report, peak_memory_mb
 from .rtn.quantizer import RTN
-from .sequential import BlockResidency, SequentialRunner, trim_heap
+from .sequential import Batches, BlockResidency, SequentialRunner, trim_heap
 from .stats import act_scales_from_amax, kept_inputs, transformed_amax
 from .w4a4 import cache_decoded_weights
-from .weight_quantizer import Block, CalibrationSplit, LayerPlan, WeightQuantizer
+from .weight_quantizer import Block, LayerPlan, WeightQuantizer
 
-__all__ = ["WEIGHT_QUANTIZERS", "HeldOutComparison", "held_out_batches", "one_lambda_runs",
-           "quantize_model", "select_layers"]
+__all__ = ["WEIGHT_QUANTIZERS", "quantize_model", "select_layers"]
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +90,7 @@ def quantize_model(
     batches: Batches,
     config: QuantizationConfig,
     *,
-    reduce_sum: ReduceFn = _identity,
-    reduce_max: ReduceFn = _identity,
-    broadcast: BroadcastFn | None = None,
-    rank: int = 0,
-    world_size: int = 1,
+    collectives: Collectives | None = None,
     shard: bool = False,
     weight_quantizer: WeightQuantizer | None = None,
     trainable: bool = False,
@@ -114,60 +98,47 @@ def quantize_model(
     device: torch.device | str | None = None,
     offload_device: torch.device | str = "cpu",
     residency: BlockResidency | None = None,
-    held_out: HeldOutStreams | None = None,
 ) -> QuantizationReport:
     """Quantize ``model`` in place with ``config`` (module docstring); returns the report.
 
-    ``batches`` are the model's keyword inputs (a list or a DataLoader).  ``reduce_sum`` /
-    ``reduce_max`` all-reduce a tensor across data-parallel ranks, ``broadcast(obj, src)``,
-    ``rank`` and ``world_size`` split GPTQ's layers over them (identities on one process; see
-    :func:`~kbbq_pl.quant.config.lightning_collectives`).  ``shard``: ``batches`` are every
-    rank's calibration, the same on each (``kbbq-pl quantize`` under torchrun); the sequences are
-    split for the auto-brake first and each rank calibrates on its contiguous share of every
-    part, so that ``lam: auto`` scores one process's held-out tokens (without it each rank
-    brought its own batches, as under a Lightning sampler).  ``trainable`` keeps high-precision
-    master weights ``W T^-1`` for fine-tuning (RTN).  ``weight_quantizer`` replaces the one the
-    recipe names (built with the same ``config`` and ``trainable``).  ``device`` runs each
-    block (default: where the model is); ``offload_device`` holds the cached activations
-    between blocks; ``residency`` brings each block's weights there (default: the model is in
-    memory, :class:`~kbbq_pl.quant.sequential.MoveToDevice`; a model streamed from disk:
-    :class:`kbbq_pl.io.streaming.StreamedBlocks`).  ``held_out`` carries the auto-brake's
-    held-out sequences through the blocks beside the run (``autobrake.scope: best``).
+    ``batches`` are the model's keyword inputs (a list or a DataLoader).  ``collectives``: the
+    data-parallel operations of several processes (:class:`~kbbq_pl.quant.collectives.
+    Collectives`; default one process).  ``shard``: ``batches`` are every rank's calibration,
+    the same on each (``kbbq-pl quantize`` under torchrun), and each rank calibrates on its
+    contiguous share of every part, so that ``lam: auto`` scores one process's held-out tokens
+    (without it each rank brought its own batches, as under a Lightning sampler).
+    ``trainable`` keeps high-precision master weights ``W T^-1`` for fine-tuning (RTN).
+    ``weight_quantizer`` replaces the one the recipe names (built with the same ``config`` and
+    ``trainable``).  ``device`` runs each block (default: where the model is);
+    ``offload_device`` holds the cached activations between blocks; ``residency`` brings each
+    block's weights there (default: the model is in memory,
+    :class:`~kbbq_pl.quant.sequential.MoveToDevice`; a model streamed from disk:
+    :class:`kbbq_pl.io.streaming.StreamedBlocks`).
     """
-    if config.auto and config.autobrake.scope != "layer":
-        return _quantize_model_scope(
-            model, batches, config, weight_quantizer=weight_quantizer, residency=residency,
-            reduce_sum=reduce_sum, reduce_max=reduce_max, broadcast=broadcast, rank=rank,
-            world_size=world_size, shard=shard, trainable=trainable,
-            progress=progress, device=device, offload_device=offload_device)
     start = time.perf_counter()
-    collectives = Collectives(reduce_sum, reduce_max, broadcast, rank, world_size)
+    collectives = collectives or Collectives()
     quantizer = weight_quantizer or WEIGHT_QUANTIZERS[config.weights.quantizer](
         config, trainable=trainable)
     if quantizer.config != config or quantizer.trainable != trainable:
         raise ValueError(f"weight_quantizer {type(quantizer).__name__} was built for another "
                          f"recipe ({quantizer.config.label}, trainable={quantizer.trainable}) "
                          f"than this run's ({config.label}, trainable={trainable})")
-    if world_size > 1 and broadcast is None and quantizer.splits_work:
-        raise ValueError(f"world_size {world_size}: {config.method} splits layers across ranks "
-                         "and needs broadcast(obj, src)")
+    if quantizer.splits_work and not collectives.can_broadcast:
+        raise ValueError(f"world_size {collectives.world_size}: {config.method} splits layers "
+                         "across ranks and needs Collectives.broadcast")
     propagate = config.weights.propagate or quantizer.propagate
-    batches = list(batches)
-    if not batches:
-        raise ValueError("the calibration set is empty: no batches")
     modules, skipped = select_layers(model, config)
-    split, batches = _calibration_parts(batches, config, collectives, shard)
     streamed = {name for name, module in modules.items() if linear_weight(module).is_meta}
     targets = set(modules)  # names only: a replaced layer's weights are freed with its block
     del modules
-    runner = SequentialRunner(model, batches, device=device,
-                              offload_device=offload_device, targets=targets,
-                              residency=residency)
+    runner = SequentialRunner(
+        model, batches, device=device, offload_device=offload_device, targets=targets,
+        residency=residency, holdout=config.autobrake.holdout if config.auto else None,
+        seed=config.transform.seed,
+        shard=(collectives.rank, collectives.world_size) if shard else None)
     if streamed and runner.whole_model is not None:
         raise ValueError(f"{type(model).__name__} runs as one block ({runner.whole_model}): its "
                          "weights cannot be read block by block; load the model in memory")
-    if held_out is not None:
-        held_out.start(runner)
     if runner.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(runner.device)
     report = QuantizationReport(config=config.to_dict(), skipped=skipped)
@@ -188,15 +159,11 @@ def quantize_model(
                 for name in streamed.intersection(linears):
                     check_finite(linear_weight(linears[name]), name, "weight")
                 outputs = None
-                if held_out is not None:
-                    held_out.before(step)
                 if linears:
-                    block = Block(step, linears, model, config, collectives, split, timing,
-                                  progress)
+                    block = Block(step, linears, model, config, collectives, runner.split,
+                                  timing, progress)
                     outputs = _quantize_block(block, quantizer, propagate == "fp" and not last,
                                               report)
-                if held_out is not None:
-                    held_out.after(step)
                 if not last:
                     tick = time.perf_counter()
                     if outputs is None:  # the quantized block's: each weight decoded once
@@ -217,222 +184,6 @@ def quantize_model(
     if runner.whole_model is not None:
         report.model["whole_model"] = runner.whole_model
     return report
-
-
-Candidate = str | float
-"""A model :func:`one_lambda_runs` compares, quantized on the fitting sequences alone:
-``"layer"`` (the per-layer auto-brake, ``autobrake.scope: best``) or a finalist lambda."""
-
-
-def one_lambda_runs(config: QuantizationConfig,
-                    score: Callable[[QuantizationConfig], QuantizationReport],
-                    trial: Callable[[Candidate, QuantizationConfig], QuantizationReport],
-                    quantize: Callable[[QuantizationConfig], QuantizationReport],
-                    divergence: Callable[[Candidate], tuple[float, str]]
-                    ) -> tuple[str, QuantizationReport]:
-    """The runs of ``autobrake.scope`` ``model`` and ``best``.
-
-    ``score`` runs the per-layer auto-brake on every sequence (on a copy of the model, or
-    streamed) to score every candidate in every layer; its model is the ``scope: layer``
-    recipe's.  The finalists are the ``autobrake.finalists`` candidates of the smallest mean
-    error (:func:`model_finalists`).  Where models are compared (several finalists, or
-    ``best``), ``trial(candidate, recipe)`` quantizes each candidate on the fitting sequences
-    alone (with ``best``, the per-layer auto-brake too: ``"layer"``, which splits the fitting
-    sequences again to choose) and the one whose outputs on the held-out sequences are closest
-    to the full-precision model's (``divergence``) is kept.  Every comparison is out of
-    sample: a model fitted on the held-out sequences too flatters the choices that fit them
-    more closely (docs/results/2026-11-26-autobrake-finalists.md).  A kept lambda is then
-    quantized on every sequence by ``quantize`` (bit for bit the fixed-lambda recipe); a kept
-    ``"layer"`` is the scoring run's model.  Returns ``"layer"`` or ``"model"``, the model
-    kept, and its report, which holds every layer's scores, the choices, the divergences and
-    the runs' times."""
-    autobrake = config.autobrake
-    best = autobrake.scope == "best"
-    layer_scope = replace(config, autobrake=replace(autobrake, scope="layer", finalists=1))
-    scoring = score(layer_scope)
-    finalists, means = model_finalists(scoring.autobrake, autobrake.finalists)
-    log.info("autobrake.scope %s: finalists %s (mean held-out error %s dB)", autobrake.scope,
-             ", ".join(f"{lam:g}" for lam in finalists),
-             ", ".join(f"{k:g}: {v:.3f}" for k, v in means.items()))
-
-    def fixed(lam: float) -> QuantizationConfig:
-        return replace(config, transform=replace(config.transform, lam=lam))
-
-    seconds = dict.fromkeys(("autobrake_scoring", "autobrake_trials", "autobrake_fixed",
-                             "autobrake_compare"), 0.0)
-    seconds["autobrake_scoring"] = scoring.seconds["total"]
-    candidates: list[Candidate] = (["layer"] if best else []) + (
-        list(finalists) if autobrake.compares_models else [])
-    trials: dict[Candidate, tuple[float, str]] = {}
-    for candidate in candidates:
-        recipe = layer_scope if candidate == "layer" else fixed(float(candidate))
-        seconds["autobrake_trials"] += trial(candidate, recipe).seconds["total"]
-        tick = time.perf_counter()
-        trials[candidate] = divergence(candidate)
-        seconds["autobrake_compare"] += time.perf_counter() - tick
-    if trials:
-        log.info("autobrake.scope %s: held-out %s, fitted on the other sequences: %s",
-                 autobrake.scope, trials[candidates[0]][1],
-                 ", ".join(f"{'per layer' if c == 'layer' else f'{c:g}'}: {value:.5g}"
-                           for c, (value, _) in trials.items()))
-    lam = min(finalists, key=lambda c: trials[c][0]) if trials else finalists[0]
-    kept = "layer" if best and trials["layer"][0] < trials[lam][0] else "model"
-    summary = {"lam": lam, "mean_error_db": means,
-               "layer_choices": {name: choice.lam for name, choice in scoring.autobrake.items()}}
-    if trials:
-        summary["finalists"] = {c: value for c, (value, _) in trials.items() if c != "layer"}
-    if kept == "layer":
-        report = scoring
-    else:
-        report = quantize(fixed(lam))
-        seconds["autobrake_fixed"] = report.seconds["total"]
-        report.autobrake = {name: LambdaChoice(lam, choice.errors)
-                            for name, choice in scoring.autobrake.items()}
-    report.config = config.to_dict()
-    report.model["autobrake_model"] = summary
-    if best:
-        report.model["autobrake_best"] = {
-            "kept": kept, "metric": trials["layer"][1],
-            "divergence": {"layer": trials["layer"][0], "model": trials[lam][0]}}
-        log.info("autobrake.scope best: keeps %s", "per layer" if kept == "layer"
-                 else f"lambda {lam:g}")
-    report.seconds.update({k: v for k, v in seconds.items() if v or k == "autobrake_fixed"})
-    report.seconds["total"] = sum(seconds.values())
-    return kept, report
-
-
-def _quantize_model_scope(model: nn.Module, batches: Batches, config: QuantizationConfig, *,
-                          weight_quantizer: WeightQuantizer | None,
-                          residency: BlockResidency | None, **run: Any) -> QuantizationReport:
-    """``autobrake.scope`` ``model`` and ``best`` in memory (:func:`one_lambda_runs`): the
-    per-layer run and each trial on copies of ``model``, the run at the chosen lambda on
-    ``model``, the held-out sequences carried beside the runs (:class:`HeldOutComparison`)
-    where models are compared; ``model`` becomes the kept one."""
-    scope = config.autobrake.scope
-    if weight_quantizer is not None:
-        raise ValueError(f"autobrake.scope {scope!r} builds its own weight quantizers (one per "
-                         "run); pass weight_quantizer=None")
-    if residency is not None or any(linear_weight(m).is_meta
-                                    for m in find_linears(model, config.layers.targets,
-                                                          config.layers.ignore).values()):
-        raise ValueError(f"autobrake.scope {scope!r} quantizes a copy of the model first: load "
-                         "the model in memory, stream it from disk with kbbq_pl."
-                         "quantize_checkpoint (kbbq-pl quantize --stream), or choose per layer "
-                         "(autobrake.scope: layer)")
-    comparison = HeldOutComparison(batches, config, run)
-    per_layer: list[nn.Module] = []  # scope best: kept until the comparison
-
-    def score(layer_scope: QuantizationConfig) -> QuantizationReport:
-        scratch = copy.deepcopy(model)
-        if scope == "best":
-            per_layer.append(scratch)
-        return quantize_model(scratch, batches, layer_scope, held_out=comparison.reference(),
-                              **run)
-
-    def trial(candidate: Candidate, recipe: QuantizationConfig) -> QuantizationReport:
-        report = quantize_model(copy.deepcopy(model), comparison.fitting, recipe,
-                                held_out=comparison.stream(candidate), **run)
-        trim_heap()  # the trial's model is freed: its held-out outputs are in its stream
-        return report
-
-    try:
-        kept, report = one_lambda_runs(
-            config, score, trial,
-            lambda fixed: quantize_model(model, batches, fixed, **run),
-            lambda candidate: comparison.divergence(candidate, model))
-        if kept == "layer":
-            _adopt(model, per_layer[0])
-    finally:
-        per_layer.clear()
-        trim_heap()
-    return report
-
-
-class HeldOutComparison:
-    """The held-out sequences of :func:`one_lambda_runs` and the streams its runs carry: the
-    full-precision model's rides with the scoring run (:meth:`reference`), each trial carries
-    its own (:meth:`stream`); nothing where nothing is compared (``scope: model`` with one
-    finalist).  ``fitting``: the fitting sequences the trials calibrate on (every rank's, as
-    ``batches`` are: the pipeline shards them)."""
-
-    def __init__(self, batches: Batches, config: QuantizationConfig,
-                 run: Mapping[str, Any]) -> None:
-        autobrake = config.autobrake
-        self.compare = autobrake.compares_models
-        self.reduce_sum = run.get("reduce_sum", _identity)
-        self.batches = held_out_batches(batches, config, run) if self.compare else []
-        self.fitting = (split_sequences(list(batches), autobrake.holdout,
-                                        config.transform.seed)[0] if self.compare else [])
-        self.full_precision: HeldOutStreams | None = None
-        self.streams: dict[Candidate, HeldOutStreams] = {}
-
-    def reference(self) -> HeldOutStreams | None:
-        """The stream the scoring run carries: each block in full precision (None: nothing
-        is compared)."""
-        if self.compare:
-            self.full_precision = HeldOutStreams(self.batches, before="reference")
-        return self.full_precision
-
-    def stream(self, candidate: Candidate) -> HeldOutStreams:
-        """The stream the trial of ``candidate`` carries: each block once quantized."""
-        self.streams[candidate] = HeldOutStreams(self.batches, after="candidate")
-        return self.streams[candidate]
-
-    def divergence(self, candidate: Candidate, tail: nn.Module) -> tuple[float, str]:
-        """How far ``candidate``'s outputs are from the full-precision model's
-        (:func:`held_out_divergence`; ``tail`` runs the layers after the blocks)."""
-        reference = self.full_precision
-        assert reference is not None, "the scoring run carries the full-precision stream"
-        (result,) = held_out_divergence(
-            reference.model("reference", tail),
-            {candidate: self.streams.pop(candidate).model("candidate", tail)},
-            reference.batches, self.reduce_sum).values()
-        return result
-
-
-def held_out_batches(batches: Batches, config: QuantizationConfig, run: Mapping[str, Any]
-                     ) -> list[Any]:
-    """This rank's held-out sequences of the auto-brake's split (as the pipeline makes it)."""
-    collectives = Collectives(run.get("reduce_sum", _identity), run.get("reduce_max", _identity),
-                              run.get("broadcast"), run.get("rank", 0), run.get("world_size", 1))
-    split, mine = _calibration_parts(list(batches), config, collectives, run.get("shard", False))
-    return mine[split.held_out_part]
-
-
-def _adopt(model: nn.Module, other: nn.Module) -> None:
-    """Make ``model`` hold ``other``'s submodules, parameters and buffers (``other`` is a deep
-    copy of ``model`` quantized another way)."""
-    for key in ("_modules", "_parameters", "_buffers"):
-        model.__dict__[key] = other.__dict__[key]
-
-
-def _calibration_parts(batches: list[Any], config: QuantizationConfig, collectives: Collectives,
-                       shard: bool) -> tuple[CalibrationSplit, list[Any]]:
-    """The parts of the calibration (the fitting and held-out sequences of ``lam: auto``, its
-    folds, or every batch) and this rank's batches, part after part; with ``shard`` each rank
-    keeps its contiguous share of every part."""
-    folded = config.auto and config.autobrake.folds > 1
-    if folded:
-        parts = fold_sequences(batches, config.autobrake.folds, config.transform.seed)
-    elif config.auto:
-        parts = list(split_sequences(batches, config.autobrake.holdout, config.transform.seed))
-    else:
-        parts = [batches, []]
-    part_tokens = tuple(count_tokens(part) for part in parts)
-    offsets = [0] * len(parts)
-    if shard:
-        names = ([f"fold {k}" for k in range(len(parts))] if folded else
-                 ["the calibration set" if not config.auto else "the fitting part",
-                  "the held-out part"])
-        for k, part in enumerate(parts):
-            if part or k == 0:
-                share = collectives.share(len(part), names[k])
-                offsets[k] = count_tokens(part[:share.start])
-                parts[k] = part[share]
-    sizes = [len(part) for part in parts]
-    split = (CalibrationSplit(sum(sizes), 0, part_tokens, tuple(offsets), tuple(sizes))
-             if folded else CalibrationSplit(sizes[0], sizes[1], part_tokens, tuple(offsets)))
-    return split, [batch for part in parts for batch in part]
 
 
 def _quantize_block(block: Block, quantizer: WeightQuantizer, keep_outputs: bool,
@@ -486,7 +237,7 @@ def _quantize_block(block: Block, quantizer: WeightQuantizer, keep_outputs: bool
 def _static_act_scales(inputs: Mapping[str, list[Tensor]], linears: Mapping[str, nn.Module],
                        plans: Mapping[str, LayerPlan], config: QuantizationConfig,
                        device: torch.device, reduce_max: ReduceFn) -> dict[str, Tensor]:
-    """Per-tensor NVFP4 scales ``amax(T x) / (448 * 6)`` of every layer's transformed inputs,
+    """Static NVFP4 per-tensor scales of every layer's transformed inputs ``T x``,
     from the inputs kept in the calibration pass of the full-precision block (no second run
     of it; a folded layer's ``T`` applies to the unfolded weights' inputs, which these are)."""
     transforms = {name: plan.transform for name, plan in plans.items()}

@@ -15,9 +15,10 @@ from torch import Tensor, nn
 
 from ..formats.padding import pad_features
 from ..law import noise_law as law
-from ..transforms.autobrake import LambdaChoice
 from ..transforms.fit import transform_inputs, transform_weight, weight_block_grams
-from .config import Collectives, QuantizationConfig
+from .autobrake import LambdaChoice
+from .collectives import Collectives
+from .config import QuantizationConfig
 from .layers import QuantizedLinear
 from .modules import cell_kind, linear_weight
 from .stats import LayerStatistics

@@ -24,13 +24,12 @@ from torch import Tensor
 
 from ..formats import Format, QuantizedTensor, get_format
 from ..formats.rounding import (
-    E2M1_MAX,
-    E4M3_MAX,
     NVFP4_MIN_GLOBAL_SCALE,
     E2M1Scales,
     e2m1_scaled,
     e2m1_scales,
     encode_e2m1,
+    nvfp4_tensor_scale,
     pack_nibbles,
     round_e2m1_fast,
 )
@@ -62,7 +61,7 @@ def weight_global_scale(weight: Tensor, fmt: Format) -> Tensor | None:
     """NVFP4's per-tensor scale ``amax / (448 * 6)`` of ``weight`` (None for other formats)."""
     if not fmt.global_scale:
         return None
-    return weight.detach().to(_F32).abs().amax() / (E4M3_MAX * E2M1_MAX)
+    return nvfp4_tensor_scale(weight.detach().abs().amax())
 
 
 def _scales(amax: Tensor, fmt: Format, global_scale: Tensor | None) -> E2M1Scales:

@@ -1,8 +1,11 @@
 """Run a transformer one block at a time over cached calibration inputs.
 
-The first block's inputs (positional and keyword arguments: attention masks, rotary position
-embeddings, ...) are captured once by running the model up to it; then each block in order
-runs over the cached inputs and its outputs become the next block's inputs.  Only one block's
+The calibration batches are first split into their parts (:func:`split_calibration`: every
+batch, or the auto-brake's fitting and held-out sequences; each rank's share of them under
+several processes).  The first block's inputs (positional and keyword arguments: attention
+masks, rotary position embeddings, ...) are captured once by running the model up to it; then
+each block in order runs over the cached inputs and its outputs become the next block's
+inputs.  Only one block's
 inputs and outputs are held (on ``offload_device``), so memory does not grow with depth: the
 sequential pipeline of llm-compressor and of the GPTQ reference loop.
 
@@ -27,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,6 +40,122 @@ from torch import Tensor, nn
 from .modules import is_linear
 
 log = logging.getLogger(__name__)
+
+Batches = Iterable[Mapping[str, Tensor]]
+"""Calibration batches: the model's keyword inputs (``{"input_ids", "attention_mask"}``), a
+list or a DataLoader."""
+
+
+def count_tokens(batches: Iterable[Mapping[str, Any]]) -> int:
+    """The calibration tokens of ``batches``: the elements of their ``input_ids`` (a batch
+    without an ``input_ids`` tensor counts none)."""
+    return sum(int(b["input_ids"].numel()) for b in batches
+               if isinstance(b.get("input_ids"), Tensor))
+
+
+@dataclass(frozen=True)
+class CalibrationSplit:
+    """How the cached calibration inputs divide: the first ``fit`` batches fit the transforms,
+    the ``held_out`` batches after them are the auto-brake's held-out sequences (none without
+    ``lam: auto``).
+
+    ``part_tokens``: the tokens of each part (fitting, held-out) over the ranks that share it
+    (this rank's alone when each rank brought its own batches); ``offsets``: the index of this
+    rank's first token within each part.  The kept samples are spread over these indices
+    (:func:`~kbbq_pl.quant.stats.spread_sample`), so a calibration sharded over ranks keeps one
+    process's tokens."""
+
+    fit: int
+    held_out: int
+    part_tokens: tuple[int, int]
+    offsets: tuple[int, int] = (0, 0)
+
+    def stride(self, keep: int, part: int | None = None) -> int:
+        """One token in how many a sample of ``keep`` tokens spread over ``part`` (both parts
+        when None) keeps."""
+        tokens = sum(self.part_tokens) if part is None else self.part_tokens[part]
+        return max(1, tokens // max(1, keep))
+
+    def position(self, part: int) -> int:
+        """The index of this rank's first token of ``part`` when the parts are run in order."""
+        return sum(self.part_tokens[:part]) + self.offsets[part]
+
+    @property
+    def total(self) -> int:
+        return self.fit + self.held_out
+
+    @property
+    def fit_part(self) -> slice:
+        return slice(0, self.fit)
+
+    @property
+    def held_out_part(self) -> slice:
+        return slice(self.fit, self.total)
+
+
+def split_sequences(batches: Sequence[Mapping[str, Tensor]], holdout: float, seed: int = 0
+                    ) -> tuple[list[dict[str, Tensor]], list[dict[str, Tensor]]]:
+    """The fitting and the held-out sequences of the auto-brake.
+
+    The rows (sequences) of all batches are pooled and a seeded permutation sends
+    ``round(holdout * n)`` of them (at least one, at most ``n - 1``) to the held-out part; each
+    part is re-batched in the original batch size, its rows in their original order, a new
+    batch starting wherever the sequence length changes (whole sentences of different lengths
+    are neither padded nor cut)."""
+    if not 0.0 < holdout < 1.0:
+        raise ValueError(f"autobrake.holdout lies in (0, 1), got {holdout}")
+    keys = list(batches[0].keys()) if batches else []
+    if not keys:
+        raise ValueError("the calibration set is empty: no batches")
+    rows = [{k: b[k][i:i + 1] for k in keys} for b in batches for i in range(len(b[keys[0]]))]
+    if len(rows) < 2:
+        raise ValueError(f"lam: auto needs at least 2 calibration sequences, got {len(rows)}")
+    batch_size = len(batches[0][keys[0]])
+    held = min(len(rows) - 1, max(1, round(holdout * len(rows))))
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
+
+    def rebatch(index: Tensor) -> list[dict[str, Tensor]]:
+        groups: list[list[dict[str, Tensor]]] = []
+        for i in index.sort().values.tolist():
+            row, last = rows[i], groups[-1] if groups else None
+            if (last is None or len(last) == batch_size
+                    or any(last[0][k].shape != row[k].shape for k in keys)):
+                groups.append([row])
+            else:
+                last.append(row)
+        return [{k: torch.cat([row[k] for row in group]) for k in keys} for group in groups]
+
+    return rebatch(order[held:]), rebatch(order[:held])
+
+
+def split_calibration(batches: Sequence[Mapping[str, Tensor]], holdout: float | None = None,
+                      seed: int = 0, shard: tuple[int, int] | None = None
+                      ) -> tuple[CalibrationSplit, list[Mapping[str, Tensor]]]:
+    """The parts of the calibration, every batch or with ``holdout`` the auto-brake's fitting
+    and held-out sequences (:func:`split_sequences`), and this process's batches, part after
+    part.  ``shard = (rank, world_size)``: the batches are every rank's, the same on each, and
+    this rank keeps its contiguous share of every part (an error on every rank, before any
+    work, where a part has fewer batches than ranks)."""
+    parts = (list(split_sequences(batches, holdout, seed)) if holdout is not None
+             else [list(batches), []])
+    part_tokens = (count_tokens(parts[0]), count_tokens(parts[1]))
+    offsets = [0, 0]
+    if shard is not None:
+        rank, world_size = shard
+        for k, (part, name) in enumerate(zip(parts, ("the fitting part" if holdout is not None
+                                                      else "the calibration set",
+                                                      "the held-out part"))):
+            if not part and k == 1:
+                continue
+            if len(part) < world_size:
+                raise ValueError(f"{world_size} processes need at least one calibration batch "
+                                 f"each; {name} has {len(part)} (more calibration tokens, "
+                                 "smaller batches, or fewer processes)")
+            start, stop = rank * len(part) // world_size, (rank + 1) * len(part) // world_size
+            offsets[k] = count_tokens(part[:start])
+            parts[k] = part[start:stop]
+    split = CalibrationSplit(len(parts[0]), len(parts[1]), part_tokens, (offsets[0], offsets[1]))
+    return split, parts[0] + parts[1]
 
 
 def _block_stack(model: nn.Module, targets: Collection[str] | None
@@ -109,7 +228,9 @@ class BlockInput:
 
     @property
     def hidden(self) -> Tensor:
+        """The hidden states of the call (its first positional argument, or ``hidden_states``)."""
         return self.args[0] if self.args else self.kwargs["hidden_states"]
+
 
 
 class BlockStep:
@@ -145,16 +266,14 @@ class BlockStep:
             residency.unload(self, done)
 
     @torch.no_grad()
-    def run(self, keep_outputs: bool = True, subset: slice = slice(None),
-            inputs: Sequence[BlockInput] | None = None) -> list[Tensor] | None:
-        """Run the block over the cached inputs (all, or the batches ``subset``; or other
-        ``inputs`` of the same kind) on the runner's device."""
+    def run(self, keep_outputs: bool = True, subset: slice = slice(None)) -> list[Tensor] | None:
+        """Run the block over the cached inputs (all, or the batches ``subset``) on the
+        runner's device."""
         device = self.runner.device
         outputs = [] if keep_outputs else None
-        for cached in (self.inputs if inputs is None else inputs)[subset]:
+        for cached in self.inputs[subset]:
             call = _to(cached, device) if device != self.runner.offload_device else cached
             output = self.module(*call.args, **call.kwargs)
-            self.runner.returns_tuple = isinstance(output, (tuple, list))
             if outputs is not None:
                 outputs.append(_hidden(output).detach().to(self.runner.offload_device))
         return outputs
@@ -195,27 +314,36 @@ class SequentialRunner:
     """Iterate over a model's blocks with their calibration inputs (see the module docstring).
 
     ``batches`` are the model's keyword inputs (dicts such as ``{"input_ids",
-    "attention_mask"}``); ``device`` runs the blocks, ``offload_device`` holds the cached
-    activations between blocks, ``residency`` brings each block's weights (default
-    :class:`MoveToDevice`).  ``whole_model``: why the model runs as one block (targeted
-    layers outside the stack, ``targets``, or no stack), None when it runs block by block.
+    "attention_mask"}``), split into their parts by :func:`split_calibration` (``holdout``,
+    ``seed``, ``shard``; :attr:`split` says which cached inputs are which); ``device`` runs the
+    blocks, ``offload_device`` holds the cached activations between blocks, ``residency``
+    brings each block's weights (default :class:`MoveToDevice`).  ``whole_model``: why the
+    model runs as one block (targeted layers outside the stack, ``targets``, or no stack), None
+    when it runs block by block.
     """
 
     def __init__(
         self,
         model: nn.Module,
-        batches: Sequence[Mapping[str, Tensor]],
+        batches: Batches,
         device: torch.device | str | None = None,
         offload_device: torch.device | str = "cpu",
         targets: Collection[str] | None = None,
         residency: BlockResidency | None = None,
+        *,
+        holdout: float | None = None,
+        seed: int = 0,
+        shard: tuple[int, int] | None = None,
     ) -> None:
+        batches = list(batches)
+        if not batches:
+            raise ValueError("the calibration set is empty: no batches")
+        self.split, batches = split_calibration(batches, holdout, seed, shard)
         self.model = model
         self.residency = residency or MoveToDevice()
         self.device = torch.device(device) if device else next(model.parameters()).device
         self.offload_device = torch.device(offload_device)
         self.blocks_name, self.blocks, self.whole_model = _block_stack(model, targets)
-        self.returns_tuple = False  # what a block returns: a tuple (hidden, ...) or the hidden
         if self.whole_model is None:
             self.inputs = self.capture(batches)
         else:
@@ -223,8 +351,6 @@ class SequentialRunner:
                      self.whole_model)
             self.inputs = [_to(BlockInput((), dict(batch)), self.offload_device)
                            for batch in batches]
-            if not self.inputs:
-                raise ValueError("no calibration batches: the calibration set is empty")
 
     @torch.no_grad()
     def capture(self, batches: Sequence[Mapping[str, Tensor]]) -> list[BlockInput]:
@@ -258,41 +384,6 @@ class SequentialRunner:
         for index in range(len(self.blocks)):  # by index: a released block is not held here
             name = f"{self.blocks_name}.{index}" if self.whole_model is None else ""
             yield BlockStep(self, index, name, self.blocks[index])
-
-
-class _Replay(nn.Module):
-    """Stands for a block in :func:`output_from_last_hidden`: the first returns the stored
-    last hidden state, the others pass their input on."""
-
-    def __init__(self, hidden: Tensor | None, returns_tuple: bool) -> None:
-        super().__init__()
-        self.hidden = hidden
-        self.returns_tuple = returns_tuple
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        hidden = self.hidden if self.hidden is not None else (
-            args[0] if args else kwargs["hidden_states"])
-        return (hidden,) if self.returns_tuple else hidden
-
-
-@torch.no_grad()
-def output_from_last_hidden(model: nn.Module, blocks_name: str, batch: Mapping[str, Tensor],
-                            hidden: Tensor, returns_tuple: bool = False) -> Any:
-    """``model(**batch)``'s output when its stack of blocks (the ``nn.ModuleList``
-    ``blocks_name``, a :class:`SequentialRunner`'s) outputs ``hidden`` (computed block by
-    block): the layers before the stack run (and are discarded), the stack is replayed, the
-    layers after it (final norm, head) run on ``hidden``.  The blocks themselves are not
-    touched (a streamed model has released them)."""
-    blocks = model.get_submodule(blocks_name)
-    kept = list(blocks)
-    device = next(model.parameters()).device
-    try:
-        for index in range(len(blocks)):
-            blocks[index] = _Replay(hidden.to(device) if index == 0 else None, returns_tuple)
-        return model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False)
-    finally:
-        for index, block in enumerate(kept):
-            blocks[index] = block
 
 
 def trim_heap() -> None:

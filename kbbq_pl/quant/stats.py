@@ -30,7 +30,8 @@ from torch.utils.hooks import RemovableHandle
 
 from ..formats import Format
 from ..formats.padding import pad_features
-from ..formats.rounding import NVFP4_MIN_GLOBAL_SCALE, all_finite
+from ..formats.rounding import all_finite
+from .act_scale import static_act_scale
 from .modules import check_finite, first_input, flatten_tokens, in_out_features, linear_weight
 from .w4a4 import transformed_input
 
@@ -398,9 +399,6 @@ def transformed_amax(kept: Mapping[str, Iterable[Tensor]], modules: Mapping[str,
 
 def act_scales_from_amax(amax: Mapping[str, Tensor],
                          reduce_max: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
-    """Static NVFP4 per-tensor activation scales ``amax / (448 * 6)``, amax maxed over ranks."""
-    scales = {}
-    for name, value in amax.items():
-        value = reduce_max(value.float())
-        scales[name] = (value / (448.0 * 6.0)).clamp(min=NVFP4_MIN_GLOBAL_SCALE).reshape(())
-    return scales
+    """Static NVFP4 per-tensor activation scales (:func:`~kbbq_pl.quant.act_scale.
+    static_act_scale`) of each layer's amax, maxed over ranks."""
+    return {name: static_act_scale(reduce_max(value.float())) for name, value in amax.items()}

@@ -18,69 +18,23 @@ from typing import Any, ClassVar, Literal
 from torch import Tensor, nn
 
 from ..formats import QuantizedTensor
-from ..transforms.autobrake import LambdaChoice
-from .config import Collectives, QuantizationConfig
+from .autobrake import LambdaChoice
+from .collectives import Collectives
+from .config import QuantizationConfig
 from .report import QuantizationReport
-from .sequential import BlockStep
+from .sequential import BlockStep, CalibrationSplit
 from .stats import LayerStatistics
 
-__all__ = ["Block", "CalibrationSplit", "LayerPlan", "WeightQuantizer"]
+__all__ = ["Block", "LayerPlan", "WeightQuantizer"]
 
 Propagation = Literal["fp", "quantized"]
-
-
-@dataclass(frozen=True)
-class CalibrationSplit:
-    """How the cached calibration inputs divide: the first ``fit`` batches fit the transforms,
-    the ``held_out`` batches after them select the auto-brake's lambda (none without
-    ``lam="auto"``); with cross-fitting (``autobrake.folds`` K >= 2) every batch fits
-    (``held_out`` is 0) and ``folds`` holds the batch count of each fold, in order.
-
-    ``part_tokens``: the tokens of each part (fit and held-out, or each fold) over the ranks
-    that share it (this rank's alone when each rank brought its own batches); ``offsets``: the
-    index of this rank's first token within each part.  The kept samples are spread over these
-    indices (:func:`~kbbq_pl.quant.stats.spread_sample`), so a calibration sharded over ranks
-    keeps one process's tokens."""
-
-    fit: int
-    held_out: int
-    part_tokens: tuple[int, ...]
-    offsets: tuple[int, ...]
-    folds: tuple[int, ...] = ()
-
-    def stride(self, keep: int, part: int | None = None) -> int:
-        """One token in how many a sample of ``keep`` tokens spread over ``part`` (all parts
-        when None) keeps."""
-        tokens = sum(self.part_tokens) if part is None else self.part_tokens[part]
-        return max(1, tokens // max(1, keep))
-
-    def position(self, part: int) -> int:
-        """The index of this rank's first token of ``part`` when the parts are run in order."""
-        return sum(self.part_tokens[:part]) + self.offsets[part]
-
-    @property
-    def fold_parts(self) -> list[slice]:
-        """The batches of each fold (cross-fitting)."""
-        ends = [sum(self.folds[:k + 1]) for k in range(len(self.folds))]
-        return [slice(end - size, end) for end, size in zip(ends, self.folds)]
-
-    @property
-    def total(self) -> int:
-        return self.fit + self.held_out
-
-    @property
-    def fit_part(self) -> slice:
-        return slice(0, self.fit)
-
-    @property
-    def held_out_part(self) -> slice:
-        return slice(self.fit, self.total)
 
 
 @dataclass
 class Block:
     """One block as a weight quantizer sees it: its step (runs the block over the cached
-    inputs), its targeted linears by qualified name, and the run's settings."""
+    inputs, whose parts ``split`` names), its targeted linears by qualified name, and the run's
+    settings."""
 
     step: BlockStep
     linears: dict[str, nn.Module]
@@ -145,6 +99,7 @@ class WeightQuantizer(ABC):
     def quantize(self, block: Block, calibration: Any) -> dict[str, LayerPlan]:
         """Fit every linear's transform and quantize its weight from ``calibration``."""
 
-    def finish(self, report: QuantizationReport) -> None:
-        """Add the method's model-level entries to ``report`` after the last block."""
+    def finish(self, report: QuantizationReport) -> None:  # noqa: B027 - optional hook
+        """Add the method's model-level entries to ``report`` after the last block (none by
+        default)."""
 

@@ -201,13 +201,3 @@ def transform_weight(weight: Tensor, transform: Tensor | None) -> Tensor:
     grouped = weight.to(work).reshape(weight.shape[0], blocks, d).transpose(0, 1).contiguous()
     out = torch.bmm(grouped, inverse)  # [blocks, out, d]
     return out.transpose(0, 1).reshape(weight.shape).to(weight.dtype)
-
-
-def transform_sigma(sigma_blocks: Tensor, transform: Tensor | None) -> Tensor:
-    """Second-moment blocks of the transformed inputs, ``T_b Sigma_b T_b^T``."""
-    if transform is None:
-        return sigma_blocks
-    if transform.dim() == 2:
-        raise ValueError("a dense transform mixes blocks: transform the full second moment")
-    t = transform.to(_F64)
-    return t @ sigma_blocks.to(_F64) @ t.transpose(-1, -2)

@@ -232,9 +232,9 @@ def test_calibration_batches_settle_packing_for_the_model():
     encoder and packed blocks for a causal LM (``for_model``)."""
     from types import SimpleNamespace
 
+    from kbbq_pl.callbacks import calibration_batches
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kbbq_pl.callbacks import calibration_batches
     from kbbq_pl.io.models import load_model
 
     encoder, tokenizer = load_model("minilm")

@@ -32,8 +32,9 @@ def test_compare_writes_the_table_and_resumes(tiny_llama2c_folder, tmp_path, cap
     text.write_text("Lily and Ben went to the park. They saw a big dog and a small cat. " * 40,
                     encoding="utf-8")
     out = tmp_path / "cmp"
-    argv = ["compare", "--model", str(tiny_llama2c_folder), "--recipes", "i_nvfp4,rtn_kbbq_nvfp4_lam0.75",
-            "--tasks", "ppl,kl", "--text", str(text), "--context", "64", "--stride", "32",
+    argv = ["compare", "--model", str(tiny_llama2c_folder), "--recipes",
+            "i_nvfp4,rtn_kbbq_nvfp4_lam0.75", "--tasks", "ppl,kl", "--text", str(text),
+            "--context", "64", "--stride", "32",
             "--max-tokens", "200", "--calibration-source", str(text),
             "--calibration-tokens", "256", "--output_dir", str(out), "--no-progress"]
     assert main(argv) == 0

@@ -182,14 +182,15 @@ def test_quantize_twice_needs_overwrite(tiny_llama_dir, tmp_path, capsys):
     assert {p.name for p in out.iterdir()} == {MARKER_NAME, *marker["files"]}
 
 
-def test_sweep_law_convert_and_eval_refuse_a_user_folder(tiny_llama_dir, tmp_path, capsys):
+def test_compare_law_convert_and_eval_refuse_a_user_folder(tiny_llama_dir, tmp_path, capsys):
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     (theirs / "keep.txt").write_text("precious")
     before = digest(theirs)
     runs = {
-        "sweep": ["sweep", "--model", str(tiny_llama_dir), "--output_dir", str(theirs),
-                  "--lams", "0.5", *QUICK],
+        "compare": ["compare", "--model", str(tiny_llama_dir), "--output_dir", str(theirs),
+                    "--recipes", "rtn_kbbq_nvfp4_lam0.75", "--lams", "0.5", "--tasks",
+                    "fidelity", "--calibration-tokens", "64"],
         "law": ["law", "--model", str(tiny_llama_dir), "--data", "random", "--out",
                 str(theirs), "--no-progress"],
         "convert-llama2c": ["convert-llama2c", "--checkpoint", str(tmp_path / "missing.bin"),
@@ -280,7 +281,8 @@ def test_load_model_reads_a_quantized_folder_through_from_pretrained(quantized_d
 def test_quantizing_a_quantized_model_is_refused(quantized_dir, tmp_path, capsys):
     out, source = quantized_dir
     for command, argv in [("quantize", ["--output_dir", str(tmp_path / "a"), *QUICK]),
-                          ("sweep", ["--output_dir", str(tmp_path / "b"), *QUICK])]:
+                          ("compare", ["--output_dir", str(tmp_path / "b"), "--tasks",
+                                       "fidelity", "--recipes", "i_nvfp4"])]:
         assert main([command, "--model", str(out), *argv]) == 2
         error = one_line_error(capsys, command)
         assert "is already quantized by kbbq-pl (RTN-KBBQ nvfp4, lambda 0.75 of " in error
@@ -344,7 +346,8 @@ def test_gptq_report_is_labelled_from_the_whole_recipe(tiny_llama_dir, tmp_path)
 def test_labels():
     auto = QuantizationConfig(transform=TransformConfig(lam="auto"))
     assert auto.label == "RTN-KBBQ nvfp4, lambda auto"
-    mr_gptq = QuantizationConfig(format=FormatConfig("mxfp4"), transform=TransformConfig("hadamard"),
+    mr_gptq = QuantizationConfig(format=FormatConfig("mxfp4"),
+                                 transform=TransformConfig("hadamard"),
                                  weights=WeightsConfig("gptq", scale_search="mse"))
     assert mr_gptq.label == "MR-GPTQ mxfp4"
 
@@ -368,9 +371,10 @@ def test_eval_sentences_records_what_was_used(tmp_path, capsys):
 # --- errors -------------------------------------------------------------------------------
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without CUDA")
-@pytest.mark.parametrize("command", ["quantize", "sweep", "law", "eval"])
+@pytest.mark.parametrize("command", ["quantize", "compare", "law", "eval"])
 def test_device_cuda_without_cuda_is_one_line(command, tiny_llama_dir, tmp_path, capsys):
-    extra = {"quantize": [], "sweep": [], "law": ["--data", "random", "--out", str(tmp_path / "o")],
+    extra = {"quantize": [], "law": ["--data", "random", "--out", str(tmp_path / "o")],
+             "compare": ["--tasks", "fidelity", "--output_dir", str(tmp_path / "c")],
              "eval": []}[command]
     assert main([command, "--model", str(tiny_llama_dir), "--device", "cuda", *extra]) == 2
     assert "CUDA is not available on this machine" in one_line_error(capsys, command)
@@ -434,8 +438,9 @@ def test_recipe_and_law_commands_on_cuda(tiny_llama_dir, tmp_path):
     assert main(["quantize", "--model", str(tiny_llama_dir), "--output_dir", str(out),
                  "--device", "cuda", *QUICK, "--debug"]) == 0
     assert json.loads((out / "report.json").read_text())["model"]["fidelity_mean_cosine"] > 0.5
-    assert main(["sweep", "--model", str(tiny_llama_dir), "--output_dir", str(tmp_path / "s"),
-                 "--lams", "0.5", "--device", "cuda", *QUICK, "--debug"]) == 0
+    assert main(["compare", "--model", str(tiny_llama_dir), "--output_dir", str(tmp_path / "s"),
+                 "--recipes", "rtn_kbbq_nvfp4_lam0.75", "--lams", "0.5", "--tasks", "fidelity",
+                 "--calibration-tokens", "64", "--device", "cuda", "--debug"]) == 0
     assert main(["law", "--model", str(tiny_llama_dir), "--data", "random", "--tokens", "64",
                  "--seq-len", "32", "--formats", "nvfp4", "--out", str(tmp_path / "law"),
                  "--device", "cuda", "--no-progress", "--debug"]) == 0

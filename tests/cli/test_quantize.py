@@ -1,4 +1,5 @@
-"""The recipe commands: kbbq-pl quantize / sweep, checkpoints on disk, bad input."""
+"""The recipe command kbbq-pl quantize, checkpoints on disk, bad input; kbbq-pl compare as a
+sweep of the brake."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from kbbq_pl.io.checkpoint import CheckpointError
 from kbbq_pl.io.data import token_blocks
 from kbbq_pl.io.models import from_pretrained, load_model
 from kbbq_pl.quant import (
-    AutoBrakeConfig,
     FormatConfig,
     QuantizationConfig,
     TransformConfig,
@@ -118,19 +118,41 @@ def test_a_sentence_encoder_calibrates_on_whole_sentences(tmp_path):
     assert len(report["autobrake"]) == 36 and report["model"]["fidelity_mean_cosine"] > 0.9
     assert "packing: false" in (out / "recipe.yaml").read_text()
 
-def test_packaged_recipe_names_and_sweep(tiny_llama_dir, tmp_path):
-    out = tmp_path / "sweep"
-    code = main(["sweep", "--config", "rtn_kbbq_nvfp4_lam0.75", "--model", str(tiny_llama_dir),
-                 "--data.init_args.n_tokens", "128", "--data.init_args.seq_len", "32",
-                 "--lams", "0,1", "--methods", "I", "--formats", "nvfp4,mxfp4",
-                 "--output_dir", str(out)])
+def test_compare_sweeps_lambdas_and_saves_the_closest_model(tiny_llama_dir, tmp_path):
+    """``kbbq-pl compare --lams``: every fixed-lambda KBBQ recipe once per lambda (other recipes
+    once), scored by fidelity on a model without a tokenizer (random-token blocks); the model
+    of the highest fidelity is written with --save-closest and reloads bit for bit as the same
+    recipe quantizes it."""
+    from kbbq_pl.cli.compare import load_recipe
+    from kbbq_pl.cli.quantize import calibration_batches
+
+    out, closest = tmp_path / "sweep", tmp_path / "closest"
+    code = main(["compare", "--model", str(tiny_llama_dir), "--recipes",
+                 "i_nvfp4,rtn_kbbq_nvfp4_lam0.75,rtn_kbbq_mxfp4_lam0.75", "--lams", "0,1",
+                 "--tasks", "fidelity", "--calibration-tokens", "128", "--output_dir", str(out),
+                 "--save-closest", str(closest), "--no-progress"])
     assert code == 0
-    rows = json.loads((out / "sweep.json").read_text())
-    assert [(r["method"], r["format"], r["lam"]) for r in rows] == [
-        ("I", "nvfp4", None), ("RTN-KBBQ", "nvfp4", 0.0), ("RTN-KBBQ", "nvfp4", 1.0),
-        ("I", "mxfp4", None), ("RTN-KBBQ", "mxfp4", 0.0), ("RTN-KBBQ", "mxfp4", 1.0)]
-    assert all(0 < r["fidelity_mean_cosine"] <= 1 for r in rows)
-    assert "| RTN-KBBQ | mxfp4 | 1.0000 |" in (out / "sweep.md").read_text()
+    document = json.loads((out / "compare.json").read_text())
+    rows = document["rows"]
+    assert [(r["method"], r["format"]) for r in rows] == [
+        ("FP", "float32"), ("I", "nvfp4"), ("RTN-KBBQ (0)", "nvfp4"), ("RTN-KBBQ (1)", "nvfp4"),
+        ("RTN-KBBQ (0)", "mxfp4"), ("RTN-KBBQ (1)", "mxfp4")]
+    assert rows[0]["fidelity"] == pytest.approx(1.0)
+    assert all(0 < r["fidelity"] < 1 for r in rows[1:])
+    best = max(rows[1:], key=lambda r: r["fidelity"])
+    assert document["closest"]["name"] == best["name"]
+    assert "| Format | Method | Fidelity | Average | Recovery |" in (out / "compare.md").read_text()
+
+    # every row's name is a packaged recipe here: quantize it again, as --save-closest did
+    data, config, _ = load_recipe(best["name"], str(tiny_llama_dir), {"n_tokens": 128})
+    assert config.label == best["label"]
+    model = load_model(tiny_llama_dir)[0]
+    quantize_model(model, calibration_batches(data, model, None, torch.device("cpu"), "tiny"),
+                   config, progress=False)
+    reloaded = from_pretrained(closest)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
 def test_bad_input_is_a_clear_error(tmp_path, capsys, tiny_llama_dir):
@@ -208,8 +230,8 @@ def test_gptq_recipe_with_auto_brake_reloads_bit_exactly(tiny_llama_dir, tmp_pat
     batches = [{"input_ids": b, "attention_mask": torch.ones_like(b)}
                for b in token_blocks("random", None, n_tokens=256, seq_len=32,
                                      vocab_size=256).split(8)]
-    recipe = QuantizationConfig(transform=TransformConfig(lam="auto"), weights=WeightsConfig("gptq"),
-                                autobrake=AutoBrakeConfig(scope="best", finalists=3))  # shipped
+    recipe = QuantizationConfig(transform=TransformConfig(lam="auto"),
+                                weights=WeightsConfig("gptq"))  # as shipped
     quantize_model(model, batches, recipe, progress=False)
     reloaded = from_pretrained(out)
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))

@@ -70,43 +70,6 @@ def test_two_processes_write_the_one_process_checkpoint_bit_for_bit(llama_dir, t
     assert snrs[1] == pytest.approx(snrs[0], rel=1e-5)
 
 
-def test_two_processes_keep_the_model_one_process_keeps_with_scope_best(llama_dir, tmp_path):
-    """``autobrake.scope: best``: the trials on the fitting sequences, and the held-out
-    divergences summed over the ranks, choose as one process does."""
-    recipe, scope = "rtn_kbbq_nvfp4_auto", ("--recipe.autobrake.scope", "best")
-    assert main(_args(llama_dir, recipe, tmp_path / "one", *scope)) == 0
-    one = read_tensors(tmp_path / "one")
-    first = json.loads((tmp_path / "one" / "report.json").read_text())["model"]
-    for mode, extra in (("two", ()), ("two-streamed", ("--stream",))):
-        result = _torchrun(_args(llama_dir, recipe, tmp_path / mode, *scope, *extra))
-        assert result.returncode == 0, result.stderr[-3000:]
-        two = read_tensors(tmp_path / mode)
-        assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
-        second = json.loads((tmp_path / mode / "report.json").read_text())["model"]
-        assert first["autobrake_best"]["kept"] == second["autobrake_best"]["kept"]
-        for run in ("layer", "model"):
-            assert second["autobrake_best"]["divergence"][run] == pytest.approx(
-                first["autobrake_best"]["divergence"][run], rel=1e-9)
-
-
-def test_two_streaming_processes_choose_the_one_lambda_one_process_chooses(llama_dir, tmp_path):
-    """``autobrake.scope: model`` streamed under torchrun: the scoring pass writes nothing, the
-    one-lambda pass writes the one-process (in memory) checkpoint bit for bit."""
-    recipe, scope = "rtn_kbbq_nvfp4_auto", ("--recipe.autobrake.scope", "model")
-    assert main(_args(llama_dir, recipe, tmp_path / "one", *scope)) == 0
-    result = _torchrun(_args(llama_dir, recipe, tmp_path / "two", "--stream", *scope))
-    assert result.returncode == 0, result.stderr[-3000:]
-    one, two = read_tensors(tmp_path / "one"), read_tensors(tmp_path / "two")
-    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
-    reports = [json.loads((tmp_path / run / "report.json").read_text())["model"]
-               for run in ("one", "two")]
-    chosen = [report["autobrake_model"] for report in reports]
-    assert chosen[0]["lam"] == chosen[1]["lam"]
-    assert chosen[0]["layer_choices"] == chosen[1]["layer_choices"]
-    # the scores' float sums run on one thread per rank here, two in the one process
-    assert chosen[1]["mean_error_db"] == pytest.approx(chosen[0]["mean_error_db"], rel=1e-6)
-
-
 def test_two_processes_gptq_agrees_within_the_summation_round_off(llama_dir, tmp_path):
     recipe = "gptq_kbbq_nvfp4"
     assert main(_args(llama_dir, recipe, tmp_path / "one")) == 0

@@ -34,7 +34,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -69,15 +68,7 @@ def recipe_configs() -> dict[str, QuantizationConfig]:
 
 def quantized_digests(config: QuantizationConfig) -> dict[str, dict[str, Any]]:
     """Per kind of quantized-layer tensor (:data:`LAYER_TENSORS`) of the tiny model quantized
-    by ``config``: ``[how many layers store one, the SHA-256 of them all, layer by layer]``.
-
-    A recipe with ``autobrake.scope: model`` or ``best`` is guarded through its first run, the
-    per-layer auto-brake whose scores choose the lambda (the recipe before the scope existed):
-    its second run is the fixed-lambda recipe at that lambda, bit for bit, and ``best`` keeps
-    one of the two runs' models (``tests/transforms/test_autobrake.py``); the fixed recipes
-    guard the second run's path."""
-    if config.auto and config.autobrake.scope != "layer":
-        config = replace(config, autobrake=replace(config.autobrake, scope="layer", finalists=1))
+    by ``config``: ``[how many layers store one, the SHA-256 of them all, layer by layer]``."""
     torch.manual_seed(0)
     model = tiny_model("llama", seed=0, **TINY)
     generator = torch.Generator().manual_seed(1)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import SHARED_DATA
 
-from kbbq_pl.cli.commands import RECIPE_COMMANDS, build_parser, main
+from kbbq_pl.cli.commands import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -77,7 +77,7 @@ def test_documented_command_parses(argv, monkeypatch):
     of the right types; recipe commands also resolve their ``--config`` and build the recipe
     (paths are read from the repository root, as the README's commands are)."""
     monkeypatch.chdir(ROOT)
-    if argv[0] in RECIPE_COMMANDS:
+    if argv[0] == "quantize":
         from kbbq_pl.cli import quantize
         from kbbq_pl.cli.launch import Launch
 
@@ -149,13 +149,13 @@ def test_links_and_paths_exist(path):
 def test_tiny_llama_convert_quantize_eval(tmp_path, monkeypatch, capsys):
     """Convert the tiny llama2.c model, quantize it (its tokenizer has no pad token in
     llama2.c), evaluate the quantized folder: the CLI's numbers are those of
-    ``from_pretrained`` + :func:`kbbq_pl.eval.benchmarks.run_benchmarks`."""
+    ``from_pretrained`` + :func:`kbbq_pl.eval.tasks.run_benchmarks`."""
     if not (TINY / "aidreams260K.bin").is_file():
         pytest.skip(f"the tiny llama2.c model is absent ({TINY})")
     from transformers import AutoTokenizer
 
     from kbbq_pl import from_pretrained
-    from kbbq_pl.eval.benchmarks import run_benchmarks
+    from kbbq_pl.eval.tasks import run_benchmarks
 
     (tmp_path / "shared").symlink_to(SHARED_DATA.parent, target_is_directory=True)
     work = tmp_path / "work"

@@ -11,7 +11,8 @@ from tiny_models import tiny_model
 
 from kbbq_pl.cli import main
 from kbbq_pl.eval.evaluation import perplexity
-from kbbq_pl.eval.lm_metrics import lm_metrics, reference_log_probs, token_kl
+from kbbq_pl.eval.lm_metrics import lm_metrics, reference_log_probs
+from kbbq_pl.eval.metrics import token_kl
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,7 +73,8 @@ def test_cli_eval_ppl_and_kl(tiny_llama2c_folder, tmp_path, capsys):
                     "outside in the sun. One day, she saw a big red ball in the park. " * 6,
                     encoding="utf-8")
     out = tmp_path / "results.json"
-    assert main(["eval", "--model", str(tiny_llama2c_folder), "--tasks", "ppl,kl", "--text", str(text),
+    assert main(["eval", "--model", str(tiny_llama2c_folder), "--tasks", "ppl,kl",
+                 "--text", str(text),
                  "--context", "64", "--stride", "32", "--max-tokens", "200",
                  "--reference", str(tiny_llama2c_folder), "--out", str(out)]) == 0
     results = json.loads(out.read_text(encoding="utf-8"))["lm_metrics"]
@@ -95,7 +97,8 @@ def test_cli_eval_kl_of_a_quantized_folder_defaults_to_its_source(tiny_llama2c_f
     text = tmp_path / "story.txt"
     text.write_text("Tom and Sam went to the park to play with a ball. " * 20, encoding="utf-8")
     quantized = tmp_path / "q"
-    assert main(["quantize", "--config", "rtn_kbbq_nvfp4_lam0.75", "--model", str(tiny_llama2c_folder),
+    assert main(["quantize", "--config", "rtn_kbbq_nvfp4_lam0.75",
+                 "--model", str(tiny_llama2c_folder),
                  "--data.init_args.source", str(text), "--data.init_args.n_tokens", "256",
                  "--data.init_args.seq_len", "64", "--output_dir", str(quantized)]) == 0
     capsys.readouterr()

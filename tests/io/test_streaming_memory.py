@@ -31,7 +31,7 @@ def _run(mode: str, source: Path, out: Path, cap_mb: float) -> tuple[int, dict]:
     return result.returncode, json.loads(lines[-1])
 
 
-def test_a_model_larger_than_the_cap_quantizes_streamed_and_matches(tmp_path):
+def test_a_model_larger_than_the_cap_quantizes_streamed_and_matches(tmp_path, one_thread):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     source = tmp_path / "llama-48"
@@ -50,7 +50,7 @@ def test_a_model_larger_than_the_cap_quantizes_streamed_and_matches(tmp_path):
     assert code == 75 and memory["capped"], memory  # what the in-memory pipeline cannot do
     assert not (tmp_path / "memory").exists()
 
-    model, _ = load_model(source)  # the uncapped run, in this process
+    model, _ = load_model(source)  # the uncapped run, in this process, on one thread as there
     generator = torch.Generator().manual_seed(0)
     batches = [{"input_ids": torch.randint(0, 512, (2, 64), generator=generator)}
                for _ in range(2)]

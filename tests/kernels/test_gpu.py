@@ -5,8 +5,8 @@ Skipped without a CUDA device (the conftest gives the reason).  On a GPU machine
 
     python -m pytest -m gpu            # these and the other GPU tests of the suite
 
-(``tests/cli/test_outputs.py`` runs ``kbbq-pl quantize / sweep / law --device cuda``,
-``tests/eval/test_benchmarks.py`` ``kbbq-pl eval --device cuda``,
+(``tests/cli/test_outputs.py`` runs ``kbbq-pl quantize / compare / law --device cuda``,
+``tests/eval/test_tasks.py`` ``kbbq-pl eval --device cuda``,
 ``tests/kernels/test_kernels.py`` the Triton kernels on the GPU.)  The CPU half of these checks
 is in tests/formats/test_device_rounding.py and tests/quant/test_device_placement.py.
 """
@@ -29,7 +29,6 @@ from kbbq_pl import formats as F
 from kbbq_pl.io.checkpoint import save_quantized
 from kbbq_pl.io.models import from_pretrained
 from kbbq_pl.quant import (
-    AutoBrakeConfig,
     FormatConfig,
     QuantizationConfig,
     TransformConfig,
@@ -227,14 +226,12 @@ def test_a_model_larger_than_the_gpus_memory_cap_quantizes_block_by_block(weight
         assert torch.isfinite(model(**_batches("cpu")[0]).logits).all()
 
 
-@pytest.mark.parametrize("scope", ["layer", "best"])
 @pytest.mark.parametrize("weight_quantizer", ["rtn", "gptq"])
 def test_streamed_from_disk_on_the_gpu_is_bit_for_bit_the_offloaded_run(tmp_path,
-                                                                         weight_quantizer, scope):
+                                                                         weight_quantizer):
     """``kbbq-pl quantize --stream --device cuda``: each block read from the safetensors shards
     onto the GPU gives the checkpoint of the model in CPU memory run block by block on the GPU
-    (``--offload``), bit for bit; with ``autobrake.scope: best`` too (the held-out sequences
-    run through the blocks on the GPU, the head on the CPU)."""
+    (``--offload``), bit for bit, with the auto-brake."""
     from kbbq_pl.io.checkpoint import read_tensors
     from kbbq_pl.io.models import load_model
     from kbbq_pl.io.streaming import quantize_checkpoint
@@ -244,8 +241,7 @@ def test_streamed_from_disk_on_the_gpu_is_bit_for_bit_the_offloaded_run(tmp_path
         torch.bfloat16).save_pretrained(source, max_shard_size="100KB")
     config = QuantizationConfig(format=FormatConfig("nvfp4"),
                                 transform=TransformConfig("kbbq", "auto"),
-                                weights=WeightsConfig(weight_quantizer),
-                                autobrake=AutoBrakeConfig(scope=scope))
+                                weights=WeightsConfig(weight_quantizer))
     batches = _batches("cpu", rows=8)
     quantize_checkpoint(source, tmp_path / "streamed", config, batches, device=DEVICE,
                         progress=False)
@@ -330,7 +326,8 @@ def test_checkpoints_move_between_devices_bit_identically(tmp_path, written_on):
         got = _codes(reloaded)
         assert got.keys() == expected.keys()
         for key, value in expected.items():
-            assert torch.equal(got[key], value), f"{key} (written on {written_on}, read on {device})"
+            assert torch.equal(got[key], value), \
+                f"{key} (written on {written_on}, read on {device})"
     ids = _batches("cpu")[0]["input_ids"]
     with torch.no_grad():  # the same codes compute the same product on the CPU
         cpu_logits = from_pretrained(tmp_path / "out")(input_ids=ids).logits

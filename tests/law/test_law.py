@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import paper_formulas as paper
 import pytest
 import torch
 
@@ -114,10 +115,10 @@ def test_diagonal_blindness():
     assert torch.allclose(law.kappa_bar(sigma, torch.diag(t), gram),
                           law.kappa_bar(sigma, None, gram), rtol=1e-10)
     # the integer law is not blind: the amax of each operand, hence the steps, move
-    noise = law.integer_noise(weights, sigma, law.integer_step(weights.abs().max(), 8),
-                              law.integer_step(x.abs().max(), 8))
-    noise_hat = law.integer_noise(w_hat, sigma_hat, law.integer_step(w_hat.abs().max(), 8),
-                                  law.integer_step(x_hat.abs().max(), 8))
+    noise = paper.integer_noise(weights, sigma, paper.integer_step(weights.abs().max(), 8),
+                              paper.integer_step(x.abs().max(), 8))
+    noise_hat = paper.integer_noise(w_hat, sigma_hat, paper.integer_step(w_hat.abs().max(), 8),
+                                  paper.integer_step(x_hat.abs().max(), 8))
     assert ((noise_hat / noise - 1).abs() > 0.05).all()
 
 
@@ -144,7 +145,7 @@ def test_kappa_reaches_d_exactly_for_fully_coherent_products():
     z = torch.randn(500, 1, generator=g, dtype=F64)
     x = z / weight  # p_k = w_k x_k = z for every k: equal RMS, correlation one
     assert math.isclose(float(law.kappa_from_samples(weight[None], x)), size, rel_tol=1e-12)
-    coherence, participation = law.factorization(weight, law.second_moment(x))
+    coherence, participation = paper.factorization(weight, law.second_moment(x))
     assert math.isclose(float(coherence), 1.0, rel_tol=1e-10)
     assert math.isclose(float(participation), 1.0, rel_tol=1e-10)
     # equal RMS with correlation below one, or correlation one with unequal RMS: below D
@@ -179,7 +180,7 @@ def test_factorization_kappa_is_coherence_times_d_times_participation():
         sigma = random_second_moment(size, seed=size + 2)
         weights = torch.randn(20, size, generator=g, dtype=F64) * torch.logspace(
             0, 1, size, dtype=F64)
-        coherence, participation = law.factorization(weights, sigma)
+        coherence, participation = paper.factorization(weights, sigma)
         assert torch.allclose(coherence * size * participation, law.kappa(weights, sigma),
                               rtol=1e-12)
         assert ((coherence >= 0) & (coherence <= 1 + 1e-12)).all()
@@ -189,7 +190,7 @@ def test_factorization_kappa_is_coherence_times_d_times_participation():
 def test_row_ceiling_bounds_every_row_and_is_attained():
     size = 24
     sigma = random_second_moment(size, seed=13)
-    ceiling = float(law.row_ceiling(sigma))
+    ceiling = float(paper.row_ceiling(sigma))
     g = generator(14)
     weights = torch.randn(500, size, generator=g, dtype=F64) * torch.logspace(-1, 1, size,
                                                                              dtype=F64)
@@ -201,7 +202,7 @@ def test_row_ceiling_bounds_every_row_and_is_attained():
     # a coordinate with no energy is dropped, not turned into NaN
     padded = torch.zeros(size + 1, size + 1, dtype=F64)
     padded[1:, 1:] = sigma
-    assert math.isclose(float(law.row_ceiling(padded)), ceiling, rel_tol=1e-10)
+    assert math.isclose(float(paper.row_ceiling(padded)), ceiling, rel_tol=1e-10)
 
 
 # ---------------------------------------------------------------- Thm. GL ceiling
@@ -341,7 +342,7 @@ def test_haar_attractor_closed_form_matches_monte_carlo():
     assert abs(float(denominators.mean()) - expected) < 4 * error
     assert math.isclose(float(law.haar_attractor(sigma, gram)), cross / expected, rel_tol=1e-12)
     # the mean of the ratio differs from the ratio of the means by O(1/D) at most
-    mean, standard_error = law.haar_attractor_mc(sigma, gram, samples=samples, seed=25)
+    mean, standard_error = paper.haar_attractor_mc(sigma, gram, samples=samples, seed=25)
     closed = float(law.haar_attractor(sigma, gram))
     assert abs(mean - closed) < 4 * standard_error + 2 * closed / size
     # the matched ensemble and the isotropic limit
@@ -412,11 +413,11 @@ def test_integer_law_predicts_integer_rounding_noise():
         x, "int8_tensor")
     error = (quantized_x.double() @ quantized_w.double().T - x.double() @ weights.double().T)
     measured = error.square().mean(0)
-    predicted = law.integer_noise(weights, law.second_moment(x), weights.abs().max() / 127,
+    predicted = paper.integer_noise(weights, law.second_moment(x), weights.abs().max() / 127,
                                   x.abs().max() / 127)
     assert torch.allclose(measured, predicted, rtol=0.06)
-    assert math.isclose(float(law.integer_step(1.0, 8)), 2 / 256)
-    geometry, concentration = law.cat_factors(x, x.abs().max(), 8)
+    assert math.isclose(float(paper.integer_step(1.0, 8)), 2 / 256)
+    geometry, concentration = paper.cat_factors(x, x.abs().max(), 8)
     step = float(x.abs().max()) / (2**8 - 1)
     assert math.isclose(geometry * concentration,
                         float(x.double().square().mean()) / (step**2 / 12), rel_tol=1e-9)
@@ -428,17 +429,17 @@ def test_integer_law_predicts_integer_rounding_noise():
 def test_rounding_moments_uniform_in_cell_is_exact_per_band():
     for bits in (1, 3):
         for low in (1.0, 2.0, 4.0):
-            moments = law.rounding_moments(bits, low, 2 * low, "uniform")
+            moments = paper.rounding_moments(bits, low, 2 * low, "uniform")
             step = low * 2.0**-bits
             assert math.isclose(moments["noise"], step**2 / 12, rel_tol=1e-6)
     # log-uniform: Eq. sigmafmt is close at p = 3 and off at p = 1 (the density varies within
     # a cell when a band has two cells)
     model = {bits: 4.0**-bits / 12 * F.LOG_UNIFORM_INV_M2 for bits in (1, 3)}
-    fine, coarse = (law.rounding_moments(b, 1.0, 2.0, "log_uniform") for b in (3, 1))
+    fine, coarse = (paper.rounding_moments(b, 1.0, 2.0, "log_uniform") for b in (3, 1))
     assert abs(fine["relative"] / model[3] - 1) < 0.005
     assert coarse["relative"] / model[1] - 1 < -0.04
     with pytest.raises(ValueError):
-        law.rounding_moments(1, 2.0, 1.0)
+        paper.rounding_moments(1, 2.0, 1.0)
 
 
 DESIGNS = {
@@ -473,9 +474,9 @@ def synthetic_operands(shape: tuple[int, int], design: str, g: torch.Generator) 
 
 
 def design_moments(bits: int, design: str) -> dict[str, float]:
-    """:func:`kbbq_pl.law.rounding_moments` of a design's magnitudes (a mixture of octaves)."""
+    """:func:`kbbq_pl.paper.rounding_moments` of a design's magnitudes (a mixture of octaves)."""
     octaves, density, _ = DESIGNS[design]
-    parts = [(law.rounding_moments(bits, low, high, density), weight)
+    parts = [(paper.rounding_moments(bits, low, high, density), weight)
              for low, high, weight in octaves]
     return {key: sum(m[key] * weight for m, weight in parts) for key in parts[0][0]}
 
@@ -503,7 +504,7 @@ def test_intercept_gap_is_mantissa_arithmetic_on_aligned_synthetic_operands(desi
     deterministic rounding does not cancel since its error is correlated with the operand it
     rounds: +0.02 dB (log-uniform), +0.06 dB (uniform octaves), +0.05 dB (``truncated``, where
     the half cell at 2 has no partner and R_0 and R_2 are each 5 % of the noise), all from E2M1
-    (E4M3's are 16 times smaller).  ``law.product_noise`` predicts the measurement with them.
+    (E4M3's are 16 times smaller).  ``paper.product_noise`` predicts the measurement with them.
     """
     g = generator(30 + list(DESIGNS).index(design))
     weights = synthetic_operands((512, 256), design, g)
@@ -514,8 +515,8 @@ def test_intercept_gap_is_mantissa_arithmetic_on_aligned_synthetic_operands(desi
     measured = measured_intercept_gap(weights, x, "fp8_e4m3", "mxfp4_ceil")
     moments = {bits: design_moments(bits, design) for bits in (1, 3)}
     first_order = 10 * math.log10(moments[1]["noise"] / moments[3]["noise"])
-    exact = 10 * math.log10(law.product_noise(moments[1], moments[1])
-                            / law.product_noise(moments[3], moments[3]))
+    exact = 10 * math.log10(paper.product_noise(moments[1], moments[1])
+                            / paper.product_noise(moments[3], moments[3]))
     mantissa_arithmetic = law.intercept_gap("mxfp4_ceil", "fp8_e4m3")  # 12.04 dB
     assert abs(first_order - mantissa_arithmetic) < 0.035
     assert abs(measured - exact) < 0.03
@@ -558,20 +559,20 @@ def test_intercept_gap_deviations_on_log_uniform_operands():
     * With a per-tensor E4M3 scale amax / 448 that is not a power of two, whole operand octaves
       straddle E4M3's bands, the energy lands on different mantissas in the two formats, and
       the energy-weighted gap drops to about 11.5 dB.
-    The quadrature of ``law.rounding_moments`` predicts both.
+    The quadrature of ``paper.rounding_moments`` predicts both.
     """
     g = generator(32)
     operands = (4.0 ** torch.rand(1024, 512, generator=g, dtype=F64)).float()  # amax < 4
     assert F.quantize(operands, "fp8_e4m3").scale != 2.0**-6
-    coarse = law.rounding_moments(1, 1.0, 4.0, "log_uniform")
-    fine = law.rounding_moments(3, 1.0, 4.0, "log_uniform")
+    coarse = paper.rounding_moments(1, 1.0, 4.0, "log_uniform")
+    fine = paper.rounding_moments(3, 1.0, 4.0, "log_uniform")
     per_element = 10 * math.log10(F.measure_sigma2(operands, "mxfp4_ceil")
                                   / F.measure_sigma2(operands, "fp8_e4m3"))
     predicted = 10 * math.log10(coarse["relative"] / fine["relative"])
     assert abs(per_element - predicted) < 0.05
     assert predicted < 12.04 - 0.15
     amax = float(operands.abs().max())
-    shifted = law.rounding_moments(3, 448 / amax, 4 * 448 / amax, "log_uniform")
+    shifted = paper.rounding_moments(3, 448 / amax, 4 * 448 / amax, "log_uniform")
     misaligned = 10 * math.log10(F.measure_sigma2(operands, "mxfp4_ceil", weighting="energy")
                                  / F.measure_sigma2(operands, "fp8_e4m3", weighting="energy"))
     predicted = 10 * math.log10((coarse["noise"] / coarse["signal"])

@@ -20,8 +20,8 @@ from kbbq_pl.quant import (
     WeightsConfig,
     quantize_model,
 )
+from kbbq_pl.quant.collectives import Collectives
 from kbbq_pl.quant.gptq.quantizer import HessianCollector, assign_owners
-from kbbq_pl.quant.config import Collectives
 from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -167,9 +167,9 @@ def test_rtn_with_mse_scales_and_errors_of_the_loop():
     gptq = QuantizationConfig(weights=WeightsConfig("gptq"))
     with pytest.raises(ValueError, match="calibration set is empty"):
         quantize_model(tiny_model("llama"), [], gptq, progress=False)
-    with pytest.raises(ValueError, match="needs broadcast"):
-        quantize_model(tiny_model("llama"), batches_of(ids), gptq, world_size=2, rank=0,
-                       progress=False)
+    with pytest.raises(ValueError, match="needs Collectives.broadcast"):
+        quantize_model(tiny_model("llama"), batches_of(ids), gptq,
+                       collectives=Collectives(world_size=2), progress=False)
 
 
 def test_hessians_are_shared_by_layers_reading_one_input():
@@ -226,7 +226,8 @@ def test_owner_assignment_balances_and_is_deterministic():
 
 
 def test_auto_lambda_picks_the_best_gptq_candidate_per_layer():
-    from kbbq_pl.transforms.autobrake import DEFAULT_GRID, split_sequences
+    from kbbq_pl.quant.autobrake import DEFAULT_GRID
+    from kbbq_pl.quant.sequential import split_sequences
 
     ids = calibration_ids()
     config = QuantizationConfig(format=FormatConfig("nvfp4"), transform=TransformConfig("kbbq"),
@@ -285,8 +286,6 @@ def _quantized_state(model) -> dict[str, torch.Tensor]:
 def _ddp_worker(rank: int, world_size: int, init_file: str, out_file: str) -> None:
     import torch.distributed as dist
 
-    from kbbq_pl.quant.config import torch_distributed_collectives
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size)
@@ -294,17 +293,16 @@ def _ddp_worker(rank: int, world_size: int, init_file: str, out_file: str) -> No
         model = tiny_model("llama")
         batches = batches_of(calibration_ids())
         mine = batches[rank * len(batches) // world_size:(rank + 1) * len(batches) // world_size]
-        collectives = torch_distributed_collectives()
-        quantize_model(model, mine, DDP_CONFIG, progress=False, **collectives)
+        collectives = Collectives.torch_distributed()
+        quantize_model(model, mine, DDP_CONFIG, progress=False, collectives=collectives)
         states = {"fixed": _quantized_state(model)}
         for name, config in AUTO_CONFIGS.items():
             model = tiny_model("llama")
             report = quantize_model(model, batches, config, shard=True, progress=False,
-                                    **collectives)
+                                    collectives=collectives)
             states[name] = {**_quantized_state(model), "choices": _choices(report)}
-        states["rows"] = Collectives(collectives["reduce_sum"], rank=rank,
-                                     world_size=world_size).gather_rows(
-            torch.full((rank + 1, 3), float(rank + 1)), limit=2)
+        states["rows"] = collectives.gather_rows(torch.full((rank + 1, 3), float(rank + 1)),
+                                                 limit=2)
         if rank == 0:
             torch.save(states, out_file)
     finally:
@@ -348,8 +346,6 @@ def _choices(report) -> dict[str, tuple[float, dict[float, float]]]:
 
 
 def test_lightning_collectives_map_onto_the_strategy():
-    from kbbq_pl.quant.config import lightning_collectives
-
     calls = []
 
     class Strategy:  # the three methods of a Lightning strategy the loop uses
@@ -363,11 +359,13 @@ def test_lightning_collectives_map_onto_the_strategy():
             calls.append(("broadcast", src))
             return obj
 
-    ops = lightning_collectives(Strategy())
-    assert (ops["rank"], ops["world_size"]) == (1, 2)
-    assert ops["reduce_sum"](torch.ones(())) == 2 and ops["reduce_max"](torch.ones(())) == 2
-    assert ops["broadcast"]("payload", 1) == "payload"
+    ops = Collectives.lightning(Strategy())
+    assert (ops.rank, ops.world_size) == (1, 2) and ops.can_broadcast
+    assert ops.reduce_sum(torch.ones(())) == 2 and ops.reduce_max(torch.ones(())) == 2
+    assert ops.broadcast("payload", 1) == "payload"
     assert calls == [("reduce", "sum"), ("reduce", "max"), ("broadcast", 1)]
+    Strategy.world_size = 1
+    assert Collectives.lightning(Strategy()) == Collectives()
 
 
 def test_gptq_cannot_keep_trainable_master_weights():
@@ -394,5 +392,6 @@ def test_a_part_with_fewer_batches_than_processes_is_an_error_before_any_work():
     batches = batches_of(calibration_ids(rows=4))  # two batches: one to fit, one held out
     with pytest.raises(ValueError, match="2 processes need at least one calibration batch each; "
                                          "the fitting part has 1"):
-        quantize_model(model, batches, auto, shard=True, rank=1, world_size=2, progress=False)
+        quantize_model(model, batches, auto, shard=True,
+                       collectives=Collectives(rank=1, world_size=2), progress=False)
     assert not quantized_linears(model)

@@ -1,7 +1,6 @@
 """The recipe, :class:`QuantizationConfig`, is declared once: every leaf field is settable from
 recipe YAML, from the command line, through the ``KBBQ`` callback and through torchao's
-``KBBQConfig``; the flat recipes of earlier versions are read (checkpoint metadata) or refused
-with one line naming the new keys (recipe files, command-line options)."""
+``KBBQConfig``; unknown and removed fields are refused with one line."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from kbbq_pl.callbacks import KBBQ
 
 from kbbq_pl.cli.commands import main
 from kbbq_pl.cli.quantize import _parser
-from kbbq_pl.quant.config import FLAT_KEYS, QuantizationConfig, TransformConfig
+from kbbq_pl.quant.config import QuantizationConfig, TransformConfig
 from kbbq_pl.quant.torchao import KBBQConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,15 +29,12 @@ OTHER_VALUES: dict[str, Any] = {
     "weights.quantizer": "gptq", "weights.propagate": "quantized", "weights.damping": 0.05,
     "weights.act_order": False, "weights.block_size": 256, "weights.scale_search": "mse",
     "weights.group_scales": "dynamic", "weights.transform_refit": "fixed",
-    "autobrake.grid": (0.25, 0.5), "autobrake.holdout": 0.25, "autobrake.folds": 3,
-    "autobrake.tokens": 64,
-    "autobrake.refit": False, "autobrake.select_on": "fit", "autobrake.scope": "model",
-    "autobrake.finalists": 2,
+    "autobrake.grid": (0.25, 0.5), "autobrake.holdout": 0.25, "autobrake.tokens": 64,
     "layers.targets": [r"q_proj"], "layers.ignore": [r"lm_head"],
     "keep_samples": 7,
 }
 # A field whose other value is valid only beside another field's other value.
-NEEDS: dict[str, str] = {"autobrake.finalists": "autobrake.scope"}
+NEEDS: dict[str, str] = {}
 # What torchao's per-layer RTN cannot do: KBBQConfig refuses it, naming quantize_model.
 PIPELINE_ONLY = {"weights.quantizer", "weights.scale_search", "weights.propagate",
                  "transform.fold_o_proj"}
@@ -107,8 +103,6 @@ def test_every_leaf_has_a_test_value_and_a_description():
     assert all(QuantizationConfig.field_descriptions().values())
     defaults = QuantizationConfig()
     assert all(value_at(defaults, name) != value for name, value in OTHER_VALUES.items())
-    flat_targets = set(FLAT_KEYS.values())
-    assert flat_targets <= set(LEAVES)  # every field of the old flat recipe has a new place
 
 
 @pytest.mark.parametrize("name", LEAVES)
@@ -158,51 +152,40 @@ def test_defaults_and_python_spelling():
         "RTN-KBBQ nvfp4, lambda 0.5"
 
 
-def test_flat_dictionaries_of_earlier_versions_are_read():
-    """Checkpoint metadata (``quantization_config.json``'s recipe, report.json) written before
-    the groups holds the flat fields: they map to the same recipe."""
+def test_unknown_and_removed_fields_are_one_line():
+    with pytest.raises(ValueError, match=r"unknown recipe fields \['brake'\]"):
+        QuantizationConfig.from_dict({"brake": 1})
+    with pytest.raises(ValueError, match=r"\['transform.brake'\]"):
+        QuantizationConfig.from_dict({"transform": {"brake": 1}})
+    with pytest.raises(ValueError, match="autobrake.folds: lam: auto holds out one split"):
+        QuantizationConfig.from_dict({"autobrake": {"folds": 4}})
+    # the flat recipe of kbbq-pl before the groups (never released) is refused, and a
+    # checkpoint that stores one is still described by its layers' format
     stored = json.loads((ROOT / "tests/data/v1/nvfp4_kbbq_static/quantization_config.json")
                         .read_text())["recipe"]
-    assert "lam" in stored
-    config = QuantizationConfig.from_dict(stored)
-    assert config == QuantizationConfig()
-    flat = {"format": "mxfp4", "lam": "auto", "weight_quantizer": "gptq", "gptq_block_size": 64,
-            "auto_grid": [0.5, 1.0], "ignore": ["lm_head"], "keep_samples": 3}
-    config = QuantizationConfig.from_dict(flat)
-    assert (config.format.name, config.transform.lam, config.weights.quantizer,
-            config.weights.block_size, config.autobrake.grid, config.layers.ignore,
-            config.keep_samples) == ("mxfp4", "auto", "gptq", 64, (0.5, 1.0), ["lm_head"], 3)
     with pytest.raises(ValueError, match="unknown recipe fields"):
-        QuantizationConfig.from_dict({"format": "nvfp4", "brake": 1})
+        QuantizationConfig.from_dict(stored)
 
     from kbbq_pl.io.models import describe_quantized, quantized_checkpoint
 
     metadata = quantized_checkpoint(ROOT / "tests/data/v1/nvfp4_kbbq_static")
-    assert describe_quantized(metadata) == "RTN-KBBQ nvfp4, lambda 0.75"
+    assert describe_quantized(metadata) == "nvfp4"
 
 
-def test_a_flat_recipe_file_is_one_line_naming_the_new_keys(tmp_path, capsys):
+@pytest.mark.parametrize("argv", [["--recipe.autobrake.scope", "model"],
+                                  ["--quantizer.init_args.lam", "0.5"]])
+def test_removed_command_line_options_are_one_line(argv, capsys):
+    assert main(["quantize", *argv]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and error.startswith("kbbq-pl quantize: error:"), error
+    assert argv[0].lstrip("-") in error or argv[0] in error, error
+
+
+def test_a_recipe_file_with_a_removed_field_is_one_line(tmp_path, capsys):
     old = tmp_path / "old.yaml"
-    old.write_text(yaml.safe_dump({"model": "minilm", "quantizer": {
-        "class_path": "kbbq_pl.callbacks.KBBQ",
-        "init_args": {"format": "mxfp4", "transform": "kbbq", "lam": 0.5,
-                      "weight_quantizer": "gptq", "gptq_block_size": 128, "auto_grid": [0.5],
-                      "offload": True}}}))
+    old.write_text(yaml.safe_dump({"recipe": {"transform": {"lam": "auto"},
+                                              "autobrake": {"scope": "best"}}}))
     assert main(["quantize", "--config", str(old), "--output_dir", str(tmp_path / "o")]) == 2
     error = capsys.readouterr().err.strip()
-    assert error.count("\n") == 0, error
-    for key, new in (("format", "recipe.format.name"), ("lam", "recipe.transform.lam"),
-                     ("weight_quantizer", "recipe.weights.quantizer"),
-                     ("gptq_block_size", "recipe.weights.block_size"),
-                     ("auto_grid", "recipe.autobrake.grid"), ("offload", "--offload")):
-        assert f"{key} -> {new}" in error, (key, error)
+    assert error.count("\n") == 0 and "scope" in error, error
     assert not (tmp_path / "o").exists()
-
-
-def test_flat_command_line_options_are_one_line_naming_the_new_ones(capsys):
-    assert main(["quantize", "--quantizer.init_args.lam", "0.5", "--quantizer.gptq_damping",
-                 "0.1"]) == 2
-    error = capsys.readouterr().err.strip()
-    assert error.count("\n") == 0, error
-    assert "lam -> --recipe.transform.lam" in error
-    assert "gptq_damping -> --recipe.weights.damping" in error

@@ -26,7 +26,7 @@ from kbbq_pl.quant.torchao import OBSERVER_ATTR, KBBQConfig
 from kbbq_pl.quant.w4a4 import W4A4Weight
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-README = Path(__file__).resolve().parents[2] / "README.md"
+LIGHTNING_DOC = Path(__file__).resolve().parents[2] / "docs" / "lightning.md"
 
 
 def calibration() -> list[dict[str, torch.Tensor]]:
@@ -129,16 +129,16 @@ def test_unprepared_layers_are_left_and_filters_follow_the_recipe():
         "mlp.up_proj")}
 
 
-def readme_example() -> str:
-    text = README.read_text()
+def documented_example() -> str:
+    text = LIGHTNING_DOC.read_text()
     section = text[text.index("## torchao: `quantize_`"):]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
-def test_readme_example_runs(tmp_path, monkeypatch):
+def test_the_documented_example_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
-    exec(compile(readme_example(), "README.md", "exec"), namespace)
+    exec(compile(documented_example(), "docs/lightning.md", "exec"), namespace)
     model = namespace["model"]
     down = model.model.layers[0].mlp.down_proj
     assert type(down) is nn.Linear and isinstance(down.weight, W4A4Weight)

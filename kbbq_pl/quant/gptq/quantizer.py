@@ -20,7 +20,7 @@ the block-sequential pipeline (:func:`kbbq_pl.quant.pipeline.quantize_model`).  
 
 Memory: one block's weights, Hessians (float64 sums) and one block's calibration activations.
 
-Distributed: :class:`~kbbq_pl.quant.config.Collectives` (all-reduces, ``broadcast(obj, src)``,
+Distributed: :class:`~kbbq_pl.quant.collectives.Collectives` (all-reduces, ``broadcast(obj, src)``,
 ``rank`` and ``world_size``).  Each rank calibrates on its own batches; Hessians are summed
 in float64 and rounded to float32 once, so every rank (and a single process with all the
 batches) starts GPTQ from the same float32 ``H`` (:meth:`HessianCollector.reduce`); each layer
@@ -30,13 +30,12 @@ GPTQ-WUSH / GPTQ-KBBQ: ``transform_refit="in_loop"`` (the default; the WUSH pape
 :func:`~kbbq_pl.quant.gptq.algorithm.gptq_refit`) refits each ``T_b`` on the error-updated weight
 block when GPTQ reaches it and rounds the block's columns with GPTQ's updates in its coordinates;
 ``"fixed"`` fits ``T`` once from the calibration statistics and runs GPTQ on ``W T^-1`` with
-``T H T^T`` (with act-order).  ``lam="auto"`` (:func:`auto_gptq`) runs the candidates on the
-fitting part's Hessian and keeps the lambda whose GPTQ-quantized layer has the smallest realized
-W4A4 output error on the held-out tokens.  On all-MiniLM-L6-v2 (``bench/w4a4_table.py --extra``,
-calibration seed 0) the in-loop refit gives GPTQ-KBBQ a better embedding fidelity in MXFP4
-(+0.0031 in mean cosine) and the same within noise in NVFP4 (-0.0002), hence the default.
-GPTQ-WUSH (lambda = 1) refit in the loop is better in NVFP4 (+0.0015) but collapses in MXFP4
-(0.892 against 0.955 with ``fixed``); the braked KBBQ refit does not.
+``T H T^T`` (with act-order).  The in-loop refit is the default (the WUSH paper's choice; the
+braked KBBQ refit stays stable in MXFP4 where GPTQ-WUSH at lambda 1 can collapse).
+``lam="auto"`` (:func:`auto_gptq`) runs GPTQ-KBBQ for every lambda on the fitting part's
+Hessian and keeps the lambda whose quantized layer has the smallest realized W4A4 output error
+on the held-out tokens (:mod:`kbbq_pl.quant.autobrake`), then quantizes it with the Hessian of
+every token.
 """
 
 from __future__ import annotations
@@ -53,9 +52,10 @@ from tqdm.auto import tqdm
 
 from ...formats import QuantizedTensor
 from ...formats.padding import pad_features
-from ...transforms.autobrake import LambdaChoice, best_lambda, quantized_output_error
 from ...transforms.fit import fit_transform, transform_weight
-from ..config import QuantizationConfig, ReduceFn, _identity
+from ..autobrake import LambdaChoice, choose_lambda
+from ..collectives import ReduceFn
+from ..config import QuantizationConfig
 from ..modules import first_input, flatten_tokens, linear_weight
 from ..report import QuantizationReport
 from ..sequential import trim_heap
@@ -139,10 +139,10 @@ class HessianCollector(StatisticsCollector):
             grouped.setdefault(key, []).append(name)
         return list(grouped.values())
 
-    def reduce(self, reduce_sum: ReduceFn, reduce_max: ReduceFn = _identity) -> None:
-        """Sum the float64 Hessian sums, output energies and token counts over ranks (max of
-        the input amax), once per group of layers sharing a sum, then fill in the block second
-        moments.
+    def reduce(self, reduce_sum: ReduceFn, reduce_max: ReduceFn | None = None) -> None:
+        """Sum the float64 Hessian sums, output energies and token counts over ranks (with
+        ``reduce_max``, the max of the input amax), once per group of layers sharing a sum,
+        then fill in the block second moments.
 
         Summation order: every call adds a float32 product to a float64 sum, and the ranks'
         sums are added in float64.  float64 carries 29 more mantissa bits than float32, so these
@@ -173,7 +173,8 @@ class HessianCollector(StatisticsCollector):
         for stats in self.stats.values():
             stats.output_energy = reduce_sum(stats.output_energy)
             stats.tokens = reduce_sum(stats.tokens)
-            stats.input_amax = reduce_max(stats.input_amax)
+            if reduce_max is not None:
+                stats.input_amax = reduce_max(stats.input_amax)
 
     def hessian(self, name: str, keep_sum: bool = False) -> Tensor:
         """``H = (2 / n) sum x x^T`` (float32) of layer ``name`` (padded dimension), shared by
@@ -232,30 +233,20 @@ def _with_lam(config: QuantizationConfig, lam: float) -> QuantizationConfig:
     return replace(config, transform=replace(config.transform, lam=lam))
 
 
-def auto_gptq(name: str, weight: Tensor, h_fit: Tensor, h_all: Tensor, x_select: Tensor,
+def auto_gptq(name: str, weight: Tensor, h_fit: Tensor, h_all: Tensor, x_held_out: Tensor,
               config: QuantizationConfig) -> tuple[tuple[GPTQResult, Tensor | None], LambdaChoice]:
-    """GPTQ-KBBQ with ``lam="auto"``: run GPTQ-KBBQ(lambda) with the fitting part's Hessian
-    ``h_fit`` for every lambda of ``config.autobrake.grid``, score each quantized weight by its
-    realized output error on ``x_select`` (the held-out inputs, both operands rounded as
-    deployed), and keep the best; with ``config.autobrake.refit`` the chosen lambda is quantized
-    again with the Hessian of all tokens ``h_all``.  Returns ``(result, transform)`` as
+    """GPTQ-KBBQ with ``lam="auto"``: every lambda of ``config.autobrake.grid`` is a candidate
+    quantized by GPTQ with the fitting part's Hessian ``h_fit``, scored on the held-out inputs
+    (:func:`~kbbq_pl.quant.autobrake.choose_lambda`); the chosen lambda is quantized again with
+    the Hessian of every token ``h_all``.  Returns ``(result, transform)`` as
     :func:`quantize_layers` does, and the choice."""
-    act_scale = config.effective_act_scale
-    errors: dict[float, float] = {}
-    best: tuple[GPTQResult, Tensor | None] | None = None
-    y = x_select.float() @ weight.float().T
-    for lam in map(float, config.autobrake.grid):
-        done = quantize_layers({name: weight}, h_fit, _with_lam(config, lam))[name]
-        error = quantized_output_error(weight, done[0].values, x_select, done[1], config.fmt,
-                                       act_scale, y=y)
-        if best is None or error < min(errors.values()):  # ties keep the first, as best_lambda
-            best = done
-        errors[lam] = error
-    choice = best_lambda(errors)
-    if config.autobrake.refit:
-        best = quantize_layers({name: weight}, h_all, _with_lam(config, choice.lam))[name]
-    assert best is not None
-    return best, choice
+    def candidate(lam: float) -> tuple[Tensor, Tensor | None]:
+        result, transform = quantize_layers({name: weight}, h_fit, _with_lam(config, lam))[name]
+        return result.values, transform
+
+    choice = choose_lambda(weight, x_held_out, candidate, config.fmt, config.autobrake.grid,
+                           config.effective_act_scale)
+    return quantize_layers({name: weight}, h_all, _with_lam(config, choice.lam))[name], choice
 
 
 def assign_owners(costs: Mapping[str, float], world_size: int) -> dict[str, int]:
@@ -293,27 +284,22 @@ def _quantized_weight(payload: Mapping[str, Any], config: QuantizationConfig,
                            qdata.shape[-1] * 2, None if gs is None else gs.to(device))
 
 
-def _fitting_hessian(collector: HessianCollector, selection: HessianCollector, name: str,
-                     config: QuantizationConfig) -> Tensor:
-    """The Hessian GPTQ-KBBQ's candidates are fitted with: of the tokens not held out (all
-    tokens minus the selection part), or of the selection part itself when
-    ``autobrake.select_on: fit``."""
-    chosen = selection.stats[name]
-    assert chosen.full_sum is not None
-    if config.autobrake.select_on == "fit":
-        return hessian(chosen.full_sum, chosen.tokens)
-    total = collector.stats[name]
-    assert total.full_sum is not None
-    return hessian(total.full_sum - chosen.full_sum, total.tokens - chosen.tokens)
+def _fitting_hessian(collector: HessianCollector, held_out: HessianCollector, name: str
+                     ) -> Tensor:
+    """The Hessian GPTQ-KBBQ's auto-brake candidates are fitted with: of the tokens not held
+    out (all tokens minus the held-out part)."""
+    total, held = collector.stats[name], held_out.stats[name]
+    assert total.full_sum is not None and held.full_sum is not None
+    return hessian(total.full_sum - held.full_sum, total.tokens - held.tokens)
 
 
 @dataclass
 class GPTQCalibration:
-    """A block's Hessians (all cached batches) and, with ``lam="auto"``, those of the batches
-    the brake is selected on."""
+    """A block's Hessians (all cached batches) and, with ``lam="auto"``, those of the held-out
+    batches."""
 
     all: HessianCollector
-    selection: HessianCollector | None
+    held_out: HessianCollector | None
 
 
 class GPTQ(WeightQuantizer):
@@ -336,29 +322,28 @@ class GPTQ(WeightQuantizer):
         reduce_sum, reduce_max = block.collectives.reduce_sum, block.collectives.reduce_max
         collector = HessianCollector(block.linears, config.block, config.keep_samples,
                                      split.stride(config.keep_samples))
-        selection, select = None, None
-        if config.auto:
-            select = 1 if config.autobrake.select_on == "holdout" else 0
-            selection = HessianCollector(block.linears, config.block, config.autobrake.tokens,
-                                         split.stride(config.autobrake.tokens, select))
-            selection.seek(split.offsets[select])
-        # one pass over the batches in order; the selection's batches feed both collectors
+        held_out = None
+        if split.held_out:
+            held_out = HessianCollector(block.linears, config.block, config.autobrake.tokens,
+                                        split.stride(config.autobrake.tokens, 1))
+            held_out.seek(split.offsets[1])
+        # one pass over the batches in order; the held-out batches feed both collectors
         outputs: list[Tensor] | None = [] if keep_outputs else None
         with collector.hooks():
             for k, part in enumerate((split.fit_part, split.held_out_part)):
                 collector.seek(split.position(k))
-                with (selection.hooks() if selection is not None and k == select
+                with (held_out.hooks() if held_out is not None and k == 1
                       else contextlib.nullcontext()):
                     part_outputs = step.run(keep_outputs, subset=part)
                 if outputs is not None and part_outputs is not None:
                     outputs += part_outputs
         collector.reduce(reduce_sum, reduce_max)
         collector.check_nonempty()
-        if selection is not None:
-            selection.reduce(reduce_sum, reduce_max)
-            selection.check_nonempty()
+        if held_out is not None:
+            held_out.reduce(reduce_sum, reduce_max)
+            held_out.check_nonempty()
         trim_heap()
-        return GPTQCalibration(collector, selection), outputs
+        return GPTQCalibration(collector, held_out), outputs
 
     def quantize(self, block: Block, calibration: GPTQCalibration) -> dict[str, LayerPlan]:
         """GPTQ of the block's linears, split across ranks (largest first) and broadcast from
@@ -366,7 +351,7 @@ class GPTQ(WeightQuantizer):
         config, linears = self.config, block.linears
         collectives = block.collectives
         rank, world_size = collectives.rank, collectives.world_size
-        collector, selection = calibration.all, calibration.selection
+        collector, held_out = calibration.all, calibration.held_out
         weights = {name: pad_features(linear_weight(m).detach(), config.fmt)
                    for name, m in linears.items()}
         stacked = config.transform.name not in ("wush", "kbbq")
@@ -382,19 +367,19 @@ class GPTQ(WeightQuantizer):
         for group in groups:
             mine = [job for job in jobs if job[0] in group and owners[job[0]] == rank]
             h_fit = None
-            if selection is not None:
+            if held_out is not None:
                 # the kept samples live on the CPU: on the layer's device (the scoring's
                 # products, an NCCL gather) they meet its weight
-                x_select = {n: collectives.gather_rows(
-                    pad_features(selection.stats[n].sample(), config.fmt).to(weights[n].device),
-                    selection.keep_samples) for n in group}
+                x_held_out = {n: collectives.gather_rows(
+                    pad_features(held_out.stats[n].sample(), config.fmt).to(weights[n].device),
+                    held_out.keep_samples) for n in group}
                 if mine:
-                    h_fit = _fitting_hessian(collector, selection, group[0], config)
+                    h_fit = _fitting_hessian(collector, held_out, group[0])
             h = collector.hessian(group[0], keep_sum=dense) if mine else None
             for job in mine:
                 if h_fit is not None:
                     (name,) = job
-                    done, choice = auto_gptq(name, weights[name], h_fit, h, x_select[name],
+                    done, choice = auto_gptq(name, weights[name], h_fit, h, x_held_out[name],
                                              config)
                     payloads[name] = _payload(*done, choice)
                 else:

@@ -6,67 +6,51 @@ is fitted (:mod:`kbbq_pl.transforms`; with ``lam="auto"`` the brake is chosen on
 sequences, :func:`auto_transform`) and ``W T^-1`` is rounded to nearest with min-max block scales
 (or MSE-searched ones, ``scale_search="mse"``, :func:`~kbbq_pl.quant.rtn.algorithm.rtn`); with
 ``transform.fold_o_proj`` the ``o_proj`` transforms are folded into the ``v_proj`` rows
-(:func:`fold_o_proj_transforms`, over :func:`kbbq_pl.transforms.fold.fold_o_proj`).  By default the next block is calibrated on the
-full-precision block's outputs, so every layer's statistics are those of the full-precision
-model (``propagate="fp"``).
+(:func:`fold_o_proj_transforms`, over :func:`kbbq_pl.transforms.o_proj_fold.fold_o_proj`).  By
+default the next block is calibrated on the full-precision block's outputs, so every layer's
+statistics are those of the full-precision model (``propagate="fp"``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 from torch import Tensor, nn
 
-from ...formats import quantize
+from ...formats import fake_quantize, quantize
 from ...formats.padding import pad_features
-from ...transforms.autobrake import LambdaChoice, cross_fitted_lambda, select_lambda
 from ...transforms.fit import fit_transform, kbbq_basis, transform_weight
-from ...transforms.fold import attention_heads, fold_o_proj
-from ..config import QuantizationConfig, ReduceFn, _identity
+from ...transforms.o_proj_fold import attention_heads, fold_o_proj
+from ..autobrake import LambdaChoice, choose_lambda
+from ..config import QuantizationConfig
 from ..modules import linear_weight
 from ..report import QuantizationReport
 from ..stats import LayerStatistics, StatisticsCollector
 from ..weight_quantizer import Block, LayerPlan, WeightQuantizer
 from .algorithm import rtn
 
-__all__ = ["RTN", "auto_transform", "cross_fitted_transform", "fold_o_proj_transforms"]
+__all__ = ["RTN", "auto_transform", "fold_o_proj_transforms"]
 
 
 def auto_transform(weight: Tensor, fit: LayerStatistics, held_out: LayerStatistics,
                    samples: Tensor, config: QuantizationConfig, name: str = ""
                    ) -> tuple[Tensor, LambdaChoice]:
-    """KBBQ with the lambda the scored ``samples`` prefer (:mod:`kbbq_pl.transforms.autobrake`):
-    the held-out tokens, or the fitting ones with ``autobrake.select_on: fit``, gathered from
-    every rank.
-
-    The basis (Cholesky and eigendecomposition of every block) is fitted once on the fitting
-    part and shared by every candidate; the chosen lambda is then refitted on all tokens when
-    ``config.autobrake.refit``."""
+    """KBBQ with the lambda the held-out ``samples`` prefer (:func:`~kbbq_pl.quant.autobrake.
+    choose_lambda`; every rank's, gathered), refitted on every token.  The candidates share
+    one basis fitted on the fitting part (Cholesky and eigendecomposition of every block,
+    :func:`~kbbq_pl.transforms.fit.kbbq_basis`), each rounded to nearest."""
     basis = kbbq_basis(weight, fit.sigma_blocks(), config.transform.damping, name=name)
+
+    def candidate(lam: float) -> tuple[Tensor, Tensor]:
+        transform = basis.transform(lam)
+        return fake_quantize(transform_weight(weight.float(), transform), config.fmt), transform
+
     samples = pad_features(samples, config.fmt).to(weight.device)
-    choice = select_lambda(weight, basis, samples, config.fmt, config.autobrake.grid,
+    choice = choose_lambda(weight, samples, candidate, config.fmt, config.autobrake.grid,
                            config.effective_act_scale)
-    if config.autobrake.refit:
-        pooled = (fit.sigma_sum + held_out.sigma_sum) / (fit.tokens + held_out.tokens)
-        basis = kbbq_basis(weight, pooled, config.transform.damping, name=name)
-    return basis.transform(choice.lam), choice
-
-
-def cross_fitted_transform(weight: Tensor, every: LayerStatistics,
-                           folds: Sequence[LayerStatistics], config: QuantizationConfig,
-                           reduce_sum: ReduceFn = _identity, reduce_max: ReduceFn = _identity,
-                           name: str = "") -> tuple[Tensor, LambdaChoice]:
-    """KBBQ with the lambda K-fold cross-fitting prefers (``autobrake.folds`` K >= 2,
-    :func:`~kbbq_pl.transforms.autobrake.cross_fitted_lambda`), fitted on every token
-    (``every``: the statistics of all folds together)."""
-    choice = cross_fitted_lambda(
-        weight, [fold.sigma_sum for fold in folds], [float(fold.tokens) for fold in folds],
-        [pad_features(fold.sample(), config.fmt).to(weight.device) for fold in folds],
-        config.fmt, config.autobrake.grid, config.effective_act_scale, config.transform.damping,
-        reduce_sum, reduce_max, name)
-    basis = kbbq_basis(weight, every.sigma_blocks(), config.transform.damping, name=name)
+    pooled = (fit.sigma_sum + held_out.sigma_sum) / (fit.tokens + held_out.tokens)
+    basis = kbbq_basis(weight, pooled, config.transform.damping, name=name)
     return basis.transform(choice.lam), choice
 
 
@@ -108,12 +92,11 @@ def fold_o_proj_transforms(model: nn.Module, modules: dict[str, nn.Module],
 
 @dataclass
 class RTNCalibration:
-    """A block's statistics: of the fitting batches, and of the held-out ones (``lam="auto"``
-    with one split), or of every batch and of each fold (cross-fitting)."""
+    """A block's statistics: of the fitting batches (every batch without ``lam="auto"``), and
+    of the held-out ones."""
 
     fit: StatisticsCollector
     held_out: StatisticsCollector | None
-    folds: list[StatisticsCollector] = field(default_factory=list)
 
 
 class RTN(WeightQuantizer):
@@ -134,11 +117,7 @@ class RTN(WeightQuantizer):
     def calibrate(self, block: Block, keep_outputs: bool
                   ) -> tuple[RTNCalibration, list[Tensor] | None]:
         config, split, step = self.config, block.split, block.step
-        if split.folds:
-            return self._calibrate_folds(block, keep_outputs)
         keep = config.keep_samples
-        if config.auto and config.autobrake.select_on == "fit":
-            keep = max(keep, config.autobrake.tokens)
         fit = StatisticsCollector(block.linears, config.block, keep, split.stride(keep, 0),
                                   full=config.transform.name == "haar")
         fit.seek(split.offsets[0])
@@ -158,31 +137,6 @@ class RTN(WeightQuantizer):
                 outputs += rest
         return RTNCalibration(fit, held_out), outputs
 
-    def _calibrate_folds(self, block: Block, keep_outputs: bool
-                         ) -> tuple[RTNCalibration, list[Tensor] | None]:
-        """One pass over the folds in order: the statistics of every batch (the transform
-        and the report), and each fold's (its second moments and scored tokens)."""
-        config, split, step = self.config, block.split, block.step
-        reduce_sum = block.collectives.reduce_sum
-        keep = config.keep_samples
-        every = StatisticsCollector(block.linears, config.block, keep, split.stride(keep))
-        per_fold = -(-config.autobrake.tokens // len(split.folds))
-        folds, outputs = [], None
-        for k, part in enumerate(split.fold_parts):
-            fold = StatisticsCollector(block.linears, config.block, per_fold,
-                                       split.stride(per_fold, k))
-            fold.seek(split.offsets[k])
-            every.seek(split.position(k))
-            with every.hooks(), fold.hooks():
-                out = step.run(keep_outputs, subset=part)
-            fold.reduce(reduce_sum)
-            folds.append(fold)
-            if out is not None:
-                outputs = out if outputs is None else outputs + out
-        every.reduce(reduce_sum)
-        every.check_nonempty()
-        return RTNCalibration(every, None, folds), outputs
-
     def quantize(self, block: Block, calibration: RTNCalibration) -> dict[str, LayerPlan]:
         config = self.config
         stats = calibration.fit.stats
@@ -190,19 +144,13 @@ class RTN(WeightQuantizer):
         choices: dict[str, LambdaChoice] = {}
         padded = {name: pad_features(linear_weight(module).detach(), config.fmt)
                   for name, module in block.linears.items()}
+        held_out = calibration.held_out
         for name, weight in padded.items():
-            if config.auto and calibration.folds:
-                transforms[name], choices[name] = cross_fitted_transform(
-                    weight, stats[name], [fold.stats[name] for fold in calibration.folds],
-                    config, block.collectives.reduce_sum, block.collectives.reduce_max, name)
-            elif config.auto:
-                assert calibration.held_out is not None
-                scored = calibration.held_out if config.autobrake.select_on == "holdout" \
-                    else calibration.fit
+            if held_out is not None:
                 samples = block.collectives.gather_rows(  # on the device, as NCCL needs
-                    scored.stats[name].sample().to(weight.device), scored.keep_samples)
+                    held_out.stats[name].sample().to(weight.device), held_out.keep_samples)
                 transforms[name], choices[name] = auto_transform(
-                    weight, stats[name], calibration.held_out.stats[name], samples, config, name)
+                    weight, stats[name], held_out.stats[name], samples, config, name)
             else:
                 transforms[name] = fit_transform(
                     config.transform.name, weight, stats[name].sigma_blocks(), block=config.block,

@@ -19,7 +19,7 @@ from kbbq_pl.quant import (
 )
 from kbbq_pl.quant.layers import quantized_linears
 from kbbq_pl.transforms.fit import transform_weight, weight_block_grams
-from kbbq_pl.transforms.fold import (
+from kbbq_pl.transforms.o_proj_fold import (
     expand_to_query_heads,
     fold_into_values,
     pooled_group_statistics,

@@ -1,4 +1,4 @@
-"""The offline lm-eval benchmarks (kbbq_pl.benchmarks) on the converted tiny llama2.c model."""
+"""The offline lm-eval benchmarks (kbbq_pl.eval.tasks) on the converted tiny llama2.c model."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from conftest import SHARED_DATA
 
 from kbbq_pl.cli.commands import main
-from kbbq_pl.eval import benchmarks as B
+from kbbq_pl.eval import tasks as B
 
 TINY = SHARED_DATA / "tiny_llama_aidreams260K"
 

@@ -1,4 +1,5 @@
-"""The paper's five benchmarks (and four more zero-shot likelihood tasks) through lm-evaluation-harness, offline, on local data files.
+"""The paper's five benchmarks (and four more zero-shot likelihood tasks) through
+lm-evaluation-harness, offline, on local data files.
 
 :func:`run_benchmarks` evaluates an in-memory HuggingFace causal LM on
 
@@ -115,7 +116,7 @@ def default_cache_dir() -> Path:
     return (Path(root) if root else Path.home() / ".cache" / "kbbq_pl") / "eval_data"
 
 
-_LAYOUT = "laid out like ../shared/data, see kbbq_pl.eval.benchmarks"
+_LAYOUT = "laid out like ../shared/data, see kbbq_pl.eval.tasks"
 
 
 def mmlu_subjects(data_dir: str | Path, option: str = "data_dir") -> list[str]:

@@ -100,6 +100,29 @@ def tiny_llama2c_folder(tmp_path_factory) -> Path:
                            tmp_path_factory.mktemp("model") / "tiny")
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+"""A plain chat template given to the tiny llama2.c model's tokenizer (it ships none)."""
+
+
+@pytest.fixture(scope="session")
+def tiny_llama2c_quantized(tiny_llama2c_folder, tmp_path_factory) -> Path:
+    """The tiny llama2.c model quantized by the default recipe (RTN-KBBQ NVFP4, lambda 0.75,
+    static activation scales) on 256 tokens of the shipped corpus and saved by
+    ``save_quantized`` with its tokenizer, given :data:`CHAT_TEMPLATE`."""
+    from kbbq_pl import QuantizationConfig, quantize_model, save_quantized
+    from kbbq_pl.io.data import CalibrationDataModule
+    from kbbq_pl.io.models import load_model
+
+    model, tokenizer = load_model(tiny_llama2c_folder)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    batches = CalibrationDataModule("mixed", tokenizer, n_tokens=256,
+                                    seq_len=64).calibration_dataloader()
+    quantize_model(model, list(batches), QuantizationConfig(), progress=False)
+    return save_quantized(model, tmp_path_factory.mktemp("tiny-q") / "q", tokenizer=tokenizer,
+                          recipe=QuantizationConfig().to_dict())
+
+
 def pytest_runtest_logreport(report):
     """With ``KBBQ_PL_FAILURE_LOG=PATH``, each failure's traceback is appended to PATH as it
     happens (a GPU session stopped at its time limit keeps what failed and why)."""

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from kbbq_pl.cli.serve import add_parsers as add_serve_parsers
 from kbbq_pl.io.fileio import written_summary
 
 
@@ -445,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "dense")
     _add_overwrite(export, "out_dir")
     export.set_defaults(run=_export)
+    add_serve_parsers(sub)
     return parser
 
 

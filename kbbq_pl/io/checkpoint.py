@@ -3,16 +3,25 @@
 ``save_quantized(model, out_dir)`` writes, atomically (a temporary sibling folder, then a
 rename):
 
-* ``config.json``: the HuggingFace model config (and the tokenizer's files when given);
+* ``config.json``: the HuggingFace model config with a ``quantization_config`` of
+  ``quant_method`` ``"kbbq"`` (:func:`quantization_block`: the format version and every
+  quantized layer's metadata), by which transformers loads the folder once kbbq-pl is imported
+  (:mod:`kbbq_pl.io.hf_quantizer`); and the tokenizer's files when given;
 * ``model.safetensors`` (a model streamed from disk: one shard per block, with
   ``model.safetensors.index.json``): every tensor of the model.  A quantized layer ``L`` stores
-  ``L.weight_packed`` (uint8, two E2M1 codes per byte, element ``2i`` in the low nibble),
-  ``L.weight_scale`` (E4M3 or E8M0 block scales), ``L.weight_global_scale`` (NVFP4: the FP32
-  dequantization multiplier ``amax / (448 * 6)``, torchao's ``per_tensor_scale``; the reciprocal
-  of compressed-tensors' ``weight_global_scale``), ``L.transform`` (the online block transform),
+  ``L.weight`` (its packed codes: uint8 ``[N, K/2]``, two E2M1 codes per byte, element ``2i``
+  in the low nibble; a reader without kbbq-pl finds a tensor of the wrong shape and refuses the
+  folder instead of loading the layer with random weights), ``L.weight_scale`` (E4M3 or E8M0
+  block scales), ``L.weight_global_scale`` (NVFP4: the FP32 dequantization multiplier
+  ``amax / (448 * 6)``, torchao's ``per_tensor_scale``; the reciprocal of compressed-tensors'
+  ``weight_global_scale``), ``L.input_transform`` (the online block transform),
   ``L.input_global_scale`` (static NVFP4 activation scale) and ``L.bias``;
 * ``quantization_config.json``: the format, the recipe, one entry per quantized layer, tied
   weights, and the size and SHA-256 of every tensor file (checked on load).
+
+In memory (:func:`checkpoint_contents`) the codes and the transform are named
+``L.weight_packed`` and ``L.transform``, as format 1 stored them; :func:`disk_names` and
+:func:`memory_names` translate at the write and read edges, so format-1 folders still load.
 
 :func:`kbbq_pl.io.models.from_pretrained` rebuilds the architecture from ``config.json``, puts
 quantized layers where the JSON says and loads the tensors: its outputs are bit-identical to the
@@ -22,12 +31,12 @@ in-memory model that was saved.  A truncated or corrupted file gives an error na
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
@@ -42,7 +51,13 @@ CONFIG_NAME = "quantization_config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 FORMAT_TAG = "kbbq-pl"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Format 2 stores each quantized layer's codes under ``L.weight`` and its transform under
+``L.input_transform``; format 1 (still read) stored them under ``L.weight_packed`` and
+``L.transform`` and wrote no ``quantization_config`` into ``config.json``."""
+READABLE_VERSIONS = (1, 2)
+QUANT_METHOD = "kbbq"
+"""The ``quant_method`` of the ``quantization_config`` in a checkpoint's ``config.json``."""
 
 
 class CheckpointError(ValueError):
@@ -131,18 +146,50 @@ def checkpoint_contents(
             seen[key] = name
         tensors[name] = tensor.contiguous().cpu()
     for name, layer in layers.items():
-        codes = _weight_codes(layer)
-        tensors[f"{name}.weight_packed"] = codes.qdata.contiguous().cpu()
-        tensors[f"{name}.weight_scale"] = codes.scale.contiguous().cpu()
-        if codes.global_scale is not None:
-            tensors[f"{name}.weight_global_scale"] = codes.global_scale.reshape(1).cpu()
-        if layer.transform is not None:
-            tensors[f"{name}.transform"] = layer.transform.contiguous().cpu()
-        if layer.act_global_scale is not None:
-            tensors[f"{name}.input_global_scale"] = layer.act_global_scale.reshape(1).cpu()
-        if layer.bias is not None:
-            tensors[f"{name}.bias"] = layer.bias.detach().contiguous().cpu()
+        tensors.update({key: value.cpu() for key, value in layer_tensors(name, layer).items()})
     return tensors, {name: layer_metadata(layer) for name, layer in layers.items()}, tied
+
+
+def layer_tensors(name: str, layer: QuantizedLinear) -> dict[str, Tensor]:
+    """The tensors that store quantized ``layer`` (named ``name``), on its device, as
+    :func:`checkpoint_contents` names them (the module docstring)."""
+    codes = _weight_codes(layer)
+    tensors = {f"{name}.weight_packed": codes.qdata.contiguous(),
+               f"{name}.weight_scale": codes.scale.contiguous()}
+    if codes.global_scale is not None:
+        tensors[f"{name}.weight_global_scale"] = codes.global_scale.reshape(1)
+    if layer.transform is not None:
+        tensors[f"{name}.transform"] = layer.transform.contiguous()
+    if layer.act_global_scale is not None:
+        tensors[f"{name}.input_global_scale"] = layer.act_global_scale.reshape(1)
+    if layer.bias is not None:
+        tensors[f"{name}.bias"] = layer.bias.detach().contiguous()
+    return tensors
+
+
+DISK_NAMES = {"weight_packed": "weight", "transform": "input_transform"}
+"""How format 2 stores what :func:`checkpoint_contents` names ``L.weight_packed`` and
+``L.transform`` (the other names are the same)."""
+
+
+def disk_names(tensors: dict[str, Tensor], layers: Iterable[str]) -> dict[str, Tensor]:
+    """``tensors`` named as :func:`checkpoint_contents` names them, renamed as format 2 stores
+    them (:data:`DISK_NAMES`): each quantized layer's codes ``L.weight_packed`` become
+    ``L.weight``, its transform ``L.transform`` becomes ``L.input_transform``."""
+    renamed = {f"{name}.{old}": f"{name}.{new}" for name in layers
+               for old, new in DISK_NAMES.items()}
+    return {renamed.get(key, key): value for key, value in tensors.items()}
+
+
+def memory_names(tensors: dict[str, Tensor], metadata: dict[str, Any]) -> dict[str, Tensor]:
+    """The tensors of a checkpoint folder (``metadata``: its :func:`read_metadata`) named as
+    :func:`checkpoint_contents` names them: the inverse of :func:`disk_names` for format 2,
+    unchanged for format 1."""
+    if metadata.get("version", FORMAT_VERSION) < 2:
+        return tensors
+    renamed = {f"{name}.{new}": f"{name}.{old}" for name in metadata["layers"]
+               for old, new in DISK_NAMES.items()}
+    return {renamed.get(key, key): value for key, value in tensors.items()}
 
 
 def save_quantized(
@@ -194,8 +241,10 @@ class ShardWriter:
 
     def add(self, contents: tuple[dict[str, Tensor], dict[str, dict[str, Any]],
                                   dict[str, str]]) -> None:
-        """Write ``contents`` (:func:`checkpoint_contents`) as the next shard."""
+        """Write ``contents`` (:func:`checkpoint_contents`) as the next shard, under the names
+        format 2 stores (:func:`disk_names`)."""
         tensors, layers, tied = contents
+        tensors = disk_names(tensors, layers)
         clash = sorted(set(tensors) & set(self.weight_map))
         if clash:
             raise ValueError(f"tensors written twice: {clash[:3]}")
@@ -230,6 +279,15 @@ def write_checkpoint_files(staging: Path, model: nn.Module, shards: ShardWriter,
     of ``model`` (its config, architecture and tokenizer), ``quantization_config.json`` and the
     ``extra_files``."""
     write_hf_files(staging, model, tokenizer)
+    hf_config = staging / "config.json"
+    if hf_config.is_file():
+        document = json.loads(hf_config.read_text())
+        dtype = getattr(model, "dtype", None)
+        if document.get("dtype") is None and isinstance(dtype, torch.dtype):
+            # as save_pretrained writes it: from_pretrained(dtype="auto") reads it here
+            document["dtype"] = str(dtype).removeprefix("torch.")
+        document["quantization_config"] = quantization_block(shards.layers, shards.tied, recipe)
+        hf_config.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
     files = shards.finish()
     metadata = {
         "format": FORMAT_TAG,
@@ -244,6 +302,47 @@ def write_checkpoint_files(staging: Path, model: nn.Module, shards: ShardWriter,
     (staging / CONFIG_NAME).write_text(json.dumps(metadata, indent=2) + "\n")
     for file_name, text in (extra_files or {}).items():
         (staging / file_name).write_text(text)
+
+
+def quantization_block(layers: dict[str, dict[str, Any]], tied: dict[str, str],
+                       recipe: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``quantization_config`` of a checkpoint's ``config.json``: ``quant_method``
+    :data:`QUANT_METHOD`, the format ``version``, the recipe's ``method`` label (when the
+    recipe names one), the ``formats`` used, each quantized layer's :func:`layer_metadata`
+    (``layers``) and the ``tied`` names: what a reader needs to put the quantized layers in
+    place before it loads the tensors (:mod:`kbbq_pl.io.hf_quantizer`)."""
+    block: dict[str, Any] = {"quant_method": QUANT_METHOD, "version": FORMAT_VERSION}
+    label = recipe_label(recipe)
+    if label:
+        block["method"] = label
+    block.update(formats=sorted({meta["format"] for meta in layers.values()}), layers=layers,
+                 tied=tied)
+    return block
+
+
+def recipe_label(recipe: dict[str, Any] | None) -> str | None:
+    """The label of a checkpoint's recipe (``RTN-KBBQ nvfp4, lambda 0.75``), or None when it
+    names none."""
+    from ..quant.config import QuantizationConfig
+
+    config = (recipe or {}).get("config", recipe)
+    if not config:
+        return None
+    try:
+        return QuantizationConfig.from_dict(config).label
+    except (TypeError, ValueError):
+        return None
+
+
+def config_block(folder: str | Path) -> dict[str, Any] | None:
+    """The ``quantization_config`` of ``folder``'s ``config.json`` when its ``quant_method`` is
+    :data:`QUANT_METHOD`, else None."""
+    try:
+        block = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8")).get(
+            "quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return block if isinstance(block, dict) and block.get("quant_method") == QUANT_METHOD else None
 
 
 def write_hf_files(folder: Path, model: nn.Module, tokenizer: Any = None) -> None:
@@ -274,14 +373,18 @@ def read_metadata(folder: str | Path) -> dict[str, Any]:
     folder = Path(folder)
     path = folder / CONFIG_NAME
     if not path.is_file():
-        raise CheckpointError(f"{folder} is not a kbbq-pl checkpoint: no {CONFIG_NAME}")
+        block = config_block(folder)
+        if block is None:
+            raise CheckpointError(f"{folder} is not a kbbq-pl checkpoint: no {CONFIG_NAME}")
+        return block_metadata(folder, block)
     try:
         metadata = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise CheckpointError(
             f"{path} is not valid JSON ({error}); the file is corrupted") from None
-    if metadata.get("format") != FORMAT_TAG or metadata.get("version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: not a kbbq-pl v{FORMAT_VERSION} quantization config")
+    if metadata.get("format") != FORMAT_TAG:
+        raise CheckpointError(f"{path}: not a kbbq-pl quantization config")
+    check_version(metadata.get("version"), path)
     for name, expected in metadata.get("files", {}).items():
         file = folder / name
         if not file.is_file():
@@ -296,12 +399,68 @@ def read_metadata(folder: str | Path) -> dict[str, Any]:
     return metadata
 
 
+def check_version(version: Any, source: str | Path) -> None:
+    """A CheckpointError unless ``version`` is a checkpoint format this kbbq-pl reads."""
+    if version in READABLE_VERSIONS:
+        return
+    if isinstance(version, int) and version > FORMAT_VERSION:
+        raise CheckpointError(f"{source}: kbbq-pl checkpoint format {version}, written by a "
+                              f"newer kbbq-pl; this one reads formats "
+                              f"{', '.join(map(str, READABLE_VERSIONS))}: upgrade kbbq-pl")
+    raise CheckpointError(f"{source}: unknown kbbq-pl checkpoint format {version!r}")
+
+
+def block_metadata(folder: Path, block: dict[str, Any]) -> dict[str, Any]:
+    """The metadata :func:`read_metadata` returns, from the ``quantization_config`` of
+    ``folder``'s ``config.json`` alone (a folder written by transformers' ``save_pretrained``
+    of a model it loaded with kbbq-pl's quantizer: no ``quantization_config.json``, so no file
+    sizes or SHA-256 to check)."""
+    from transformers import AutoConfig
+
+    source = folder / "config.json"
+    check_version(block.get("version"), source)
+    if not isinstance(block.get("layers"), dict):
+        raise CheckpointError(f"{source}: quantization_config has no layers")
+    config = AutoConfig.from_pretrained(folder)
+    return {"format": FORMAT_TAG, "version": block["version"],
+            "model_class": (config.architectures or [""])[0],
+            "causal_lm": is_causal_lm_config(config), "recipe": {},
+            "layers": block["layers"], "tied": block.get("tied") or {}, "files": {}}
+
+
 def load_safetensors(file: str | Path) -> dict[str, Tensor]:
     """Every tensor of one safetensors ``file`` (a CheckpointError when unreadable)."""
     try:
         return load_file(str(file))
     except (SafetensorError, OSError) as error:
         raise CheckpointError(f"{file} cannot be read ({error})") from None
+
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+    "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
+}
+"""The torch dtype of each safetensors dtype name kbbq-pl checks."""
+
+
+def header_tensors(files: Iterable[str | Path]) -> dict[str, Tensor]:
+    """Every tensor of the safetensors ``files`` as an empty tensor of its stored shape and
+    dtype on the meta device, read from the files' headers alone (for
+    :func:`check_layer_tensors` before anything is loaded)."""
+    tensors: dict[str, Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():
+                    piece = handle.get_slice(key)
+                    dtype = SAFETENSORS_DTYPES.get(piece.get_dtype())
+                    if dtype is not None:
+                        tensors[key] = torch.empty(piece.get_shape(), dtype=dtype, device="meta")
+        except (SafetensorError, OSError) as error:
+            raise CheckpointError(f"{file} cannot be read ({error})") from None
+    return tensors
 
 
 def weight_files(folder: str | Path) -> list[Path]:
@@ -458,14 +617,24 @@ def missing_tensors(source: str | Path, names: list[str]) -> CheckpointError:
 
 
 def build_quantized_model(folder: Path, metadata: dict[str, Any], tensors: dict[str, Tensor],
-                          device: str | torch.device = "cpu") -> nn.Module:
+                          device: str | torch.device = "cpu",
+                          dtype: torch.dtype | None = None) -> nn.Module:
     """The model of ``folder``'s ``config.json`` with the quantized layers of ``metadata`` and
     the checkpoint ``tensors`` loaded, in eval mode: built on the meta device and assigned the
-    stored tensors, so no dense model is made first (memory: the quantized size)."""
+    stored tensors, so no dense model is made first (memory: the quantized size).  ``dtype``:
+    the stored floating-point tensors outside the quantized codes, scales and transforms are
+    cast to the dtype the architecture gives them in ``dtype``, as transformers'
+    ``from_pretrained(dtype=...)`` does (None: as stored)."""
     from transformers import AutoConfig
 
     check_layer_tensors(metadata["layers"], tensors)
-    model = empty_model(AutoConfig.from_pretrained(folder), metadata["causal_lm"])
+    model = empty_model(AutoConfig.from_pretrained(folder), metadata["causal_lm"],
+                        dtype or torch.float32)
+    if dtype is not None:
+        dense = {name: value.dtype for name, value in model.state_dict().items()}
+        tensors = {name: value.to(dense[name])
+                   if name in dense and value.is_floating_point() else value
+                   for name, value in tensors.items()}
     install_empty_layers(model, metadata["layers"])
     load_tensors(model, tensors, metadata, folder)
     del tensors

@@ -75,6 +75,7 @@ from .checkpoint import (
     is_causal_lm_config,
     is_causal_model,
     load_safetensors,
+    memory_names,
     read_metadata,
     read_tensors,
     stored_weight,
@@ -452,7 +453,7 @@ def export_compressed_tensors(
     source = Path(in_dir)
     target = check_output(out_dir, overwrite=overwrite, sources=[source])
     metadata = read_metadata(source)
-    tensors = read_tensors(source)
+    tensors = memory_names(read_tensors(source), metadata)
     linear_types = _linear_types(AutoConfig.from_pretrained(source), metadata["causal_lm"])
 
     def write(staging: Path) -> None:

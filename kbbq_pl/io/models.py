@@ -24,8 +24,12 @@ from .checkpoint import (
     CONFIG_NAME,
     FORMAT_TAG,
     TOKENIZER_FILES,
+    CheckpointError,
+    block_metadata,
     build_quantized_model,
+    config_block,
     is_causal_lm_config,
+    memory_names,
     read_metadata,
     read_tensors,
 )
@@ -110,28 +114,62 @@ def parse_device(device: str | torch.device) -> torch.device:
     return parsed
 
 
-def from_pretrained(folder: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+def from_pretrained(folder: str | Path, device: str | torch.device = "cpu",
+                    dtype: torch.dtype | None = None) -> nn.Module:
     """The quantized model saved in ``folder``, in eval mode: a kbbq-pl checkpoint written by
-    :func:`~kbbq_pl.io.checkpoint.save_quantized`, or a compressed-tensors NVFP4 / MXFP4 folder
-    (llm-compressor's output, :func:`kbbq_pl.io.compressed_tensors.save_compressed_tensors`),
-    read by :func:`kbbq_pl.io.compressed_tensors.read_compressed_tensors`."""
+    :func:`~kbbq_pl.io.checkpoint.save_quantized` (or by transformers' ``save_pretrained`` of
+    one it loaded), or a compressed-tensors NVFP4 / MXFP4 folder (llm-compressor's output,
+    :func:`kbbq_pl.io.compressed_tensors.save_compressed_tensors`), read by
+    :func:`kbbq_pl.io.compressed_tensors.read_compressed_tensors`.  ``dtype``: that of the
+    layers outside the quantized ones, as transformers' ``from_pretrained(dtype=...)`` gives it
+    (None: as stored); quantized layers compute from their stored codes either way."""
     folder = Path(folder)
     if not (folder / CONFIG_NAME).is_file():
         if is_compressed_tensors_folder(folder):
             metadata, tensors = read_compressed_tensors(folder)
-            return build_quantized_model(folder, metadata, tensors, device)
+            return build_quantized_model(folder, metadata, tensors, device, dtype)
     metadata = read_metadata(folder)
-    return build_quantized_model(folder, metadata, read_tensors(folder), device)
+    return build_quantized_model(folder, metadata, memory_names(read_tensors(folder), metadata),
+                                 device, dtype)
+
+
+CHECKPOINT_REPORTS = ("recipe.yaml", "report.json", "report.md")
+"""The files ``kbbq-pl quantize`` writes beside a checkpoint, which an upgrade copies."""
+
+
+def upgrade_checkpoint(source: str | Path, out_dir: str | Path, *,
+                       overwrite: bool = False) -> Path:
+    """Write the kbbq-pl checkpoint ``source`` in the current format into ``out_dir`` (with its
+    tokenizer, recipe and reports): a format-1 folder, written before transformers could load
+    kbbq-pl checkpoints, becomes one that ``AutoModelForCausalLM.from_pretrained`` loads after
+    ``import kbbq_pl``, computing the same logits.  ``source`` is only read; returns the
+    written folder."""
+    from .checkpoint import save_quantized
+
+    source = Path(source)
+    metadata = read_metadata(source)
+    reports = {name: (source / name).read_text(encoding="utf-8")
+               for name in CHECKPOINT_REPORTS if (source / name).is_file()}
+    return save_quantized(from_pretrained(source), out_dir, tokenizer=load_tokenizer(source),
+                          recipe=metadata.get("recipe") or None, extra_files=reports,
+                          overwrite=overwrite, source_dir=source)
 
 
 def quantized_checkpoint(path: str | Path) -> dict[str, Any] | None:
     """The ``quantization_config.json`` of a kbbq-pl quantized checkpoint folder, unchecked
-    (:func:`kbbq_pl.io.checkpoint.read_metadata` checks it when loading); None for any other
-    folder."""
+    (:func:`kbbq_pl.io.checkpoint.read_metadata` checks it when loading), or for a folder
+    without one whose ``config.json`` names kbbq quantization (written by transformers'
+    ``save_pretrained``) the metadata it gives; None for any other folder."""
     try:
         metadata = json.loads((Path(path) / CONFIG_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None
+        block = config_block(path)
+        if block is None:
+            return None
+        try:
+            return block_metadata(Path(path), block)
+        except (CheckpointError, OSError, ValueError):
+            return None
     return metadata if isinstance(metadata, dict) and metadata.get("format") == FORMAT_TAG else None
 
 

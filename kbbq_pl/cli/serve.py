@@ -1,0 +1,302 @@
+"""``kbbq-pl serve`` and ``kbbq-pl chat``: use a quantized model as people use models.
+
+``kbbq-pl serve FOLDER`` runs transformers' own OpenAI-compatible server (``transformers
+serve``: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``) pinned to
+the model of ``FOLDER``, which it loads through ``from_pretrained`` with kbbq-pl's quantizer
+registered (:mod:`kbbq_pl.io.hf_quantizer`); chat requests go through the tokenizer's chat
+template.  SIGTERM or Ctrl-C stops it after the requests in flight (exit code 0).
+
+``kbbq-pl chat FOLDER`` loads the model the same way and talks with it in the terminal:
+``--prompt TEXT`` for one answer, else a conversation on standard input (one message per line,
+until end of input or ``/exit``).
+
+Bad input (a missing folder, one that is not a causal LM, a checkpoint transformers cannot
+read, a port in use, the ``serve`` extra not installed) is found before any model is loaded and
+reported by :func:`kbbq_pl.cli.commands.main` as one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CHAT_EXIT = "/exit"
+
+
+def add_parsers(sub: Any) -> None:
+    """Add the ``serve`` and ``chat`` subcommands to ``sub`` (argparse subparsers)."""
+    serve = sub.add_parser(
+        "serve", help="an OpenAI-compatible chat/completions server for a model folder "
+                      "(transformers serve; needs the [serve] extra)")
+    serve.add_argument("folder", help="a kbbq-pl checkpoint (or any HF causal-LM folder)")
+    serve.add_argument("--host", default="localhost", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    _add_model_options(serve)
+    serve.add_argument("--log-level", default="warning",
+                       help="transformers' log level (debug, info, warning, error)")
+    serve.set_defaults(run=run_serve)
+
+    chat = sub.add_parser("chat", help="talk with a model folder in the terminal (its chat "
+                                       "template; --prompt for one answer)")
+    chat.add_argument("folder", help="a kbbq-pl checkpoint (or any HF causal-LM folder)")
+    chat.add_argument("--prompt", default=None,
+                      help="answer this one message and exit (default: read messages from "
+                           f"standard input, one per line, until its end or {CHAT_EXIT})")
+    chat.add_argument("--system", default=None, help="a system message first")
+    chat.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer")
+    chat.add_argument("--temperature", type=float, default=0.0,
+                      help="0 (default): greedy decoding; above: sampling")
+    chat.add_argument("--seed", type=int, default=0, help="sampling seed")
+    _add_model_options(chat)
+    chat.set_defaults(run=run_chat)
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda or cuda:N (default: cuda when there is one, else cpu)")
+    parser.add_argument("--dtype", default="auto",
+                        help="dtype of the layers outside the quantized ones: auto (as stored), "
+                             "bfloat16, float16 or float32")
+    parser.add_argument("--no-weight-cache", action="store_true",
+                        help="on the CPU, decode each quantized weight in every call instead of "
+                             "keeping its decoded FP32 copy (4 bytes per weight; several times "
+                             "faster)")
+
+
+def weight_cache(device: torch.device, disabled: bool) -> contextlib.AbstractContextManager:
+    """:func:`kbbq_pl.quant.w4a4.cache_decoded_weights` for the CPU's emulated products,
+    unless ``disabled`` (the kernels of a GPU decode nothing)."""
+    from ..quant.w4a4 import cache_decoded_weights
+
+    if disabled or device.type != "cpu":
+        return contextlib.nullcontext()
+    return cache_decoded_weights()
+
+
+# ---------------------------------------------------------------------- checks
+
+
+def chat_model_folder(path: str | Path) -> tuple[Path, str]:
+    """The folder of a causal LM with a tokenizer that transformers can load once kbbq-pl is
+    imported, and what it holds in words; a one-line error otherwise (FileNotFoundError for a
+    missing folder, ValueError for the rest)."""
+    from transformers import AutoConfig
+
+    from ..io.checkpoint import is_causal_lm_config
+    from ..io.models import (
+        load_tokenizer,
+        quantized_checkpoint,
+        quantized_folder_kind,
+        resolve_model_path,
+    )
+
+    folder = resolve_model_path(path)
+    kind = quantized_folder_kind(folder)
+    metadata = quantized_checkpoint(folder)
+    if metadata is not None and metadata.get("version", 1) < 2:
+        raise ValueError(
+            f"{path} is a kbbq-pl checkpoint of format {metadata.get('version', 1)}, which "
+            "transformers cannot load; convert it once with: python -c \"import kbbq_pl; "
+            f"kbbq_pl.upgrade_checkpoint('{path}', 'NEW_FOLDER')\"")
+    config = AutoConfig.from_pretrained(folder)
+    if not is_causal_lm_config(config):
+        name = (config.architectures or [config.model_type])[0]
+        raise ValueError(f"{path} holds a {name}, not a causal language model: there is "
+                         "nothing to chat with")
+    if load_tokenizer(folder) is None:
+        raise ValueError(f"{path} has no tokenizer: save the model's tokenizer into it")
+    return folder, kind or "full precision"
+
+
+def model_device(device: str | None) -> torch.device:
+    """``--device``, checked (:func:`kbbq_pl.io.models.parse_device`); by default cuda when
+    this machine has it, else cpu."""
+    from ..io.models import parse_device
+
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return parse_device(device)
+
+
+def model_dtype(dtype: str) -> torch.dtype | str:
+    """``--dtype`` as transformers takes it: ``"auto"`` or a floating-point torch dtype."""
+    if dtype == "auto":
+        return dtype
+    value = getattr(torch, dtype, None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"--dtype {dtype!r}: use auto, bfloat16, float16 or float32")
+    return value
+
+
+def check_port(host: str, port: int) -> None:
+    """An OSError naming ``host:port`` when a server cannot listen there (it is in use)."""
+    if not 0 < port < 65536:
+        raise ValueError(f"--port {port}: a port is 1 to 65535")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise OSError(error.errno, f"cannot listen on {host}:{port} ({error.strerror}); "
+                                       "pass another --port") from None
+
+
+def _has_chat_template(folder: Path) -> bool:
+    from ..io.models import load_tokenizer
+
+    tokenizer = load_tokenizer(folder)
+    return bool(tokenizer is not None and tokenizer.chat_template)
+
+
+def _require_serving() -> None:
+    from transformers.utils.import_utils import is_serve_available
+
+    if not is_serve_available():
+        raise ImportError("kbbq-pl serve runs transformers' server, which needs FastAPI, "
+                          "uvicorn and openai: pip install 'kbbq-pl[serve]'")
+
+
+# ---------------------------------------------------------------------- serve
+
+
+class _Stop(Exception):
+    """SIGTERM: stop serving (raised in the main thread by the signal handler)."""
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise _Stop
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """``kbbq-pl serve``: transformers' server pinned to the model of ``args.folder``."""
+    _require_serving()
+    folder, kind = chat_model_folder(args.folder)
+    device = model_device(args.device)
+    dtype = model_dtype(args.dtype)
+    check_port(args.host, args.port)
+    from transformers.cli.serve import Serve
+
+    name = str(folder)
+    print(f"kbbq-pl serve: loading {name} ({kind}) on {device}; then serving it at "
+          f"http://{args.host}:{args.port}/v1 as model {name!r} (/v1/chat/completions, "
+          "/v1/completions, /v1/models, /health); stop with SIGTERM or Ctrl-C", flush=True)
+    if not _has_chat_template(folder):
+        print(f"kbbq-pl serve: warning: the tokenizer of {name} has no chat template: "
+              "/v1/chat/completions will fail, /v1/completions works", file=sys.stderr,
+              flush=True)
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        # uvicorn handles SIGTERM and Ctrl-C while it serves (finishing the requests in
+        # flight), then raises the signal again: SIGTERM reaches _stop, Ctrl-C the default
+        # KeyboardInterrupt
+        with weight_cache(device, args.no_weight_cache):
+            Serve(force_model=name, host=args.host, port=args.port, device=str(device),
+                  dtype=dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
+                  log_level=args.log_level)
+    except (_Stop, KeyboardInterrupt):
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print("kbbq-pl serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------- chat
+
+
+def load_chat_model(folder: Path, device: torch.device, dtype: torch.dtype | str
+                    ) -> tuple[Any, Any]:
+    """The causal LM of ``folder`` through transformers' ``from_pretrained`` (kbbq-pl's
+    quantizer is registered when :mod:`kbbq_pl` is imported) on ``device``, in eval mode, and
+    its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=str(device))
+    return model.eval(), AutoTokenizer.from_pretrained(folder)
+
+
+def chat_inputs(tokenizer: Any, messages: list[dict[str, str]]) -> dict[str, torch.Tensor]:
+    """The model's input for a conversation: its chat template with the generation prompt, or
+    for a tokenizer without one the last message as plain text to continue."""
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)
+    return tokenizer(messages[-1]["content"], return_tensors="pt")
+
+
+def answer(model: Any, tokenizer: Any, messages: list[dict[str, str]], *,
+           max_new_tokens: int = 128, temperature: float = 0.0) -> str:
+    """The model's answer to the conversation ``messages`` (greedy when ``temperature`` is 0)."""
+    inputs = {k: v.to(model.device) for k, v in chat_inputs(tokenizer, messages).items()}
+    sampling = ({"do_sample": True, "temperature": temperature} if temperature > 0
+                else {"do_sample": False})
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens,
+                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                             **sampling)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    """``kbbq-pl chat``: one answer to ``--prompt``, or a conversation on standard input."""
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    folder, kind = chat_model_folder(args.folder)
+    device = model_device(args.device)
+    dtype = model_dtype(args.dtype)
+    with _quiet_progress():
+        model, tokenizer = load_chat_model(folder, device, dtype)
+    print(f"kbbq-pl chat: {folder} ({kind}) on {device}", file=sys.stderr, flush=True)
+    if not tokenizer.chat_template:
+        print("kbbq-pl chat: the tokenizer has no chat template: each message is continued as "
+              "plain text", file=sys.stderr, flush=True)
+    with weight_cache(device, args.no_weight_cache):
+        return _converse(args, model, tokenizer)
+
+
+@contextlib.contextmanager
+def _quiet_progress() -> Any:
+    """No "Loading weights" bar from transformers inside the block."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _converse(args: argparse.Namespace, model: Any, tokenizer: Any) -> int:
+    torch.manual_seed(args.seed)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+
+    def reply(text: str) -> str:
+        messages.append({"role": "user", "content": text})
+        response = answer(model, tokenizer, messages, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature)
+        messages.append({"role": "assistant", "content": response})
+        return response
+
+    if args.prompt is not None:
+        print(reply(args.prompt))
+        return 0
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == CHAT_EXIT:
+            return 0
+        if line.strip():
+            print(reply(line.strip()), flush=True)

@@ -1,0 +1,252 @@
+"""KBBQ as a transformers quantization method: ``from_pretrained`` of a kbbq-pl checkpoint.
+
+Importing :mod:`kbbq_pl` calls :func:`register`, which registers :class:`KbbqHfConfig` and
+:class:`KbbqHfQuantizer` under ``quant_method`` ``"kbbq"`` (transformers'
+``register_quantization_config`` and ``register_quantizer``, the hooks of out-of-tree methods).
+A checkpoint's ``config.json`` names the method (:func:`kbbq_pl.io.checkpoint.quantization_block`),
+so after ``import kbbq_pl``::
+
+    model = AutoModelForCausalLM.from_pretrained(folder)   # or AutoModel for an encoder
+
+returns the model :func:`kbbq_pl.from_pretrained` returns: the same quantized layers, computing
+the same logits bit for bit, with ``dtype`` (the layers outside the quantized ones; the codes,
+transforms and scales are used as stored) and ``device_map`` (one device: ``"cpu"``, where the
+product is kbbq-pl's exact emulation, or ``"cuda"``, where it runs on ``kbbq_pl.kernels``).
+``generate``, ``pipeline`` and ``transformers serve`` load it the same way, and
+``save_pretrained`` writes a folder that loads again.
+
+How: before the weights load, :meth:`KbbqHfQuantizer._process_model_before_weight_loading`
+checks the stored shapes and dtypes (from the safetensors headers) against the layers'
+metadata and replaces each listed linear layer of the skeleton (on the meta device) by a
+:class:`~kbbq_pl.quant.layers.QuantizedLinear` placeholder; the loader gathers each layer's
+stored tensors (``weight``: the packed codes, ``weight_scale``, ``weight_global_scale``,
+``input_transform``, ``input_global_scale``) into one :class:`KbbqDeserialize` call, which
+builds its :class:`~kbbq_pl.quant.w4a4.W4A4Weight`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+from transformers.core_model_loading import ConversionOps
+from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
+from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from ..formats import get_format, quantize
+from ..quant.act_scale import effective_act_scale
+from ..quant.layers import QuantizedLinear, quantized_linears, swap_module
+from ..quant.w4a4 import W4A4Weight
+from .checkpoint import (
+    DISK_NAMES,
+    FORMAT_VERSION,
+    QUANT_METHOD,
+    CheckpointError,
+    check_layer_tensors,
+    check_version,
+    disk_names,
+    header_tensors,
+    layer_tensors,
+    memory_names,
+    stored_weight,
+)
+
+STORED_SUFFIXES = ("weight", "weight_scale", "weight_global_scale", "input_transform",
+                   "input_global_scale")
+"""What a quantized layer stores besides its bias (the loader gathers them into one call)."""
+_MEMORY_NAMES = {disk: memory for memory, disk in DISK_NAMES.items()}
+
+
+def register() -> None:
+    """Register :class:`KbbqHfConfig` and :class:`KbbqHfQuantizer` with transformers under
+    ``quant_method`` ``"kbbq"`` (:mod:`kbbq_pl` calls it on import; calling it again
+    registers these classes anew)."""
+    AUTO_QUANTIZATION_CONFIG_MAPPING.pop(QUANT_METHOD, None)
+    AUTO_QUANTIZER_MAPPING.pop(QUANT_METHOD, None)
+    register_quantization_config(QUANT_METHOD)(KbbqHfConfig)
+    register_quantizer(QUANT_METHOD)(KbbqHfQuantizer)
+
+
+class KbbqHfConfig(QuantizationConfigMixin):
+    """The ``quantization_config`` of a kbbq-pl checkpoint's ``config.json``
+    (:func:`kbbq_pl.io.checkpoint.quantization_block`).
+
+    Args:
+        layers: each quantized layer's metadata by module name (in and out features, padded
+            input width, format, transform shape, activation scale, bias, dtype).
+        version: the checkpoint format (:data:`kbbq_pl.io.checkpoint.FORMAT_VERSION`).
+        tied: tied parameter names (alias -> stored name).
+        formats, method: what the checkpoint holds, for readers of the file.
+    """
+
+    def __init__(self, layers: dict[str, dict[str, Any]], version: int = FORMAT_VERSION,
+                 tied: dict[str, str] | None = None, formats: list[str] | None = None,
+                 method: str | None = None, **kwargs: Any) -> None:
+        self.quant_method = QUANT_METHOD
+        self.version = version
+        if method is not None:
+            self.method = method
+        self.formats = formats if formats is not None else sorted(
+            {meta["format"] for meta in layers.values()})
+        self.layers = layers
+        self.tied = tied or {}
+        self.post_init()
+
+    def post_init(self) -> None:
+        """Check the version and that every layer names a known format."""
+        check_version(self.version, "quantization_config")
+        if not isinstance(self.layers, dict) or not self.layers:
+            raise ValueError("quantization_config (kbbq): no quantized layers listed")
+        for name, meta in self.layers.items():
+            try:
+                get_format(meta["format"])
+            except (KeyError, TypeError, ValueError) as error:
+                raise ValueError(f"quantization_config (kbbq): layer {name!r} has unusable "
+                                 f"metadata {meta!r} ({error})") from None
+
+
+def placeholder_layer(meta: dict[str, Any], name: str, linear: nn.Module) -> QuantizedLinear:
+    """A :class:`QuantizedLinear` of the shape ``meta`` describes whose tensors are on the meta
+    device (no memory); ``linear``: the skeleton's layer it replaces (its bias's dtype)."""
+    fmt = get_format(meta["format"])
+    out_features, padded = int(meta["out_features"]), int(meta["padded_in"])
+    reference = quantize(torch.zeros(1, padded, device="cpu"), fmt)  # the codes' layout
+
+    def empty(like: Tensor | None, *shape: int) -> Tensor | None:
+        if like is None:
+            return None
+        return torch.empty(*shape, *like.shape[1:], dtype=like.dtype, device="meta")
+
+    act_scale = effective_act_scale(fmt, meta["act_scale"])
+    transform = meta.get("transform")
+    weight = W4A4Weight(
+        empty(reference.qdata, out_features), empty(reference.scale, out_features), fmt,
+        getattr(torch, meta["dtype"]), padded, int(meta["in_features"]), act_scale,
+        None if reference.global_scale is None else torch.empty((), device="meta"),
+        None if not transform else torch.empty(transform, device="meta"),
+        torch.empty((), device="meta") if act_scale == "static" else None, name)
+    bias = getattr(linear, "bias", None)
+    if meta.get("bias") and bias is None:
+        bias = torch.empty(out_features, device="meta")
+    return QuantizedLinear(weight.in_features, out_features, fmt, weight,
+                           bias if meta.get("bias") else None, name=name)
+
+
+def _target(model: nn.Module, name: str) -> Tensor:
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        return model.get_buffer(name)
+
+
+class KbbqDeserialize(ConversionOps):
+    """The load operation of :class:`KbbqHfQuantizer`: one call per parameter named ``weight``
+    with the tensors stored beside it.  A quantized layer's (``weight``: its packed codes,
+    ``weight_scale``, ...) become its :class:`~kbbq_pl.quant.w4a4.W4A4Weight`, checked against
+    its metadata first (a CheckpointError naming the layer); any other ``weight`` is cast to its
+    parameter's dtype, as transformers casts it."""
+
+    def __init__(self, hf_quantizer: KbbqHfQuantizer) -> None:
+        self.hf_quantizer = hf_quantizer
+
+    def convert(self, input_dict: dict[str, Any], source_patterns: list[str] | None = None,
+                target_patterns: list[str] | None = None, model: nn.Module | None = None,
+                full_layer_name: str | None = None, **kwargs: Any) -> dict[str, Tensor]:
+        assert model is not None and full_layer_name is not None
+        tensors = {key: value[0] if isinstance(value, list) else value
+                   for key, value in input_dict.items()}
+        name = full_layer_name.removesuffix(".weight")
+        meta = self.hf_quantizer.quantization_config.layers.get(name)
+        if meta is None:
+            if set(tensors) != {"weight"}:
+                raise CheckpointError(f"{name}: stores {sorted(tensors)}, but the "
+                                      "quantization_config does not list it as quantized")
+            return {full_layer_name: tensors["weight"].to(_target(model, full_layer_name).dtype)}
+        stored = {f"{name}.{_MEMORY_NAMES.get(key, key)}": value for key, value in tensors.items()}
+        check_layer_tensors({name: {**meta, "bias": False}}, stored)
+        transform = stored.pop(f"{name}.transform", None)
+        act_global_scale = stored.pop(f"{name}.input_global_scale", None)
+        weight = W4A4Weight.from_quantized(
+            stored_weight(stored, name, meta), in_features=int(meta["in_features"]),
+            transform=transform, act_scale=meta["act_scale"], act_global_scale=act_global_scale,
+            layer_name=name)
+        return {full_layer_name: nn.Parameter(weight, requires_grad=False)}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return _AsStored()
+
+
+class _AsStored(ConversionOps):
+    """Saving: :meth:`KbbqHfQuantizer.get_state_dict_and_metadata` already gave the stored
+    layout, which goes to disk as it is."""
+
+    def convert(self, input_dict: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        return input_dict
+
+
+class KbbqHfQuantizer(HfQuantizer):
+    """Loads kbbq-pl checkpoints in transformers' ``from_pretrained`` (module docstring).
+
+    Pre-quantized checkpoints only (KBBQ calibrates: ``kbbq-pl quantize`` or
+    :func:`kbbq_pl.quantize_model` make them); one device (no CPU or disk offload of
+    quantized layers); serializable with ``save_pretrained``; not trainable through
+    transformers (fine-tune with the ``KBBQ`` Lightning callback)."""
+
+    requires_calibration = True
+    quantization_config: KbbqHfConfig
+    serialized_names: ClassVar[dict[str, list[str]]] = {"weight": list(STORED_SUFFIXES)}
+
+    def validate_environment(self, device_map: Any = None, **kwargs: Any) -> None:
+        if isinstance(device_map, dict) and len({str(d) for d in device_map.values()}) > 1:
+            raise ValueError("kbbq quantized models load on one device: pass device_map='cpu', "
+                             "'cuda' or 'cuda:N', not a map over several devices "
+                             f"({sorted({str(d) for d in device_map.values()})})")
+        if isinstance(device_map, dict) and "disk" in device_map.values():
+            raise ValueError("kbbq quantized models do not offload to disk")
+
+    def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> None:
+        layers = self.quantization_config.layers
+        files = kwargs.get("checkpoint_files")
+        if files:  # the stored shapes and dtypes against the metadata, before any load
+            stored = memory_names(header_tensors(files),
+                                  {"version": self.quantization_config.version, "layers": layers})
+            with torch.device("cpu"):  # from_pretrained builds the skeleton under "meta"
+                check_layer_tensors(layers, stored)
+        for name, meta in layers.items():
+            try:
+                linear = model.get_submodule(name)
+            except AttributeError:
+                raise CheckpointError(f"the checkpoint quantizes {name!r}, which "
+                                      f"{type(model).__name__} does not have") from None
+            swap_module(model, name, placeholder_layer(meta, name, linear))
+
+    def param_needs_quantization(self, model: nn.Module, param_name: str, **kwargs: Any) -> bool:
+        module_name, _, tensor_name = param_name.rpartition(".")
+        return tensor_name == "weight" and module_name in self.quantization_config.layers
+
+    @property
+    def quantized_element_size(self) -> float:
+        return 0.5
+
+    def get_load_operations(self) -> dict[str, type]:
+        return {"deserialize": KbbqDeserialize}
+
+    def get_state_dict_and_metadata(self, model: nn.Module) -> tuple[dict[str, Tensor], dict]:
+        state = model.state_dict()
+        for name, layer in quantized_linears(model).items():
+            del state[f"{name}.weight"]
+            state.update(disk_names(layer_tensors(name, layer), [name]))
+        return state, {}
+
+    def is_serializable(self, **kwargs: Any) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+
+__all__ = ["KbbqDeserialize", "KbbqHfConfig", "KbbqHfQuantizer", "placeholder_layer", "register"]

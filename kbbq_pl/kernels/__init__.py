@@ -290,15 +290,15 @@ def _check_activations(x: Tensor, fmt: Format, global_scale, name: str) -> Tenso
 def quantize_activation_values(
     x: Tensor, transform: Tensor | None, fmt: str | Format,
     global_scale: Tensor | float | None = None, *, dtype: torch.dtype = torch.bfloat16,
-    pair_split: bool = False, config: dict | None = None,
+    word_order: bool = False, config: dict | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``x [M, K]`` transformed and rounded as :func:`quantize_activations` does, returned as
     the decoded values ``q * s`` (no per-tensor scale) in ``dtype`` (bf16, fp16 or fp32) with
     the NVFP4 per-tensor scale: ``(values [M, K], pts)``.  The values are exact in bf16 and, for
     NVFP4, in fp16 (:mod:`kbbq_pl.kernels.exact`), so they say the same as the codes and scales,
-    in one pass that writes 2 bytes an element.  ``pair_split`` orders each group of 32 as
-    :func:`~kbbq_pl.kernels.exact.pair_split_index` says (the decode GEMM's order; ``K`` padded
-    to a multiple of 32).  A non-finite input block gives NaN values."""
+    in one pass that writes 2 bytes an element.  ``word_order`` orders each chunk of 128 as
+    :func:`~kbbq_pl.kernels.exact.word_order_index` says (the decode GEMM's order; ``K`` padded
+    to a multiple of 128).  A non-finite input block gives NaN values."""
     fmt = fp4_format(fmt)
     name = "quantize_activation_values"
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -312,7 +312,7 @@ def quantize_activation_values(
     scale_kind, rounding, gain = _scale_meta(fmt)
     _, _, pts, values = _backend().quantize_activations(
         x, t, fmt.block_size, scale_kind, rounding, gain, gs, config, values_dtype=dtype,
-        codes=False, pair_split=pair_split)
+        codes=False, word_order=word_order)
     return values, pts
 
 
@@ -370,7 +370,7 @@ def _decode_path(x2: Tensor, prepared: PreparedWeight, t: Tensor | None, act_gs,
     scale_kind, _, gain = _scale_meta(fmt)
     values, pts = quantize_activation_values(x2, t, fmt, act_gs,
                                              dtype=skinny.activation_dtype(scale_kind),
-                                             pair_split=True)
+                                             word_order=True)
     w_global = prepared.global_scale
     return skinny.skinny_matmul(values, x2.shape[0], prepared.codes, prepared.scales, pts,
                                 w_global, fmt.block_size, scale_kind, gain, prepared.shift,
@@ -426,7 +426,7 @@ def linear_w4a4(
 
     The path follows the number of rows ``M`` (:func:`choose_path`; ``path`` forces one):
 
-    * ``decode`` (``M <= 16``): the activations rounded to their values in pair-split order,
+    * ``decode`` (``M <= 16``): the activations rounded to their values in word order,
       then the decode GEMM of :mod:`kbbq_pl.kernels.skinny` on the weights as stored;
     * ``tiled``: :func:`quantize_activations` then :func:`w4a4_matmul`;
     * ``prefill`` (``M >= 1024``): the activations rounded to bf16 values, the weights decoded

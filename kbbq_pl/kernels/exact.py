@@ -20,10 +20,9 @@ only where each one is exactly representable there; this module states where, an
   ``q * 2^-14``, bf16 ``q * 2^-126``.  One multiply by the block's multiplier then finishes
   the decode: fp16 ``s`` (NVFP4), bf16 ``2^(e - shift + 126)`` (MX, :func:`mx_shift`).
 
-The decode GEMM's activations arrive in :func:`pair_split_index` order: within each group of
-32 elements the 16 even-indexed ones, then the 16 odd-indexed ones, which is where the low and
-high nibbles of the weights' standard packing (element ``2i`` low) meet them, so the weights
-are read as :func:`kbbq_pl.formats.quantize` stores them.
+The decode GEMM's activations arrive in :func:`word_order_index` order, which is where the
+nibbles of the weights' standard packing (element ``2i`` low), decoded two at a time from
+32-bit words, meet them: the weights are read as :func:`kbbq_pl.formats.quantize` stores them.
 """
 
 from __future__ import annotations
@@ -38,20 +37,27 @@ MX_MULTIPLIER_BIAS = 126
 E8M0_NAN = 255
 
 
-def pair_split_index(k: Tensor) -> Tensor:
-    """Where element ``k`` of a row lands in pair-split order: within its group of 32, the
-    even-indexed elements first (``2i -> i``), then the odd ones (``2i + 1 -> 16 + i``)."""
-    return (k // 32) * 32 + (k % 2) * 16 + (k % 32) // 2
+WORD_ORDER_CHUNK = 128
+"""Elements per chunk of :func:`word_order_index` (16 words of 8 codes)."""
 
 
-def pair_split(values: Tensor) -> Tensor:
-    """``values [..., K]`` reordered by :func:`pair_split_index` (``K`` padded with zeros to a
-    multiple of 32)."""
+def word_order_index(k: Tensor) -> Tensor:
+    """Where element ``k`` of a row lands in word order, the order in which the decode GEMM
+    meets the activations.  It reads the weights' codes as 32-bit words of 8 (element ``8c + e``
+    in nibble ``e``) and decodes, per shift, two nibbles at once: elements ``e`` and ``e + 4``
+    of every word, side by side.  So within each chunk of 128 (16 words) element
+    ``8c + e`` goes to ``32 (e % 4) + 2c + e // 4``."""
+    return ((k // WORD_ORDER_CHUNK) * WORD_ORDER_CHUNK + 32 * (k % 4)
+            + 2 * ((k % WORD_ORDER_CHUNK) // 8) + (k % 8) // 4)
+
+
+def word_order(values: Tensor) -> Tensor:
+    """``values [..., K]`` reordered by :func:`word_order_index` (``K`` padded with zeros to a
+    multiple of 128)."""
     k = values.shape[-1]
-    width = -(-k // 32) * 32
+    width = -(-k // WORD_ORDER_CHUNK) * WORD_ORDER_CHUNK
     out = values.new_zeros(*values.shape[:-1], width)
-    index = pair_split_index(torch.arange(k, device=values.device))
-    out[..., index] = values
+    out[..., word_order_index(torch.arange(k, device=values.device))] = values
     return out
 
 

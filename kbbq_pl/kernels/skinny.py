@@ -7,15 +7,15 @@ memory's speed and do little else per byte:
 * the weights are read as :func:`kbbq_pl.formats.quantize` stores them (codes ``[N, K/2]``,
   element ``2i`` in the low nibble, one scale byte per block): 16-byte loads of contiguous row
   segments, marked ``evict_first``.  Nothing is copied or repacked: the activations come in
-  pair-split order instead (:func:`kbbq_pl.kernels.exact.pair_split_index`, written so by the
-  activation kernel that runs just before), so the low nibbles of a tile multiply one
-  contiguous activation slice and the high nibbles the next, and no nibble is ever
-  interleaved in registers;
-* each nibble becomes a 16-bit float by bit placement (:func:`~kbbq_pl.kernels.exact.e2m1_half_bits`)
-  and one multiply by its block's multiplier finishes the decode, exactly
-  (:mod:`kbbq_pl.kernels.exact`): fp16 ``q * s * 2^-14`` for NVFP4, bf16 ``q * 2^(e - shift)``
-  for MX; the epilogue puts back ``2^14`` or ``2^shift`` with the per-tensor scales, the MX
-  ``no_clip`` gain and the bias;
+  word order instead (:func:`kbbq_pl.kernels.exact.word_order_index`, written so by the
+  activation kernel that runs just before);
+* the codes are decoded as 32-bit words of 8, two nibbles per integer operation (as Marlin
+  does): for each shift of the word, the sign bits of the two nibbles at the top of its
+  16-bit halves stay and their exponent-and-mantissa bits move down, which makes the two
+  halves 16-bit floats (:func:`~kbbq_pl.kernels.exact.e2m1_half_bits`); one packed multiply
+  by the block's multiplier finishes the decode, exactly (:mod:`kbbq_pl.kernels.exact`):
+  fp16 ``q * s * 2^-14`` for NVFP4, bf16 ``q * 2^(e - shift)`` for MX; the epilogue puts back
+  ``2^14`` or ``2^shift`` with the per-tensor scales, the MX ``no_clip`` gain and the bias;
 * the product runs on tensor cores with the weights as the wide operand (``W [BLOCK_N, K]``
   times ``A^T [K, 16]``), or (``PRODUCT_FMA``, one row only) as FP32 fused multiply-adds;
 * K is split across programs so that the grid fills the GPU (132 SMs at N = 4096); each split
@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .exact import MX_MULTIPLIER_BIAS, NVFP4_DECODE_SHIFT
+from .exact import MX_MULTIPLIER_BIAS, NVFP4_DECODE_SHIFT, WORD_ORDER_CHUNK
 from .interpret import interpreting
 from .triton_kernels import SCALE_E4M3, _block_scale_values, _epilogue, _pow2
 
@@ -69,10 +69,53 @@ def _nibble_values(c, mult, VALUES: tl.constexpr):
 
 
 @triton.jit
+def _word_halves(words, mult, SHIFT: tl.constexpr, VALUES: tl.constexpr):
+    """The two E2M1 values whose nibbles sit at bits 12-15 and 28-31 of ``words << SHIFT``
+    (int32 words of codes), decoded and multiplied by their word's multiplier: the sign bit
+    stays, the exponent-and-mantissa bits move down by 3 (fp16) or 6 (bf16), which makes each
+    16-bit half the float ``q * 2^-14`` (fp16) or ``q * 2^-126`` (bf16;
+    :func:`kbbq_pl.kernels.exact.e2m1_half_bits`), two values per integer operation.  bf16
+    pairs are multiplied as pairs by one line of PTX (Triton multiplies bf16 one value at a
+    time); VALUES_FP32 gives the same values in FP32 (the interpreter's path)."""
+    x = words << SHIFT
+    sign = x & -2147450880  # 0x80008000
+    if VALUES == 1:  # VALUES_FP16
+        pair = sign | ((x & 0x70007000) >> 3)
+        low = pair.to(tl.int16).to(tl.float16, bitcast=True)
+        high = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+        return low * mult, high * mult
+    elif VALUES == 2:  # VALUES_BF16 (GPU only: the interpreter runs no PTX)
+        pair = sign | ((x & 0x70007000) >> 6)
+        pair = tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [pair, mult],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+        low = pair.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        high = (pair >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return low, high
+    else:  # the bf16 patterns widened to FP32 (a bf16 is the top half of an FP32)
+        pair = sign | ((x & 0x70007000) >> 6)
+        low = (pair << 16).to(tl.float32, bitcast=True)
+        high = (pair & -65536).to(tl.float32, bitcast=True)  # 0xFFFF0000
+        return low * mult, high * mult
+
+
+@triton.jit
+def _word_dots(words, mult, a_ptrs, a_mask, acc, SHIFT: tl.constexpr, E_LOW: tl.constexpr,
+               VALUES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Accumulate the products of the two nibbles of every word that ``SHIFT`` brings to the
+    top of its halves, element ``E_LOW`` (low half) and ``E_LOW + 4`` (high half) of each
+    8-element word, kept side by side (``[low_c, high_c]``, one 32-bit register), against
+    their activations (:func:`~kbbq_pl.kernels.exact.word_order_index`)."""
+    low, high = _word_halves(words, mult, SHIFT, VALUES)
+    w = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K // 4])
+    a = tl.load(a_ptrs + 32 * E_LOW, mask=a_mask, other=0.0)
+    return tl.dot(w, a, acc)
+
+
+@triton.jit
 def _block_multipliers(s, shift, SCALE_KIND: tl.constexpr, VALUES: tl.constexpr):
-    """Each element's decode multiplier from its block's scale byte ``s`` (uint8): NVFP4 the
-    E4M3 scale (fp16; FP32 times 2^112, so that FP32 values are ``q * s * 2^-14`` too), MX
-    ``2^(e - shift + 126)`` (bf16 or FP32; NaN for the NaN exponent)."""
+    """The decode multiplier of each scale byte ``s`` (uint8): NVFP4 the E4M3 scale (fp16;
+    FP32 times 2^112, so that FP32 values are ``q * s * 2^-14`` too), MX ``2^(e - shift + 126)``
+    (bf16, its bit pattern in both halves of an int32; FP32; NaN for the NaN exponent)."""
     if SCALE_KIND == 0:  # SCALE_E4M3
         if VALUES == 1:  # VALUES_FP16
             return s.to(tl.float8e4nv, bitcast=True).to(tl.float16)
@@ -81,8 +124,8 @@ def _block_multipliers(s, shift, SCALE_KIND: tl.constexpr, VALUES: tl.constexpr)
     else:
         field = s.to(tl.int32) + (126 - shift)  # MX_MULTIPLIER_BIAS
         if VALUES == 2:  # VALUES_BF16
-            bits = tl.where(s == 255, 0x7FC0, field << 7).to(tl.int16)
-            return bits.to(tl.bfloat16, bitcast=True)
+            bits = tl.where(s == 255, 0x7FC0, field << 7)
+            return bits | (bits << 16)
         else:
             bits = tl.where(s == 255, 0x7FC00000, field << 23)
             return bits.to(tl.float32, bitcast=True)
@@ -95,49 +138,69 @@ def _skinny_kernel(
     D: tl.constexpr, SCALE_KIND: tl.constexpr, GAIN2: tl.constexpr, HAS_GLOBAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, VALUES: tl.constexpr, EXPLICIT_BF16: tl.constexpr,
     PRODUCT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
-    """``out [M, N] = A W^T`` for pair-split activation values ``A [M, >=K]`` and packed weights
+    """``out [M, N] = A W^T`` for word-ordered activation values ``A [M, >=K]`` and packed weights
     ``W`` (codes ``[N, K/2]``, scale bytes ``[N, K/D]``); program (column tile, K split)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     splits = tl.num_programs(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_j = tl.arange(0, BLOCK_K // 2)  # byte j of a tile row: elements 2j (low), 2j + 1
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     k_split = tl.cdiv(tl.cdiv(K, splits), BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
-    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_j[None, :]
-    s_ptrs = ws_ptr + offs_n[:, None] * stride_wsn + (offs_j // (D // 2))[None, :]
-    a_low = 32 * (offs_j // 16) + offs_j % 16  # where element 2j sits in pair-split order
-    if PRODUCT == 0:  # PRODUCT_DOT
+    if PRODUCT == 0:  # PRODUCT_DOT: 32-bit words of 8 codes, two values per operation
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K):
-        k_mask = k0 + 2 * offs_j < K
-        w_mask = n_mask[:, None] & k_mask[None, :]
-        packed = tl.load(w_ptrs + k0 // 2, mask=w_mask, other=0,
-                         eviction_policy="evict_first").to(tl.int32)
-        s = tl.load(s_ptrs + k0 // D, mask=w_mask, other=0, eviction_policy="evict_first")
-        if PRODUCT == 0:
+        offs_c = tl.arange(0, BLOCK_K // 8)  # word c of a tile row: elements 8c .. 8c + 7
+        words_ptr = w_ptr.to(tl.pointer_type(tl.int32))
+        w_ptrs = words_ptr + offs_n[:, None] * (stride_wn // 4) + offs_c[None, :]
+        s_ptrs = ws_ptr + offs_n[:, None] * stride_wsn + (offs_c // (D // 8))[None, :]
+        offs_p = tl.arange(0, BLOCK_K // 4)  # (word, half) p = 2c + h of one shift's values
+        a_col = 128 * (offs_p // 32) + offs_p % 32  # word_order_index, less 32 E_LOW
+        a_base = a_ptr + offs_m[None, :] * stride_am + a_col[:, None]
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K):
+            if EVEN_K:  # no mask along K: 16-byte loads
+                c_mask = tl.full([BLOCK_K // 8], 1, tl.int1)
+            else:
+                c_mask = k0 // 8 + offs_c < K // 8
+            w_mask = n_mask[:, None] & c_mask[None, :]
+            words = tl.load(w_ptrs + k0 // 8, mask=w_mask, other=0, eviction_policy="evict_first")
+            s = tl.load(s_ptrs + k0 // D, mask=w_mask, other=0, eviction_policy="evict_first")
             mult = _block_multipliers(s, shift, SCALE_KIND, VALUES)
-            w_low = _nibble_values(packed & 15, mult, VALUES)
-            w_high = _nibble_values(packed >> 4, mult, VALUES)
-            a_ptrs = a_ptr + offs_m[None, :] * stride_am + (k0 + a_low)[:, None]
-            a_mask = k_mask[:, None] & m_mask[None, :]
-            a_lo = tl.load(a_ptrs, mask=a_mask, other=0.0)
-            a_hi = tl.load(a_ptrs + 16, mask=a_mask, other=0.0)
-            acc = tl.dot(w_low, a_lo, acc)
-            acc = tl.dot(w_high, a_hi, acc)
-        else:  # FP32 values whatever VALUES says: no conversion before the multiply-adds
+            a_ptrs = a_base + k0
+            if EVEN_K:
+                p_mask = tl.full([BLOCK_K // 4], 1, tl.int1)
+            else:
+                p_mask = k0 // 8 + offs_p // 2 < K // 8
+            a_mask = p_mask[:, None] & m_mask[None, :]
+            acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 0, 3, VALUES, BLOCK_N, BLOCK_K)
+            acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 4, 2, VALUES, BLOCK_N, BLOCK_K)
+            acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 8, 1, VALUES, BLOCK_N, BLOCK_K)
+            acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 12, 0, VALUES, BLOCK_N, BLOCK_K)
+    else:  # PRODUCT_FMA, one row: FP32 values, no conversion before the multiply-adds
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        offs_j = tl.arange(0, BLOCK_K // 2)  # byte j of a tile row: elements 2j, 2j + 1
+        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_j[None, :]
+        s_ptrs = ws_ptr + offs_n[:, None] * stride_wsn + (offs_j // (D // 2))[None, :]
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K):
+            if EVEN_K:
+                k_mask = tl.full([BLOCK_K // 2], 1, tl.int1)
+            else:
+                k_mask = k0 // 2 + offs_j < K // 2
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            packed = tl.load(w_ptrs + k0 // 2, mask=w_mask, other=0,
+                             eviction_policy="evict_first").to(tl.int32)
+            s = tl.load(s_ptrs + k0 // D, mask=w_mask, other=0, eviction_policy="evict_first")
             mult = _block_multipliers(s, shift, SCALE_KIND, 0)
             w_low = _nibble_values(packed & 15, mult, 0)
             w_high = _nibble_values(packed >> 4, mult, 0)
-            a_lo = tl.load(a_ptr + k0 + a_low, mask=k_mask, other=0.0).to(tl.float32)
-            a_hi = tl.load(a_ptr + k0 + a_low + 16, mask=k_mask, other=0.0).to(tl.float32)
+            k = k0 + 2 * offs_j  # word_order_index of elements 2j and 2j + 1 (+ 32)
+            a_low = (k // 128) * 128 + 32 * (k % 4) + 2 * ((k % 128) // 8) + (k % 8) // 4
+            a_lo = tl.load(a_ptr + a_low, mask=k_mask, other=0.0).to(tl.float32)
+            a_hi = tl.load(a_ptr + a_low + 32, mask=k_mask, other=0.0).to(tl.float32)
             acc += tl.sum(w_low * a_lo[None, :] + w_high * a_hi[None, :], axis=1)
     if PRODUCT == 0:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
@@ -180,31 +243,25 @@ def _skinny_epilogue(acc, offs_m, offs_n, M, N, shift, a_global_ptr, w_global_pt
 
 
 def _configs():
-    """``bench/gpu_compile.py --kernels skinny`` prints registers and spills of each on sm_90."""
-    configs = []
-    for block_n, block_k, warps, stages in ((32, 256, 4, 4), (64, 256, 4, 3), (64, 128, 4, 4),
-                                            (128, 256, 8, 3), (128, 128, 4, 3)):
-        configs.append(triton.Config({"BLOCK_M": MAX_ROWS, "BLOCK_N": block_n,
-                                      "BLOCK_K": block_k, "PRODUCT": PRODUCT_DOT},
-                                     num_warps=warps, num_stages=stages))
-    for block_n, block_k, warps, stages in ((32, 256, 4, 2), (64, 128, 4, 2), (16, 512, 4, 2)):
-        configs.append(triton.Config({"BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                                      "PRODUCT": PRODUCT_FMA},
-                                     num_warps=warps, num_stages=stages))
-    return configs
+    """The tensor-core tiles autotuned on GPUs (BLOCK_K a multiple of the word order's 128):
+    ``bench/gpu_compile.py --kernels decode_gemm --explore`` printed the registers, spills and
+    loop instructions per weight of a wider grid on sm_90, from which these were kept."""
+    return [triton.Config({"BLOCK_M": MAX_ROWS, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                           "PRODUCT": PRODUCT_DOT}, num_warps=warps, num_stages=stages)
+            for block_n, block_k, warps, stages in ((64, 256, 4, 3), (64, 512, 4, 2),
+                                                    (128, 256, 4, 3), (128, 256, 8, 3),
+                                                    (256, 256, 8, 3))]
 
 
-def _prune(configs, named_args, **kwargs):
-    """One-row configurations (FMA) only for one row; the rest for any M <= 16."""
-    m = named_args.get("M", kwargs.get("M"))
-    return [c for c in configs if c.kwargs["PRODUCT"] == PRODUCT_DOT or m == 1]
+def _even_k(args) -> bool:
+    return args["K"] % args["BLOCK_K"] == 0
 
 
 _KEY = ["N", "K", "m_bucket", "D", "SCALE_KIND", "VALUES", "HAS_BIAS"]
-_skinny_tuned = triton.autotune(configs=_configs(), key=_KEY,
-                                prune_configs_by={"early_config_prune": _prune})(_skinny_kernel)
+_skinny_tuned = triton.autotune(configs=_configs(), key=_KEY)(
+    triton.heuristics({"EVEN_K": _even_k})(_skinny_kernel))
 
-INTERPRETER_CONFIG = {"BLOCK_M": MAX_ROWS, "BLOCK_N": 16, "BLOCK_K": 64,
+INTERPRETER_CONFIG = {"BLOCK_M": MAX_ROWS, "BLOCK_N": 16, "BLOCK_K": 128,
                       "PRODUCT": PRODUCT_DOT}
 
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -247,8 +304,8 @@ def activation_dtype(scale_kind: int) -> torch.dtype:
 def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: int,
                   scale_kind: int, gain: float, shift: int, bias, out_dtype,
                   config: dict | None = None, split_k: int | None = None):
-    """Launch the decode GEMM on pair-split activation values ``a_values [M, >=K]`` (from
-    :func:`kbbq_pl.kernels.triton_kernels.quantize_activations` with ``pair_split``); arguments
+    """Launch the decode GEMM on word-ordered activation values ``a_values [M, >=K]`` (from
+    :func:`kbbq_pl.kernels.triton_kernels.quantize_activations` with ``word_order``); arguments
     checked by :mod:`kbbq_pl.kernels`.  ``config`` pins the tile, ``split_k`` the splits."""
     n, k = w_codes.shape[0], w_codes.shape[1] * 2
     device = w_codes.device
@@ -278,10 +335,14 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
             w_codes.stride(0), w_scales.stride(0), out.stride(0), 1 if m == 1 else MAX_ROWS]
     if config is not None or INTERPRET:
         cfg = dict(config or INTERPRETER_CONFIG)
+        if cfg["PRODUCT"] == PRODUCT_DOT and cfg["BLOCK_K"] % WORD_ORDER_CHUNK:
+            raise ValueError(f"the decode GEMM's tensor-core tiles span whole chunks of "
+                             f"{WORD_ORDER_CHUNK}, got BLOCK_K = {cfg['BLOCK_K']}")
         warps = cfg.pop("num_warps", 4)
         stages = cfg.pop("num_stages", 2)
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits(cfg["BLOCK_N"], cfg["BLOCK_K"]))
-        _skinny_kernel[grid](*args, **meta, **cfg, num_warps=warps, num_stages=stages)
+        _skinny_kernel[grid](*args, **meta, **cfg, EVEN_K=k % cfg["BLOCK_K"] == 0,
+                             num_warps=warps, num_stages=stages)
     else:
         def grid(meta):
             return (triton.cdiv(n, meta["BLOCK_N"]), splits(meta["BLOCK_N"], meta["BLOCK_K"]))

@@ -181,7 +181,7 @@ def _quantize_activations_kernel(
     HAS_T: tl.constexpr, STATIC: tl.constexpr, AMAX_ONLY: tl.constexpr,
     PRODUCT: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
     WRITE_CODES: tl.constexpr = True, WRITE_VALUES: tl.constexpr = False,
-    PAIR_SPLIT: tl.constexpr = False,
+    WORD_ORDER: tl.constexpr = False,
 ):
     """One tile of ``BLOCK_M`` rows by ``NB`` blocks: transform, block amax, scales, E2M1 codes,
     packing.  ``AMAX_ONLY`` (the first pass of dynamic NVFP4) only folds the amax of ``T x``
@@ -190,7 +190,7 @@ def _quantize_activations_kernel(
     ``WRITE_CODES`` stores the packed codes and the scale bytes; ``WRITE_VALUES`` stores the
     decoded values ``q * s`` (without the per-tensor scale; NaN in a non-finite block) in
     ``values_ptr``'s dtype, where they are exact (:mod:`kbbq_pl.kernels.exact`), in the natural
-    order or (``PAIR_SPLIT``) in :func:`~kbbq_pl.kernels.exact.pair_split_index` order."""
+    order or (``WORD_ORDER``) in :func:`~kbbq_pl.kernels.exact.word_order_index` order."""
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -244,8 +244,8 @@ def _quantize_activations_kernel(
             scale_value = tl.where(bad, float("nan"), scale_value)
             values = _e2m1_values(codes) * scale_value[:, :, None]
             k = blocks[:, None, None] * D + tl.arange(0, D)[None, None, :]
-            if PAIR_SPLIT:  # kbbq_pl.kernels.exact.pair_split_index
-                k = (k // 32) * 32 + (k % 2) * 16 + (k % 32) // 2
+            if WORD_ORDER:  # kbbq_pl.kernels.exact.word_order_index
+                k = (k // 128) * 128 + 32 * (k % 4) + 2 * ((k % 128) // 8) + (k % 8) // 4
             v_ptrs = values_ptr + rows[None, :, None] * stride_vm + k
             tl.store(v_ptrs, values.to(values_ptr.dtype.element_ty), mask=mask)
 
@@ -269,7 +269,7 @@ def _prune_act_configs(configs, named_args, **kwargs):
 _quantize_activations_tuned = triton.autotune(
     configs=_act_configs(),
     key=["n_blocks", "m_bucket", "D", "HAS_T", "AMAX_ONLY", "SCALE_KIND", "PRODUCT",
-         "WRITE_CODES", "WRITE_VALUES", "PAIR_SPLIT"],
+         "WRITE_CODES", "WRITE_VALUES", "WORD_ORDER"],
     prune_configs_by={"early_config_prune": _prune_act_configs},
 )(_quantize_activations_kernel)
 
@@ -283,12 +283,12 @@ def _m_bucket(m: int) -> int:
 def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, gain: float,
                          global_scale, config: dict | None = None, product: int | None = None,
                          values_dtype: torch.dtype | None = None, codes: bool = True,
-                         pair_split: bool = False):
+                         word_order: bool = False):
     """Launch the activation kernel(s); arguments already checked by :mod:`kbbq_pl.kernels`.
 
     Returns ``(codes uint8 [M, K/2], scales uint8 [M, K/d], pts fp32 [] or None, values)``:
     ``codes`` False skips the first two (None); ``values_dtype`` (fp16, bf16 or fp32) adds the
-    decoded values ``[M, K]`` (else None), in ``pair_split`` order if asked.  Dynamic NVFP4 runs
+    decoded values ``[M, K]`` (else None), in ``word_order`` if asked.  Dynamic NVFP4 runs
     the kernel twice (see :func:`kbbq_pl.kernels.quantize_activations`).  ``product``
     overrides how ``T x`` is multiplied (benchmarks: ``PRODUCT_TF32X3``).
     """
@@ -307,11 +307,11 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     scales_out = torch.empty(m, n_blocks, dtype=torch.uint8, device=device) if codes else None
     values = None
     if values_dtype is not None:
-        width = -(-k // 32) * 32 if pair_split else k  # a partial last group keeps its slots
+        width = -(-k // 128) * 128 if word_order else k  # a partial chunk keeps its slots
         values = torch.empty(m, width, dtype=values_dtype, device=device)
     meta = dict(D=d, SCALE_KIND=scale_kind, ROUNDING=rounding, GAIN=gain,
                 HAS_T=transform is not None, STATIC=static, PRODUCT=product,
-                WRITE_CODES=codes, WRITE_VALUES=values is not None, PAIR_SPLIT=pair_split)
+                WRITE_CODES=codes, WRITE_VALUES=values is not None, WORD_ORDER=word_order)
     codes_arg = codes_out if codes else dummy
     scales_arg = scales_out if codes else dummy
     args = [x, transform if transform is not None else dummy, codes_arg, scales_arg,
@@ -459,14 +459,31 @@ def _split_k_sum(partial_ptr, a_global_ptr, w_global_ptr, bias_ptr, out_ptr, M, 
 @triton.jit
 def _decode_kernel(codes_ptr, scales_ptr, out_ptr, R, K, stride_cr, stride_sr, stride_or,
                    D: tl.constexpr, SCALE_KIND: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
-    """Packed codes and block scales to bf16 values ``q * s`` (exact), ``[R, K]``."""
+                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr = False):
+    """Packed codes and block scales to bf16 values ``q * s`` (exact), ``[R, K]``.  With
+    ``EVEN_K`` (``K`` a multiple of ``BLOCK_K``) no mask runs along K, so the codes are read
+    in 16-byte loads and the values written in 16-byte stores."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     k0 = tl.program_id(1) * BLOCK_K
-    values = _load_operand(codes_ptr, scales_ptr, offs_r, R, k0, K, stride_cr, stride_sr,
-                           BLOCK_R, BLOCK_K, D, SCALE_KIND, True, tl.float32)
+    offs_p = tl.arange(0, BLOCK_K // 2)
+    offs_s = tl.arange(0, BLOCK_K // D)
+    row_mask = offs_r < R
+    if EVEN_K:
+        p_mask = row_mask[:, None]
+        s_mask = row_mask[:, None]
+    else:
+        p_mask = row_mask[:, None] & (k0 // 2 + offs_p < K // 2)[None, :]
+        s_mask = row_mask[:, None] & (k0 // D + offs_s < K // D)[None, :]
+    packed = tl.load(codes_ptr + offs_r[:, None] * stride_cr + k0 // 2 + offs_p[None, :],
+                     mask=p_mask, other=0)
+    scales = tl.load(scales_ptr + offs_r[:, None] * stride_sr + k0 // D + offs_s[None, :],
+                     mask=s_mask, other=0)
+    values = _decode_tile(packed, scales, BLOCK_R, BLOCK_K, D, SCALE_KIND)
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    mask = (offs_r[:, None] < R) & (offs_k[None, :] < K)
+    if EVEN_K:
+        mask = row_mask[:, None]
+    else:
+        mask = row_mask[:, None] & (offs_k < K)[None, :]
     tl.store(out_ptr + offs_r[:, None] * stride_or + offs_k[None, :], values.to(tl.bfloat16),
              mask=mask)
 
@@ -517,12 +534,16 @@ def decode(codes, scales, d: int, scale_kind: int):
     """bf16 values ``q * s`` of packed codes ``[R, K/2]`` with block scales ``[R, K/d]``."""
     rows, k = codes.shape[0], codes.shape[1] * 2
     out = torch.empty(rows, k, dtype=torch.bfloat16, device=codes.device)
-    block_r, block_k = (16, 64) if INTERPRET else (32, 256)
+    block_r, block_k, warps = (16, 64, 4) if INTERPRET else DECODE_TILE
     grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
     _decode_kernel[grid](codes, scales, out, rows, k, codes.stride(0), scales.stride(0),
                          out.stride(0), D=d, SCALE_KIND=scale_kind, BLOCK_R=block_r,
-                         BLOCK_K=block_k)
+                         BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps)
     return out
+
+
+DECODE_TILE = (32, 256, 4)
+"""Rows, columns and warps of one program of the weight decode (``bench/gpu_compile.py``)."""
 
 
 def w4a4_matmul(a_codes, a_scales, a_global, w_codes, w_scales, w_global, d: int,

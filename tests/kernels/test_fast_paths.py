@@ -113,16 +113,17 @@ def test_mx_decode_multipliers_give_q_times_two_to_e_minus_shift():
     assert exact.mx_shift(torch.tensor([0, 133], dtype=torch.uint8)) == 5
 
 
-def test_pair_split_is_a_permutation_within_each_group():
-    k = torch.arange(96)
-    index = exact.pair_split_index(k)
+def test_word_order_is_a_permutation_within_each_chunk():
+    k = torch.arange(384)
+    index = exact.word_order_index(k)
     assert sorted(index.tolist()) == k.tolist()
-    assert torch.equal(index // 32, k // 32)
-    assert index[:4].tolist() == [0, 16, 1, 17] and index[30:34].tolist() == [15, 31, 32, 48]
-    values = torch.randn(3, 48)  # a partial last group keeps its slots
-    split = exact.pair_split(values)
-    assert split.shape == (3, 64)
-    assert torch.equal(split[:, exact.pair_split_index(torch.arange(48))], values)
+    assert torch.equal(index // 128, k // 128)
+    # word 0: elements 0 and 4 side by side at 0, 1; 1 and 5 at 32, 33; ...; word 1 after them
+    assert index[:9].tolist() == [0, 32, 64, 96, 1, 33, 65, 97, 2]
+    values = torch.randn(3, 48)  # a partial last chunk keeps its slots
+    ordered = exact.word_order(values)
+    assert ordered.shape == (3, 128)
+    assert torch.equal(ordered[:, exact.word_order_index(torch.arange(48))], values)
 
 
 # --------------------------------------------------------------------------- activation values
@@ -137,7 +138,7 @@ def reference_values(x, t, fmt, scale=None, dtype=torch.float32, split=False):
     if F.get_format(fmt).e8m0_rounding == "no_clip":  # dequantize divides no_clip by 0.75
         values = F.dequantize(as_quantized(codes, scales, None, "mxfp4"), torch.float32)
     values = values.to(dtype)
-    return (exact.pair_split(values) if split else values), pts
+    return (exact.word_order(values) if split else values), pts
 
 
 @pytest.mark.parametrize("fmt,dtype,split,kind", [
@@ -154,10 +155,10 @@ def test_activation_values_are_the_reference_codes_decoded(fmt, dtype, split, ki
     x = (torch.randn(5, k) * 3).to(torch.bfloat16)
     x[1, 2] = float("nan")
     t = make_transform(kind, k, d, seed=4)
-    values, pts = K.quantize_activation_values(x, t, fmt, dtype=dtype, pair_split=split)
+    values, pts = K.quantize_activation_values(x, t, fmt, dtype=dtype, word_order=split)
     want, want_pts = reference_values(x, t, fmt, dtype=dtype, split=split)
     assert values.dtype == dtype and values.shape == want.shape
-    valid = (exact.pair_split(torch.ones(5, k)) if split else torch.ones(5, k)).bool()
+    valid = (exact.word_order(torch.ones(5, k)) if split else torch.ones(5, k)).bool()
     assert_same_values(values[valid], want[valid])
     assert torch.isnan(values[1][valid[1]]).any() and not torch.isnan(values[0][valid[0]]).any()
     if want_pts is not None:
@@ -199,7 +200,7 @@ def skinny(x, q, fmt, t=None, scale=None, bias=None, out_dtype=torch.float32, **
     fmt = F.get_format(fmt)
     kind, _, gain = K._scale_meta(fmt)
     values, pts = K.quantize_activation_values(x, t, fmt, scale, dtype=S.activation_dtype(kind),
-                                               pair_split=True)
+                                               word_order=True)
     shift = exact.mx_shift(q.scale) if fmt.scale_kind == "e8m0" else 0
     return S.skinny_matmul(values, x.shape[0], q.qdata, q.scale.view(torch.uint8), pts,
                            q.global_scale, fmt.block_size, kind, gain, shift, bias, out_dtype,
@@ -230,7 +231,7 @@ def test_decode_gemm_fma_product_and_tiles():
         ref = exact_product(x, q, fmt)
         fma = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 128, "PRODUCT": S.PRODUCT_FMA}
         assert gemm_error(skinny(x, q, fmt, config=fma, split_k=2), ref) <= 1e-5
-        wide = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "PRODUCT": S.PRODUCT_DOT}
+        wide = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "PRODUCT": S.PRODUCT_DOT}
         assert gemm_error(skinny(x, q, fmt, config=wide), ref) <= 1e-5
 
 

@@ -57,6 +57,19 @@ def _e2m1_codes(y):
 
 
 @triton.jit
+def _e2m1_round(y):
+    """FP32 ``y`` rounded to the E2M1 grid, to nearest even, as an FP32 value (sign kept, -0
+    included): the magic-number add of :func:`_e2m1_codes` and its subtraction, exact, with no
+    code formed (the values the codes decode to, in fewer operations)."""
+    a = tl.minimum(tl.abs(y), 6.0)
+    binade = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)  # >= 1.0's
+    magic = (binade + (22 << 23)).to(tl.float32, bitcast=True)
+    rounded = (a + magic) - magic
+    sign = y.to(tl.int32, bitcast=True) & -2147483648  # 0x80000000
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _e2m1_values(codes):
     """The FP32 values of E2M1 codes (int32 0..15), exactly.
 
@@ -229,9 +242,10 @@ def _quantize_activations_kernel(
             scale_value = _pow2(e)
             reciprocal = tl.div_rn(tl.full(amax.shape, GAIN, tl.float32), scale_value)
             code = tl.where(bad, 255, e + 127)
-        codes = _e2m1_codes(h * reciprocal[:, :, None])
+        y = h * reciprocal[:, :, None]
         mask = block_mask[:, None, None] & row_mask[None, :, None]
         if WRITE_CODES:
+            codes = _e2m1_codes(y)
             low, high = tl.split(tl.reshape(codes, [NB, BLOCK_M, D // 2, 2]))
             packed = (low | (high << 4)).to(tl.uint8)
             offs_p = tl.arange(0, D // 2)
@@ -242,7 +256,7 @@ def _quantize_activations_kernel(
             tl.store(s_ptrs, code.to(tl.uint8), mask=block_mask[:, None] & row_mask[None, :])
         if WRITE_VALUES:
             scale_value = tl.where(bad, float("nan"), scale_value)
-            values = _e2m1_values(codes) * scale_value[:, :, None]
+            values = _e2m1_round(y) * scale_value[:, :, None]
             k = blocks[:, None, None] * D + tl.arange(0, D)[None, None, :]
             if WORD_ORDER:  # kbbq_pl.kernels.exact.word_order_index
                 k = (k // 128) * 128 + 32 * (k % 4) + 2 * ((k % 128) // 8) + (k % 8) // 4

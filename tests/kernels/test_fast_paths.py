@@ -14,7 +14,13 @@ from unittest import mock
 
 import pytest
 import torch
-from test_kernels import assert_within_one_bf16_rounding, block, gemm_error, make_transform
+from test_kernels import (
+    assert_within_one_bf16_rounding,
+    block,
+    gemm_error,
+    make_transform,
+    ties_rows,
+)
 from torch import nn
 
 from kbbq_pl import formats as F
@@ -163,6 +169,26 @@ def test_activation_values_are_the_reference_codes_decoded(fmt, dtype, split, ki
     assert torch.isnan(values[1][valid[1]]).any() and not torch.isnan(values[0][valid[0]]).any()
     if want_pts is not None:
         assert torch.equal(pts.reshape(1).view(torch.int32), want_pts.reshape(1).view(torch.int32))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp4_even", "mxfp4_rceil"])
+def test_activation_values_at_ties_and_extremes(fmt):
+    """Every E2M1 rounding boundary, the FP32 numbers next to it, signed zeros and extreme
+    block amax (test_kernels' adversarial rows): the values are the reference codes decoded."""
+    needs_kernels()
+    d = block(fmt)
+    scale = 1.0 if fmt == "nvfp4" else None
+    ties = ties_rows(d)
+    values, _ = K.quantize_activation_values(ties, None, fmt, scale, dtype=torch.float32)
+    assert_same_values(values, reference_values(ties, None, fmt, scale)[0])
+    k = 2 * d
+    rows = torch.stack([torch.zeros(k), torch.full((k,), -0.0), torch.linspace(-3e38, 3e38, k),
+                        torch.linspace(-1e-38, 1e-38, k),
+                        torch.tensor([1e30] + [1e-30] * (k - 1))])
+    for kind in (None, "random"):
+        t = make_transform(kind, k, d)
+        values, _ = K.quantize_activation_values(rows, t, fmt, dtype=torch.float32)
+        assert_same_values(values, reference_values(rows, t, fmt)[0])
 
 
 def test_static_nvfp4_values_and_argument_errors():

@@ -73,6 +73,7 @@ from .reference import (
     INPUT_DTYPES,
     fp4_format,
     pad_input,
+    reference_activation_values,
     reference_linear_w4a4,
     reference_quantize_activations,
     reference_transform,
@@ -89,6 +90,7 @@ __all__ = [
     "linear_w4a4",
     "prepare_weight",
     "quantize_activation_values",
+    "reference_activation_values",
     "quantize_activations",
     "reference_linear_w4a4",
     "reference_quantize_activations",
@@ -172,7 +174,8 @@ def quantize_activations(
     ``global_scale`` fixes the NVFP4 per-tensor scale (a calibrated static scale; values beyond
     it saturate; a device tensor is read on the device, no host sync); None takes
     ``amax(T x) / (448 * 6)``.  ``config`` pins the kernel's tile (``BLOCK_M``, ``NB`` blocks
-    per program, ``num_warps``) instead of autotuning.  Non-finite inputs follow the
+    per program, ``num_warps``; default: ``triton_kernels.ACT_TILES``, or ``FEW_ROWS_CONFIG``
+    up to 16 rows; ``"autotune"`` autotunes).  Non-finite inputs follow the
     ``propagate`` policy of :mod:`kbbq_pl.formats`: their block gets a NaN scale.
     """
     fmt = fp4_format(fmt)

@@ -265,11 +265,22 @@ def _quantize_activations_kernel(
 
 
 def _act_configs():
-    """Tiles of ``BLOCK_M`` rows by ``NB`` blocks; ``bench/gpu_compile.py`` shows which fit in
-    registers on sm_90 (at most 64 elements per thread, pruned per block size below)."""
+    """Tiles of ``BLOCK_M`` rows by ``NB`` blocks that fit in registers on sm_90 (at most 64
+    elements per thread, pruned per block size below), autotuned only on request
+    (``config="autotune"``): each costs a compile in a GPU session, for a memory-bound kernel
+    whose tile :data:`ACT_TILES` picks by the compile report."""
     return [triton.Config({"BLOCK_M": block_m, "NB": nb}, num_warps=warps)
-            for block_m, nb, warps in ((16, 8, 4), (32, 2, 4), (32, 4, 4), (64, 2, 4),
-                                       (64, 4, 4), (64, 4, 8), (128, 2, 8), (128, 4, 8))]
+            for block_m, nb, warps in ((64, 4, 4), (128, 4, 8), (128, 2, 8), (32, 2, 4))]
+
+
+ACT_TILES = {16: {"BLOCK_M": 64, "NB": 4, "num_warps": 4},
+             32: {"BLOCK_M": 64, "NB": 2, "num_warps": 4}}
+"""The activation kernel's tile per block size: of ``bench/gpu_compile.py --kernels
+act,act_values``'s, the fewest SASS per element without spills (64 elements per thread)."""
+FEW_ROWS = 16
+"""Up to this many rows (a decode step) the activation kernel runs :data:`FEW_ROWS_CONFIG`,
+16 rows by 2 blocks, which gives ``K / 2d`` programs."""
+FEW_ROWS_CONFIG = {"BLOCK_M": 16, "NB": 2, "num_warps": 4}
 
 
 def _prune_act_configs(configs, named_args, **kwargs):
@@ -334,6 +345,11 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
             m, n_blocks, x.stride(0), codes_arg.stride(0) if codes else 0,
             scales_arg.stride(0) if codes else 0, values.stride(0) if values is not None else 0,
             _m_bucket(m)]
+
+    if config is None and not INTERPRET:
+        config = FEW_ROWS_CONFIG if m <= FEW_ROWS else ACT_TILES.get(d, FEW_ROWS_CONFIG)
+    elif config == "autotune":
+        config = None
 
     def launch(amax_only: bool) -> None:
         if config is not None or INTERPRET:
@@ -509,10 +525,9 @@ def _gemm_configs(small: bool):
                                                 (128, 256, 8, 3), (64, 256, 8, 4)):
             configs.append(triton.Config({"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k,
                                           "GROUP_M": 1}, num_warps=warps, num_stages=stages))
-    else:
+    else:  # three: each costs a compile per format in a GPU session
         for block_m, block_n, block_k, warps, stages in (
-            (128, 128, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3),
-            (64, 128, 128, 4, 4), (128, 64, 128, 4, 4), (64, 64, 128, 4, 4), (64, 256, 64, 8, 3),
+            (128, 128, 64, 8, 3), (256, 128, 64, 8, 3), (64, 256, 64, 8, 3),
         ):
             configs.append(triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n,
                                           "BLOCK_K": block_k, "GROUP_M": 8},

@@ -136,14 +136,9 @@ def test_word_order_is_a_permutation_within_each_chunk():
 
 
 def reference_values(x, t, fmt, scale=None, dtype=torch.float32, split=False):
-    """The values the kernel must write: the CPU reference's codes decoded (no per-tensor
-    scale), NaN for a non-finite block."""
-    codes, scales, pts = K.reference_quantize_activations(x, t, fmt, scale)
-    q = as_quantized(codes, scales, None if pts is None else torch.ones(()), fmt)
-    values = F.dequantize(q, torch.float32)
-    if F.get_format(fmt).e8m0_rounding == "no_clip":  # dequantize divides no_clip by 0.75
-        values = F.dequantize(as_quantized(codes, scales, None, "mxfp4"), torch.float32)
-    values = values.to(dtype)
+    """The values the kernel must write (kbbq_pl.kernels.reference_activation_values), in word
+    order if ``split``."""
+    values, pts = K.reference_activation_values(x, t, fmt, scale, dtype)
     return (exact.word_order(values) if split else values), pts
 
 

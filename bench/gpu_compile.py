@@ -1,17 +1,32 @@
-"""Compile the W4A4 Triton kernels for a GPU without one: registers, spills, instruction mix.
+"""Compile the W4A4 Triton kernels for a GPU without one: registers, spills, loads, instruction mix.
 
-    python bench/gpu_compile.py [--arch 90] [--kernels act,gemm_small,gemm_large] [--all-configs]
+    python bench/gpu_compile.py [--arch 90] [--kernels act,act_values,decode_gemm,...] [--explore]
 
-Triton compiles for any NVIDIA target on a CPU-only machine (its wheel ships ``ptxas``), so the
-questions that cost no device time are answered here: does every autotune configuration fit in
-registers (``stack`` > 0 means spills to local memory), does the large GEMM use Hopper's
-``wgmma`` (the small one ``mma.sync``: M = 16 is below wgmma's 64), is the per-block transform a
-chain of ``fma.rn.f32`` (the order :mod:`kbbq_pl.kernels.reference` assumes), are all divisions
-``div.rn.f32``, is nothing flushed to zero (``.ftz``), and how many SASS instructions the whole
-program runs per element it handles (``sass_per_element``: for the activation kernel, elements
-quantized per thread; for the GEMM, operand elements decoded per thread and K step, the loop
-body counted with prologue and epilogue, so an upper estimate).  It prints one row per
-(kernel, configuration) and times nothing.
+Triton compiles for any NVIDIA target on a CPU-only machine (its wheel ships ``ptxas`` and
+``cuobjdump``), so the questions that cost no device time are answered here, one row per
+(kernel, tile):
+
+* ``regs``, ``stack`` (> 0: register spills to local memory), ``smem`` (bytes of shared memory);
+* ``per_element``: SASS instructions of the main loop (the longest backward branch; the whole
+  kernel when there is no loop) per operand element a thread handles in one trip, the figure
+  to set against the memory: an H100 moves about 23 NVFP4 weights per SM clock at its copy
+  bandwidth, and issues at most 128 thread-instructions per SM clock;
+* ``ldg128`` / ``ldg_narrow``: 16-byte global loads (``LDG.E.128``, ``LDGSTS.*.128``: cp.async
+  into shared memory) against narrower ones in SASS; ``ptx_v4``: ``ld.global.v4`` and 16-byte
+  ``cp.async`` in PTX;
+* ``wgmma`` (Hopper's ``HGMMA``/``QGMMA``) and ``mma_sync`` (``HMMA``) instructions;
+  ``loop_smem``: shared-memory stores / loads in the main loop (a decoded operand that goes
+  through shared memory on its way to the tensor cores shows as stores there);
+* in PTX, ``fma`` (``fma.rn.f32``: the per-block transform is a chain of them, the order
+  :mod:`kbbq_pl.kernels.reference` assumes), ``div_rn`` against ``div_approx`` (every division
+  must be correctly rounded) and ``ftz`` (nothing may flush subnormals).
+
+Kernels: the activation kernel writing codes (``act``) or values (``act_values``: fp16/bf16 in
+word order for the decode GEMM, bf16 for the prefill product), the decode GEMM (``decode_gemm``,
+its autotuned tiles and the FP32-FMA one-row variant), the prefill path's weight decode
+(``weight_decode``) and product on decoded operands (``gemm_decoded``), and the tiled GEMM
+(``gemm_small``, ``gemm_large``).  ``--explore`` compiles candidate tiles instead of the ones
+that run.  It times nothing.
 """
 
 from __future__ import annotations
@@ -155,7 +170,17 @@ def _row(kernel: str, config: str, compiled, per_thread: float, start: float) ->
                 **analyse(compiled, per_thread))
 
 
-def activation_rows(target: GPUTarget, configs, values: bool = False) -> list[dict]:
+def act_configs(d: int, explore: bool):
+    """The activation kernel's tiles for block size ``d``: the two it runs (``ACT_TILES``, and
+    ``FEW_ROWS_CONFIG`` up to 16 rows), or (``explore``) the candidates it can autotune over."""
+    if explore:
+        return tk._prune_act_configs(tk._act_configs(), {"D": d})
+    return [triton.Config({k: v for k, v in tile.items() if k != "num_warps"},
+                          num_warps=tile["num_warps"])
+            for tile in (tk.ACT_TILES[d], tk.FEW_ROWS_CONFIG)]
+
+
+def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> list[dict]:
     """The activation kernel with a per-block transform (FMA dot): codes, or (``values``) the
     decoded values, fp16 / bf16 in word order for the decode GEMM and bf16 in natural order for
     the prefill product."""
@@ -166,7 +191,7 @@ def activation_rows(target: GPUTarget, configs, values: bool = False) -> list[di
             signature = dict(ACT_SIGNATURE)
             if out_values:
                 signature["values_ptr"] = dtype or ("*fp16" if fmt == "nvfp4" else "*bf16")
-            for config in configs:
+            for config in act_configs(d, explore):
                 constants = dict(D=d, SCALE_KIND=kind, ROUNDING=0, GAIN=1.0, HAS_T=True,
                                  STATIC=False, AMAX_ONLY=False, PRODUCT=tk.PRODUCT_FMA_DOT,
                                  WRITE_CODES=not out_values, WRITE_VALUES=out_values,
@@ -309,7 +334,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kernels", default=",".join(KERNELS),
                         help=f"comma-separated, of {', '.join(KERNELS)}")
     parser.add_argument("--explore", action="store_true",
-                        help="the decode GEMM on a wider grid of tiles than it autotunes over")
+                        help="candidate tiles: the decode GEMM on a wider grid than it autotunes "
+                             "over, the activation kernel on those it can autotune over")
     args = parser.parse_args(argv)
     target = GPUTarget("cuda", args.arch, 32)
     rows: list[dict] = []
@@ -318,9 +344,9 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"unknown kernels {sorted(unknown)}; choose from {', '.join(KERNELS)}")
     if "act" in wanted:
-        rows += activation_rows(target, tk._act_configs())
+        rows += activation_rows(target, args.explore)
     if "act_values" in wanted:
-        rows += activation_rows(target, tk._act_configs(), values=True)
+        rows += activation_rows(target, args.explore, values=True)
     if "decode_gemm" in wanted:
         rows += skinny_rows(target, args.explore)
     if "weight_decode" in wanted:

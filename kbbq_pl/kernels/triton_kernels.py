@@ -70,6 +70,12 @@ def _e2m1_round(y):
 
 
 @triton.jit
+def _max_keeping_nan(a, b):
+    """The larger of ``a`` and ``b``, NaN if either is (a reduction that sees a NaN)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _e2m1_values(codes):
     """The FP32 values of E2M1 codes (int32 0..15), exactly.
 
@@ -212,13 +218,17 @@ def _quantize_activations_kernel(
     block_mask = blocks < n_blocks
     h = _transformed_blocks(x_ptr, t_ptr, rows, row_mask, blocks, block_mask, stride_xm,
                             D, NB, BLOCK_M, HAS_T, PRODUCT)
-    finite = tl.abs(h) < float("inf")
-    h = tl.where(finite, h, 0.0)
-    amax = tl.max(tl.abs(h), axis=2)  # [NB, BLOCK_M]
+    if WRITE_CODES or AMAX_ONLY:  # non-finite elements count as zeros (codes and amax)
+        finite = tl.abs(h) < float("inf")
+        h = tl.where(finite, h, 0.0)
+        amax = tl.max(tl.abs(h), axis=2)  # [NB, BLOCK_M]
+        bad = tl.max((~finite).to(tl.int32), axis=2) > 0
+    else:  # values only: a non-finite block is NaN throughout, whatever its amax
+        amax = tl.reduce(tl.abs(h), 2, _max_keeping_nan)
+        bad = ~(amax < float("inf"))
     if AMAX_ONLY:
         tl.atomic_max(amax_ptr, tl.max(tl.max(amax, axis=1), axis=0))
     else:
-        bad = tl.max((~finite).to(tl.int32), axis=2) > 0
         if SCALE_KIND == 0:  # SCALE_E4M3
             if STATIC:
                 pts = tl.load(global_ptr)

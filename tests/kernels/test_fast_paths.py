@@ -155,6 +155,7 @@ def test_activation_values_are_the_reference_codes_decoded(fmt, dtype, split, ki
     k = 3 * d  # NVFP4: a partial group of 32 at the end
     x = (torch.randn(5, k) * 3).to(torch.bfloat16)
     x[1, 2] = float("nan")
+    x[3, k - 1] = -float("inf")
     t = make_transform(kind, k, d, seed=4)
     values, pts = K.quantize_activation_values(x, t, fmt, dtype=dtype, word_order=split)
     want, want_pts = reference_values(x, t, fmt, dtype=dtype, split=split)
@@ -162,6 +163,7 @@ def test_activation_values_are_the_reference_codes_decoded(fmt, dtype, split, ki
     valid = (exact.word_order(torch.ones(5, k)) if split else torch.ones(5, k)).bool()
     assert_same_values(values[valid], want[valid])
     assert torch.isnan(values[1][valid[1]]).any() and not torch.isnan(values[0][valid[0]]).any()
+    assert torch.isnan(values[3][valid[3]]).any() and not torch.isinf(values[valid]).any()
     if want_pts is not None:
         assert torch.equal(pts.reshape(1).view(torch.int32), want_pts.reshape(1).view(torch.int32))
 

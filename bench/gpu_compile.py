@@ -183,16 +183,18 @@ def act_configs(d: int, explore: bool):
 def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> list[dict]:
     """The activation kernel with a per-block transform (FMA dot): codes, or (``values``) the
     decoded values, fp16 / bf16 in word order for the decode GEMM and bf16 in natural order for
-    the prefill product."""
+    the prefill product (also without a transform)."""
     rows = []
-    outputs = [(False, False, "*bf16")] if not values else [(True, True, None), (True, False, "*bf16")]
+    outputs = ([(False, False, "*bf16", True)] if not values else
+               [(True, True, None, True), (True, False, "*bf16", True),
+                (True, False, "*bf16", False)])
     for fmt, d, kind in FORMATS:
-        for out_values, word_order, dtype in outputs:
+        for out_values, word_order, dtype, has_t in outputs:
             signature = dict(ACT_SIGNATURE)
             if out_values:
                 signature["values_ptr"] = dtype or ("*fp16" if fmt == "nvfp4" else "*bf16")
             for config in act_configs(d, explore):
-                constants = dict(D=d, SCALE_KIND=kind, ROUNDING=0, GAIN=1.0, HAS_T=True,
+                constants = dict(D=d, SCALE_KIND=kind, ROUNDING=0, GAIN=1.0, HAS_T=has_t,
                                  STATIC=False, AMAX_ONLY=False, PRODUCT=tk.PRODUCT_FMA_DOT,
                                  WRITE_CODES=not out_values, WRITE_VALUES=out_values,
                                  WORD_ORDER=word_order, **config.kwargs)
@@ -204,6 +206,7 @@ def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> l
                               / (32 * config.num_warps))
                 name = "act codes" if not out_values else (
                     "act values word-order" if word_order else "act values bf16")
+                name += "" if has_t else ", no transform"
                 rows.append(_row(f"{name} {fmt}", f"BM={config.kwargs['BLOCK_M']} "
                                  f"NB={config.kwargs['NB']} w={config.num_warps}", compiled,
                                  per_thread, start))

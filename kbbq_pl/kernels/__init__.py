@@ -20,11 +20,22 @@ out_dtype=torch.bfloat16) -> [M, N]``
     them (``QuantizedTensor.qdata``, ``.scale``, ``.global_scale``).  The per-tensor scales
     (NVFP4; None for MX) and the bias are applied in the epilogue.
 ``linear_w4a4(x, weight_codes, weight_scales, weight_global, fmt, transform=None,
-act_global_scale=None, bias=None) -> y``
-    ``Q(W T^-1) Q(T x) + b``: ``quantize_activations`` then ``w4a4_matmul``; ``x [..., K]``
-    (zero-padded when its last dimension falls short of the weights' padded ``K`` by less than
-    a block), ``y [..., N]`` in ``x``'s dtype.  ``act_global_scale`` None is the dynamic NVFP4
-    scale.
+act_global_scale=None, bias=None, *, prepared=None, path=None, prefill_product="auto") -> y``
+    ``Q(W T^-1) Q(T x) + b`` for ``x [..., K]`` (zero-padded when its last dimension falls
+    short of the weights' padded ``K`` by less than a block), ``y [..., N]`` in ``x``'s dtype;
+    ``act_global_scale`` None is the dynamic NVFP4 scale.  The path follows the rows ``M``
+    (:func:`choose_path`): ``decode`` up to :data:`DECODE_MAX_M` (the activations' values, then
+    the decode GEMM of :mod:`kbbq_pl.kernels.skinny`), ``prefill`` from :data:`PREFILL_MIN_M`
+    (bf16 values and decoded weights, one cuBLAS or Triton product), ``tiled`` in between
+    (``quantize_activations`` then ``w4a4_matmul``).
+``quantize_activation_values(x, transform, fmt, global_scale=None, *, dtype=bf16,
+word_order=False) -> (values, pts)``
+    The rounded activations as their values ``q * s`` (exact in bf16, and in fp16 for NVFP4),
+    bit for bit :func:`~kbbq_pl.kernels.reference.reference_activation_values`.
+``decode_weight(codes, scales, fmt) -> bf16 [N, K]``, ``prepare_weight(codes, scales,
+global_scale, fmt, act_global_scale=None, *, keep_decoded=False) -> PreparedWeight``
+    The prefill path's weight operand; what a layer works out once per weight and device
+    (:mod:`kbbq_pl.kernels.prepared`).
 
 Numerics.  Activations: ``h = T x`` in FP32 from the exactly upcast input (an FMA chain per
 output, :mod:`kbbq_pl.kernels.reference`), then exactly the arithmetic of
@@ -49,6 +60,10 @@ input block) makes its outputs NaN.  Up to 16 rows (:data:`~.triton_kernels.SMAL
 streams the packed weights with the activations decoded in the loop, K split across programs
 when the column tiles alone would not fill the GPU (partials summed in a fixed order); above
 it the activations are decoded to bf16 once and the weights in the loop.
+
+The decode and prefill paths multiply decoded values where each is exact in the type the
+product takes (:mod:`kbbq_pl.kernels.exact`), so they too give the exact product of the codes
+rounded once, up to FP32 accumulation.
 
 On compute capability 10.x (Blackwell) NVFP4 goes through ``torch._scaled_mm``'s FP4 path
 (:mod:`kbbq_pl.kernels.blackwell`, untested here: no such GPU).
@@ -365,7 +380,8 @@ def choose_path(m: int) -> str:
     return "prefill" if m >= PREFILL_MIN_M else "tiled"
 
 
-def _decode_path(x2: Tensor, prepared: PreparedWeight, t: Tensor | None, act_gs, bias,
+def _decode_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | None,
+                 prepared: PreparedWeight, t: Tensor | None, act_gs, bias,
                  out_dtype: torch.dtype) -> Tensor:
     from . import skinny
 
@@ -374,26 +390,26 @@ def _decode_path(x2: Tensor, prepared: PreparedWeight, t: Tensor | None, act_gs,
     values, pts = quantize_activation_values(x2, t, fmt, act_gs,
                                              dtype=skinny.activation_dtype(scale_kind),
                                              word_order=True)
-    w_global = prepared.global_scale
-    return skinny.skinny_matmul(values, x2.shape[0], prepared.codes, prepared.scales, pts,
-                                w_global, fmt.block_size, scale_kind, gain, prepared.shift,
-                                bias, out_dtype)
+    return skinny.skinny_matmul(values, x2.shape[0], codes, scales, pts, w_global,
+                                fmt.block_size, scale_kind, gain, prepared.shift(scales), bias,
+                                out_dtype)
 
 
-def _prefill_path(x2: Tensor, prepared: PreparedWeight, t: Tensor | None, act_gs, bias,
+def _prefill_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | None,
+                  prepared: PreparedWeight, t: Tensor | None, act_gs, bias,
                   out_dtype: torch.dtype, product: str) -> Tensor:
     fmt = prepared.fmt
     scale_kind, _, gain = _scale_meta(fmt)
     a, pts = quantize_activation_values(x2, t, fmt, act_gs, dtype=torch.bfloat16)
     w = prepared.decoded
     if w is None:
-        w = decode_weight(prepared.codes, prepared.scales, fmt)
+        w = decode_weight(codes, scales, fmt)
     alpha = prepared.alpha(static=act_gs is not None)
     if product == "auto":
         product = "cublas" if alpha is not None and out_dtype == torch.bfloat16 else "triton"
     if product == "triton":
-        return _backend().decoded_matmul(a, w, pts, prepared.global_scale, scale_kind, gain,
-                                         bias, out_dtype)
+        return _backend().decoded_matmul(a, w, pts, w_global, scale_kind, gain, bias,
+                                         out_dtype)
     if alpha is not None and out_dtype == torch.bfloat16:
         # cuBLAS scales the FP32 sum, adds the bias and rounds once
         if bias is None:
@@ -402,7 +418,7 @@ def _prefill_path(x2: Tensor, prepared: PreparedWeight, t: Tensor | None, act_gs
     # scales only on the device (or another output dtype): the FP32 product, then one rounding
     acc = _fp32_product(a, w)
     if pts is not None:
-        acc = acc * pts * prepared.global_scale
+        acc = acc * pts * w_global
     if gain != 1.0:
         acc = acc / (gain * gain)
     if bias is not None:
@@ -465,17 +481,17 @@ def linear_w4a4(
         y = w4a4_matmul(codes, scales, pts, weight_codes, weight_scales, weight_global, fmt,
                         bias, out_dtype)
         return y.reshape(*lead, weight_codes.shape[0])
+    codes, scale_bytes = _operand(weight_codes, weight_scales, fmt.block_size, "weight",
+                                  "linear_w4a4")
+    w_global = (None if weight_global is None
+                else _device_scalar(weight_global, x.device, "weight_global"))
     if prepared is None:
-        prepared = _prepare_weight(
-            *_operand(weight_codes, weight_scales, fmt.block_size, "weight", "linear_w4a4"),
-            None if weight_global is None else _device_scalar(weight_global, x.device,
-                                                              "weight_global"),
-            fmt, host_scalars=False)
-    elif prepared.codes.shape != weight_codes.shape or prepared.fmt != fmt:
-        raise ValueError("linear_w4a4: prepared is for other weights "
-                         f"({tuple(prepared.codes.shape)} {prepared.fmt.name})")
-    n = prepared.codes.shape[0]
-    if fmt.global_scale and prepared.global_scale is None:
+        prepared = _prepare_weight(codes, scale_bytes, w_global, fmt, host_scalars=False)
+    elif prepared.shape != tuple(codes.shape) or prepared.fmt != fmt:
+        raise ValueError(f"linear_w4a4: prepared is for other weights ({prepared.shape} "
+                         f"{prepared.fmt.name})")
+    n = codes.shape[0]
+    if fmt.global_scale and w_global is None:
         raise ValueError(f"linear_w4a4: {fmt.name} needs the weights' per-tensor scale")
     if bias is not None and (bias.shape != (n,) or bias.device != x.device):
         raise ValueError(f"linear_w4a4: bias must be [{n}] on {x.device}, got shape "
@@ -483,14 +499,16 @@ def linear_w4a4(
     if bias is not None:
         bias = bias.contiguous()
     t = _check_transform(transform, k, fmt.block_size, x.device, "linear_w4a4")
-    if path == "decode" and prepared.shift is None:  # MX exponents too far apart for bf16
+    if path == "decode" and prepared.shift(scale_bytes) is None:  # MX exponents too far apart
         path = "tiled"
     if path == "tiled":
-        codes, scales, pts = quantize_activations(x2, transform, fmt, act_global_scale)
-        y = w4a4_matmul(codes, scales, pts, weight_codes, weight_scales, weight_global, fmt,
+        a_codes, a_scales, pts = quantize_activations(x2, transform, fmt, act_global_scale)
+        y = w4a4_matmul(a_codes, a_scales, pts, weight_codes, weight_scales, weight_global, fmt,
                         bias, out_dtype)
     elif path == "decode":
-        y = _decode_path(x2, prepared, t, act_global_scale, bias, out_dtype)
+        y = _decode_path(x2, codes, scale_bytes, w_global, prepared, t, act_global_scale, bias,
+                         out_dtype)
     else:
-        y = _prefill_path(x2, prepared, t, act_global_scale, bias, out_dtype, prefill_product)
+        y = _prefill_path(x2, codes, scale_bytes, w_global, prepared, t, act_global_scale, bias,
+                          out_dtype, prefill_product)
     return y.reshape(*lead, n)

@@ -1,13 +1,15 @@
-"""What a W4A4 layer's weights need, prepared once per device for the kernels' fast paths.
+"""What a W4A4 layer's weights need beyond their codes, worked out once per device.
 
-:class:`PreparedWeight` holds the weights as stored (codes ``[N, K/2]``, scale bytes, the NVFP4
-per-tensor scale: the decode path reads them as they are, see :mod:`kbbq_pl.kernels.skinny`)
-and what is worked out once instead of per call: the MX decode shift
-(:func:`kbbq_pl.kernels.exact.mx_shift`), host copies of the static scales (so the prefill
-path can hand cuBLAS one FP32 ``alpha`` without a device-to-host copy per call) and, opt-in,
-the weights decoded to bf16 (:attr:`PreparedWeight.decoded`, 2 bytes a weight: the prefill
-path's decode then costs nothing per call, at 3.6 to 3.8 times the packed weights' memory).
-Pure torch; the decode itself is the Triton kernel of :mod:`kbbq_pl.kernels.triton_kernels`.
+:class:`PreparedWeight` holds what the fast paths of :func:`kbbq_pl.kernels.linear_w4a4` would
+otherwise work out in every call: the MX decode shift (:func:`kbbq_pl.kernels.exact.mx_shift`,
+one read of the exponents' range), host copies of the static scales (so the prefill path can
+hand cuBLAS one FP32 ``alpha`` without a device-to-host copy per call) and, opt-in, the weights
+decoded to bf16 (:attr:`PreparedWeight.decoded`, 2 bytes a weight: the prefill path's decode
+then costs nothing per call, at 3.6 to 3.8 times the packed weights' memory).  The codes and
+scales themselves are not held: every product is given them (the decode path reads them as
+they are stored, see :mod:`kbbq_pl.kernels.skinny`), so a cache of prepared weights keyed
+weakly by the codes lets them go.  Pure torch; the decode itself is the Triton kernel of
+:mod:`kbbq_pl.kernels.triton_kernels`.
 """
 
 from __future__ import annotations
@@ -23,39 +25,30 @@ from .exact import mx_shift
 
 @dataclass
 class PreparedWeight:
-    """A weight's fields for :func:`kbbq_pl.kernels.linear_w4a4` (see the module docstring).
+    """What :func:`kbbq_pl.kernels.linear_w4a4` works out once for a weight (module docstring).
 
     Attributes:
-        codes: packed E2M1 codes ``uint8 [N, K/2]`` (element ``2i`` in the low nibble).
-        scales: block scales, one byte each ``[N, K/d]`` (E4M3 bits or biased E8M0 exponents).
-        global_scale: the NVFP4 per-tensor scale (FP32 ``[]`` on the device), None for MX.
         fmt: the format.
-        host_global: ``float(global_scale)`` (NVFP4), read once; None if not read.
+        shape: the shape of the codes it was prepared for, ``(N, K/2)``.
+        host_global: the NVFP4 per-tensor scale as a float, read once; None if not read.
         host_act_scale: the static NVFP4 activation scale as a float, when the layer has one.
         decoded: ``q * s`` in bf16 ``[N, K]`` (without the per-tensor scale), or None.
     """
 
-    codes: Tensor
-    scales: Tensor
-    global_scale: Tensor | None
     fmt: Format
+    shape: tuple[int, int]
     host_global: float | None = None
     host_act_scale: float | None = None
     decoded: Tensor | None = None
     _shift: int | None = None
 
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
-
-    @property
-    def shift(self) -> int | None:
-        """The MX decode shift (:func:`~kbbq_pl.kernels.exact.mx_shift`; 0 for NVFP4), read
-        from the exponents on the first use; None where no shift decodes the weights exactly
-        in bf16 (the decode path then leaves them to the tiled GEMM)."""
+    def shift(self, scales: Tensor) -> int | None:
+        """The MX decode shift of these block scales (0 for NVFP4), read from them on the
+        first use; None where no shift decodes the weights exactly in bf16 (the decode path
+        then leaves them to the tiled GEMM)."""
         if self._shift is None:
             try:
-                self._shift = mx_shift(self.scales) if self.fmt.scale_kind == "e8m0" else 0
+                self._shift = (mx_shift(scales) if self.fmt.scale_kind == "e8m0" else 0)
             except ValueError:
                 self._shift = -1
         return None if self._shift < 0 else self._shift
@@ -80,14 +73,13 @@ def prepare_weight(codes: Tensor, scales: Tensor, global_scale: Tensor | None, f
     to the host now (one device-to-host copy each, once; MX reads its exponents' range too);
     ``decode(codes, scales)`` (the Triton decode) fills :attr:`PreparedWeight.decoded` when
     ``keep_decoded``."""
-    scale_bytes = scales.contiguous().view(torch.uint8)
-    prepared = PreparedWeight(codes.contiguous(), scale_bytes, global_scale, fmt)
+    prepared = PreparedWeight(fmt, tuple(codes.shape))
     if host_scalars:
         prepared.host_global = None if global_scale is None else float(global_scale)
         prepared.host_act_scale = None if act_global_scale is None else float(act_global_scale)
-        prepared.shift  # noqa: B018 - read once now rather than in the first product
+        prepared.shift(scales)
     if keep_decoded:
         if decode is None:
             raise ValueError("keep_decoded needs the decode function")
-        prepared.decoded = decode(prepared.codes, prepared.scales)
+        prepared.decoded = decode(codes, scales)
     return prepared

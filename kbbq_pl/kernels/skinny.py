@@ -25,7 +25,9 @@ memory's speed and do little else per byte:
 
 One launch computes the product; with the activation kernel before it a decode-path linear
 is two launches (three for dynamic NVFP4, whose per-tensor scale needs the amax of the whole
-input first).  No host synchronization, no allocation but the output and the partials.
+input first).  No host synchronization, no allocation but the output and the partials.  The
+split-K counters are one buffer per device: decode GEMMs on two streams of one device at the
+same time would share them (run them on one stream, as a model's layers do).
 """
 
 from __future__ import annotations

@@ -386,6 +386,14 @@ def test_w4a4_layer_dispatches_by_rows_and_keeps_its_prepared_weight():
     assert_within_one_bf16_rounding(few, ref(x[:2]))
     assert float((emulated.float() - many.float()).abs().max()) <= float(
         ref(x).abs().max()) * 2**-7
+    # the prepared weight holds nothing of the codes: the cache lets them go with the layer
+    import gc
+    import weakref
+
+    codes = weakref.ref(layer.weight.qdata)
+    del layer, weight
+    gc.collect()
+    assert codes() is None
 
 
 # --------------------------------------------------------------------------- GPU

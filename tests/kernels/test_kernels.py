@@ -210,8 +210,12 @@ def test_gpu_product_paths_run_under_the_interpreter(product):
     want = K.reference_quantize_activations(x, t, "mxfp4")
     got = tk.quantize_activations(x, t, 32, tk.SCALE_E8M0, 0, 1.0, None,
                                   product=getattr(tk, product))
-    assert float((got[0] != want[0]).float().mean()) < 0.01
-    assert float((got[1] != want[1]).float().mean()) < 0.05
+    codes = float((got[0] != want[0]).float().mean())
+    scales = float((got[1] != want[1]).float().mean())
+    print(f"{product} under the interpreter: code-byte mismatch rate {codes:.3g}, scale "
+          f"mismatch rate {scales:.3g} against the exact FMA chain")
+    assert codes < 0.01
+    assert scales < 0.05
 
 
 def test_tiny_dynamic_scale_quantizes_to_zeros():
@@ -476,7 +480,7 @@ def test_gpu_bench_tiny_run(capsys):
     out = capsys.readouterr().out
     summary = out[out.index("## summary"):]
     for row in ("bit for bit the CPU reference | 1/1", "within one bf16 rounding of the exact "
-                "product | 4/4", "linear M=1 nvfp4", "activation nvfp4 16x16 blocks bf16 values",
+                "product | 4/4", "linear M=1 nvfp4", "activation nvfp4 16x16 blocks, exact",
                 "model nvfp4: decode batch 2", "model nvfp4: prefill", "peers: skipped"):
         assert row in summary, row
     assert "FAILED" not in summary

@@ -1,171 +1,571 @@
-"""W4A4 on one GPU, side by side with bf16: activation quantization, the GEMM, a whole model.
+"""W4A4 on one GPU against bf16, in one run: correctness, the GEMM paths, the activation kernel,
+peers, a whole model; a short table of every row against its target printed last.
 
-    python bench/gpu.py [--sections act,gemm,model] [--formats nvfp4,mxfp4] [--rep-ms 200]
-    python bench/gpu.py --dry-run     # tiny shapes on the CPU under TRITON_INTERPRET=1
+    python bench/gpu.py [--sections check,gemm,act,model,peers] [--formats nvfp4,mxfp4]
+                        [--budget-s 500] [--json PATH]
+    python bench/gpu.py --tiny        # (or --dry-run) tiny shapes on the CPU under the interpreter
 
-Every ratio compares two measurements of one run (CUDA events, warm-up, median;
-``triton.testing.do_bench`` clears the L2 cache between repeats, so the 32 MB of packed weights
-are read from memory as the 134 MB of bf16 weights are):
+Sections (issue 45; each runs in its own guard: a failing section prints its traceback and
+the run goes on, and the summary says what failed or was skipped for time):
 
-* activation quantize: ``kbbq_pl.kernels.quantize_activations`` on an 8192 x 8192 bf16 input
-  (no transform, and one random 16 x 16 / 32 x 32 matrix per block: the KBBQ case, as costly as
-  block Hadamard), bytes read + written (input, transform, codes, scales: each once) over time,
-  against a device-to-device copy of the input (bytes read + written).  Target >= 0.70.  The
-  ``tf32x3`` row multiplies ``T x`` on tensor cores instead of the exact FMA chain (faster, not
-  bit-identical: its code mismatch rate against the exact kernel is printed beside it).
-* W4A4 GEMM: ``w4a4_matmul`` on packed operands against ``torch.matmul`` in bf16 at
-  K = N = 8192.  Targets: speed-up >= 2.5 at M = 1 and 16, >= 0.8 at M = 4096.
-* whole model: a random-init Llama (hidden 4096, 8 layers) in bf16 against the same model with
-  every decoder linear's weight a ``W4A4Weight`` (Hadamard blocks, dynamic activation
-  scales; its ``F.linear`` runs ``kbbq_pl.kernels.linear_w4a4``): weight memory, batch-1
-  greedy decoding (CUDA graphs), prefill of 4 x 2048 tokens, and two checks of the kernel path
-  against ``W4A4Weight``'s emulation on the same GPU:
-  the first block's linears on the model's own activations (each output should be within one
-  bf16 rounding of the emulation's: the products agree to ~1e-7 and the bf16 outputs differ
-  at near-ties), and the logits of each path against the bf16 model's.  Whole-model logits of
-  the two paths are not compared with each other: in a random-init W4A4 model a one-ulp
-  difference flips FP4 codes in the next layer, and the flips compound (an H100 run saw a 0.43
-  relative difference for NVFP4 whose every linear agreed to 7e-5), so the check is that both
-  are equally far from bf16.  Targets: memory <= 0.35, decode >= 2.0, prefill >= 0.7.
+* ``check``: the activation kernel's codes and scales bit for bit the CPU reference
+  (``kbbq_pl.kernels.reference``) and its values the reference codes decoded, NVFP4 (dynamic)
+  and MXFP4 with random 16 x 16 / 32 x 32 blocks at M = 1, 16, 256; every path of
+  ``linear_w4a4`` (decode M = 1, 16; tiled M = 64; prefill M = 1024 through cuBLAS and Triton)
+  within one bf16 rounding of the float64 product of the same codes.
+* ``gemm``: ``linear_w4a4`` as a layer runs it (activation kernel + product, dynamic NVFP4 /
+  MXFP4 scales, no transform and KBBQ-shaped random blocks) against bf16 ``torch.matmul`` at
+  K = N = 8192 and the Llama-3-8B shapes 4096 -> 4096, 4096 -> 6144, 4096 -> 14336,
+  14336 -> 4096, M = 1, 16, 4096.  Targets: 2.5x at M = 1, 2.2x at M = 16, 0.95x at
+  M = 4096.  Beside each: the product alone, its fraction of the copy bandwidth (packed codes,
+  scales, activations and output, each once), and whether the output is within one bf16
+  rounding of the exact product.  Timed as CUDA graphs replaying the call over enough copies
+  of the weights to overflow the L2 cache (so weights come from memory, as in a model), the
+  median of replays divided by the copies.
+* ``act``: a device-to-device copy of 8192 x 8192 bf16 (bytes read + written), the activation
+  kernel's codes (exact FMA transform and the tf32x3 product with its code mismatch rate) and
+  its bf16 values (what the prefill path runs), per byte moved against the copy.  Target 0.8.
+* ``model``: a random-init Llama (hidden 4096, 8 layers, intermediate 14336) in bf16 and with
+  every decoder linear a ``W4A4Weight`` (random per-block transforms, dynamic scales):
+  weight memory, batch-1 and batch-16 greedy decoding (CUDA graphs), prefill of 4 x 2048, the
+  first block's linears on the kernels against the emulation on the same GPU, and each path's
+  logits against bf16's.  Targets: memory <= 0.35, decode 2.0x (batch 1) and 1.8x (batch 16),
+  prefill 0.9x.
+* ``peers`` (last: they take what time is left): torch's int4 weight-only kernel
+  (``aten._weight_int4pack_mm``, group 32) and, when importable, GemLite 0.6's ``A16W4_NVFP``,
+  ``A16W4_MXFP``, ``A4W4_NVFP_dynamic`` and ``A4W4_MXFP_dynamic``, at the same shapes and M,
+  timed the same way.
 
-The model section quantizes the decoder linears the library's way (their weights become
-``kbbq_pl.quant.w4a4.W4A4Weight``, whose ``F.linear`` dispatches to the kernels on CUDA).
-Without CUDA the script exits with a message unless ``--dry-run`` is given.
+``--tiny`` runs every section's logic on tiny shapes on the CPU under Triton's interpreter
+(timings meaningless, no peers), which ``tests/kernels/test_kernels.py`` does so that this script
+cannot rot.  Without CUDA and without ``--tiny`` the script exits with a message.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import json
 import math
 import os
+import statistics
+import subprocess
 import sys
 import time
-from dataclasses import dataclass
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
 from unittest import mock
 
 import torch
 from torch import nn
 
-FULL = dict(act_shape=(8192, 8192), gemm_nk=8192, gemm_m=(1, 16, 4096), hidden=4096,
-            intermediate=11008, heads=32, layers=8, vocab=32000, prefill=(4, 2048),
-            prompt=32, decode_tokens=128, logits_tokens=16)
-DRY = dict(act_shape=(20, 64), gemm_nk=64, gemm_m=(1, 20), hidden=32, intermediate=64,
-           heads=2, layers=1, vocab=64, prefill=(2, 8), prompt=3, decode_tokens=2,
-           logits_tokens=3)
-TARGETS = {"act": 0.70, "gemm_small": 2.5, "gemm_large": 0.8, "memory": 0.35, "decode": 2.0,
-           "prefill": 0.7}
+FULL = dict(act_shape=(8192, 8192), check_k=4096, check_n=4096, check_m=(1, 16, 256),
+            gemm_shapes=((8192, 8192), (4096, 4096), (4096, 6144), (4096, 14336),
+                         (14336, 4096)),
+            gemm_m=(1, 16, 4096), path_m=(1, 16, 64, 1024), prefill_min_m=None,
+            hidden=4096, intermediate=14336, heads=32, kv_heads=8, layers=8, vocab=32000,
+            prefill=(4, 2048), prompt=32, decode_tokens=64, decode_batches=(1, 16),
+            logits_tokens=16, rotate_bytes=150e6, replays=20)
+TINY = dict(act_shape=(20, 64), check_k=64, check_n=24, check_m=(3,),
+            gemm_shapes=((64, 48),), gemm_m=(1, 40), path_m=(1, 20, 40),
+            prefill_min_m=32, hidden=32, intermediate=64, heads=2, kv_heads=2, layers=1,
+            vocab=64, prefill=(2, 8), prompt=3, decode_tokens=2, decode_batches=(1, 2),
+            logits_tokens=3, rotate_bytes=0, replays=1)
+TARGETS = {"act": 0.8, "decode_1": 2.5, "decode_16": 2.2, "prefill": 0.95, "copy_m1": 0.7,
+           "memory": 0.35, "model_decode_1": 2.0, "model_decode_16": 1.8, "model_prefill": 0.9}
+
+
+# --------------------------------------------------------------------------- infrastructure
 
 
 @dataclass
-class Timer:
-    """Median seconds of ``fn()``: CUDA events through ``triton.testing.do_bench`` on GPUs;
-    on the CPU (dry runs, where only the logic matters) one call timed by the host clock."""
+class Run:
+    """Shapes, device, time budget, and what every section found (rows for the JSON, lines
+    for the summary)."""
 
+    shapes: dict
     device: torch.device
-    rep_ms: float
+    formats: list[str]
+    budget_s: float
+    rows: list[dict] = field(default_factory=list)
+    summary: list[list] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    start: float = field(default_factory=time.perf_counter)
+    copy_rate: float | None = None  # bytes/s of a device copy (read + written)
 
-    def __call__(self, fn) -> float:
-        if self.device.type == "cuda":
-            from triton.testing import do_bench
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
 
-            return do_bench(fn, warmup=max(25, self.rep_ms // 4), rep=self.rep_ms,
-                            return_mode="median") / 1e3
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
+    def left(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.start)
+
+    def add(self, section: str, **row) -> None:
+        self.rows.append(dict(section=section, **row))
+
+    def line(self, what: str, measured, target="", met="") -> None:
+        self.summary.append([what, measured, target, met])
+
+
+@contextlib.contextmanager
+def section(run: Run, name: str, needs_s: float = 0.0):
+    """Run a section: skipped when less than ``needs_s`` of the budget is left; an exception is
+    printed and noted, and the run goes on."""
+    if run.left() < needs_s:
+        run.notes.append(f"{name}: skipped, {run.left():.0f} s of the budget left "
+                         f"(needs about {needs_s:.0f})")
+        print(f"\n## {name}: skipped ({run.left():.0f} s left)")
+        yield False
+        return
+    began = time.perf_counter()
+    print(f"\n## {name}", flush=True)
+    try:
+        yield True
+    except Exception as error:  # report and go on: the other sections still run
+        traceback.print_exc()
+        run.notes.append(f"{name}: FAILED after {time.perf_counter() - began:.0f} s: "
+                         f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
+        if run.cuda:
+            torch.cuda.synchronize()
+    else:
+        run.notes.append(f"{name}: {time.perf_counter() - began:.0f} s")
 
 
 def table(title: str, header: list[str], rows: list[list]) -> None:
-    print(f"\n## {title}\n")
+    print(f"\n### {title}\n")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:
-        cells = [f"{v:.4g}" if isinstance(v, float) else str(v) for v in row]
-        print("| " + " | ".join(cells) + " |")
+        print("| " + " | ".join(fmt(v) for v in row) + " |", flush=True)
 
 
-def random_blocks(k: int, d: int, device: torch.device, seed: int = 0) -> torch.Tensor:
+def fmt(value) -> str:
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.4g}"
+    return str(value)
+
+
+def seconds_per_call(run: Run, calls: list, replays: int | None = None) -> float:
+    """Median seconds of one call: on a GPU the calls (one per copy of the weights, enough to
+    overflow the L2 cache) captured in one CUDA graph and replayed; on the CPU one call timed by
+    the host clock (tiny runs check logic, not speed)."""
+    if not run.cuda:
+        start = time.perf_counter()
+        calls[0]()
+        return time.perf_counter() - start
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:  # warm-up, autotuning and first-use preparation outside the capture
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays or run.shapes["replays"]):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / 1e3 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+def copies(run: Run, nbytes: int) -> int:
+    """How many copies of ``nbytes`` of weights overflow the L2 cache (at least one)."""
+    return max(1, min(32, math.ceil(run.shapes["rotate_bytes"] / max(nbytes, 1))))
+
+
+def kbbq_blocks(k: int, d: int, device, seed: int = 0) -> torch.Tensor:
+    """Random per-block transforms ``[K/d, d, d]``: the cost of KBBQ's (and block Hadamard's)."""
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(k // d, d, d, generator=gen) / math.sqrt(d)).to(device)
 
 
-# --------------------------------------------------------------------------- activations
+def quantized(w: torch.Tensor, fmt: str):
+    from kbbq_pl import formats as F
+
+    return F.quantize(w, fmt)
 
 
-def activation_section(shapes: dict, formats: list[str], device, timer: Timer) -> None:
+def within_one_rounding(y: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
+    """Whether every output is the exact value rounded once to bf16 (half an ulp, 2^-8 of the
+    value, up to FP32 accumulation), and the worst excess over that, relative to max |ref|."""
+    slack = 2.0**-8 * ref.abs() + 1e-6 * ref.abs().max()
+    excess = float(((y.double() - ref).abs() - slack).max() / ref.abs().max().clamp_min(1e-30))
+    return excess <= 0, max(excess, 0.0)
+
+
+# --------------------------------------------------------------------------- check
+
+
+def check_section(run: Run) -> None:
     from kbbq_pl import kernels as K
     from kbbq_pl.formats import get_format
-    from kbbq_pl.kernels import triton_kernels as tk
 
-    m, k = shapes["act_shape"]
-    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    copy = torch.empty_like(x)
-    t_copy = timer(lambda: copy.copy_(x))
-    copy_rate = 2 * x.numel() * x.element_size() / t_copy
+    device, k, n = run.device, run.shapes["check_k"], run.shapes["check_n"]
+    codes_ok = codes_all = paths_ok = paths_all = 0
     rows = []
-    for name in formats:
-        fmt = get_format(name)
-        d = fmt.block_size
-        t = random_blocks(k, d, device)
-        scales = [None, 0.01] if fmt.global_scale else [None]
-        for transform, label in ((None, "none"), (t, f"{d}x{d} per block")):
-            for scale in scales:
-                written = m * k // 2 + m * k // d
-                read = x.numel() * 2 + (0 if transform is None else transform.numel() * 4)
-                seconds = timer(lambda: K.quantize_activations(x, transform, fmt, scale))
-                rate = (read + written) / seconds
-                kind = "static" if scale is not None else ("dynamic, 2 passes" if fmt.global_scale
-                                                           else "-")
-                rows.append([name, label, kind, "fma (exact)", seconds * 1e3, rate / 1e9,
-                             rate / copy_rate, TARGETS["act"], ""])
-        if device.type == "cuda":
-            kind, rounding, gain = K._scale_meta(fmt)
-            gs = None if not fmt.global_scale else torch.tensor(0.01, device=device)
-            exact = tk.quantize_activations(x, t, d, kind, rounding, gain, gs)
-
-            def fast():
-                return tk.quantize_activations(x, t, d, kind, rounding, gain, gs,
-                                               product=tk.PRODUCT_TF32X3)
-
-            seconds = timer(fast)
-            mismatch = float((fast()[0] != exact[0]).float().mean())
-            rate = (x.numel() * 2 + t.numel() * 4 + m * k // 2 + m * k // d) / seconds
-            rows.append([name, f"{d}x{d} per block", "static" if gs is not None else "-",
-                         "tf32x3", seconds * 1e3, rate / 1e9, rate / copy_rate, TARGETS["act"],
-                         f"{mismatch:.2g}"])
-    print(f"\ndevice-to-device copy of {m} x {k} bf16: {t_copy * 1e3:.4g} ms, "
-          f"{copy_rate / 1e9:.4g} GB/s (read + written)")
-    table(f"activation quantize, {m} x {k} bf16 (bytes read + written / time, vs the copy)",
-          ["format", "transform", "scale", "product", "ms", "GB/s", "x copy", "target",
-           "code mismatch"], rows)
+    for name in run.formats:
+        d = get_format(name).block_size
+        t = kbbq_blocks(k, d, device, seed=1)
+        for m in run.shapes["check_m"]:
+            x = (torch.randn(m, k) * 3).to(torch.bfloat16)
+            want = K.reference_quantize_activations(x, t.cpu(), name)
+            got = K.quantize_activations(x.to(device), t, name)
+            bad = int((got[0].cpu() != want[0]).sum())
+            bad += int((got[1].cpu().view(torch.uint8) != want[1].view(torch.uint8)).sum())
+            values, _ = K.quantize_activation_values(x.to(device), t, name, dtype=torch.bfloat16)
+            ref_values, _ = K.reference_activation_values(x, t.cpu(), name, None, torch.bfloat16)
+            bad_values = int((values.cpu().view(torch.int16) != ref_values.view(torch.int16))
+                             .sum())
+            codes_all += 1
+            codes_ok += bad == 0 and bad_values == 0
+            rows.append([name, m, bad, got[0].numel() + got[1].numel(), bad_values])
+            run.add("check", kind="codes", fmt=name, m=m, mismatched=bad,
+                    mismatched_values=bad_values)
+    table(f"activation codes and values against the CPU reference, K = {k}, random blocks",
+          ["format", "M", "code/scale bytes differing", "of", "values differing"], rows)
+    rows = []
+    for name in run.formats:
+        d = get_format(name).block_size
+        t = kbbq_blocks(k, d, device, seed=2)
+        w = torch.randn(n, k, device=device) * 0.02
+        q = quantized(w, name)
+        prepared = K.prepare_weight(q.qdata, q.scale, q.global_scale, name)
+        for m in run.shapes["path_m"]:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            a = K.quantize_activations(x, t, name)
+            ref = K.reference_w4a4_matmul(*a, q.qdata, q.scale, q.global_scale, name)
+            path = K.choose_path(m)
+            for product in (("auto", "triton") if path == "prefill" else ("auto",)):
+                y = K.linear_w4a4(x, q.qdata, q.scale, q.global_scale, name, t,
+                                  prepared=prepared, prefill_product=product)
+                ok, excess = within_one_rounding(y, ref)
+                paths_all += 1
+                paths_ok += ok
+                rows.append([name, m, path, product, "yes" if ok else "NO", excess])
+                run.add("check", kind="product", fmt=name, m=m, path=path, product=product,
+                        within_one_rounding=ok, excess=excess)
+    table(f"linear_w4a4 against the exact product of the same codes, K = {k}, N = {n}",
+          ["format", "M", "path", "prefill product", "within one bf16 rounding",
+           "worst excess / max|ref|"], rows)
+    run.line("activation codes, scales, values bit for bit the CPU reference",
+             f"{codes_ok}/{codes_all}", "all", "yes" if codes_ok == codes_all else "NO")
+    run.line("every path within one bf16 rounding of the exact product",
+             f"{paths_ok}/{paths_all}", "all", "yes" if paths_ok == paths_all else "NO")
 
 
 # --------------------------------------------------------------------------- GEMM
 
 
-def gemm_section(shapes: dict, formats: list[str], device, timer: Timer) -> None:
-    from kbbq_pl import formats as F
+def gemm_section(run: Run) -> None:
     from kbbq_pl import kernels as K
+    from kbbq_pl.formats import get_format
+    from kbbq_pl.kernels import skinny
+    from kbbq_pl.kernels import triton_kernels as tk
 
-    n = k = shapes["gemm_nk"]
-    w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+    device = run.device
+    rows, ratios = [], {}
+    for k, n in run.shapes["gemm_shapes"]:
+        if run.left() < 30:
+            run.notes.append(f"gemm: stopped before {k} -> {n} for time")
+            break
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+        w_set = [w] + [w.clone() for _ in range(copies(run, w.numel() * 2) - 1)]
+        packed = {name: quantized(w, name) for name in run.formats}
+        for m in run.shapes["gemm_m"]:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            t_bf16 = seconds_per_call(run, [functools.partial(torch.matmul, x, wi.T)
+                                            for wi in w_set])
+            for name in run.formats:
+                fmt_ = get_format(name)
+                q = packed[name]
+                nbytes = q.qdata.numel() + q.scale.numel()
+                sets = [(q.qdata, q.scale)] + [(q.qdata.clone(), q.scale.clone())
+                                                for _ in range(copies(run, nbytes) - 1)]
+                preps = [K.prepare_weight(c, s, q.global_scale, name) for c, s in sets]
+                for label, t in (("none", None), ("KBBQ blocks", kbbq_blocks(k, fmt_.block_size,
+                                                                             device))):
+                    calls = [functools.partial(K.linear_w4a4, x, c, s, q.global_scale, name, t,
+                                               prepared=p) for (c, s), p in zip(sets, preps)]
+                    t_ours = seconds_per_call(run, calls)
+                    y = calls[0]()
+                    a = K.quantize_activations(x, t, name)
+                    ref = K.reference_w4a4_matmul(*a, q.qdata, q.scale, q.global_scale, name)
+                    ok, excess = within_one_rounding(y, ref)
+                    path = K.choose_path(m)
+                    t_product, copy_fraction = product_only(run, K, skinny, tk, x, t, name,
+                                                            sets, preps, q.global_scale, path)
+                    ratio = t_bf16 / t_ours
+                    target = TARGETS["decode_1" if m == 1 else "decode_16" if m <= 16
+                                     else "prefill"]
+                    ratios.setdefault((m, name, label), []).append(ratio)
+                    rows.append([f"{k}->{n}", m, name, label, path, t_bf16 * 1e3, t_ours * 1e3,
+                                 ratio, target, t_product * 1e3, copy_fraction,
+                                 "yes" if ok else f"NO ({excess:.2g})"])
+                    run.add("gemm", k=k, n=n, m=m, fmt=name, transform=label, path=path,
+                            bf16_ms=t_bf16 * 1e3, ours_ms=t_ours * 1e3, speedup=ratio,
+                            target=target, product_ms=t_product * 1e3,
+                            copy_fraction=copy_fraction, within_one_rounding=ok)
+            print(f"  [{time.perf_counter() - run.start:.0f} s] {k}->{n} M={m} done", flush=True)
+        del w_set, packed
+    table("linear_w4a4 (activation kernel + product) against bf16 torch.matmul; product: the "
+          "GEMM alone (decode: the decode GEMM; prefill: weight decode + product); copy: its "
+          "bytes over time against the device copy",
+          ["K->N", "M", "format", "transform", "path", "bf16 ms", "W4A4 ms", "x bf16", "target",
+           "product ms", "copy fraction", "within one rounding"], rows)
+    for m, key in ((1, "decode_1"), (16, "decode_16"), (4096, "prefill")):
+        for name in run.formats:
+            found = {label: ratios[m, name, label] for label in ("none", "KBBQ blocks")
+                     if (m, name, label) in ratios}
+            if found:
+                every = [v for values in found.values() for v in values]
+                met = sum(v >= TARGETS[key] for v in every)
+                run.line(f"linear M={m} {name}: x bf16, min / median / max over shapes",
+                         "; ".join(f"{label} {spread(v)}" for label, v in found.items()),
+                         TARGETS[key], f"{met}/{len(every)}")
+    fractions = [r["copy_fraction"] for r in run.rows if r.get("section") == "gemm"
+                 and r["m"] == 1 and r["transform"] == "none"
+                 and r["copy_fraction"] == r["copy_fraction"]]
+    if fractions:
+        run.line("M=1 decode GEMM: fraction of copy bandwidth min/median/max", spread(fractions),
+                 TARGETS["copy_m1"], f"{sum(f >= TARGETS['copy_m1'] for f in fractions)}/"
+                 f"{len(fractions)}")
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.3g} / {statistics.median(values):.3g} / {max(values):.3g}"
+
+
+def product_only(run, K, skinny, tk, x, t, name, sets, preps, w_global,
+                 path) -> tuple[float, float]:
+    """Seconds of the product alone (activations already rounded) and, for the decode path,
+    its bytes (codes, scales, activation values, output; each once) over time against the
+    device copy."""
+    from kbbq_pl.formats import get_format
+
+    fmt_ = get_format(name)
+    kind, _, gain = K._scale_meta(fmt_)
+    m, k = x.shape
+    n = sets[0][0].shape[0]
+    if path == "decode":
+        values, pts = K.quantize_activation_values(x, t, name, dtype=skinny.activation_dtype(kind),
+                                                   word_order=True)
+        calls = [functools.partial(skinny.skinny_matmul, values, m, c, s.view(torch.uint8), pts,
+                                   w_global, fmt_.block_size, kind, gain,
+                                   p.shift(s.view(torch.uint8)), None,
+                                   torch.bfloat16) for (c, s), p in zip(sets, preps)]
+        seconds = seconds_per_call(run, calls)
+        nbytes = (sets[0][0].numel() + sets[0][1].numel() + values.numel() * values.element_size()
+                  + m * n * 2)
+        rate = nbytes / seconds
+        return seconds, rate / run.copy_rate if run.copy_rate else float("nan")
+    if path == "prefill":
+        a, pts = K.quantize_activation_values(x, t, name, dtype=torch.bfloat16)
+
+        def product(c, s, p):
+            w = K.decode_weight(c, s, name)
+            alpha = p.alpha(static=False)
+            if alpha is not None:
+                return torch.addmm(a.new_zeros(()), a, w.T, beta=0, alpha=alpha)
+            return tk.decoded_matmul(a, w, pts, w_global, kind, gain, None,
+                                     torch.bfloat16)
+
+        calls = [functools.partial(product, c, s, p) for (c, s), p in zip(sets, preps)]
+        return seconds_per_call(run, calls), float("nan")
+    return float("nan"), float("nan")
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def act_section(run: Run) -> None:
+    from kbbq_pl import kernels as K
+    from kbbq_pl.formats import get_format
+    from kbbq_pl.kernels import triton_kernels as tk
+
+    device = run.device
+    m, k = run.shapes["act_shape"]
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    rows, best = [], {}
+    for name in run.formats:
+        fmt_ = get_format(name)
+        d = fmt_.block_size
+        t_blocks = kbbq_blocks(k, d, device)
+        scales = [None, 0.01] if fmt_.global_scale else [None]
+        kind, rounding, gain = K._scale_meta(fmt_)
+        for transform, label in ((None, "none"), (t_blocks, f"{d}x{d} blocks")):
+            t_read = 0 if transform is None else transform.numel() * 4
+            for scale in scales:
+                scale_label = ("static" if scale is not None else
+                               "dynamic (2 passes)" if fmt_.global_scale else "-")
+                gs = None if scale is None else torch.tensor(scale, device=device)
+                outputs = [("codes", m * k // 2 + m * k // d)]
+                if scale is None:  # the layers' dynamic scales
+                    outputs.append(("bf16 values", 2 * m * k))
+                for output, written in outputs:
+                    if output == "codes":
+                        def call(transform=transform, gs=gs):
+                            return tk.quantize_activations(x, transform, d, kind, rounding, gain,
+                                                           gs)
+                    else:
+                        def call(transform=transform, gs=gs):
+                            return tk.quantize_activations(x, transform, d, kind, rounding, gain,
+                                                           gs, values_dtype=torch.bfloat16,
+                                                           codes=False)
+                    seconds = act_seconds(run, call)
+                    rate = (2 * m * k + t_read + written) / seconds
+                    ratio = rate / run.copy_rate if run.copy_rate else float("nan")
+                    rows.append([name, label, scale_label, output, "fma (exact)", seconds * 1e3,
+                                 rate / 1e9, ratio, TARGETS["act"], ""])
+                    best[name, label, output] = max(best.get((name, label, output), 0.0), ratio)
+                    run.add("act", fmt=name, transform=label, scale=scale_label, output=output,
+                            product="fma", ms=seconds * 1e3, x_copy=ratio)
+            if transform is not None and run.cuda:
+                gs = None if not fmt_.global_scale else torch.tensor(0.01, device=device)
+                exact = tk.quantize_activations(x, transform, d, kind, rounding, gain, gs)
+
+                def fast(transform=transform, gs=gs):
+                    return tk.quantize_activations(x, transform, d, kind, rounding, gain, gs,
+                                                   product=tk.PRODUCT_TF32X3)
+
+                seconds = act_seconds(run, fast)
+                mismatch = float((fast()[0] != exact[0]).float().mean())
+                rate = (2 * m * k + t_read + m * k // 2 + m * k // d) / seconds
+                ratio = rate / run.copy_rate
+                rows.append([name, label, "static" if gs is not None else "-", "codes",
+                             "tf32x3", seconds * 1e3, rate / 1e9, ratio, TARGETS["act"],
+                             f"{mismatch:.2g}"])
+                run.add("act", fmt=name, transform=label, output="codes", product="tf32x3",
+                        ms=seconds * 1e3, x_copy=ratio, code_mismatch=mismatch)
+                run.line(f"activation {name} {label} tf32x3: x copy (code mismatch rate)",
+                         f"{ratio:.3g} ({mismatch:.2g})", TARGETS["act"],
+                         "yes" if ratio >= TARGETS["act"] else "no")
+    table(f"activation kernel, {m} x {k} bf16: bytes read + written over time against the copy",
+          ["format", "transform", "scale", "output", "product", "ms", "GB/s", "x copy",
+           "target", "code mismatch"], rows)
+    for name in run.formats:
+        for label in dict.fromkeys(key[1] for key in best if key[0] == name):
+            found = {output: best[name, label, output] for output in ("codes", "bf16 values")
+                     if (name, label, output) in best}
+            met = sum(ratio >= TARGETS["act"] for ratio in found.values())
+            run.line(f"activation {name} {label}, exact: x copy (codes; bf16 values)",
+                     "; ".join(f"{ratio:.3g}" for ratio in found.values()), TARGETS["act"],
+                     f"{met}/{len(found)}")
+
+
+def act_seconds(run: Run, call) -> float:
+    """Median seconds of ``call`` (do_bench: the L2 cache flushed between repeats; the input is
+    larger than the cache anyway)."""
+    if not run.cuda:
+        start = time.perf_counter()
+        call()
+        return time.perf_counter() - start
+    from triton.testing import do_bench
+
+    return do_bench(call, warmup=25, rep=100, return_mode="median") / 1e3
+
+
+def copy_rate(run: Run) -> None:
+    """The device copy's bytes (read + written) per second, 8192 x 8192 bf16 (the ceiling every
+    bandwidth ratio is taken against)."""
+    m, k = run.shapes["act_shape"]
+    x = torch.randn(m, k, device=run.device, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    seconds = act_seconds(run, lambda: y.copy_(x))
+    run.copy_rate = 2 * x.numel() * 2 / seconds
+    print(f"device-to-device copy of {m} x {k} bf16: {seconds * 1e3:.4g} ms, "
+          f"{run.copy_rate / 1e9:.4g} GB/s (read + written)")
+    run.add("copy", ms=seconds * 1e3, gb_s=run.copy_rate / 1e9)
+    run.line("device copy, GB/s (read + written)", f"{run.copy_rate / 1e9:.4g}")
+
+
+# --------------------------------------------------------------------------- peers
+
+
+def peers_section(run: Run) -> None:
+    if not run.cuda:
+        print("peers: skipped (they run on CUDA only)")
+        run.notes.append("peers: skipped on the CPU")
+        return
+    device = run.device
     rows = []
-    for m in shapes["gemm_m"]:
-        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-        t_bf16 = timer(lambda: torch.matmul(x, w.T))
-        for name in formats:
-            q = F.quantize(w, name)
-            a = K.quantize_activations(x, None, name)
-            args = (*a, q.qdata, q.scale, q.global_scale, name)
-            t_fp4 = timer(lambda: K.w4a4_matmul(*args))
-            ref = K.reference_w4a4_matmul(*args)
-            err = float((K.w4a4_matmul(*args, None, torch.float32).double() - ref).norm()
-                        / ref.norm())
-            target = TARGETS["gemm_small" if m <= 16 else "gemm_large"]
-            rows.append([m, name, t_bf16 * 1e3, t_fp4 * 1e3, t_bf16 / t_fp4, target, err])
-    table(f"W4A4 GEMM vs bf16 torch.matmul, K = N = {n}",
-          ["M", "format", "bf16 ms", "W4A4 ms", "speed-up", "target", "fp32 rel. error"], rows)
+    gemlite = gemlite_classes()
+    best_m1: dict[str, list[float]] = {}
+    for k, n in run.shapes["gemm_shapes"]:
+        if run.left() < 40:
+            run.notes.append(f"peers: stopped before {k} -> {n} for time")
+            break
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+        w_set = [w] + [w.clone() for _ in range(copies(run, w.numel() * 2) - 1)]
+        for m in run.shapes["gemm_m"]:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            t_bf16 = seconds_per_call(run, [functools.partial(torch.matmul, x, wi.T)
+                                            for wi in w_set])
+            for peer, make in [("int4 tinygemm g32", int4_tinygemm), *gemlite]:
+                try:
+                    calls = [make(w, x) for _ in range(copies(run, w.numel() // 2))]
+                    seconds = seconds_per_call(run, calls)
+                except Exception as error:  # a peer that does not run here is a row, not a crash
+                    rows.append([f"{k}->{n}", m, peer, t_bf16 * 1e3, "-", "-",
+                                 f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"])
+                    continue
+                rows.append([f"{k}->{n}", m, peer, t_bf16 * 1e3, seconds * 1e3,
+                             t_bf16 / seconds, ""])
+                run.add("peers", k=k, n=n, m=m, peer=peer, bf16_ms=t_bf16 * 1e3,
+                        ms=seconds * 1e3, speedup=t_bf16 / seconds)
+                if m == 1:
+                    best_m1.setdefault(peer, []).append(t_bf16 / seconds)
+        del w, w_set
+    table("peers against bf16 torch.matmul (same shapes, same timing)",
+          ["K->N", "M", "peer", "bf16 ms", "peer ms", "x bf16", "note"], rows)
+    for peer, values in best_m1.items():
+        run.line(f"peer {peer} M=1: x bf16 min/median/max", spread(values))
+
+
+def int4_tinygemm(w: torch.Tensor, x: torch.Tensor):
+    """torch's int4 weight-only product (``aten._weight_int4pack_mm``, tinygemm: the kernel of
+    torchao's int4 weight-only config), group 32, on random codes of ``w``'s shape."""
+    n, k = w.shape
+    group = 32
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32, device=w.device)
+    packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+    weight = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
+    scales_zeros = torch.randn(k // group, n, 2, dtype=torch.bfloat16, device=w.device) * 0.01
+    return functools.partial(torch.ops.aten._weight_int4pack_mm, x, weight, group, scales_zeros)
+
+
+def gemlite_classes() -> list:
+    """GemLite 0.6's FP4 layers as (name, maker) when gemlite imports (carried as a wheel)."""
+    try:
+        from gemlite import helper
+    except Exception as error:  # noqa: BLE001 - absent or broken: say so and go on
+        print(f"GemLite not importable ({type(error).__name__}: {error}); its rows are skipped")
+        return []
+
+    def maker(cls):
+        def make(w, x):
+            layer = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device,
+                              dtype=torch.bfloat16)
+            with torch.no_grad():
+                layer.weight.copy_(w)
+            quant = cls(device=str(w.device), dtype=torch.bfloat16).from_linear(layer)
+            return functools.partial(quant, x)
+        return make
+
+    names = ("A16W4_NVFP", "A16W4_MXFP", "A4W4_NVFP_dynamic", "A4W4_MXFP_dynamic")
+    return [(f"GemLite {name}", maker(getattr(helper, name))) for name in names
+            if hasattr(helper, name)]
 
 
 # --------------------------------------------------------------------------- model
@@ -175,7 +575,8 @@ def llama(shapes: dict, device) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(hidden_size=shapes["hidden"], intermediate_size=shapes["intermediate"],
-                         num_attention_heads=shapes["heads"], num_key_value_heads=shapes["heads"],
+                         num_attention_heads=shapes["heads"],
+                         num_key_value_heads=shapes["kv_heads"],
                          num_hidden_layers=shapes["layers"], vocab_size=shapes["vocab"],
                          max_position_embeddings=4096)
     torch.manual_seed(0)
@@ -184,20 +585,18 @@ def llama(shapes: dict, device) -> nn.Module:
 
 def quantize_for_kernels(model: nn.Module, fmt: str) -> nn.Module:
     """Every linear of the decoder layers quantized the library's way: its weight replaced by a
-    :class:`~kbbq_pl.quant.w4a4.W4A4Weight` (``Q(W T^-1)`` with one Hadamard matrix per block and
-    dynamic activation scales) that computes ``F.linear`` on the kernels where they run
-    (``lm_head`` and embeddings stay bf16)."""
+    :class:`~kbbq_pl.quant.w4a4.W4A4Weight` (``Q(W T^-1)`` with one random matrix per block,
+    the cost of KBBQ's transforms, and dynamic activation scales) that computes ``F.linear`` on
+    the kernels where they run (``lm_head`` and embeddings stay bf16)."""
     from kbbq_pl.formats import get_format
     from kbbq_pl.quant.layers import w4a4_weight
-    from kbbq_pl.transforms.fit import hadamard
 
     d = get_format(fmt).block_size
     for index, layer in enumerate(model.model.layers):
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
-                    t = hadamard(d, torch.float32).to(child.weight.device)
-                    t = t.expand(child.in_features // d, d, d).contiguous()
+                    t = kbbq_blocks(child.in_features, d, child.weight.device, seed=index)
                     weight = w4a4_weight(child, fmt, t, act_scale="dynamic",
                                          name=f"model.layers.{index}.{name}")
                     child.weight = nn.Parameter(weight, requires_grad=False)
@@ -227,17 +626,19 @@ def weight_bytes(model: nn.Module, linears_only: bool) -> int:
 
 
 def decode_tokens_per_second(model, prompt: torch.Tensor, tokens: int, use_graphs: bool):
-    """Batch-1 greedy decoding after ``prompt``; returns (tokens/s, how it ran)."""
+    """Greedy decoding of ``prompt [batch, length]``; returns (tokens/s summed over the batch,
+    how it ran)."""
     from transformers import StaticCache
 
     device = prompt.device
+    batch = prompt.shape[0]
     # room for the warm-up steps too: transformers may place each step after the cache's last
     # filled slot rather than at ``cache_position`` (an index past the end asserts on the GPU)
     length = prompt.shape[1] + tokens + 16
     try:
         cache = StaticCache(config=model.config, max_cache_len=length)
     except TypeError:  # transformers 4.x
-        cache = StaticCache(config=model.config, max_batch_size=1, max_cache_len=length,
+        cache = StaticCache(config=model.config, max_batch_size=batch, max_cache_len=length,
                             device=device, dtype=torch.bfloat16)
     with torch.no_grad():
         out = model(input_ids=prompt, past_key_values=cache, use_cache=True,
@@ -258,7 +659,7 @@ def decode_tokens_per_second(model, prompt: torch.Tensor, tokens: int, use_graph
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.no_grad():
-                for _ in range(3):  # warm-up (and autotuning) outside the capture
+                for _ in range(3):  # warm-up (autotuning, prepared weights) outside the capture
                     step()
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
@@ -280,7 +681,7 @@ def decode_tokens_per_second(model, prompt: torch.Tensor, tokens: int, use_graph
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-    return (tokens - 1) / seconds, how
+    return batch * (tokens - 1) / seconds, how
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -316,9 +717,8 @@ def logits_to_bf16(logits: torch.Tensor, base: torch.Tensor) -> str:
     return f"{relative_difference(logits, base):.3g} (top-1 {agree:.0%})"
 
 
-def model_section(shapes: dict, formats: list[str], device, timer: Timer) -> None:
-    cuda = device.type == "cuda"
-
+def model_section(run: Run) -> None:
+    shapes, device, cuda = run.shapes, run.device, run.cuda
     start = time.perf_counter()
 
     def progress(step: str) -> None:  # a run cut off at its time limit still shows how far it got
@@ -326,7 +726,8 @@ def model_section(shapes: dict, formats: list[str], device, timer: Timer) -> Non
 
     reference = llama(shapes, device)
     gen = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, shapes["vocab"], (1, shapes["prompt"]), generator=gen).to(device)
+    prompts = {b: torch.randint(0, shapes["vocab"], (b, shapes["prompt"]), generator=gen)
+               .to(device) for b in shapes["decode_batches"]}
     batch = torch.randint(0, shapes["vocab"], shapes["prefill"], generator=gen).to(device)
     probe = torch.randint(0, shapes["vocab"], (1, shapes["logits_tokens"]), generator=gen)
 
@@ -334,19 +735,33 @@ def model_section(shapes: dict, formats: list[str], device, timer: Timer) -> Non
         with torch.no_grad():
             return model(input_ids=batch, use_cache=False).logits
 
+    def measure(model) -> dict:
+        out = {"prefill": act_seconds(run, functools.partial(prefill, model))}
+        for b, prompt in prompts.items():
+            out[b] = decode_tokens_per_second(model, prompt, shapes["decode_tokens"], cuda)
+        return out
+
     with torch.no_grad():
         base_logits = reference(input_ids=probe.to(device), use_cache=False).logits.float()
     base_memory = weight_bytes(reference, linears_only=False)
     base_linears = weight_bytes(reference, linears_only=True)
     progress("bf16 model built")
-    base_prefill = timer(functools.partial(prefill, reference))
-    progress("bf16 prefill timed")
-    base_decode, how = decode_tokens_per_second(reference, prompt, shapes["decode_tokens"], cuda)
-    rows = [["bf16", 1.0, 1.0, base_decode, how, 1.0, base_prefill * 1e3, 1.0, "-", "-", "-"]]
+    base = measure(reference)
+    header = ["model", "weights x bf16", "linears x bf16"]
+    for b in prompts:
+        header += [f"decode b{b} tok/s", f"decode b{b} x bf16"]
+    header += ["decode run", f"prefill {'x'.join(map(str, shapes['prefill']))} ms",
+               "prefill x bf16", "block 0 linears: kernels vs emulation",
+               "logits to bf16: kernels", "logits to bf16: emulation"]
+    rows = [["bf16", 1.0, 1.0] + [v for b in prompts for v in (base[b][0], 1.0)]
+            + [base[next(iter(prompts))][1], base["prefill"] * 1e3, 1.0, "-", "-", "-"]]
     progress(f"row {rows[-1]}")
     state = {k: v.clone() for k, v in reference.state_dict().items()}
     del reference
-    for name in formats:
+    for name in run.formats:
+        if run.left() < 60:
+            run.notes.append(f"model: {name} skipped for time")
+            break
         model = llama(shapes, device)
         model.load_state_dict(state)
         quantize_for_kernels(model, name)
@@ -355,45 +770,67 @@ def model_section(shapes: dict, formats: list[str], device, timer: Timer) -> Non
             torch.cuda.empty_cache()
         memory = weight_bytes(model, linears_only=False) / base_memory
         linears = weight_bytes(model, linears_only=True) / base_linears
-        seconds = timer(functools.partial(prefill, model))
-        progress(f"{name} prefill timed")
-        tokens, how = decode_tokens_per_second(model, prompt, shapes["decode_tokens"], cuda)
-        progress(f"{name} decode timed")
+        got = measure(model)
+        progress(f"{name} timed")
         linear_diff, kernel_logits, emulated = kernel_and_emulation(model, probe.to(device))
-        progress(f"{name} logits emulated")
-        rows.append([name, memory, linears, tokens, how, tokens / base_decode, seconds * 1e3,
-                     base_prefill / seconds, f"{linear_diff:.2g}",
-                     logits_to_bf16(kernel_logits, base_logits),
-                     logits_to_bf16(emulated, base_logits)])
+        rows.append([name, memory, linears] + [v for b in prompts
+                                              for v in (got[b][0], got[b][0] / base[b][0])]
+                    + [got[next(iter(prompts))][1], got["prefill"] * 1e3,
+                       base["prefill"] / got["prefill"], f"{linear_diff:.2g}",
+                       logits_to_bf16(kernel_logits, base_logits),
+                       logits_to_bf16(emulated, base_logits)])
         progress(f"row {rows[-1]}")
+        run.add("model", fmt=name, memory=memory, linears=linears,
+                **{f"decode_b{b}_x": got[b][0] / base[b][0] for b in prompts},
+                prefill_x=base["prefill"] / got["prefill"], block0_diff=linear_diff)
+        for b in prompts:
+            key = "model_decode_1" if b == 1 else "model_decode_16"
+            ratio = got[b][0] / base[b][0]
+            run.line(f"model {name}: decode batch {b} x bf16", f"{ratio:.3g}", TARGETS[key],
+                     "yes" if ratio >= TARGETS[key] else "no")
+        ratio = base["prefill"] / got["prefill"]
+        run.line(f"model {name}: prefill x bf16", f"{ratio:.3g}", TARGETS["model_prefill"],
+                 "yes" if ratio >= TARGETS["model_prefill"] else "no")
+        run.line(f"model {name}: weights x bf16 (linears)", f"{memory:.3g} ({linears:.3g})",
+                 TARGETS["memory"], "yes" if memory <= TARGETS["memory"] else "no")
         del model
-    batch_shape = "x".join(str(v) for v in shapes["prefill"])
-    table(f"whole model: random Llama, hidden {shapes['hidden']}, {shapes['layers']} layers "
-          f"(targets: memory <= {TARGETS['memory']}, decode >= {TARGETS['decode']}x, prefill "
-          f">= {TARGETS['prefill']}x)",
-          ["model", "weights x bf16", "linears x bf16", "decode tok/s", "decode run",
-           "decode x bf16", f"prefill {batch_shape} ms", "prefill x bf16",
-           "block 0 linears: kernels vs emulation", "logits to bf16: kernels",
-           "logits to bf16: emulation"], rows)
+    table(f"whole model: random Llama, hidden {shapes['hidden']}, {shapes['layers']} layers",
+          header, rows)
 
 
 # --------------------------------------------------------------------------- main
 
 
+SECTIONS = {"check": (check_section, 20), "gemm": (gemm_section, 60), "act": (act_section, 20),
+            "model": (model_section, 120), "peers": (peers_section, 40)}
+"""Each section and the seconds of budget it needs to start; the default order puts the peers
+last, where they take what time is left."""
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("KBBQ_PL_COMMIT", "?")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", default="act,gemm,model")
+    parser.add_argument("--sections", default="check,gemm,act,model,peers",
+                        help=f"comma-separated, of {', '.join(SECTIONS)} (run in that order)")
     parser.add_argument("--formats", default="nvfp4,mxfp4")
-    parser.add_argument("--rep-ms", type=float, default=200.0,
-                        help="measuring time per do_bench call (milliseconds)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="tiny shapes on the CPU under the Triton interpreter (no timings "
-                             "worth reading): checks the script's logic")
+    parser.add_argument("--budget-s", type=float, default=500.0,
+                        help="seconds the run may take; a section that would not fit is skipped")
+    parser.add_argument("--json", type=Path, help="write every row here")
+    parser.add_argument("--tiny", "--dry-run", dest="tiny", action="store_true",
+                        help="tiny shapes on the CPU under the Triton interpreter (timings "
+                             "meaningless): checks the script's logic")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
-    if not cuda and not args.dry_run:
+    if not cuda and not args.tiny:
         sys.exit("bench/gpu.py measures a CUDA GPU and none is visible; "
-                 "`python bench/gpu.py --dry-run` runs its logic on tiny CPU shapes")
+                 "`python bench/gpu.py --tiny` runs its logic on tiny CPU shapes")
     if not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before kbbq_pl.kernels loads triton
     from kbbq_pl import kernels as K
@@ -401,23 +838,49 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if cuda else "cpu")
     if not K.available(device):
         sys.exit(f"kbbq_pl.kernels cannot run on {device} (is triton installed?)")
-    shapes = DRY if args.dry_run else FULL
-    timer = Timer(device, args.rep_ms)
-    formats = args.formats.split(",")
     sections = args.sections.split(",")
-    start = time.perf_counter()
-    if cuda:
-        name = torch.cuda.get_device_name(device)
-        print(f"{name}, torch {torch.__version__}" + (" (dry run)" if args.dry_run else ""))
-    else:
-        print("dry run on the CPU under the Triton interpreter: timings are not GPU figures")
-    if "act" in sections:
-        activation_section(shapes, formats, device, timer)
-    if "gemm" in sections:
-        gemm_section(shapes, formats, device, timer)
-    if "model" in sections:
-        model_section(shapes, formats, device, timer)
-    print(f"\n(total {time.perf_counter() - start:.0f} s)")
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}")
+    shapes = TINY if args.tiny else FULL
+    run = Run(shapes, device, args.formats.split(","), args.budget_s)
+    import triton
+
+    where = (f"{torch.cuda.get_device_name(device)}" if cuda else
+             "CPU under the Triton interpreter (tiny shapes: timings are not GPU figures)")
+    print(f"{where}; torch {torch.__version__}, triton {triton.__version__}, commit {commit()}")
+    patch = (mock.patch.object(K, "PREFILL_MIN_M", shapes["prefill_min_m"])
+             if shapes["prefill_min_m"] else contextlib.nullcontext())
+    try:
+        with patch:
+            with section(run, "device copy"):
+                copy_rate(run)
+            for name in sections:
+                function, needs = SECTIONS[name]
+                with section(run, name, needs if cuda else 0) as go:
+                    if go:
+                        function(run)
+    finally:
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(dict(device=where, commit=commit(), rows=run.rows,
+                                                 notes=run.notes), indent=1, default=str))
+        print_summary(run, where)
+
+
+def print_summary(run: Run, where: str) -> None:
+    """The short table, last: every goal of issue 45 with what this run measured."""
+    import triton
+
+    print(f"\n## summary: {where}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"commit {commit()}, {time.perf_counter() - run.start:.0f} s\n")
+    print("| row | measured | target | met |")
+    print("|---|---|---|---|")
+    for row in run.summary:
+        print("| " + " | ".join(fmt(v) for v in row) + " |")
+    for note in run.notes:
+        print(f"* {note}")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -1,17 +1,32 @@
-"""Compile the W4A4 Triton kernels for a GPU without one: registers, spills, instruction mix.
+"""Compile the W4A4 Triton kernels for a GPU without one: registers, spills, loads, instruction mix.
 
-    python bench/gpu_compile.py [--arch 90] [--kernels act,gemm_small,gemm_large] [--all-configs]
+    python bench/gpu_compile.py [--arch 90] [--kernels act,act_values,decode_gemm,...] [--explore]
 
-Triton compiles for any NVIDIA target on a CPU-only machine (its wheel ships ``ptxas``), so the
-questions that cost no device time are answered here: does every autotune configuration fit in
-registers (``stack`` > 0 means spills to local memory), does the large GEMM use Hopper's
-``wgmma`` (the small one ``mma.sync``: M = 16 is below wgmma's 64), is the per-block transform a
-chain of ``fma.rn.f32`` (the order :mod:`kbbq_pl.kernels.reference` assumes), are all divisions
-``div.rn.f32``, is nothing flushed to zero (``.ftz``), and how many SASS instructions the whole
-program runs per element it handles (``sass_per_element``: for the activation kernel, elements
-quantized per thread; for the GEMM, operand elements decoded per thread and K step, the loop
-body counted with prologue and epilogue, so an upper estimate).  It prints one row per
-(kernel, configuration) and times nothing.
+Triton compiles for any NVIDIA target on a CPU-only machine (its wheel ships ``ptxas`` and
+``cuobjdump``), so the questions that cost no device time are answered here, one row per
+(kernel, tile):
+
+* ``regs``, ``stack`` (> 0: register spills to local memory), ``smem`` (bytes of shared memory);
+* ``per_element``: SASS instructions of the main loop (the longest backward branch; the whole
+  kernel when there is no loop) per operand element a thread handles in one trip, the figure
+  to set against the memory: an H100 moves about 23 NVFP4 weights per SM clock at its copy
+  bandwidth, and issues at most 128 thread-instructions per SM clock;
+* ``ldg128`` / ``ldg_narrow``: 16-byte global loads (``LDG.E.128``, ``LDGSTS.*.128``: cp.async
+  into shared memory) against narrower ones in SASS; ``ptx_v4``: ``ld.global.v4`` and 16-byte
+  ``cp.async`` in PTX;
+* ``wgmma`` (Hopper's ``HGMMA``/``QGMMA``) and ``mma_sync`` (``HMMA``) instructions;
+  ``loop_smem``: shared-memory stores / loads in the main loop (a decoded operand that goes
+  through shared memory on its way to the tensor cores shows as stores there);
+* in PTX, ``fma`` (``fma.rn.f32``: the per-block transform is a chain of them, the order
+  :mod:`kbbq_pl.kernels.reference` assumes), ``div_rn`` against ``div_approx`` (every division
+  must be correctly rounded) and ``ftz`` (nothing may flush subnormals).
+
+Kernels: the activation kernel writing codes (``act``) or values (``act_values``: fp16/bf16 in
+word order for the decode GEMM, bf16 for the prefill product), the decode GEMM (``decode_gemm``,
+its autotuned tiles and the FP32-FMA one-row variant), the prefill path's weight decode
+(``weight_decode``) and product on decoded operands (``gemm_decoded``), and the tiled GEMM
+(``gemm_small``, ``gemm_large``).  ``--explore`` compiles candidate tiles instead of the ones
+that run.  It times nothing.
 """
 
 from __future__ import annotations
@@ -36,8 +51,9 @@ from kbbq_pl.kernels import triton_kernels as tk  # noqa: E402
 
 ACT_SIGNATURE = {
     "x_ptr": "*bf16", "t_ptr": "*fp32", "codes_ptr": "*u8", "scales_ptr": "*u8",
-    "global_ptr": "*fp32", "amax_ptr": "*fp32", "pts_ptr": "*fp32", "M": "i32", "n_blocks": "i32",
-    "stride_xm": "i32", "stride_cm": "i32", "stride_sm": "i32", "m_bucket": "i32",
+    "global_ptr": "*fp32", "amax_ptr": "*fp32", "pts_ptr": "*fp32", "values_ptr": "*bf16",
+    "M": "i32", "n_blocks": "i32", "stride_xm": "i32", "stride_cm": "i32", "stride_sm": "i32",
+    "stride_vm": "i32", "m_bucket": "i32",
 }
 GEMM_SIGNATURE = {
     "a_ptr": "*u8", "a_scale_ptr": "*u8", "w_ptr": "*u8", "w_scale_ptr": "*u8",
@@ -65,13 +81,17 @@ def resources(cubin: bytes) -> dict[str, int]:
             "sass": sass}
 
 
-ALIGNED = {"stride_xm", "stride_cm", "stride_sm", "n_blocks", "N", "K", "stride_am",
-           "stride_asm", "stride_wn", "stride_wsn", "stride_om"}
+ALIGNED = {"stride_xm", "stride_cm", "stride_sm", "stride_vm", "n_blocks", "N", "K", "R",
+           "stride_am", "stride_asm", "stride_wn", "stride_wsn", "stride_om", "stride_cr",
+           "stride_sr", "stride_or"}
 """Integer arguments taken as multiples of 16, as Triton specializes them at launch for the
 benchmark's shapes (K = N = 8192); pointers are 16-byte aligned too."""
 
 
 def compile_kernel(fn, signature: dict, constants: dict, target: GPUTarget, **options):
+    """``fn`` compiled for ``target`` (constexprs left out take their defaults)."""
+    constants = dict({p.name: p.default for p in fn.params
+                      if p.is_constexpr and p.has_default}, **constants)
     signature = dict(signature, **{name: "constexpr" for name in constants})
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
              for name, kind in signature.items() if kind.startswith("*") or name in ALIGNED}
@@ -84,80 +104,273 @@ def count(pattern: str, text: str) -> int:
     return len(re.findall(pattern, text))
 
 
-def activation_rows(target: GPUTarget, configs) -> list[dict]:
+_SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);")
+
+
+def sass_ops(cubin: bytes) -> list[tuple[int, str, str]]:
+    """(address, opcode, operands) of every SASS instruction."""
+    return [(int(a, 16), op, rest) for a, op, rest in _SASS_LINE.findall(cuobjdump(cubin, "-sass"))]
+
+
+def main_loop(ops: list[tuple[int, str, str]]) -> list[str]:
+    """The opcodes of the longest backward branch's body (the main loop); all of them when
+    there is no loop."""
+    best = None
+    for address, op, rest in ops:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if target and int(target.group(1), 16) < address:
+            span = (int(target.group(1), 16), address)
+            if best is None or span[1] - span[0] > best[1] - best[0]:
+                best = span
+    if best is None:
+        return [op for _, op, _ in ops]
+    return [op for address, op, _ in ops if best[0] <= address <= best[1]]
+
+
+def global_loads(ops: list[tuple[int, str, str]]) -> tuple[int, int]:
+    """(16-byte global loads, narrower ones) in SASS: ``LDG.E.128`` and ``LDGSTS.*.128``
+    (cp.async into shared memory) against every other ``LDG`` / ``LDGSTS``."""
+    wide = narrow = 0
+    for _, op, _ in ops:
+        if op.startswith(("LDG.", "LDGSTS.")) and not op.startswith("LDGDEPBAR"):
+            if ".128" in op:
+                wide += 1
+            else:
+                narrow += 1
+    return wide, narrow
+
+
+def analyse(compiled, per_thread: float) -> dict:
+    """The figures of one compiled kernel; ``per_thread``: operand elements one thread handles
+    per trip of the main loop (the whole kernel when it has none)."""
+    cubin = compiled.asm["cubin"]
+    ptx = compiled.asm["ptx"]
+    ops = sass_ops(cubin)
+    loop = main_loop(ops)
+    wide, narrow = global_loads(ops)
+    used = resources(cubin)
+    kinds = [op.split(".")[0] for op in loop]
+    return dict(
+        regs=used["regs"], stack=used["stack"], smem=compiled.metadata.shared, sass=len(ops),
+        loop_sass=len(loop), per_element=f"{len(loop) / per_thread:.1f}",
+        ldg128=wide, ldg_narrow=narrow,
+        ptx_v4=count(r"ld\.global[.\w]*\.v4|cp\.async\.c[ag]\.shared\.global[^\[]*\[[^]]+\], "
+                     r"\[[^]]+\], (?:16|0x10)\b", ptx),
+        wgmma=sum(op.startswith(("HGMMA", "QGMMA")) for _, op, _ in ops),
+        mma_sync=sum(op.startswith("HMMA") for _, op, _ in ops),
+        loop_smem=f"{kinds.count('STS')}/{kinds.count('LDSM') + kinds.count('LDS')}",
+        fma=count(r"fma\.rn\.f32", ptx), div_rn=count(r"div\.rn\.f32", ptx),
+        div_approx=count(r"div\.(?:full|approx)", ptx), ftz=count(r"\.ftz", ptx))
+
+
+FORMATS = (("nvfp4", 16, tk.SCALE_E4M3), ("mxfp4", 32, tk.SCALE_E8M0))
+
+
+def _row(kernel: str, config: str, compiled, per_thread: float, start: float) -> dict:
+    return dict(kernel=kernel, config=config, seconds=time.perf_counter() - start,
+                **analyse(compiled, per_thread))
+
+
+def act_configs(d: int, explore: bool):
+    """The activation kernel's tiles for block size ``d``: the two it runs (``ACT_TILES``, and
+    ``FEW_ROWS_CONFIG`` up to 16 rows), or (``explore``) the candidates it can autotune over."""
+    if explore:
+        return tk._prune_act_configs(tk._act_configs(), {"D": d})
+    return [triton.Config({k: v for k, v in tile.items() if k != "num_warps"},
+                          num_warps=tile["num_warps"])
+            for tile in (tk.ACT_TILES[d], tk.FEW_ROWS_CONFIG)]
+
+
+def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> list[dict]:
+    """The activation kernel with a per-block transform (FMA dot): codes, or (``values``) the
+    decoded values, fp16 / bf16 in word order for the decode GEMM and bf16 in natural order for
+    the prefill product (also without a transform)."""
     rows = []
-    for fmt, d, kind in (("nvfp4", 16, tk.SCALE_E4M3), ("mxfp4", 32, tk.SCALE_E8M0)):
-        for config in configs:
-            constants = dict(D=d, SCALE_KIND=kind, ROUNDING=0, GAIN=1.0, HAS_T=True, STATIC=False,
-                             AMAX_ONLY=False, PRODUCT=tk.PRODUCT_FMA_DOT, **config.kwargs)
-            start = time.perf_counter()
-            compiled = compile_kernel(tk._quantize_activations_kernel, ACT_SIGNATURE, constants,
-                                      target, num_warps=config.num_warps, enable_fp_fusion=True)
-            ptx = compiled.asm["ptx"]
-            used = resources(compiled.asm["cubin"])
-            kw = config.kwargs
-            per_thread = kw["BLOCK_M"] * kw["NB"] * d / (32 * config.num_warps)
-            rows.append(dict(
-                kernel=f"act {fmt}", config=f"BM={kw['BLOCK_M']} NB={kw['NB']}"
-                f" w={config.num_warps}", seconds=time.perf_counter() - start, **used,
-                sass_per_element=f"{used['sass'] / per_thread:.0f}",
-                fma=count(r"fma\.rn\.f32", ptx), add=count(r"\badd\.f32", ptx),
-                div_rn=count(r"div\.rn\.f32", ptx), div_approx=count(r"div\.(?:full|approx)", ptx),
-                ftz=count(r"\.ftz", ptx), mma=0))
+    outputs = ([(False, False, "*bf16", True)] if not values else
+               [(True, True, None, True), (True, False, "*bf16", True),
+                (True, False, "*bf16", False)])
+    for fmt, d, kind in FORMATS:
+        for out_values, word_order, dtype, has_t in outputs:
+            signature = dict(ACT_SIGNATURE)
+            if out_values:
+                signature["values_ptr"] = dtype or ("*fp16" if fmt == "nvfp4" else "*bf16")
+            for config in act_configs(d, explore):
+                constants = dict(D=d, SCALE_KIND=kind, ROUNDING=0, GAIN=1.0, HAS_T=has_t,
+                                 STATIC=False, AMAX_ONLY=False, PRODUCT=tk.PRODUCT_FMA_DOT,
+                                 WRITE_CODES=not out_values, WRITE_VALUES=out_values,
+                                 WORD_ORDER=word_order, **config.kwargs)
+                start = time.perf_counter()
+                compiled = compile_kernel(tk._quantize_activations_kernel, signature, constants,
+                                          target, num_warps=config.num_warps,
+                                          enable_fp_fusion=True)
+                per_thread = (config.kwargs["BLOCK_M"] * config.kwargs["NB"] * d
+                              / (32 * config.num_warps))
+                name = "act codes" if not out_values else (
+                    "act values word-order" if word_order else "act values bf16")
+                name += "" if has_t else ", no transform"
+                rows.append(_row(f"{name} {fmt}", f"BM={config.kwargs['BLOCK_M']} "
+                                 f"NB={config.kwargs['NB']} w={config.num_warps}", compiled,
+                                 per_thread, start))
     return rows
 
 
-def gemm_rows(target: GPUTarget, small: bool, configs) -> list[dict]:
+SKINNY_SIGNATURE = {
+    "a_ptr": "*fp16", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16", "part_ptr": "*fp32",
+    "count_ptr": "*i32", "a_global_ptr": "*fp32", "w_global_ptr": "*fp32", "bias_ptr": "*bf16",
+    "M": "i32", "N": "i32", "K": "i32", "shift": "i32", "stride_am": "i32", "stride_wn": "i32",
+    "stride_wsn": "i32", "stride_om": "i32", "m_bucket": "i32",
+}
+SKINNY_FMA_CONFIGS = ((32, 256, 4, 2), (16, 512, 4, 2))
+"""One-row FP32 multiply-add tiles (BLOCK_N, BLOCK_K, warps, stages), compiled for comparison:
+no autotuned configuration (their loops run about twice the instructions per weight)."""
+
+
+def skinny_configs(explore: bool):
+    """The decode GEMM's autotuned tiles, or (``explore``) a wider grid to choose them from."""
+    from kbbq_pl.kernels import skinny
+
+    if not explore:
+        return skinny._configs()
+    return [triton.Config({"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k,
+                           "PRODUCT": skinny.PRODUCT_DOT}, num_warps=w, num_stages=st)
+            for n, k, w, st in ((32, 256, 4, 4), (64, 256, 4, 3), (64, 256, 4, 4), (64, 512, 4, 3),
+                                (64, 512, 4, 2), (128, 256, 4, 3), (128, 256, 8, 3),
+                                (128, 512, 8, 3), (256, 256, 8, 3), (64, 1024, 4, 2))]
+
+
+def skinny_rows(target: GPUTarget, explore: bool = False) -> list[dict]:
+    from kbbq_pl.kernels import skinny
+
+    rows = []
+    fma = [triton.Config({"BLOCK_M": 1, "BLOCK_N": n, "BLOCK_K": k,
+                          "PRODUCT": skinny.PRODUCT_FMA}, num_warps=w, num_stages=st)
+           for n, k, w, st in SKINNY_FMA_CONFIGS]
+    for fmt, d, kind in FORMATS:
+        values = skinny.VALUES_FP16 if kind == tk.SCALE_E4M3 else skinny.VALUES_BF16
+        signature = dict(SKINNY_SIGNATURE, a_ptr="*fp16" if values == skinny.VALUES_FP16
+                         else "*bf16")
+        for config in [*skinny_configs(explore), *fma]:
+            k = config.kwargs
+            constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
+                             HAS_BIAS=True, VALUES=values, EXPLICIT_BF16=False, EVEN_K=True, **k)
+            start = time.perf_counter()
+            compiled = compile_kernel(skinny._skinny_kernel, signature, constants, target,
+                                      num_warps=config.num_warps, num_stages=config.num_stages,
+                                      enable_fp_fusion=True)
+            per_thread = k["BLOCK_N"] * k["BLOCK_K"] / (32 * config.num_warps)
+            product = "dot" if k["PRODUCT"] == skinny.PRODUCT_DOT else "fma"
+            rows.append(_row(f"decode gemm {fmt} {product}",
+                             f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w={config.num_warps} "
+                             f"s={config.num_stages}", compiled, per_thread, start))
+    return rows
+
+
+DECODE_SIGNATURE = {"codes_ptr": "*u8", "scales_ptr": "*u8", "out_ptr": "*bf16", "R": "i32",
+                    "K": "i32", "stride_cr": "i32", "stride_sr": "i32", "stride_or": "i32"}
+
+
+def decode_rows(target: GPUTarget) -> list[dict]:
+    """The prefill path's weight decode (packed codes to bf16), at its launch tile."""
+    rows = []
+    for fmt, d, kind in FORMATS:
+        block_r, block_k, warps = tk.DECODE_TILE
+        constants = dict(D=d, SCALE_KIND=kind, BLOCK_R=block_r, BLOCK_K=block_k, EVEN_K=True)
+        start = time.perf_counter()
+        compiled = compile_kernel(tk._decode_kernel, DECODE_SIGNATURE, constants, target,
+                                  num_warps=warps, enable_fp_fusion=True)
+        rows.append(_row(f"weight decode {fmt}", f"{block_r}x{block_k} w={warps}", compiled,
+                         block_r * block_k / (32 * warps), start))
+    return rows
+
+
+def gemm_rows(target: GPUTarget, small: bool, configs, decoded: bool = False) -> list[dict]:
+    """The tiled GEMM: ``small`` (both operands packed), large (activations decoded) or
+    ``decoded`` (both decoded: the prefill path's Triton product)."""
     rows = []
     signature = dict(GEMM_SIGNATURE)
     if not small:
         signature["a_ptr"] = "*bf16"
-    for fmt, d, kind in (("nvfp4", 16, tk.SCALE_E4M3), ("mxfp4", 32, tk.SCALE_E8M0)):
+    if decoded:
+        signature["w_ptr"] = "*bf16"
+    name = "gemm small" if small else ("gemm decoded" if decoded else "gemm large")
+    for fmt, d, kind in FORMATS:
         for config in configs:
             constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, A_PACKED=small,
-                             HAS_GLOBAL=kind == tk.SCALE_E4M3, HAS_BIAS=True,
-                             DOT_DTYPE=tl.bfloat16, EXPLICIT_BF16=False, **config.kwargs)
+                             W_PACKED=not decoded, HAS_GLOBAL=kind == tk.SCALE_E4M3,
+                             HAS_BIAS=True, DOT_DTYPE=tl.bfloat16, EXPLICIT_BF16=False,
+                             **config.kwargs)
             start = time.perf_counter()
             compiled = compile_kernel(tk._w4a4_kernel, signature, constants, target,
                                       num_warps=config.num_warps, num_stages=config.num_stages,
                                       enable_fp_fusion=True)
-            ptx = compiled.asm["ptx"]
             k = config.kwargs
-            used = resources(compiled.asm["cubin"])
             per_thread = (k["BLOCK_N"] + (k["BLOCK_M"] if small else 0)) * k["BLOCK_K"] / (
                 32 * config.num_warps)
-            rows.append(dict(
-                kernel=f"gemm {'small' if small else 'large'} {fmt}",
-                config=f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w={config.num_warps} "
-                f"s={config.num_stages}", seconds=time.perf_counter() - start, **used,
-                sass_per_element=f"{used['sass'] / per_thread:.0f}",
-                fma=count(r"fma\.rn\.f32", ptx),
-                add=count(r"\badd\.f32", ptx), div_rn=count(r"div\.rn\.f32", ptx),
-                div_approx=count(r"div\.(?:full|approx)", ptx), ftz=count(r"\.ftz", ptx),
-                mma=count(r"wgmma\.mma_async", ptx) + count(r"mma\.sync", ptx)))
+            rows.append(_row(f"{name} {fmt}", f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} "
+                             f"w={config.num_warps} s={config.num_stages}", compiled, per_thread,
+                             start))
+        if decoded:  # one format suffices: the operands are bf16 either way
+            break
     return rows
 
 
-def main() -> None:
+KERNELS = ("act", "act_values", "decode_gemm", "weight_decode", "gemm_small", "gemm_large",
+           "gemm_decoded")
+HEADER = ("kernel", "config", "regs", "stack", "smem", "loop_sass", "per_element", "ldg128",
+          "ldg_narrow", "ptx_v4", "wgmma", "mma_sync", "loop_smem", "fma", "div_rn",
+          "div_approx", "ftz", "seconds")
+
+
+def ptxas_version() -> str:
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    try:
+        out = subprocess.run([str(tool), "--version"], capture_output=True, text=True,
+                             check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "ptxas ?"
+    found = re.search(r"release ([\d.]+)", out)
+    return f"ptxas {found.group(1) if found else '?'}"
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90")
-    parser.add_argument("--kernels", default="act,gemm_small,gemm_large")
-    args = parser.parse_args()
+    parser.add_argument("--kernels", default=",".join(KERNELS),
+                        help=f"comma-separated, of {', '.join(KERNELS)}")
+    parser.add_argument("--explore", action="store_true",
+                        help="candidate tiles: the decode GEMM on a wider grid than it autotunes "
+                             "over, the activation kernel on those it can autotune over")
+    args = parser.parse_args(argv)
     target = GPUTarget("cuda", args.arch, 32)
     rows: list[dict] = []
     wanted = args.kernels.split(",")
+    unknown = set(wanted) - set(KERNELS)
+    if unknown:
+        parser.error(f"unknown kernels {sorted(unknown)}; choose from {', '.join(KERNELS)}")
     if "act" in wanted:
-        rows += activation_rows(target, tk._act_configs())
+        rows += activation_rows(target, args.explore)
+    if "act_values" in wanted:
+        rows += activation_rows(target, args.explore, values=True)
+    if "decode_gemm" in wanted:
+        rows += skinny_rows(target, args.explore)
+    if "weight_decode" in wanted:
+        rows += decode_rows(target)
     if "gemm_small" in wanted:
         rows += gemm_rows(target, True, tk._gemm_configs(True))
     if "gemm_large" in wanted:
         rows += gemm_rows(target, False, tk._gemm_configs(False))
-    print(f"Triton {triton.__version__}, target sm_{args.arch}; stack > 0 means register spills")
-    header = ("kernel", "config", "regs", "stack", "sass", "sass_per_element", "mma", "fma",
-              "add", "div_rn", "div_approx", "ftz", "seconds")
-    print(" | ".join(header))
+    if "gemm_decoded" in wanted:
+        rows += gemm_rows(target, False, tk._gemm_configs(False), decoded=True)
+    print(f"Triton {triton.__version__}, {ptxas_version()}, target sm_{args.arch}. stack > 0: "
+          "register spills; per_element: SASS of the main loop per operand element a thread "
+          "handles in one trip; ldg128 / ldg_narrow: 16-byte / narrower global loads "
+          "(LDG, LDGSTS) in SASS; ptx_v4: ld.global.v4 + 16-byte cp.async in PTX; "
+          "loop_smem: STS / LDS+LDSM in the loop")
+    print("| " + " | ".join(HEADER) + " |")
+    print("|" + "---|" * len(HEADER))
     for row in rows:
-        print(" | ".join(f"{row[h]:.1f}" if h == "seconds" else str(row[h]) for h in header))
+        print("| " + " | ".join(f"{row[h]:.1f}" if h == "seconds" else str(row[h])
+                                for h in HEADER) + " |")
 
 
 if __name__ == "__main__":

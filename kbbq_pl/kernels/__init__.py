@@ -20,11 +20,22 @@ out_dtype=torch.bfloat16) -> [M, N]``
     them (``QuantizedTensor.qdata``, ``.scale``, ``.global_scale``).  The per-tensor scales
     (NVFP4; None for MX) and the bias are applied in the epilogue.
 ``linear_w4a4(x, weight_codes, weight_scales, weight_global, fmt, transform=None,
-act_global_scale=None, bias=None) -> y``
-    ``Q(W T^-1) Q(T x) + b``: ``quantize_activations`` then ``w4a4_matmul``; ``x [..., K]``
-    (zero-padded when its last dimension falls short of the weights' padded ``K`` by less than
-    a block), ``y [..., N]`` in ``x``'s dtype.  ``act_global_scale`` None is the dynamic NVFP4
-    scale.
+act_global_scale=None, bias=None, *, prepared=None, path=None, prefill_product="auto") -> y``
+    ``Q(W T^-1) Q(T x) + b`` for ``x [..., K]`` (zero-padded when its last dimension falls
+    short of the weights' padded ``K`` by less than a block), ``y [..., N]`` in ``x``'s dtype;
+    ``act_global_scale`` None is the dynamic NVFP4 scale.  The path follows the rows ``M``
+    (:func:`choose_path`): ``decode`` up to :data:`DECODE_MAX_M` (the activations' values, then
+    the decode GEMM of :mod:`kbbq_pl.kernels.skinny`), ``prefill`` from :data:`PREFILL_MIN_M`
+    (bf16 values and decoded weights, one cuBLAS or Triton product), ``tiled`` in between
+    (``quantize_activations`` then ``w4a4_matmul``).
+``quantize_activation_values(x, transform, fmt, global_scale=None, *, dtype=bf16,
+word_order=False) -> (values, pts)``
+    The rounded activations as their values ``q * s`` (exact in bf16, and in fp16 for NVFP4),
+    bit for bit :func:`~kbbq_pl.kernels.reference.reference_activation_values`.
+``decode_weight(codes, scales, fmt) -> bf16 [N, K]``, ``prepare_weight(codes, scales,
+global_scale, fmt, act_global_scale=None, *, keep_decoded=False) -> PreparedWeight``
+    The prefill path's weight operand; what a layer works out once per weight and device
+    (:mod:`kbbq_pl.kernels.prepared`).
 
 Numerics.  Activations: ``h = T x`` in FP32 from the exactly upcast input (an FMA chain per
 output, :mod:`kbbq_pl.kernels.reference`), then exactly the arithmetic of
@@ -50,6 +61,10 @@ streams the packed weights with the activations decoded in the loop, K split acr
 when the column tiles alone would not fill the GPU (partials summed in a fixed order); above
 it the activations are decoded to bf16 once and the weights in the loop.
 
+The decode and prefill paths multiply decoded values where each is exact in the type the
+product takes (:mod:`kbbq_pl.kernels.exact`), so they too give the exact product of the codes
+rounded once, up to FP32 accumulation.
+
 On compute capability 10.x (Blackwell) NVFP4 goes through ``torch._scaled_mm``'s FP4 path
 (:mod:`kbbq_pl.kernels.blackwell`, untested here: no such GPU).
 
@@ -67,10 +82,13 @@ from torch import Tensor
 
 from ..formats import Format
 from .interpret import interpreting as _interpreting
+from .prepared import PreparedWeight
+from .prepared import prepare_weight as _prepare_weight
 from .reference import (
     INPUT_DTYPES,
     fp4_format,
     pad_input,
+    reference_activation_values,
     reference_linear_w4a4,
     reference_quantize_activations,
     reference_transform,
@@ -78,8 +96,16 @@ from .reference import (
 )
 
 __all__ = [
+    "DECODE_MAX_M",
+    "PREFILL_MIN_M",
+    "PreparedWeight",
     "available",
+    "choose_path",
+    "decode_weight",
     "linear_w4a4",
+    "prepare_weight",
+    "quantize_activation_values",
+    "reference_activation_values",
     "quantize_activations",
     "reference_linear_w4a4",
     "reference_quantize_activations",
@@ -163,7 +189,8 @@ def quantize_activations(
     ``global_scale`` fixes the NVFP4 per-tensor scale (a calibrated static scale; values beyond
     it saturate; a device tensor is read on the device, no host sync); None takes
     ``amax(T x) / (448 * 6)``.  ``config`` pins the kernel's tile (``BLOCK_M``, ``NB`` blocks
-    per program, ``num_warps``) instead of autotuning.  Non-finite inputs follow the
+    per program, ``num_warps``; default: ``triton_kernels.ACT_TILES``, or ``FEW_ROWS_CONFIG``
+    up to 16 rows; ``"autotune"`` autotunes).  Non-finite inputs follow the
     ``propagate`` policy of :mod:`kbbq_pl.formats`: their block gets a NaN scale.
     """
     fmt = fp4_format(fmt)
@@ -187,8 +214,8 @@ def quantize_activations(
     if x.stride(-1) != 1:
         x = x.contiguous()
     scale_kind, rounding, gain = _scale_meta(fmt)
-    codes, scales, pts = _backend().quantize_activations(x, t, d, scale_kind, rounding, gain, gs,
-                                                         config)
+    codes, scales, pts, _ = _backend().quantize_activations(x, t, d, scale_kind, rounding, gain,
+                                                            gs, config)
     if fmt.scale_kind == "e4m3":
         scales = scales.view(torch.float8_e4m3fn)
     return codes, scales, pts
@@ -261,18 +288,228 @@ def w4a4_matmul(
                                   scale_kind, gain, bias, out_dtype, config, split_k)
 
 
+def _check_activations(x: Tensor, fmt: Format, global_scale, name: str) -> Tensor | None:
+    d = fmt.block_size
+    if x.dim() != 2:
+        raise ValueError(f"{name}: x must be [M, K], got shape {tuple(x.shape)}")
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"{name}: x must be bf16, fp16 or fp32, got {x.dtype}")
+    if x.shape[1] % d:
+        raise ValueError(f"{name}: K = {x.shape[1]} (x of shape {tuple(x.shape)}) is not a "
+                         f"multiple of the {fmt.name} block {d}")
+    _require(x.device, name)
+    if global_scale is not None and not fmt.global_scale:
+        raise ValueError(f"{name}: format {fmt.name} has no per-tensor scale to set")
+    if isinstance(global_scale, (int, float)) and not (0 < global_scale < float("inf")):
+        raise ValueError(f"{name}: global_scale must be positive and finite, got {global_scale!r}")
+    return None if global_scale is None else _device_scalar(global_scale, x.device,
+                                                            "global_scale")
+
+
+def quantize_activation_values(
+    x: Tensor, transform: Tensor | None, fmt: str | Format,
+    global_scale: Tensor | float | None = None, *, dtype: torch.dtype = torch.bfloat16,
+    word_order: bool = False, config: dict | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """``x [M, K]`` transformed and rounded as :func:`quantize_activations` does, returned as
+    the decoded values ``q * s`` (no per-tensor scale) in ``dtype`` (bf16, fp16 or fp32) with
+    the NVFP4 per-tensor scale: ``(values [M, K], pts)``.  The values are exact in bf16 and, for
+    NVFP4, in fp16 (:mod:`kbbq_pl.kernels.exact`), so they say the same as the codes and scales,
+    in one pass that writes 2 bytes an element.  ``word_order`` orders each chunk of 128 as
+    :func:`~kbbq_pl.kernels.exact.word_order_index` says (the decode GEMM's order; ``K`` padded
+    to a multiple of 128).  A non-finite input block gives NaN values."""
+    fmt = fp4_format(fmt)
+    name = "quantize_activation_values"
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"{name}: dtype must be bf16, fp16 or fp32, got {dtype}")
+    if dtype == torch.float16 and fmt.scale_kind != "e4m3":
+        raise ValueError(f"{name}: {fmt.name} values (E8M0 scales) are not exact in fp16")
+    gs = _check_activations(x, fmt, global_scale, name)
+    t = _check_transform(transform, x.shape[1], fmt.block_size, x.device, name)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    scale_kind, rounding, gain = _scale_meta(fmt)
+    _, _, pts, values = _backend().quantize_activations(
+        x, t, fmt.block_size, scale_kind, rounding, gain, gs, config, values_dtype=dtype,
+        codes=False, word_order=word_order)
+    return values, pts
+
+
+def decode_weight(codes: Tensor, scales: Tensor, fmt: str | Format) -> Tensor:
+    """Packed codes ``[N, K/2]`` and their block scales decoded to bf16 ``q * s`` ``[N, K]``
+    (exact; the NVFP4 per-tensor scale is not applied): the prefill path's weight operand."""
+    fmt = fp4_format(fmt)
+    codes, scales = _operand(codes, scales, fmt.block_size, "weight", "decode_weight")
+    _require(codes.device, "decode_weight")
+    scale_kind, _, _ = _scale_meta(fmt)
+    return _backend().decode(codes, scales, fmt.block_size, scale_kind)
+
+
+def prepare_weight(codes: Tensor, scales: Tensor, global_scale: Tensor | float | None,
+                   fmt: str | Format, act_global_scale: Tensor | float | None = None, *,
+                   keep_decoded: bool = False) -> PreparedWeight:
+    """The weight's :class:`~kbbq_pl.kernels.prepared.PreparedWeight`, worked out once for
+    :func:`linear_w4a4` (a W4A4 layer keeps one per device): host copies of the static scales,
+    the MX decode shift and, with ``keep_decoded``, the bf16 decode the prefill path multiplies
+    (memory for speed: see :mod:`kbbq_pl.kernels.prepared`)."""
+    fmt = fp4_format(fmt)
+    codes, scale_bytes = _operand(codes, scales, fmt.block_size, "weight", "prepare_weight")
+    gs = None if global_scale is None else _device_scalar(global_scale, codes.device,
+                                                          "global_scale")
+
+    def decode(c: Tensor, s: Tensor) -> Tensor:
+        return decode_weight(c, s, fmt)
+
+    return _prepare_weight(codes, scale_bytes, gs, fmt, act_global_scale,
+                           keep_decoded=keep_decoded, decode=decode)
+
+
+DECODE_MAX_M = 16
+"""Up to this many rows :func:`linear_w4a4` takes the decode path (:mod:`.skinny`)."""
+PREFILL_MIN_M = 1024
+"""From this many rows on it takes the prefill path (weights decoded to bf16 once per call
+or kept, one matrix product); in between the tiled GEMM of :func:`w4a4_matmul`."""
+PATHS = ("decode", "tiled", "prefill")
+PREFILL_PRODUCTS = ("auto", "cublas", "triton")
+
+
+def choose_path(m: int) -> str:
+    """The path :func:`linear_w4a4` takes for ``m`` rows: ``decode`` (``m <=``
+    :data:`DECODE_MAX_M`), ``prefill`` (``m >=`` :data:`PREFILL_MIN_M`) or ``tiled``."""
+    if m <= DECODE_MAX_M:
+        return "decode"
+    return "prefill" if m >= PREFILL_MIN_M else "tiled"
+
+
+def _decode_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | None,
+                 prepared: PreparedWeight, t: Tensor | None, act_gs, bias,
+                 out_dtype: torch.dtype) -> Tensor:
+    from . import skinny
+
+    fmt = prepared.fmt
+    scale_kind, _, gain = _scale_meta(fmt)
+    values, pts = quantize_activation_values(x2, t, fmt, act_gs,
+                                             dtype=skinny.activation_dtype(scale_kind),
+                                             word_order=True)
+    return skinny.skinny_matmul(values, x2.shape[0], codes, scales, pts, w_global,
+                                fmt.block_size, scale_kind, gain, prepared.shift(scales), bias,
+                                out_dtype)
+
+
+def _prefill_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | None,
+                  prepared: PreparedWeight, t: Tensor | None, act_gs, bias,
+                  out_dtype: torch.dtype, product: str) -> Tensor:
+    fmt = prepared.fmt
+    scale_kind, _, gain = _scale_meta(fmt)
+    a, pts = quantize_activation_values(x2, t, fmt, act_gs, dtype=torch.bfloat16)
+    w = prepared.decoded
+    if w is None:
+        w = decode_weight(codes, scales, fmt)
+    alpha = prepared.alpha(static=act_gs is not None)
+    if product == "auto":
+        product = "cublas" if alpha is not None and out_dtype == torch.bfloat16 else "triton"
+    if product == "triton":
+        return _backend().decoded_matmul(a, w, pts, w_global, scale_kind, gain, bias,
+                                         out_dtype)
+    if alpha is not None and out_dtype == torch.bfloat16:
+        # cuBLAS scales the FP32 sum, adds the bias and rounds once
+        if bias is None:
+            return torch.addmm(a.new_zeros(()), a, w.T, beta=0, alpha=alpha)
+        return torch.addmm(bias.to(a.dtype), a, w.T, alpha=alpha)
+    # scales only on the device (or another output dtype): the FP32 product, then one rounding
+    acc = _fp32_product(a, w)
+    if pts is not None:
+        acc = acc * pts * w_global
+    if gain != 1.0:
+        acc = acc / (gain * gain)
+    if bias is not None:
+        acc = acc + bias.to(torch.float32)
+    return acc.to(out_dtype)
+
+
+def _fp32_product(a: Tensor, w: Tensor) -> Tensor:
+    """``a @ w.T`` of bf16 operands with FP32 output (cuBLAS's bf16 product with an FP32
+    result on CUDA; on the CPU the FP32 product of the exactly upcast operands)."""
+    if a.is_cuda:
+        return torch.mm(a, w.T, out_dtype=torch.float32)
+    return a.float() @ w.float().T
+
+
 def linear_w4a4(
     x: Tensor, weight_codes: Tensor, weight_scales: Tensor, weight_global: Tensor | float | None,
     fmt: str | Format, transform: Tensor | None = None,
-    act_global_scale: Tensor | float | None = None, bias: Tensor | None = None,
+    act_global_scale: Tensor | float | None = None, bias: Tensor | None = None, *,
+    prepared: PreparedWeight | None = None, path: str | None = None,
+    prefill_product: str = "auto",
 ) -> Tensor:
-    """``Q(W T^-1) Q(T x) + b`` on the kernels: ``x [..., K]`` to ``[..., N]`` in ``x``'s dtype."""
+    """``Q(W T^-1) Q(T x) + b`` on the kernels: ``x [..., K]`` to ``[..., N]`` in ``x``'s dtype.
+
+    The path follows the number of rows ``M`` (:func:`choose_path`; ``path`` forces one):
+
+    * ``decode`` (``M <= 16``): the activations rounded to their values in word order,
+      then the decode GEMM of :mod:`kbbq_pl.kernels.skinny` on the weights as stored;
+    * ``tiled``: :func:`quantize_activations` then :func:`w4a4_matmul`;
+    * ``prefill`` (``M >= 1024``): the activations rounded to bf16 values, the weights decoded
+      to bf16 (per call, or kept by :func:`prepare_weight`), one product.  ``prefill_product``
+      ``cublas`` hands it to ``torch.addmm`` with the per-tensor scales in its FP32 ``alpha``
+      (where they are known on the host: MX, static NVFP4, a bf16 output), else an FP32
+      product rounded once after the scales; ``triton`` uses the project's GEMM, whose
+      epilogue reads the scales on the device; ``auto`` is ``cublas`` where ``alpha`` is
+      known, else ``triton``.
+
+    Every path gives each output within one rounding (to ``x``'s dtype) of the exact product
+    of the same codes.  ``prepared`` (from :func:`prepare_weight`, for these weights) spares
+    the per-call host reads (the MX decode shift, the static scales); without it the MX
+    decode path reads the exponents' range on the host every call.
+    """
     fmt = fp4_format(fmt)
     k = weight_codes.shape[-1] * 2
     lead = x.shape[:-1]
     x2 = pad_input(x, k, fmt.block_size, "linear_w4a4").reshape(-1, k)
-    codes, scales, pts = quantize_activations(x2, transform, fmt, act_global_scale)
     out_dtype = x.dtype if x.dtype in _OUT_DTYPES else torch.float32
-    y = w4a4_matmul(codes, scales, pts, weight_codes, weight_scales, weight_global, fmt, bias,
-                    out_dtype)
-    return y.reshape(*lead, weight_codes.shape[0])
+    m = x2.shape[0]
+    path = path or choose_path(m)
+    if path not in PATHS:
+        raise ValueError(f"linear_w4a4: path must be one of {PATHS}, got {path!r}")
+    if prefill_product not in PREFILL_PRODUCTS:
+        raise ValueError(f"linear_w4a4: prefill_product must be one of {PREFILL_PRODUCTS}, "
+                         f"got {prefill_product!r}")
+    if path == "decode" and m > DECODE_MAX_M:
+        raise ValueError(f"linear_w4a4: the decode path takes at most {DECODE_MAX_M} rows, "
+                         f"got {m}")
+    if path == "tiled" or m == 0:
+        codes, scales, pts = quantize_activations(x2, transform, fmt, act_global_scale)
+        y = w4a4_matmul(codes, scales, pts, weight_codes, weight_scales, weight_global, fmt,
+                        bias, out_dtype)
+        return y.reshape(*lead, weight_codes.shape[0])
+    codes, scale_bytes = _operand(weight_codes, weight_scales, fmt.block_size, "weight",
+                                  "linear_w4a4")
+    w_global = (None if weight_global is None
+                else _device_scalar(weight_global, x.device, "weight_global"))
+    if prepared is None:
+        prepared = _prepare_weight(codes, scale_bytes, w_global, fmt, host_scalars=False)
+    elif prepared.shape != tuple(codes.shape) or prepared.fmt != fmt:
+        raise ValueError(f"linear_w4a4: prepared is for other weights ({prepared.shape} "
+                         f"{prepared.fmt.name})")
+    n = codes.shape[0]
+    if fmt.global_scale and w_global is None:
+        raise ValueError(f"linear_w4a4: {fmt.name} needs the weights' per-tensor scale")
+    if bias is not None and (bias.shape != (n,) or bias.device != x.device):
+        raise ValueError(f"linear_w4a4: bias must be [{n}] on {x.device}, got shape "
+                         f"{tuple(bias.shape)} on {bias.device}")
+    if bias is not None:
+        bias = bias.contiguous()
+    t = _check_transform(transform, k, fmt.block_size, x.device, "linear_w4a4")
+    if path == "decode" and prepared.shift(scale_bytes) is None:  # MX exponents too far apart
+        path = "tiled"
+    if path == "tiled":
+        a_codes, a_scales, pts = quantize_activations(x2, transform, fmt, act_global_scale)
+        y = w4a4_matmul(a_codes, a_scales, pts, weight_codes, weight_scales, weight_global, fmt,
+                        bias, out_dtype)
+    elif path == "decode":
+        y = _decode_path(x2, codes, scale_bytes, w_global, prepared, t, act_global_scale, bias,
+                         out_dtype)
+    else:
+        y = _prefill_path(x2, codes, scale_bytes, w_global, prepared, t, act_global_scale, bias,
+                          out_dtype, prefill_product)
+    return y.reshape(*lead, n)

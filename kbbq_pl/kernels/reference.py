@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ..formats import Format, QuantizedTensor, dequantize, get_format
-from ..formats.rounding import e2m1_groups
+from ..formats.rounding import e2m1_decode_groups, e2m1_groups
 
 _F32 = torch.float32
 _F64 = torch.float64
@@ -118,6 +118,32 @@ def reference_quantize_activations(
     codes = codes.reshape(rows, length // 2)
     scales = scales.reshape(rows, length // d)
     return codes, scales, (pts.reshape(()) if fmt.global_scale else None)
+
+
+def reference_activation_values(
+    x: Tensor, transform: Tensor | None, fmt: str | Format,
+    global_scale: Tensor | float | None = None, dtype: torch.dtype = _F32,
+) -> tuple[Tensor, Tensor | None]:
+    """What :func:`kbbq_pl.kernels.quantize_activation_values` returns: the codes of
+    :func:`reference_quantize_activations` decoded to ``q * s`` (no per-tensor scale, no MX
+    ``no_clip`` gain; NaN in a non-finite block) in ``dtype``, with the NVFP4 per-tensor
+    scale."""
+    fmt = fp4_format(fmt)
+    codes, scales, pts = reference_quantize_activations(x, transform, fmt, global_scale)
+    d = fmt.block_size
+    values = e2m1_decode_groups(codes.reshape(-1, d // 2), _block_scales(scales, fmt),
+                                no_clip=False, out_dtype=_F32)
+    return values.reshape(x.shape).to(dtype), pts
+
+
+def _block_scales(scales: Tensor, fmt: Format) -> Tensor:
+    """FP32 values of block scales ``[..., K/d]`` (E4M3, or E8M0 exponents; NaN bytes NaN)."""
+    if fmt.scale_kind == "e4m3":
+        return scales.view(torch.float8_e4m3fn).to(_F32).reshape(-1)
+    biased = scales.view(torch.uint8).to(torch.int32).reshape(-1)
+    value = torch.pow(torch.tensor(2.0, dtype=torch.float64, device=scales.device),
+                      (biased - 127).to(torch.float64)).to(_F32)
+    return torch.where(biased == 255, torch.full_like(value, float("nan")), value)
 
 
 def as_quantized(codes: Tensor, scales: Tensor, global_scale: Tensor | None, fmt: str | Format,

@@ -61,6 +61,25 @@ def _e2m1_codes(y):
 
 
 @triton.jit
+def _e2m1_round(y):
+    """FP32 ``y`` rounded to the E2M1 grid, to nearest even, as an FP32 value (sign kept, -0
+    included): the magic-number add of :func:`_e2m1_codes` and its subtraction, exact, with no
+    code formed (the values the codes decode to, in fewer operations)."""
+    a = tl.minimum(tl.abs(y), 6.0)
+    binade = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)  # >= 1.0's
+    magic = (binade + (22 << 23)).to(tl.float32, bitcast=True)
+    rounded = (a + magic) - magic
+    sign = y.to(tl.int32, bitcast=True) & -2147483648  # 0x80000000
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _max_keeping_nan(a, b):
+    """The larger of ``a`` and ``b``, NaN if either is (a reduction that sees a NaN)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _e2m1_values(codes):
     """The FP32 values of E2M1 codes (int32 0..15), exactly.
 
@@ -179,15 +198,22 @@ def _transformed_blocks(x_ptr, t_ptr, rows, row_mask, blocks, block_mask, stride
 
 @triton.jit
 def _quantize_activations_kernel(
-    x_ptr, t_ptr, codes_ptr, scales_ptr, global_ptr, amax_ptr, pts_ptr,
-    M, n_blocks, stride_xm, stride_cm, stride_sm, m_bucket,
+    x_ptr, t_ptr, codes_ptr, scales_ptr, global_ptr, amax_ptr, pts_ptr, values_ptr,
+    M, n_blocks, stride_xm, stride_cm, stride_sm, stride_vm, m_bucket,
     D: tl.constexpr, SCALE_KIND: tl.constexpr, ROUNDING: tl.constexpr, GAIN: tl.constexpr,
     HAS_T: tl.constexpr, STATIC: tl.constexpr, AMAX_ONLY: tl.constexpr,
     PRODUCT: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
+    WRITE_CODES: tl.constexpr = True, WRITE_VALUES: tl.constexpr = False,
+    WORD_ORDER: tl.constexpr = False,
 ):
     """One tile of ``BLOCK_M`` rows by ``NB`` blocks: transform, block amax, scales, E2M1 codes,
     packing.  ``AMAX_ONLY`` (the first pass of dynamic NVFP4) only folds the amax of ``T x``
-    into ``amax_ptr``; the second pass reads it back."""
+    into ``amax_ptr``; the second pass reads it back.
+
+    ``WRITE_CODES`` stores the packed codes and the scale bytes; ``WRITE_VALUES`` stores the
+    decoded values ``q * s`` (without the per-tensor scale; NaN in a non-finite block) in
+    ``values_ptr``'s dtype, where they are exact (:mod:`kbbq_pl.kernels.exact`), in the natural
+    order or (``WORD_ORDER``) in :func:`~kbbq_pl.kernels.exact.word_order_index` order."""
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -196,13 +222,17 @@ def _quantize_activations_kernel(
     block_mask = blocks < n_blocks
     h = _transformed_blocks(x_ptr, t_ptr, rows, row_mask, blocks, block_mask, stride_xm,
                             D, NB, BLOCK_M, HAS_T, PRODUCT)
-    finite = tl.abs(h) < float("inf")
-    h = tl.where(finite, h, 0.0)
-    amax = tl.max(tl.abs(h), axis=2)  # [NB, BLOCK_M]
+    if WRITE_CODES or AMAX_ONLY:  # non-finite elements count as zeros (codes and amax)
+        finite = tl.abs(h) < float("inf")
+        h = tl.where(finite, h, 0.0)
+        amax = tl.max(tl.abs(h), axis=2)  # [NB, BLOCK_M]
+        bad = tl.max((~finite).to(tl.int32), axis=2) > 0
+    else:  # values only: a non-finite block is NaN throughout, whatever its amax
+        amax = tl.reduce(tl.abs(h), 2, _max_keeping_nan)
+        bad = ~(amax < float("inf"))
     if AMAX_ONLY:
         tl.atomic_max(amax_ptr, tl.max(tl.max(amax, axis=1), axis=0))
     else:
-        bad = tl.max((~finite).to(tl.int32), axis=2) > 0
         if SCALE_KIND == 0:  # SCALE_E4M3
             if STATIC:
                 pts = tl.load(global_ptr)
@@ -218,29 +248,53 @@ def _quantize_activations_kernel(
             reciprocal = tl.where(usable, tl.div_rn(tl.full(amax.shape, 0.0, tl.float32) + inverse,
                                                     block), 0.0)
             code = tl.where(bad, 0x7F, code)
+            scale_value = block
             if (pid_m == 0) & (pid_b == 0):
                 tl.store(pts_ptr, pts)
         else:
             e = _e8m0_exponent(amax, ROUNDING)
-            reciprocal = tl.div_rn(tl.full(amax.shape, GAIN, tl.float32), _pow2(e))
+            scale_value = _pow2(e)
+            reciprocal = tl.div_rn(tl.full(amax.shape, GAIN, tl.float32), scale_value)
             code = tl.where(bad, 255, e + 127)
-        codes = _e2m1_codes(h * reciprocal[:, :, None])
-        low, high = tl.split(tl.reshape(codes, [NB, BLOCK_M, D // 2, 2]))
-        packed = (low | (high << 4)).to(tl.uint8)
-        offs_p = tl.arange(0, D // 2)
-        c_ptrs = (codes_ptr + rows[None, :, None] * stride_cm + blocks[:, None, None] * (D // 2)
-                  + offs_p[None, None, :])
-        tl.store(c_ptrs, packed, mask=block_mask[:, None, None] & row_mask[None, :, None])
-        s_ptrs = scales_ptr + rows[None, :] * stride_sm + blocks[:, None]
-        tl.store(s_ptrs, code.to(tl.uint8), mask=block_mask[:, None] & row_mask[None, :])
+        y = h * reciprocal[:, :, None]
+        mask = block_mask[:, None, None] & row_mask[None, :, None]
+        if WRITE_CODES:
+            codes = _e2m1_codes(y)
+            low, high = tl.split(tl.reshape(codes, [NB, BLOCK_M, D // 2, 2]))
+            packed = (low | (high << 4)).to(tl.uint8)
+            offs_p = tl.arange(0, D // 2)
+            c_ptrs = (codes_ptr + rows[None, :, None] * stride_cm
+                      + blocks[:, None, None] * (D // 2) + offs_p[None, None, :])
+            tl.store(c_ptrs, packed, mask=mask)
+            s_ptrs = scales_ptr + rows[None, :] * stride_sm + blocks[:, None]
+            tl.store(s_ptrs, code.to(tl.uint8), mask=block_mask[:, None] & row_mask[None, :])
+        if WRITE_VALUES:
+            scale_value = tl.where(bad, float("nan"), scale_value)
+            values = _e2m1_round(y) * scale_value[:, :, None]
+            k = blocks[:, None, None] * D + tl.arange(0, D)[None, None, :]
+            if WORD_ORDER:  # kbbq_pl.kernels.exact.word_order_index
+                k = (k // 128) * 128 + 32 * (k % 4) + 2 * ((k % 128) // 8) + (k % 8) // 4
+            v_ptrs = values_ptr + rows[None, :, None] * stride_vm + k
+            tl.store(v_ptrs, values.to(values_ptr.dtype.element_ty), mask=mask)
 
 
 def _act_configs():
-    """Tiles of ``BLOCK_M`` rows by ``NB`` blocks; ``bench/gpu_compile.py`` shows which fit in
-    registers on sm_90 (at most 64 elements per thread, pruned per block size below)."""
+    """Tiles of ``BLOCK_M`` rows by ``NB`` blocks that fit in registers on sm_90 (at most 64
+    elements per thread, pruned per block size below), autotuned only on request
+    (``config="autotune"``): each costs a compile in a GPU session, for a memory-bound kernel
+    whose tile :data:`ACT_TILES` picks by the compile report."""
     return [triton.Config({"BLOCK_M": block_m, "NB": nb}, num_warps=warps)
-            for block_m, nb, warps in ((16, 8, 4), (32, 2, 4), (32, 4, 4), (64, 2, 4),
-                                       (64, 4, 4), (64, 4, 8), (128, 2, 8), (128, 4, 8))]
+            for block_m, nb, warps in ((64, 4, 4), (128, 4, 8), (128, 2, 8), (32, 2, 4))]
+
+
+ACT_TILES = {16: {"BLOCK_M": 64, "NB": 4, "num_warps": 4},
+             32: {"BLOCK_M": 64, "NB": 2, "num_warps": 4}}
+"""The activation kernel's tile per block size: of ``bench/gpu_compile.py --kernels
+act,act_values``'s, the fewest SASS per element without spills (64 elements per thread)."""
+FEW_ROWS = 16
+"""Up to this many rows (a decode step) the activation kernel runs :data:`FEW_ROWS_CONFIG`,
+16 rows by 2 blocks, which gives ``K / 2d`` programs."""
+FEW_ROWS_CONFIG = {"BLOCK_M": 16, "NB": 2, "num_warps": 4}
 
 
 def _prune_act_configs(configs, named_args, **kwargs):
@@ -253,7 +307,8 @@ def _prune_act_configs(configs, named_args, **kwargs):
 
 _quantize_activations_tuned = triton.autotune(
     configs=_act_configs(),
-    key=["n_blocks", "m_bucket", "D", "HAS_T", "AMAX_ONLY", "SCALE_KIND", "PRODUCT"],
+    key=["n_blocks", "m_bucket", "D", "HAS_T", "AMAX_ONLY", "SCALE_KIND", "PRODUCT",
+         "WRITE_CODES", "WRITE_VALUES", "WORD_ORDER"],
     prune_configs_by={"early_config_prune": _prune_act_configs},
 )(_quantize_activations_kernel)
 
@@ -265,31 +320,50 @@ def _m_bucket(m: int) -> int:
 
 
 def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, gain: float,
-                         global_scale, config: dict | None = None, product: int | None = None):
+                         global_scale, config: dict | None = None, product: int | None = None,
+                         values_dtype: torch.dtype | None = None, codes: bool = True,
+                         word_order: bool = False):
     """Launch the activation kernel(s); arguments already checked by :mod:`kbbq_pl.kernels`.
 
-    Returns ``(codes uint8 [M, K/2], scales uint8 [M, K/d], pts fp32 [] or None)``.  Dynamic
-    NVFP4 runs the kernel twice (see :func:`kbbq_pl.kernels.quantize_activations`).
-    ``product`` overrides how ``T x`` is multiplied (benchmarks: ``PRODUCT_TF32X3``).
+    Returns ``(codes uint8 [M, K/2], scales uint8 [M, K/d], pts fp32 [] or None, values)``:
+    ``codes`` False skips the first two (None); ``values_dtype`` (fp16, bf16 or fp32) adds the
+    decoded values ``[M, K]`` (else None), in ``word_order`` if asked.  Dynamic NVFP4 runs
+    the kernel twice (see :func:`kbbq_pl.kernels.quantize_activations`).  ``product``
+    overrides how ``T x`` is multiplied (benchmarks: ``PRODUCT_TF32X3``).
     """
     if product is None:
         product = PRODUCT_FMA_CHAIN if INTERPRET else PRODUCT_FMA_DOT
     m, k = x.shape
     n_blocks = k // d
     device = x.device
-    codes = torch.empty(m, k // 2, dtype=torch.uint8, device=device)
-    scales = torch.empty(m, n_blocks, dtype=torch.uint8, device=device)
     nvfp4 = scale_kind == SCALE_E4M3
     # written by the kernel's first program; an empty input keeps 1 (as formats.quantize does)
     pts = torch.ones((), dtype=torch.float32, device=device) if nvfp4 else None
     static = global_scale is not None
     amax = torch.zeros(1, dtype=torch.float32, device=device)
     dummy = amax
+    codes_out = torch.empty(m, k // 2, dtype=torch.uint8, device=device) if codes else None
+    scales_out = torch.empty(m, n_blocks, dtype=torch.uint8, device=device) if codes else None
+    values = None
+    if values_dtype is not None:
+        width = -(-k // 128) * 128 if word_order else k  # a partial chunk keeps its slots
+        values = torch.empty(m, width, dtype=values_dtype, device=device)
     meta = dict(D=d, SCALE_KIND=scale_kind, ROUNDING=rounding, GAIN=gain,
-                HAS_T=transform is not None, STATIC=static, PRODUCT=product)
-    args = [x, transform if transform is not None else dummy, codes, scales,
+                HAS_T=transform is not None, STATIC=static, PRODUCT=product,
+                WRITE_CODES=codes, WRITE_VALUES=values is not None, WORD_ORDER=word_order)
+    codes_arg = codes_out if codes else dummy
+    scales_arg = scales_out if codes else dummy
+    args = [x, transform if transform is not None else dummy, codes_arg, scales_arg,
             global_scale if static else dummy, amax, pts if nvfp4 else dummy,
-            m, n_blocks, x.stride(0), codes.stride(0), scales.stride(0), _m_bucket(m)]
+            values if values is not None else dummy,
+            m, n_blocks, x.stride(0), codes_arg.stride(0) if codes else 0,
+            scales_arg.stride(0) if codes else 0, values.stride(0) if values is not None else 0,
+            _m_bucket(m)]
+
+    if config is None and not INTERPRET:
+        config = FEW_ROWS_CONFIG if m <= FEW_ROWS else ACT_TILES.get(d, FEW_ROWS_CONFIG)
+    elif config == "autotune":
+        config = None
 
     def launch(amax_only: bool) -> None:
         if config is not None or INTERPRET:
@@ -307,7 +381,7 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     if nvfp4 and not static:
         launch(True)
     launch(False)
-    return codes, scales, pts
+    return codes_out, scales_out, pts, values
 
 
 # --------------------------------------------------------------------------- GEMM
@@ -372,11 +446,12 @@ def _w4a4_kernel(
     D: tl.constexpr, SCALE_KIND: tl.constexpr, GAIN2: tl.constexpr, A_PACKED: tl.constexpr,
     HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
     EXPLICIT_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_PACKED: tl.constexpr = True,
 ):
     """``out = (A W^T) * scales + bias`` with both operands decoded from packed FP4 in registers,
     bf16 tensor cores, FP32 accumulation.  Program (tile, split): with ``split_k > 1`` each split
-    of K writes its FP32 partial to ``partial_ptr [split_k, M, N]`` for :func:`_split_k_sum`."""
+    of K writes its FP32 partial to ``partial_ptr [split_k, M, N]`` for :func:`_split_k_sum`.
+    ``A_PACKED`` / ``W_PACKED`` False: that operand is already decoded (bf16 ``q * s``)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -397,7 +472,7 @@ def _w4a4_kernel(
         a = _load_operand(a_ptr, a_scale_ptr, offs_m, M, k0, K, stride_am, stride_asm,
                           BLOCK_M, BLOCK_K, D, SCALE_KIND, A_PACKED, DOT_DTYPE)
         w = _load_operand(w_ptr, w_scale_ptr, offs_n, N, k0, K, stride_wn, stride_wsn,
-                          BLOCK_N, BLOCK_K, D, SCALE_KIND, True, DOT_DTYPE)
+                          BLOCK_N, BLOCK_K, D, SCALE_KIND, W_PACKED, DOT_DTYPE)
         acc = tl.dot(a, tl.trans(w), acc)
     if split_k == 1:
         _epilogue(acc, offs_m, offs_n, M, N, a_global_ptr, w_global_ptr, bias_ptr, out_ptr,
@@ -428,14 +503,31 @@ def _split_k_sum(partial_ptr, a_global_ptr, w_global_ptr, bias_ptr, out_ptr, M, 
 @triton.jit
 def _decode_kernel(codes_ptr, scales_ptr, out_ptr, R, K, stride_cr, stride_sr, stride_or,
                    D: tl.constexpr, SCALE_KIND: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
-    """Packed codes and block scales to bf16 values ``q * s`` (exact), ``[R, K]``."""
+                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr = False):
+    """Packed codes and block scales to bf16 values ``q * s`` (exact), ``[R, K]``.  With
+    ``EVEN_K`` (``K`` a multiple of ``BLOCK_K``) no mask runs along K, so the codes are read
+    in 16-byte loads and the values written in 16-byte stores."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     k0 = tl.program_id(1) * BLOCK_K
-    values = _load_operand(codes_ptr, scales_ptr, offs_r, R, k0, K, stride_cr, stride_sr,
-                           BLOCK_R, BLOCK_K, D, SCALE_KIND, True, tl.float32)
+    offs_p = tl.arange(0, BLOCK_K // 2)
+    offs_s = tl.arange(0, BLOCK_K // D)
+    row_mask = offs_r < R
+    if EVEN_K:
+        p_mask = row_mask[:, None]
+        s_mask = row_mask[:, None]
+    else:
+        p_mask = row_mask[:, None] & (k0 // 2 + offs_p < K // 2)[None, :]
+        s_mask = row_mask[:, None] & (k0 // D + offs_s < K // D)[None, :]
+    packed = tl.load(codes_ptr + offs_r[:, None] * stride_cr + k0 // 2 + offs_p[None, :],
+                     mask=p_mask, other=0)
+    scales = tl.load(scales_ptr + offs_r[:, None] * stride_sr + k0 // D + offs_s[None, :],
+                     mask=s_mask, other=0)
+    values = _decode_tile(packed, scales, BLOCK_R, BLOCK_K, D, SCALE_KIND)
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    mask = (offs_r[:, None] < R) & (offs_k[None, :] < K)
+    if EVEN_K:
+        mask = row_mask[:, None]
+    else:
+        mask = row_mask[:, None] & (offs_k < K)[None, :]
     tl.store(out_ptr + offs_r[:, None] * stride_or + offs_k[None, :], values.to(tl.bfloat16),
              mask=mask)
 
@@ -447,10 +539,9 @@ def _gemm_configs(small: bool):
                                                 (128, 256, 8, 3), (64, 256, 8, 4)):
             configs.append(triton.Config({"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k,
                                           "GROUP_M": 1}, num_warps=warps, num_stages=stages))
-    else:
+    else:  # three: each costs a compile per format in a GPU session
         for block_m, block_n, block_k, warps, stages in (
-            (128, 128, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3),
-            (64, 128, 128, 4, 4), (128, 64, 128, 4, 4), (64, 64, 128, 4, 4), (64, 256, 64, 8, 3),
+            (128, 128, 64, 8, 3), (256, 128, 64, 8, 3), (64, 256, 64, 8, 3),
         ):
             configs.append(triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n,
                                           "BLOCK_K": block_k, "GROUP_M": 8},
@@ -458,7 +549,7 @@ def _gemm_configs(small: bool):
     return configs
 
 
-_KEY = ["N", "K", "m_bucket", "split_k", "D", "SCALE_KIND", "A_PACKED", "HAS_BIAS"]
+_KEY = ["N", "K", "m_bucket", "split_k", "D", "SCALE_KIND", "A_PACKED", "W_PACKED", "HAS_BIAS"]
 _w4a4_small = triton.autotune(configs=_gemm_configs(True), key=_KEY)(_w4a4_kernel)
 _w4a4_large = triton.autotune(configs=_gemm_configs(False), key=_KEY)(_w4a4_kernel)
 
@@ -486,12 +577,16 @@ def decode(codes, scales, d: int, scale_kind: int):
     """bf16 values ``q * s`` of packed codes ``[R, K/2]`` with block scales ``[R, K/d]``."""
     rows, k = codes.shape[0], codes.shape[1] * 2
     out = torch.empty(rows, k, dtype=torch.bfloat16, device=codes.device)
-    block_r, block_k = (16, 64) if INTERPRET else (32, 256)
+    block_r, block_k, warps = (16, 64, 4) if INTERPRET else DECODE_TILE
     grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
     _decode_kernel[grid](codes, scales, out, rows, k, codes.stride(0), scales.stride(0),
                          out.stride(0), D=d, SCALE_KIND=scale_kind, BLOCK_R=block_r,
-                         BLOCK_K=block_k)
+                         BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps)
     return out
+
+
+DECODE_TILE = (32, 256, 4)
+"""Rows, columns and warps of one program of the weight decode (``bench/gpu_compile.py``)."""
 
 
 def w4a4_matmul(a_codes, a_scales, a_global, w_codes, w_scales, w_global, d: int,
@@ -511,7 +606,7 @@ def w4a4_matmul(a_codes, a_scales, a_global, w_codes, w_scales, w_global, d: int
                else out)
     has_global = scale_kind == SCALE_E4M3
     dummy = out
-    meta = dict(D=d, SCALE_KIND=scale_kind, GAIN2=gain * gain, A_PACKED=small,
+    meta = dict(D=d, SCALE_KIND=scale_kind, GAIN2=gain * gain, A_PACKED=small, W_PACKED=True,
                 HAS_GLOBAL=has_global, HAS_BIAS=bias is not None,
                 DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16,
                 EXPLICIT_BF16=INTERPRET and out_dtype == torch.bfloat16)
@@ -539,4 +634,38 @@ def w4a4_matmul(a_codes, a_scales, a_global, w_codes, w_scales, w_global, d: int
                            HAS_GLOBAL=has_global, HAS_BIAS=bias is not None,
                            EXPLICIT_BF16=meta["EXPLICIT_BF16"], BLOCK_M=block_m,
                            BLOCK_N=block_n)
+    return out
+
+
+def decoded_matmul(a_values, w_values, a_global, w_global, scale_kind: int, gain: float,
+                   bias, out_dtype, config: dict | None = None):
+    """``(A W^T) * scales + bias`` of already-decoded bf16 operands ``A [M, K]``, ``W [N, K]``
+    (the prefill path's Triton product: the epilogue reads the per-tensor scales on the
+    device, so dynamic NVFP4 needs no host copy of its scale)."""
+    m, k = a_values.shape
+    n = w_values.shape[0]
+    device = w_values.device
+    out = torch.empty(m, n, dtype=out_dtype, device=device)
+    if m == 0 or n == 0:
+        return out
+    has_global = scale_kind == SCALE_E4M3
+    dummy = out
+    meta = dict(D=16, SCALE_KIND=scale_kind, GAIN2=gain * gain, A_PACKED=False, W_PACKED=False,
+                HAS_GLOBAL=has_global, HAS_BIAS=bias is not None,
+                DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16,
+                EXPLICIT_BF16=INTERPRET and out_dtype == torch.bfloat16)
+    args = [a_values, dummy, w_values, dummy, a_global if has_global else dummy,
+            w_global if has_global else dummy, bias if bias is not None else dummy, out, out,
+            m, n, k, 1, a_values.stride(0), 0, w_values.stride(0), 0, out.stride(0),
+            _m_bucket(m)]
+    if config is not None or INTERPRET:
+        cfg = dict(config or INTERPRETER_GEMM_CONFIG)
+        warps = cfg.pop("num_warps", 4)
+        stages = cfg.pop("num_stages", 3)
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), 1)
+        _w4a4_kernel[grid](*args, **meta, **cfg, num_warps=warps, num_stages=stages)
+    else:
+        def grid(meta):
+            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), 1)
+        _w4a4_large[grid](*args, **meta)
     return out

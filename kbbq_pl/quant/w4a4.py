@@ -15,8 +15,10 @@ plain ``nn.Linear`` whose weight is a ``W4A4Weight`` computes the quantized prod
 Where it runs:
 
 * on CUDA, when the project's Triton kernels are present and run there
-  (``kbbq_pl.kernels.available(device)``), through ``kbbq_pl.kernels.linear_w4a4``: packed
-  operands end to end;
+  (``kbbq_pl.kernels.available(device)``), through ``kbbq_pl.kernels.linear_w4a4``, which
+  takes the decode path up to 16 rows, the prefill path from 1,024 and the tiled GEMM in
+  between (the weight's prepared form, ``kbbq_pl.kernels.prepare_weight``, is made at its
+  first product on a device and kept with it);
 * everywhere else, and whenever a gradient must reach the input (the kernels have no backward),
   exact emulation: the padded input is upcast to FP32 and transformed there, its FP4 rounding is
   :func:`kbbq_pl.formats.fake_quantize` (straight-through under autograd), the weight is decoded
@@ -346,8 +348,31 @@ def w4a4_linear(x: Tensor, weight: W4A4Weight, bias: Tensor | None = None, *,
         kernels = _kernels()
         assert kernels is not None
         return kernels.linear_w4a4(x, weight.qdata, weight.scale, weight.global_scale,
-                                   weight.fmt, weight.transform, scale, bias)
+                                   weight.fmt, weight.transform, scale, bias,
+                                   prepared=_prepared_weight(kernels, weight, scale))
     return _emulated_linear(x, weight, bias, scale)
+
+
+KEEP_DECODED_WEIGHTS = False
+"""Whether the kernels keep each weight decoded to bf16 for the prefill path (2 bytes a weight
+on the device, 3.6x the packed codes; the default decodes per call: docs/kernels.md)."""
+_prepared: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _prepared_weight(kernels: ModuleType, weight: W4A4Weight, act_scale: Tensor | None):
+    """The kernels' prepared form of ``weight`` on its device (``kernels.prepare_weight``: the
+    products choose their path by the number of rows), made at its first product there and
+    kept while its codes live unchanged.  The first product reads the static scales to the
+    host: warm a layer up before capturing it in a CUDA graph."""
+    key = (weight.qdata._version, weight.scale._version, KEEP_DECODED_WEIGHTS,
+           None if act_scale is None else (id(act_scale), act_scale._version))
+    entry = _prepared.get(weight.qdata)
+    if entry is None or entry[0] != key:
+        prepared = kernels.prepare_weight(weight.qdata, weight.scale, weight.global_scale,
+                                          weight.fmt, act_scale,
+                                          keep_decoded=KEEP_DECODED_WEIGHTS)
+        entry = _prepared[weight.qdata] = (key, prepared)
+    return entry[1]
 
 
 def _linear_arguments(args: tuple, kwargs: dict,

@@ -143,10 +143,14 @@ class FakeKernels(types.ModuleType):
     def available(self, device) -> bool:
         return self.ok
 
+    def prepare_weight(self, codes, scales, global_scale, fmt, act_global_scale=None, *,
+                       keep_decoded=False):
+        return ("prepared", codes, act_global_scale, keep_decoded)
+
     def linear_w4a4(self, x, codes, scales, global_scale, fmt, transform=None,
-                    act_global_scale=None, bias=None):
+                    act_global_scale=None, bias=None, *, prepared=None):
         self.calls.append((x, codes, scales, global_scale, fmt, transform, act_global_scale,
-                           bias))
+                           bias, prepared))
         return torch.full((*x.shape[:-1], codes.shape[0]), 7.0, dtype=x.dtype)
 
 
@@ -169,8 +173,12 @@ def test_products_go_to_the_kernels_where_they_run(fake_kernels):
     assert call[3] is linear.weight.global_scale and call[4].name == "nvfp4"
     assert torch.equal(call[5], t.float()) and torch.equal(call[6], scale)
     assert call[7] is linear.bias
+    assert call[8][:3] == ("prepared", linear.weight.qdata, scale) and call[8][3] is False
+    linear(x)  # the prepared weight is made once and kept with the codes
+    assert fake_kernels.calls[-1][8] is call[8]
     TF.linear(x, linear.weight.replace(act_scale="dynamic", act_global_scale=None))
     assert fake_kernels.calls[-1][6] is None and fake_kernels.calls[-1][7] is None
+    assert fake_kernels.calls[-1][8][2] is None  # another activation scale, another preparation
 
 
 def test_emulation_where_the_kernels_do_not_apply(fake_kernels, monkeypatch):

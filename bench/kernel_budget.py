@@ -1,0 +1,129 @@
+"""Bytes, FLOPs and predicted times of the W4A4 linear on Hopper, counted before a GPU run.
+
+    python bench/kernel_budget.py [--copy-gbs 3000] [--bf16-tflops 697] [--gap-us 1.5]
+
+For each shape (K = N = 8192 and the Llama-3-8B linears 4096 -> 4096, 4096 -> 6144,
+4096 -> 14336, 14336 -> 4096), M = 1, 16, 4096 and NVFP4 / MXFP4 with a per-block transform
+(KBBQ-shaped, as the layers run it), the fewest bytes each kernel must move through device
+memory (each input read once, each output written once) and the FLOPs, and from them:
+
+* ``floor``: the bytes at the copy bandwidth plus the FLOPs at the bf16 matrix rate (nothing
+  overlapped, no launch gaps): no version runs faster;
+* ``predicted``: the decode GEMM at 70% of the copy bandwidth (the issue's goal), the
+  activation kernel at 80% (its goal), the weight decode at 80%, the product at the bf16 rate,
+  and ``--gap-us`` per kernel boundary inside a CUDA graph (an assumption: to be measured);
+* bf16 ``torch.matmul``: at M <= 16 its weight bytes at 76% of the copy bandwidth (an H200
+  run of 2026-11-26: 0.04458 ms for 8192 x 8192, M = 1, against a 3,967 GB/s copy), at
+  M = 4096 the FLOPs at ``--bf16-tflops`` (the same run: 0.7883 ms for 8192 x 8192 x 4096,
+  697 TFLOP/s).
+
+The copy bandwidth defaults to the H100's, about 3.0 TB/s read + written (seen on one
+``nvidia-h100-x1`` machine, 2026-11-13, /work/.library/device/KINDS.md); ``--copy-gbs 3967`` is
+the H200 of the first GPU run.  Every figure printed is a prediction, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+SHAPES = ((8192, 8192), (4096, 4096), (4096, 6144), (4096, 14336), (14336, 4096))
+ROWS = (1, 16, 4096)
+FORMATS = {"nvfp4": 16, "mxfp4": 32}
+TARGETS = {1: 2.5, 16: 2.2, 4096: 0.95}
+BF16_GEMV_FRACTION = 0.76
+DECODE_FRACTION = 0.70
+STREAM_FRACTION = 0.80
+
+
+def activation_bytes(m: int, k: int, d: int, nvfp4: bool) -> int:
+    """The activation kernel's bytes: ``x`` read (twice for dynamic NVFP4: the amax pass and
+    the rounding pass), the FP32 transform ``[K/d, d, d]`` read, the 16-bit values written."""
+    reads = 2 if nvfp4 else 1
+    return reads * 2 * m * k + 4 * k * d + 2 * m * k
+
+
+def decode_gemm_bytes(m: int, k: int, n: int, d: int) -> int:
+    """The decode GEMM's bytes: packed codes and one scale byte per block, the activations,
+    the bf16 output (the split-K partials live in the L2 cache)."""
+    return n * k // 2 + n * (k // d) + 2 * m * k + 2 * m * n
+
+
+def weight_decode_bytes(k: int, n: int, d: int) -> int:
+    """The prefill path's weight decode: codes and scales read, bf16 written."""
+    return n * k // 2 + n * (k // d) + 2 * n * k
+
+
+def bf16_bytes(m: int, k: int, n: int) -> int:
+    return 2 * n * k + 2 * m * k + 2 * m * n
+
+
+def kernels(m: int, nvfp4: bool) -> int:
+    """Launches of one linear: the activation kernel (two for dynamic NVFP4) and the GEMM
+    (prefill: and the weight decode)."""
+    return (2 if nvfp4 else 1) + (1 if m <= 16 else 2)
+
+
+def predict(m: int, k: int, n: int, fmt: str, copy: float, bf16_rate: float,
+            gap: float) -> dict:
+    """The figures of one row (seconds, bytes, FLOPs) as the module docstring defines them."""
+    d = FORMATS[fmt]
+    nvfp4 = fmt == "nvfp4"
+    flops = 2 * m * n * k
+    act = activation_bytes(m, k, d, nvfp4)
+    if m <= 16:
+        product = decode_gemm_bytes(m, k, n, d)
+        ours_bytes = act + product
+        floor = ours_bytes / copy
+        predicted = (act / (STREAM_FRACTION * copy) + product / (DECODE_FRACTION * copy)
+                     + gap * (kernels(m, nvfp4) - 1))
+        bf16 = bf16_bytes(m, k, n) / (BF16_GEMV_FRACTION * copy)
+        decode_fraction = product / copy
+    else:
+        decode = weight_decode_bytes(k, n, d)
+        operands = 2 * m * k + 2 * n * k + 2 * m * n  # what the bf16 product reads and writes
+        ours_bytes = act + decode + operands
+        floor = (act + decode) / copy + max(flops / bf16_rate, operands / copy)
+        predicted = ((act + decode) / (STREAM_FRACTION * copy) + flops / bf16_rate
+                     + gap * (kernels(m, nvfp4) - 1))
+        bf16 = flops / bf16_rate
+        decode_fraction = float("nan")
+    return dict(k=k, n=n, m=m, fmt=fmt, ours_mb=ours_bytes / 1e6,
+                bf16_mb=bf16_bytes(m, k, n) / 1e6, gflop=flops / 1e9, floor_us=floor * 1e6,
+                predicted_us=predicted * 1e6, bf16_us=bf16 * 1e6, floor_x=bf16 / floor,
+                predicted_x=bf16 / predicted, target=TARGETS[m],
+                gemm_floor_us=decode_fraction * 1e6)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--copy-gbs", type=float, default=3000.0,
+                        help="device copy bandwidth, GB/s read + written (H100: 3000)")
+    parser.add_argument("--bf16-tflops", type=float, default=697.0,
+                        help="bf16 matrix rate at M = 4096 (H200, 8192 x 8192: 697)")
+    parser.add_argument("--gap-us", type=float, default=1.5,
+                        help="assumed microseconds per kernel boundary in a CUDA graph")
+    args = parser.parse_args(argv)
+    copy, rate, gap = args.copy_gbs * 1e9, args.bf16_tflops * 1e12, args.gap_us * 1e-6
+    print(f"predictions (not measurements): copy {args.copy_gbs:.0f} GB/s, bf16 "
+          f"{args.bf16_tflops:.0f} TFLOP/s at M = 4096, {args.gap_us} us per kernel boundary; "
+          "per-block transforms on, dynamic NVFP4 scales\n")
+    header = ["K->N", "M", "format", "W4A4 MB", "bf16 MB", "GFLOP", "W4A4 floor us",
+              "decode GEMM floor us", "W4A4 predicted us", "bf16 predicted us",
+              "x bf16 at the floor", "x bf16 predicted", "target"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for k, n in SHAPES:
+        for m in ROWS:
+            for fmt in FORMATS:
+                r = predict(m, k, n, fmt, copy, rate, gap)
+                cells = [f"{k}->{n}", m, fmt, f"{r['ours_mb']:.1f}", f"{r['bf16_mb']:.1f}",
+                         f"{r['gflop']:.3g}", f"{r['floor_us']:.1f}",
+                         "-" if math.isnan(r["gemm_floor_us"]) else f"{r['gemm_floor_us']:.1f}",
+                         f"{r['predicted_us']:.1f}", f"{r['bf16_us']:.1f}",
+                         f"{r['floor_x']:.2f}", f"{r['predicted_x']:.2f}", r["target"]]
+                print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""The exact arithmetic the fast W4A4 paths rest on, as small pure torch functions.
+
+The W4A4 product (the paper's ``S = sum_k w_k x_k`` of Sec. "Setup and Assumptions", with
+``w = Q(W T^-1)`` and ``x = Q(T x)``, Sec. "Transforms: Invariance, Blindness, and the Ceiling")
+multiplies decoded FP4 values ``q * s``: ``q`` an E2M1 value (2 significant bits, magnitude
+0.5 to 6), ``s`` a block scale (E4M3: 4 significant bits, 2^-9 to 448; E8M0: a power of two,
+2^-127 to 2^127).  The kernels may hand these values to fp16 / bf16 tensor cores or to cuBLAS
+only where each one is exactly representable there; this module states where, and the tests
+(``tests/kernels/test_fast_paths.py``) check every code against every scale byte:
+
+* ``q * s`` in **bf16** (8 significant bits, FP32's exponent range): exact for E4M3 scales
+  (at most 6 significant bits, ``[2^-10, 2688]``) and for E8M0 scales wherever the value is
+  finite in FP32 (exponents above 125 overflow both; :func:`bf16_exact_scale`).
+* ``q * s * 2^-14`` in **fp16** for E4M3 scales: exact (multiples of 2^-24, the fp16
+  subnormal step, at most 0.164); and ``q * s`` in fp16 (at most 2688, multiples of 2^-10).
+  So the NVFP4 decode path multiplies fp16 operands and puts ``2^14`` in its epilogue
+  (:data:`NVFP4_DECODE_SHIFT`).
+* The bit pattern of an E2M1 code laid into the low exponent bits of a 16-bit float is the
+  value times a power of two, subnormal 0.5 included (:func:`e2m1_half_bits`): fp16
+  ``q * 2^-14``, bf16 ``q * 2^-126``.  One multiply by the block's multiplier then finishes
+  the decode: fp16 ``s`` (NVFP4), bf16 ``2^(e - shift + 126)`` (MX, :func:`mx_shift`).
+
+The decode GEMM's activations arrive in :func:`word_order_index` order, which is where the
+nibbles of the weights' standard packing (element ``2i`` low), decoded two at a time from
+32-bit words, meet them: the weights are read as :func:`kbbq_pl.formats.quantize` stores them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+NVFP4_DECODE_SHIFT = 14
+"""The NVFP4 decode path multiplies ``q * s * 2^-14`` (fp16, exact) and its epilogue ``2^14``."""
+MX_MULTIPLIER_BIAS = 126
+"""bf16 ``q * 2^-126`` (:func:`e2m1_half_bits`) times ``2^(e - shift + 126)`` is
+``q * 2^(e - shift)``."""
+E8M0_NAN = 255
+
+
+WORD_ORDER_CHUNK = 128
+"""Elements per chunk of :func:`word_order_index` (16 words of 8 codes)."""
+
+
+def word_order_index(k: Tensor) -> Tensor:
+    """Where element ``k`` of a row lands in word order, the order in which the decode GEMM
+    meets the activations.  It reads the weights' codes as 32-bit words of 8 (element ``8c + e``
+    in nibble ``e``) and decodes, per shift, two nibbles at once: elements ``e`` and ``e + 4``
+    of every word, side by side.  So within each chunk of 128 (16 words) element
+    ``8c + e`` goes to ``32 (e % 4) + 2c + e // 4``."""
+    return ((k // WORD_ORDER_CHUNK) * WORD_ORDER_CHUNK + 32 * (k % 4)
+            + 2 * ((k % WORD_ORDER_CHUNK) // 8) + (k % 8) // 4)
+
+
+def word_order(values: Tensor) -> Tensor:
+    """``values [..., K]`` reordered by :func:`word_order_index` (``K`` padded with zeros to a
+    multiple of 128)."""
+    k = values.shape[-1]
+    width = -(-k // WORD_ORDER_CHUNK) * WORD_ORDER_CHUNK
+    out = values.new_zeros(*values.shape[:-1], width)
+    out[..., word_order_index(torch.arange(k, device=values.device))] = values
+    return out
+
+
+def e2m1_half_bits(codes: Tensor, dtype: torch.dtype) -> Tensor:
+    """E2M1 codes (0..15, sign in bit 3) as the 16-bit floats whose exponent's low two bits and
+    mantissa's top bit are the code: ``q * 2^-14`` in fp16, ``q * 2^-126`` in bf16.  A 16-bit
+    float with exponent field ``e`` and top mantissa bit ``m`` is ``2^(e - bias) (1 + m/2)``,
+    or ``2^(1 - bias) m/2`` when ``e = 0``: E2M1's own rule with the bias moved (15 or 127
+    against 1)."""
+    c = codes.to(torch.int32)
+    low = 9 if dtype == torch.float16 else 6
+    bits = ((c & 8) << 12) | ((c & 7) << low)
+    return bits.to(torch.int16).view(dtype)
+
+
+def e4m3_fp16(scale_bytes: Tensor) -> Tensor:
+    """E4M3 scale bytes as fp16 values (exact: E4M3 has 4 significant bits and lies in
+    [2^-9, 448]; 0x7F / 0xFF are NaN)."""
+    return scale_bytes.view(torch.float8_e4m3fn).to(torch.float16)
+
+
+def mx_shift(exponents: Tensor) -> int:
+    """The power of two ``shift`` of an MX weight's decode (biased exponents ``E = e + 127``,
+    255 NaN ignored): ``max(0, E_max - 128)``, which keeps every bf16 multiplier
+    ``2^(e - shift + 126)`` at most bf16's largest power of two.  The decoded weights are then
+    ``q * 2^(e - shift)``, exact in bf16 while ``e - shift >= -132`` (0.5 * 2^-132 is bf16's
+    smallest subnormal), and ``2^shift`` goes in the epilogue.  Raises where a block is too
+    small for that (exponents spanning more than 133 binades, with some block scale above 2)."""
+    e = exponents.view(torch.uint8).to(torch.int32)
+    e = e[e != E8M0_NAN]
+    if e.numel() == 0:
+        return 0
+    high, low = int(e.max()), int(e.min())
+    shift = max(0, high - 128)
+    if low - 127 - shift < -132:
+        raise ValueError(f"MX block exponents from {low - 127} to {high - 127}: no shift keeps "
+                         "every decoded weight exact in bf16")
+    return shift
+
+
+def mx_multiplier_bits(exponents: Tensor, shift: int) -> Tensor:
+    """bf16 bit patterns of the MX decode multipliers ``2^(e - shift + 126)`` (int16; NaN for
+    the NaN exponent)."""
+    e = exponents.view(torch.uint8).to(torch.int32)
+    bits = (e + MX_MULTIPLIER_BIAS - shift) << 7
+    return torch.where(e == E8M0_NAN, torch.full_like(bits, 0x7FC0), bits).to(torch.int16)
+
+
+def bf16_exact_scale(scale_kind: str, scale_byte: int) -> bool:
+    """Whether ``q * s`` is exact in bf16 for every E2M1 value ``q`` with this scale byte: for
+    every E4M3 byte but NaN; for E8M0 up to the exponent 125 (byte 252).  Above it ``4 * 2^126``
+    and ``6 * 2^126`` overflow bf16, and FP32 too (both end at ``(2 - 2^-k) 2^127``): a value
+    with two significant bits is finite in FP32 exactly when it is finite in bf16."""
+    if scale_kind == "e4m3":
+        return scale_byte & 0x7F != 0x7F
+    return scale_byte <= 125 + 127
+
+
+def decoded_weight_bytes(n: int, k: int, block: int) -> int:
+    """Bytes a decode reads and writes for an ``[n, k]`` FP4 weight to bf16: packed codes and
+    one scale byte per block read, two bytes per element written."""
+    return n * k // 2 + n * (k // block) + 2 * n * k

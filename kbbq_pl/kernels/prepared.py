@@ -1,0 +1,84 @@
+"""What a W4A4 layer's weights need beyond their codes, worked out once per device.
+
+:class:`PreparedWeight` holds what the fast paths of :func:`kbbq_pl.kernels.linear_w4a4` would
+otherwise work out in every call: the MX decode shift (:func:`kbbq_pl.kernels.exact.mx_shift`,
+one read of the exponents' range), host copies of the static scales (so the prefill path can
+hand cuBLAS one FP32 ``alpha`` without a device-to-host copy per call) and, opt-in, the weights
+decoded to bf16 (:attr:`PreparedWeight.decoded`, 2 bytes a weight: the prefill path's decode
+then costs nothing per call, at 3.6 to 3.8 times the packed weights' memory).  The codes and
+scales themselves are not held: every product is given them (the decode path reads them as
+they are stored, see :mod:`kbbq_pl.kernels.skinny`), so a cache of prepared weights keyed
+weakly by the codes lets them go.  Pure torch; the decode itself is the Triton kernel of
+:mod:`kbbq_pl.kernels.triton_kernels`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from ..formats import Format
+from .exact import mx_shift
+
+
+@dataclass
+class PreparedWeight:
+    """What :func:`kbbq_pl.kernels.linear_w4a4` works out once for a weight (module docstring).
+
+    Attributes:
+        fmt: the format.
+        shape: the shape of the codes it was prepared for, ``(N, K/2)``.
+        host_global: the NVFP4 per-tensor scale as a float, read once; None if not read.
+        host_act_scale: the static NVFP4 activation scale as a float, when the layer has one.
+        decoded: ``q * s`` in bf16 ``[N, K]`` (without the per-tensor scale), or None.
+    """
+
+    fmt: Format
+    shape: tuple[int, int]
+    host_global: float | None = None
+    host_act_scale: float | None = None
+    decoded: Tensor | None = None
+    _shift: int | None = None
+
+    def shift(self, scales: Tensor) -> int | None:
+        """The MX decode shift of these block scales (0 for NVFP4), read from them on the
+        first use; None where no shift decodes the weights exactly in bf16 (the decode path
+        then leaves them to the tiled GEMM)."""
+        if self._shift is None:
+            try:
+                self._shift = (mx_shift(scales) if self.fmt.scale_kind == "e8m0" else 0)
+            except ValueError:
+                self._shift = -1
+        return None if self._shift < 0 else self._shift
+
+    def alpha(self, static: bool) -> float | None:
+        """The product's FP32 multiplier known on the host (per-tensor scales, the MX
+        ``no_clip`` gain), or None when it depends on the call (dynamic NVFP4 activations) or
+        was not read."""
+        if self.fmt.scale_kind == "e4m3":
+            if not static or self.host_act_scale is None or self.host_global is None:
+                return None
+            return self.host_global * self.host_act_scale
+        gain = 0.75 if self.fmt.e8m0_rounding == "no_clip" else 1.0
+        return 1.0 / (gain * gain)
+
+
+def prepare_weight(codes: Tensor, scales: Tensor, global_scale: Tensor | None, fmt: Format,
+                   act_global_scale: Tensor | float | None = None, *,
+                   keep_decoded: bool = False, decode=None,
+                   host_scalars: bool = True) -> PreparedWeight:
+    """A :class:`PreparedWeight` for these codes.  ``host_scalars`` reads the per-tensor scales
+    to the host now (one device-to-host copy each, once; MX reads its exponents' range too);
+    ``decode(codes, scales)`` (the Triton decode) fills :attr:`PreparedWeight.decoded` when
+    ``keep_decoded``."""
+    prepared = PreparedWeight(fmt, tuple(codes.shape))
+    if host_scalars:
+        prepared.host_global = None if global_scale is None else float(global_scale)
+        prepared.host_act_scale = None if act_global_scale is None else float(act_global_scale)
+        prepared.shift(scales)
+    if keep_decoded:
+        if decode is None:
+            raise ValueError("keep_decoded needs the decode function")
+        prepared.decoded = decode(codes, scales)
+    return prepared

@@ -1,0 +1,356 @@
+"""The decode GEMM: up to 16 rows of activations against packed FP4 weights (Triton).
+
+Imported lazily by :mod:`kbbq_pl.kernels` (needs triton).  A decode step multiplies a few
+tokens by every weight of the model once, so this kernel is built to read the weights at the
+memory's speed and do little else per byte:
+
+* the weights are read as :func:`kbbq_pl.formats.quantize` stores them (codes ``[N, K/2]``,
+  element ``2i`` in the low nibble, one scale byte per block): 16-byte loads of contiguous row
+  segments, marked ``evict_first``.  Nothing is copied or repacked: the activations come in
+  word order instead (:func:`kbbq_pl.kernels.exact.word_order_index`, written so by the
+  activation kernel that runs just before);
+* the codes are decoded as 32-bit words of 8, two nibbles per integer operation (as Marlin
+  does): for each shift of the word, the sign bits of the two nibbles at the top of its
+  16-bit halves stay and their exponent-and-mantissa bits move down, which makes the two
+  halves 16-bit floats (:func:`~kbbq_pl.kernels.exact.e2m1_half_bits`); one packed multiply
+  by the block's multiplier finishes the decode, exactly (:mod:`kbbq_pl.kernels.exact`):
+  fp16 ``q * s * 2^-14`` for NVFP4, bf16 ``q * 2^(e - shift)`` for MX; the epilogue puts back
+  ``2^14`` or ``2^shift`` with the per-tensor scales, the MX ``no_clip`` gain and the bias;
+* the product runs on tensor cores with the weights as the wide operand (``W [BLOCK_N, K]``
+  times ``A^T [K, 16]``), or (``PRODUCT_FMA``, one row only) as FP32 fused multiply-adds;
+* K is split across programs so that the grid fills the GPU (132 SMs at N = 4096); each split
+  writes an FP32 partial and the last program of a column tile to finish (an atomic counter,
+  reset by that program, so the kernel can be replayed in a CUDA graph) sums the partials in
+  split order 0, 1, ...: the result does not depend on which program finished last.
+
+One launch computes the product; with the activation kernel before it a decode-path linear
+is two launches (three for dynamic NVFP4, whose per-tensor scale needs the amax of the whole
+input first).  No host synchronization, no allocation but the output and the partials.  The
+split-K counters are one buffer per device: decode GEMMs on two streams of one device at the
+same time would share them (run them on one stream, as a model's layers do).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .exact import MX_MULTIPLIER_BIAS, NVFP4_DECODE_SHIFT, WORD_ORDER_CHUNK
+from .interpret import interpreting
+from .triton_kernels import SCALE_E4M3, _block_scale_values, _epilogue, _pow2
+
+INTERPRET = interpreting()
+
+PRODUCT_DOT = 0
+PRODUCT_FMA = 1
+VALUES_FP32 = 0
+VALUES_FP16 = 1
+VALUES_BF16 = 2
+MAX_ROWS = 16
+"""Rows the decode GEMM takes (the tensor-core operand's narrow side)."""
+MAX_SPLITS = 16
+_COUNTERS = 1 << 14
+"""Column tiles a device's split-K counters cover (N up to 2^14 * BLOCK_N)."""
+
+
+@triton.jit
+def _nibble_values(c, mult, VALUES: tl.constexpr):
+    """E2M1 codes ``c`` (int32, 0..15) decoded and multiplied by ``mult`` (same shape): fp16
+    ``q * 2^-14 * mult``, bf16 ``q * 2^-126 * mult`` or FP32 ``q * 2^-126 * mult`` (the bits of
+    :func:`kbbq_pl.kernels.exact.e2m1_half_bits`)."""
+    if VALUES == 0:  # VALUES_FP32
+        bits = ((c & 8) << 28) | ((c & 7) << 22)
+        return bits.to(tl.float32, bitcast=True) * mult
+    elif VALUES == 1:  # VALUES_FP16
+        bits = (((c & 8) << 12) | ((c & 7) << 9)).to(tl.int16)
+        return bits.to(tl.float16, bitcast=True) * mult
+    else:
+        bits = (((c & 8) << 12) | ((c & 7) << 6)).to(tl.int16)
+        return bits.to(tl.bfloat16, bitcast=True) * mult
+
+
+@triton.jit
+def _word_halves(words, mult, SHIFT: tl.constexpr, VALUES: tl.constexpr):
+    """The two E2M1 values whose nibbles sit at bits 12-15 and 28-31 of ``words << SHIFT``
+    (int32 words of codes), decoded and multiplied by their word's multiplier: the sign bit
+    stays, the exponent-and-mantissa bits move down by 3 (fp16) or 6 (bf16), which makes each
+    16-bit half the float ``q * 2^-14`` (fp16) or ``q * 2^-126`` (bf16;
+    :func:`kbbq_pl.kernels.exact.e2m1_half_bits`), two values per integer operation.  bf16
+    pairs are multiplied as pairs by one line of PTX (Triton multiplies bf16 one value at a
+    time); VALUES_FP32 gives the same values in FP32 (the interpreter's path)."""
+    x = words << SHIFT
+    sign = x & -2147450880  # 0x80008000
+    if VALUES == 1:  # VALUES_FP16
+        pair = sign | ((x & 0x70007000) >> 3)
+        low = pair.to(tl.int16).to(tl.float16, bitcast=True)
+        high = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+        return low * mult, high * mult
+    elif VALUES == 2:  # VALUES_BF16 (GPU only: the interpreter runs no PTX)
+        pair = sign | ((x & 0x70007000) >> 6)
+        pair = tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [pair, mult],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+        low = pair.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        high = (pair >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return low, high
+    else:  # the bf16 patterns widened to FP32 (a bf16 is the top half of an FP32)
+        pair = sign | ((x & 0x70007000) >> 6)
+        low = (pair << 16).to(tl.float32, bitcast=True)
+        high = (pair & -65536).to(tl.float32, bitcast=True)  # 0xFFFF0000
+        return low * mult, high * mult
+
+
+@triton.jit
+def _word_dots(words, mult, a_ptrs, a_mask, acc, SHIFT: tl.constexpr, E_LOW: tl.constexpr,
+               VALUES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Accumulate the products of the two nibbles of every word that ``SHIFT`` brings to the
+    top of its halves, element ``E_LOW`` (low half) and ``E_LOW + 4`` (high half) of each
+    8-element word, kept side by side (``[low_c, high_c]``, one 32-bit register), against
+    their activations (:func:`~kbbq_pl.kernels.exact.word_order_index`)."""
+    low, high = _word_halves(words, mult, SHIFT, VALUES)
+    w = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K // 4])
+    a = tl.load(a_ptrs + 32 * E_LOW, mask=a_mask, other=0.0)
+    return tl.dot(w, a, acc)
+
+
+@triton.jit
+def _block_multipliers(s, shift, SCALE_KIND: tl.constexpr, VALUES: tl.constexpr):
+    """The decode multiplier of each scale byte ``s`` (uint8): NVFP4 the E4M3 scale (fp16;
+    FP32 times 2^112, so that FP32 values are ``q * s * 2^-14`` too), MX ``2^(e - shift + 126)``
+    (bf16, its bit pattern in both halves of an int32; FP32; NaN for the NaN exponent)."""
+    if SCALE_KIND == 0:  # SCALE_E4M3
+        if VALUES == 1:  # VALUES_FP16
+            return s.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        else:
+            return _block_scale_values(s, SCALE_KIND) * 5.192296858534828e33  # 2^112
+    else:
+        field = s.to(tl.int32) + (126 - shift)  # MX_MULTIPLIER_BIAS
+        if VALUES == 2:  # VALUES_BF16
+            bits = tl.where(s == 255, 0x7FC0, field << 7)
+            return bits | (bits << 16)
+        else:
+            bits = tl.where(s == 255, 0x7FC00000, field << 23)
+            return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _skinny_kernel(
+    a_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, a_global_ptr, w_global_ptr, bias_ptr,
+    M, N, K, shift, stride_am, stride_wn, stride_wsn, stride_om, m_bucket,
+    D: tl.constexpr, SCALE_KIND: tl.constexpr, GAIN2: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, VALUES: tl.constexpr, EXPLICIT_BF16: tl.constexpr,
+    PRODUCT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """``out [M, N] = A W^T`` for word-ordered activation values ``A [M, >=K]`` and packed weights
+    ``W`` (codes ``[N, K/2]``, scale bytes ``[N, K/D]``); program (column tile, K split)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    splits = tl.num_programs(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    k_split = tl.cdiv(tl.cdiv(K, splits), BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    if PRODUCT == 0:  # PRODUCT_DOT: 32-bit words of 8 codes, two values per operation
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        offs_c = tl.arange(0, BLOCK_K // 8)  # word c of a tile row: elements 8c .. 8c + 7
+        words_ptr = w_ptr.to(tl.pointer_type(tl.int32))
+        w_ptrs = words_ptr + offs_n[:, None] * (stride_wn // 4) + offs_c[None, :]
+        s_ptrs = ws_ptr + offs_n[:, None] * stride_wsn + (offs_c // (D // 8))[None, :]
+        offs_p = tl.arange(0, BLOCK_K // 4)  # (word, half) p = 2c + h of one shift's values
+        a_col = 128 * (offs_p // 32) + offs_p % 32  # word_order_index, less 32 E_LOW
+        a_base = a_ptr + offs_m[None, :] * stride_am + a_col[:, None]
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K):
+            if EVEN_K:  # no mask along K: 16-byte loads
+                c_mask = tl.full([BLOCK_K // 8], 1, tl.int1)
+            else:
+                c_mask = k0 // 8 + offs_c < K // 8
+            w_mask = n_mask[:, None] & c_mask[None, :]
+            words = tl.load(w_ptrs + k0 // 8, mask=w_mask, other=0, eviction_policy="evict_first")
+            s = tl.load(s_ptrs + k0 // D, mask=w_mask, other=0, eviction_policy="evict_first")
+            mult = _block_multipliers(s, shift, SCALE_KIND, VALUES)
+            a_ptrs = a_base + k0
+            if EVEN_K:
+                p_mask = tl.full([BLOCK_K // 4], 1, tl.int1)
+            else:
+                p_mask = k0 // 8 + offs_p // 2 < K // 8
+            a_mask = p_mask[:, None] & m_mask[None, :]
+            acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 0, 3, VALUES, BLOCK_N, BLOCK_K)
+            acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 4, 2, VALUES, BLOCK_N, BLOCK_K)
+            acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 8, 1, VALUES, BLOCK_N, BLOCK_K)
+            acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 12, 0, VALUES, BLOCK_N, BLOCK_K)
+    else:  # PRODUCT_FMA, one row: FP32 values, no conversion before the multiply-adds
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        offs_j = tl.arange(0, BLOCK_K // 2)  # byte j of a tile row: elements 2j, 2j + 1
+        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_j[None, :]
+        s_ptrs = ws_ptr + offs_n[:, None] * stride_wsn + (offs_j // (D // 2))[None, :]
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K):
+            if EVEN_K:
+                k_mask = tl.full([BLOCK_K // 2], 1, tl.int1)
+            else:
+                k_mask = k0 // 2 + offs_j < K // 2
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            packed = tl.load(w_ptrs + k0 // 2, mask=w_mask, other=0,
+                             eviction_policy="evict_first").to(tl.int32)
+            s = tl.load(s_ptrs + k0 // D, mask=w_mask, other=0, eviction_policy="evict_first")
+            mult = _block_multipliers(s, shift, SCALE_KIND, 0)
+            w_low = _nibble_values(packed & 15, mult, 0)
+            w_high = _nibble_values(packed >> 4, mult, 0)
+            k = k0 + 2 * offs_j  # word_order_index of elements 2j and 2j + 1 (+ 32)
+            a_low = (k // 128) * 128 + 32 * (k % 4) + 2 * ((k % 128) // 8) + (k % 8) // 4
+            a_lo = tl.load(a_ptr + a_low, mask=k_mask, other=0.0).to(tl.float32)
+            a_hi = tl.load(a_ptr + a_low + 32, mask=k_mask, other=0.0).to(tl.float32)
+            acc += tl.sum(w_low * a_lo[None, :] + w_high * a_hi[None, :], axis=1)
+    if PRODUCT == 0:
+        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    else:
+        acc = acc[None, :]
+    if splits == 1:
+        _skinny_epilogue(acc, offs_m, offs_n, M, N, shift, a_global_ptr, w_global_ptr, bias_ptr,
+                         out_ptr, stride_om, SCALE_KIND, GAIN2, HAS_GLOBAL, HAS_BIAS,
+                         EXPLICIT_BF16)
+    else:
+        part = part_ptr + offs_m[:, None] * N + offs_n[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
+        tl.store(part + pid_k * BLOCK_M * N, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is stored before the counter moves
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == splits - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for split in range(splits):  # a fixed order, whoever finished last
+                total += tl.load(part + split * BLOCK_M * N, mask=mask, other=0.0,
+                                 cache_modifier=".cg")
+            _skinny_epilogue(total, offs_m, offs_n, M, N, shift, a_global_ptr, w_global_ptr,
+                             bias_ptr, out_ptr, stride_om, SCALE_KIND, GAIN2, HAS_GLOBAL,
+                             HAS_BIAS, EXPLICIT_BF16)
+            tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next launch (graph replays)
+
+
+@triton.jit
+def _skinny_epilogue(acc, offs_m, offs_n, M, N, shift, a_global_ptr, w_global_ptr, bias_ptr,
+                     out_ptr, stride_om, SCALE_KIND: tl.constexpr, GAIN2: tl.constexpr,
+                     HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     EXPLICIT_BF16: tl.constexpr):
+    """The decode's power of two back (``2^14`` NVFP4, ``2^shift`` MX), then
+    :func:`~kbbq_pl.kernels.triton_kernels._epilogue`."""
+    if SCALE_KIND == 0:  # SCALE_E4M3: NVFP4_DECODE_SHIFT
+        acc = acc * 16384.0
+    else:
+        acc = acc * _pow2(tl.full(acc.shape, 0, tl.int32) + shift)
+    _epilogue(acc, offs_m, offs_n, M, N, a_global_ptr, w_global_ptr, bias_ptr, out_ptr,
+              stride_om, GAIN2, HAS_GLOBAL, HAS_BIAS, EXPLICIT_BF16)
+
+
+def _configs():
+    """The tensor-core tiles autotuned on GPUs (BLOCK_K a multiple of the word order's 128):
+    ``bench/gpu_compile.py --kernels decode_gemm --explore`` printed the registers, spills and
+    loop instructions per weight of a wider grid on sm_90, from which these were kept."""
+    return [triton.Config({"BLOCK_M": MAX_ROWS, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                           "PRODUCT": PRODUCT_DOT}, num_warps=warps, num_stages=stages)
+            for block_n, block_k, warps, stages in ((64, 256, 4, 3), (64, 512, 4, 2),
+                                                    (128, 256, 4, 3), (128, 256, 8, 3),
+                                                    (256, 256, 8, 3))]
+
+
+def _even_k(args) -> bool:
+    return args["K"] % args["BLOCK_K"] == 0
+
+
+_KEY = ["N", "K", "m_bucket", "D", "SCALE_KIND", "VALUES", "HAS_BIAS"]
+_skinny_tuned = triton.autotune(configs=_configs(), key=_KEY)(
+    triton.heuristics({"EVEN_K": _even_k})(_skinny_kernel))
+
+INTERPRETER_CONFIG = {"BLOCK_M": MAX_ROWS, "BLOCK_N": 16, "BLOCK_K": 128,
+                      "PRODUCT": PRODUCT_DOT}
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _counter(device: torch.device) -> torch.Tensor:
+    """The device's split-K arrival counters (int32 zeros; each launch leaves them zero)."""
+    counter = _counters.get(device)
+    if counter is None:
+        counter = _counters[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+    return counter
+
+
+def split_count(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
+    """K splits for ``[N, K]`` weights in ``block_n``-column tiles: doubled while the grid
+    holds fewer than two programs per SM and each split keeps at least 512 of K (and a whole
+    tile), at most :data:`MAX_SPLITS`."""
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    while (split < MAX_SPLITS and tiles * split < 2 * sms
+           and k // (2 * split) >= max(512, block_k)):
+        split *= 2
+    return split
+
+
+def values_kind(scale_kind: int) -> int:
+    """The 16-bit type a format's decode path multiplies (FP32 where the interpreter cannot
+    multiply bf16)."""
+    if scale_kind == SCALE_E4M3:
+        return VALUES_FP16
+    return VALUES_FP32 if INTERPRET else VALUES_BF16
+
+
+def activation_dtype(scale_kind: int) -> torch.dtype:
+    """The dtype of the activation values the decode GEMM reads."""
+    return {VALUES_FP16: torch.float16, VALUES_BF16: torch.bfloat16,
+            VALUES_FP32: torch.float32}[values_kind(scale_kind)]
+
+
+def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: int,
+                  scale_kind: int, gain: float, shift: int, bias, out_dtype,
+                  config: dict | None = None, split_k: int | None = None):
+    """Launch the decode GEMM on word-ordered activation values ``a_values [M, >=K]`` (from
+    :func:`kbbq_pl.kernels.triton_kernels.quantize_activations` with ``word_order``); arguments
+    checked by :mod:`kbbq_pl.kernels`.  ``config`` pins the tile, ``split_k`` the splits."""
+    n, k = w_codes.shape[0], w_codes.shape[1] * 2
+    device = w_codes.device
+    if m > MAX_ROWS:
+        raise ValueError(f"the decode GEMM takes at most {MAX_ROWS} rows, got {m}")
+    out = torch.empty(m, n, dtype=out_dtype, device=device)
+    values = values_kind(scale_kind)
+    has_global = scale_kind == SCALE_E4M3
+    counter = _counter(device)
+    dummy = out
+    meta = dict(D=d, SCALE_KIND=scale_kind, GAIN2=gain * gain, HAS_GLOBAL=has_global,
+                HAS_BIAS=bias is not None, VALUES=values,
+                EXPLICIT_BF16=INTERPRET and out_dtype == torch.bfloat16)
+    sms = 4 if INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
+
+    def splits(block_n: int, block_k: int) -> int:
+        split = split_k or split_count(n, k, block_n, block_k, sms)
+        if triton.cdiv(n, block_n) > _COUNTERS:
+            split = 1
+        return max(1, min(split, triton.cdiv(k, block_k)))
+
+    partial = torch.empty(MAX_SPLITS if split_k is None else max(split_k, 1),
+                          MAX_ROWS, n, dtype=torch.float32, device=device)
+    args = [a_values, w_codes, w_scales, out, partial, counter,
+            a_global if has_global else dummy, w_global if has_global else dummy,
+            bias if bias is not None else dummy, m, n, k, shift, a_values.stride(0),
+            w_codes.stride(0), w_scales.stride(0), out.stride(0), 1 if m == 1 else MAX_ROWS]
+    if config is not None or INTERPRET:
+        cfg = dict(config or INTERPRETER_CONFIG)
+        if cfg["PRODUCT"] == PRODUCT_DOT and cfg["BLOCK_K"] % WORD_ORDER_CHUNK:
+            raise ValueError(f"the decode GEMM's tensor-core tiles span whole chunks of "
+                             f"{WORD_ORDER_CHUNK}, got BLOCK_K = {cfg['BLOCK_K']}")
+        warps = cfg.pop("num_warps", 4)
+        stages = cfg.pop("num_stages", 2)
+        grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits(cfg["BLOCK_N"], cfg["BLOCK_K"]))
+        _skinny_kernel[grid](*args, **meta, **cfg, EVEN_K=k % cfg["BLOCK_K"] == 0,
+                             num_warps=warps, num_stages=stages)
+    else:
+        def grid(meta):
+            return (triton.cdiv(n, meta["BLOCK_N"]), splits(meta["BLOCK_N"], meta["BLOCK_K"]))
+        _skinny_tuned[grid](*args, **meta)
+    return out
+
+
+__all__ = ["MAX_ROWS", "MX_MULTIPLIER_BIAS", "NVFP4_DECODE_SHIFT", "skinny_matmul",
+           "split_count"]

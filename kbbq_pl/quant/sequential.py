@@ -406,23 +406,27 @@ def _floating_tensors(module: nn.Module, dtype: torch.dtype, recurse: bool = Tru
     return list(found.values())
 
 
-def _convert(tensors: list[Tensor], dtype: torch.dtype) -> list[tuple[Tensor, torch.dtype]]:
-    """Convert ``tensors`` in place (their ``.data``) to ``dtype``; returns each with the dtype
-    it had."""
-    stored = [(tensor, tensor.dtype) for tensor in tensors]
+def _convert(tensors: list[Tensor], dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:
+    """Convert ``tensors`` in place (their ``.data``) to ``dtype``; returns each with the data
+    it held."""
+    stored = [(tensor, tensor.data) for tensor in tensors]
     for tensor in tensors:
         tensor.data = tensor.data.to(dtype)
     return stored
 
 
-def _restore(stored: list[tuple[Tensor, torch.dtype]], module: nn.Module | None = None) -> None:
-    """Give the tensors of :func:`_convert` their dtypes back (exact, from bfloat16 or float16
-    through float32); with ``module``, only those it still holds."""
+def _restore(stored: list[tuple[Tensor, Tensor]], module: nn.Module | None = None) -> None:
+    """Give the tensors of :func:`_convert` their data back: the very storage when the values
+    did not change (no copy: a model loaded from safetensors keeps its mapped pages, and a copy
+    would hold them twice), else the new values in the dtype each had (exact, from bfloat16 or
+    float16 through float32).  With ``module``, only the tensors it still holds."""
     held = None if module is None else {
         id(t) for t in [*module.parameters(), *module.buffers()]}
-    for tensor, dtype in stored:
-        if held is None or id(tensor) in held:
-            tensor.data = tensor.data.to(dtype)
+    for tensor, data in stored:
+        if held is not None and id(tensor) not in held:
+            continue
+        unchanged = torch.equal(tensor.data, data.to(tensor.dtype))
+        tensor.data = data if unchanged else tensor.data.to(data.dtype)
 
 
 @contextlib.contextmanager
@@ -442,8 +446,9 @@ def computed_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
     """Run ``model``'s forward in ``dtype`` without holding the model in ``dtype``: each unit
     (every block of its stack, and every other module holding floating tensors of its own) is
     converted to ``dtype`` when its forward starts and back when it ends, one unit at a time;
-    quantized layers compute as they were built.  The outputs are those of the model converted
-    to ``dtype`` as a whole.  None: as it is."""
+    an embedding table is not converted, its rows are (a lookup copies them: the same values,
+    without the whole table in ``dtype``); quantized layers compute as they were built.  The
+    outputs are those of the model converted to ``dtype`` as a whole.  None: as it is."""
     if dtype is None:
         yield
         return
@@ -455,7 +460,7 @@ def computed_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
     units = [(block, True) for block in blocks] + [
         (m, False) for m in model.modules()
         if id(m) not in inside and _floating_tensors(m, dtype, recurse=False)]
-    converted: dict[int, list[tuple[Tensor, torch.dtype]]] = {}
+    converted: dict[int, list[tuple[Tensor, Tensor]]] = {}
 
     def enter(unit: nn.Module, recurse: bool) -> None:
         converted[id(unit)] = _convert(_floating_tensors(unit, dtype, recurse), dtype)
@@ -463,8 +468,14 @@ def computed_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
     def leave(unit: nn.Module) -> None:
         _restore(converted.pop(id(unit), []))
 
+    def rows_in_dtype(unit: nn.Module, args: Any, out: Any) -> Any:
+        return out.to(dtype) if isinstance(out, Tensor) and out.is_floating_point() else out
+
     handles = []
     for unit, recurse in units:
+        if isinstance(unit, nn.Embedding) and unit.max_norm is None:
+            handles.append(unit.register_forward_hook(rows_in_dtype))
+            continue
         handles.append(unit.register_forward_pre_hook(
             lambda m, args, recurse=recurse: enter(m, recurse)))
         handles.append(unit.register_forward_hook(lambda m, args, out: leave(m),

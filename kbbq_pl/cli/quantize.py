@@ -42,7 +42,7 @@ from ..eval.report_files import report_files, report_markdown
 from ..io.checkpoint import save_quantized
 from ..io.data import MIXED, RANDOM, CalibrationDataModule, token_blocks
 from ..io.fileio import check_output, written_summary
-from ..io.models import load_model, parse_device, resolve_model_path
+from ..io.models import detach_from_files, load_model, parse_device, resolve_model_path
 from ..quant import QuantizationConfig, quantize_model
 from ..quant.sequential import computed_in, count_tokens
 from ..quant.stats import model_device
@@ -184,6 +184,7 @@ def _prepare(args, recipe: str, device: torch.device | None = None
     source, out = _source_and_output(args, recipe)
     model, tokenizer = load_model(args.model, DTYPES.get(args.dtype), device=device,
                                   quantized="refuse")
+    detach_from_files(model)
     batches = calibration_batches(args.data, model, tokenizer, device, args.model)
     return model, tokenizer, batches, source, out
 

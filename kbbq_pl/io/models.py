@@ -248,6 +248,18 @@ def load_model(
     return model, load_tokenizer(folder)
 
 
+def detach_from_files(model: nn.Module) -> None:
+    """Copy every CPU parameter and buffer of ``model`` into the process's own memory.  A model
+    loaded from safetensors is memory-mapped, and a mapped file's pages stay resident while the
+    file is mapped, those of weights already replaced too (a quantized block's bf16 weights):
+    copied, each is freed when its layer is replaced.  One tensor at a time; the values are the
+    same."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.device.type == "cpu":
+                tensor.data = tensor.data.clone()
+
+
 def load_tokenizer(folder: str | Path) -> Any:
     """The tokenizer saved in ``folder``, or None when it has none."""
     from transformers import AutoTokenizer

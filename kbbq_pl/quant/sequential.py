@@ -406,35 +406,40 @@ def _floating_tensors(module: nn.Module, dtype: torch.dtype, recurse: bool = Tru
     return list(found.values())
 
 
-def _convert(tensors: list[Tensor], dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:
+def _convert(tensors: list[Tensor], dtype: torch.dtype, keep: bool = True
+             ) -> list[tuple[Tensor, Tensor | torch.dtype]]:
     """Convert ``tensors`` in place (their ``.data``) to ``dtype``; returns each with the data
-    it held."""
-    stored = [(tensor, tensor.data) for tensor in tensors]
+    it held (``keep``), else with its dtype (the data is freed as it is converted)."""
+    stored = [(tensor, tensor.data if keep else tensor.dtype) for tensor in tensors]
     for tensor in tensors:
         tensor.data = tensor.data.to(dtype)
     return stored
 
 
-def _restore(stored: list[tuple[Tensor, Tensor]], module: nn.Module | None = None) -> None:
-    """Give the tensors of :func:`_convert` their data back: the very storage when the values
-    did not change (no copy: a model loaded from safetensors keeps its mapped pages, and a copy
-    would hold them twice), else the new values in the dtype each had (exact, from bfloat16 or
-    float16 through float32).  With ``module``, only the tensors it still holds."""
+def _restore(stored: list[tuple[Tensor, Tensor | torch.dtype]],
+             module: nn.Module | None = None) -> None:
+    """Give the tensors of :func:`_convert` their dtypes back (exact, from bfloat16 or float16
+    through float32): the very storage kept when the values did not change (no copy: a model
+    memory-mapped from safetensors is not held twice).  With ``module``, only the tensors it
+    still holds."""
     held = None if module is None else {
         id(t) for t in [*module.parameters(), *module.buffers()]}
     for tensor, data in stored:
         if held is not None and id(tensor) not in held:
             continue
-        unchanged = torch.equal(tensor.data, data.to(tensor.dtype))
-        tensor.data = data if unchanged else tensor.data.to(data.dtype)
+        restored = tensor.data.to(data if isinstance(data, torch.dtype) else data.dtype)
+        unchanged = isinstance(data, Tensor) and torch.equal(restored, data)
+        tensor.data = data if unchanged else restored
 
 
 @contextlib.contextmanager
 def held_in(module: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
     """``module``'s floating parameters and buffers (quantized layers aside) in ``dtype`` for
-    the duration, then in the dtype each had again (those the module still holds: a layer
+    the duration (the others freed meanwhile: a block is not held twice), then in the dtype
+    each had again (those the module still holds: a layer
     replaced meanwhile is gone).  None: as they are."""
-    stored = [] if dtype is None else _convert(_floating_tensors(module, dtype), dtype)
+    stored = [] if dtype is None else _convert(_floating_tensors(module, dtype), dtype,
+                                               keep=False)
     try:
         yield
     finally:
@@ -443,27 +448,21 @@ def held_in(module: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def computed_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
-    """Run ``model``'s forward in ``dtype`` without holding the model in ``dtype``: each unit
-    (every block of its stack, and every other module holding floating tensors of its own) is
-    converted to ``dtype`` when its forward starts and back when it ends, one unit at a time;
+    """Run ``model``'s forward in ``dtype`` without holding the model in ``dtype``: each module
+    holding floating tensors of its own (a linear, a norm) has them converted to ``dtype`` when
+    its forward starts and back when it ends, one module at a time (a module that computes
+    with another's tensors without calling it would see them unconverted);
     an embedding table is not converted, its rows are (a lookup copies them: the same values,
     without the whole table in ``dtype``); quantized layers compute as they were built.  The
     outputs are those of the model converted to ``dtype`` as a whole.  None: as it is."""
     if dtype is None:
         yield
         return
-    try:
-        blocks = list(find_blocks(model)[1])
-    except ValueError:
-        blocks = []
-    inside = {id(m) for block in blocks for m in block.modules()}
-    units = [(block, True) for block in blocks] + [
-        (m, False) for m in model.modules()
-        if id(m) not in inside and _floating_tensors(m, dtype, recurse=False)]
+    units = [m for m in model.modules() if _floating_tensors(m, dtype, recurse=False)]
     converted: dict[int, list[tuple[Tensor, Tensor]]] = {}
 
-    def enter(unit: nn.Module, recurse: bool) -> None:
-        converted[id(unit)] = _convert(_floating_tensors(unit, dtype, recurse), dtype)
+    def enter(unit: nn.Module) -> None:
+        converted[id(unit)] = _convert(_floating_tensors(unit, dtype, recurse=False), dtype)
 
     def leave(unit: nn.Module) -> None:
         _restore(converted.pop(id(unit), []))
@@ -472,12 +471,11 @@ def computed_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
         return out.to(dtype) if isinstance(out, Tensor) and out.is_floating_point() else out
 
     handles = []
-    for unit, recurse in units:
+    for unit in units:
         if isinstance(unit, nn.Embedding) and unit.max_norm is None:
             handles.append(unit.register_forward_hook(rows_in_dtype))
             continue
-        handles.append(unit.register_forward_pre_hook(
-            lambda m, args, recurse=recurse: enter(m, recurse)))
+        handles.append(unit.register_forward_pre_hook(lambda m, args: enter(m)))
         handles.append(unit.register_forward_hook(lambda m, args, out: leave(m),
                                                   always_call=True))
     try:
@@ -488,6 +486,7 @@ def computed_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
         for stored in converted.values():  # a forward that raised half way
             _restore(stored)
         converted.clear()
+        trim_heap()  # the units' float32 copies, freed
 
 
 def trim_heap() -> None:

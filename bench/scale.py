@@ -1,24 +1,26 @@
-"""Peak memory and time of quantizing models of growing size: streamed from disk against
-loaded in memory, in one run.
+"""Peak memory and time of ``kbbq-pl quantize`` on models of growing size: the default, ``--stream``
+and the previous default (``--no-stream --dtype float32``), in one run.
 
-    python bench/scale.py [--sizes 0.25 0.5 1 2] [--methods rtn_kbbq gptq_kbbq] [--threads 1]
+    python bench/scale.py [--blocks 1 12 26] [--methods rtn_kbbq gptq_kbbq] [--threads 1]
                           [--processes 1 2] [--no-table]
     python bench/scale.py --tiny     # one block of a tiny Llama, RTN-KBBQ, one process
 
-1. For each size (GB of bf16 weights), saves a random-initialized Llama (hidden 1024, FFN 2816,
-   16 heads, 4 KV heads, vocabulary 1024, tied embeddings; the depth sets the size, 22.4 MB a
-   block) to a temporary folder as sharded bf16 safetensors (shards of 256 MB, as HuggingFace
-   writes large models); the calibration tokens are fixed (seeded, ``--tokens``).
-2. Quantizes each model with each method (RTN-KBBQ lambda 0.75 and GPTQ-KBBQ lambda 0.75 by
-   default, ``rtn_kbbq_auto`` on request; NVFP4, static activation scales) in one subprocess
-   per run, twice: streamed (:func:`kbbq_pl.io.streaming.quantize_checkpoint`, ``kbbq-pl
-   quantize --stream``) and in memory (``load_model`` + ``quantize_model`` +
-   ``save_quantized``, what ``kbbq-pl quantize`` does without ``--stream``).
+1. For each depth, saves a random-initialized Llama (hidden 2048, FFN 5632, 16 heads, 4 KV
+   heads, vocabulary 32,000, untied embeddings: 250 MiB of embeddings and 86 MiB a block; 1,
+   12 and 26 blocks are 0.3, 1.3 and 2.5 GB) to a temporary folder as sharded bf16
+   safetensors (shards of 256 MB, as HuggingFace writes large models).
+2. Runs ``kbbq-pl quantize --config RECIPE --model FOLDER --data.init_args.n_tokens TOKENS``
+   (RTN-KBBQ NVFP4 lambda 0.75 and GPTQ-KBBQ NVFP4 by default; the model has no tokenizer, so
+   the calibration tokens are random, seeded) in one subprocess per run, in each mode: the
+   default (the model held in its stored dtype, streamed only when it exceeds half of the
+   memory available), ``--stream`` and ``--no-stream --dtype float32`` (the model upcast to
+   float32 as a whole, the default before 2026-11-28).
 3. Prints one table: the model's size, blocks, the peak RSS of each process (``VmHWM``: not
-   ``ru_maxrss``, which a subprocess inherits from this large parent) and
-   its time (imports excluded, loading and writing included), whether the two checkpoints hold
-   the same tensors bit for bit, and the ratio of the largest to the smallest streamed peak.
-
+   ``ru_maxrss``, which a subprocess inherits from this large parent) and its time (the
+   command, imports excluded), whether the default streamed, whether the three checkpoints hold
+   the same tensors bit for bit; and the fixed cost: the default command's peak on a one-block
+   Llama of hidden size 64 (the imported libraries and what the command holds whatever the
+   model), with each row's default peak less that cost, over the model's bytes.
 4. Then (``--processes``) runs ``kbbq-pl quantize --stream`` on the smallest model with one
    process and under ``torchrun`` with two (gloo): wall time and whether the checkpoints are
    the one-process one bit for bit.
@@ -44,33 +46,29 @@ from pathlib import Path
 import _tiny
 import torch
 
-BLOCK = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16,
-         "num_key_value_heads": 4, "vocab_size": 1024, "max_position_embeddings": 512,
-         "tie_word_embeddings": True}
-BLOCK_BYTES = 2 * (2 * 1024 * 1024 + 2 * 1024 * 256 + 3 * 1024 * 2816 + 2 * 1024)
+BLOCK = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16,
+         "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 2048,
+         "tie_word_embeddings": False}
 TINY_BLOCK = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
               "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512,
               "tie_word_embeddings": True}
-TINY = {"sizes": [0.0], "methods": ["rtn_kbbq"], "tokens": 256, "processes": [1]}
-METHODS = {
-    "rtn_kbbq": {"transform": {"name": "kbbq", "lam": 0.75}},
-    "gptq_kbbq": {"weights": {"quantizer": "gptq"}, "transform": {"name": "kbbq", "lam": 0.75}},
-    "rtn_kbbq_auto": {"transform": {"name": "kbbq", "lam": "auto"}},
-}
+TINY = {"blocks": [1], "methods": ["rtn_kbbq"], "tokens": 256, "processes": [1]}
+RECIPES = {"rtn_kbbq": "rtn_kbbq_nvfp4_lam0.75", "gptq_kbbq": "gptq_kbbq_nvfp4",
+           "rtn_kbbq_auto": "rtn_kbbq_nvfp4_auto"}
+MODES = {"default": [], "stream": ["--stream"], "previous": ["--no-stream", "--dtype", "float32"]}
+"""``kbbq-pl quantize`` flags of each mode."""
+STREAMED_BY_ITSELF = "streaming them from disk block by block"
+"""What ``kbbq-pl quantize`` prints when it chooses to stream."""
 
 
-def save_model(folder: Path, gigabytes: float, block: dict = BLOCK) -> int:
-    """A random Llama of about ``gigabytes`` of bf16 weights in ``folder`` (blocks of
-    ``BLOCK``'s size, at least one, each made as ``block`` says); returns its number of
-    blocks."""
+def save_model(folder: Path, blocks: int, block: dict = BLOCK) -> None:
+    """A random Llama of ``blocks`` blocks made as ``block`` says, in ``folder``."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    blocks = max(1, round(gigabytes * 1e9 / BLOCK_BYTES))
     torch.manual_seed(0)
     config = LlamaConfig(num_hidden_layers=blocks, **block)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="256MB")
-    return blocks
 
 
 def tensor_digest(folder: Path) -> str:
@@ -84,49 +82,49 @@ def tensor_digest(folder: Path) -> str:
 
 
 def worker(args: argparse.Namespace) -> None:
+    """Run ``kbbq-pl`` with ``args.argv`` in this process; print its time and peak RSS."""
     torch.set_num_threads(args.threads)
-    from kbbq_pl.io.checkpoint import save_quantized
-    from kbbq_pl.io.models import load_model
-    from kbbq_pl.io.streaming import quantize_checkpoint
-    from kbbq_pl.quant import QuantizationConfig, quantize_model
+    from kbbq_pl.cli.commands import main as kbbq_pl
     from kbbq_pl.quant.report import peak_rss_mb
 
-    config = QuantizationConfig.from_dict(METHODS[args.method])
-    generator = torch.Generator().manual_seed(0)
-    vocab = (TINY_BLOCK if args.tiny else BLOCK)["vocab_size"]
-    ids = torch.randint(0, vocab, (args.tokens // 256, 256), generator=generator)
-    batches = [{"input_ids": ids[i:i + 4]} for i in range(0, len(ids), 4)]
     start = time.perf_counter()
-    if args.mode == "streamed":
-        quantize_checkpoint(args.source, args.out, config, batches, progress=False)
-    else:
-        model, _ = load_model(args.source)
-        quantize_model(model, batches, config, progress=False)
-        save_quantized(model, args.out)
+    code = kbbq_pl(json.loads(args.argv))
     seconds = time.perf_counter() - start
-    print(json.dumps({"seconds": seconds, "peak_mb": peak_rss_mb()}))
+    print(json.dumps({"seconds": seconds, "peak_mb": peak_rss_mb(), "code": code}))
+
+
+def quantize(source: Path, out: Path, method: str, mode: str, args: argparse.Namespace
+             ) -> dict:
+    """``kbbq-pl quantize`` of ``source`` in ``mode``, in a subprocess: its seconds, peak RSS and
+    whether it streamed."""
+    argv = ["quantize", "--config", RECIPES[method], "--model", str(source),
+            "--data.init_args.n_tokens", str(args.tokens), "--output_dir", str(out),
+            *MODES[mode]]
+    result = subprocess.run(
+        [sys.executable, __file__, "--worker", "--argv", json.dumps(argv), "--threads",
+         str(args.threads)], capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"kbbq-pl {' '.join(argv)} failed:\n{result.stdout}\n{result.stderr}")
+    row = json.loads(result.stdout.strip().splitlines()[-1])
+    return {**row, "streamed": mode == "stream" or STREAMED_BY_ITSELF in result.stdout}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0])
+    parser.add_argument("--blocks", type=int, nargs="+", default=[1, 12, 26])
     parser.add_argument("--methods", nargs="+", default=["rtn_kbbq", "gptq_kbbq"],
-                        choices=list(METHODS))
-    parser.add_argument("--modes", nargs="+", default=["streamed", "memory"],
-                        choices=["streamed", "memory"])
+                        choices=list(RECIPES))
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--processes", type=int, nargs="*", default=[1, 2],
                         help="process counts of the torchrun comparison (none: skip it)")
     parser.add_argument("--table", action=argparse.BooleanOptionalAction, default=True,
-                        help="the streamed / in-memory table (--no-table: skip it)")
+                        help="the table of the three modes (--no-table: skip it)")
     parser.add_argument("--tiny", action="store_true",
                         help=f"one block of hidden size 64, {TINY}, in seconds")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--mode", help=argparse.SUPPRESS)
-    parser.add_argument("--method", help=argparse.SUPPRESS)
-    parser.add_argument("--source", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--argv", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
@@ -139,53 +137,46 @@ def main() -> None:
         processes_table(args)
 
 
+def mib(folder: Path) -> float:
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors")) / 2**20
+
+
 def size_table(args: argparse.Namespace) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for size in args.sizes:
-            source = Path(tmp) / f"llama-{size}"
-            blocks = save_model(source, size, TINY_BLOCK if args.tiny else BLOCK)
-            disk = sum(p.stat().st_size for p in source.glob("*.safetensors")) / 2**20
+        tiny = Path(tmp) / "fixed-cost"
+        save_model(tiny, 1, TINY_BLOCK)
+        fixed = quantize(tiny, Path(tmp) / "out-fixed-cost", "rtn_kbbq", "default", args)
+        print(f"fixed cost: {fixed}", flush=True)
+        for blocks in args.blocks:
+            source = Path(tmp) / f"llama-{blocks}"
+            save_model(source, blocks, TINY_BLOCK if args.tiny else BLOCK)
             for method in args.methods:
-                row = {"size_mb": disk, "blocks": blocks, "method": method}
+                row = {"size_mb": mib(source), "blocks": blocks, "method": method}
                 digests = {}
                 for mode in args.modes:
-                    out = Path(tmp) / f"out-{size}-{method}-{mode}"
-                    result = subprocess.run(
-                        [sys.executable, __file__, "--worker", "--mode", mode, "--method",
-                         method, "--source", str(source), "--out", str(out), "--tokens",
-                         str(args.tokens), "--threads", str(args.threads),
-                         *(["--tiny"] if args.tiny else [])],
-                        capture_output=True, text=True, check=True)
-                    row[mode] = json.loads(result.stdout.strip().splitlines()[-1])
+                    out = Path(tmp) / f"out-{blocks}-{method}-{mode}"
+                    row[mode] = quantize(source, out, method, mode, args)
                     digests[mode] = tensor_digest(out)
-                    print(f"{size} GB {method} {mode}: {row[mode]}", flush=True)
+                    print(f"{blocks} blocks {method} {mode}: {row[mode]}", flush=True)
                 row["equal"] = len(set(digests.values())) == 1 if len(digests) > 1 else None
                 rows.append(row)
-    print("\n| bf16 weights (MiB) | blocks | method | streamed peak RSS (MiB) | in-memory peak RSS "
-          "(MiB) | streamed s | in-memory s | streamed / in-memory time | same tensors |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---|")
+    print(f"\n`kbbq-pl quantize --data.init_args.n_tokens {args.tokens}`, {args.threads} "
+          f"thread(s); peak RSS in MiB; fixed cost (the default command on a one-block Llama "
+          f"of hidden size 64): {fixed['peak_mb']:.0f} MiB\n")
+    cells = [f"{mode} peak" for mode in args.modes] + [f"{mode} s" for mode in args.modes]
+    print("| bf16 weights (MiB) | blocks | method | " + " | ".join(cells)
+          + " | (default - fixed) / weights | default streamed | same tensors |")
+    print("|---:|---:|---|" + "---:|" * len(cells) + "---:|---|---|")
+    nan = {"peak_mb": float("nan"), "seconds": float("nan")}
     for row in rows:
-        streamed, memory = row.get("streamed", {}), row.get("memory", {})
-        ratio = (f"{streamed['seconds'] / memory['seconds']:.2f}x" if streamed and memory
-                 else "")
+        peaks = [f"{row[mode]['peak_mb']:.0f}" for mode in args.modes]
+        times = [f"{row[mode]['seconds']:.1f}" for mode in args.modes]
+        default = row.get("default", nan)
+        above = (default["peak_mb"] - fixed["peak_mb"]) / row["size_mb"]
         print(f"| {row['size_mb']:.0f} | {row['blocks']} | {row['method']} | "
-              f"{streamed.get('peak_mb', float('nan')):.0f} | "
-              f"{memory.get('peak_mb', float('nan')):.0f} | "
-              f"{streamed.get('seconds', float('nan')):.1f} | "
-              f"{memory.get('seconds', float('nan')):.1f} | {ratio} | {row['equal']} |")
-    for method in args.methods:
-        peaks = [r["streamed"]["peak_mb"] for r in rows if r["method"] == method
-                 and "streamed" in r]
-        if len(peaks) > 1:
-            largest = [r for r in rows if r["method"] == method][-1]
-            print(f"\n{method}: streamed peak RSS, largest / smallest model: "
-                  f"{peaks[-1] / peaks[0]:.2f}; largest model's peak / its bf16 size: "
-                  f"{peaks[-1] / largest['size_mb']:.2f}")
-
-
-CLI_RECIPES = {"rtn_kbbq": "rtn_kbbq_nvfp4_lam0.75", "gptq_kbbq": "gptq_kbbq_nvfp4",
-               "rtn_kbbq_auto": "rtn_kbbq_nvfp4_auto"}
+              + " | ".join(peaks + times)
+              + f" | {above:.2f} | {default.get('streamed', '')} | {row['equal']} |")
 
 
 def processes_table(args: argparse.Namespace) -> None:
@@ -199,12 +190,13 @@ def processes_table(args: argparse.Namespace) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "llama"
-        blocks = save_model(source, min(args.sizes), TINY_BLOCK if args.tiny else BLOCK)
+        blocks = min(args.blocks)
+        save_model(source, blocks, TINY_BLOCK if args.tiny else BLOCK)
         for method in args.methods:
             digests = {}
             for count in args.processes:
                 out = Path(tmp) / f"out-{method}-{count}"
-                command = [kbbq, "quantize", "--config", CLI_RECIPES[method], "--model",
+                command = [kbbq, "quantize", "--config", RECIPES[method], "--model",
                            str(source), "--stream", "--data.n_tokens", str(args.tokens),
                            "--data.seq_len", "256", "--data.batch_size", "1",
                            "--output_dir", str(out)]

@@ -27,6 +27,7 @@ replaced only when kbbq-pl wrote it); an already quantized ``--model`` is refuse
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import time
@@ -41,9 +42,9 @@ from ..eval.report_files import report_files, report_markdown
 from ..io.checkpoint import save_quantized
 from ..io.data import MIXED, RANDOM, CalibrationDataModule, token_blocks
 from ..io.fileio import check_output, written_summary
-from ..io.models import load_model, parse_device, resolve_model_path
+from ..io.models import detach_from_files, load_model, parse_device, resolve_model_path
 from ..quant import QuantizationConfig, quantize_model
-from ..quant.sequential import count_tokens
+from ..quant.sequential import computed_in, count_tokens
 from ..quant.stats import model_device
 from .launch import Launch, launched
 
@@ -53,6 +54,9 @@ OUTPUT_ROOT = "kbbq-out"
 EMBEDDED = 64  # sentences in kbbq_pl/resources/eval_sentences.txt (checked by a test)
 EVAL_DATA_SENTENCES = 256
 RANDOM_BLOCKS = 32
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COMPUTE_DTYPE = torch.float32
+"""What every block computes in, whatever the dtype the model is held in."""
 
 
 def _parser(prog: str) -> ArgumentParser:
@@ -89,11 +93,18 @@ def _parser(prog: str) -> ArgumentParser:
     parser.add_argument("--offload", action=ActionYesNo, default=False,
                         help="keep the model on the CPU and move one block at a time to "
                              "--device (a model larger than the device's memory)")
-    parser.add_argument("--stream", action=ActionYesNo, default=False,
+    parser.add_argument("--stream", action=ActionYesNo(no_prefix="no-"), default=None,
                         help="read each block's weights from the model's safetensors files "
                              "when it is quantized and write it out after (a model larger "
-                             "than the machine's memory; bit for bit --offload's checkpoint, "
-                             "written in shards; the fidelity line is left to kbbq-pl eval)")
+                             "than the machine's memory; bit for bit the in-memory "
+                             "checkpoint, written in shards; the fidelity line is left to "
+                             "kbbq-pl eval); default: streamed when the weights exceed half of "
+                             "the memory available")
+    parser.add_argument("--dtype", type=str, default="auto",
+                        choices=["auto", *DTYPES],
+                        help="the dtype the model is held in while it is quantized (auto: as "
+                             "its weights are stored); every block computes in float32 either "
+                             "way")
     return parser
 
 
@@ -102,7 +113,8 @@ class FidelityProbe:
     states (for all-MiniLM-L6-v2: its sentence embeddings) to the full-precision model, on
     ``n`` sentences (or random-token blocks of 64 when the model has no tokenizer); ``n`` None
     takes the defaults of :func:`_parser`'s ``--eval_sentences``, and more sentences than the
-    source holds is an error."""
+    source holds is an error.  The model computes in float32, whatever the dtype it is held in
+    (:func:`~kbbq_pl.quant.sequential.computed_in`)."""
 
     def __init__(self, model: nn.Module, tokenizer: Any, eval_data: str | None, n: int | None,
                  seed: int = 0) -> None:
@@ -134,11 +146,12 @@ class FidelityProbe:
 
     def embed(self, model: nn.Module) -> torch.Tensor:
         body = getattr(model, "base_model", model)
-        if self.sentences is not None:
-            return self._embed_text(body, self.tokenizer, self.sentences)
-        with torch.no_grad():
-            ids = self.blocks.to(model_device(body))
-            return body(input_ids=ids).last_hidden_state.float().mean(1).cpu()
+        with computed_in(model, COMPUTE_DTYPE):
+            if self.sentences is not None:
+                return self._embed_text(body, self.tokenizer, self.sentences)
+            with torch.no_grad():
+                ids = self.blocks.to(model_device(body))
+                return body(input_ids=ids).last_hidden_state.float().mean(1).cpu()
 
     def measure(self, model: nn.Module) -> dict[str, Any]:
         from ..eval.evaluation import cosine_summary
@@ -169,7 +182,9 @@ def _prepare(args, recipe: str, device: torch.device | None = None
     if args.offload:  # the model on the CPU; quantize_model moves one block at a time
         device = torch.device("cpu")
     source, out = _source_and_output(args, recipe)
-    model, tokenizer = load_model(args.model, device=device, quantized="refuse")
+    model, tokenizer = load_model(args.model, DTYPES.get(args.dtype), device=device,
+                                  quantized="refuse")
+    detach_from_files(model)
     batches = calibration_batches(args.data, model, tokenizer, device, args.model)
     return model, tokenizer, batches, source, out
 
@@ -221,9 +236,27 @@ def run_quantize(argv: list[str]) -> int:
     args = parser.instantiate(config)
     start = time.perf_counter()
     with launched(args.device) as launch:
-        if args.stream:
+        if _streams(args, launch):
             return _quantize_streamed(args, parser, config, start, launch)
         return _quantize_in_memory(args, parser, config, start, launch)
+
+
+def _streams(args, launch: Launch) -> bool:
+    """``--stream`` / ``--no-stream``, else whether the model is too large to hold
+    (:func:`kbbq_pl.io.streaming.streams_by_default`, decided by rank 0 for every rank), said
+    in one line."""
+    from ..io.streaming import streams_by_default
+
+    if args.stream is not None or args.offload:
+        return bool(args.stream)
+    decision = None
+    if launch.writes:
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        decision = streams_by_default(resolve_model_path(args.model), processes)
+    stream, why = launch.collectives.broadcast(decision, 0)
+    if stream and launch.writes:
+        print(f"kbbq-pl quantize: {why}", flush=True)
+    return stream
 
 
 def _quantize_in_memory(args, parser: ArgumentParser, config, start: float,
@@ -234,7 +267,8 @@ def _quantize_in_memory(args, parser: ArgumentParser, config, start: float,
              if launch.writes else None)
     tokens = count_tokens(batches)
     report = quantize_model(model, batches, recipe, device=launch.device,
-                            collectives=launch.collectives, shard=launch.shard)
+                            collectives=launch.collectives, shard=launch.shard,
+                            compute_dtype=COMPUTE_DTYPE)
     if not launch.writes:
         return 0
     report.model.update(probe.measure(model), model=str(args.model), calibration_tokens=tokens,
@@ -243,7 +277,7 @@ def _quantize_in_memory(args, parser: ArgumentParser, config, start: float,
     report.seconds["command"] = time.perf_counter() - start
     config.eval_sentences = report.model["fidelity_samples"]  # what was used, not asked
     save_quantized(model, out, tokenizer=tokenizer, recipe=metadata, source_dir=source,
-                   overwrite=args.overwrite,
+                   overwrite=args.overwrite, dtype=COMPUTE_DTYPE,
                    extra_files={"recipe.yaml": parser.dump(config), **report_files(report)})
     print(report_markdown(report))
     print(f"\n{written_summary(out)}\ndone in {time.perf_counter() - start:.1f} s")
@@ -265,7 +299,7 @@ def _quantize_streamed(args, parser: ArgumentParser, config, start: float,
     refuse_quantized(args.model, quantized_folder_kind(source))
     tokenizer = load_tokenizer(source)
     metadata = {"config": recipe.to_dict(), "model": str(args.model)}
-    fidelity = "not measured when streaming: kbbq-pl eval --model OUTPUT_DIR"
+    left = _left_to_eval(source, out)
     tokens: dict[str, int] = {}
 
     def batches(model: nn.Module) -> list:
@@ -274,7 +308,7 @@ def _quantize_streamed(args, parser: ArgumentParser, config, start: float,
         return every
 
     def reports(report) -> dict[str, str]:
-        report.model.update(fidelity=fidelity, model=str(args.model),
+        report.model.update(fidelity=left, model=str(args.model),
                             calibration_tokens=tokens["all"],
                             **_calibration_shape(args, config), processes=launch.world_size)
         report.seconds["command"] = time.perf_counter() - start
@@ -287,8 +321,23 @@ def _quantize_streamed(args, parser: ArgumentParser, config, start: float,
     if not launch.writes:
         return 0
     print(report_markdown(report))
-    print(f"\n{written_summary(out)}\ndone in {time.perf_counter() - start:.1f} s")
+    print(f"\n{written_summary(out)}\nfidelity: {left}"
+          f"\ndone in {time.perf_counter() - start:.1f} s")
     return 0
+
+
+def _left_to_eval(source: Path, out: Path) -> str:
+    """What a streamed run does not measure (the model is never whole in memory), and the
+    command that measures it."""
+    from transformers import AutoConfig
+
+    from ..io.checkpoint import is_causal_lm_config
+
+    if is_causal_lm_config(AutoConfig.from_pretrained(source)):
+        return (f"not measured when streaming; perplexity and KL to {source}: "
+                f"kbbq-pl eval --model {out} --tasks ppl,kl")
+    return ("not measured when streaming (the embedding fidelity needs the whole model in "
+            f"memory: kbbq-pl quantize --no-stream, or kbbq_pl.from_pretrained({str(out)!r}))")
 
 
 def resolve_recipes(argv: list[str]) -> list[str]:

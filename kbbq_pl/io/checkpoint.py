@@ -116,18 +116,20 @@ def install_empty_layers(model: nn.Module, layers: dict[str, dict[str, Any]],
 
 
 def checkpoint_contents(
-    model: nn.Module, prefix: str = "",
+    model: nn.Module, prefix: str = "", dtype: torch.dtype | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, dict[str, Any]], dict[str, str]]:
     """What a checkpoint of ``model`` holds: every tensor to store (the layout of the module
     docstring), each quantized layer's :func:`layer_metadata`, and tied names (alias -> stored
     name).  ``prefix``: ``model``'s name in the whole model, for a block written on its own
-    (:class:`kbbq_pl.io.streaming.StreamedBlocks`).  :func:`save_quantized` and
+    (:class:`kbbq_pl.io.streaming.StreamedBlocks`).  ``dtype``: the floating dtype of the
+    full-precision tensors (embeddings, norms, unquantized layers; None: as held), for a model
+    held in another dtype than it computed in.  :func:`save_quantized` and
     :func:`kbbq_pl.io.compressed_tensors.save_compressed_tensors` both write from it."""
     tensors: dict[str, Tensor] = {}
     tied: dict[str, str] = {}
     seen: dict[tuple, str] = {}
     if prefix:
-        tensors, layers, tied = checkpoint_contents(model)
+        tensors, layers, tied = checkpoint_contents(model, dtype=dtype)
         return ({f"{prefix}.{k}": v for k, v in tensors.items()},
                 {f"{prefix}.{k}": v for k, v in layers.items()},
                 {f"{prefix}.{k}": f"{prefix}.{v}" for k, v in tied.items()})
@@ -144,6 +146,8 @@ def checkpoint_contents(
             continue
         if key is not None:
             seen[key] = name
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
         tensors[name] = tensor.contiguous().cpu()
     for name, layer in layers.items():
         tensors.update({key: value.cpu() for key, value in layer_tensors(name, layer).items()})
@@ -201,9 +205,11 @@ def save_quantized(
     extra_files: dict[str, str] | None = None,
     overwrite: bool = False,
     source_dir: str | Path | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Write the quantized ``model`` to ``out_dir`` (see the module docstring); returns the
-    resolved folder.
+    resolved folder.  ``dtype``: the dtype of its full-precision tensors on disk (None: as
+    held; ``kbbq-pl quantize``: float32, what the model computed in).
 
     ``extra_files`` maps file names to text written beside (e.g. reports).  ``source_dir`` is
     the folder the model was loaded from: an output equal to it, inside it or containing it is
@@ -216,9 +222,9 @@ def save_quantized(
 
     def write(staging: Path) -> None:
         shards = ShardWriter(staging)
-        shards.add(checkpoint_contents(model))
+        shards.add(checkpoint_contents(model, dtype=dtype))
         write_checkpoint_files(staging, model, shards, tokenizer=tokenizer, recipe=recipe,
-                               extra_files=extra_files)
+                               extra_files=extra_files, dtype=dtype)
 
     return write_folder(out_dir, write, kind="checkpoint", overwrite=overwrite,
                         sources=[source_dir])
@@ -274,18 +280,20 @@ class ShardWriter:
 
 def write_checkpoint_files(staging: Path, model: nn.Module, shards: ShardWriter, *,
                            tokenizer: Any = None, recipe: dict[str, Any] | None = None,
-                           extra_files: dict[str, str] | None = None) -> None:
+                           extra_files: dict[str, str] | None = None,
+                           dtype: torch.dtype | None = None) -> None:
     """Finish a checkpoint in ``staging`` whose tensors ``shards`` wrote: the HuggingFace files
-    of ``model`` (its config, architecture and tokenizer), ``quantization_config.json`` and the
+    of ``model`` (its config, architecture and tokenizer; ``dtype``: the dtype its
+    full-precision tensors were written in), ``quantization_config.json`` and the
     ``extra_files``."""
-    write_hf_files(staging, model, tokenizer)
+    write_hf_files(staging, model, tokenizer, dtype)
     hf_config = staging / "config.json"
     if hf_config.is_file():
         document = json.loads(hf_config.read_text())
-        dtype = getattr(model, "dtype", None)
-        if document.get("dtype") is None and isinstance(dtype, torch.dtype):
+        written = dtype or getattr(model, "dtype", None)
+        if document.get("dtype") is None and isinstance(written, torch.dtype):
             # as save_pretrained writes it: from_pretrained(dtype="auto") reads it here
-            document["dtype"] = str(dtype).removeprefix("torch.")
+            document["dtype"] = str(written).removeprefix("torch.")
         document["quantization_config"] = quantization_block(shards.layers, shards.tied, recipe)
         hf_config.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
     files = shards.finish()
@@ -345,14 +353,23 @@ def config_block(folder: str | Path) -> dict[str, Any] | None:
     return block if isinstance(block, dict) and block.get("quant_method") == QUANT_METHOD else None
 
 
-def write_hf_files(folder: Path, model: nn.Module, tokenizer: Any = None) -> None:
-    """The HuggingFace files beside the weights: ``config.json``, ``generation_config.json``
+def write_hf_files(folder: Path, model: nn.Module, tokenizer: Any = None,
+                   dtype: torch.dtype | None = None) -> None:
+    """The HuggingFace files beside the weights: ``config.json`` (its ``dtype``: the one given,
+    for tensors written in another dtype than the model is held in), ``generation_config.json``
     (for models that generate) and the tokenizer's files."""
     config = getattr(model, "config", None)
     if config is not None:
         if not getattr(config, "architectures", None):  # as PreTrainedModel.save_pretrained
             config.architectures = [type(model).__name__]
-        config.save_pretrained(folder)
+        held = getattr(config, "dtype", None)
+        if dtype is not None:
+            config.dtype = dtype
+        try:
+            config.save_pretrained(folder)
+        finally:
+            if dtype is not None:
+                config.dtype = held
     generation = getattr(model, "generation_config", None)
     if generation is not None and is_causal_model(model):
         generation.save_pretrained(folder)

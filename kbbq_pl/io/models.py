@@ -209,7 +209,7 @@ def refuse_quantized(path: str | Path, kind: str | None) -> None:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, causal: bool | None = None, *,
+    path: str | Path, dtype: torch.dtype | None = torch.float32, causal: bool | None = None, *,
     device: str | torch.device = "cpu",
     quantized: Literal["load", "refuse"] = "load",
     dequantize: bool = False,
@@ -222,7 +222,7 @@ def load_model(
     weights (:func:`kbbq_pl.io.compressed_tensors.dense_model`, e.g. for the noise law); with
     ``quantized="refuse"`` it is a ValueError saying what it is (quantizing it again would
     round rounded weights).  ``causal=True`` asks for a causal LM (an error for a quantized
-    encoder)."""
+    encoder).  ``dtype`` None keeps the dtype the weights are stored in."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     folder = resolve_model_path(path)
@@ -242,10 +242,22 @@ def load_model(
         config = AutoConfig.from_pretrained(folder)
         causal = is_causal_lm_config(config) if causal is None else causal
         loader = AutoModelForCausalLM if causal else AutoModel
-        model = loader.from_pretrained(folder, dtype=dtype)
+        model = loader.from_pretrained(folder, dtype="auto" if dtype is None else dtype)
         model.to(device)
     model.eval()
     return model, load_tokenizer(folder)
+
+
+def detach_from_files(model: nn.Module) -> None:
+    """Copy every CPU parameter and buffer of ``model`` into the process's own memory.  A model
+    loaded from safetensors is memory-mapped, and a mapped file's pages stay resident while the
+    file is mapped, those of weights already replaced too (a quantized block's bf16 weights):
+    copied, each is freed when its layer is replaced.  One tensor at a time; the values are the
+    same."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.device.type == "cpu":
+                tensor.data = tensor.data.clone()
 
 
 def load_tokenizer(folder: str | Path) -> Any:

@@ -42,12 +42,56 @@ from .checkpoint import (
 )
 from .fileio import check_output, write_folder
 
-__all__ = ["SafetensorsSource", "StreamedBlocks", "model_skeleton", "quantize_checkpoint"]
+__all__ = ["SafetensorsSource", "StreamedBlocks", "available_memory", "model_skeleton",
+           "quantize_checkpoint", "streams_by_default"]
 
 log = logging.getLogger(__name__)
 
 SOURCE_INDEX = "model.safetensors.index.json"
 SOURCE_FILE = "model.safetensors"
+
+
+def available_memory() -> int | None:
+    """The bytes this process can still take: the smaller of the machine's available memory
+    (``MemAvailable``) and what its cgroup's limit leaves (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``); None where neither can be read (not Linux)."""
+    found = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            if limit.isdigit() and int(limit) < 1 << 60:
+                found.append(int(limit) - int(Path(usage_file).read_text().strip()))
+        except OSError:
+            continue
+    return min(found) if found else None
+
+
+def streams_by_default(folder: str | Path, processes: int = 1) -> tuple[bool, str]:
+    """Whether ``kbbq-pl quantize`` streams the model of ``folder`` when neither ``--stream``
+    nor ``--no-stream`` is given: when its safetensors weights (held by each of ``processes``
+    on this machine) exceed half of :func:`available_memory`.  Returns the answer and one line
+    saying why."""
+    try:
+        weights = SafetensorsSource(folder).total_bytes
+    except CheckpointError:
+        return False, ""
+    available = available_memory()
+    if available is None or weights * processes <= available / 2:
+        return False, ""
+    gib = 2.0**30
+    return True, (f"the model's weights ({weights * processes / gib:.1f} GiB"
+                  + (f" for {processes} processes" if processes > 1 else "")
+                  + f") exceed half of the memory available ({available / gib:.1f} GiB): "
+                  "streaming them from disk block by block (--no-stream keeps the model in "
+                  "memory)")
 
 
 class SafetensorsSource:

@@ -19,7 +19,10 @@ once, then each block runs over its cached inputs).  For each block, on ``device
 
 Only the current block is on ``device``; the others stay where they are (e.g. on the CPU, so a
 model larger than the accelerator's memory quantizes) and the cached activations live on
-``offload_device``.  Peak memory goes into the report.
+``offload_device``.  With ``compute_dtype`` (``kbbq-pl quantize``: float32) the model stays in
+the dtype it is held in (e.g. bfloat16 as saved) and only the current block is converted for
+its step (the layers before the first block, for the capture): one model's bytes in memory,
+the float32 results.  Peak memory goes into the report.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from .layers import QuantizedLinear, quantized_linears, swap_module
 from .modules import check_finite, find_linears, in_out_features, linear_weight
 from .report import QuantizationReport, chosen_lambda, layer_report, peak_memory_mb
 from .rtn.quantizer import RTN
-from .sequential import Batches, BlockResidency, SequentialRunner, trim_heap
+from .sequential import Batches, BlockResidency, SequentialRunner, held_in, trim_heap
 from .stats import act_scales_from_amax, kept_inputs, transformed_amax
 from .w4a4 import cache_decoded_weights
 from .weight_quantizer import Block, LayerPlan, WeightQuantizer
@@ -98,6 +101,7 @@ def quantize_model(
     device: torch.device | str | None = None,
     offload_device: torch.device | str = "cpu",
     residency: BlockResidency | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> QuantizationReport:
     """Quantize ``model`` in place with ``config`` (module docstring); returns the report.
 
@@ -113,7 +117,9 @@ def quantize_model(
     ``offload_device`` holds the cached activations between blocks; ``residency`` brings each
     block's weights there (default: the model is in memory,
     :class:`~kbbq_pl.quant.sequential.MoveToDevice`; a model streamed from disk:
-    :class:`kbbq_pl.io.streaming.StreamedBlocks`).
+    :class:`kbbq_pl.io.streaming.StreamedBlocks`).  ``compute_dtype``: each block (and the
+    capture of the first block's inputs) computes in it, the model held as it is (module
+    docstring); None computes in the model's own dtype.
     """
     start = time.perf_counter()
     collectives = collectives or Collectives()
@@ -134,7 +140,7 @@ def quantize_model(
     runner = SequentialRunner(
         model, batches, device=device, offload_device=offload_device, targets=targets,
         residency=residency, holdout=config.autobrake.holdout if config.auto else None,
-        seed=config.transform.seed,
+        seed=config.transform.seed, compute_dtype=compute_dtype,
         shard=(collectives.rank, collectives.world_size) if shard else None)
     if streamed and runner.whole_model is not None:
         raise ValueError(f"{type(model).__name__} runs as one block ({runner.whole_model}): its "
@@ -154,8 +160,9 @@ def quantize_model(
             linears = {n: m for n, m in step.linears().items() if n in targets}
             # propagating through the quantized block decodes its weights: the report's output
             # SNR decodes them first, and the block's forward reuses those copies
-            with step.on_device(), (cache_decoded_weights() if propagate == "quantized"
-                                    else contextlib.nullcontext()):
+            with step.on_device(), held_in(step.module, compute_dtype), (
+                    cache_decoded_weights() if propagate == "quantized"
+                    else contextlib.nullcontext()):
                 for name in streamed.intersection(linears):
                     check_finite(linear_weight(linears[name]), name, "weight")
                 outputs = None

@@ -37,6 +37,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from ..formats import QuantizedTensor
 from .modules import is_linear
 
 log = logging.getLogger(__name__)
@@ -317,9 +318,10 @@ class SequentialRunner:
     "attention_mask"}``), split into their parts by :func:`split_calibration` (``holdout``,
     ``seed``, ``shard``; :attr:`split` says which cached inputs are which); ``device`` runs the
     blocks, ``offload_device`` holds the cached activations between blocks, ``residency``
-    brings each block's weights (default :class:`MoveToDevice`).  ``whole_model``: why the
-    model runs as one block (targeted layers outside the stack, ``targets``, or no stack), None
-    when it runs block by block.
+    brings each block's weights (default :class:`MoveToDevice`); ``compute_dtype``: the layers
+    before the first block compute in it (:func:`computed_in`), as the pipeline computes each
+    block (None: the model's own).  ``whole_model``: why the model runs as one block (targeted
+    layers outside the stack, ``targets``, or no stack), None when it runs block by block.
     """
 
     def __init__(
@@ -334,6 +336,7 @@ class SequentialRunner:
         holdout: float | None = None,
         seed: int = 0,
         shard: tuple[int, int] | None = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         batches = list(batches)
         if not batches:
@@ -343,9 +346,11 @@ class SequentialRunner:
         self.residency = residency or MoveToDevice()
         self.device = torch.device(device) if device else next(model.parameters()).device
         self.offload_device = torch.device(offload_device)
+        self.compute_dtype = compute_dtype
         self.blocks_name, self.blocks, self.whole_model = _block_stack(model, targets)
         if self.whole_model is None:
-            self.inputs = self.capture(batches)
+            with computed_in(model, compute_dtype):
+                self.inputs = self.capture(batches)
         else:
             log.info("%s: the model runs as one block (%s)", type(model).__name__,
                      self.whole_model)
@@ -384,6 +389,104 @@ class SequentialRunner:
         for index in range(len(self.blocks)):  # by index: a released block is not held here
             name = f"{self.blocks_name}.{index}" if self.whole_model is None else ""
             yield BlockStep(self, index, name, self.blocks[index])
+
+
+def _floating_tensors(module: nn.Module, dtype: torch.dtype, recurse: bool = True
+                      ) -> list[Tensor]:
+    """The parameters and buffers of ``module`` (and of its submodules with ``recurse``) of a
+    floating dtype other than ``dtype``, outside quantized layers (whose weight is a
+    :class:`~kbbq_pl.formats.QuantizedTensor`: they compute as they were built)."""
+    found: dict[int, Tensor] = {}
+    for sub in (module.modules() if recurse else [module]):
+        if isinstance(getattr(sub, "weight", None), QuantizedTensor):
+            continue
+        for tensor in [*sub._parameters.values(), *sub._buffers.values()]:
+            if tensor is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                found[id(tensor)] = tensor
+    return list(found.values())
+
+
+def _convert(tensors: list[Tensor], dtype: torch.dtype, keep: bool = True
+             ) -> list[tuple[Tensor, Tensor | torch.dtype]]:
+    """Convert ``tensors`` in place (their ``.data``) to ``dtype``; returns each with the data
+    it held (``keep``), else with its dtype (the data is freed as it is converted)."""
+    stored = [(tensor, tensor.data if keep else tensor.dtype) for tensor in tensors]
+    for tensor in tensors:
+        tensor.data = tensor.data.to(dtype)
+    return stored
+
+
+def _restore(stored: list[tuple[Tensor, Tensor | torch.dtype]],
+             module: nn.Module | None = None) -> None:
+    """Give the tensors of :func:`_convert` their dtypes back (exact, from bfloat16 or float16
+    through float32): the very storage kept when the values did not change (no copy: a model
+    memory-mapped from safetensors is not held twice).  With ``module``, only the tensors it
+    still holds."""
+    held = None if module is None else {
+        id(t) for t in [*module.parameters(), *module.buffers()]}
+    for tensor, data in stored:
+        if held is not None and id(tensor) not in held:
+            continue
+        restored = tensor.data.to(data if isinstance(data, torch.dtype) else data.dtype)
+        unchanged = isinstance(data, Tensor) and torch.equal(restored, data)
+        tensor.data = data if unchanged else restored
+
+
+@contextlib.contextmanager
+def held_in(module: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """``module``'s floating parameters and buffers (quantized layers aside) in ``dtype`` for
+    the duration (the others freed meanwhile: a block is not held twice), then in the dtype
+    each had again (those the module still holds: a layer
+    replaced meanwhile is gone).  None: as they are."""
+    stored = [] if dtype is None else _convert(_floating_tensors(module, dtype), dtype,
+                                               keep=False)
+    try:
+        yield
+    finally:
+        _restore(stored, module)
+
+
+@contextlib.contextmanager
+def computed_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """Run ``model``'s forward in ``dtype`` without holding the model in ``dtype``: each module
+    holding floating tensors of its own (a linear, a norm) has them converted to ``dtype`` when
+    its forward starts and back when it ends, one module at a time (a module that computes
+    with another's tensors without calling it would see them unconverted);
+    an embedding table is not converted, its rows are (a lookup copies them: the same values,
+    without the whole table in ``dtype``); quantized layers compute as they were built.  The
+    outputs are those of the model converted to ``dtype`` as a whole.  None: as it is."""
+    if dtype is None:
+        yield
+        return
+    units = [m for m in model.modules() if _floating_tensors(m, dtype, recurse=False)]
+    converted: dict[int, list[tuple[Tensor, Tensor]]] = {}
+
+    def enter(unit: nn.Module) -> None:
+        converted[id(unit)] = _convert(_floating_tensors(unit, dtype, recurse=False), dtype)
+
+    def leave(unit: nn.Module) -> None:
+        _restore(converted.pop(id(unit), []))
+
+    def rows_in_dtype(unit: nn.Module, args: Any, out: Any) -> Any:
+        return out.to(dtype) if isinstance(out, Tensor) and out.is_floating_point() else out
+
+    handles = []
+    for unit in units:
+        if isinstance(unit, nn.Embedding) and unit.max_norm is None:
+            handles.append(unit.register_forward_hook(rows_in_dtype))
+            continue
+        handles.append(unit.register_forward_pre_hook(lambda m, args: enter(m)))
+        handles.append(unit.register_forward_hook(lambda m, args, out: leave(m),
+                                                  always_call=True))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for stored in converted.values():  # a forward that raised half way
+            _restore(stored)
+        converted.clear()
+        trim_heap()  # the units' float32 copies, freed
 
 
 def trim_heap() -> None:

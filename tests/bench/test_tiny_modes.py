@@ -75,9 +75,10 @@ TABLES: dict[str, list[str]] = {
         r"\s+fidelity$",
         rf"^eager(\s+{NUMBER}){{6}}\s+0\.\d{{5}}$"],
     "scale.py": [
-        r"^\| bf16 weights \(MiB\) \| blocks \| method \| streamed peak RSS \(MiB\) \|",
-        # streamed and in memory: the same checkpoint, bit for bit
-        rf"^\| \d+ \| 1 \| rtn_kbbq \| \d+ \| \d+ \| {NUMBER} \| {NUMBER} \| {NUMBER}x \| True \|$",
+        r"^\| bf16 weights \(MiB\) \| blocks \| method \| default peak \| stream peak \| "
+        r"previous peak \|",
+        # the three modes: the same checkpoint, bit for bit; the tiny model is not streamed
+        rf"^\| \d+ \| 1 \| rtn_kbbq( \| {NUMBER}){{7}} \| False \| True \|$",
         r"^\| method \| processes \| wall s \| same tensors as 1 process \|$",
         rf"^\| rtn_kbbq \| 1 \| {NUMBER} \| True \|$"],
     "transforms.py": [

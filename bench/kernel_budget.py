@@ -1,6 +1,7 @@
 """Bytes, FLOPs and predicted times of the W4A4 linear on Hopper, counted before a GPU run.
 
     python bench/kernel_budget.py [--copy-gbs 3000] [--bf16-tflops 697] [--gap-us 1.5]
+    python bench/kernel_budget.py --tiny     # one shape (K = N = 8192), M = 1
 
 For each shape (K = N = 8192 and the Llama-3-8B linears 4096 -> 4096, 4096 -> 6144,
 4096 -> 14336, 14336 -> 4096), M = 1, 16, 4096 and NVFP4 / MXFP4 with a per-block transform
@@ -103,7 +104,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="bf16 matrix rate at M = 4096 (H200, 8192 x 8192: 697)")
     parser.add_argument("--gap-us", type=float, default=1.5,
                         help="assumed microseconds per kernel boundary in a CUDA graph")
+    parser.add_argument("--tiny", action="store_true", help="one shape (K = N = 8192), M = 1")
     args = parser.parse_args(argv)
+    shapes, rows = (SHAPES[:1], ROWS[:1]) if args.tiny else (SHAPES, ROWS)
     copy, rate, gap = args.copy_gbs * 1e9, args.bf16_tflops * 1e12, args.gap_us * 1e-6
     print(f"predictions (not measurements): copy {args.copy_gbs:.0f} GB/s, bf16 "
           f"{args.bf16_tflops:.0f} TFLOP/s at M = 4096, {args.gap_us} us per kernel boundary; "
@@ -113,8 +116,8 @@ def main(argv: list[str] | None = None) -> None:
               "x bf16 at the floor", "x bf16 predicted", "target"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    for k, n in SHAPES:
-        for m in ROWS:
+    for k, n in shapes:
+        for m in rows:
             for fmt in FORMATS:
                 r = predict(m, k, n, fmt, copy, rate, gap)
                 cells = [f"{k}->{n}", m, fmt, f"{r['ours_mb']:.1f}", f"{r['bf16_mb']:.1f}",

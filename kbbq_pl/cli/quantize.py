@@ -252,7 +252,8 @@ def _streams(args, launch: Launch) -> bool:
     decision = None
     if launch.writes:
         processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        decision = streams_by_default(resolve_model_path(args.model), processes)
+        source, _ = _source_and_output(args, args.recipe.label)  # the errors of a bad path
+        decision = streams_by_default(source, processes)
     stream, why = launch.collectives.broadcast(decision, 0)
     if stream and launch.writes:
         print(f"kbbq-pl quantize: {why}", flush=True)

@@ -203,6 +203,7 @@ def _quantize_block(block: Block, quantizer: WeightQuantizer, keep_outputs: bool
     with (kept_inputs(block.linears, step.module, step.runner.offload_device) if static
           else contextlib.nullcontext({})) as inputs:
         calibration, outputs = quantizer.calibrate(block, keep_outputs)
+    trim_heap()  # the block's float32 activations: every step's transient returns to the system
     timing["calibration"] += time.perf_counter() - tick
 
     tick = time.perf_counter()
@@ -237,6 +238,7 @@ def _quantize_block(block: Block, quantizer: WeightQuantizer, keep_outputs: bool
         if plan.choice is not None:
             report.autobrake[name] = plan.choice
         swap_module(block.model, name, layer)
+        trim_heap()
     timing["quantize"] += time.perf_counter() - tick
     return outputs
 

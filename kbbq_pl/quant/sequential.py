@@ -453,7 +453,9 @@ def computed_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
     its forward starts and back when it ends, one module at a time (a module that computes
     with another's tensors without calling it would see them unconverted);
     an embedding table is not converted, its rows are (a lookup copies them: the same values,
-    without the whole table in ``dtype``); quantized layers compute as they were built.  The
+    without the whole table in ``dtype``); quantized layers compute as they were built; the
+    memory a module's forward freed goes back to the system as it ends (:func:`trim_heap`: the
+    transient peak is one module's, not the heap's).  The
     outputs are those of the model converted to ``dtype`` as a whole.  None: as it is."""
     if dtype is None:
         yield
@@ -466,6 +468,7 @@ def computed_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
 
     def leave(unit: nn.Module) -> None:
         _restore(converted.pop(id(unit), []))
+        trim_heap()
 
     def rows_in_dtype(unit: nn.Module, args: Any, out: Any) -> Any:
         return out.to(dtype) if isinstance(out, Tensor) and out.is_floating_point() else out

@@ -102,20 +102,56 @@ def tiny_llama2c_folder(tmp_path_factory) -> Path:
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
-"""A plain chat template given to the tiny llama2.c model's tokenizer (it ships none)."""
+"""A plain chat template for the tiny chat model's tokenizer."""
 
 
 @pytest.fixture(scope="session")
-def tiny_llama2c_quantized(tiny_llama2c_folder, tmp_path_factory) -> Path:
-    """The tiny llama2.c model quantized by the default recipe (RTN-KBBQ NVFP4, lambda 0.75,
+def tiny_chat_folder(tmp_path_factory) -> Path:
+    """A tiny Llama chat model made without any data file, so that loading, generating and
+    serving are tested everywhere: four blocks of hidden size 64 (an FFN of 172, not a multiple
+    of the FP4 blocks: its down_proj is padded), random weights (seeded), and a
+    512-token byte-level BPE tokenizer trained on the package's calibration corpus, with
+    :data:`CHAT_TEMPLATE`; saved as a HF folder (float32 safetensors)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from kbbq_pl.resources import calibration_corpus
+
+    texts = [json.loads(line)["text"] for line in
+             calibration_corpus().read_text(encoding="utf-8").splitlines() if line.strip()]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        pad_token="<unk>", model_max_length=256, clean_up_tokenization_spaces=False)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=172,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=0, tie_word_embeddings=True)
+    folder = tmp_path_factory.mktemp("chat") / "tiny-chat"
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_quantized(tiny_chat_folder, tmp_path_factory) -> Path:
+    """The tiny chat model quantized by the default recipe (RTN-KBBQ NVFP4, lambda 0.75,
     static activation scales) on 256 tokens of the shipped corpus and saved by
-    ``save_quantized`` with its tokenizer, given :data:`CHAT_TEMPLATE`."""
+    ``save_quantized`` with its tokenizer."""
     from kbbq_pl import QuantizationConfig, quantize_model, save_quantized
     from kbbq_pl.io.data import CalibrationDataModule
     from kbbq_pl.io.models import load_model
 
-    model, tokenizer = load_model(tiny_llama2c_folder)
-    tokenizer.chat_template = CHAT_TEMPLATE
+    model, tokenizer = load_model(tiny_chat_folder)
     batches = CalibrationDataModule("mixed", tokenizer, n_tokens=256,
                                     seq_len=64).calibration_dataloader()
     quantize_model(model, list(batches), QuantizationConfig(), progress=False)

@@ -65,11 +65,11 @@ def wait_until_healthy(process: subprocess.Popen, port: int, timeout: float) -> 
 
 
 def test_serve_answers_a_chat_completion_as_generate_and_stops_on_sigterm(
-        tiny_llama2c_quantized):
+        tiny_chat_quantized):
     openai = pytest.importorskip("openai")
     for module in ("fastapi", "uvicorn"):
         pytest.importorskip(module)
-    folder = tiny_llama2c_quantized
+    folder = tiny_chat_quantized
     expected = greedy_reply(folder, MESSAGES, 12)
     port = free_port()
     start = time.monotonic()
@@ -103,7 +103,7 @@ def test_serve_answers_a_chat_completion_as_generate_and_stops_on_sigterm(
     assert elapsed < 60, elapsed
 
 
-def test_serve_refuses_bad_input_in_one_line(tiny_llama2c_quantized, tmp_path, capsys):
+def test_serve_refuses_bad_input_in_one_line(tiny_chat_quantized, tmp_path, capsys):
     from transformers import BertConfig, BertModel
 
     assert main(["serve", str(tmp_path / "missing")]) == 2
@@ -125,24 +125,24 @@ def test_serve_refuses_bad_input_in_one_line(tiny_llama2c_quantized, tmp_path, c
         busy.listen()
         port = busy.getsockname()[1]
         start = time.monotonic()
-        assert main(["serve", str(tiny_llama2c_quantized), "--host", "127.0.0.1",
+        assert main(["serve", str(tiny_chat_quantized), "--host", "127.0.0.1",
                      "--port", str(port)]) == 2
         assert time.monotonic() - start < 10  # refused before the model is loaded
     assert f"cannot listen on 127.0.0.1:{port}" in one_line_error(capsys, "serve")
 
 
-def test_serve_without_the_serving_extra_names_it(tiny_llama2c_quantized, capsys, monkeypatch):
+def test_serve_without_the_serving_extra_names_it(tiny_chat_quantized, capsys, monkeypatch):
     from transformers.utils import import_utils
 
     monkeypatch.setattr(import_utils, "is_serve_available", lambda: False)
-    assert main(["serve", str(tiny_llama2c_quantized)]) == 2
+    assert main(["serve", str(tiny_chat_quantized)]) == 2
     assert "pip install 'kbbq-pl[serve]'" in one_line_error(capsys, "serve")
 
 
-def test_chat_answers_a_prompt_as_generate(tiny_llama2c_quantized, capsys):
-    expected = greedy_reply(tiny_llama2c_quantized, MESSAGES, 12)
+def test_chat_answers_a_prompt_as_generate(tiny_chat_quantized, capsys):
+    expected = greedy_reply(tiny_chat_quantized, MESSAGES, 12)
     capsys.readouterr()
-    assert main(["chat", str(tiny_llama2c_quantized), "--prompt", MESSAGES[0]["content"],
+    assert main(["chat", str(tiny_chat_quantized), "--prompt", MESSAGES[0]["content"],
                  "--max-new-tokens", "12", "--device", "cpu"]) == 0
     captured = capsys.readouterr()
     assert captured.out == expected + "\n"
@@ -150,19 +150,19 @@ def test_chat_answers_a_prompt_as_generate(tiny_llama2c_quantized, capsys):
     assert "Loading weights" not in captured.err
 
 
-def test_chat_keeps_the_conversation_from_standard_input(tiny_llama2c_quantized, capsys,
+def test_chat_keeps_the_conversation_from_standard_input(tiny_chat_quantized, capsys,
                                                           monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("Tell me a story.\n\nAnd then?\n/exit\nNo\n"))
-    assert main(["chat", str(tiny_llama2c_quantized), "--max-new-tokens", "8"]) == 0
+    assert main(["chat", str(tiny_chat_quantized), "--max-new-tokens", "8"]) == 0
     replies = capsys.readouterr().out.splitlines()
-    first = greedy_reply(tiny_llama2c_quantized, MESSAGES, 8)
+    first = greedy_reply(tiny_chat_quantized, MESSAGES, 8)
     history = [*MESSAGES, {"role": "assistant", "content": first},
                {"role": "user", "content": "And then?"}]
-    assert replies == [first, greedy_reply(tiny_llama2c_quantized, history, 8)]
+    assert replies == [first, greedy_reply(tiny_chat_quantized, history, 8)]
 
 
-def test_chat_refuses_bad_options_in_one_line(tiny_llama2c_quantized, capsys):
-    assert main(["chat", str(tiny_llama2c_quantized), "--max-new-tokens", "0"]) == 2
+def test_chat_refuses_bad_options_in_one_line(tiny_chat_quantized, capsys):
+    assert main(["chat", str(tiny_chat_quantized), "--max-new-tokens", "0"]) == 2
     assert "--max-new-tokens must be >= 1" in one_line_error(capsys, "chat")
-    assert main(["chat", str(tiny_llama2c_quantized), "--dtype", "int8", "--prompt", "x"]) == 2
+    assert main(["chat", str(tiny_chat_quantized), "--dtype", "int8", "--prompt", "x"]) == 2
     assert "--dtype 'int8'" in one_line_error(capsys, "chat")

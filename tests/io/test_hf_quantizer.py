@@ -77,9 +77,9 @@ def digest(folder: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("options", [{}, {"dtype": torch.bfloat16, "device_map": "cpu"}],
                          ids=["float32", "bfloat16-cpu"])
-def test_automodel_gives_the_layers_and_logits_of_kbbq_from_pretrained(tiny_llama2c_quantized,
+def test_automodel_gives_the_layers_and_logits_of_kbbq_from_pretrained(tiny_chat_quantized,
                                                                        options):
-    folder = tiny_llama2c_quantized
+    folder = tiny_chat_quantized
     model = causal_lm(folder, **options)
     reference = kbbq_pl.from_pretrained(folder, dtype=options.get("dtype"))
     assert type(model).__name__ == "LlamaForCausalLM" and model.is_quantized
@@ -96,10 +96,10 @@ def test_automodel_gives_the_layers_and_logits_of_kbbq_from_pretrained(tiny_llam
 
 
 @pytest.mark.gpu
-def test_device_map_cuda_runs_kbbq_pl_kernels_as_kbbq_from_pretrained(tiny_llama2c_quantized):
+def test_device_map_cuda_runs_kbbq_pl_kernels_as_kbbq_from_pretrained(tiny_chat_quantized):
     from kbbq_pl.quant.w4a4 import uses_kernels
 
-    folder = tiny_llama2c_quantized
+    folder = tiny_chat_quantized
     model = causal_lm(folder, dtype=torch.bfloat16, device_map="cuda")
     reference = kbbq_pl.from_pretrained(folder, device="cuda", dtype=torch.bfloat16)
     same_layers(model, reference)
@@ -154,12 +154,12 @@ def test_an_encoder_loads_through_automodel(tmp_path):
         assert torch.equal(loaded(**inputs).last_hidden_state, model(**inputs).last_hidden_state)
 
 
-def test_save_pretrained_writes_a_folder_that_loads_again(tiny_llama2c_quantized, tmp_path):
-    model = causal_lm(tiny_llama2c_quantized)
+def test_save_pretrained_writes_a_folder_that_loads_again(tiny_chat_quantized, tmp_path):
+    model = causal_lm(tiny_chat_quantized)
     model.save_pretrained(tmp_path / "again")
     block = json.loads((tmp_path / "again" / "config.json").read_text())["quantization_config"]
     assert block["quant_method"] == "kbbq" and len(block["layers"]) == 28
-    with safe_open(str(tiny_llama2c_quantized / "model.safetensors"), "pt") as a, \
+    with safe_open(str(tiny_chat_quantized / "model.safetensors"), "pt") as a, \
             safe_open(str(tmp_path / "again" / "model.safetensors"), "pt") as b:
         assert set(a.keys()) == set(b.keys())  # the layout kbbq-pl writes, tensor for tensor
         for key in a.keys():
@@ -176,7 +176,7 @@ def test_save_pretrained_writes_a_folder_that_loads_again(tiny_llama2c_quantized
 
 # --- never random weights in silence ------------------------------------------------------
 
-def test_without_kbbq_pl_transformers_refuses_the_folder(tiny_llama2c_quantized, monkeypatch):
+def test_without_kbbq_pl_transformers_refuses_the_folder(tiny_chat_quantized, monkeypatch):
     """What ``from_pretrained`` does where kbbq-pl is not imported (the method unregistered):
     the codes under each quantized layer's ``weight`` are ``[N, K/2]`` uint8, the dense
     skeleton expects ``[N, K]``, and transformers raises instead of loading random weights."""
@@ -185,19 +185,19 @@ def test_without_kbbq_pl_transformers_refuses_the_folder(tiny_llama2c_quantized,
         AUTO_QUANTIZER_MAPPING,
     )
 
-    with safe_open(str(tiny_llama2c_quantized / "model.safetensors"), "pt") as stored:
+    with safe_open(str(tiny_chat_quantized / "model.safetensors"), "pt") as stored:
         codes = stored.get_slice("model.layers.0.mlp.down_proj.weight")
         assert (codes.get_dtype(), codes.get_shape()) == ("U8", [64, 88])  # K = 172 -> 176
     monkeypatch.delitem(AUTO_QUANTIZATION_CONFIG_MAPPING, "kbbq")
     monkeypatch.delitem(AUTO_QUANTIZER_MAPPING, "kbbq")
     with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
-        causal_lm(tiny_llama2c_quantized)
+        causal_lm(tiny_chat_quantized)
 
 
 def test_a_checkpoint_that_disagrees_with_its_config_is_refused_before_loading(
-        tiny_llama2c_quantized, tmp_path):
+        tiny_chat_quantized, tmp_path):
     folder = tmp_path / "edited"
-    shutil.copytree(tiny_llama2c_quantized, folder)
+    shutil.copytree(tiny_chat_quantized, folder)
     path = folder / "config.json"
     config = json.loads(path.read_text())
     config["quantization_config"]["layers"]["model.layers.1.self_attn.q_proj"]["out_features"] = 32
@@ -234,16 +234,16 @@ def test_format_1_folders_load_through_kbbq_pl_and_upgrade_for_transformers(tmp_
 # --- generate and pipeline ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tiny_chat(tiny_llama2c_quantized):
+def tiny_chat(tiny_chat_quantized):
     from transformers import AutoTokenizer
 
-    return causal_lm(tiny_llama2c_quantized), AutoTokenizer.from_pretrained(tiny_llama2c_quantized)
+    return causal_lm(tiny_chat_quantized), AutoTokenizer.from_pretrained(tiny_chat_quantized)
 
 
-def test_generate_greedy_with_and_without_kv_cache_and_sampling(tiny_llama2c_quantized,
+def test_generate_greedy_with_and_without_kv_cache_and_sampling(tiny_chat_quantized,
                                                                  tiny_chat):
     model, tokenizer = tiny_chat
-    reference = kbbq_pl.from_pretrained(tiny_llama2c_quantized)
+    reference = kbbq_pl.from_pretrained(tiny_chat_quantized)
     inputs = tokenizer(PROMPT, return_tensors="pt")
     greedy = {"max_new_tokens": 16, "do_sample": False}
     with torch.no_grad():
@@ -260,14 +260,14 @@ def test_generate_greedy_with_and_without_kv_cache_and_sampling(tiny_llama2c_qua
                                               temperature=1.0, top_k=0))
     assert torch.equal(samples[0], samples[1]) and not torch.equal(samples[0], cached)
     text = tokenizer.decode(cached[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-    assert len(text.split()) >= 2  # it still writes words
+    assert len(text) >= 16  # text, not special tokens (the tiny model's weights are random)
 
 
-def test_text_generation_pipeline_loads_the_folder(tiny_llama2c_quantized, tiny_chat):
+def test_text_generation_pipeline_loads_the_folder(tiny_chat_quantized, tiny_chat):
     from transformers import pipeline
 
     model, tokenizer = tiny_chat
-    generator = pipeline("text-generation", model=str(tiny_llama2c_quantized))
+    generator = pipeline("text-generation", model=str(tiny_chat_quantized))
     assert isinstance(generator.model.model.layers[0].self_attn.q_proj, QuantizedLinear)
     out = generator(PROMPT, max_new_tokens=16, do_sample=False, return_tensors=True)[0]
     inputs = tokenizer(PROMPT, return_tensors="pt")

@@ -54,6 +54,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
@@ -268,6 +269,24 @@ def check_section(run: Run) -> None:
 # --------------------------------------------------------------------------- GEMM
 
 
+def gemm_weights(run: Run, section: str, reserve: float) -> Iterator[
+        tuple[int, int, torch.Tensor, list[torch.Tensor]]]:
+    """Each GEMM shape ``K -> N`` of the run with a random bf16 weight ``[N, K]`` and its copies
+    (the calls cycle through them, so that no call finds the weight in L2), while ``reserve``
+    seconds are left (else a note naming ``section``)."""
+    for k, n in run.shapes["gemm_shapes"]:
+        if run.left() < reserve:
+            run.notes.append(f"{section}: stopped before {k} -> {n} for time")
+            return
+        w = torch.randn(n, k, device=run.device, dtype=torch.bfloat16) * 0.02
+        yield k, n, w, [w] + [w.clone() for _ in range(copies(run, w.numel() * 2) - 1)]
+
+
+def bf16_seconds(run: Run, x: torch.Tensor, w_set: list[torch.Tensor]) -> float:
+    """Seconds a call of bf16 ``torch.matmul(x, w.T)``, cycling through ``w_set``."""
+    return seconds_per_call(run, [functools.partial(torch.matmul, x, wi.T) for wi in w_set])
+
+
 def gemm_section(run: Run) -> None:
     from kbbq_pl import kernels as K
     from kbbq_pl.formats import get_format
@@ -276,17 +295,11 @@ def gemm_section(run: Run) -> None:
 
     device = run.device
     rows, ratios = [], {}
-    for k, n in run.shapes["gemm_shapes"]:
-        if run.left() < 30:
-            run.notes.append(f"gemm: stopped before {k} -> {n} for time")
-            break
-        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
-        w_set = [w] + [w.clone() for _ in range(copies(run, w.numel() * 2) - 1)]
+    for k, n, w, w_set in gemm_weights(run, "gemm", reserve=30):
         packed = {name: quantized(w, name) for name in run.formats}
         for m in run.shapes["gemm_m"]:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            t_bf16 = seconds_per_call(run, [functools.partial(torch.matmul, x, wi.T)
-                                            for wi in w_set])
+            t_bf16 = bf16_seconds(run, x, w_set)
             for name in run.formats:
                 fmt_ = get_format(name)
                 q = packed[name]
@@ -502,16 +515,10 @@ def peers_section(run: Run) -> None:
     rows = []
     gemlite = gemlite_classes()
     best_m1: dict[str, list[float]] = {}
-    for k, n in run.shapes["gemm_shapes"]:
-        if run.left() < 40:
-            run.notes.append(f"peers: stopped before {k} -> {n} for time")
-            break
-        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
-        w_set = [w] + [w.clone() for _ in range(copies(run, w.numel() * 2) - 1)]
+    for k, n, w, w_set in gemm_weights(run, "peers", reserve=40):
         for m in run.shapes["gemm_m"]:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            t_bf16 = seconds_per_call(run, [functools.partial(torch.matmul, x, wi.T)
-                                            for wi in w_set])
+            t_bf16 = bf16_seconds(run, x, w_set)
             for peer, make in [("int4 tinygemm g32", int4_tinygemm), *gemlite]:
                 try:
                     calls = [make(w, x) for _ in range(copies(run, w.numel() // 2))]

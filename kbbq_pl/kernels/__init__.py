@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -194,28 +195,8 @@ def quantize_activations(
     ``propagate`` policy of :mod:`kbbq_pl.formats`: their block gets a NaN scale.
     """
     fmt = fp4_format(fmt)
-    d = fmt.block_size
-    name = "quantize_activations"
-    if x.dim() != 2:
-        raise ValueError(f"{name}: x must be [M, K], got shape {tuple(x.shape)}")
-    if x.dtype not in INPUT_DTYPES:
-        raise TypeError(f"{name}: x must be bf16, fp16 or fp32, got {x.dtype}")
-    m, k = x.shape
-    if k % d:
-        raise ValueError(f"{name}: K = {k} (x of shape {tuple(x.shape)}) is not a multiple of "
-                         f"the {fmt.name} block {d}")
-    _require(x.device, name)
-    if global_scale is not None and not fmt.global_scale:
-        raise ValueError(f"{name}: format {fmt.name} has no per-tensor scale to set")
-    if isinstance(global_scale, (int, float)) and not 0 < global_scale < float("inf"):
-        raise ValueError(f"{name}: global_scale must be positive and finite, got {global_scale!r}")
-    gs = None if global_scale is None else _device_scalar(global_scale, x.device, "global_scale")
-    t = _check_transform(transform, k, d, x.device, name)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    scale_kind, rounding, gain = _scale_meta(fmt)
-    codes, scales, pts, _ = _backend().quantize_activations(x, t, d, scale_kind, rounding, gain,
-                                                            gs, config)
+    codes, scales, pts, _ = _activation_kernel(x, transform, fmt, global_scale,
+                                               "quantize_activations", config)
     if fmt.scale_kind == "e4m3":
         scales = scales.view(torch.float8_e4m3fn)
     return codes, scales, pts
@@ -306,6 +287,21 @@ def _check_activations(x: Tensor, fmt: Format, global_scale, name: str) -> Tenso
                                                             "global_scale")
 
 
+def _activation_kernel(x: Tensor, transform: Tensor | None, fmt: Format, global_scale,
+                       name: str, config: dict | None, **options: Any
+                       ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+    """The checks of ``x``, the transform and the per-tensor scale, then the backend's
+    activation kernel (``options``: what it returns besides the codes and scales):
+    ``(codes, scales, pts, values)``."""
+    gs = _check_activations(x, fmt, global_scale, name)
+    t = _check_transform(transform, x.shape[1], fmt.block_size, x.device, name)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    scale_kind, rounding, gain = _scale_meta(fmt)
+    return _backend().quantize_activations(x, t, fmt.block_size, scale_kind, rounding, gain, gs,
+                                           config, **options)
+
+
 def quantize_activation_values(
     x: Tensor, transform: Tensor | None, fmt: str | Format,
     global_scale: Tensor | float | None = None, *, dtype: torch.dtype = torch.bfloat16,
@@ -324,14 +320,9 @@ def quantize_activation_values(
         raise TypeError(f"{name}: dtype must be bf16, fp16 or fp32, got {dtype}")
     if dtype == torch.float16 and fmt.scale_kind != "e4m3":
         raise ValueError(f"{name}: {fmt.name} values (E8M0 scales) are not exact in fp16")
-    gs = _check_activations(x, fmt, global_scale, name)
-    t = _check_transform(transform, x.shape[1], fmt.block_size, x.device, name)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    scale_kind, rounding, gain = _scale_meta(fmt)
-    _, _, pts, values = _backend().quantize_activations(
-        x, t, fmt.block_size, scale_kind, rounding, gain, gs, config, values_dtype=dtype,
-        codes=False, word_order=word_order)
+    _, _, pts, values = _activation_kernel(x, transform, fmt, global_scale, name, config,
+                                           values_dtype=dtype, codes=False,
+                                           word_order=word_order)
     return values, pts
 
 

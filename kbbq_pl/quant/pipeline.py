@@ -203,7 +203,7 @@ def _quantize_block(block: Block, quantizer: WeightQuantizer, keep_outputs: bool
     with (kept_inputs(block.linears, step.module, step.runner.offload_device) if static
           else contextlib.nullcontext({})) as inputs:
         calibration, outputs = quantizer.calibrate(block, keep_outputs)
-    trim_heap()  # the block's float32 activations: every step's transient returns to the system
+    trim_heap()  # the calibration run's activations, whatever the quantizer
     timing["calibration"] += time.perf_counter() - tick
 
     tick = time.perf_counter()

@@ -486,10 +486,11 @@ def computed_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
-        for stored in converted.values():  # a forward that raised half way
-            _restore(stored)
-        converted.clear()
-        trim_heap()  # the units' float32 copies, freed
+        if converted:  # a forward that raised half way: its units back, their copies freed
+            for stored in converted.values():
+                _restore(stored)
+            converted.clear()
+            trim_heap()
 
 
 def trim_heap() -> None:

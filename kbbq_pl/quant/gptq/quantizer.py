@@ -342,7 +342,6 @@ class GPTQ(WeightQuantizer):
         if held_out is not None:
             held_out.reduce(reduce_sum, reduce_max)
             held_out.check_nonempty()
-        trim_heap()
         return GPTQCalibration(collector, held_out), outputs
 
     def quantize(self, block: Block, calibration: GPTQCalibration) -> dict[str, LayerPlan]:

@@ -1,7 +1,7 @@
 """W4A4 on one GPU against bf16, in one run: correctness, the GEMM paths, the activation kernel,
 peers, a whole model; a short table of every row against its target printed last.
 
-    python bench/gpu.py [--sections check,gemm,act,model,peers] [--formats nvfp4,mxfp4]
+    python bench/gpu.py [--sections check,gemm,act,model,rows,peers] [--formats nvfp4,mxfp4]
                         [--budget-s 500] [--json PATH]
     python bench/gpu.py --tiny        # (or --dry-run) tiny shapes on the CPU under the interpreter
 
@@ -11,8 +11,8 @@ the run goes on, and the summary says what failed or was skipped for time):
 * ``check``: the activation kernel's codes and scales bit for bit the CPU reference
   (``kbbq_pl.kernels.reference``) and its values the reference codes decoded, NVFP4 (dynamic)
   and MXFP4 with random 16 x 16 / 32 x 32 blocks at M = 1, 16, 256; every path of
-  ``linear_w4a4`` (decode M = 1, 16; tiled M = 64; prefill M = 1024 through cuBLAS and Triton)
-  within one bf16 rounding of the float64 product of the same codes.
+  ``linear_w4a4`` (decode M = 1, 16, 64; at M = 1024 prefill through cuBLAS and Triton, and
+  decode) within one bf16 rounding of the float64 product of the same codes.
 * ``gemm``: ``linear_w4a4`` as a layer runs it (activation kernel + product, dynamic NVFP4 /
   MXFP4 scales, no transform and KBBQ-shaped random blocks) against bf16 ``torch.matmul`` at
   K = N = 8192 and the Llama-3-8B shapes 4096 -> 4096, 4096 -> 6144, 4096 -> 14336,
@@ -31,6 +31,10 @@ the run goes on, and the summary says what failed or was skipped for time):
   first block's linears on the kernels against the emulation on the same GPU, and each path's
   logits against bf16's.  Targets: memory <= 0.35, decode 2.0x (batch 1) and 1.8x (batch 16),
   prefill 0.9x.
+* ``rows``: where the prefill path starts paying: at K = N = 8192 and 4096 -> 14336, KBBQ-shaped
+  blocks, M = 64, 256, 1024, 4096, every path that can take M rows (decode; tiled up to 256;
+  prefill from 256) against bf16, each checked within one rounding; the summary names the
+  fewest rows from which prefill beat decode on both shapes (``K.PREFILL_MIN_M`` is 1024).
 * ``peers`` (last: they take what time is left): torch's int4 weight-only kernel
   (``aten._weight_int4pack_mm``, group 32) and, when importable, GemLite 0.6's ``A16W4_NVFP``,
   ``A16W4_MXFP``, ``A4W4_NVFP_dynamic`` and ``A4W4_MXFP_dynamic``, at the same shapes and M,
@@ -66,11 +70,13 @@ FULL = dict(act_shape=(8192, 8192), check_k=4096, check_n=4096, check_m=(1, 16, 
             gemm_shapes=((8192, 8192), (4096, 4096), (4096, 6144), (4096, 14336),
                          (14336, 4096)),
             gemm_m=(1, 16, 4096), path_m=(1, 16, 64, 1024), prefill_min_m=None,
+            rows_shapes=((8192, 8192), (4096, 14336)), rows_m=(64, 256, 1024, 4096),
             hidden=4096, intermediate=14336, heads=32, kv_heads=8, layers=8, vocab=32000,
             prefill=(4, 2048), prompt=32, decode_tokens=64, decode_batches=(1, 16),
             logits_tokens=16, rotate_bytes=150e6, replays=20)
 TINY = dict(act_shape=(20, 64), check_k=64, check_n=24, check_m=(3,),
             gemm_shapes=((64, 48),), gemm_m=(1, 40), path_m=(1, 20, 40),
+            rows_shapes=((128, 24),), rows_m=(20, 40),
             prefill_min_m=32, hidden=32, intermediate=64, heads=2, kv_heads=2, layers=1,
             vocab=64, prefill=(2, 8), prompt=3, decode_tokens=2, decode_batches=(1, 2),
             logits_tokens=3, rotate_bytes=0, replays=1)
@@ -247,10 +253,11 @@ def check_section(run: Run) -> None:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             a = K.quantize_activations(x, t, name)
             ref = K.reference_w4a4_matmul(*a, q.qdata, q.scale, q.global_scale, name)
-            path = K.choose_path(m)
-            for product in (("auto", "triton") if path == "prefill" else ("auto",)):
+            chosen = K.choose_path(m)
+            for path, product in ([(chosen, "auto")] + [("prefill", "triton"), ("decode", "auto")]
+                                  * (chosen == "prefill")):
                 y = K.linear_w4a4(x, q.qdata, q.scale, q.global_scale, name, t,
-                                  prepared=prepared, prefill_product=product)
+                                  prepared=prepared, path=path, prefill_product=product)
                 ok, excess = within_one_rounding(y, ref)
                 paths_all += 1
                 paths_ok += ok
@@ -269,12 +276,12 @@ def check_section(run: Run) -> None:
 # --------------------------------------------------------------------------- GEMM
 
 
-def gemm_weights(run: Run, section: str, reserve: float) -> Iterator[
-        tuple[int, int, torch.Tensor, list[torch.Tensor]]]:
-    """Each GEMM shape ``K -> N`` of the run with a random bf16 weight ``[N, K]`` and its copies
-    (the calls cycle through them, so that no call finds the weight in L2), while ``reserve``
-    seconds are left (else a note naming ``section``)."""
-    for k, n in run.shapes["gemm_shapes"]:
+def gemm_weights(run: Run, section: str, reserve: float, shapes: str = "gemm_shapes"
+                 ) -> Iterator[tuple[int, int, torch.Tensor, list[torch.Tensor]]]:
+    """Each GEMM shape ``K -> N`` of the run (``run.shapes[shapes]``) with a random bf16 weight
+    ``[N, K]`` and its copies (the calls cycle through them, so that no call finds the weight
+    in L2), while ``reserve`` seconds are left (else a note naming ``section``)."""
+    for k, n in run.shapes[shapes]:
         if run.left() < reserve:
             run.notes.append(f"{section}: stopped before {k} -> {n} for time")
             return
@@ -501,6 +508,65 @@ def copy_rate(run: Run) -> None:
           f"{run.copy_rate / 1e9:.4g} GB/s (read + written)")
     run.add("copy", ms=seconds * 1e3, gb_s=run.copy_rate / 1e9)
     run.line("device copy, GB/s (read + written)", f"{run.copy_rate / 1e9:.4g}")
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def rows_section(run: Run) -> None:
+    """Where the prefill path starts paying: ``linear_w4a4`` on each path that can take ``M``
+    rows (decode: the decode GEMM, any M; tiled: the GEMM of both packed operands, up to 256;
+    prefill: weights decoded + cuBLAS, from 256 on) against bf16, KBBQ-shaped blocks, at the
+    shapes of ``rows_shapes``; the summary gives the fewest rows from which prefill beat decode
+    on every shape (what ``K.PREFILL_MIN_M`` should be)."""
+    from kbbq_pl import kernels as K
+    from kbbq_pl.formats import get_format
+
+    rows, prefill_wins = [], {}
+    for k, n, w, w_set in gemm_weights(run, "rows", reserve=30, shapes="rows_shapes"):
+        packed = {name: quantized(w, name) for name in run.formats}
+        small, large = min(run.shapes["rows_m"]), max(run.shapes["rows_m"])
+        for m in run.shapes["rows_m"]:
+            x = torch.randn(m, k, device=run.device, dtype=torch.bfloat16)
+            t_bf16 = bf16_seconds(run, x, w_set)
+            for name in run.formats:
+                q = packed[name]
+                sets = [(q.qdata, q.scale)] + [
+                    (q.qdata.clone(), q.scale.clone())
+                    for _ in range(copies(run, q.qdata.numel() + q.scale.numel()) - 1)]
+                preps = [K.prepare_weight(c, s, q.global_scale, name) for c, s in sets]
+                t = kbbq_blocks(k, get_format(name).block_size, run.device)
+                a = K.quantize_activations(x, t, name)
+                ref = K.reference_w4a4_matmul(*a, q.qdata, q.scale, q.global_scale, name)
+                seconds = {}
+                for path in ("decode", "tiled", "prefill"):
+                    if (path == "tiled" and m > max(small, 256)) or (
+                            path == "prefill" and m < min(large, 256)):
+                        continue
+                    calls = [functools.partial(K.linear_w4a4, x, c, s, q.global_scale, name, t,
+                                               prepared=p, path=path)
+                             for (c, s), p in zip(sets, preps)]
+                    seconds[path] = seconds_per_call(run, calls)
+                    ok, excess = within_one_rounding(calls[0](), ref)
+                    rows.append([f"{k}->{n}", m, name, path, t_bf16 * 1e3,
+                                 seconds[path] * 1e3, t_bf16 / seconds[path],
+                                 "yes" if ok else f"NO ({excess:.2g})"])
+                    run.add("rows", k=k, n=n, m=m, fmt=name, path=path, bf16_ms=t_bf16 * 1e3,
+                            ms=seconds[path] * 1e3, speedup=t_bf16 / seconds[path],
+                            within_one_rounding=ok)
+                if "prefill" in seconds:
+                    prefill_wins.setdefault(name, {}).setdefault(m, []).append(
+                        seconds["prefill"] < seconds["decode"])
+        print(f"  [{time.perf_counter() - run.start:.0f} s] rows {k}->{n} done", flush=True)
+        del w_set, packed
+    table("linear_w4a4 by path against bf16 torch.matmul, KBBQ-shaped blocks",
+          ["K->N", "M", "format", "path", "bf16 ms", "W4A4 ms", "x bf16", "within one rounding"],
+          rows)
+    for name, wins in prefill_wins.items():
+        beaten = [m for m in sorted(wins) if all(wins[m])]
+        run.line(f"rows from which prefill beats decode, {name} (PREFILL_MIN_M = "
+                 f"{K.PREFILL_MIN_M})", beaten[0] if beaten else f"none up to {max(wins)}")
+
 
 
 # --------------------------------------------------------------------------- peers
@@ -809,7 +875,8 @@ def model_section(run: Run) -> None:
 
 
 SECTIONS = {"check": (check_section, 20), "gemm": (gemm_section, 60), "act": (act_section, 20),
-            "model": (model_section, 120), "peers": (peers_section, 40)}
+            "model": (model_section, 120), "rows": (rows_section, 40),
+            "peers": (peers_section, 40)}
 """Each section and the seconds of budget it needs to start; the default order puts the peers
 last, where they take what time is left."""
 
@@ -824,7 +891,7 @@ def commit() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", default="check,gemm,act,model,peers",
+    parser.add_argument("--sections", default="check,gemm,act,model,rows,peers",
                         help=f"comma-separated, of {', '.join(SECTIONS)} (run in that order)")
     parser.add_argument("--formats", default="nvfp4,mxfp4")
     parser.add_argument("--budget-s", type=float, default=500.0,

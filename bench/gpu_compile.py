@@ -23,7 +23,8 @@ Triton compiles for any NVIDIA target on a CPU-only machine (its wheel ships ``p
 
 Kernels: the activation kernel writing codes (``act``) or values (``act_values``: fp16/bf16 in
 word order for the decode GEMM, bf16 for the prefill product), the decode GEMM (``decode_gemm``,
-its autotuned tiles and the FP32-FMA one-row variant), the prefill path's weight decode
+its autotuned tiles, 16 rows high and 32 to 128 for more rows, and the FP32-FMA one-row
+variant), the prefill path's weight decode
 (``weight_decode``) and product on decoded operands (``gemm_decoded``), and the tiled GEMM
 (``gemm_small``, ``gemm_large``).  ``--explore`` compiles candidate tiles instead of the ones
 that run.  It times nothing.
@@ -231,11 +232,17 @@ def skinny_configs(explore: bool):
 
     if not explore:
         return skinny._configs()
-    return [triton.Config({"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k,
+    few = [(16, n, k, w, st) for n, k, w, st in (
+        (32, 256, 4, 4), (64, 256, 4, 3), (64, 256, 4, 4), (64, 512, 4, 3), (64, 512, 4, 2),
+        (128, 256, 4, 3), (128, 256, 8, 3), (128, 512, 8, 3), (256, 256, 8, 3), (64, 1024, 4, 2))]
+    more = [(32, 64, 256, 4, 3), (32, 128, 256, 4, 3), (32, 128, 256, 8, 3), (64, 64, 256, 4, 3),
+            (64, 128, 128, 4, 3), (64, 128, 256, 4, 2), (64, 128, 256, 8, 3),
+            (128, 64, 128, 4, 3), (128, 128, 128, 8, 2), (128, 128, 128, 8, 3),
+            (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (256, 128, 128, 8, 2),
+            (256, 128, 64, 8, 3)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k,
                            "PRODUCT": skinny.PRODUCT_DOT}, num_warps=w, num_stages=st)
-            for n, k, w, st in ((32, 256, 4, 4), (64, 256, 4, 3), (64, 256, 4, 4), (64, 512, 4, 3),
-                                (64, 512, 4, 2), (128, 256, 4, 3), (128, 256, 8, 3),
-                                (128, 512, 8, 3), (256, 256, 8, 3), (64, 1024, 4, 2))]
+            for m, n, k, w, st in few + more]
 
 
 def skinny_rows(target: GPUTarget, explore: bool = False) -> list[dict]:

@@ -1,18 +1,24 @@
 """Bytes, FLOPs and predicted times of the W4A4 linear on Hopper, counted before a GPU run.
 
     python bench/kernel_budget.py [--copy-gbs 3000] [--bf16-tflops 697] [--gap-us 1.5]
+                                  [--sass-per-weight 6.6]
     python bench/kernel_budget.py --tiny     # one shape (K = N = 8192), M = 1
 
 For each shape (K = N = 8192 and the Llama-3-8B linears 4096 -> 4096, 4096 -> 6144,
-4096 -> 14336, 14336 -> 4096), M = 1, 16, 4096 and NVFP4 / MXFP4 with a per-block transform
-(KBBQ-shaped, as the layers run it), the fewest bytes each kernel must move through device
-memory (each input read once, each output written once) and the FLOPs, and from them:
+4096 -> 14336, 14336 -> 4096), M = 1, 16, 64, 256, 1024, 4096 and NVFP4 / MXFP4 with a
+per-block transform (KBBQ-shaped, as the layers run it), for each path that takes M rows
+(decode: the decode GEMM, any M; prefill: weight decode + bf16 product, from 256 on), the
+fewest bytes each kernel must move through device memory (each input read once, each output
+written once) and the FLOPs, and from them:
 
 * ``floor``: the bytes at the copy bandwidth plus the FLOPs at the bf16 matrix rate (nothing
   overlapped, no launch gaps): no version runs faster;
 * ``predicted``: the decode GEMM at 70% of the copy bandwidth (the issue's goal), the
   activation kernel at 80% (its goal), the weight decode at 80%, the product at the bf16 rate,
-  and ``--gap-us`` per kernel boundary inside a CUDA graph (an assumption: to be measured);
+  and ``--gap-us`` per kernel boundary inside a CUDA graph (an assumption: to be measured).
+  Above 16 rows the decode GEMM takes the longest of its bytes (70%), its FLOPs (the bf16
+  rate) and its main loop's instructions (``--sass-per-weight`` for every weight of every
+  128-row tile, at 128 per SM clock on 132 SMs at 1.98 GHz), as if they overlapped;
 * bf16 ``torch.matmul``: at M <= 16 its weight bytes at 76% of the copy bandwidth (an H200
   run of 2026-11-26: 0.04458 ms for 8192 x 8192, M = 1, against a 3,967 GB/s copy), at
   M = 4096 the FLOPs at ``--bf16-tflops`` (the same run: 0.7883 ms for 8192 x 8192 x 4096,
@@ -29,9 +35,11 @@ import argparse
 import math
 
 SHAPES = ((8192, 8192), (4096, 4096), (4096, 6144), (4096, 14336), (14336, 4096))
-ROWS = (1, 16, 4096)
+ROWS = (1, 16, 64, 256, 1024, 4096)
 FORMATS = {"nvfp4": 16, "mxfp4": 32}
 TARGETS = {1: 2.5, 16: 2.2, 4096: 0.95}
+ISSUE_RATE = 132 * 128 * 1.98e9
+"""Thread-instructions an H100/H200 issues per second (132 SMs, 128 a clock, 1.98 GHz)."""
 BF16_GEMV_FRACTION = 0.76
 DECODE_FRACTION = 0.70
 STREAM_FRACTION = 0.80
@@ -59,40 +67,48 @@ def bf16_bytes(m: int, k: int, n: int) -> int:
     return 2 * n * k + 2 * m * k + 2 * m * n
 
 
-def kernels(m: int, nvfp4: bool) -> int:
+def kernels(path: str, nvfp4: bool) -> int:
     """Launches of one linear: the activation kernel (two for dynamic NVFP4) and the GEMM
     (prefill: and the weight decode)."""
-    return (2 if nvfp4 else 1) + (1 if m <= 16 else 2)
+    return (2 if nvfp4 else 1) + (1 if path == "decode" else 2)
+
+
+def paths(m: int) -> tuple[str, ...]:
+    return ("decode",) if m < 256 else ("decode", "prefill") if m < 4096 else ("prefill",
+                                                                                 "decode")
 
 
 def predict(m: int, k: int, n: int, fmt: str, copy: float, bf16_rate: float,
-            gap: float) -> dict:
+            gap: float, path: str = "decode", sass_per_weight: float = 6.6) -> dict:
     """The figures of one row (seconds, bytes, FLOPs) as the module docstring defines them."""
     d = FORMATS[fmt]
     nvfp4 = fmt == "nvfp4"
     flops = 2 * m * n * k
     act = activation_bytes(m, k, d, nvfp4)
-    if m <= 16:
+    bf16 = max(bf16_bytes(m, k, n) / (BF16_GEMV_FRACTION * copy), flops / bf16_rate)
+    if path == "decode":
         product = decode_gemm_bytes(m, k, n, d)
         ours_bytes = act + product
-        floor = ours_bytes / copy
-        predicted = (act / (STREAM_FRACTION * copy) + product / (DECODE_FRACTION * copy)
-                     + gap * (kernels(m, nvfp4) - 1))
-        bf16 = bf16_bytes(m, k, n) / (BF16_GEMV_FRACTION * copy)
+        floor = act / copy + max(product / copy, flops / bf16_rate)
+        gemm = product / (DECODE_FRACTION * copy)
+        if m > 16:
+            issue = n * k * math.ceil(m / 128) * sass_per_weight / ISSUE_RATE
+            gemm = max(gemm, flops / bf16_rate, issue)
+        predicted = act / (STREAM_FRACTION * copy) + gemm + gap * (kernels(path, nvfp4) - 1)
         decode_fraction = product / copy
     else:
         decode = weight_decode_bytes(k, n, d)
         operands = 2 * m * k + 2 * n * k + 2 * m * n  # what the bf16 product reads and writes
         ours_bytes = act + decode + operands
         floor = (act + decode) / copy + max(flops / bf16_rate, operands / copy)
-        predicted = ((act + decode) / (STREAM_FRACTION * copy) + flops / bf16_rate
-                     + gap * (kernels(m, nvfp4) - 1))
-        bf16 = flops / bf16_rate
+        predicted = ((act + decode) / (STREAM_FRACTION * copy)
+                     + max(flops / bf16_rate, operands / (BF16_GEMV_FRACTION * copy))
+                     + gap * (kernels(path, nvfp4) - 1))
         decode_fraction = float("nan")
-    return dict(k=k, n=n, m=m, fmt=fmt, ours_mb=ours_bytes / 1e6,
+    return dict(k=k, n=n, m=m, fmt=fmt, path=path, ours_mb=ours_bytes / 1e6,
                 bf16_mb=bf16_bytes(m, k, n) / 1e6, gflop=flops / 1e9, floor_us=floor * 1e6,
                 predicted_us=predicted * 1e6, bf16_us=bf16 * 1e6, floor_x=bf16 / floor,
-                predicted_x=bf16 / predicted, target=TARGETS[m],
+                predicted_x=bf16 / predicted, target=TARGETS.get(m, "-"),
                 gemm_floor_us=decode_fraction * 1e6)
 
 
@@ -104,6 +120,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="bf16 matrix rate at M = 4096 (H200, 8192 x 8192: 697)")
     parser.add_argument("--gap-us", type=float, default=1.5,
                         help="assumed microseconds per kernel boundary in a CUDA graph")
+    parser.add_argument("--sass-per-weight", type=float, default=6.6,
+                        help="the decode GEMM's main-loop SASS per weight at 128-row tiles "
+                             "(bench/gpu_compile.py; Triton 3.6: 6.6)")
     parser.add_argument("--tiny", action="store_true", help="one shape (K = N = 8192), M = 1")
     args = parser.parse_args(argv)
     shapes, rows = (SHAPES[:1], ROWS[:1]) if args.tiny else (SHAPES, ROWS)
@@ -111,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"predictions (not measurements): copy {args.copy_gbs:.0f} GB/s, bf16 "
           f"{args.bf16_tflops:.0f} TFLOP/s at M = 4096, {args.gap_us} us per kernel boundary; "
           "per-block transforms on, dynamic NVFP4 scales\n")
-    header = ["K->N", "M", "format", "W4A4 MB", "bf16 MB", "GFLOP", "W4A4 floor us",
+    header = ["K->N", "M", "format", "path", "W4A4 MB", "bf16 MB", "GFLOP", "W4A4 floor us",
               "decode GEMM floor us", "W4A4 predicted us", "bf16 predicted us",
               "x bf16 at the floor", "x bf16 predicted", "target"]
     print("| " + " | ".join(header) + " |")
@@ -119,14 +138,15 @@ def main(argv: list[str] | None = None) -> None:
     for k, n in shapes:
         for m in rows:
             for fmt in FORMATS:
-                r = predict(m, k, n, fmt, copy, rate, gap)
-                cells = [f"{k}->{n}", m, fmt, f"{r['ours_mb']:.1f}", f"{r['bf16_mb']:.1f}",
-                         f"{r['gflop']:.3g}", f"{r['floor_us']:.1f}",
-                         "-" if math.isnan(r["gemm_floor_us"]) else f"{r['gemm_floor_us']:.1f}",
-                         f"{r['predicted_us']:.1f}", f"{r['bf16_us']:.1f}",
-                         f"{r['floor_x']:.2f}", f"{r['predicted_x']:.2f}", r["target"]]
-                print("| " + " | ".join(str(c) for c in cells) + " |")
-
+                for path in paths(m):
+                    r = predict(m, k, n, fmt, copy, rate, gap, path, args.sass_per_weight)
+                    gemm_floor = r["gemm_floor_us"]
+                    cells = [f"{k}->{n}", m, fmt, path, f"{r['ours_mb']:.1f}",
+                             f"{r['bf16_mb']:.1f}", f"{r['gflop']:.3g}", f"{r['floor_us']:.1f}",
+                             "-" if math.isnan(gemm_floor) else f"{gemm_floor:.1f}",
+                             f"{r['predicted_us']:.1f}", f"{r['bf16_us']:.1f}",
+                             f"{r['floor_x']:.2f}", f"{r['predicted_x']:.2f}", r["target"]]
+                    print("| " + " | ".join(str(c) for c in cells) + " |")
 
 if __name__ == "__main__":
     main()

@@ -24,10 +24,11 @@ act_global_scale=None, bias=None, *, prepared=None, path=None, prefill_product="
     ``Q(W T^-1) Q(T x) + b`` for ``x [..., K]`` (zero-padded when its last dimension falls
     short of the weights' padded ``K`` by less than a block), ``y [..., N]`` in ``x``'s dtype;
     ``act_global_scale`` None is the dynamic NVFP4 scale.  The path follows the rows ``M``
-    (:func:`choose_path`): ``decode`` up to :data:`DECODE_MAX_M` (the activations' values, then
-    the decode GEMM of :mod:`kbbq_pl.kernels.skinny`), ``prefill`` from :data:`PREFILL_MIN_M`
-    (bf16 values and decoded weights, one cuBLAS or Triton product), ``tiled`` in between
-    (``quantize_activations`` then ``w4a4_matmul``).
+    (:func:`choose_path`): ``decode`` below :data:`PREFILL_MIN_M` (the activations' values, then
+    the decode GEMM of :mod:`kbbq_pl.kernels.skinny` on the weights as stored), ``prefill`` from
+    it on (bf16 values and decoded weights, one cuBLAS or Triton product); ``tiled``
+    (``quantize_activations`` then ``w4a4_matmul``) where the decode GEMM cannot decode the
+    weights exactly, or when asked for.
 ``quantize_activation_values(x, transform, fmt, global_scale=None, *, dtype=bf16,
 word_order=False) -> (values, pts)``
     The rounded activations as their values ``q * s`` (exact in bf16, and in fp16 for NVFP4),
@@ -97,7 +98,6 @@ from .reference import (
 )
 
 __all__ = [
-    "DECODE_MAX_M",
     "PREFILL_MIN_M",
     "PreparedWeight",
     "available",
@@ -355,21 +355,17 @@ def prepare_weight(codes: Tensor, scales: Tensor, global_scale: Tensor | float |
                            keep_decoded=keep_decoded, decode=decode)
 
 
-DECODE_MAX_M = 16
-"""Up to this many rows :func:`linear_w4a4` takes the decode path (:mod:`.skinny`)."""
 PREFILL_MIN_M = 1024
-"""From this many rows on it takes the prefill path (weights decoded to bf16 once per call
-or kept, one matrix product); in between the tiled GEMM of :func:`w4a4_matmul`."""
+"""From this many rows on :func:`linear_w4a4` takes the prefill path (weights decoded to bf16
+once per call or kept, one matrix product); below, the decode path (:mod:`.skinny`)."""
 PATHS = ("decode", "tiled", "prefill")
 PREFILL_PRODUCTS = ("auto", "cublas", "triton")
 
 
 def choose_path(m: int) -> str:
-    """The path :func:`linear_w4a4` takes for ``m`` rows: ``decode`` (``m <=``
-    :data:`DECODE_MAX_M`), ``prefill`` (``m >=`` :data:`PREFILL_MIN_M`) or ``tiled``."""
-    if m <= DECODE_MAX_M:
-        return "decode"
-    return "prefill" if m >= PREFILL_MIN_M else "tiled"
+    """The path :func:`linear_w4a4` takes for ``m`` rows: ``prefill`` from
+    :data:`PREFILL_MIN_M` on, ``decode`` below."""
+    return "prefill" if m >= PREFILL_MIN_M else "decode"
 
 
 def _decode_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | None,
@@ -437,9 +433,11 @@ def linear_w4a4(
 
     The path follows the number of rows ``M`` (:func:`choose_path`; ``path`` forces one):
 
-    * ``decode`` (``M <= 16``): the activations rounded to their values in word order,
-      then the decode GEMM of :mod:`kbbq_pl.kernels.skinny` on the weights as stored;
-    * ``tiled``: :func:`quantize_activations` then :func:`w4a4_matmul`;
+    * ``decode`` (``M <`` :data:`PREFILL_MIN_M`): the activations rounded to their values in
+      word order, then the decode GEMM of :mod:`kbbq_pl.kernels.skinny` on the weights as
+      stored (16-row tiles up to 16 rows, 32 to 128 above);
+    * ``tiled``: :func:`quantize_activations` then :func:`w4a4_matmul` (what the decode path
+      falls back to where an MX weight's exponents span too many binades to decode exactly);
     * ``prefill`` (``M >= 1024``): the activations rounded to bf16 values, the weights decoded
       to bf16 (per call, or kept by :func:`prepare_weight`), one product.  ``prefill_product``
       ``cublas`` hands it to ``torch.addmm`` with the per-tensor scales in its FP32 ``alpha``
@@ -465,9 +463,6 @@ def linear_w4a4(
     if prefill_product not in PREFILL_PRODUCTS:
         raise ValueError(f"linear_w4a4: prefill_product must be one of {PREFILL_PRODUCTS}, "
                          f"got {prefill_product!r}")
-    if path == "decode" and m > DECODE_MAX_M:
-        raise ValueError(f"linear_w4a4: the decode path takes at most {DECODE_MAX_M} rows, "
-                         f"got {m}")
     if path == "tiled" or m == 0:
         codes, scales, pts = quantize_activations(x2, transform, fmt, act_global_scale)
         y = w4a4_matmul(codes, scales, pts, weight_codes, weight_scales, weight_global, fmt,

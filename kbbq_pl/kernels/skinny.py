@@ -1,8 +1,10 @@
-"""The decode GEMM: up to 16 rows of activations against packed FP4 weights (Triton).
+"""The decode GEMM: rows of activations against packed FP4 weights, decoded in registers (Triton).
 
 Imported lazily by :mod:`kbbq_pl.kernels` (needs triton).  A decode step multiplies a few
 tokens by every weight of the model once, so this kernel is built to read the weights at the
-memory's speed and do little else per byte:
+memory's speed and do little else per byte; with more rows (a batch of decode steps, a short
+prompt) the same loop feeds wider tensor-core tiles, each decoded weight serving ``BLOCK_M``
+rows (16 up to 16 rows, 32 to 128 above: :func:`_configs`):
 
 * the weights are read as :func:`kbbq_pl.formats.quantize` stores them (codes ``[N, K/2]``,
   element ``2i`` in the low nibble, one scale byte per block): 16-byte loads of contiguous row
@@ -19,7 +21,7 @@ memory's speed and do little else per byte:
 * the product runs on tensor cores with the weights as the wide operand (``W [BLOCK_N, K]``
   times ``A^T [K, 16]``), or (``PRODUCT_FMA``, one row only) as FP32 fused multiply-adds;
 * K is split across programs so that the grid fills the GPU (132 SMs at N = 4096); each split
-  writes an FP32 partial and the last program of a column tile to finish (an atomic counter,
+  writes an FP32 partial and the last program of a (row, column) tile to finish (an atomic counter,
   reset by that program, so the kernel can be replayed in a CUDA graph) sums the partials in
   split order 0, 1, ...: the result does not depend on which program finished last.
 
@@ -47,11 +49,12 @@ PRODUCT_FMA = 1
 VALUES_FP32 = 0
 VALUES_FP16 = 1
 VALUES_BF16 = 2
-MAX_ROWS = 16
-"""Rows the decode GEMM takes (the tensor-core operand's narrow side)."""
+FEW_ROWS = 16
+"""Up to this many rows the decode GEMM runs 16-row tiles (the tensor-core operand's narrow
+side); above, 32 to 128."""
 MAX_SPLITS = 16
 _COUNTERS = 1 << 14
-"""Column tiles a device's split-K counters cover (N up to 2^14 * BLOCK_N)."""
+"""Output tiles a device's split-K counters cover (beyond them K is not split)."""
 
 
 @triton.jit
@@ -143,13 +146,15 @@ def _skinny_kernel(
     EVEN_K: tl.constexpr,
 ):
     """``out [M, N] = A W^T`` for word-ordered activation values ``A [M, >=K]`` and packed weights
-    ``W`` (codes ``[N, K/2]``, scale bytes ``[N, K/D]``); program (column tile, K split)."""
+    ``W`` (codes ``[N, K/2]``, scale bytes ``[N, K/D]``); program (column tile, K split, row
+    tile)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
     splits = tl.num_programs(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     k_split = tl.cdiv(tl.cdiv(K, splits), BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_split
@@ -201,8 +206,9 @@ def _skinny_kernel(
             w_high = _nibble_values(packed >> 4, mult, 0)
             k = k0 + 2 * offs_j  # word_order_index of elements 2j and 2j + 1 (+ 32)
             a_low = (k // 128) * 128 + 32 * (k % 4) + 2 * ((k % 128) // 8) + (k % 8) // 4
-            a_lo = tl.load(a_ptr + a_low, mask=k_mask, other=0.0).to(tl.float32)
-            a_hi = tl.load(a_ptr + a_low + 32, mask=k_mask, other=0.0).to(tl.float32)
+            a_row = a_ptr + pid_m * stride_am  # BLOCK_M = 1
+            a_lo = tl.load(a_row + a_low, mask=k_mask, other=0.0).to(tl.float32)
+            a_hi = tl.load(a_row + a_low + 32, mask=k_mask, other=0.0).to(tl.float32)
             acc += tl.sum(w_low * a_lo[None, :] + w_high * a_hi[None, :], axis=1)
     if PRODUCT == 0:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
@@ -214,19 +220,21 @@ def _skinny_kernel(
                          EXPLICIT_BF16)
     else:
         part = part_ptr + offs_m[:, None] * N + offs_n[None, :]
+        split_stride = tl.num_programs(2) * BLOCK_M * N  # partials [splits, row tiles * BLOCK_M, N]
         mask = m_mask[:, None] & n_mask[None, :]
-        tl.store(part + pid_k * BLOCK_M * N, acc, mask=mask)
+        tl.store(part + pid_k * split_stride, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is stored before the counter moves
-        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
         if arrived == splits - 1:
             total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for split in range(splits):  # a fixed order, whoever finished last
-                total += tl.load(part + split * BLOCK_M * N, mask=mask, other=0.0,
+                total += tl.load(part + split * split_stride, mask=mask, other=0.0,
                                  cache_modifier=".cg")
             _skinny_epilogue(total, offs_m, offs_n, M, N, shift, a_global_ptr, w_global_ptr,
                              bias_ptr, out_ptr, stride_om, SCALE_KIND, GAIN2, HAS_GLOBAL,
                              HAS_BIAS, EXPLICIT_BF16)
-            tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next launch (graph replays)
+            tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch (graph replays)
 
 
 @triton.jit
@@ -245,25 +253,48 @@ def _skinny_epilogue(acc, offs_m, offs_n, M, N, shift, a_global_ptr, w_global_pt
 
 
 def _configs():
-    """The tensor-core tiles autotuned on GPUs (BLOCK_K a multiple of the word order's 128):
+    """The tensor-core tiles autotuned on GPUs (BLOCK_K a multiple of the word order's 128),
+    16-row tiles for up to :data:`FEW_ROWS` rows and 32 to 128 above (:func:`_prune_configs`):
     ``bench/gpu_compile.py --kernels decode_gemm --explore`` printed the registers, spills and
-    loop instructions per weight of a wider grid on sm_90, from which these were kept."""
-    return [triton.Config({"BLOCK_M": MAX_ROWS, "BLOCK_N": block_n, "BLOCK_K": block_k,
+    loop instructions per weight of a wider grid on sm_90, from which these were kept (no
+    spills, at most 160 KiB of shared memory)."""
+    few = ((16, 64, 256, 4, 3), (16, 64, 512, 4, 2), (16, 128, 256, 4, 3), (16, 128, 256, 8, 3),
+           (16, 256, 256, 8, 3))
+    more = ((32, 64, 256, 4, 3), (32, 128, 256, 8, 3), (64, 128, 128, 4, 3),
+            (64, 128, 256, 8, 3), (128, 128, 128, 8, 2), (128, 128, 64, 4, 4))
+    return [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
                            "PRODUCT": PRODUCT_DOT}, num_warps=warps, num_stages=stages)
-            for block_n, block_k, warps, stages in ((64, 256, 4, 3), (64, 512, 4, 2),
-                                                    (128, 256, 4, 3), (128, 256, 8, 3),
-                                                    (256, 256, 8, 3))]
+            for block_m, block_n, block_k, warps, stages in few + more]
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """16-row tiles for up to :data:`FEW_ROWS` rows; above, the wider tiles no taller than the
+    rows' power of two (``m_bucket``)."""
+    bucket = kwargs.get("m_bucket", named_args.get("m_bucket"))
+    if bucket is None:  # a Triton that passes no arguments to the pruner: keep them all
+        return configs
+    return [c for c in configs
+            if (c.kwargs["BLOCK_M"] == FEW_ROWS) == (bucket <= FEW_ROWS)
+            and c.kwargs["BLOCK_M"] <= max(bucket, 32)]
 
 
 def _even_k(args) -> bool:
     return args["K"] % args["BLOCK_K"] == 0
 
 
+def m_bucket(m: int) -> int:
+    """The autotuning key of ``m`` rows: 1, 16, then powers of two up to 8192."""
+    if m <= 1:
+        return 1
+    return FEW_ROWS if m <= FEW_ROWS else min(triton.next_power_of_2(m), 8192)
+
+
 _KEY = ["N", "K", "m_bucket", "D", "SCALE_KIND", "VALUES", "HAS_BIAS"]
-_skinny_tuned = triton.autotune(configs=_configs(), key=_KEY)(
+_skinny_tuned = triton.autotune(configs=_configs(), key=_KEY,
+                                prune_configs_by={"early_config_prune": _prune_configs})(
     triton.heuristics({"EVEN_K": _even_k})(_skinny_kernel))
 
-INTERPRETER_CONFIG = {"BLOCK_M": MAX_ROWS, "BLOCK_N": 16, "BLOCK_K": 128,
+INTERPRETER_CONFIG = {"BLOCK_M": FEW_ROWS, "BLOCK_N": 16, "BLOCK_K": 128,
                       "PRODUCT": PRODUCT_DOT}
 
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -277,11 +308,12 @@ def _counter(device: torch.device) -> torch.Tensor:
     return counter
 
 
-def split_count(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
-    """K splits for ``[N, K]`` weights in ``block_n``-column tiles: doubled while the grid
-    holds fewer than two programs per SM and each split keeps at least 512 of K (and a whole
-    tile), at most :data:`MAX_SPLITS`."""
-    tiles = triton.cdiv(n, block_n)
+def split_count(n: int, k: int, block_n: int, block_k: int, sms: int, m: int = 1,
+                block_m: int = FEW_ROWS) -> int:
+    """K splits for ``[N, K]`` weights in ``block_n``-column tiles (and ``m`` rows in
+    ``block_m``-row tiles): doubled while the grid holds fewer than two programs per SM and each
+    split keeps at least 512 of K (and a whole tile), at most :data:`MAX_SPLITS`."""
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     split = 1
     while (split < MAX_SPLITS and tiles * split < 2 * sms
            and k // (2 * split) >= max(512, block_k)):
@@ -311,46 +343,51 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
     checked by :mod:`kbbq_pl.kernels`.  ``config`` pins the tile, ``split_k`` the splits."""
     n, k = w_codes.shape[0], w_codes.shape[1] * 2
     device = w_codes.device
-    if m > MAX_ROWS:
-        raise ValueError(f"the decode GEMM takes at most {MAX_ROWS} rows, got {m}")
     out = torch.empty(m, n, dtype=out_dtype, device=device)
     values = values_kind(scale_kind)
     has_global = scale_kind == SCALE_E4M3
     counter = _counter(device)
     dummy = out
+    bucket = m_bucket(m)
     meta = dict(D=d, SCALE_KIND=scale_kind, GAIN2=gain * gain, HAS_GLOBAL=has_global,
                 HAS_BIAS=bias is not None, VALUES=values,
                 EXPLICIT_BF16=INTERPRET and out_dtype == torch.bfloat16)
     sms = 4 if INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
 
-    def splits(block_n: int, block_k: int) -> int:
-        split = split_k or split_count(n, k, block_n, block_k, sms)
-        if triton.cdiv(n, block_n) > _COUNTERS:
+    def splits(block_m: int, block_n: int, block_k: int) -> int:
+        split = split_k or split_count(n, k, block_n, block_k, sms, m, block_m)
+        if triton.cdiv(n, block_n) * triton.cdiv(m, block_m) > _COUNTERS:
             split = 1
         return max(1, min(split, triton.cdiv(k, block_k)))
 
-    partial = torch.empty(MAX_SPLITS if split_k is None else max(split_k, 1),
-                          MAX_ROWS, n, dtype=torch.float32, device=device)
+    def grid(cfg: dict) -> tuple[int, int, int]:
+        return (triton.cdiv(n, cfg["BLOCK_N"]),
+                splits(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]),
+                triton.cdiv(m, cfg["BLOCK_M"]))
+
+    pinned = dict(config or INTERPRETER_CONFIG) if config is not None or INTERPRET else None
+    candidates = ([pinned] if pinned else
+                  [c.kwargs for c in _prune_configs(_configs(), {"m_bucket": bucket})])
+    partial_rows = max([grid(c)[1] * grid(c)[2] * c["BLOCK_M"] for c in candidates
+                        if grid(c)[1] > 1], default=1)
+    partial = torch.empty(partial_rows, n, dtype=torch.float32, device=device)
     args = [a_values, w_codes, w_scales, out, partial, counter,
             a_global if has_global else dummy, w_global if has_global else dummy,
             bias if bias is not None else dummy, m, n, k, shift, a_values.stride(0),
-            w_codes.stride(0), w_scales.stride(0), out.stride(0), 1 if m == 1 else MAX_ROWS]
-    if config is not None or INTERPRET:
-        cfg = dict(config or INTERPRETER_CONFIG)
-        if cfg["PRODUCT"] == PRODUCT_DOT and cfg["BLOCK_K"] % WORD_ORDER_CHUNK:
+            w_codes.stride(0), w_scales.stride(0), out.stride(0), bucket]
+    if pinned:
+        if pinned["PRODUCT"] == PRODUCT_DOT and pinned["BLOCK_K"] % WORD_ORDER_CHUNK:
             raise ValueError(f"the decode GEMM's tensor-core tiles span whole chunks of "
-                             f"{WORD_ORDER_CHUNK}, got BLOCK_K = {cfg['BLOCK_K']}")
-        warps = cfg.pop("num_warps", 4)
-        stages = cfg.pop("num_stages", 2)
-        grid = (triton.cdiv(n, cfg["BLOCK_N"]), splits(cfg["BLOCK_N"], cfg["BLOCK_K"]))
-        _skinny_kernel[grid](*args, **meta, **cfg, EVEN_K=k % cfg["BLOCK_K"] == 0,
-                             num_warps=warps, num_stages=stages)
+                             f"{WORD_ORDER_CHUNK}, got BLOCK_K = {pinned['BLOCK_K']}")
+        warps = pinned.pop("num_warps", 4)
+        stages = pinned.pop("num_stages", 2)
+        _skinny_kernel[grid(pinned)](*args, **meta, **pinned,
+                                     EVEN_K=k % pinned["BLOCK_K"] == 0,
+                                     num_warps=warps, num_stages=stages)
     else:
-        def grid(meta):
-            return (triton.cdiv(n, meta["BLOCK_N"]), splits(meta["BLOCK_N"], meta["BLOCK_K"]))
         _skinny_tuned[grid](*args, **meta)
     return out
 
 
-__all__ = ["MAX_ROWS", "MX_MULTIPLIER_BIAS", "NVFP4_DECODE_SHIFT", "skinny_matmul",
+__all__ = ["FEW_ROWS", "MX_MULTIPLIER_BIAS", "NVFP4_DECODE_SHIFT", "skinny_matmul",
            "split_count"]

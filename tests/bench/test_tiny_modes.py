@@ -67,8 +67,8 @@ TABLES: dict[str, list[str]] = {
         rf"^kbbq-pl GPTQ-KBBQ\s+{NUMBER}\s+{NUMBER}\s+\d+\s*$",  # no error: not identity
         r"^\s+GPTQ-KBBQ / GPTQ \(kbbq-pl\)\s+wall "],
     "kernel_budget.py": [
-        r"^\| K->N \| M \| format \| W4A4 MB \| bf16 MB \| GFLOP \|",
-        *(rf"^\| 8192->8192 \| 1 \| {fmt}( \| {NUMBER}){{4}} \| (?:{NUMBER}|-)"
+        r"^\| K->N \| M \| format \| path \| W4A4 MB \| bf16 MB \| GFLOP \|",
+        *(rf"^\| 8192->8192 \| 1 \| {fmt} \| decode( \| {NUMBER}){{4}} \| (?:{NUMBER}|-)"
           rf"( \| {NUMBER}){{4}} \| " for fmt in ("nvfp4", "mxfp4"))],
     "law.py": [
         r"^format\s+records\s+slope/dec\s+intercept\s+median r\s+RMS r\s+C_fmt\s+med r - C$",

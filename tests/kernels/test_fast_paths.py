@@ -230,8 +230,10 @@ def skinny(x, q, fmt, t=None, scale=None, bias=None, out_dtype=torch.float32, **
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp4_no_clip"])
-@pytest.mark.parametrize("m,split", [(1, 1), (3, 3), (16, 2)])
+@pytest.mark.parametrize("m,split", [(1, 1), (3, 3), (16, 2), (40, 1), (40, 3)])
 def test_decode_gemm_matches_the_exact_product(fmt, m, split):
+    """At 40 rows the interpreter's 16-row tiles make three row tiles (the last one partial),
+    each split along K in the 3-split case."""
     needs_kernels()
     n, k = 40, 160 if fmt == "nvfp4" else 192  # N, K not multiples of the tile; 160 = 5 * 32
     x, q = decode_operands(fmt, m, n, k, seed=m)
@@ -255,19 +257,25 @@ def test_decode_gemm_fma_product_and_tiles():
         assert gemm_error(skinny(x, q, fmt, config=fma, split_k=2), ref) <= 1e-5
         wide = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "PRODUCT": S.PRODUCT_DOT}
         assert gemm_error(skinny(x, q, fmt, config=wide), ref) <= 1e-5
+        x, q = decode_operands(fmt, 45, 24, 256, seed=6)  # the row tiles of more rows
+        ref = exact_product(x, q, fmt)
+        tall = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 128, "PRODUCT": S.PRODUCT_DOT}
+        assert gemm_error(skinny(x, q, fmt, config=tall, split_k=2), ref) <= 1e-5
+        assert gemm_error(skinny(x[:3], q, fmt, config=fma), exact_product(x[:3], q, fmt)) <= 1e-5
 
 
 def test_decode_gemm_split_k_is_deterministic_and_leaves_counters_at_zero():
     needs_kernels()
     from kbbq_pl.kernels import skinny as S
 
-    x, q = decode_operands("nvfp4", 4, 48, 512, seed=9)
-    first = skinny(x, q, "nvfp4", split_k=4)
-    second = skinny(x, q, "nvfp4", split_k=4)
-    assert torch.equal(first.view(torch.int32), second.view(torch.int32))
-    assert int(S._counter(CPU).abs().sum()) == 0
-    whole = skinny(x, q, "nvfp4", split_k=1)
-    assert torch.allclose(first, whole, rtol=1e-6, atol=1e-6)
+    for m in (4, 36):  # one row tile; three, each with its own counter
+        x, q = decode_operands("nvfp4", m, 48, 512, seed=9)
+        first = skinny(x, q, "nvfp4", split_k=4)
+        second = skinny(x, q, "nvfp4", split_k=4)
+        assert torch.equal(first.view(torch.int32), second.view(torch.int32))
+        assert int(S._counter(CPU).abs().sum()) == 0
+        whole = skinny(x, q, "nvfp4", split_k=1)
+        assert torch.allclose(first, whole, rtol=1e-6, atol=1e-6)
 
 
 def test_decode_gemm_nan_blocks_and_large_mx_exponents():
@@ -287,13 +295,31 @@ def test_decode_gemm_nan_blocks_and_large_mx_exponents():
 
 
 def test_split_count_fills_the_gpu():
-    from kbbq_pl.kernels.skinny import MAX_SPLITS, split_count
+    from kbbq_pl.kernels.skinny import MAX_SPLITS, m_bucket, split_count
 
     assert split_count(4096, 4096, 64, 256, 132) == 8  # 64 tiles: 512 programs
     assert split_count(14336, 4096, 64, 256, 132) == 2  # 224 tiles
     assert split_count(4096, 1024, 64, 256, 132) == 2  # splits stay >= 512 deep
     assert split_count(4096, 512, 64, 256, 132) == 1
     assert split_count(1024, 1 << 20, 64, 256, 132) == MAX_SPLITS
+    # row tiles count too: 2 x 32 tiles at M = 256
+    assert split_count(4096, 8192, 128, 256, 132, m=256, block_m=128) == 8
+    assert split_count(8192, 8192, 128, 128, 132, m=1000, block_m=128) == 1  # 512 tiles
+    assert [m_bucket(m) for m in (1, 2, 16, 17, 100, 1000, 10**5)] == [
+        1, 16, 16, 32, 128, 1024, 8192]
+
+
+def test_decode_gemm_tiles_follow_the_rows():
+    from kbbq_pl.kernels import skinny as S
+
+    def tiles(m):
+        return {c.kwargs["BLOCK_M"] for c in S._prune_configs(S._configs(),
+                                                                {"m_bucket": S.m_bucket(m)})}
+
+    assert tiles(1) == tiles(16) == {16}
+    assert tiles(17) == tiles(32) == {32}
+    assert tiles(64) == {32, 64}
+    assert tiles(500) == tiles(4096) == {32, 64, 128}
 
 
 # --------------------------------------------------------------------------- linear_w4a4 paths
@@ -315,8 +341,7 @@ def test_every_path_is_within_one_rounding_of_the_exact_product(fmt, static):
     ref_few = exact_product(padded[:3], q, fmt, t, scale, bias.float())  # dynamic: 3 rows' amax
     prepared = K.prepare_weight(q.qdata, q.scale, q.global_scale, fmt, scale,
                                 keep_decoded=True)
-    outputs = {}
-    for path, rows in (("decode", 3), ("tiled", 20), ("prefill", 20)):
+    for path, rows in (("decode", 3), ("decode", 20), ("tiled", 20), ("prefill", 20)):
         products = ("auto", "cublas", "triton") if path == "prefill" else ("auto",)
         for product in products:
             for kept in (None, prepared):
@@ -324,7 +349,6 @@ def test_every_path_is_within_one_rounding_of_the_exact_product(fmt, static):
                                   bias, path=path, prefill_product=product, prepared=kept)
                 assert y.shape == (rows, n) and y.dtype == torch.bfloat16
                 assert_within_one_bf16_rounding(y, ref if rows == 20 else ref_few)
-                outputs[path, product, kept is None] = y
     fp32 = K.linear_w4a4(x.float(), q.qdata, q.scale, q.global_scale, fmt, t, scale,
                          bias.float(), path="prefill")
     assert fp32.dtype == torch.float32 and gemm_error(fp32, ref) <= 1e-5
@@ -333,10 +357,8 @@ def test_every_path_is_within_one_rounding_of_the_exact_product(fmt, static):
 def test_paths_by_rows_and_errors():
     needs_kernels()
     assert [K.choose_path(m) for m in (1, 16, 17, 1023, 1024)] == [
-        "decode", "decode", "tiled", "tiled", "prefill"]
+        "decode", "decode", "decode", "decode", "prefill"]
     x, q = decode_operands("nvfp4", 17, 8, 32)
-    with pytest.raises(ValueError, match="decode path takes at most 16 rows"):
-        K.linear_w4a4(x, q.qdata, q.scale, q.global_scale, "nvfp4", path="decode")
     with pytest.raises(ValueError, match="path must be one of"):
         K.linear_w4a4(x, q.qdata, q.scale, q.global_scale, "nvfp4", path="fast")
     other = K.prepare_weight(q.qdata[:4], q.scale[:4], q.global_scale, "nvfp4")
@@ -431,15 +453,16 @@ import gpu_compile as G
 from kbbq_pl.kernels import skinny as S, triton_kernels as tk
 
 target = GPUTarget("cuda", 90, 32)
-for d, kind, values, a_type in ((16, tk.SCALE_E4M3, S.VALUES_FP16, "*fp16"),
-                                (32, tk.SCALE_E8M0, S.VALUES_BF16, "*bf16")):
+for (d, kind, values, a_type), (rows, cols, depth) in zip(
+        ((16, tk.SCALE_E4M3, S.VALUES_FP16, "*fp16"), (32, tk.SCALE_E8M0, S.VALUES_BF16, "*bf16")),
+        ((16, 64, 256), (64, 128, 128))):  # a decode step's tile; one of more rows'
     constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
                      HAS_BIAS=True, VALUES=values, EXPLICIT_BF16=False, EVEN_K=True,
-                     BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, PRODUCT=S.PRODUCT_DOT)
+                     BLOCK_M=rows, BLOCK_N=cols, BLOCK_K=depth, PRODUCT=S.PRODUCT_DOT)
     compiled = G.compile_kernel(S._skinny_kernel, dict(G.SKINNY_SIGNATURE, a_ptr=a_type),
                                 constants, target, num_warps=4, num_stages=3,
                                 enable_fp_fusion=True)
-    found = G.analyse(compiled, 64 * 256 / 128)
+    found = G.analyse(compiled, cols * depth / 128)
     assert found["wgmma"] > 0, found
     assert found["stack"] == 0, found
     assert found["ptx_v4"] > 0 and found["ldg128"] > 0, found
@@ -451,9 +474,10 @@ print("ok")
 
 
 def test_decode_gemm_compiles_for_hopper_without_a_gpu():
-    """The decode GEMM compiled for sm_90 (its PTX multiply included): Hopper's wgmma, 16-byte
-    loads of the codes, no spills, at most 7 SASS per weight in its loop (3.8 to 6.5 seen with
-    Triton 3.6 and 3.9), every division correctly rounded."""
+    """The decode GEMM compiled for sm_90 (its PTX multiply included), at a decode step's tile
+    (NVFP4) and at a 64-row tile (MXFP4): Hopper's wgmma, 16-byte loads of the codes, no
+    spills, at most 7 SASS per weight in its loop (3.8 to 6.9 seen with Triton 3.6 and 3.9),
+    every division correctly rounded."""
     import os
     import subprocess
     import sys

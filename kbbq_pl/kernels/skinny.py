@@ -110,7 +110,7 @@ def _word_dots(words, mult, a_ptrs, a_mask, acc, SHIFT: tl.constexpr, E_LOW: tl.
     top of its halves, element ``E_LOW`` (low half) and ``E_LOW + 4`` (high half) of each
     8-element word, kept side by side (``[low_c, high_c]``, one 32-bit register), against
     their activations (:func:`~kbbq_pl.kernels.exact.word_order_index`)."""
-    low, high = _word_halves(words, mult, SHIFT, VALUES)
+    low, high = _word_halves(words, mult, SHIFT, VALUES)  # [BLOCK_N, BLOCK_K / D, D / 8]
     w = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K // 4])
     a = tl.load(a_ptrs + 32 * E_LOW, mask=a_mask, other=0.0)
     return tl.dot(w, a, acc)
@@ -164,7 +164,8 @@ def _skinny_kernel(
         offs_c = tl.arange(0, BLOCK_K // 8)  # word c of a tile row: elements 8c .. 8c + 7
         words_ptr = w_ptr.to(tl.pointer_type(tl.int32))
         w_ptrs = words_ptr + offs_n[:, None] * (stride_wn // 4) + offs_c[None, :]
-        s_ptrs = ws_ptr + offs_n[:, None] * stride_wsn + (offs_c // (D // 8))[None, :]
+        offs_b = tl.arange(0, BLOCK_K // D)  # block b of a tile row: words b D/8 .. (b+1) D/8
+        s_ptrs = ws_ptr + offs_n[:, None] * stride_wsn + offs_b[None, :]
         offs_p = tl.arange(0, BLOCK_K // 4)  # (word, half) p = 2c + h of one shift's values
         a_col = 128 * (offs_p // 32) + offs_p % 32  # word_order_index, less 32 E_LOW
         a_base = a_ptr + offs_m[None, :] * stride_am + a_col[:, None]
@@ -175,8 +176,14 @@ def _skinny_kernel(
                 c_mask = k0 // 8 + offs_c < K // 8
             w_mask = n_mask[:, None] & c_mask[None, :]
             words = tl.load(w_ptrs + k0 // 8, mask=w_mask, other=0, eviction_policy="evict_first")
-            s = tl.load(s_ptrs + k0 // D, mask=w_mask, other=0, eviction_policy="evict_first")
-            mult = _block_multipliers(s, shift, SCALE_KIND, VALUES)
+            words = tl.reshape(words, [BLOCK_N, BLOCK_K // D, D // 8])
+            if EVEN_K:
+                b_mask = tl.full([BLOCK_K // D], 1, tl.int1)
+            else:
+                b_mask = k0 // D + offs_b < K // D
+            s = tl.load(s_ptrs + k0 // D, mask=n_mask[:, None] & b_mask[None, :], other=0,
+                        eviction_policy="evict_first")  # one scale byte per block, contiguous
+            mult = _block_multipliers(s, shift, SCALE_KIND, VALUES)[:, :, None]
             a_ptrs = a_base + k0
             if EVEN_K:
                 p_mask = tl.full([BLOCK_K // 4], 1, tl.int1)

@@ -466,7 +466,7 @@ for (d, kind, values, a_type), (rows, cols, depth) in zip(
     assert found["wgmma"] > 0, found
     assert found["stack"] == 0, found
     assert found["ptx_v4"] > 0 and found["ldg128"] > 0, found
-    assert float(found["per_element"]) <= 7.0, found
+    assert float(found["per_element"]) <= 5.0, found
     assert found["div_approx"] == 0 and found["ftz"] == 0, found
     print(d, found["per_element"])
 print("ok")
@@ -476,7 +476,7 @@ print("ok")
 def test_decode_gemm_compiles_for_hopper_without_a_gpu():
     """The decode GEMM compiled for sm_90 (its PTX multiply included), at a decode step's tile
     (NVFP4) and at a 64-row tile (MXFP4): Hopper's wgmma, 16-byte loads of the codes, no
-    spills, at most 7 SASS per weight in its loop (3.8 to 6.9 seen with Triton 3.6 and 3.9),
+    spills, at most 5 SASS per weight in its loop (3.3 to 4.9 seen with Triton 3.6 and 3.9),
     every division correctly rounded."""
     import os
     import subprocess

@@ -1,7 +1,7 @@
 """Bytes, FLOPs and predicted times of the W4A4 linear on Hopper, counted before a GPU run.
 
     python bench/kernel_budget.py [--copy-gbs 3000] [--bf16-tflops 697] [--gap-us 1.5]
-                                  [--sass-per-weight 6.6]
+                                  [--sass-per-weight 4.8]
     python bench/kernel_budget.py --tiny     # one shape (K = N = 8192), M = 1
 
 For each shape (K = N = 8192 and the Llama-3-8B linears 4096 -> 4096, 4096 -> 6144,
@@ -79,7 +79,7 @@ def paths(m: int) -> tuple[str, ...]:
 
 
 def predict(m: int, k: int, n: int, fmt: str, copy: float, bf16_rate: float,
-            gap: float, path: str = "decode", sass_per_weight: float = 6.6) -> dict:
+            gap: float, path: str = "decode", sass_per_weight: float = 4.8) -> dict:
     """The figures of one row (seconds, bytes, FLOPs) as the module docstring defines them."""
     d = FORMATS[fmt]
     nvfp4 = fmt == "nvfp4"
@@ -120,9 +120,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="bf16 matrix rate at M = 4096 (H200, 8192 x 8192: 697)")
     parser.add_argument("--gap-us", type=float, default=1.5,
                         help="assumed microseconds per kernel boundary in a CUDA graph")
-    parser.add_argument("--sass-per-weight", type=float, default=6.6,
+    parser.add_argument("--sass-per-weight", type=float, default=4.8,
                         help="the decode GEMM's main-loop SASS per weight at 128-row tiles "
-                             "(bench/gpu_compile.py; Triton 3.6: 6.6)")
+                             "(bench/gpu_compile.py; Triton 3.6: 4.3 NVFP4, 4.8 MXFP4)")
     parser.add_argument("--tiny", action="store_true", help="one shape (K = N = 8192), M = 1")
     args = parser.parse_args(argv)
     shapes, rows = (SHAPES[:1], ROWS[:1]) if args.tiny else (SHAPES, ROWS)

@@ -264,6 +264,16 @@ def test_decode_gemm_fma_product_and_tiles():
         assert gemm_error(skinny(x[:3], q, fmt, config=fma), exact_product(x[:3], q, fmt)) <= 1e-5
 
 
+def test_decode_gemm_many_row_tiles():
+    """150 rows in the interpreter's 16-row tiles: ten row tiles taken in groups of eight (the
+    second group partial) down three column tiles, with and without split-K."""
+    needs_kernels()
+    x, q = decode_operands("nvfp4", 150, 40, 256, seed=11)
+    ref = exact_product(x, q, "nvfp4")
+    for split in (1, 2):
+        assert gemm_error(skinny(x, q, "nvfp4", split_k=split), ref) <= 1e-5
+
+
 def test_decode_gemm_split_k_is_deterministic_and_leaves_counters_at_zero():
     needs_kernels()
     from kbbq_pl.kernels import skinny as S
@@ -429,12 +439,13 @@ def test_gpu_fast_paths_match_the_exact_product(fmt):
     d = block(fmt)
     n, k = 2048, 4096
     t = make_transform("random", k, d, seed=3).to(device)
-    for m in (1, 16, 1024):
+    for m in (1, 16, 100, 1024):
         x, q = decode_operands(fmt, m, n, k, seed=m)
         ref = exact_product(x, q, fmt, t.cpu()).to(device)
         qd = [v.to(device) if v is not None else None for v in (q.qdata, q.scale, q.global_scale)]
-        for product in (("auto", "triton") if m >= 1024 else ("auto",)):
-            y = K.linear_w4a4(x.to(device), *qd, fmt, t, prefill_product=product)
+        for path, product in ((None, "auto"),) + (((None, "triton"), ("decode", "auto"))
+                                                   if m >= 1024 else ()):
+            y = K.linear_w4a4(x.to(device), *qd, fmt, t, path=path, prefill_product=product)
             assert_within_one_bf16_rounding(y, ref)
         values, _ = K.quantize_activation_values(x.to(device), t, fmt, dtype=torch.bfloat16)
         want, _ = reference_values(x, t.cpu(), fmt, dtype=torch.bfloat16)

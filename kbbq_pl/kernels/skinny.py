@@ -34,6 +34,8 @@ same time would share them (run them on one stream, as a model's layers do).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -311,8 +313,9 @@ def m_bucket(m: int) -> int:
     return FEW_ROWS if m <= FEW_ROWS else min(triton.next_power_of_2(m), 8192)
 
 
+_CONFIGS = _configs()
 _KEY = ["N", "K", "m_bucket", "D", "SCALE_KIND", "VALUES", "HAS_BIAS"]
-_skinny_tuned = triton.autotune(configs=_configs(), key=_KEY,
+_skinny_tuned = triton.autotune(configs=_CONFIGS, key=_KEY,
                                 prune_configs_by={"early_config_prune": _prune_configs})(
     triton.heuristics({"EVEN_K": _even_k})(_skinny_kernel))
 
@@ -357,6 +360,40 @@ def activation_dtype(scale_kind: int) -> torch.dtype:
             VALUES_FP32: torch.float32}[values_kind(scale_kind)]
 
 
+@functools.lru_cache(maxsize=4096)
+def _splits(n: int, k: int, m: int, sms: int, split_k: int | None, block_m: int, block_n: int,
+            block_k: int) -> int:
+    """The K splits of one tile shape (``split_k`` as asked, else :func:`split_count`); 1 where
+    the output tiles outnumber the split-K counters."""
+    split = split_k or split_count(n, k, block_n, block_k, sms, m, block_m)
+    if triton.cdiv(n, block_n) * triton.cdiv(m, block_m) > _COUNTERS:
+        split = 1
+    return max(1, min(split, triton.cdiv(k, block_k)))
+
+
+def _grid(n: int, k: int, m: int, sms: int, split_k: int | None, cfg: dict
+          ) -> tuple[int, int, int]:
+    """(column tiles, K splits, row tiles) of a launch with the tile ``cfg``."""
+    return (triton.cdiv(n, cfg["BLOCK_N"]),
+            _splits(n, k, m, sms, split_k, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]),
+            triton.cdiv(m, cfg["BLOCK_M"]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _partial_rows(n: int, k: int, m: int, sms: int, split_k: int | None,
+                  tiles: tuple[tuple[int, int, int], ...] | None) -> int:
+    """Rows of FP32 split-K partials (``[splits x row tiles x BLOCK_M, N]``) the largest of
+    the candidate tiles (``(BLOCK_M, BLOCK_N, BLOCK_K)``; None: the autotuned ones for ``m``)
+    needs; worked out once per shape, not per call (a decode step is latency)."""
+    if tiles is None:
+        tiles = tuple((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"])
+                      for c in _prune_configs(_CONFIGS, {"m_bucket": m_bucket(m)}))
+    rows = [_splits(n, k, m, sms, split_k, bm, bn, bk) * triton.cdiv(m, bm) * bm
+            for bm, bn, bk in tiles]
+    return max([r for r, (bm, bn, bk) in zip(rows, tiles)
+                if _splits(n, k, m, sms, split_k, bm, bn, bk) > 1], default=1)
+
+
 def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: int,
                   scale_kind: int, gain: float, shift: int, bias, out_dtype,
                   config: dict | None = None, split_k: int | None = None):
@@ -366,48 +403,31 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
     n, k = w_codes.shape[0], w_codes.shape[1] * 2
     device = w_codes.device
     out = torch.empty(m, n, dtype=out_dtype, device=device)
-    values = values_kind(scale_kind)
     has_global = scale_kind == SCALE_E4M3
-    counter = _counter(device)
     dummy = out
-    bucket = m_bucket(m)
     meta = dict(D=d, SCALE_KIND=scale_kind, GAIN2=gain * gain, HAS_GLOBAL=has_global,
-                HAS_BIAS=bias is not None, VALUES=values,
+                HAS_BIAS=bias is not None, VALUES=values_kind(scale_kind),
                 EXPLICIT_BF16=INTERPRET and out_dtype == torch.bfloat16)
     sms = 4 if INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
-
-    def splits(block_m: int, block_n: int, block_k: int) -> int:
-        split = split_k or split_count(n, k, block_n, block_k, sms, m, block_m)
-        if triton.cdiv(n, block_n) * triton.cdiv(m, block_m) > _COUNTERS:
-            split = 1
-        return max(1, min(split, triton.cdiv(k, block_k)))
-
-    def grid(cfg: dict) -> tuple[int, int, int]:
-        return (triton.cdiv(n, cfg["BLOCK_N"]),
-                splits(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]),
-                triton.cdiv(m, cfg["BLOCK_M"]))
-
     pinned = dict(config or INTERPRETER_CONFIG) if config is not None or INTERPRET else None
-    candidates = ([pinned] if pinned else
-                  [c.kwargs for c in _prune_configs(_configs(), {"m_bucket": bucket})])
-    partial_rows = max([grid(c)[1] * grid(c)[2] * c["BLOCK_M"] for c in candidates
-                        if grid(c)[1] > 1], default=1)
-    partial = torch.empty(partial_rows, n, dtype=torch.float32, device=device)
-    args = [a_values, w_codes, w_scales, out, partial, counter,
+    tiles = ((pinned["BLOCK_M"], pinned["BLOCK_N"], pinned["BLOCK_K"]),) if pinned else None
+    partial = torch.empty(_partial_rows(n, k, m, sms, split_k, tiles), n, dtype=torch.float32,
+                          device=device)
+    args = [a_values, w_codes, w_scales, out, partial, _counter(device),
             a_global if has_global else dummy, w_global if has_global else dummy,
             bias if bias is not None else dummy, m, n, k, shift, a_values.stride(0),
-            w_codes.stride(0), w_scales.stride(0), out.stride(0), bucket]
+            w_codes.stride(0), w_scales.stride(0), out.stride(0), m_bucket(m)]
     if pinned:
         if pinned["PRODUCT"] == PRODUCT_DOT and pinned["BLOCK_K"] % WORD_ORDER_CHUNK:
             raise ValueError(f"the decode GEMM's tensor-core tiles span whole chunks of "
                              f"{WORD_ORDER_CHUNK}, got BLOCK_K = {pinned['BLOCK_K']}")
         warps = pinned.pop("num_warps", 4)
         stages = pinned.pop("num_stages", 2)
-        _skinny_kernel[grid(pinned)](*args, **meta, **pinned,
-                                     EVEN_K=k % pinned["BLOCK_K"] == 0,
-                                     num_warps=warps, num_stages=stages)
+        _skinny_kernel[_grid(n, k, m, sms, split_k, pinned)](
+            *args, **meta, **pinned, EVEN_K=k % pinned["BLOCK_K"] == 0, num_warps=warps,
+            num_stages=stages)
     else:
-        _skinny_tuned[grid](*args, **meta)
+        _skinny_tuned[functools.partial(_grid, n, k, m, sms, split_k)](*args, **meta)
     return out
 
 

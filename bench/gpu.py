@@ -30,8 +30,9 @@ the run goes on, and the summary says what failed or was skipped for time):
   every decoder linear a ``W4A4Weight`` (random per-block transforms, dynamic scales):
   weight memory, batch-1 and batch-16 greedy decoding (CUDA graphs), prefill of 4 x 2048, the
   first block's linears on the kernels against the emulation on the same GPU, and each path's
-  logits against bf16's.  Targets: memory <= 0.35, decode 2.0x (batch 1) and 1.8x (batch 16),
-  prefill 0.9x.
+  logits against bf16's; then a ``torch.profiler`` table of one eager decode step and one
+  prefill per format (the Chrome traces beside ``--json``: where the time goes).  Targets:
+  memory <= 0.35, decode 2.0x (batch 1) and 1.8x (batch 16), prefill 0.9x.
 * ``rows``: where the prefill path starts paying: at K = N = 8192 and 4096 -> 14336, KBBQ-shaped
   blocks, M = 64, 256, 1024, 4096, every path that can take M rows (decode; tiled up to 256;
   prefill from 256) against bf16, each checked within one rounding; the summary names the
@@ -102,6 +103,7 @@ class Run:
     notes: list[str] = field(default_factory=list)
     start: float = field(default_factory=time.perf_counter)
     copy_rate: float | None = None  # bytes/s of a device copy (read + written)
+    trace_dir: Path | None = None  # where the model section's profiler traces go
 
     @property
     def cuda(self) -> bool:
@@ -775,6 +777,38 @@ def decode_tokens_per_second(model, prompt: torch.Tensor, tokens: int, use_graph
     return batch * (tokens - 1) / seconds, how
 
 
+def profile_steps(run: Run, model, prompt: torch.Tensor, batch: torch.Tensor, name: str) -> None:
+    """Where the time of one eager decode step (after ``prompt``) and one prefill of ``batch``
+    goes: ``torch.profiler``'s operators and kernels, the 12 longest on the device (on the CPU:
+    the host), printed; the Chrome traces written beside the JSON when there is one
+    (``trace_<format>_decode.json.gz``, ``trace_<format>_prefill.json.gz``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.cuda else [])
+    with torch.no_grad():
+        out = model(input_ids=prompt, use_cache=True)
+        ids = out.logits[:, -1:].argmax(-1)
+        cache = out.past_key_values
+        steps = {"decode": lambda: model(input_ids=ids, past_key_values=cache, use_cache=True),
+                 "prefill": lambda: model(input_ids=batch, use_cache=False)}
+        for what, call in steps.items():
+            call()  # warm: autotuning and prepared weights stay out of the trace
+            if run.cuda:
+                torch.cuda.synchronize()
+            with profile(activities=activities) as prof:
+                call()
+                if run.cuda:
+                    torch.cuda.synchronize()
+            key = "self_device_time_total" if run.cuda else "self_cpu_time_total"
+            rows = (f"batch {prompt.shape[0]}" if what == "decode"
+                    else "x".join(map(str, batch.shape)))
+            print(f"\n### torch.profiler: {name}, one {what} ({rows}), by {key}\n")
+            print(prof.key_averages().table(sort_by=key, row_limit=12), flush=True)
+            if run.trace_dir is not None:
+                run.trace_dir.mkdir(parents=True, exist_ok=True)
+                prof.export_chrome_trace(str(run.trace_dir / f"trace_{name}_{what}.json.gz"))
+
+
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
@@ -863,6 +897,7 @@ def model_section(run: Run) -> None:
         linears = weight_bytes(model, linears_only=True) / base_linears
         got = measure(model)
         progress(f"{name} timed")
+        profile_steps(run, model, prompts[min(prompts)], batch, name)
         linear_diff, kernel_logits, emulated = kernel_and_emulation(model, probe.to(device))
         rows.append([name, memory, linears] + [v for b in prompts
                                               for v in (got[b][0], got[b][0] / base[b][0])]
@@ -935,7 +970,8 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}")
     shapes = TINY if args.tiny else FULL
-    run = Run(shapes, device, args.formats.split(","), args.budget_s)
+    run = Run(shapes, device, args.formats.split(","), args.budget_s,
+              trace_dir=args.json.parent if args.json else None)
     import triton
 
     where = (f"{torch.cuda.get_device_name(device)}" if cuda else

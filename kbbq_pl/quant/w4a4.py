@@ -16,8 +16,8 @@ Where it runs:
 
 * on CUDA, when the project's Triton kernels are present and run there
   (``kbbq_pl.kernels.available(device)``), through ``kbbq_pl.kernels.linear_w4a4``, which
-  takes the decode path up to 16 rows, the prefill path from 1,024 and the tiled GEMM in
-  between (the weight's prepared form, ``kbbq_pl.kernels.prepare_weight``, is made at its
+  takes the decode path below 1,024 rows and the prefill path from there on (the weight's
+  prepared form, ``kbbq_pl.kernels.prepare_weight``, is made at its
   first product on a device and kept with it);
 * everywhere else, and whenever a gradient must reach the input (the kernels have no backward),
   exact emulation: the padded input is upcast to FP32 and transformed there, its FP4 rounding is

@@ -132,7 +132,11 @@ def test_auto_lambda_chooses_per_layer_and_refits_on_every_token(quantizer):
     """Every layer keeps the candidate of its smallest held-out error, and its transform is
     refitted on every token: block 0's layers (which see the same inputs in every recipe) equal
     the fixed-lambda recipe's at their chosen lambda, up to the order in which the fitting and
-    held-out moments are summed."""
+    held-out moments are summed.  Compared as ``T^T T`` within 1% (Frobenius): ``T``'s Hadamard
+    factor mixes the eigenvectors of the paired spectrum, which near-degenerate eigenvalues
+    leave free to turn with the last bits of the moments (one of ``o_proj``'s blocks here: its
+    ``T`` moved by 0.4% and ``T^T T`` by 0.1% on an AMD EPYC, not on an Intel Xeon), while a
+    transform fitted on half of the tokens moves ``T^T T`` by 5% or more in every layer."""
     from kbbq_pl.eval.report_files import report_markdown
 
     batches = _eight_sequences()
@@ -159,8 +163,10 @@ def test_auto_lambda_chooses_per_layer_and_refits_on_every_token(quantizer):
         theirs = quantized_linears(fixed)
         for row in report.layers:
             if row.lam == lam and ".layers.0." in row.name:
-                torch.testing.assert_close(ours[row.name].transform, theirs[row.name].transform,
-                                           rtol=1e-4, atol=1e-5, msg=row.name)
+                ours_gram, theirs_gram = (t.transpose(-1, -2) @ t for t in (
+                    ours[row.name].transform, theirs[row.name].transform))
+                moved = float((ours_gram - theirs_gram).norm() / theirs_gram.norm())
+                assert moved <= 1e-2, (row.name, moved)
 
 
 def test_auto_lambda_calibrates_on_sequences_of_different_lengths():

@@ -27,7 +27,8 @@ the run goes on, and the summary says what failed or was skipped for time):
   kernel's codes (exact FMA transform and the tf32x3 product with its code mismatch rate) and
   its bf16 values (what the prefill path runs), per byte moved against the copy.  Target 0.8.
 * ``model``: a random-init Llama (hidden 4096, 8 layers, intermediate 14336) in bf16 and with
-  every decoder linear a ``W4A4Weight`` (random per-block transforms, dynamic scales):
+  every decoder linear a ``W4A4Weight`` (random per-block transforms; NVFP4's activation
+  scales static, calibrated on one prefill sequence, as every recipe ships them):
   weight memory, batch-1 and batch-16 greedy decoding (CUDA graphs), prefill of 4 x 2048, the
   first block's linears on the kernels against the emulation on the same GPU, and each path's
   logits against bf16's; then a ``torch.profiler`` table of one eager decode step and one
@@ -676,23 +677,47 @@ def llama(shapes: dict, device) -> nn.Module:
     return LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
 
 
-def quantize_for_kernels(model: nn.Module, fmt: str) -> nn.Module:
+def quantize_for_kernels(model: nn.Module, fmt: str, calibration: torch.Tensor) -> nn.Module:
     """Every linear of the decoder layers quantized the library's way: its weight replaced by a
     :class:`~kbbq_pl.quant.w4a4.W4A4Weight` (``Q(W T^-1)`` with one random matrix per block,
-    the cost of KBBQ's transforms, and dynamic activation scales) that computes ``F.linear`` on
-    the kernels where they run (``lm_head`` and embeddings stay bf16)."""
+    the cost of KBBQ's transforms) that computes ``F.linear`` on the kernels where they run
+    (``lm_head`` and embeddings stay bf16).  NVFP4 gets static activation scales, as every
+    recipe ships: ``amax(T x) / (448 * 6)`` of each linear's inputs over one forward of the
+    token ids ``calibration`` (MX has none)."""
     from kbbq_pl.formats import get_format
+    from kbbq_pl.formats.rounding import nvfp4_tensor_scale
     from kbbq_pl.quant.layers import w4a4_weight
+    from kbbq_pl.transforms import transform_inputs
 
-    d = get_format(fmt).block_size
+    fmt_ = get_format(fmt)
+    d = fmt_.block_size
+    linears = {}  # name -> (linear, transform)
     for index, layer in enumerate(model.model.layers):
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
                     t = kbbq_blocks(child.in_features, d, child.weight.device, seed=index)
-                    weight = w4a4_weight(child, fmt, t, act_scale="dynamic",
-                                         name=f"model.layers.{index}.{name}")
-                    child.weight = nn.Parameter(weight, requires_grad=False)
+                    linears[f"model.layers.{index}.{name}"] = (child, t)
+    amax: dict[str, torch.Tensor] = {}
+    if fmt_.global_scale:
+        def keep_amax(key, t):
+            def hook(module, args):
+                found = transform_inputs(args[0].float(), t).abs().amax()
+                amax[key] = torch.maximum(amax[key], found) if key in amax else found
+            return hook
+
+        hooks = [child.register_forward_pre_hook(keep_amax(key, t))
+                 for key, (child, t) in linears.items()]
+        with torch.no_grad():
+            model(input_ids=calibration, use_cache=False)
+        for hook in hooks:
+            hook.remove()
+    for key, (child, t) in linears.items():
+        static = key in amax
+        weight = w4a4_weight(child, fmt, t, act_scale="static" if static else "dynamic",
+                             act_global_scale=nvfp4_tensor_scale(amax[key]) if static else None,
+                             name=key)
+        child.weight = nn.Parameter(weight, requires_grad=False)
     return model
 
 
@@ -889,7 +914,7 @@ def model_section(run: Run) -> None:
             break
         model = llama(shapes, device)
         model.load_state_dict(state)
-        quantize_for_kernels(model, name)
+        quantize_for_kernels(model, name, batch[:1])
         progress(f"{name} quantized")
         if cuda:
             torch.cuda.empty_cache()

@@ -1,7 +1,7 @@
 """Bytes, FLOPs and predicted times of the W4A4 linear on Hopper, counted before a GPU run.
 
     python bench/kernel_budget.py [--copy-gbs 3000] [--bf16-tflops 697] [--gap-us 1.5]
-                                  [--sass-per-weight 4.8]
+                                  [--sass-per-weight 4.8] [--dynamic]
     python bench/kernel_budget.py --tiny     # one shape (K = N = 8192), M = 1
 
 For each shape (K = N = 8192 and the Llama-3-8B linears 4096 -> 4096, 4096 -> 6144,
@@ -45,10 +45,10 @@ DECODE_FRACTION = 0.70
 STREAM_FRACTION = 0.80
 
 
-def activation_bytes(m: int, k: int, d: int, nvfp4: bool) -> int:
+def activation_bytes(m: int, k: int, d: int, two_passes: bool) -> int:
     """The activation kernel's bytes: ``x`` read (twice for dynamic NVFP4: the amax pass and
     the rounding pass), the FP32 transform ``[K/d, d, d]`` read, the 16-bit values written."""
-    reads = 2 if nvfp4 else 1
+    reads = 2 if two_passes else 1
     return reads * 2 * m * k + 4 * k * d + 2 * m * k
 
 
@@ -67,10 +67,10 @@ def bf16_bytes(m: int, k: int, n: int) -> int:
     return 2 * n * k + 2 * m * k + 2 * m * n
 
 
-def kernels(path: str, nvfp4: bool) -> int:
+def kernels(path: str, two_passes: bool) -> int:
     """Launches of one linear: the activation kernel (two for dynamic NVFP4) and the GEMM
     (prefill: and the weight decode)."""
-    return (2 if nvfp4 else 1) + (1 if path == "decode" else 2)
+    return (2 if two_passes else 1) + (1 if path == "decode" else 2)
 
 
 def paths(m: int) -> tuple[str, ...]:
@@ -79,12 +79,13 @@ def paths(m: int) -> tuple[str, ...]:
 
 
 def predict(m: int, k: int, n: int, fmt: str, copy: float, bf16_rate: float,
-            gap: float, path: str = "decode", sass_per_weight: float = 4.8) -> dict:
+            gap: float, path: str = "decode", sass_per_weight: float = 4.8,
+            dynamic: bool = False) -> dict:
     """The figures of one row (seconds, bytes, FLOPs) as the module docstring defines them."""
     d = FORMATS[fmt]
-    nvfp4 = fmt == "nvfp4"
+    two_passes = fmt == "nvfp4" and dynamic  # the amax pass first
     flops = 2 * m * n * k
-    act = activation_bytes(m, k, d, nvfp4)
+    act = activation_bytes(m, k, d, two_passes)
     bf16 = max(bf16_bytes(m, k, n) / (BF16_GEMV_FRACTION * copy), flops / bf16_rate)
     if path == "decode":
         product = decode_gemm_bytes(m, k, n, d)
@@ -94,7 +95,8 @@ def predict(m: int, k: int, n: int, fmt: str, copy: float, bf16_rate: float,
         if m > 16:
             issue = n * k * math.ceil(m / 128) * sass_per_weight / ISSUE_RATE
             gemm = max(gemm, flops / bf16_rate, issue)
-        predicted = act / (STREAM_FRACTION * copy) + gemm + gap * (kernels(path, nvfp4) - 1)
+        predicted = (act / (STREAM_FRACTION * copy) + gemm
+                     + gap * (kernels(path, two_passes) - 1))
         decode_fraction = product / copy
     else:
         decode = weight_decode_bytes(k, n, d)
@@ -103,7 +105,7 @@ def predict(m: int, k: int, n: int, fmt: str, copy: float, bf16_rate: float,
         floor = (act + decode) / copy + max(flops / bf16_rate, operands / copy)
         predicted = ((act + decode) / (STREAM_FRACTION * copy)
                      + max(flops / bf16_rate, operands / (BF16_GEMV_FRACTION * copy))
-                     + gap * (kernels(path, nvfp4) - 1))
+                     + gap * (kernels(path, two_passes) - 1))
         decode_fraction = float("nan")
     return dict(k=k, n=n, m=m, fmt=fmt, path=path, ours_mb=ours_bytes / 1e6,
                 bf16_mb=bf16_bytes(m, k, n) / 1e6, gflop=flops / 1e9, floor_us=floor * 1e6,
@@ -123,13 +125,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sass-per-weight", type=float, default=4.8,
                         help="the decode GEMM's main-loop SASS per weight at 128-row tiles "
                              "(bench/gpu_compile.py; Triton 3.6: 4.3 NVFP4, 4.8 MXFP4)")
+    parser.add_argument("--dynamic", action="store_true",
+                        help="dynamic NVFP4 activation scales (an amax pass first); default "
+                             "static, as every recipe ships")
     parser.add_argument("--tiny", action="store_true", help="one shape (K = N = 8192), M = 1")
     args = parser.parse_args(argv)
     shapes, rows = (SHAPES[:1], ROWS[:1]) if args.tiny else (SHAPES, ROWS)
     copy, rate, gap = args.copy_gbs * 1e9, args.bf16_tflops * 1e12, args.gap_us * 1e-6
     print(f"predictions (not measurements): copy {args.copy_gbs:.0f} GB/s, bf16 "
           f"{args.bf16_tflops:.0f} TFLOP/s at M = 4096, {args.gap_us} us per kernel boundary; "
-          "per-block transforms on, dynamic NVFP4 scales\n")
+          f"per-block transforms on, {'dynamic' if args.dynamic else 'static'} NVFP4 "
+          "activation scales\n")
     header = ["K->N", "M", "format", "path", "W4A4 MB", "bf16 MB", "GFLOP", "W4A4 floor us",
               "decode GEMM floor us", "W4A4 predicted us", "bf16 predicted us",
               "x bf16 at the floor", "x bf16 predicted", "target"]
@@ -139,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
         for m in rows:
             for fmt in FORMATS:
                 for path in paths(m):
-                    r = predict(m, k, n, fmt, copy, rate, gap, path, args.sass_per_weight)
+                    r = predict(m, k, n, fmt, copy, rate, gap, path, args.sass_per_weight,
+                                args.dynamic)
                     gemm_floor = r["gemm_floor_us"]
                     cells = [f"{k}->{n}", m, fmt, path, f"{r['ours_mb']:.1f}",
                              f"{r['bf16_mb']:.1f}", f"{r['gflop']:.3g}", f"{r['floor_us']:.1f}",

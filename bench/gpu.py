@@ -341,8 +341,9 @@ def gemm_section(run: Run) -> None:
                     t_ours = seconds[scales[0] is None]
                     dynamic = t_bf16 / seconds[True] if len(scales) > 1 else float("nan")
                     path = K.choose_path(m)
-                    t_product, copy_fraction = product_only(run, K, skinny, tk, x, t, name,
-                                                            sets, preps, q.global_scale, path)
+                    if label == "none":  # the product alone does not depend on the transform
+                        t_product, copy_fraction = product_only(run, K, skinny, tk, x, t, name,
+                                                                sets, preps, q.global_scale, path)
                     ratio = t_bf16 / t_ours
                     target = TARGETS["decode_1" if m == 1 else "decode_16" if m <= 16
                                      else "prefill"]

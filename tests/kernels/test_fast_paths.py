@@ -274,6 +274,41 @@ def test_decode_gemm_many_row_tiles():
         assert gemm_error(skinny(x, q, "nvfp4", split_k=split), ref) <= 1e-5
 
 
+def test_decode_gemm_autotuned_launch_under_the_interpreter():
+    """The launch a GPU takes (the autotuner over the tiles pruned for M, its grid, the
+    partials sized for every candidate) run by the interpreter, Triton's benchmark stubbed (it
+    needs a GPU): 3 rows try only 16-row tiles, 40 rows the 32- and 64-row ones, and every
+    output is the exact product."""
+    needs_kernels()
+    import triton
+    from triton.runtime.autotuner import Autotuner
+
+    from kbbq_pl.kernels import skinny as S
+
+    tiles = [triton.Config({"BLOCK_M": rows, "BLOCK_N": 16, "BLOCK_K": 128, "PRODUCT":
+                            S.PRODUCT_DOT}, num_warps=4, num_stages=2) for rows in (16, 32, 64)]
+    tuned = triton.autotune(configs=tiles, key=S._KEY,
+                            prune_configs_by={"early_config_prune": S._prune_configs})(
+        triton.heuristics({"EVEN_K": S._even_k})(S._skinny_kernel))
+    tried = []
+
+    def bench(self, *args, config, **meta):
+        tried.append((args[9], config.kwargs["BLOCK_M"]))  # (M, tile)
+        return [float(config.kwargs["BLOCK_M"])] * 3
+
+    one_sm_per = type("Properties", (), {"multi_processor_count": 4})()
+    with mock.patch.object(Autotuner, "_bench", bench), \
+            mock.patch.object(S, "_skinny_tuned", tuned), mock.patch.object(S, "_CONFIGS", tiles), \
+            mock.patch.object(S, "INTERPRET", False), \
+            mock.patch("torch.cuda.get_device_properties", lambda device: one_sm_per):
+        S._partial_rows.cache_clear()
+        for m in (3, 40):
+            x, q = decode_operands("nvfp4", m, 48, 256, seed=m)
+            assert gemm_error(skinny(x, q, "nvfp4"), exact_product(x, q, "nvfp4")) <= 1e-5
+    S._partial_rows.cache_clear()
+    assert tried == [(40, 32), (40, 64)]  # 3 rows: one candidate, nothing to benchmark
+
+
 def test_decode_gemm_split_k_is_deterministic_and_leaves_counters_at_zero():
     needs_kernels()
     from kbbq_pl.kernels import skinny as S

@@ -208,6 +208,27 @@ def quantized(w: torch.Tensor, fmt: str):
     return F.quantize(w, fmt)
 
 
+def packed_copies(run: Run, w: torch.Tensor, fmt: str):
+    """``w`` quantized to ``fmt``, with copies of its codes and scales (the calls cycle through
+    them, so that no call finds the weights in L2) and each copy's prepared weight:
+    ``(q, [(codes, scales)], [PreparedWeight])``."""
+    from kbbq_pl import kernels as K
+
+    q = quantized(w, fmt)
+    nbytes = q.qdata.numel() + q.scale.numel()
+    sets = [(q.qdata, q.scale)] + [(q.qdata.clone(), q.scale.clone())
+                                    for _ in range(copies(run, nbytes) - 1)]
+    return q, sets, [K.prepare_weight(c, s, q.global_scale, fmt) for c, s in sets]
+
+
+def exact_product(x: torch.Tensor, t, q, fmt: str, scale=None) -> torch.Tensor:
+    """The float64 product of ``x``'s activation codes (as the kernels round them) and ``q``."""
+    from kbbq_pl import kernels as K
+
+    a = K.quantize_activations(x, t, fmt, scale)
+    return K.reference_w4a4_matmul(*a, q.qdata, q.scale, q.global_scale, fmt)
+
+
 def within_one_rounding(y: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
     """Whether every output is the exact value rounded once to bf16 (half an ulp, 2^-8 of the
     value, up to FP32 accumulation), and the worst excess over that, relative to max |ref|."""
@@ -255,8 +276,7 @@ def check_section(run: Run) -> None:
         prepared = K.prepare_weight(q.qdata, q.scale, q.global_scale, name)
         for m in run.shapes["path_m"]:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            a = K.quantize_activations(x, t, name)
-            ref = K.reference_w4a4_matmul(*a, q.qdata, q.scale, q.global_scale, name)
+            ref = exact_product(x, t, q, name)
             chosen = K.choose_path(m)
             for path, product in ([(chosen, "auto")] + [("prefill", "triton"), ("decode", "auto")]
                                   * (chosen == "prefill")):
@@ -307,17 +327,13 @@ def gemm_section(run: Run) -> None:
     device = run.device
     rows, ratios = [], {}
     for k, n, w, w_set in gemm_weights(run, "gemm", reserve=30):
-        packed = {name: quantized(w, name) for name in run.formats}
+        packed = {name: packed_copies(run, w, name) for name in run.formats}
         for m in run.shapes["gemm_m"]:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             t_bf16 = bf16_seconds(run, x, w_set)
             for name in run.formats:
                 fmt_ = get_format(name)
-                q = packed[name]
-                nbytes = q.qdata.numel() + q.scale.numel()
-                sets = [(q.qdata, q.scale)] + [(q.qdata.clone(), q.scale.clone())
-                                                for _ in range(copies(run, nbytes) - 1)]
-                preps = [K.prepare_weight(c, s, q.global_scale, name) for c, s in sets]
+                q, sets, preps = packed[name]
                 for label, t in (("none", None), ("KBBQ blocks", kbbq_blocks(k, fmt_.block_size,
                                                                              device))):
                     # NVFP4: a static activation scale (what every recipe ships: here the
@@ -333,11 +349,8 @@ def gemm_section(run: Run) -> None:
                                  for (c, s), p in zip(sets, kept)]
                         seconds[scale is None] = seconds_per_call(run, calls)
                         if len(seconds) == 1:  # the row's own variant: checked
-                            y = calls[0]()
-                            a = K.quantize_activations(x, t, name, scale)
-                            ref = K.reference_w4a4_matmul(*a, q.qdata, q.scale, q.global_scale,
-                                                          name)
-                            ok, excess = within_one_rounding(y, ref)
+                            ok, excess = within_one_rounding(calls[0](),
+                                                             exact_product(x, t, q, name, scale))
                     t_ours = seconds[scales[0] is None]
                     dynamic = t_bf16 / seconds[True] if len(scales) > 1 else float("nan")
                     path = K.choose_path(m)
@@ -546,20 +559,15 @@ def rows_section(run: Run) -> None:
 
     rows, prefill_wins = [], {}
     for k, n, w, w_set in gemm_weights(run, "rows", reserve=30, shapes="rows_shapes"):
-        packed = {name: quantized(w, name) for name in run.formats}
+        packed = {name: packed_copies(run, w, name) for name in run.formats}
         small, large = min(run.shapes["rows_m"]), max(run.shapes["rows_m"])
         for m in run.shapes["rows_m"]:
             x = torch.randn(m, k, device=run.device, dtype=torch.bfloat16)
             t_bf16 = bf16_seconds(run, x, w_set)
             for name in run.formats:
-                q = packed[name]
-                sets = [(q.qdata, q.scale)] + [
-                    (q.qdata.clone(), q.scale.clone())
-                    for _ in range(copies(run, q.qdata.numel() + q.scale.numel()) - 1)]
-                preps = [K.prepare_weight(c, s, q.global_scale, name) for c, s in sets]
+                q, sets, preps = packed[name]
                 t = kbbq_blocks(k, get_format(name).block_size, run.device)
-                a = K.quantize_activations(x, t, name)
-                ref = K.reference_w4a4_matmul(*a, q.qdata, q.scale, q.global_scale, name)
+                ref = exact_product(x, t, q, name)
                 seconds = {}
                 for path in ("decode", "tiled", "prefill"):
                     if (path == "tiled" and m > max(small, 256)) or (

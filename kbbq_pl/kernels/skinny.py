@@ -388,10 +388,9 @@ def _partial_rows(n: int, k: int, m: int, sms: int, split_k: int | None,
     if tiles is None:
         tiles = tuple((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"])
                       for c in _prune_configs(_CONFIGS, {"m_bucket": m_bucket(m)}))
-    rows = [_splits(n, k, m, sms, split_k, bm, bn, bk) * triton.cdiv(m, bm) * bm
-            for bm, bn, bk in tiles]
-    return max([r for r, (bm, bn, bk) in zip(rows, tiles)
-                if _splits(n, k, m, sms, split_k, bm, bn, bk) > 1], default=1)
+    splits = [(_splits(n, k, m, sms, split_k, bm, bn, bk), bm) for bm, bn, bk in tiles]
+    return max([split * triton.cdiv(m, bm) * bm for split, bm in splits if split > 1],
+               default=1)
 
 
 def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: int,

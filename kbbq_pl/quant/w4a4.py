@@ -17,8 +17,8 @@ Where it runs:
 * on CUDA, when the project's Triton kernels are present and run there
   (``kbbq_pl.kernels.available(device)``), through ``kbbq_pl.kernels.linear_w4a4``, which
   takes the decode path below 1,024 rows and the prefill path from there on (the weight's
-  prepared form, ``kbbq_pl.kernels.prepare_weight``, is made at its
-  first product on a device and kept with it);
+  prepared form, ``kbbq_pl.kernels.prepare_weight``, is made at its first product on a device
+  and kept with it);
 * everywhere else, and whenever a gradient must reach the input (the kernels have no backward),
   exact emulation: the padded input is upcast to FP32 and transformed there, its FP4 rounding is
   :func:`kbbq_pl.formats.fake_quantize` (straight-through under autograd), the weight is decoded

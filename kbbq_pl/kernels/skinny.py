@@ -56,7 +56,7 @@ FEW_ROWS = 16
 side); above, 32 to 128."""
 MAX_SPLITS = 16
 ROW_GROUP: tl.constexpr = tl.constexpr(8)
-"""Row tiles a column tile is taken down together (:func:`_grouped`)."""
+"""Row tiles a column tile is taken down together (``tl.swizzle2d`` in the kernel)."""
 _COUNTERS = 1 << 14
 """Output tiles a device's split-K counters cover (beyond them K is not split)."""
 
@@ -141,19 +141,6 @@ def _block_multipliers(s, shift, SCALE_KIND: tl.constexpr, VALUES: tl.constexpr)
 
 
 @triton.jit
-def _grouped(pid_n, pid_m, tiles_n, tiles_m):
-    """The (column, row) tile of the program launched at ``(pid_n, pid_m)``: consecutive
-    programs walk :data:`ROW_GROUP` row tiles down one column tile before the next column, so a
-    column tile's weights are read once for the group (and the group's activations stay in L2)
-    instead of once per row tile (Triton's matmul tutorial)."""
-    pid = pid_m * tiles_n + pid_n
-    per_group = ROW_GROUP * tiles_n
-    first_m = (pid // per_group) * ROW_GROUP
-    rows = tl.minimum(tiles_m - first_m, ROW_GROUP)
-    return (pid % per_group) // rows, first_m + (pid % per_group) % rows
-
-
-@triton.jit
 def _skinny_kernel(
     a_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, a_global_ptr, w_global_ptr, bias_ptr,
     M, N, K, shift, stride_am, stride_wn, stride_wsn, stride_om, m_bucket,
@@ -165,8 +152,11 @@ def _skinny_kernel(
     """``out [M, N] = A W^T`` for word-ordered activation values ``A [M, >=K]`` and packed weights
     ``W`` (codes ``[N, K/2]``, scale bytes ``[N, K/D]``); program (column tile, K split, row
     tile)."""
-    pid_n, pid_m = _grouped(tl.program_id(0), tl.program_id(2), tl.num_programs(0),
-                            tl.num_programs(2))
+    # consecutive programs take ROW_GROUP row tiles down one column tile before the next
+    # column, so a column tile's weights are read once per group and the group's activations
+    # stay in L2 (the grouping of Triton's matmul tutorial)
+    pid_m, pid_n = tl.swizzle2d(tl.program_id(2), tl.program_id(0), tl.num_programs(2),
+                                tl.num_programs(0), ROW_GROUP)
     pid_k = tl.program_id(1)
     splits = tl.num_programs(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

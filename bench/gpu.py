@@ -481,30 +481,40 @@ def act_section(run: Run) -> None:
                     seconds = act_seconds(run, call)
                     rate = (2 * m * k + t_read + written) / seconds
                     ratio = rate / run.copy_rate if run.copy_rate else float("nan")
-                    rows.append([name, label, scale_label, output, "fma (exact)", seconds * 1e3,
-                                 rate / 1e9, ratio, TARGETS["act"], ""])
+                    rows.append([name, label, scale_label, output, "fma chain (exact)",
+                                 seconds * 1e3, rate / 1e9, ratio, TARGETS["act"], ""])
                     best[name, label, output] = max(best.get((name, label, output), 0.0), ratio)
                     run.add("act", fmt=name, transform=label, scale=scale_label, output=output,
                             product="fma", ms=seconds * 1e3, x_copy=ratio)
-            if transform is not None and run.cuda:
+            # the other products of T x, beside the default FMA chain: Triton's FMA dot (the
+            # same chain, operands through shared memory: the default before the register
+            # chain) and three TF32 tensor-core products (not bit-identical)
+            for product, product_label in ((tk.PRODUCT_FMA_DOT, "fma dot"),
+                                           (tk.PRODUCT_TF32X3, "tf32x3")):
+                if transform is None or not run.cuda:
+                    break
                 gs = None if not fmt_.global_scale else torch.tensor(0.01, device=device)
                 exact = tk.quantize_activations(x, transform, d, kind, rounding, gain, gs)
 
-                def fast(transform=transform, gs=gs):
-                    return tk.quantize_activations(x, transform, d, kind, rounding, gain, gs,
-                                                   product=tk.PRODUCT_TF32X3)
+                # the FMA dot at the tile it ran at before (64 rows by 64 elements)
+                tile = ({"BLOCK_M": 64, "NB": 64 // d, "num_warps": 4}
+                        if product == tk.PRODUCT_FMA_DOT else None)
 
-                seconds = act_seconds(run, fast)
-                mismatch = float((fast()[0] != exact[0]).float().mean())
+                def other(transform=transform, gs=gs, product=product, tile=tile):
+                    return tk.quantize_activations(x, transform, d, kind, rounding, gain, gs,
+                                                   config=tile, product=product)
+
+                seconds = act_seconds(run, other)
+                mismatch = float((other()[0] != exact[0]).float().mean())
                 rate = (2 * m * k + t_read + m * k // 2 + m * k // d) / seconds
                 ratio = rate / run.copy_rate
                 rows.append([name, label, "static" if gs is not None else "-", "codes",
-                             "tf32x3", seconds * 1e3, rate / 1e9, ratio, TARGETS["act"],
+                             product_label, seconds * 1e3, rate / 1e9, ratio, TARGETS["act"],
                              f"{mismatch:.2g}"])
-                run.add("act", fmt=name, transform=label, output="codes", product="tf32x3",
+                run.add("act", fmt=name, transform=label, output="codes", product=product_label,
                         ms=seconds * 1e3, x_copy=ratio, code_mismatch=mismatch)
-                run.line(f"activation {name} {label} tf32x3: x copy (code mismatch rate)",
-                         f"{ratio:.3g} ({mismatch:.2g})", TARGETS["act"],
+                run.line(f"activation {name} {label} {product_label}: x copy (code mismatch "
+                         "rate)", f"{ratio:.3g} ({mismatch:.2g})", TARGETS["act"],
                          "yes" if ratio >= TARGETS["act"] else "no")
     table(f"activation kernel, {m} x {k} bf16: bytes read + written over time against the copy",
           ["format", "transform", "scale", "output", "product", "ms", "GB/s", "x copy",

@@ -174,18 +174,24 @@ def _row(kernel: str, config: str, compiled, per_thread: float, start: float) ->
 
 def act_configs(d: int, explore: bool):
     """The activation kernel's tiles for block size ``d``: the two it runs (``ACT_TILES``, and
-    ``FEW_ROWS_CONFIG`` up to 16 rows), or (``explore``) the candidates it can autotune over."""
+    ``FEW_ROWS_TILES`` up to 16 rows), or (``explore``) the candidates it can autotune over."""
     if explore:
         return tk._prune_act_configs(tk._act_configs(), {"D": d})
     return [triton.Config({k: v for k, v in tile.items() if k != "num_warps"},
                           num_warps=tile["num_warps"])
-            for tile in (tk.ACT_TILES[d], tk.FEW_ROWS_CONFIG)]
+            for tile in (tk.ACT_TILES[d], tk.FEW_ROWS_TILES[d])]
+
+
+FMA_DOT_TILES = {16: triton.Config({"BLOCK_M": 64, "NB": 4}, num_warps=4),
+                 32: triton.Config({"BLOCK_M": 64, "NB": 2}, num_warps=4)}
+"""The tile the FMA-dot product ran at before the register chain replaced it (compiled beside
+it for comparison; ``PRODUCT_FMA_DOT`` stays selectable for benchmarks)."""
 
 
 def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> list[dict]:
-    """The activation kernel with a per-block transform (FMA dot): codes, or (``values``) the
-    decoded values, fp16 / bf16 in word order for the decode GEMM and bf16 in natural order for
-    the prefill product (also without a transform)."""
+    """The activation kernel with a per-block transform (the FMA chain; the FMA dot beside it):
+    codes, or (``values``) the decoded values, fp16 / bf16 in word order for the decode GEMM
+    and bf16 in natural order for the prefill product (also without a transform)."""
     rows = []
     outputs = ([(False, False, "*bf16", True)] if not values else
                [(True, True, None, True), (True, False, "*bf16", True),
@@ -195,11 +201,15 @@ def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> l
             signature = dict(ACT_SIGNATURE)
             if out_values:
                 signature["values_ptr"] = dtype or ("*fp16" if fmt == "nvfp4" else "*bf16")
-            for config in act_configs(d, explore):
+            runs = [(config, tk.PRODUCT_FMA_CHAIN) for config in act_configs(d, explore)]
+            if has_t and not explore:
+                runs.append((FMA_DOT_TILES[d], tk.PRODUCT_FMA_DOT))
+            for config, product in runs:
                 constants = dict(D=d, SCALE_KIND=kind, ROUNDING=0, GAIN=1.0, HAS_T=has_t,
-                                 STATIC=False, AMAX_ONLY=False, PRODUCT=tk.PRODUCT_FMA_DOT,
+                                 STATIC=False, AMAX_ONLY=False, PRODUCT=product,
                                  WRITE_CODES=not out_values, WRITE_VALUES=out_values,
-                                 WORD_ORDER=word_order, **config.kwargs)
+                                 WORD_ORDER=word_order, PARTS_FIRST=tk.PARTS_FIRST,
+                                 **config.kwargs)
                 start = time.perf_counter()
                 compiled = compile_kernel(tk._quantize_activations_kernel, signature, constants,
                                           target, num_warps=config.num_warps,
@@ -209,6 +219,7 @@ def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> l
                 name = "act codes" if not out_values else (
                     "act values word-order" if word_order else "act values bf16")
                 name += "" if has_t else ", no transform"
+                name += ", fma dot" if product == tk.PRODUCT_FMA_DOT else ""
                 rows.append(_row(f"{name} {fmt}", f"BM={config.kwargs['BLOCK_M']} "
                                  f"NB={config.kwargs['NB']} w={config.num_warps}", compiled,
                                  per_thread, start))

@@ -190,7 +190,7 @@ def quantize_activations(
     ``global_scale`` fixes the NVFP4 per-tensor scale (a calibrated static scale; values beyond
     it saturate; a device tensor is read on the device, no host sync); None takes
     ``amax(T x) / (448 * 6)``.  ``config`` pins the kernel's tile (``BLOCK_M``, ``NB`` blocks
-    per program, ``num_warps``; default: ``triton_kernels.ACT_TILES``, or ``FEW_ROWS_CONFIG``
+    per program, ``num_warps``; default: ``triton_kernels.ACT_TILES``, or ``FEW_ROWS_TILES``
     up to 16 rows; ``"autotune"`` autotunes).  Non-finite inputs follow the
     ``propagate`` policy of :mod:`kbbq_pl.formats`: their block gets a NaN scale.
     """

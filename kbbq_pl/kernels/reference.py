@@ -4,12 +4,12 @@ The Triton kernels of :mod:`kbbq_pl.kernels` compute exactly these functions:
 
 * :func:`reference_transform` defines ``h = T x`` per block in FP32 as a chain of correctly
   rounded fused multiply-adds in a fixed order, ``h_i = fma(T_i,d-1 x_d-1, ... fma(T_i1 x_1,
-  fma(T_i0 x_0, +0)))``: the order in which Triton's FP32 ``tl.dot(..., input_precision="ieee")``
-  accumulates (its FMA lowering runs ``k`` upwards from the accumulator), and the kernel's
-  explicit ``tl.fma`` chain under the interpreter.  A GPU that lowered the product otherwise
-  (another Triton version) would differ in the last bit of some ``h``, and a code flips only when
-  such an ``h`` sits within that ulp of a rounding boundary;
-  ``tests/kernels/test_kernels.py`` measures the mismatch rate on the GPU.
+  fma(T_i0 x_0, +0)))``: the activation kernel's explicit ``tl.fma`` chain, the same code on GPUs
+  and under the interpreter (and the order in which Triton's FP32 ``tl.dot(...,
+  input_precision="ieee")``, kept for benchmarks, accumulates).  A product in another order
+  would differ in the last bit of some ``h``, and a code flips only when such an ``h`` sits
+  within that ulp of a rounding boundary; ``tests/kernels/test_kernels.py`` measures the
+  mismatch rate on the GPU.
 * :func:`reference_quantize_activations` rounds ``h`` with
   :func:`kbbq_pl.formats.rounding.e2m1_groups` (NVFP4 or MXFP4, every E8M0 rounding mode), under
   the ``propagate`` policy for non-finite values (a block holding NaN or Inf gets a NaN scale,

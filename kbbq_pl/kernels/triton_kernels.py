@@ -2,11 +2,8 @@
 
 Imported lazily by :mod:`kbbq_pl.kernels` (this module needs triton).  Whether the kernels run
 interpreted is fixed when this module is first imported (``TRITON_INTERPRET=1``, as Triton
-decides when ``triton.jit`` decorates), and changes three things, all on purpose:
+decides when ``triton.jit`` decorates), and changes two things, both on purpose:
 
-* the per-block transform is an explicit ``tl.fma`` chain instead of ``tl.dot(...,
-  input_precision="ieee")`` (the interpreter multiplies with numpy, in another order; the GPU's
-  FMA lowering is the same chain: see :mod:`kbbq_pl.kernels.reference`);
 * the GEMM multiplies FP32 copies of the decoded operands (the interpreter cannot multiply
   bf16: it stores bf16 as integers); the values are the same, being exact in bf16;
 * autotuning is off: one small configuration, or the one a caller pins.
@@ -20,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..formats.rounding import NVFP4_MIN_GLOBAL_SCALE, NVFP4_SCALE_DIVISOR
 from .interpret import interpreting
@@ -28,6 +26,12 @@ _PTS_DIVISOR = tl.constexpr(NVFP4_SCALE_DIVISOR)  # NVFP4's per-tensor scale: am
 _MIN_PTS = tl.constexpr(NVFP4_MIN_GLOBAL_SCALE)
 
 INTERPRET = interpreting()
+PARTS_FIRST = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 7)
+"""Where the activation kernel puts a block's parts (:func:`_transformed_blocks`): Triton's
+coalescing ranks the dimensions of equal contiguity by index, ascending after the contiguous
+one in 3.6 and descending in 3.9 (the compile reports of both), so the parts go last in 3.6 and
+first in 3.9 (3.7 and 3.8 taken as 3.9, unchecked).  Either way the results are the same; only
+the speed depends on it."""
 
 # Python-side names of the integer constexprs the kernels compare against (jit code reads only
 # tl.constexpr globals, so the kernels spell the numbers and name them in a comment).
@@ -161,39 +165,65 @@ def _decode_tile(packed, scales, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, D: t
 
 
 @triton.jit
-def _transformed_blocks(x_ptr, t_ptr, rows, row_mask, blocks, block_mask, stride_xm,
+def _transformed_blocks(x_ptr, t_ptr, rows, row_mask, blocks, block_mask, n_blocks, stride_xm,
                         D: tl.constexpr, NB: tl.constexpr, BLOCK_M: tl.constexpr,
-                        HAS_T: tl.constexpr, PRODUCT: tl.constexpr):
+                        HAS_T: tl.constexpr, PRODUCT: tl.constexpr, PARTS_FIRST: tl.constexpr):
     """``h = T_b x_b`` in FP32 for ``NB`` blocks of ``BLOCK_M`` rows: ``[NB, BLOCK_M, D]``.
 
-    ``PRODUCT``: ``PRODUCT_FMA_CHAIN`` (the interpreter's explicit chain), ``PRODUCT_FMA_DOT``
-    (the same chain as Triton's FP32 FMA dot on GPUs) or ``PRODUCT_TF32X3`` (tensor cores, three
-    TF32 products: faster, not bit-identical; for benchmarks only)."""
-    offs_d = tl.arange(0, D)
-    base = x_ptr + rows[None, :, None] * stride_xm + blocks[:, None, None] * D
-    mask = block_mask[:, None, None] & row_mask[None, :, None]
-    if not HAS_T:
-        return tl.load(base + offs_d[None, None, :], mask=mask, other=0.0).to(tl.float32)
-    t_base = t_ptr + blocks[:, None, None] * (D * D)
-    t_mask = block_mask[:, None, None]
-    if PRODUCT == 0:  # PRODUCT_FMA_CHAIN
-        acc = tl.zeros([NB, BLOCK_M, D], tl.float32)
-        for j in tl.static_range(D):
-            xj = tl.load(base + j, mask=mask, other=0.0).to(tl.float32)  # x[:, j]
-            tj = tl.load(t_base + offs_d[None, None, :] * D + j, mask=t_mask, other=0.0)  # T[:, j]
-            acc = tl.fma(tl.broadcast_to(xj, [NB, BLOCK_M, D]),
-                         tl.broadcast_to(tj, [NB, BLOCK_M, D]), acc)
-        return acc
-    else:
-        x = tl.load(base + offs_d[None, None, :], mask=mask, other=0.0).to(tl.float32)
-        # t_t[b, j, i] = T[b, i, j]
-        t_t = tl.load(t_base + offs_d[None, :, None] + offs_d[None, None, :] * D, mask=t_mask,
-                      other=0.0)
+    ``t_ptr`` holds each block's transform transposed, ``t[b, j, i] = T_b[i, j]``
+    (:func:`transform_columns`).  A row's block is loaded as ``D / 4`` parts of 4 elements, the
+    parts on the dimension to which Triton's coalescing gives lanes last (:data:`PARTS_FIRST`),
+    so that one thread holds the whole block: the chain, the block's amax and its scale then
+    stay in the thread (a ``[.., D]`` load would share each block between two or four threads,
+    16 bytes each).
+
+    ``PRODUCT``: ``PRODUCT_FMA_CHAIN`` (the default, on GPUs and under the interpreter): for
+    ``j`` in increasing order, ``h = fma(x_j, T[:, j], h)``, the order of
+    :func:`kbbq_pl.kernels.reference.reference_transform`, ``x_j`` picked from the thread's
+    registers and column ``j`` of ``T`` loaded once for all the thread's rows of the block;
+    ``PRODUCT_FMA_DOT`` (Triton's FP32 FMA dot: the same chain, operands staged in shared
+    memory) and ``PRODUCT_TF32X3`` (tensor cores, three TF32 products: faster, not
+    bit-identical) are kept for benchmarks."""
+    if PARTS_FIRST:  # [D/4, NB, BLOCK_M, 4]
+        part = tl.arange(0, D // 4)[:, None, None, None] * 4 + tl.arange(0, 4)[None, None, None, :]
+        at = rows[None, None, :, None] * stride_xm + blocks[None, :, None, None] * D + part
+        mask = block_mask[None, :, None, None] & row_mask[None, None, :, None]
+    else:  # [NB, BLOCK_M, D/4, 4]
+        part = tl.arange(0, D // 4)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :]
+        at = rows[None, :, None, None] * stride_xm + blocks[:, None, None, None] * D + part
+        mask = block_mask[:, None, None, None] & row_mask[None, :, None, None]
+    x = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    if HAS_T:
+        t_blocks = tl.minimum(blocks, n_blocks - 1)  # in bounds: a masked block's x is 0
+        if PRODUCT == 0:  # PRODUCT_FMA_CHAIN
+            bits = x.to(tl.int32, bitcast=True)
+            # column 0 of T, the same for every row, loaded in x's shape (hence x's layout)
+            if PARTS_FIRST:
+                t_col = (t_ptr + t_blocks[None, :, None, None] * (D * D)
+                         + rows[None, None, :, None] * 0 + part)
+            else:
+                t_col = (t_ptr + t_blocks[:, None, None, None] * (D * D)
+                         + rows[None, :, None, None] * 0 + part)
+            x = tl.zeros(x.shape, tl.float32)  # the accumulator from here on
+            for j in tl.static_range(D):
+                # x[..., j]: a sum of one element and zeros within a thread, which compiles
+                # away; broadcast back over the block
+                xj = tl.sum(tl.sum(tl.where(part == j, bits, 0), axis=3, keep_dims=True),
+                            axis=0 if PARTS_FIRST else 2, keep_dims=True)
+                x = tl.fma(xj.to(tl.float32, bitcast=True), tl.load(t_col + j * D), x)
+    if PARTS_FIRST:
+        x = tl.permute(x, (1, 2, 0, 3))
+    h = tl.reshape(x, [NB, BLOCK_M, D])
+    if HAS_T and PRODUCT != 0:
+        offs_d = tl.arange(0, D)
+        t_t = tl.load(t_ptr + tl.minimum(blocks, n_blocks - 1)[:, None, None] * (D * D)
+                      + offs_d[None, :, None] * D + offs_d[None, None, :])  # [NB, j, i]
         acc = tl.zeros([NB, BLOCK_M, D], tl.float32)
         if PRODUCT == 1:  # PRODUCT_FMA_DOT
-            return tl.dot(x, t_t, acc, input_precision="ieee")
+            h = tl.dot(h, t_t, acc, input_precision="ieee")
         else:
-            return tl.dot(x, t_t, acc, input_precision="tf32x3")
+            h = tl.dot(h, t_t, acc, input_precision="tf32x3")
+    return h
 
 
 @triton.jit
@@ -204,7 +234,7 @@ def _quantize_activations_kernel(
     HAS_T: tl.constexpr, STATIC: tl.constexpr, AMAX_ONLY: tl.constexpr,
     PRODUCT: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
     WRITE_CODES: tl.constexpr = True, WRITE_VALUES: tl.constexpr = False,
-    WORD_ORDER: tl.constexpr = False,
+    WORD_ORDER: tl.constexpr = False, PARTS_FIRST: tl.constexpr = False,
 ):
     """One tile of ``BLOCK_M`` rows by ``NB`` blocks: transform, block amax, scales, E2M1 codes,
     packing.  ``AMAX_ONLY`` (the first pass of dynamic NVFP4) only folds the amax of ``T x``
@@ -220,8 +250,8 @@ def _quantize_activations_kernel(
     blocks = pid_b * NB + tl.arange(0, NB)
     row_mask = rows < M
     block_mask = blocks < n_blocks
-    h = _transformed_blocks(x_ptr, t_ptr, rows, row_mask, blocks, block_mask, stride_xm,
-                            D, NB, BLOCK_M, HAS_T, PRODUCT)
+    h = _transformed_blocks(x_ptr, t_ptr, rows, row_mask, blocks, block_mask, n_blocks,
+                            stride_xm, D, NB, BLOCK_M, HAS_T, PRODUCT, PARTS_FIRST)
     if WRITE_CODES or AMAX_ONLY:  # non-finite elements count as zeros (codes and amax)
         finite = tl.abs(h) < float("inf")
         h = tl.where(finite, h, 0.0)
@@ -279,22 +309,26 @@ def _quantize_activations_kernel(
 
 
 def _act_configs():
-    """Tiles of ``BLOCK_M`` rows by ``NB`` blocks that fit in registers on sm_90 (at most 64
-    elements per thread, pruned per block size below), autotuned only on request
-    (``config="autotune"``): each costs a compile in a GPU session, for a memory-bound kernel
-    whose tile :data:`ACT_TILES` picks by the compile report."""
+    """Tiles of ``BLOCK_M`` rows by ``NB`` blocks (at most 64 elements per thread, pruned per
+    block size below), autotuned only on request (``config="autotune"``): each costs a
+    compile in a GPU session, for a memory-bound kernel whose tile :data:`ACT_TILES` picks by
+    the compile report."""
     return [triton.Config({"BLOCK_M": block_m, "NB": nb}, num_warps=warps)
-            for block_m, nb, warps in ((64, 4, 4), (128, 4, 8), (128, 2, 8), (32, 2, 4))]
+            for block_m, nb, warps in ((256, 1, 4), (128, 1, 4), (512, 1, 8), (64, 2, 4))]
 
 
-ACT_TILES = {16: {"BLOCK_M": 64, "NB": 4, "num_warps": 4},
-             32: {"BLOCK_M": 64, "NB": 2, "num_warps": 4}}
-"""The activation kernel's tile per block size: of ``bench/gpu_compile.py --kernels
-act,act_values``'s, the fewest SASS per element without spills (64 elements per thread)."""
+ACT_TILES = {16: {"BLOCK_M": 256, "NB": 1, "num_warps": 4},
+             32: {"BLOCK_M": 128, "NB": 1, "num_warps": 4}}
+"""The activation kernel's tile per block size, one block per program (every thread reads
+the same ``T``): of the tiles compiled by ``bench/gpu_compile.py``, the fewest SASS per
+element without spills in the values kernel on Triton 3.6 and 3.9 (two rows a thread for
+NVFP4; one for MX, whose two rows spill on 3.9)."""
 FEW_ROWS = 16
-"""Up to this many rows (a decode step) the activation kernel runs :data:`FEW_ROWS_CONFIG`,
-16 rows by 2 blocks, which gives ``K / 2d`` programs."""
-FEW_ROWS_CONFIG = {"BLOCK_M": 16, "NB": 2, "num_warps": 4}
+"""Up to this many rows (a decode step) the activation kernel runs :data:`FEW_ROWS_TILES`:
+16 rows of one block (NVFP4) or two (MX) per one-warp program, ``K / d`` or ``K / 2d``
+programs."""
+FEW_ROWS_TILES = {16: {"BLOCK_M": 16, "NB": 1, "num_warps": 1},
+                  32: {"BLOCK_M": 16, "NB": 2, "num_warps": 1}}
 
 
 def _prune_act_configs(configs, named_args, **kwargs):
@@ -308,11 +342,26 @@ def _prune_act_configs(configs, named_args, **kwargs):
 _quantize_activations_tuned = triton.autotune(
     configs=_act_configs(),
     key=["n_blocks", "m_bucket", "D", "HAS_T", "AMAX_ONLY", "SCALE_KIND", "PRODUCT",
-         "WRITE_CODES", "WRITE_VALUES", "WORD_ORDER"],
+         "WRITE_CODES", "WRITE_VALUES", "WORD_ORDER", "PARTS_FIRST"],
     prune_configs_by={"early_config_prune": _prune_act_configs},
 )(_quantize_activations_kernel)
 
 INTERPRETER_ACT_CONFIG = {"BLOCK_M": 16, "NB": 2}
+
+
+_COLUMNS = WeakIdKeyDictionary()
+
+
+def transform_columns(transform):
+    """``transform [K/d, d, d]`` with each block transposed (``[b, j, i] = T_b[i, j]``), as the
+    activation kernel reads it: column ``j`` of a block in 16-byte loads.  Made once per
+    transform tensor and kept while it lives (a layer's transform is transposed at its first
+    call; an in-place change of it, seen by its version counter, transposes it again)."""
+    entry = _COLUMNS.get(transform)
+    if entry is None or entry[0] != transform._version:
+        entry = _COLUMNS[transform] = (transform._version,
+                                       transform.transpose(1, 2).contiguous())
+    return entry[1]
 
 
 def _m_bucket(m: int) -> int:
@@ -332,7 +381,7 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     overrides how ``T x`` is multiplied (benchmarks: ``PRODUCT_TF32X3``).
     """
     if product is None:
-        product = PRODUCT_FMA_CHAIN if INTERPRET else PRODUCT_FMA_DOT
+        product = PRODUCT_FMA_CHAIN
     m, k = x.shape
     n_blocks = k // d
     device = x.device
@@ -350,10 +399,12 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
         values = torch.empty(m, width, dtype=values_dtype, device=device)
     meta = dict(D=d, SCALE_KIND=scale_kind, ROUNDING=rounding, GAIN=gain,
                 HAS_T=transform is not None, STATIC=static, PRODUCT=product,
-                WRITE_CODES=codes, WRITE_VALUES=values is not None, WORD_ORDER=word_order)
+                WRITE_CODES=codes, WRITE_VALUES=values is not None, WORD_ORDER=word_order,
+                PARTS_FIRST=PARTS_FIRST)
     codes_arg = codes_out if codes else dummy
     scales_arg = scales_out if codes else dummy
-    args = [x, transform if transform is not None else dummy, codes_arg, scales_arg,
+    args = [x, transform_columns(transform) if transform is not None else dummy, codes_arg,
+            scales_arg,
             global_scale if static else dummy, amax, pts if nvfp4 else dummy,
             values if values is not None else dummy,
             m, n_blocks, x.stride(0), codes_arg.stride(0) if codes else 0,
@@ -361,7 +412,7 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
             _m_bucket(m)]
 
     if config is None and not INTERPRET:
-        config = FEW_ROWS_CONFIG if m <= FEW_ROWS else ACT_TILES.get(d, FEW_ROWS_CONFIG)
+        config = (FEW_ROWS_TILES if m <= FEW_ROWS else ACT_TILES)[d]
     elif config == "autotune":
         config = None
 

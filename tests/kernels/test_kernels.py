@@ -198,6 +198,31 @@ def test_adversarial_inputs(fmt):
         assert (bits(got[1]) == (0x38 if fmt == "nvfp4" else 127)).all()
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_activation_block_parts_either_side(fmt, monkeypatch):
+    """The activation kernel puts a block's parts first or last by Triton's version
+    (``PARTS_FIRST``, a question of speed only): both give the reference's codes and values,
+    with a transform and without, across masked rows and blocks (the GPU runs one of them)."""
+    needs_kernels()
+    from kbbq_pl.kernels import triton_kernels as tk
+
+    d = block(fmt)
+    k = 5 * d  # three tiles of two blocks under the interpreter: the last one half masked
+    x = (torch.randn(20, k) * 3).to(torch.bfloat16)
+    for parts_first in (False, True):
+        monkeypatch.setattr(tk, "PARTS_FIRST", parts_first)
+        for kind in (None, "random"):
+            t = make_transform(kind, k, d, seed=3)
+            got, want = quantize_both(x, t, fmt)
+            assert_same_quantization(got, want, f"{fmt} parts first={parts_first} T={kind}")
+            values, _ = K.quantize_activation_values(x, t, fmt)
+            expected, _ = K.reference_activation_values(x, t, fmt, dtype=torch.bfloat16)
+            assert torch.equal(bits(values), bits(expected)), (fmt, parts_first, kind)
+    t.mul_(-0.5)  # in place: the kernel's transposed copy of it is made again
+    got, want = quantize_both(x, t, fmt)
+    assert_same_quantization(got, want, f"{fmt} transform changed in place")
+
+
 @pytest.mark.parametrize("product", ["PRODUCT_FMA_DOT", "PRODUCT_TF32X3"])
 def test_gpu_product_paths_run_under_the_interpreter(product):
     """The GPU's ``tl.dot`` products, interpreted by numpy (another summation order, no TF32
@@ -424,14 +449,21 @@ import gpu_compile as G
 from kbbq_pl.kernels import triton_kernels as tk
 
 target = GPUTarget("cuda", 90, 32)
-act = dict(D=16, SCALE_KIND=tk.SCALE_E4M3, ROUNDING=0, GAIN=1.0, HAS_T=True, STATIC=False,
-           AMAX_ONLY=False, PRODUCT=tk.PRODUCT_FMA_DOT, BLOCK_M=32, NB=2)
-ptx = G.compile_kernel(tk._quantize_activations_kernel, G.ACT_SIGNATURE, act, target,
-                       num_warps=4, enable_fp_fusion=True).asm["ptx"]
-per_thread = 32 * 2 * 16 // 128
-assert len(re.findall(r"fma\\.rn\\.f32", ptx)) == per_thread * 16, "transform is not an FMA chain"
-assert re.search(r"div\\.(full|approx)", ptx) is None and "div.rn.f32" in ptx
-assert ".ftz" not in ptx
+tile = dict(tk.ACT_TILES[16])
+warps = tile.pop("num_warps")
+for values in (False, True):
+    act = dict(D=16, SCALE_KIND=tk.SCALE_E4M3, ROUNDING=0, GAIN=1.0, HAS_T=True, STATIC=False,
+               AMAX_ONLY=False, PRODUCT=tk.PRODUCT_FMA_CHAIN, WRITE_CODES=not values,
+               WRITE_VALUES=values, PARTS_FIRST=tk.PARTS_FIRST, **tile)
+    compiled = G.compile_kernel(tk._quantize_activations_kernel, G.ACT_SIGNATURE, act, target,
+                                num_warps=warps, enable_fp_fusion=True)
+    ptx = compiled.asm["ptx"]
+    per_thread = tile["BLOCK_M"] * tile["NB"] * 16 // (32 * warps)
+    assert len(re.findall(r"fma\\.rn\\.f32", ptx)) == per_thread * 16, "not an FMA chain"
+    assert re.search(r"div\\.(full|approx)", ptx) is None and "div.rn.f32" in ptx
+    assert ".ftz" not in ptx
+    if values:  # what the decode and prefill paths run
+        assert G.resources(compiled.asm["cubin"])["stack"] == 0, "activation values spill"
 for small, config, mma in ((True, (16, 64, 128, 4, 5), "mma.sync"),
                            (False, (128, 128, 64, 8, 3), "wgmma.mma_async")):
     signature = dict(G.GEMM_SIGNATURE, **({{}} if small else {{"a_ptr": "*bf16"}}))
@@ -448,7 +480,7 @@ print("ok")
 
 
 def test_kernels_compile_for_hopper_without_a_gpu():
-    """The GPU code paths (FMA dot, wgmma) compile for sm_90 with the ptxas in triton's wheel:
+    """The GPU code paths (FMA chain, wgmma) compile for sm_90 with the ptxas in triton's wheel:
     the transform is a chain of FP32 FMAs (one per output and block element), divisions are
     correctly rounded, nothing flushes subnormals, the GEMMs use the tensor cores, no spills."""
     import os

@@ -489,10 +489,9 @@ def act_section(run: Run) -> None:
             # the other products of T x, beside the default FMA chain: Triton's FMA dot (the
             # same chain, operands through shared memory: the default before the register
             # chain) and three TF32 tensor-core products (not bit-identical)
-            for product, product_label in ((tk.PRODUCT_FMA_DOT, "fma dot"),
-                                           (tk.PRODUCT_TF32X3, "tf32x3")):
-                if transform is None or not run.cuda:
-                    break
+            others = (((tk.PRODUCT_FMA_DOT, "fma dot"), (tk.PRODUCT_TF32X3, "tf32x3"))
+                      if transform is not None and run.cuda else ())
+            for product, product_label in others:
                 gs = None if not fmt_.global_scale else torch.tensor(0.01, device=device)
                 exact = tk.quantize_activations(x, transform, d, kind, rounding, gain, gs)
 

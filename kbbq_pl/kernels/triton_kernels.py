@@ -186,34 +186,28 @@ def _transformed_blocks(x_ptr, t_ptr, rows, row_mask, blocks, block_mask, n_bloc
     bit-identical) are kept for benchmarks."""
     if PARTS_FIRST:  # [D/4, NB, BLOCK_M, 4]
         part = tl.arange(0, D // 4)[:, None, None, None] * 4 + tl.arange(0, 4)[None, None, None, :]
-        at = rows[None, None, :, None] * stride_xm + blocks[None, :, None, None] * D + part
+        b4, r4 = blocks[None, :, None, None], rows[None, None, :, None]
         mask = block_mask[None, :, None, None] & row_mask[None, None, :, None]
     else:  # [NB, BLOCK_M, D/4, 4]
         part = tl.arange(0, D // 4)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :]
-        at = rows[None, :, None, None] * stride_xm + blocks[:, None, None, None] * D + part
+        b4, r4 = blocks[:, None, None, None], rows[None, :, None, None]
         mask = block_mask[:, None, None, None] & row_mask[None, :, None, None]
-    x = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    if HAS_T:
-        t_blocks = tl.minimum(blocks, n_blocks - 1)  # in bounds: a masked block's x is 0
-        if PRODUCT == 0:  # PRODUCT_FMA_CHAIN
-            bits = x.to(tl.int32, bitcast=True)
-            # column 0 of T, the same for every row, loaded in x's shape (hence x's layout)
-            if PARTS_FIRST:
-                t_col = (t_ptr + t_blocks[None, :, None, None] * (D * D)
-                         + rows[None, None, :, None] * 0 + part)
-            else:
-                t_col = (t_ptr + t_blocks[:, None, None, None] * (D * D)
-                         + rows[None, :, None, None] * 0 + part)
-            x = tl.zeros(x.shape, tl.float32)  # the accumulator from here on
-            for j in tl.static_range(D):
-                # x[..., j]: a sum of one element and zeros within a thread, which compiles
-                # away; broadcast back over the block
-                xj = tl.sum(tl.sum(tl.where(part == j, bits, 0), axis=3, keep_dims=True),
-                            axis=0 if PARTS_FIRST else 2, keep_dims=True)
-                x = tl.fma(xj.to(tl.float32, bitcast=True), tl.load(t_col + j * D), x)
+    h4 = tl.load(x_ptr + r4 * stride_xm + b4 * D + part, mask=mask, other=0.0).to(tl.float32)
+    if HAS_T and PRODUCT == 0:  # PRODUCT_FMA_CHAIN
+        bits = h4.to(tl.int32, bitcast=True)
+        # column 0 of T (its block kept in bounds: a masked block's x is 0) for every row, in
+        # x's shape and hence x's layout
+        t_col = t_ptr + tl.minimum(b4, n_blocks - 1) * (D * D) + r4 * 0 + part
+        h4 = tl.zeros(h4.shape, tl.float32)
+        for j in tl.static_range(D):
+            # x[..., j]: a sum of one element and zeros within a thread, which compiles away;
+            # kept as a dimension of size 1 so that it broadcasts over the block
+            xj = tl.sum(tl.sum(tl.where(part == j, bits, 0), axis=3, keep_dims=True),
+                        axis=0 if PARTS_FIRST else 2, keep_dims=True)
+            h4 = tl.fma(xj.to(tl.float32, bitcast=True), tl.load(t_col + j * D), h4)
     if PARTS_FIRST:
-        x = tl.permute(x, (1, 2, 0, 3))
-    h = tl.reshape(x, [NB, BLOCK_M, D])
+        h4 = tl.permute(h4, (1, 2, 0, 3))
+    h = tl.reshape(h4, [NB, BLOCK_M, D])
     if HAS_T and PRODUCT != 0:
         offs_d = tl.arange(0, D)
         t_t = tl.load(t_ptr + tl.minimum(blocks, n_blocks - 1)[:, None, None] * (D * D)

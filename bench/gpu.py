@@ -19,10 +19,13 @@ the run goes on, and the summary says what failed or was skipped for time):
   K = N = 8192 and the Llama-3-8B shapes 4096 -> 4096, 4096 -> 6144, 4096 -> 14336,
   14336 -> 4096, M = 1, 16, 4096.  Targets: 2.5x at M = 1, 2.2x at M = 16, 0.95x at
   M = 4096.  Beside each: the product alone, its fraction of the copy bandwidth (packed codes,
-  scales, activations and output, each once), and whether the output is within one bf16
-  rounding of the exact product.  Timed as CUDA graphs replaying the call over enough copies
-  of the weights to overflow the L2 cache (so weights come from memory, as in a model), the
-  median of replays divided by the copies.
+  scales, activations and output, each once), whether the output is within one bf16
+  rounding of the exact product, and (M = 1 with KBBQ blocks) the ratio with the
+  decode GEMM launched after the activation kernel ends instead of as its programmatic
+  dependent (which the ``check`` section first checks gives the same bits, eagerly and in a
+  CUDA graph, else turns off for the run).  Timed as CUDA graphs replaying the call over
+  enough copies of the weights to overflow the L2 cache (so weights come from memory, as in a
+  model), the median of replays divided by the copies.
 * ``act``: a device-to-device copy of 8192 x 8192 bf16 (bytes read + written), the activation
   kernel's codes (exact FMA transform and the tf32x3 product with its code mismatch rate) and
   its bf16 values (what the prefill path runs), per byte moved against the copy.  Target 0.8.
@@ -295,6 +298,61 @@ def check_section(run: Run) -> None:
              f"{codes_ok}/{codes_all}", "all", "yes" if codes_ok == codes_all else "NO")
     run.line("every path within one bf16 rounding of the exact product",
              f"{paths_ok}/{paths_all}", "all", "yes" if paths_ok == paths_all else "NO")
+    dependent_launch_check(run)
+
+
+def dependent_launch_check(run: Run) -> None:
+    """The decode path with the GEMM launched as a programmatic dependent against without:
+    the same bits, eagerly and replayed from a CUDA graph (M = 1, 16, 64; every format, random
+    blocks).  Where it fails, the rest of the run goes on without it (noted)."""
+    from kbbq_pl import kernels as K
+    from kbbq_pl.formats import get_format
+    from kbbq_pl.kernels import skinny
+
+    if not (run.cuda and skinny.dependent_launch(run.device)):
+        run.notes.append("dependent launch: not available here (needs compute capability 9.0)")
+        return
+    k, n, same, every = run.shapes["check_k"], run.shapes["check_n"], 0, 0
+    try:
+        for name in run.formats:
+            t = kbbq_blocks(k, get_format(name).block_size, run.device, seed=3)
+            q = quantized(torch.randn(n, k, device=run.device) * 0.02, name)
+            prepared = K.prepare_weight(q.qdata, q.scale, q.global_scale, name)
+            for m in (1, 16, 64):
+                x = torch.randn(m, k, device=run.device, dtype=torch.bfloat16)
+
+                def call(x=x, t=t, q=q, name=name, prepared=prepared):
+                    return K.linear_w4a4(x, q.qdata, q.scale, q.global_scale, name, t,
+                                         prepared=prepared, path="decode")
+
+                skinny.DEPENDENT_LAUNCH = False
+                plain = call()
+                skinny.DEPENDENT_LAUNCH = True
+                eager = call()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    captured = call()
+                x.normal_()  # fresh rows, replayed both ways
+                graph.replay()
+                skinny.DEPENDENT_LAUNCH = False
+                fresh = call()
+                skinny.DEPENDENT_LAUNCH = True
+                torch.cuda.synchronize()
+                every += 2
+                same += int(torch.equal(eager, plain)) + int(torch.equal(captured, fresh))
+    except Exception as error:
+        skinny.DEPENDENT_LAUNCH = False
+        run.notes.append(f"dependent launch: FAILED ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0][:120]}); the run goes on without it")
+        run.line("decode path with dependent launch: the same bits as without", "failed",
+                 "all", "NO")
+        return
+    if same < every:
+        skinny.DEPENDENT_LAUNCH = False
+        run.notes.append("dependent launch: results differ from without; the run goes on "
+                         "without it")
+    run.line("decode path with dependent launch: the same bits as without (eager, graph)",
+             f"{same}/{every}", "all", "yes" if same == every else "NO")
 
 
 # --------------------------------------------------------------------------- GEMM
@@ -349,11 +407,20 @@ def gemm_section(run: Run) -> None:
                                  for (c, s), p in zip(sets, kept)]
                         seconds[scale is None] = seconds_per_call(run, calls)
                         if len(seconds) == 1:  # the row's own variant: checked
+                            own_calls = calls
                             ok, excess = within_one_rounding(calls[0](),
                                                              exact_product(x, t, q, name, scale))
                     t_ours = seconds[scales[0] is None]
                     dynamic = t_bf16 / seconds[True] if len(scales) > 1 else float("nan")
                     path = K.choose_path(m)
+                    independent = float("nan")
+                    if (m == 1 and label != "none"  # each costs a compile: one row a shape
+                            and skinny.dependent_launch(device)):
+                        skinny.DEPENDENT_LAUNCH = False  # the same calls, launched one by one
+                        try:
+                            independent = t_bf16 / seconds_per_call(run, own_calls)
+                        finally:
+                            skinny.DEPENDENT_LAUNCH = True
                     if label == "none":  # the product alone does not depend on the transform
                         t_product, copy_fraction = product_only(run, K, skinny, tk, x, t, name,
                                                                 sets, preps, q.global_scale, path)
@@ -364,19 +431,22 @@ def gemm_section(run: Run) -> None:
                     if dynamic == dynamic:
                         ratios.setdefault((m, name, "dynamic scale"), []).append(dynamic)
                     rows.append([f"{k}->{n}", m, name, label, path, t_bf16 * 1e3, t_ours * 1e3,
-                                 ratio, target, dynamic, t_product * 1e3, copy_fraction,
-                                 "yes" if ok else f"NO ({excess:.2g})"])
+                                 ratio, target, dynamic, independent, t_product * 1e3,
+                                 copy_fraction, "yes" if ok else f"NO ({excess:.2g})"])
                     run.add("gemm", k=k, n=n, m=m, fmt=name, transform=label, path=path,
                             bf16_ms=t_bf16 * 1e3, ours_ms=t_ours * 1e3, speedup=ratio,
-                            target=target, dynamic_speedup=dynamic, product_ms=t_product * 1e3,
+                            target=target, dynamic_speedup=dynamic,
+                            independent_speedup=independent, product_ms=t_product * 1e3,
                             copy_fraction=copy_fraction, within_one_rounding=ok)
             print(f"  [{time.perf_counter() - run.start:.0f} s] {k}->{n} M={m} done", flush=True)
         del w_set, packed
     table("linear_w4a4 (activation kernel + product) against bf16 torch.matmul; product: the "
           "GEMM alone (decode: the decode GEMM; prefill: weight decode + product); copy: its "
-          "bytes over time against the device copy",
+          "bytes over time against the device copy; not a dependent launch: the decode path "
+          "with its GEMM launched after the activation kernel ends (M = 1, KBBQ blocks)",
           ["K->N", "M", "format", "transform", "path", "bf16 ms", "W4A4 ms", "x bf16", "target",
-           "x bf16, dynamic NVFP4", "product ms", "copy fraction", "within one rounding"], rows)
+           "x bf16, dynamic NVFP4", "x bf16, GEMM not a dependent launch", "product ms",
+           "copy fraction", "within one rounding"], rows)
     for m, key in ((1, "decode_1"), (16, "decode_16"), (4096, "prefill")):
         for name in run.formats:
             found = {label: ratios[m, name, label] for label in ("none", "KBBQ blocks",
@@ -392,6 +462,11 @@ def gemm_section(run: Run) -> None:
     fractions = [r["copy_fraction"] for r in run.rows if r.get("section") == "gemm"
                  and r["m"] == 1 and r["transform"] == "none"
                  and r["copy_fraction"] == r["copy_fraction"]]
+    gains = [r["speedup"] / r["independent_speedup"] for r in run.rows
+             if r.get("section") == "gemm" and r.get("independent_speedup", math.nan) > 0]
+    if gains:
+        run.line("decode path: time without dependent launch / with, min/median/max",
+                 spread(gains))
     if fractions:
         run.line("M=1 decode GEMM: fraction of copy bandwidth min/median/max", spread(fractions),
                  TARGETS["copy_m1"], f"{sum(f >= TARGETS['copy_m1'] for f in fractions)}/"

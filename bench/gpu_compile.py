@@ -209,7 +209,7 @@ def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> l
                                  STATIC=False, AMAX_ONLY=False, PRODUCT=product,
                                  WRITE_CODES=not out_values, WRITE_VALUES=out_values,
                                  WORD_ORDER=word_order, PARTS_FIRST=tk.PARTS_FIRST,
-                                 **config.kwargs)
+                                 LAUNCH_DEPENDENTS=word_order, **config.kwargs)
                 start = time.perf_counter()
                 compiled = compile_kernel(tk._quantize_activations_kernel, signature, constants,
                                           target, num_warps=config.num_warps,
@@ -270,7 +270,8 @@ def skinny_rows(target: GPUTarget, explore: bool = False) -> list[dict]:
         for config in [*skinny_configs(explore), *fma]:
             k = config.kwargs
             constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
-                             HAS_BIAS=True, VALUES=values, EXPLICIT_BF16=False, EVEN_K=True, **k)
+                             HAS_BIAS=True, VALUES=values, EXPLICIT_BF16=False, EVEN_K=True,
+                             DEPENDENT=True, **k)  # launched as a dependent on sm_90
             start = time.perf_counter()
             compiled = compile_kernel(skinny._skinny_kernel, signature, constants, target,
                                       num_warps=config.num_warps, num_stages=config.num_stages,

@@ -1,7 +1,7 @@
 """Bytes, FLOPs and predicted times of the W4A4 linear on Hopper, counted before a GPU run.
 
     python bench/kernel_budget.py [--copy-gbs 3000] [--bf16-tflops 697] [--gap-us 1.5]
-                                  [--sass-per-weight 4.8] [--dynamic]
+                                  [--sass-per-weight 4.8] [--dynamic] [--independent]
     python bench/kernel_budget.py --tiny     # one shape (K = N = 8192), M = 1
 
 For each shape (K = N = 8192 and the Llama-3-8B linears 4096 -> 4096, 4096 -> 6144,
@@ -15,7 +15,10 @@ written once) and the FLOPs, and from them:
   overlapped, no launch gaps): no version runs faster;
 * ``predicted``: the decode GEMM at 70% of the copy bandwidth (the issue's goal), the
   activation kernel at 80% (its goal), the weight decode at 80%, the product at the bf16 rate,
-  and ``--gap-us`` per kernel boundary inside a CUDA graph (an assumption: to be measured).
+  and ``--gap-us`` per kernel boundary inside a CUDA graph (an assumption: to be measured),
+  except between the activation kernel and the decode GEMM, which launches as its
+  programmatic dependent (already resident, prefetching its weights, when the activation
+  kernel ends; ``--independent``: a gap there too, as before 2026-11-28).
   Above 16 rows the decode GEMM takes the longest of its bytes (70%), its FLOPs (the bf16
   rate) and its main loop's instructions (``--sass-per-weight`` for every weight of every
   128-row tile, at 128 per SM clock on 132 SMs at 1.98 GHz), as if they overlapped;
@@ -73,6 +76,12 @@ def kernels(path: str, two_passes: bool) -> int:
     return (2 if two_passes else 1) + (1 if path == "decode" else 2)
 
 
+def gaps(path: str, two_passes: bool, dependent: bool) -> int:
+    """Kernel boundaries of one linear that cost a launch gap: all but the one before a
+    decode GEMM launched as a programmatic dependent."""
+    return kernels(path, two_passes) - 1 - (path == "decode" and dependent)
+
+
 def paths(m: int) -> tuple[str, ...]:
     return ("decode",) if m < 256 else ("decode", "prefill") if m < 4096 else ("prefill",
                                                                                  "decode")
@@ -80,7 +89,7 @@ def paths(m: int) -> tuple[str, ...]:
 
 def predict(m: int, k: int, n: int, fmt: str, copy: float, bf16_rate: float,
             gap: float, path: str = "decode", sass_per_weight: float = 4.8,
-            dynamic: bool = False) -> dict:
+            dynamic: bool = False, dependent: bool = True) -> dict:
     """The figures of one row (seconds, bytes, FLOPs) as the module docstring defines them."""
     d = FORMATS[fmt]
     two_passes = fmt == "nvfp4" and dynamic  # the amax pass first
@@ -96,7 +105,7 @@ def predict(m: int, k: int, n: int, fmt: str, copy: float, bf16_rate: float,
             issue = n * k * math.ceil(m / 128) * sass_per_weight / ISSUE_RATE
             gemm = max(gemm, flops / bf16_rate, issue)
         predicted = (act / (STREAM_FRACTION * copy) + gemm
-                     + gap * (kernels(path, two_passes) - 1))
+                     + gap * gaps(path, two_passes, dependent))
         decode_fraction = product / copy
     else:
         decode = weight_decode_bytes(k, n, d)
@@ -105,7 +114,7 @@ def predict(m: int, k: int, n: int, fmt: str, copy: float, bf16_rate: float,
         floor = (act + decode) / copy + max(flops / bf16_rate, operands / copy)
         predicted = ((act + decode) / (STREAM_FRACTION * copy)
                      + max(flops / bf16_rate, operands / (BF16_GEMV_FRACTION * copy))
-                     + gap * (kernels(path, two_passes) - 1))
+                     + gap * gaps(path, two_passes, dependent))
         decode_fraction = float("nan")
     return dict(k=k, n=n, m=m, fmt=fmt, path=path, ours_mb=ours_bytes / 1e6,
                 bf16_mb=bf16_bytes(m, k, n) / 1e6, gflop=flops / 1e9, floor_us=floor * 1e6,
@@ -128,12 +137,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dynamic", action="store_true",
                         help="dynamic NVFP4 activation scales (an amax pass first); default "
                              "static, as every recipe ships")
+    parser.add_argument("--independent", action="store_true",
+                        help="the decode GEMM launched after the activation kernel ends (a "
+                             "launch gap between them), not as its programmatic dependent")
     parser.add_argument("--tiny", action="store_true", help="one shape (K = N = 8192), M = 1")
     args = parser.parse_args(argv)
     shapes, rows = (SHAPES[:1], ROWS[:1]) if args.tiny else (SHAPES, ROWS)
     copy, rate, gap = args.copy_gbs * 1e9, args.bf16_tflops * 1e12, args.gap_us * 1e-6
     print(f"predictions (not measurements): copy {args.copy_gbs:.0f} GB/s, bf16 "
-          f"{args.bf16_tflops:.0f} TFLOP/s at M = 4096, {args.gap_us} us per kernel boundary; "
+          f"{args.bf16_tflops:.0f} TFLOP/s at M = 4096, {args.gap_us} us per kernel boundary"
+          f"{'' if args.independent else ' (none before a dependently launched decode GEMM)'}; "
           f"per-block transforms on, {'dynamic' if args.dynamic else 'static'} NVFP4 "
           "activation scales\n")
     header = ["K->N", "M", "format", "path", "W4A4 MB", "bf16 MB", "GFLOP", "W4A4 floor us",
@@ -146,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
             for fmt in FORMATS:
                 for path in paths(m):
                     r = predict(m, k, n, fmt, copy, rate, gap, path, args.sass_per_weight,
-                                args.dynamic)
+                                args.dynamic, not args.independent)
                     gemm_floor = r["gemm_floor_us"]
                     cells = [f"{k}->{n}", m, fmt, path, f"{r['ours_mb']:.1f}",
                              f"{r['bf16_mb']:.1f}", f"{r['gflop']:.3g}", f"{r['floor_us']:.1f}",

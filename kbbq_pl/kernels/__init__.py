@@ -375,9 +375,10 @@ def _decode_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | N
 
     fmt = prepared.fmt
     scale_kind, _, gain = _scale_meta(fmt)
-    values, pts = quantize_activation_values(x2, t, fmt, act_gs,
-                                             dtype=skinny.activation_dtype(scale_kind),
-                                             word_order=True)
+    _, _, pts, values = _activation_kernel(x2, t, fmt, act_gs, "linear_w4a4", None,
+                                           values_dtype=skinny.activation_dtype(scale_kind),
+                                           codes=False, word_order=True,
+                                           launch_dependents=skinny.dependent_launch(x2.device))
     return skinny.skinny_matmul(values, x2.shape[0], codes, scales, pts, w_global,
                                 fmt.block_size, scale_kind, gain, prepared.shift(scales), bias,
                                 out_dtype)

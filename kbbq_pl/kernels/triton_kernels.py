@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from ..formats.rounding import NVFP4_MIN_GLOBAL_SCALE, NVFP4_SCALE_DIVISOR
 from .interpret import interpreting
@@ -229,6 +230,7 @@ def _quantize_activations_kernel(
     PRODUCT: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
     WRITE_CODES: tl.constexpr = True, WRITE_VALUES: tl.constexpr = False,
     WORD_ORDER: tl.constexpr = False, PARTS_FIRST: tl.constexpr = False,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):
     """One tile of ``BLOCK_M`` rows by ``NB`` blocks: transform, block amax, scales, E2M1 codes,
     packing.  ``AMAX_ONLY`` (the first pass of dynamic NVFP4) only folds the amax of ``T x``
@@ -237,7 +239,11 @@ def _quantize_activations_kernel(
     ``WRITE_CODES`` stores the packed codes and the scale bytes; ``WRITE_VALUES`` stores the
     decoded values ``q * s`` (without the per-tensor scale; NaN in a non-finite block) in
     ``values_ptr``'s dtype, where they are exact (:mod:`kbbq_pl.kernels.exact`), in the natural
-    order or (``WORD_ORDER``) in :func:`~kbbq_pl.kernels.exact.word_order_index` order."""
+    order or (``WORD_ORDER``) in :func:`~kbbq_pl.kernels.exact.word_order_index` order.
+    ``LAUNCH_DEPENDENTS`` lets a kernel launched after it as a programmatic dependent (the
+    decode GEMM) start at once: it waits for this one's results itself."""
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -336,7 +342,7 @@ def _prune_act_configs(configs, named_args, **kwargs):
 _quantize_activations_tuned = triton.autotune(
     configs=_act_configs(),
     key=["n_blocks", "m_bucket", "D", "HAS_T", "AMAX_ONLY", "SCALE_KIND", "PRODUCT",
-         "WRITE_CODES", "WRITE_VALUES", "WORD_ORDER", "PARTS_FIRST"],
+         "WRITE_CODES", "WRITE_VALUES", "WORD_ORDER", "PARTS_FIRST", "LAUNCH_DEPENDENTS"],
     prune_configs_by={"early_config_prune": _prune_act_configs},
 )(_quantize_activations_kernel)
 
@@ -365,7 +371,7 @@ def _m_bucket(m: int) -> int:
 def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, gain: float,
                          global_scale, config: dict | None = None, product: int | None = None,
                          values_dtype: torch.dtype | None = None, codes: bool = True,
-                         word_order: bool = False):
+                         word_order: bool = False, launch_dependents: bool = False):
     """Launch the activation kernel(s); arguments already checked by :mod:`kbbq_pl.kernels`.
 
     Returns ``(codes uint8 [M, K/2], scales uint8 [M, K/d], pts fp32 [] or None, values)``:
@@ -373,6 +379,8 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     decoded values ``[M, K]`` (else None), in ``word_order`` if asked.  Dynamic NVFP4 runs
     the kernel twice (see :func:`kbbq_pl.kernels.quantize_activations`).  ``product``
     overrides how ``T x`` is multiplied (benchmarks: ``PRODUCT_TF32X3``).
+    ``launch_dependents``: the last launch lets the next kernel start early (the decode GEMM
+    launched as its programmatic dependent: :func:`kbbq_pl.kernels.skinny.dependent_launch`).
     """
     if product is None:
         product = PRODUCT_FMA_CHAIN
@@ -411,17 +419,17 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
         config = None
 
     def launch(amax_only: bool) -> None:
+        last = dict(AMAX_ONLY=amax_only, LAUNCH_DEPENDENTS=launch_dependents and not amax_only)
         if config is not None or INTERPRET:
             cfg = dict(config or INTERPRETER_ACT_CONFIG)
             warps = cfg.pop("num_warps", 4)
             grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n_blocks, cfg["NB"]))
-            _quantize_activations_kernel[grid](*args, **meta, AMAX_ONLY=amax_only, **cfg,
-                                               num_warps=warps, enable_fp_fusion=True)
+            _quantize_activations_kernel[grid](*args, **meta, **last, **cfg, num_warps=warps,
+                                               enable_fp_fusion=True)
         else:
             def grid(meta):
                 return (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n_blocks, meta["NB"]))
-            _quantize_activations_tuned[grid](*args, **meta, AMAX_ONLY=amax_only,
-                                              enable_fp_fusion=True)
+            _quantize_activations_tuned[grid](*args, **meta, **last, enable_fp_fusion=True)
 
     if nvfp4 and not static:
         launch(True)

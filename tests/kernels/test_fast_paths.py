@@ -309,6 +309,44 @@ def test_decode_gemm_autotuned_launch_under_the_interpreter():
     assert tried == [(40, 32), (40, 64)]  # 3 rows: one candidate, nothing to benchmark
 
 
+class _Launches:
+    """Stands in for a jitted kernel: records each launch's keyword arguments, runs nothing."""
+
+    def __init__(self):
+        self.kwargs: list[dict] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.kwargs.append(kwargs)
+
+
+@pytest.mark.parametrize("dependent", [False, True])
+def test_decode_path_launches_its_gemm_as_a_dependent_where_it_can(dependent):
+    """Where :func:`skinny.dependent_launch` says so (sm_90 on: not here, so it is stubbed),
+    the decode path's activation kernel lets the next kernel start (its values pass only, not
+    dynamic NVFP4's amax pass) and the decode GEMM launches as its programmatic dependent;
+    elsewhere neither.  The kernels themselves are stubbed (the interpreter runs no
+    ``griddepcontrol``): the compile test checks what the flags compile to."""
+    needs_kernels()
+    from kbbq_pl.kernels import skinny as S
+    from kbbq_pl.kernels import triton_kernels as tk
+
+    act, gemm = _Launches(), _Launches()
+    w = torch.randn(24, 64) * 0.02
+    q = F.quantize(w, "nvfp4")
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    with mock.patch.object(S, "dependent_launch", lambda device: dependent), \
+            mock.patch.object(tk, "_quantize_activations_kernel", act), \
+            mock.patch.object(S, "_skinny_kernel", gemm):
+        for act_scale in (None, 0.01):  # dynamic: an amax pass first; static
+            K.linear_w4a4(x, q.qdata, q.scale, q.global_scale, "nvfp4", None, act_scale,
+                          path="decode")
+    assert [(k["AMAX_ONLY"], k["LAUNCH_DEPENDENTS"]) for k in act.kwargs] == [
+        (True, False), (False, dependent), (False, dependent)]
+    assert [(k["DEPENDENT"], k.get("launch_pdl", False)) for k in gemm.kwargs] == [
+        (dependent, dependent)] * 2
+    assert not S.dependent_launch(CPU)
+
+
 def test_decode_gemm_split_k_is_deterministic_and_leaves_counters_at_zero():
     needs_kernels()
     from kbbq_pl.kernels import skinny as S
@@ -504,7 +542,8 @@ for (d, kind, values, a_type), (rows, cols, depth) in zip(
         ((16, 64, 256), (64, 128, 128))):  # a decode step's tile; one of more rows'
     constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
                      HAS_BIAS=True, VALUES=values, EXPLICIT_BF16=False, EVEN_K=True,
-                     BLOCK_M=rows, BLOCK_N=cols, BLOCK_K=depth, PRODUCT=S.PRODUCT_DOT)
+                     BLOCK_M=rows, BLOCK_N=cols, BLOCK_K=depth, PRODUCT=S.PRODUCT_DOT,
+                     DEPENDENT=True)  # as it launches on sm_90
     compiled = G.compile_kernel(S._skinny_kernel, dict(G.SKINNY_SIGNATURE, a_ptr=a_type),
                                 constants, target, num_warps=4, num_stages=3,
                                 enable_fp_fusion=True)
@@ -514,7 +553,25 @@ for (d, kind, values, a_type), (rows, cols, depth) in zip(
     assert found["ptx_v4"] > 0 and found["ldg128"] > 0, found
     assert float(found["per_element"]) <= 5.0, found
     assert found["div_approx"] == 0 and found["ftz"] == 0, found
+    # a dependent launch: L2 prefetches, then griddepcontrol.wait (ACQBULK) before any load,
+    # store or atomic: nothing the activation kernel writes is read before it has finished
+    ops = [op for _, op, _ in G.sass_ops(compiled.asm["cubin"])]
+    assert ops.count("ACQBULK") == 1, ops
+    before = ops[:ops.index("ACQBULK")]
+    assert any(op.startswith("CCTL") for op in before), before
+    assert not any(op.startswith(("LDG", "LDS", "LDL", "ST", "ATOM", "RED"))
+                   for op in before), before
     print(d, found["per_element"])
+# the activation kernel before it lets it launch (launch_dependents: PREEXIT in SASS)
+constants = dict(D=16, SCALE_KIND=tk.SCALE_E4M3, ROUNDING=0, GAIN=1.0, HAS_T=True, STATIC=True,
+                 AMAX_ONLY=False, PRODUCT=tk.PRODUCT_FMA_CHAIN, WRITE_CODES=False,
+                 WRITE_VALUES=True, WORD_ORDER=True, PARTS_FIRST=tk.PARTS_FIRST,
+                 LAUNCH_DEPENDENTS=True, **tk.FEW_ROWS_TILES[16])
+warps = constants.pop("num_warps")
+compiled = G.compile_kernel(tk._quantize_activations_kernel,
+                            dict(G.ACT_SIGNATURE, values_ptr="*fp16"), constants, target,
+                            num_warps=warps, enable_fp_fusion=True)
+assert [op for _, op, _ in G.sass_ops(compiled.asm["cubin"])].count("PREEXIT") == 1
 print("ok")
 """
 
@@ -523,7 +580,8 @@ def test_decode_gemm_compiles_for_hopper_without_a_gpu():
     """The decode GEMM compiled for sm_90 (its PTX multiply included), at a decode step's tile
     (NVFP4) and at a 64-row tile (MXFP4): Hopper's wgmma, 16-byte loads of the codes, no
     spills, at most 5 SASS per weight in its loop (3.3 to 4.9 seen with Triton 3.6 and 3.9),
-    every division correctly rounded."""
+    every division correctly rounded; launched as a programmatic dependent, it only prefetches
+    before it waits for the activation kernel, which lets it launch."""
     import os
     import subprocess
     import sys

@@ -27,7 +27,8 @@ the run goes on, and the summary says what failed or was skipped for time):
   enough copies of the weights to overflow the L2 cache (so weights come from memory, as in a
   model), the median of replays divided by the copies.
 * ``act``: a device-to-device copy of 8192 x 8192 bf16 (bytes read + written), the activation
-  kernel's codes (exact FMA transform and the tf32x3 product with its code mismatch rate) and
+  kernel's codes (exact FMA chain at its tile and at the other, the FMA dot, the tf32x3
+  product; each with its code mismatch rate against the chain) and
   its bf16 values (what the prefill path runs), per byte moved against the copy.  Target 0.8.
 * ``model``: a random-init Llama (hidden 4096, 8 layers, intermediate 14336) in bf16 and with
   every decoder linear a ``W4A4Weight`` (random per-block transforms; NVFP4's activation
@@ -561,18 +562,21 @@ def act_section(run: Run) -> None:
                     best[name, label, output] = max(best.get((name, label, output), 0.0), ratio)
                     run.add("act", fmt=name, transform=label, scale=scale_label, output=output,
                             product="fma", ms=seconds * 1e3, x_copy=ratio)
-            # the other products of T x, beside the default FMA chain: Triton's FMA dot (the
-            # same chain, operands through shared memory: the default before the register
-            # chain) and three TF32 tensor-core products (not bit-identical)
-            others = (((tk.PRODUCT_FMA_DOT, "fma dot"), (tk.PRODUCT_TF32X3, "tf32x3"))
-                      if transform is not None and run.cuda else ())
-            for product, product_label in others:
+            # the other products of T x, beside the default FMA chain at its tile: the chain
+            # at the other tile (one row a thread or two), Triton's FMA dot (the same chain,
+            # operands through shared memory: the default before the register chain) at the
+            # tile it ran at (64 rows by 64 elements) and three TF32 tensor-core products (not
+            # bit-identical)
+            others = [(tk.PRODUCT_FMA_CHAIN, f"fma chain {rows_}x1", {"BLOCK_M": rows_, "NB": 1,
+                                                                      "num_warps": 4})
+                      for rows_ in (128, 256) if rows_ != tk.ACT_TILES[d]["BLOCK_M"]]
+            others += [(tk.PRODUCT_FMA_DOT, "fma dot", {"BLOCK_M": 64, "NB": 64 // d,
+                                                        "num_warps": 4}),
+                       (tk.PRODUCT_TF32X3, "tf32x3", None)]
+            for product, product_label, tile in (others if transform is not None and run.cuda
+                                                 else ()):
                 gs = None if not fmt_.global_scale else torch.tensor(0.01, device=device)
                 exact = tk.quantize_activations(x, transform, d, kind, rounding, gain, gs)
-
-                # the FMA dot at the tile it ran at before (64 rows by 64 elements)
-                tile = ({"BLOCK_M": 64, "NB": 64 // d, "num_warps": 4}
-                        if product == tk.PRODUCT_FMA_DOT else None)
 
                 def other(transform=transform, gs=gs, product=product, tile=tile):
                     return tk.quantize_activations(x, transform, d, kind, rounding, gain, gs,

@@ -27,7 +27,8 @@ _PTS_DIVISOR = tl.constexpr(NVFP4_SCALE_DIVISOR)  # NVFP4's per-tensor scale: am
 _MIN_PTS = tl.constexpr(NVFP4_MIN_GLOBAL_SCALE)
 
 INTERPRET = interpreting()
-PARTS_FIRST = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 7)
+_TRITON_3_7 = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 7)
+PARTS_FIRST = _TRITON_3_7
 """Where the activation kernel puts a block's parts (:func:`_transformed_blocks`): Triton's
 coalescing ranks the dimensions of equal contiguity by index, ascending after the contiguous
 one in 3.6 and descending in 3.9 (the compile reports of both), so the parts go last in 3.6 and
@@ -318,11 +319,12 @@ def _act_configs():
 
 
 ACT_TILES = {16: {"BLOCK_M": 256, "NB": 1, "num_warps": 4},
-             32: {"BLOCK_M": 128, "NB": 1, "num_warps": 4}}
+             32: {"BLOCK_M": 128 if _TRITON_3_7 else 256, "NB": 1, "num_warps": 4}}
 """The activation kernel's tile per block size, one block per program (every thread reads
 the same ``T``): of the tiles compiled by ``bench/gpu_compile.py``, the fewest SASS per
-element without spills in the values kernel on Triton 3.6 and 3.9 (two rows a thread for
-NVFP4; one for MX, whose two rows spill on 3.9)."""
+element without spills in the values kernel: two rows a thread (each column of ``T`` loaded
+once for both), except for MX on Triton 3.7 and later, where two rows spill (3.9: 888 bytes a
+thread) and one row runs instead (on 3.6: 54 SASS an element with two rows, 60 with one)."""
 FEW_ROWS = 16
 """Up to this many rows (a decode step) the activation kernel runs :data:`FEW_ROWS_TILES`:
 16 rows of one block (NVFP4) or two (MX) per one-warp program, ``K / d`` or ``K / 2d``

@@ -33,10 +33,11 @@ decode kernels; :data:`DEPENDENT_LAUNCH`): the activation kernel lets it start a
 programs ask L2 for the first weights of their slices (weights no kernel before it writes)
 and then wait (``griddepcontrol.wait``) until the activation kernel has finished and its
 values are visible, so the launch gap and the activation kernel overlap the weights'
-stream; the results are the same bits either way.  No host synchronization, no allocation
-but the output and the partials.  The
-split-K counters are one buffer per device: decode GEMMs on two streams of one device at the
-same time would share them (run them on one stream, as a model's layers do).
+stream; the results are the same bits either way.
+
+No host synchronization, no allocation but the output and the partials.  The split-K
+counters are one buffer per device: decode GEMMs on two streams of one device at the same
+time would share them (run them on one stream, as a model's layers do).
 """
 
 from __future__ import annotations

@@ -421,17 +421,17 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
         config = None
 
     def launch(amax_only: bool) -> None:
-        last = dict(AMAX_ONLY=amax_only, LAUNCH_DEPENDENTS=launch_dependents and not amax_only)
+        passes = dict(AMAX_ONLY=amax_only, LAUNCH_DEPENDENTS=launch_dependents and not amax_only)
         if config is not None or INTERPRET:
             cfg = dict(config or INTERPRETER_ACT_CONFIG)
             warps = cfg.pop("num_warps", 4)
             grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n_blocks, cfg["NB"]))
-            _quantize_activations_kernel[grid](*args, **meta, **last, **cfg, num_warps=warps,
+            _quantize_activations_kernel[grid](*args, **meta, **passes, **cfg, num_warps=warps,
                                                enable_fp_fusion=True)
         else:
             def grid(meta):
                 return (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n_blocks, meta["NB"]))
-            _quantize_activations_tuned[grid](*args, **meta, **last, enable_fp_fusion=True)
+            _quantize_activations_tuned[grid](*args, **meta, **passes, enable_fp_fusion=True)
 
     if nvfp4 and not static:
         launch(True)

@@ -14,7 +14,9 @@ written once) and the FLOPs, and from them:
 * ``floor``: the bytes at the copy bandwidth plus the FLOPs at the bf16 matrix rate (nothing
   overlapped, no launch gaps): no version runs faster;
 * ``predicted``: the decode GEMM at 70% of the copy bandwidth (the issue's goal), the
-  activation kernel at 80% (its goal), the weight decode at 80%, the product at the bf16 rate,
+  activation kernel at 80% (its goal) or at its instructions' rate, whichever is slower
+  (``ACT_SASS`` per element, from ``bench/gpu_compile.py`` on Triton 3.6, at 128 per SM clock),
+  the weight decode at 80%, the product at the bf16 rate,
   and ``--gap-us`` per kernel boundary inside a CUDA graph (an assumption: to be measured),
   except between the activation kernel and the decode GEMM, which launches as its
   programmatic dependent (already resident, prefetching its weights, when the activation
@@ -43,6 +45,9 @@ FORMATS = {"nvfp4": 16, "mxfp4": 32}
 TARGETS = {1: 2.5, 16: 2.2, 4096: 0.95}
 ISSUE_RATE = 132 * 128 * 1.98e9
 """Thread-instructions an H100/H200 issues per second (132 SMs, 128 a clock, 1.98 GHz)."""
+ACT_SASS = {"nvfp4": 43.5, "mxfp4": 53.8}
+"""SASS per element of the activation kernel with a per-block transform, writing values
+(``bench/gpu_compile.py --kernels act_values``, Triton 3.6, sm_90: 256-row tiles)."""
 BF16_GEMV_FRACTION = 0.76
 DECODE_FRACTION = 0.70
 STREAM_FRACTION = 0.80
@@ -95,6 +100,7 @@ def predict(m: int, k: int, n: int, fmt: str, copy: float, bf16_rate: float,
     two_passes = fmt == "nvfp4" and dynamic  # the amax pass first
     flops = 2 * m * n * k
     act = activation_bytes(m, k, d, two_passes)
+    act_time = max(act / (STREAM_FRACTION * copy), m * k * ACT_SASS[fmt] / ISSUE_RATE)
     bf16 = max(bf16_bytes(m, k, n) / (BF16_GEMV_FRACTION * copy), flops / bf16_rate)
     if path == "decode":
         product = decode_gemm_bytes(m, k, n, d)
@@ -104,15 +110,14 @@ def predict(m: int, k: int, n: int, fmt: str, copy: float, bf16_rate: float,
         if m > 16:
             issue = n * k * math.ceil(m / 128) * sass_per_weight / ISSUE_RATE
             gemm = max(gemm, flops / bf16_rate, issue)
-        predicted = (act / (STREAM_FRACTION * copy) + gemm
-                     + gap * gaps(path, two_passes, dependent))
+        predicted = act_time + gemm + gap * gaps(path, two_passes, dependent)
         decode_fraction = product / copy
     else:
         decode = weight_decode_bytes(k, n, d)
         operands = 2 * m * k + 2 * n * k + 2 * m * n  # what the bf16 product reads and writes
         ours_bytes = act + decode + operands
         floor = (act + decode) / copy + max(flops / bf16_rate, operands / copy)
-        predicted = ((act + decode) / (STREAM_FRACTION * copy)
+        predicted = (act_time + decode / (STREAM_FRACTION * copy)
                      + max(flops / bf16_rate, operands / (BF16_GEMV_FRACTION * copy))
                      + gap * gaps(path, two_passes, dependent))
         decode_fraction = float("nan")

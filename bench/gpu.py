@@ -508,7 +508,7 @@ def product_only(run, K, skinny, tk, x, t, name, sets, preps, w_global,
             w = K.decode_weight(c, s, name)
             alpha = p.alpha(static=False)
             if alpha is not None:
-                return torch.addmm(a.new_zeros(()), a, w.T, beta=0, alpha=alpha)
+                return torch.addmm(a.new_empty(()), a, w.T, beta=0, alpha=alpha)
             return tk.decoded_matmul(a, w, pts, w_global, kind, gain, None,
                                      torch.bfloat16)
 

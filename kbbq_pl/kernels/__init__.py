@@ -402,7 +402,7 @@ def _prefill_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | 
     if alpha is not None and out_dtype == torch.bfloat16:
         # cuBLAS scales the FP32 sum, adds the bias and rounds once
         if bias is None:
-            return torch.addmm(a.new_zeros(()), a, w.T, beta=0, alpha=alpha)
+            return torch.addmm(a.new_empty(()), a, w.T, beta=0, alpha=alpha)  # input unread
         return torch.addmm(bias.to(a.dtype), a, w.T, alpha=alpha)
     # scales only on the device (or another output dtype): the FP32 product, then one rounding
     acc = _fp32_product(a, w)

@@ -390,10 +390,17 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     n_blocks = k // d
     device = x.device
     nvfp4 = scale_kind == SCALE_E4M3
-    # written by the kernel's first program; an empty input keeps 1 (as formats.quantize does)
-    pts = torch.ones((), dtype=torch.float32, device=device) if nvfp4 else None
     static = global_scale is not None
-    amax = torch.zeros(1, dtype=torch.float32, device=device)
+    # Nothing is filled on the device unless a kernel reads it first (a fill is one more
+    # launch, one more node of a CUDA graph, per linear): the per-tensor scale is written by
+    # the kernel's first program (an empty input, no program, keeps 1, as formats.quantize
+    # does); the amax only accumulates for dynamic NVFP4, else it is an unread placeholder.
+    pts = None
+    if nvfp4:
+        pts = (torch.empty((), dtype=torch.float32, device=device) if m and n_blocks
+               else torch.ones((), dtype=torch.float32, device=device))
+    amax = (torch.zeros(1, dtype=torch.float32, device=device) if nvfp4 and not static
+            else torch.empty(1, dtype=torch.float32, device=device))
     dummy = amax
     codes_out = torch.empty(m, k // 2, dtype=torch.uint8, device=device) if codes else None
     scales_out = torch.empty(m, n_blocks, dtype=torch.uint8, device=device) if codes else None

@@ -347,6 +347,23 @@ def test_decode_path_launches_its_gemm_as_a_dependent_where_it_can(dependent):
     assert not S.dependent_launch(CPU)
 
 
+@pytest.mark.parametrize("fmt, act_scale, fills", [("nvfp4", 0.01, 0), ("mxfp4", None, 0),
+                                                   ("nvfp4", None, 1)])
+def test_activation_kernel_fills_nothing_it_does_not_read(fmt, act_scale, fills):
+    """A fill is a launch of its own (a node of a CUDA graph) per linear: the activation
+    kernel's launcher fills only the amax that dynamic NVFP4 accumulates; the per-tensor scale
+    is the kernel's to write (1 only for an empty input, which launches no program)."""
+    needs_kernels()
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    t = make_transform("random", 64, 16 if fmt == "nvfp4" else 32)
+    with mock.patch("torch.zeros", wraps=torch.zeros) as zeros, \
+            mock.patch("torch.ones", wraps=torch.ones) as ones:
+        _, pts = K.quantize_activation_values(x, t, fmt, act_scale)
+    assert zeros.call_count == fills and ones.call_count == 0
+    if act_scale is not None:  # written by the kernel, not left as allocated
+        assert float(pts) == pytest.approx(act_scale)
+
+
 def test_decode_gemm_split_k_is_deterministic_and_leaves_counters_at_zero():
     needs_kernels()
     from kbbq_pl.kernels import skinny as S

@@ -314,6 +314,7 @@ def dependent_launch_check(run: Run) -> None:
         run.notes.append("dependent launch: not available here (needs compute capability 9.0)")
         return
     k, n, same, every = run.shapes["check_k"], run.shapes["check_n"], 0, 0
+    independent = mock.patch.object(skinny, "DEPENDENT_LAUNCH", False)
     try:
         for name in run.formats:
             t = kbbq_blocks(k, get_format(name).block_size, run.device, seed=3)
@@ -326,18 +327,16 @@ def dependent_launch_check(run: Run) -> None:
                     return K.linear_w4a4(x, q.qdata, q.scale, q.global_scale, name, t,
                                          prepared=prepared, path="decode")
 
-                skinny.DEPENDENT_LAUNCH = False
-                plain = call()
-                skinny.DEPENDENT_LAUNCH = True
+                with independent:
+                    plain = call()
                 eager = call()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     captured = call()
                 x.normal_()  # fresh rows, replayed both ways
                 graph.replay()
-                skinny.DEPENDENT_LAUNCH = False
-                fresh = call()
-                skinny.DEPENDENT_LAUNCH = True
+                with independent:
+                    fresh = call()
                 torch.cuda.synchronize()
                 every += 2
                 same += int(torch.equal(eager, plain)) + int(torch.equal(captured, fresh))
@@ -417,11 +416,9 @@ def gemm_section(run: Run) -> None:
                     independent = float("nan")
                     if (m == 1 and label != "none"  # each costs a compile: one row a shape
                             and skinny.dependent_launch(device)):
-                        skinny.DEPENDENT_LAUNCH = False  # the same calls, launched one by one
-                        try:
+                        # the same calls, launched one after the other
+                        with mock.patch.object(skinny, "DEPENDENT_LAUNCH", False):
                             independent = t_bf16 / seconds_per_call(run, own_calls)
-                        finally:
-                            skinny.DEPENDENT_LAUNCH = True
                     if label == "none":  # the product alone does not depend on the transform
                         t_product, copy_fraction = product_only(run, K, skinny, tk, x, t, name,
                                                                 sets, preps, q.global_scale, path)
@@ -782,38 +779,32 @@ def quantize_for_kernels(model: nn.Module, fmt: str, calibration: torch.Tensor) 
     recipe ships: ``amax(T x) / (448 * 6)`` of each linear's inputs over one forward of the
     token ids ``calibration`` (MX has none)."""
     from kbbq_pl.formats import get_format
-    from kbbq_pl.formats.rounding import nvfp4_tensor_scale
     from kbbq_pl.quant.layers import w4a4_weight
-    from kbbq_pl.transforms import transform_inputs
+    from kbbq_pl.quant.stats import act_scales_from_amax, kept_inputs, transformed_amax
 
     fmt_ = get_format(fmt)
     d = fmt_.block_size
-    linears = {}  # name -> (linear, transform)
+    linears, transforms = {}, {}
     for index, layer in enumerate(model.model.layers):
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
-                    t = kbbq_blocks(child.in_features, d, child.weight.device, seed=index)
-                    linears[f"model.layers.{index}.{name}"] = (child, t)
-    amax: dict[str, torch.Tensor] = {}
-    if fmt_.global_scale:
-        def keep_amax(key, t):
-            def hook(module, args):
-                found = transform_inputs(args[0].float(), t).abs().amax()
-                amax[key] = torch.maximum(amax[key], found) if key in amax else found
-            return hook
-
-        hooks = [child.register_forward_pre_hook(keep_amax(key, t))
-                 for key, (child, t) in linears.items()]
-        with torch.no_grad():
+                    key = f"model.layers.{index}.{name}"
+                    linears[key] = child
+                    transforms[key] = kbbq_blocks(child.in_features, d, child.weight.device,
+                                                  seed=index)
+    scales: dict[str, torch.Tensor] = {}
+    if fmt_.global_scale:  # the pipeline's calibration of static scales
+        device = calibration.device
+        with kept_inputs(linears, model, device) as kept, torch.no_grad():
             model(input_ids=calibration, use_cache=False)
-        for hook in hooks:
-            hook.remove()
-    for key, (child, t) in linears.items():
-        static = key in amax
-        weight = w4a4_weight(child, fmt, t, act_scale="static" if static else "dynamic",
-                             act_global_scale=nvfp4_tensor_scale(amax[key]) if static else None,
-                             name=key)
+            amax = transformed_amax(kept, linears, transforms, fmt_, device)
+        scales = act_scales_from_amax(amax, lambda value: value)
+    for key, child in linears.items():
+        static = key in scales
+        weight = w4a4_weight(child, fmt, transforms[key],
+                             act_scale="static" if static else "dynamic",
+                             act_global_scale=scales.get(key), name=key)
         child.weight = nn.Parameter(weight, requires_grad=False)
     return model
 

@@ -1,7 +1,8 @@
 """W4A4 on one GPU against bf16, in one run: correctness, the GEMM paths, the activation kernel,
 peers, a whole model; a short table of every row against its target printed last.
 
-    python bench/gpu.py [--sections check,gemm,act,model,rows,peers] [--formats nvfp4,mxfp4]
+    python bench/gpu.py [--sections check,gemm,act,model,rows,peers,compiled]
+                        [--formats nvfp4,mxfp4]
                         [--budget-s 500] [--json PATH]
     python bench/gpu.py --tiny        # (or --dry-run) tiny shapes on the CPU under the interpreter
 
@@ -46,6 +47,10 @@ the run goes on, and the summary says what failed or was skipped for time):
   (``aten._weight_int4pack_mm``, group 32) and, when importable, GemLite 0.6's ``A16W4_NVFP``,
   ``A16W4_MXFP``, ``A4W4_NVFP_dynamic`` and ``A4W4_MXFP_dynamic``, at the same shapes and M,
   timed the same way.
+
+* ``compiled`` (after the peers): the model section's batch-1 decoding with every step
+  through ``torch.compile`` on both sides (a W4A4 linear is one custom operator to the
+  compiler), replayed from a CUDA graph.  Target 2.0x, as eager.
 
 ``--tiny`` runs every section's logic on tiny shapes on the CPU under Triton's interpreter
 (timings meaningless, no peers), which ``tests/kernels/test_kernels.py`` does so that this script
@@ -831,9 +836,11 @@ def weight_bytes(model: nn.Module, linears_only: bool) -> int:
     return total
 
 
-def decode_tokens_per_second(model, prompt: torch.Tensor, tokens: int, use_graphs: bool):
+def decode_tokens_per_second(model, prompt: torch.Tensor, tokens: int, use_graphs: bool,
+                             compiled: bool = False):
     """Greedy decoding of ``prompt [batch, length]``; returns (tokens/s summed over the batch,
-    how it ran)."""
+    how it ran).  ``compiled``: each step's forward through ``torch.compile`` (Inductor's
+    default mode, one shape, no graphs of its own: the step is still captured here)."""
     from transformers import StaticCache
 
     device = prompt.device
@@ -852,13 +859,15 @@ def decode_tokens_per_second(model, prompt: torch.Tensor, tokens: int, use_graph
     ids = out.logits[:, -1:].argmax(-1)
     position = torch.tensor([prompt.shape[1]], device=device)
 
+    forward = torch.compile(model, dynamic=False) if compiled else model
+
     def step():
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True,
-                       cache_position=position).logits
+        logits = forward(input_ids=ids, past_key_values=cache, use_cache=True,
+                         cache_position=position).logits
         ids.copy_(logits[:, -1:].argmax(-1))
         position.add_(1)
 
-    how = "eager"
+    how = "compiled, " if compiled else ""
     run = step
     if use_graphs:
         try:
@@ -872,10 +881,12 @@ def decode_tokens_per_second(model, prompt: torch.Tensor, tokens: int, use_graph
             with torch.cuda.graph(graph), torch.no_grad():
                 step()
             run = graph.replay
-            how = "CUDA graph"
+            how += "CUDA graph"
         except Exception as error:  # report and measure eagerly rather than not at all
             print(f"(CUDA graph capture failed: {type(error).__name__}: {error}; decoding eagerly)")
             torch.cuda.synchronize()
+    if run is step:
+        how += "eager"
     position.fill_(prompt.shape[1])
     with torch.no_grad():
         if device.type == "cuda":
@@ -955,6 +966,23 @@ def logits_to_bf16(logits: torch.Tensor, base: torch.Tensor) -> str:
     return f"{relative_difference(logits, base):.3g} (top-1 {agree:.0%})"
 
 
+def quantized_models(run: Run, section: str, state: dict, calibration: torch.Tensor):
+    """``(format, model)``: the Llama of ``state`` quantized by :func:`quantize_for_kernels`
+    to each of the run's formats in turn, while a minute of the budget is left (one at a time:
+    the caller drops each before the next)."""
+    for name in run.formats:
+        if run.left() < 60:
+            run.notes.append(f"{section}: {name} skipped for time")
+            return
+        model = llama(run.shapes, run.device)
+        model.load_state_dict(state)
+        quantize_for_kernels(model, name, calibration)
+        if run.cuda:
+            torch.cuda.empty_cache()
+        yield name, model
+        del model
+
+
 def model_section(run: Run) -> None:
     shapes, device, cuda = run.shapes, run.device, run.cuda
     start = time.perf_counter()
@@ -996,16 +1024,8 @@ def model_section(run: Run) -> None:
     progress(f"row {rows[-1]}")
     state = {k: v.clone() for k, v in reference.state_dict().items()}
     del reference
-    for name in run.formats:
-        if run.left() < 60:
-            run.notes.append(f"model: {name} skipped for time")
-            break
-        model = llama(shapes, device)
-        model.load_state_dict(state)
-        quantize_for_kernels(model, name, batch[:1])
+    for name, model in quantized_models(run, "model", state, batch[:1]):
         progress(f"{name} quantized")
-        if cuda:
-            torch.cuda.empty_cache()
         memory = weight_bytes(model, linears_only=False) / base_memory
         linears = weight_bytes(model, linears_only=True) / base_linears
         got = measure(model)
@@ -1037,14 +1057,49 @@ def model_section(run: Run) -> None:
           header, rows)
 
 
+def compiled_section(run: Run) -> None:
+    """Batch-1 greedy decoding of the model section's Llama, bf16 and W4A4, each step through
+    ``torch.compile`` (Inductor fuses the norms, rotary embedding and activations between the
+    linears; a W4A4 linear is one opaque operator, ``kbbq_pl::w4a4_linear``) and replayed from
+    a CUDA graph, as serving stacks run decoding: the ratio with the other operations compiled
+    on both sides."""
+    shapes, device = run.shapes, run.device
+    prompt = torch.randint(0, shapes["vocab"], (1, shapes["prompt"]),
+                           generator=torch.Generator().manual_seed(1)).to(device)
+    calibration = torch.randint(0, shapes["vocab"], (1, shapes["prefill"][1]),
+                                generator=torch.Generator().manual_seed(2)).to(device)
+    reference = llama(shapes, device)
+    base, how = decode_tokens_per_second(reference, prompt, shapes["decode_tokens"], run.cuda,
+                                         compiled=True)
+    rows = [["bf16", base, 1.0, how]]
+    print(f"  bf16: {base:.1f} tok/s ({how})", flush=True)
+    state = {k: v.clone() for k, v in reference.state_dict().items()}
+    del reference
+    for name, model in quantized_models(run, "compiled", state, calibration):
+        torch._dynamo.reset()
+        got, how = decode_tokens_per_second(model, prompt, shapes["decode_tokens"], run.cuda,
+                                            compiled=True)
+        ratio = got / base
+        rows.append([name, got, ratio, how])
+        print(f"  {name}: {got:.1f} tok/s ({how})", flush=True)
+        run.add("compiled", fmt=name, decode_b1_x=ratio, how=how)
+        target = TARGETS["model_decode_1"]
+        run.line(f"model {name} compiled: decode batch 1 x bf16 compiled", f"{ratio:.3g}",
+                 target, "yes" if ratio >= target else "no")
+        del model
+    table(f"whole model under torch.compile: random Llama, hidden {shapes['hidden']}, "
+          f"{shapes['layers']} layers, batch-1 decode", ["model", "tok/s", "x bf16", "run"],
+          rows)
+
+
 # --------------------------------------------------------------------------- main
 
 
 SECTIONS = {"check": (check_section, 20), "gemm": (gemm_section, 60), "act": (act_section, 20),
             "model": (model_section, 120), "rows": (rows_section, 40),
-            "peers": (peers_section, 40)}
+            "peers": (peers_section, 40), "compiled": (compiled_section, 150)}
 """Each section and the seconds of budget it needs to start; the default order puts the peers
-last, where they take what time is left."""
+and the compiled model last, where they take what time is left."""
 
 
 def commit() -> str:
@@ -1057,7 +1112,7 @@ def commit() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", default="check,gemm,act,model,rows,peers",
+    parser.add_argument("--sections", default="check,gemm,act,model,rows,peers,compiled",
                         help=f"comma-separated, of {', '.join(SECTIONS)} (run in that order)")
     parser.add_argument("--formats", default="nvfp4,mxfp4")
     parser.add_argument("--budget-s", type=float, default=500.0,

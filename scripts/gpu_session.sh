@@ -14,8 +14,9 @@
 # row the issue asks for, prints the short summary table last and leaves the full log in
 # $OUT/bench_gpu.txt, every row in $OUT/bench.json and the model section's profiler traces in
 # $OUT/trace_*.json.gz.  A failing section prints its traceback and the run goes on; a section
-# that would not fit the budget is skipped and says so (the `rows` and `peers` sections come
-# last: a second call with BENCH_ARGS="--sections rows,peers" takes what the first skipped).
+# that would not fit the budget is skipped and says so (the `rows`, `peers` and `compiled`
+# sections come last: a second call with BENCH_ARGS="--sections rows,peers,compiled" takes what
+# the first skipped).
 #
 # Measured on an H200 (2026-11-26): the 92 GPU tests need more than 250 s (the kernels' codes
 # against the CPU reference 33 to 42 s per format, the compiled roundings 6 to 11 s each);

@@ -9,7 +9,9 @@ scales, the per-tensor scale, the format, the original dtype and the unpadded la
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
+import pickle
 from collections.abc import Iterator
 from typing import Literal, NamedTuple
 
@@ -78,6 +80,18 @@ class QuantizedTensor(TorchAOBaseTensor):
     def dequantize(self, output_dtype: torch.dtype | None = None) -> Tensor:
         """The represented values in ``output_dtype`` (default: the original dtype)."""
         return dequantize(self, output_dtype)
+
+    def _stable_hash_for_caching(self) -> str:
+        """This tensor's key in ``torch.compile``'s AOTAutograd cache: what its flattening
+        keeps besides tensor data (the format and attributes, each inner tensor's dtype, shape,
+        strides and device), hashed the same in every process (torch's default for wrapper
+        subclasses, which warns that a subclass should say it)."""
+        names, metadata = self.__tensor_flatten__()
+        inner = tuple((name, t.dtype, tuple(t.shape), t.stride(), str(t.device))
+                      for name in names for t in [getattr(self, name)])
+        payload = (type(self).__qualname__, tuple(self.shape), self.requires_grad,
+                   sorted(metadata.items()), inner)
+        return hashlib.blake2b(pickle.dumps(payload), digest_size=16).hexdigest()
 
     def __repr__(self) -> str:
         return (

@@ -391,7 +391,53 @@ def _linear_arguments(args: tuple, kwargs: dict,
 @W4A4Weight.implements_torch_function([F.linear, torch.ops.aten.linear.default])
 @W4A4Weight.implements(torch.ops.aten.linear.default)
 def _linear(func, types, args, kwargs):
-    return w4a4_linear(*_linear_arguments(args, kwargs or {}, W4A4Weight))
+    x, weight, bias = _linear_arguments(args, kwargs or {}, W4A4Weight)
+    if torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad):
+        return compiled_linear(x, weight, bias)
+    return w4a4_linear(x, weight, bias)
+
+
+# ---------------------------------------------------------------------- under torch.compile
+
+
+def compiled_linear(x: Tensor, weight: W4A4Weight, bias: Tensor | None = None) -> Tensor:
+    """:func:`w4a4_linear` as one custom operator (``torch.ops.kbbq_pl.w4a4_linear``), the form
+    in which ``F.linear`` of a ``W4A4Weight`` reaches a graph that ``torch.compile`` traces.
+
+    As torchao and vLLM register their kernels: the compiler sees one opaque operator with a
+    fake implementation (the output's shape and dtype) instead of tracing the kernels' Python
+    (autotuning, prepared-weight caches, host-side checks), so a model compiles without a graph
+    break around its linears, ``mode="reduce-overhead"`` captures them in its CUDA graphs, and
+    the compiler fuses the operations between them.  The operator runs :func:`w4a4_linear`
+    eagerly on the weight's fields: the same bits as an eager call.  Without a gradient only
+    (the kernels have none; a traced emulation carries the straight-through one)."""
+    fmt = weight.fmt
+    return torch.ops.kbbq_pl.w4a4_linear(
+        x, weight.qdata, weight.scale, weight.global_scale, weight.transform,
+        weight.act_global_scale, bias, fmt.name, fmt.block_size, fmt.scale_kind,
+        fmt.global_scale, fmt.e8m0_rounding, weight.last_dim, weight.in_features,
+        weight.act_scale, weight.layer_name)
+
+
+@torch.library.custom_op(
+    "kbbq_pl::w4a4_linear", mutates_args=(),
+    schema="(Tensor x, Tensor qdata, Tensor scale, Tensor? global_scale, Tensor? transform, "
+           "Tensor? act_global_scale, Tensor? bias, str fmt_name, int block_size, "
+           "str scale_kind, bool has_global_scale, str e8m0_rounding, int last_dim, "
+           "int in_features, str act_scale, str layer_name) -> Tensor")
+def _w4a4_linear_op(x, qdata, scale, global_scale, transform, act_global_scale, bias, fmt_name,
+                    block_size, scale_kind, has_global_scale, e8m0_rounding, last_dim,
+                    in_features, act_scale, layer_name):
+    fmt = Format(fmt_name, "e2m1", "block", block_size, scale_kind, has_global_scale,
+                 e8m0_rounding)
+    weight = W4A4Weight(qdata, scale, fmt, x.dtype, last_dim, in_features, act_scale,
+                        global_scale, transform, act_global_scale, layer_name)
+    return w4a4_linear(x, weight, bias)
+
+
+@_w4a4_linear_op.register_fake
+def _w4a4_linear_fake(x, qdata, *args):
+    return x.new_empty((*x.shape[:-1], qdata.shape[0]))
 
 
 # ---------------------------------------------------------------------- the trainable weight
@@ -466,6 +512,7 @@ __all__ = [
     "MasterWeight",
     "W4A4Weight",
     "cache_decoded_weights",
+    "compiled_linear",
     "decoded_weight",
     "master_linear",
     "padded_input",

@@ -1,0 +1,141 @@
+"""``torch.compile`` over W4A4 weights: one graph (the product is one custom operator), the
+same bits as eager, the kernels reached with their prepared weight."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from test_w4a4 import FakeKernels, hadamard_linear
+from tiny_models import tiny_model
+from torch import nn
+
+from kbbq_pl.quant import FormatConfig, QuantizationConfig, quantize_model, w4a4
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+OP = "kbbq_pl.w4a4_linear"
+
+
+def graphs_of(module: nn.Module, *args) -> list[str]:
+    """The code of each ATen-level graph ``torch.compile`` makes of ``module(*args)`` (no
+    gradient; more than one means a graph break)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: list[str] = []
+
+    def forward_compiler(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(module, backend=aot_autograd(fw_compiler=forward_compiler))(*args)
+    return graphs
+
+
+class TwoLinears(nn.Module):
+    """Two W4A4 linears with an elementwise op between them (which Inductor fuses)."""
+
+    def __init__(self, fmt: str, **kwargs) -> None:
+        super().__init__()
+        self.up, _, _ = hadamard_linear(64, 96, fmt, **kwargs)
+        self.down, _, _ = hadamard_linear(96, 40, fmt, **kwargs)
+
+    def forward(self, x):
+        return self.down(nn.functional.silu(self.up(x)) * 2.0)
+
+
+@pytest.mark.parametrize("fmt, act_scale, dtype", [
+    ("nvfp4", "static", torch.bfloat16), ("nvfp4", "dynamic", torch.float32),
+    ("mxfp4", "dynamic", torch.bfloat16)])
+def test_compiled_linears_are_one_graph_with_the_eager_bits(fmt, act_scale, dtype):
+    model = TwoLinears(fmt, act_scale=act_scale, act_global_scale=torch.tensor(0.004))
+    x = torch.randn(3, 5, 64).to(dtype)
+    with torch.no_grad():
+        eager, eager_row = model(x), model(x[:1])  # a dynamic scale is each call's own
+    graphs = graphs_of(model, x)
+    assert len(graphs) == 1 and graphs[0].count(OP) == 2, graphs
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        first, second = compiled(x), compiled(x[:1])  # a second shape: a recompile, same bits
+    assert first.dtype == dtype and torch.equal(first, eager)
+    assert torch.equal(second, eager_row)
+
+
+def test_the_compile_cache_key_follows_every_field():
+    _, weight, _ = hadamard_linear(act_scale="static", act_global_scale=torch.tensor(0.02))
+    key = weight._stable_hash_for_caching()
+    assert key == weight.replace()._stable_hash_for_caching()  # the same fields
+    for changed in (weight.replace(act_scale="dynamic", act_global_scale=None),
+                    weight.replace(layer_name="other"), weight.replace(transform=None),
+                    weight.replace(scale=weight.scale.t().contiguous().t())):
+        assert changed._stable_hash_for_caching() != key
+
+
+def test_compiled_products_reach_the_kernels_with_one_prepared_weight(monkeypatch):
+    fake = FakeKernels()
+    monkeypatch.setitem(sys.modules, "kbbq_pl.kernels", fake)
+    monkeypatch.setattr(w4a4, "KERNEL_DEVICE_TYPES", ("cpu",))
+    scale = torch.tensor(0.02)
+    linear, weight, t = hadamard_linear(act_scale="static", act_global_scale=scale)
+    torch._dynamo.reset()
+    compiled = torch.compile(linear, fullgraph=True)
+    x = torch.randn(3, 5, 64)
+    with torch.no_grad():
+        y = compiled(x)
+        compiled(x)
+    assert torch.equal(y, torch.full((3, 5, 24), 7.0))
+    first, second = fake.calls
+    assert first[1] is linear.weight.qdata and first[2] is linear.weight.scale
+    assert first[4] == weight.fmt and torch.equal(first[5], t.float())
+    assert torch.equal(first[6], scale) and torch.equal(first[7], linear.bias)
+    assert first[8][0] == "prepared" and second[8] is first[8]  # prepared once, kept
+
+
+def test_a_gradient_to_the_input_compiles_through_the_emulation():
+    linear, _, _ = hadamard_linear()
+    x = torch.randn(4, 64, requires_grad=True)
+    linear(x).square().sum().backward()
+    expected = x.grad.clone()
+    x.grad = None
+    torch._dynamo.reset()
+    torch.compile(linear)(x).square().sum().backward()
+    assert torch.equal(x.grad, expected)
+
+
+def test_a_quantized_causal_lm_compiles_to_one_graph_with_the_eager_logits():
+    """Every linear of the decoder is the operator in one graph, and the graph gives the eager
+    logits bit for bit (``aot_eager``: Inductor's own fusions of the other operations, norms
+    and softmax, round differently from eager, as for any compiled model)."""
+    model = tiny_model("llama", intermediate_size=172)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    quantize_model(model, [{"input_ids": ids}], QuantizationConfig(format=FormatConfig("nvfp4")),
+                   progress=False)
+    with torch.no_grad():
+        eager = model(input_ids=ids).logits
+    graphs = graphs_of(model, ids)
+    assert len(graphs) == 1 and graphs[0].count(OP) == 2 * 7, [g.count(OP) for g in graphs]
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="aot_eager")(input_ids=ids).logits
+    assert torch.equal(compiled, eager)
+
+
+def test_compiled_linears_run_the_kernels_to_the_eager_bits(monkeypatch):
+    """The real kbbq_pl.kernels (where present), under Triton's interpreter on the CPU: the
+    decode path for a few rows, the prefill path for many, each the eager call's bits."""
+    kernels = w4a4._kernels()
+    if kernels is None or not kernels.available(torch.device("cpu")):
+        pytest.skip("kbbq_pl.kernels is absent, or does not run on the CPU (TRITON_INTERPRET=1)")
+    monkeypatch.setattr(w4a4, "KERNEL_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(kernels, "PREFILL_MIN_M", 8)
+    model = TwoLinears("nvfp4", act_scale="static", act_global_scale=torch.tensor(0.004))
+    few, many = torch.randn(1, 3, 64).bfloat16(), torch.randn(2, 6, 64).bfloat16()
+    with torch.no_grad():
+        eager = [model(few), model(many)]
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True)
+        assert all(torch.equal(compiled(x), y) for x, y in zip((few, many), eager))

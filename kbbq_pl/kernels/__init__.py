@@ -163,6 +163,9 @@ def _scale_meta(fmt: Format) -> tuple[int, int, float]:
 
 def _device_scalar(value: Tensor | float, device: torch.device, name: str) -> Tensor:
     """An FP32 0-d tensor on ``device`` (a tensor already there is used as is: no host sync)."""
+    if (isinstance(value, Tensor) and value.dim() == 0 and value.dtype == torch.float32
+            and value.device == device):
+        return value  # what the conversions below return for it, without their host time
     tensor = torch.as_tensor(value, dtype=torch.float32)
     if tensor.numel() != 1:
         raise ValueError(f"{name} must be a scalar, got shape {tuple(tensor.shape)}")

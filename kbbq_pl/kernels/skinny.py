@@ -50,6 +50,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from .exact import MX_MULTIPLIER_BIAS, NVFP4_DECODE_SHIFT, WORD_ORDER_CHUNK
+from .host import cdiv, next_power_of_2
 from .interpret import interpreting
 from .triton_kernels import SCALE_E4M3, _block_scale_values, _epilogue, _pow2
 
@@ -342,7 +343,7 @@ def m_bucket(m: int) -> int:
     """The autotuning key of ``m`` rows: 1, 16, then powers of two up to 8192."""
     if m <= 1:
         return 1
-    return FEW_ROWS if m <= FEW_ROWS else min(triton.next_power_of_2(m), 8192)
+    return FEW_ROWS if m <= FEW_ROWS else min(next_power_of_2(m), 8192)
 
 
 _CONFIGS = _configs()
@@ -370,7 +371,7 @@ def split_count(n: int, k: int, block_n: int, block_k: int, sms: int, m: int = 1
     """K splits for ``[N, K]`` weights in ``block_n``-column tiles (and ``m`` rows in
     ``block_m``-row tiles): doubled while the grid holds fewer than two programs per SM and each
     split keeps at least 512 of K (and a whole tile), at most :data:`MAX_SPLITS`."""
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    tiles = cdiv(n, block_n) * cdiv(m, block_m)
     split = 1
     while (split < MAX_SPLITS and tiles * split < 2 * sms
            and k // (2 * split) >= max(512, block_k)):
@@ -411,17 +412,17 @@ def _splits(n: int, k: int, m: int, sms: int, split_k: int | None, block_m: int,
     """The K splits of one tile shape (``split_k`` as asked, else :func:`split_count`); 1 where
     the output tiles outnumber the split-K counters."""
     split = split_k or split_count(n, k, block_n, block_k, sms, m, block_m)
-    if triton.cdiv(n, block_n) * triton.cdiv(m, block_m) > _COUNTERS:
+    if cdiv(n, block_n) * cdiv(m, block_m) > _COUNTERS:
         split = 1
-    return max(1, min(split, triton.cdiv(k, block_k)))
+    return max(1, min(split, cdiv(k, block_k)))
 
 
 def _grid(n: int, k: int, m: int, sms: int, split_k: int | None, cfg: dict
           ) -> tuple[int, int, int]:
     """(column tiles, K splits, row tiles) of a launch with the tile ``cfg``."""
-    return (triton.cdiv(n, cfg["BLOCK_N"]),
+    return (cdiv(n, cfg["BLOCK_N"]),
             _splits(n, k, m, sms, split_k, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]),
-            triton.cdiv(m, cfg["BLOCK_M"]))
+            cdiv(m, cfg["BLOCK_M"]))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -434,7 +435,7 @@ def _partial_rows(n: int, k: int, m: int, sms: int, split_k: int | None,
         tiles = tuple((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"])
                       for c in _prune_configs(_CONFIGS, {"m_bucket": m_bucket(m)}))
     splits = [(_splits(n, k, m, sms, split_k, bm, bn, bk), bm) for bm, bn, bk in tiles]
-    return max([split * triton.cdiv(m, bm) * bm for split, bm in splits if split > 1],
+    return max([split * cdiv(m, bm) * bm for split, bm in splits if split > 1],
                default=1)
 
 

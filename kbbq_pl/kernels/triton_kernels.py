@@ -21,6 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from ..formats.rounding import NVFP4_MIN_GLOBAL_SCALE, NVFP4_SCALE_DIVISOR
+from .host import cdiv, next_power_of_2
 from .interpret import interpreting
 
 _PTS_DIVISOR = tl.constexpr(NVFP4_SCALE_DIVISOR)  # NVFP4's per-tensor scale: amax / (448 * 6)
@@ -367,7 +368,7 @@ def transform_columns(transform):
 
 
 def _m_bucket(m: int) -> int:
-    return min(triton.next_power_of_2(max(m, 1)), 8192)
+    return min(next_power_of_2(max(m, 1)), 8192)
 
 
 def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, gain: float,
@@ -432,12 +433,12 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
         if config is not None or INTERPRET:
             cfg = dict(config or INTERPRETER_ACT_CONFIG)
             warps = cfg.pop("num_warps", 4)
-            grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n_blocks, cfg["NB"]))
+            grid = (cdiv(m, cfg["BLOCK_M"]), cdiv(n_blocks, cfg["NB"]))
             _quantize_activations_kernel[grid](*args, **meta, **passes, **cfg, num_warps=warps,
                                                enable_fp_fusion=True)
         else:
             def grid(meta):
-                return (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n_blocks, meta["NB"]))
+                return (cdiv(m, meta["BLOCK_M"]), cdiv(n_blocks, meta["NB"]))
             _quantize_activations_tuned[grid](*args, **meta, **passes, enable_fp_fusion=True)
 
     if nvfp4 and not static:
@@ -628,7 +629,7 @@ def _split_k(m: int, n: int, k: int, device: torch.device) -> int:
     if m > SMALL_M or INTERPRET:
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    tiles = triton.cdiv(n, 64)
+    tiles = cdiv(n, 64)
     split = 1
     while split < 8 and tiles * split < 2 * sms and k // (2 * split) >= 1024:
         split *= 2
@@ -640,7 +641,7 @@ def decode(codes, scales, d: int, scale_kind: int):
     rows, k = codes.shape[0], codes.shape[1] * 2
     out = torch.empty(rows, k, dtype=torch.bfloat16, device=codes.device)
     block_r, block_k, warps = (16, 64, 4) if INTERPRET else DECODE_TILE
-    grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
+    grid = (cdiv(rows, block_r), cdiv(k, block_k))
     _decode_kernel[grid](codes, scales, out, rows, k, codes.stride(0), scales.stride(0),
                          out.stride(0), D=d, SCALE_KIND=scale_kind, BLOCK_R=block_r,
                          BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps)
@@ -680,17 +681,17 @@ def w4a4_matmul(a_codes, a_scales, a_global, w_codes, w_scales, w_global, d: int
         cfg = dict(config or INTERPRETER_GEMM_CONFIG)
         warps = cfg.pop("num_warps", 4)
         stages = cfg.pop("num_stages", 3)
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split)
+        grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), split)
         _w4a4_kernel[grid](*args, **meta, **cfg, num_warps=warps, num_stages=stages)
     else:
         kernel = _w4a4_small if small else _w4a4_large
 
         def grid(meta):
-            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), split)
+            return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), split)
         kernel[grid](*args, **meta)
     if split > 1:
         block_m, block_n = 16, 64
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        grid = (cdiv(m, block_m), cdiv(n, block_n))
         _split_k_sum[grid](partial, *globals_, bias if bias is not None else dummy, out, m, n,
                            out.stride(0), SPLIT_K=split, GAIN2=gain * gain,
                            HAS_GLOBAL=has_global, HAS_BIAS=bias is not None,
@@ -724,10 +725,10 @@ def decoded_matmul(a_values, w_values, a_global, w_global, scale_kind: int, gain
         cfg = dict(config or INTERPRETER_GEMM_CONFIG)
         warps = cfg.pop("num_warps", 4)
         stages = cfg.pop("num_stages", 3)
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), 1)
+        grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), 1)
         _w4a4_kernel[grid](*args, **meta, **cfg, num_warps=warps, num_stages=stages)
     else:
         def grid(meta):
-            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), 1)
+            return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), 1)
         _w4a4_large[grid](*args, **meta)
     return out

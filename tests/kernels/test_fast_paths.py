@@ -466,6 +466,27 @@ def test_paths_by_rows_and_errors():
         K.linear_w4a4(x[:2], q.qdata, q.scale, q.global_scale, "nvfp4", prepared=other)
 
 
+def test_host_arithmetic_is_tritons_and_device_scalars_pass_through():
+    """The launchers' plain-Python cdiv / next_power_of_2 give Triton's integers, and a scale
+    already an FP32 0-d tensor on the device is used as it is (no conversion per call)."""
+    pytest.importorskip("triton")
+    import triton
+
+    from kbbq_pl.kernels import host
+
+    for a in range(0, 70):
+        assert host.next_power_of_2(a) == triton.next_power_of_2(a), a
+        for b in (1, 2, 3, 16, 64):
+            assert host.cdiv(a, b) == triton.cdiv(a, b), (a, b)
+    assert host.next_power_of_2(5000) == triton.next_power_of_2(5000) == 8192
+    scale = torch.tensor(0.5)
+    assert K._device_scalar(scale, scale.device, "s") is scale
+    for other in (torch.tensor([0.5]), torch.tensor(0.5, dtype=torch.float64), 0.5):
+        converted = K._device_scalar(other, torch.device("cpu"), "s")
+        assert converted is not other and converted.dtype == torch.float32
+        assert converted.shape == () and float(converted) == 0.5
+
+
 def test_w4a4_layer_dispatches_by_rows_and_keeps_its_prepared_weight():
     """A W4A4Weight on a kernel device (the CPU under the interpreter, standing in for CUDA)
     takes the decode path for a few rows and the prefill path for many, through one

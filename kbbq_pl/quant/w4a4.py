@@ -251,13 +251,15 @@ def cache_decoded_weights() -> Iterator[None]:
 
 def decoded_weight(weight: W4A4Weight) -> Tensor:
     """``Q(W T^-1)`` as a dense FP32 ``[out, K]`` tensor (cached only inside
-    :func:`cache_decoded_weights`)."""
+    :func:`cache_decoded_weights`, per codes tensor with its scales: the weights that share
+    them, as :meth:`W4A4Weight.replace` and a compiled graph's operator make, share it)."""
     if _decoded is None:
         return weight.dequantize(_F32)
-    dense = _decoded.get(weight)
-    if dense is None:
-        dense = _decoded[weight] = weight.dequantize(_F32)
-    return dense
+    entry = _decoded.get(weight.qdata)
+    if entry is None or entry[0] is not weight.scale or entry[1] is not weight.global_scale:
+        entry = _decoded[weight.qdata] = (weight.scale, weight.global_scale,
+                                          weight.dequantize(_F32))
+    return entry[2]
 
 
 def _kernels() -> ModuleType | None:

@@ -126,6 +126,10 @@ def test_decoded_weight_cache_is_opt_in():
         with cache_decoded_weights():  # nested: the same cache
             assert decoded_weight(linear.weight) is first
         assert torch.equal(linear(x), y)
+        # another weight on the same codes and scales shares the decode; other scales do not
+        assert decoded_weight(linear.weight.replace(transform=None)) is first
+        rescaled = linear.weight.replace(global_scale=linear.weight.global_scale * 2)
+        assert torch.equal(decoded_weight(rescaled), 2 * first)
     assert w4a4._decoded is None
 
 

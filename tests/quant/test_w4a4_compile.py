@@ -12,6 +12,7 @@ from tiny_models import tiny_model
 from torch import nn
 
 from kbbq_pl.quant import FormatConfig, QuantizationConfig, quantize_model, w4a4
+from kbbq_pl.quant.w4a4 import W4A4Weight
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -139,3 +140,24 @@ def test_compiled_linears_run_the_kernels_to_the_eager_bits(monkeypatch):
         torch._dynamo.reset()
         compiled = torch.compile(model, fullgraph=True)
         assert all(torch.equal(compiled(x), y) for x, y in zip((few, many), eager))
+
+
+def test_compiled_emulation_keeps_its_decoded_weights(monkeypatch):
+    """Inside ``cache_decoded_weights`` a compiled layer decodes its weight once, as an eager
+    one does, though the operator works on a weight rebuilt from the graph's tensors."""
+    linear, weight, _ = hadamard_linear()
+    decodes = []
+    real = W4A4Weight.dequantize
+
+    def counted(self, *args, **kwargs):
+        decodes.append(self.qdata)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(W4A4Weight, "dequantize", counted)
+    x = torch.randn(4, 64)
+    torch._dynamo.reset()
+    compiled = torch.compile(linear, backend="aot_eager", fullgraph=True)
+    with torch.no_grad(), w4a4.cache_decoded_weights():
+        first, second = compiled(x), compiled(x)
+    assert len(decodes) == 1 and decodes[0] is linear.weight.qdata
+    assert torch.equal(first, second) and torch.equal(first, linear(x))

@@ -192,8 +192,9 @@ class KbbqHfQuantizer(HfQuantizer):
 
     Pre-quantized checkpoints only (KBBQ calibrates: ``kbbq-pl quantize`` or
     :func:`kbbq_pl.quantize_model` make them); one device (no CPU or disk offload of
-    quantized layers); serializable with ``save_pretrained``; not trainable through
-    transformers (fine-tune with the ``KBBQ`` Lightning callback)."""
+    quantized layers); serializable with ``save_pretrained``; compileable (``generate``'s
+    compiled static-cache decoding); not trainable through transformers (fine-tune with the
+    ``KBBQ`` Lightning callback)."""
 
     requires_calibration = True
     quantization_config: KbbqHfConfig
@@ -247,6 +248,13 @@ class KbbqHfQuantizer(HfQuantizer):
     @property
     def is_trainable(self) -> bool:
         return False
+
+    @property
+    def is_compileable(self) -> bool:
+        """Whether transformers may ``torch.compile`` the model (``generate`` with a static
+        cache on a GPU, ``transformers serve --compile``): yes, each quantized linear reaches
+        the compiler as one custom operator (:func:`kbbq_pl.quant.w4a4.compiled_linear`)."""
+        return True
 
 
 __all__ = ["KbbqDeserialize", "KbbqHfConfig", "KbbqHfQuantizer", "placeholder_layer", "register"]

@@ -150,6 +150,36 @@ def test_chat_answers_a_prompt_as_generate(tiny_chat_quantized, capsys):
     assert "Loading weights" not in captured.err
 
 
+def test_compile_decodes_with_a_static_cache_and_reaches_the_server(tiny_chat_quantized, capsys,
+                                                                   monkeypatch):
+    """``--compile``: chat's answer with transformers' static cache (compiled on a GPU; on the
+    CPU the cache alone) is the same greedy answer; serve hands the flag to transformers'
+    server."""
+    expected = greedy_reply(tiny_chat_quantized, MESSAGES, 12)
+    from transformers.generation import utils as generation
+
+    caches = []
+    real = generation.GenerationMixin._prepare_cache_for_generation
+
+    def spy(self, generation_config, *args, **kwargs):
+        caches.append(generation_config.cache_implementation)
+        return real(self, generation_config, *args, **kwargs)
+
+    monkeypatch.setattr(generation.GenerationMixin, "_prepare_cache_for_generation", spy)
+    capsys.readouterr()
+    assert main(["chat", str(tiny_chat_quantized), "--prompt", MESSAGES[0]["content"],
+                 "--max-new-tokens", "12", "--device", "cpu", "--compile"]) == 0
+    assert capsys.readouterr().out == expected + "\n" and caches == ["static"]
+    pytest.importorskip("fastapi")
+    from transformers.cli import serve as hf_serve
+
+    served = {}
+    monkeypatch.setattr(hf_serve, "Serve", lambda **kwargs: served.update(kwargs))
+    assert main(["serve", str(tiny_chat_quantized), "--port", str(free_port()), "--device",
+                 "cpu", "--compile"]) == 0
+    assert served["compile"] is True and served["force_model"] == str(tiny_chat_quantized)
+
+
 def test_chat_keeps_the_conversation_from_standard_input(tiny_chat_quantized, capsys,
                                                           monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("Tell me a story.\n\nAnd then?\n/exit\nNo\n"))

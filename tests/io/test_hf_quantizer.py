@@ -263,6 +263,31 @@ def test_generate_greedy_with_and_without_kv_cache_and_sampling(tiny_chat_quanti
     assert len(text) >= 16  # text, not special tokens (the tiny model's weights are random)
 
 
+def test_generate_compiles_its_static_cache_decoding(tiny_chat_quantized, tiny_chat):
+    """transformers compiles the decode step of a kbbq folder's model (the quantizer says it
+    can: each quantized linear is one custom operator) and gets the eager tokens; on the CPU it
+    is told to (``_compile_all_devices``), with ``aot_eager`` so that the graph runs the same
+    operations as eager."""
+    from transformers.generation import CompileConfig
+
+    model, tokenizer = tiny_chat
+    assert model.hf_quantizer.is_compileable
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+    greedy = {"max_new_tokens": 8, "do_sample": False, "cache_implementation": "static"}
+    config = CompileConfig(backend="aot_eager", fullgraph=True)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            eager = model.generate(**inputs, **greedy, disable_compile=True)
+            compiled = model.generate(**inputs, **greedy, compile_config=config)
+        assert hasattr(model, "_compiled_call")  # the decode steps ran compiled
+        assert torch.equal(compiled, eager)
+    finally:
+        for name in ("_compiled_call", "_last_compile_config"):
+            model.__dict__.pop(name, None)
+
+
 def test_text_generation_pipeline_loads_the_folder(tiny_chat_quantized, tiny_chat):
     from transformers import pipeline
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-import pickle
 from collections.abc import Iterator
 from typing import Literal, NamedTuple
 
@@ -91,7 +90,7 @@ class QuantizedTensor(TorchAOBaseTensor):
                       for name in names for t in [getattr(self, name)])
         payload = (type(self).__qualname__, tuple(self.shape), self.requires_grad,
                    sorted(metadata.items()), inner)
-        return hashlib.blake2b(pickle.dumps(payload), digest_size=16).hexdigest()
+        return hashlib.blake2b(repr(payload).encode(), digest_size=16).hexdigest()
 
     def __repr__(self) -> str:
         return (

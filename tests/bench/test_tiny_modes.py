@@ -66,6 +66,10 @@ TABLES: dict[str, list[str]] = {
         rf"^kbbq-pl GPTQ\s+{NUMBER}\s+{NUMBER}\s+\d+\s+{NUMBER}$",
         rf"^kbbq-pl GPTQ-KBBQ\s+{NUMBER}\s+{NUMBER}\s+\d+\s*$",  # no error: not identity
         r"^\s+GPTQ-KBBQ / GPTQ \(kbbq-pl\)\s+wall "],
+    "host_time.py": [
+        r"^format\s+rows\s+median us\s+fastest us$",
+        *(rf"^{fmt}\s+{rows}\s+{NUMBER}\s+{NUMBER}$" for fmt in ("nvfp4", "mxfp4")
+          for rows in (1, 16))],
     "kernel_budget.py": [
         r"^\| K->N \| M \| format \| path \| W4A4 MB \| bf16 MB \| GFLOP \|",
         *(rf"^\| 8192->8192 \| 1 \| {fmt} \| decode( \| {NUMBER}){{4}} \| (?:{NUMBER}|-)"

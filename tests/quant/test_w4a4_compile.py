@@ -161,3 +161,33 @@ def test_compiled_emulation_keeps_its_decoded_weights(monkeypatch):
         first, second = compiled(x), compiled(x)
     assert len(decodes) == 1 and decodes[0] is linear.weight.qdata
     assert torch.equal(first, second) and torch.equal(first, linear(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_compiled_with_cuda_graphs_gives_the_eager_bits(fmt):
+    """On CUDA, ``mode="reduce-overhead"`` (CUDA graphs) over two chained W4A4 linears on the
+    kernels: the eager bits at a decode step's rows and at a prefill's, replayed."""
+    class Chain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, _, _ = hadamard_linear(256, 512, fmt, act_scale="static",
+                                               act_global_scale=torch.tensor(0.004))
+            self.second, _, _ = hadamard_linear(512, 128, fmt, act_scale="static",
+                                                act_global_scale=torch.tensor(0.004))
+
+        def forward(self, x):
+            return self.second(self.first(x))
+
+    model = Chain().cuda()  # the weights' fields move with them (W4A4Weight's .to)
+    for layer in (model.first, model.second):
+        layer.bias.data = layer.bias.data.bfloat16()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    for rows in (1, 16, 2048):
+        x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            eager = model(x)
+            for _ in range(3):  # warm-up, recording, replay
+                got = compiled(x).clone()
+        assert torch.equal(got, eager), (fmt, rows)

@@ -76,6 +76,17 @@ def test_the_compile_cache_key_follows_every_field():
         assert changed._stable_hash_for_caching() != key
 
 
+def test_an_exported_program_holds_the_operator_and_gives_the_eager_bits():
+    model = TwoLinears("mxfp4", act_scale="dynamic")
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        program = torch.export.export(model, (x,))
+        eager = model(x)
+        assert torch.equal(program.module()(x), eager)
+    targets = [str(node.target) for node in program.graph.nodes if node.op == "call_function"]
+    assert targets.count("kbbq_pl.w4a4_linear.default") == 2, targets
+
+
 def test_compiled_products_reach_the_kernels_with_one_prepared_weight(monkeypatch):
     fake = FakeKernels()
     monkeypatch.setitem(sys.modules, "kbbq_pl.kernels", fake)

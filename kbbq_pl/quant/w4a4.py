@@ -27,6 +27,9 @@ Where it runs:
 
 :func:`cache_decoded_weights` is the opt-in for evaluation speed: inside it the emulation keeps
 each weight's decoded FP32 copy (4 bytes per weight element) until the block ends.
+
+Under ``torch.compile`` (and ``torch.export``) the product is one custom operator,
+``torch.ops.kbbq_pl.w4a4_linear`` (:func:`compiled_linear`), that runs the above eagerly.
 """
 
 from __future__ import annotations

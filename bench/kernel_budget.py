@@ -2,6 +2,7 @@
 
     python bench/kernel_budget.py [--copy-gbs 3000] [--bf16-tflops 697] [--gap-us 1.5]
                                   [--sass-per-weight 4.8] [--dynamic] [--independent]
+                                  [--keep-decoded]
     python bench/kernel_budget.py --tiny     # one shape (K = N = 8192), M = 1
 
 For each shape (K = N = 8192 and the Llama-3-8B linears 4096 -> 4096, 4096 -> 6144,
@@ -75,16 +76,16 @@ def bf16_bytes(m: int, k: int, n: int) -> int:
     return 2 * n * k + 2 * m * k + 2 * m * n
 
 
-def kernels(path: str, two_passes: bool) -> int:
+def kernels(path: str, two_passes: bool, keep_decoded: bool = False) -> int:
     """Launches of one linear: the activation kernel (two for dynamic NVFP4) and the GEMM
-    (prefill: and the weight decode)."""
-    return (2 if two_passes else 1) + (1 if path == "decode" else 2)
+    (prefill: and the weight decode, unless the weights are kept decoded)."""
+    return (2 if two_passes else 1) + (1 if path == "decode" or keep_decoded else 2)
 
 
-def gaps(path: str, two_passes: bool, dependent: bool) -> int:
+def gaps(path: str, two_passes: bool, dependent: bool, keep_decoded: bool = False) -> int:
     """Kernel boundaries of one linear that cost a launch gap: all but the one before a
     decode GEMM launched as a programmatic dependent."""
-    return kernels(path, two_passes) - 1 - (path == "decode" and dependent)
+    return kernels(path, two_passes, keep_decoded) - 1 - (path == "decode" and dependent)
 
 
 def paths(m: int) -> tuple[str, ...]:
@@ -94,7 +95,7 @@ def paths(m: int) -> tuple[str, ...]:
 
 def predict(m: int, k: int, n: int, fmt: str, copy: float, bf16_rate: float,
             gap: float, path: str = "decode", sass_per_weight: float = 4.8,
-            dynamic: bool = False, dependent: bool = True) -> dict:
+            dynamic: bool = False, dependent: bool = True, keep_decoded: bool = False) -> dict:
     """The figures of one row (seconds, bytes, FLOPs) as the module docstring defines them."""
     d = FORMATS[fmt]
     two_passes = fmt == "nvfp4" and dynamic  # the amax pass first
@@ -113,13 +114,13 @@ def predict(m: int, k: int, n: int, fmt: str, copy: float, bf16_rate: float,
         predicted = act_time + gemm + gap * gaps(path, two_passes, dependent)
         decode_fraction = product / copy
     else:
-        decode = weight_decode_bytes(k, n, d)
+        decode = 0 if keep_decoded else weight_decode_bytes(k, n, d)
         operands = 2 * m * k + 2 * n * k + 2 * m * n  # what the bf16 product reads and writes
         ours_bytes = act + decode + operands
         floor = (act + decode) / copy + max(flops / bf16_rate, operands / copy)
         predicted = (act_time + decode / (STREAM_FRACTION * copy)
                      + max(flops / bf16_rate, operands / (BF16_GEMV_FRACTION * copy))
-                     + gap * gaps(path, two_passes, dependent))
+                     + gap * gaps(path, two_passes, dependent, keep_decoded))
         decode_fraction = float("nan")
     return dict(k=k, n=n, m=m, fmt=fmt, path=path, ours_mb=ours_bytes / 1e6,
                 bf16_mb=bf16_bytes(m, k, n) / 1e6, gflop=flops / 1e9, floor_us=floor * 1e6,
@@ -145,6 +146,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--independent", action="store_true",
                         help="the decode GEMM launched after the activation kernel ends (a "
                              "launch gap between them), not as its programmatic dependent")
+    parser.add_argument("--keep-decoded", action="store_true",
+                        help="the prefill path with the weights kept decoded to bf16 "
+                             "(kbbq_pl.quant.w4a4.KEEP_DECODED_WEIGHTS: no weight decode per "
+                             "call, 2 bytes a weight held)")
     parser.add_argument("--tiny", action="store_true", help="one shape (K = N = 8192), M = 1")
     args = parser.parse_args(argv)
     shapes, rows = (SHAPES[:1], ROWS[:1]) if args.tiny else (SHAPES, ROWS)
@@ -153,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.bf16_tflops:.0f} TFLOP/s at M = 4096, {args.gap_us} us per kernel boundary"
           f"{'' if args.independent else ' (none before a dependently launched decode GEMM)'}; "
           f"per-block transforms on, {'dynamic' if args.dynamic else 'static'} NVFP4 "
-          "activation scales\n")
+          f"activation scales{'; prefill weights kept decoded' if args.keep_decoded else ''}\n")
     header = ["K->N", "M", "format", "path", "W4A4 MB", "bf16 MB", "GFLOP", "W4A4 floor us",
               "decode GEMM floor us", "W4A4 predicted us", "bf16 predicted us",
               "x bf16 at the floor", "x bf16 predicted", "target"]
@@ -164,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
             for fmt in FORMATS:
                 for path in paths(m):
                     r = predict(m, k, n, fmt, copy, rate, gap, path, args.sass_per_weight,
-                                args.dynamic, not args.independent)
+                                args.dynamic, not args.independent, args.keep_decoded)
                     gemm_floor = r["gemm_floor_us"]
                     cells = [f"{k}->{n}", m, fmt, path, f"{r['ours_mb']:.1f}",
                              f"{r['bf16_mb']:.1f}", f"{r['gflop']:.3g}", f"{r['floor_us']:.1f}",

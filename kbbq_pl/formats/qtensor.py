@@ -197,6 +197,14 @@ class DeferredChecks:
 _deferred: DeferredChecks | None = None
 
 
+def _assert_in_graph(ok: Tensor, message: str) -> None:
+    """A check inside a graph ``torch.compile`` traces: asserted on the device when the graph
+    runs (``torch._assert_async``: a ``RuntimeError`` with ``message`` on the CPU, a
+    device-side assert on CUDA) instead of read to the host, which would break the graph at
+    every rounding call."""
+    torch._assert_async(ok, message)
+
+
 @contextlib.contextmanager
 def deferred_checks() -> Iterator[DeferredChecks]:
     """Hold the rounding functions' input checks on the device (:class:`DeferredChecks`);
@@ -224,6 +232,10 @@ def _global_scale_arg(fmt: Format, global_scale: Tensor | float | None, name: st
         raise ValueError(f"{name}: global_scale must be a scalar, got shape {tuple(value.shape)}")
     value = value.reshape(())
     least = rounding.NVFP4_MIN_GLOBAL_SCALE
+    if torch.compiler.is_compiling():
+        _assert_in_graph(torch.isfinite(value) & (value >= least),
+                         f"{name}: global_scale must be finite and at least {least:g}")
+        return value
     if _deferred is not None:
         _deferred.add(torch.isfinite(value) & (value >= least), name,
                       f"global_scale must be finite and at least {least:g}", value)
@@ -262,7 +274,10 @@ def _run(x: Tensor, fmt: Format, global_scale, pad: bool, nonfinite: str, name: 
             out = run_kernel(rounding.int_groups, groups, dynamic_group_len=dynamic, qmax=qmax,
                              **static)
     if nonfinite == "raise":
-        if _deferred is not None:
+        if torch.compiler.is_compiling():
+            _assert_in_graph(out[-1], f"{name}: non-finite values (NaN or Inf) to round; pass "
+                                      "nonfinite='zero' or 'propagate' to quantize them anyway")
+        elif _deferred is not None:
             _deferred.add(out[-1], name, "non-finite values (NaN or Inf) to round", x)
         elif not bool(out[-1]):
             _raise_nonfinite(x, name)

@@ -202,3 +202,39 @@ def test_gpu_compiled_with_cuda_graphs_gives_the_eager_bits(fmt):
             for _ in range(3):  # warm-up, recording, replay
                 got = compiled(x).clone()
         assert torch.equal(got, eager), (fmt, rows)
+
+
+@pytest.mark.parametrize("act_scale", ["dynamic", "static"])
+def test_a_trainable_layer_compiles_to_one_graph_with_the_eager_gradients(act_scale):
+    """FP4 fine-tuning under ``torch.compile``: the master weight's straight-through product
+    traces whole (``fullgraph=True``: its rounding checks are asserted in the graph, not read
+    to the host), with the eager outputs and gradients."""
+    from kbbq_pl.quant.layers import QuantizedLinear
+    from kbbq_pl.transforms.fit import fit_transform
+
+    linear = nn.Linear(64, 32)
+    t = fit_transform("hadamard", linear.weight.detach(), block=16)
+    layer = QuantizedLinear.from_linear(linear, "nvfp4", t, act_scale=act_scale,
+                                        trainable=True)
+    if act_scale == "static":
+        layer.act_global_scale = torch.tensor(0.004)
+    x = torch.randn(4, 64, requires_grad=True)
+    grads = []
+    for run in (layer, torch.compile(layer, fullgraph=True)):
+        torch._dynamo.reset()
+        layer.weight.grad, x.grad = None, None
+        y = run(x)
+        y.square().sum().backward()
+        grads.append((y.detach(), layer.weight.grad.clone(), x.grad.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_compiled_rounding_of_non_finite_values_still_fails():
+    from kbbq_pl import formats as F
+
+    rounding = torch.compile(lambda x: F.fake_quantize(x, "mxfp4", name="acts"), fullgraph=True)
+    x = torch.randn(2, 64)
+    assert torch.equal(rounding(x), F.fake_quantize(x, "mxfp4"))
+    x[1, 3] = float("nan")
+    with pytest.raises(RuntimeError, match="acts: non-finite values"):
+        rounding(x)

@@ -197,12 +197,20 @@ class DeferredChecks:
 _deferred: DeferredChecks | None = None
 
 
-def _assert_in_graph(ok: Tensor, message: str) -> None:
-    """A check inside a graph ``torch.compile`` traces: asserted on the device when the graph
-    runs (``torch._assert_async``: a ``RuntimeError`` with ``message`` on the CPU, a
-    device-side assert on CUDA) instead of read to the host, which would break the graph at
-    every rounding call."""
-    torch._assert_async(ok, message)
+def _held_on_device(ok: Tensor, name: str, what: str, x: Tensor) -> bool:
+    """Hand the check ``ok`` (a boolean 0-d tensor: the input ``x`` passes) to the device where
+    the caller must not read it to the host: inside a graph ``torch.compile`` traces it is
+    asserted when the graph runs (``torch._assert_async``: a ``RuntimeError`` on the CPU, a
+    device-side assert on CUDA; reading it would break the graph at every rounding call), and
+    inside :func:`deferred_checks` it waits for the block's one read.  False: the caller reads
+    it now."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok, f"{name}: {what}")
+        return True
+    if _deferred is not None:
+        _deferred.add(ok, name, what, x)
+        return True
+    return False
 
 
 @contextlib.contextmanager
@@ -232,18 +240,12 @@ def _global_scale_arg(fmt: Format, global_scale: Tensor | float | None, name: st
         raise ValueError(f"{name}: global_scale must be a scalar, got shape {tuple(value.shape)}")
     value = value.reshape(())
     least = rounding.NVFP4_MIN_GLOBAL_SCALE
-    if torch.compiler.is_compiling():
-        _assert_in_graph(torch.isfinite(value) & (value >= least),
-                         f"{name}: global_scale must be finite and at least {least:g}")
-        return value
-    if _deferred is not None:
-        _deferred.add(torch.isfinite(value) & (value >= least), name,
-                      f"global_scale must be finite and at least {least:g}", value)
+    what = f"global_scale must be finite and at least {least:g}"
+    if _held_on_device(torch.isfinite(value) & (value >= least), name, what, value):
         return value
     scalar = float(value)
     if not (math.isfinite(scalar) and scalar >= least):
-        raise ValueError(
-            f"{name}: global_scale must be finite and at least {least:g}, got {scalar!r}")
+        raise ValueError(f"{name}: {what}, got {scalar!r}")
     return value
 
 
@@ -273,14 +275,9 @@ def _run(x: Tensor, fmt: Format, global_scale, pad: bool, nonfinite: str, name: 
             qmax = int(fmt.element_max)
             out = run_kernel(rounding.int_groups, groups, dynamic_group_len=dynamic, qmax=qmax,
                              **static)
-    if nonfinite == "raise":
-        if torch.compiler.is_compiling():
-            _assert_in_graph(out[-1], f"{name}: non-finite values (NaN or Inf) to round; pass "
-                                      "nonfinite='zero' or 'propagate' to quantize them anyway")
-        elif _deferred is not None:
-            _deferred.add(out[-1], name, "non-finite values (NaN or Inf) to round", x)
-        elif not bool(out[-1]):
-            _raise_nonfinite(x, name)
+    if nonfinite == "raise" and not _held_on_device(
+            out[-1], name, "non-finite values (NaN or Inf) to round", x) and not bool(out[-1]):
+        _raise_nonfinite(x, name)
     return out[:-1], extra
 
 

@@ -22,7 +22,9 @@ the run goes on, and the summary says what failed or was skipped for time):
   M = 4096.  Beside each: the product alone, its fraction of the copy bandwidth (packed codes,
   scales, activations and output, each once), whether the output is within one bf16
   rounding of the exact product, on the prefill path the ratio with the weights kept
-  decoded (the opt-in ``KEEP_DECODED_WEIGHTS``: no decode per call), and (M = 1 with KBBQ
+  decoded (the opt-in ``KEEP_DECODED_WEIGHTS``: no decode per call), for MX the opt-in FP8
+  product (``prefill_product="fp8"``, eager: its time against bf16 and against the default
+  path, whether it ran on FP8, its bits against the default path's), and (M = 1 with KBBQ
   blocks) the ratio with the
   decode GEMM launched after the activation kernel ends instead of as its programmatic
   dependent (which the ``check`` section first checks gives the same bits, eagerly and in a
@@ -38,9 +40,10 @@ the run goes on, and the summary says what failed or was skipped for time):
   scales static, calibrated on one prefill sequence, as every recipe ships them):
   weight memory, batch-1 and batch-16 greedy decoding (CUDA graphs), prefill of 4 x 2048, the
   first block's linears on the kernels against the emulation on the same GPU, and each path's
-  logits against bf16's; then a ``torch.profiler`` table of one eager decode step and one
-  prefill per format (the Chrome traces beside ``--json``: where the time goes).  Targets:
-  memory <= 0.35, decode 2.0x (batch 1) and 1.8x (batch 16), prefill 0.9x.
+  logits against bf16's; for MX the prefill again with ``PREFILL_PRODUCT = "fp8"`` (its
+  logits against the default path's); then a ``torch.profiler`` table of one eager decode
+  step and one prefill per format (the Chrome traces beside ``--json``: where the time
+  goes).  Targets: memory <= 0.35, decode 2.0x (batch 1) and 1.8x (batch 16), prefill 0.9x.
 * ``rows``: where the prefill path starts paying: at K = N = 8192 and 4096 -> 14336, KBBQ-shaped
   blocks, M = 64, 256, 1024, 4096, every path that can take M rows (decode; tiled up to 256;
   prefill from 256) against bf16, each checked within one rounding; the summary names the
@@ -88,14 +91,15 @@ FULL = dict(act_shape=(8192, 8192), check_k=4096, check_n=4096, check_m=(1, 16, 
             hidden=4096, intermediate=14336, heads=32, kv_heads=8, layers=8, vocab=32000,
             prefill=(4, 2048), prompt=32, decode_tokens=64, decode_batches=(1, 16),
             logits_tokens=16, rotate_bytes=150e6, replays=20)
-TINY = dict(act_shape=(20, 64), check_k=64, check_n=24, check_m=(3,),
-            gemm_shapes=((64, 48),), gemm_m=(1, 40), path_m=(1, 20, 40),
+TINY = dict(act_shape=(20, 64), check_k=128, check_n=24, check_m=(3,),
+            gemm_shapes=((128, 48),), gemm_m=(1, 40), path_m=(1, 20, 40),
             rows_shapes=((128, 24),), rows_m=(20, 40),
             prefill_min_m=32, hidden=32, intermediate=64, heads=2, kv_heads=2, layers=1,
             vocab=64, prefill=(2, 8), prompt=3, decode_tokens=2, decode_batches=(1, 2),
             logits_tokens=3, rotate_bytes=0, replays=1)
-TARGETS = {"act": 0.8, "decode_1": 2.5, "decode_16": 2.2, "prefill": 0.95, "copy_m1": 0.7,
-           "memory": 0.35, "model_decode_1": 2.0, "model_decode_16": 1.8, "model_prefill": 0.9}
+TARGETS = {"act": 0.8, "decode_1": 2.5, "decode_16": 2.2, "prefill": 0.95, "prefill_fp8": 1.3,
+           "copy_m1": 0.7, "memory": 0.35, "model_decode_1": 2.0, "model_decode_16": 1.8,
+           "model_prefill": 0.9}
 
 
 # --------------------------------------------------------------------------- infrastructure
@@ -202,6 +206,26 @@ def seconds_per_call(run: Run, calls: list, replays: int | None = None) -> float
     return statistics.median(times)
 
 
+def eager_seconds_per_call(run: Run, calls: list, replays: int | None = None) -> float:
+    """Median seconds of one call launched eagerly (host time and any host read included): for
+    what a CUDA graph cannot capture (the FP8 prefill product reads its fold check)."""
+    if not run.cuda:
+        return seconds_per_call(run, calls)
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays or run.shapes["replays"]):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for call in calls:
+            call()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / 1e3 / len(calls))
+    return statistics.median(times)
+
+
 def copies(run: Run, nbytes: int) -> int:
     """How many copies of ``nbytes`` of weights overflow the L2 cache (at least one)."""
     return max(1, min(32, math.ceil(run.shapes["rotate_bytes"] / max(nbytes, 1))))
@@ -289,8 +313,10 @@ def check_section(run: Run) -> None:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             ref = exact_product(x, t, q, name)
             chosen = K.choose_path(m)
-            for path, product in ([(chosen, "auto")] + [("prefill", "triton"), ("decode", "auto")]
-                                  * (chosen == "prefill")):
+            more = [("prefill", "triton"), ("decode", "auto")]
+            if get_format(name).scale_kind == "e8m0":
+                more.append(("prefill", "fp8"))
+            for path, product in [(chosen, "auto")] + more * (chosen == "prefill"):
                 y = K.linear_w4a4(x, q.qdata, q.scale, q.global_scale, name, t,
                                   prepared=prepared, path=path, prefill_product=product)
                 ok, excess = within_one_rounding(y, ref)
@@ -429,6 +455,11 @@ def gemm_section(run: Run) -> None:
                                               scales[0], prepared=p)
                             for (c, s), p in zip(sets, decoded)])
                         del decoded
+                    on_fp8, fp8_vs_default, fp8_check = float("nan"), float("nan"), ""
+                    if path == "prefill" and fmt_.scale_kind == "e8m0":
+                        on_fp8, fp8_vs_default, fp8_check = fp8_columns(
+                            run, K, x, t, q, name, sets, preps, own_calls, t_bf16)
+                        ratios.setdefault((m, name, "MX on FP8"), []).append(on_fp8)
                     independent = float("nan")
                     if (m == 1 and label != "none"  # each costs a compile: one row a shape
                             and skinny.dependent_launch(device)):
@@ -448,30 +479,34 @@ def gemm_section(run: Run) -> None:
                         ratios.setdefault((m, name, "weights kept decoded"), []).append(
                             kept_decoded)
                     rows.append([f"{k}->{n}", m, name, label, path, t_bf16 * 1e3, t_ours * 1e3,
-                                 ratio, target, dynamic, kept_decoded, independent,
-                                 t_product * 1e3,
+                                 ratio, target, dynamic, kept_decoded, on_fp8, fp8_vs_default,
+                                 fp8_check, independent, t_product * 1e3,
                                  copy_fraction, "yes" if ok else f"NO ({excess:.2g})"])
                     run.add("gemm", k=k, n=n, m=m, fmt=name, transform=label, path=path,
                             bf16_ms=t_bf16 * 1e3, ours_ms=t_ours * 1e3, speedup=ratio,
                             target=target, dynamic_speedup=dynamic,
-                            kept_decoded_speedup=kept_decoded,
+                            kept_decoded_speedup=kept_decoded, fp8_speedup=on_fp8,
+                            fp8_over_default_eager=fp8_vs_default, fp8_check=fp8_check,
                             independent_speedup=independent, product_ms=t_product * 1e3,
                             copy_fraction=copy_fraction, within_one_rounding=ok)
             print(f"  [{time.perf_counter() - run.start:.0f} s] {k}->{n} M={m} done", flush=True)
         del w_set, packed
     table("linear_w4a4 (activation kernel + product) against bf16 torch.matmul; product: the "
           "GEMM alone (decode: the decode GEMM; prefill: weight decode + product); weights "
-          "kept decoded: the prefill path with no decode per call (opt-in); copy: its "
-          "bytes over time against the device copy; not a dependent launch: the decode path "
-          "with its GEMM launched after the activation kernel ends (M = 1, KBBQ blocks)",
+          "kept decoded: the prefill path with no decode per call (opt-in); MX on FP8: the "
+          "opt-in prefill product 'fp8' (eager: it reads its fold check on the host), beside "
+          "it its time over the default path's, both eager, and its check (within one "
+          "rounding; the fraction of outputs whose bits differ from the default path's); copy: "
+          "its bytes over time against the device copy; not a dependent launch: the decode "
+          "path with its GEMM launched after the activation kernel ends (M = 1, KBBQ blocks)",
           ["K->N", "M", "format", "transform", "path", "bf16 ms", "W4A4 ms", "x bf16", "target",
-           "x bf16, dynamic NVFP4", "x bf16, weights kept decoded",
-           "x bf16, GEMM not a dependent launch", "product ms",
-           "copy fraction", "within one rounding"], rows)
+           "x bf16, dynamic NVFP4", "x bf16, weights kept decoded", "x bf16, MX on FP8",
+           "FP8 / default, eager", "FP8 check", "x bf16, GEMM not a dependent launch",
+           "product ms", "copy fraction", "within one rounding"], rows)
     for m, key in ((1, "decode_1"), (16, "decode_16"), (4096, "prefill")):
         for name in run.formats:
             found = {label: ratios[m, name, label] for label in (
-                "none", "KBBQ blocks", "dynamic scale", "weights kept decoded")
+                "none", "KBBQ blocks", "dynamic scale", "weights kept decoded", "MX on FP8")
                 if (m, name, label) in ratios}
             if found:
                 every = [v for label, values in found.items() for v in values
@@ -480,6 +515,12 @@ def gemm_section(run: Run) -> None:
                 run.line(f"linear M={m} {name}: x bf16, min / median / max over shapes",
                          "; ".join(f"{label} {spread(v)}" for label, v in found.items()),
                          TARGETS[key], f"{met}/{len(every)}")
+    on_fp8 = [r["speedup"] for r in run.rows if r.get("section") == "fp8" and r["folded"]]
+    if on_fp8:
+        met = sum(v >= TARGETS["prefill_fp8"] for v in on_fp8)
+        run.line("linear M=4096 mxfp4 on FP8 tensor cores (opt-in, eager): x bf16, "
+                 "min / median / max", spread(on_fp8), TARGETS["prefill_fp8"],
+                 f"{met}/{len(on_fp8)}")
     fractions = [r["copy_fraction"] for r in run.rows if r.get("section") == "gemm"
                  and r["m"] == 1 and r["transform"] == "none"
                  and r["copy_fraction"] == r["copy_fraction"]]
@@ -492,6 +533,38 @@ def gemm_section(run: Run) -> None:
         run.line("M=1 decode GEMM: fraction of copy bandwidth min/median/max", spread(fractions),
                  TARGETS["copy_m1"], f"{sum(f >= TARGETS['copy_m1'] for f in fractions)}/"
                  f"{len(fractions)}")
+
+
+def fp8_columns(run: Run, K, x, t, q, name: str, sets, preps, default_calls,
+                t_bf16: float) -> tuple[float, float, str]:
+    """The opt-in FP8 prefill product of an MX layer (``prefill_product="fp8"``): its speed
+    against bf16 (timed eagerly: its fold check is read on the host, which a CUDA graph cannot
+    capture), its eager time over the default path's eager time, and its check: within one
+    bf16 rounding of the exact product, the fraction of outputs whose bits differ from the
+    default path's (the FP8 tensor cores' accumulation against bf16's), and whether it ran on
+    FP8 at all (a chunk that does not fold sends it to the bf16 product)."""
+    calls = [functools.partial(K.linear_w4a4, x, c, s, q.global_scale, name, t,
+                               prepared=p, prefill_product="fp8")
+             for (c, s), p in zip(sets, preps)]
+    returned, product = [], K._fp8_product
+
+    def spy(*args):
+        returned.append(product(*args))
+        return returned[-1]
+
+    with mock.patch.object(K, "_fp8_product", spy):
+        y = calls[0]()
+    folded = len(returned) == 1 and returned[0] is not None
+    ok, excess = within_one_rounding(y, exact_product(x, t, q, name))
+    differ = float((y.view(torch.int16) != default_calls[0]().view(torch.int16)).float().mean())
+    t_fp8 = eager_seconds_per_call(run, calls)
+    t_default = eager_seconds_per_call(run, default_calls)
+    check = (f"{'ran' if folded else 'fell back'}; "
+             f"{'yes' if ok else f'NO ({excess:.2g})'}; differ {differ:.3g}")
+    run.add("fp8", k=x.shape[1], n=sets[0][0].shape[0], m=x.shape[0], fmt=name,
+            speedup=t_bf16 / t_fp8, over_default=t_fp8 / t_default, within_one_rounding=ok,
+            excess=excess, bits_differ=differ, folded=folded)
+    return t_bf16 / t_fp8, t_fp8 / t_default, check
 
 
 def spread(values: list[float]) -> str:
@@ -1002,6 +1075,9 @@ def quantized_models(run: Run, section: str, state: dict, calibration: torch.Ten
 
 
 def model_section(run: Run) -> None:
+    from kbbq_pl.formats import get_format
+    from kbbq_pl.quant import w4a4
+
     shapes, device, cuda = run.shapes, run.device, run.cuda
     start = time.perf_counter()
 
@@ -1035,10 +1111,11 @@ def model_section(run: Run) -> None:
     for b in prompts:
         header += [f"decode b{b} tok/s", f"decode b{b} x bf16"]
     header += ["decode run", f"prefill {'x'.join(map(str, shapes['prefill']))} ms",
-               "prefill x bf16", "block 0 linears: kernels vs emulation",
+               "prefill x bf16", "prefill x bf16, MX on FP8 (opt-in)",
+               "block 0 linears: kernels vs emulation",
                "logits to bf16: kernels", "logits to bf16: emulation"]
     rows = [["bf16", 1.0, 1.0] + [v for b in prompts for v in (base[b][0], 1.0)]
-            + [base[next(iter(prompts))][1], base["prefill"] * 1e3, 1.0, "-", "-", "-"]]
+            + [base[next(iter(prompts))][1], base["prefill"] * 1e3, 1.0, "-", "-", "-", "-"]]
     progress(f"row {rows[-1]}")
     state = {k: v.clone() for k, v in reference.state_dict().items()}
     del reference
@@ -1047,19 +1124,44 @@ def model_section(run: Run) -> None:
         memory = weight_bytes(model, linears_only=False) / base_memory
         linears = weight_bytes(model, linears_only=True) / base_linears
         got = measure(model)
+        fp8_prefill, fp8_logits = float("nan"), "-"
+        if get_format(name).scale_kind == "e8m0":  # the opt-in FP8 product, eager as above
+            from kbbq_pl import kernels as K
+
+            returned, product = [], K._fp8_product
+
+            def spy(*args):
+                y = product(*args)
+                returned.append(y is not None)
+                return y
+
+            with mock.patch.object(w4a4, "PREFILL_PRODUCT", "fp8"):
+                fp8_prefill = base["prefill"] / act_seconds(run, functools.partial(prefill,
+                                                                                   model))
+                with mock.patch.object(K, "_fp8_product", spy):
+                    on_fp8 = prefill(model).float()
+            default = prefill(model).float()
+            fp8_logits = (f"{float((on_fp8 - default).abs().max() / default.abs().max()):.2g}; "
+                          f"on FP8 in {sum(returned)} of {len(returned)} linears tried")
+            del on_fp8, default
+            run.line(f"model {name}: prefill x bf16, MX on FP8 (opt-in; logits max |diff| "
+                     f"against the default path, over max |logit|: {fp8_logits})",
+                     f"{fp8_prefill:.3g}", TARGETS["model_prefill"],
+                     "yes" if fp8_prefill >= TARGETS["model_prefill"] else "no")
         progress(f"{name} timed")
         profile_steps(run, model, prompts[min(prompts)], batch, name)
         linear_diff, kernel_logits, emulated = kernel_and_emulation(model, probe.to(device))
         rows.append([name, memory, linears] + [v for b in prompts
                                               for v in (got[b][0], got[b][0] / base[b][0])]
                     + [got[next(iter(prompts))][1], got["prefill"] * 1e3,
-                       base["prefill"] / got["prefill"], f"{linear_diff:.2g}",
+                       base["prefill"] / got["prefill"], fp8_prefill, f"{linear_diff:.2g}",
                        logits_to_bf16(kernel_logits, base_logits),
                        logits_to_bf16(emulated, base_logits)])
         progress(f"row {rows[-1]}")
         run.add("model", fmt=name, memory=memory, linears=linears,
                 **{f"decode_b{b}_x": got[b][0] / base[b][0] for b in prompts},
-                prefill_x=base["prefill"] / got["prefill"], block0_diff=linear_diff)
+                prefill_x=base["prefill"] / got["prefill"], prefill_fp8_x=fp8_prefill,
+                prefill_fp8_logits_diff=fp8_logits, block0_diff=linear_diff)
         for b in prompts:
             key = "model_decode_1" if b == 1 else "model_decode_16"
             ratio = got[b][0] / base[b][0]

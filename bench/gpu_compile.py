@@ -84,7 +84,7 @@ def resources(cubin: bytes) -> dict[str, int]:
 
 ALIGNED = {"stride_xm", "stride_cm", "stride_sm", "stride_vm", "n_blocks", "N", "K", "R",
            "stride_am", "stride_asm", "stride_wn", "stride_wsn", "stride_om", "stride_cr",
-           "stride_sr", "stride_or"}
+           "stride_sr", "stride_or", "stride_wr", "stride_er", "stride_vr"}
 """Integer arguments taken as multiples of 16, as Triton specializes them at launch for the
 benchmark's shapes (K = N = 8192); pointers are 16-byte aligned too."""
 
@@ -302,6 +302,21 @@ def decode_rows(target: GPUTarget) -> list[dict]:
     return rows
 
 
+FOLD_SIGNATURE = {"words_ptr": "*i32", "exps_ptr": "*i32", "values_ptr": "*i32",
+                  "scales_ptr": "*fp32", "inexact_ptr": "*i32", "R": "i32", "stride_wr": "i32",
+                  "stride_er": "i32", "stride_vr": "i32", "multiplier": "fp32"}
+
+
+def fold_rows(target: GPUTarget) -> list[dict]:
+    """The MX fold to E4M3 of the FP8 prefill product (both operands, each call), at its tile."""
+    block_r, warps = tk.FOLD_TILE
+    start = time.perf_counter()
+    compiled = compile_kernel(tk._fold_e4m3_kernel, FOLD_SIGNATURE, dict(D=32, BLOCK_R=block_r),
+                              target, num_warps=warps, enable_fp_fusion=True)
+    return [_row("fold to e4m3 mxfp4", f"{block_r}x128 w={warps}", compiled,
+                 block_r * 128 / (32 * warps), start)]
+
+
 def gemm_rows(target: GPUTarget, small: bool, configs, decoded: bool = False) -> list[dict]:
     """The tiled GEMM: ``small`` (both operands packed), large (activations decoded) or
     ``decoded`` (both decoded: the prefill path's Triton product)."""
@@ -333,8 +348,8 @@ def gemm_rows(target: GPUTarget, small: bool, configs, decoded: bool = False) ->
     return rows
 
 
-KERNELS = ("act", "act_values", "decode_gemm", "weight_decode", "gemm_small", "gemm_large",
-           "gemm_decoded")
+KERNELS = ("act", "act_values", "decode_gemm", "weight_decode", "fold", "gemm_small",
+           "gemm_large", "gemm_decoded")
 HEADER = ("kernel", "config", "regs", "stack", "smem", "loop_sass", "per_element", "ldg128",
           "ldg_narrow", "ptx_v4", "wgmma", "mma_sync", "loop_smem", "fma", "div_rn",
           "div_approx", "ftz", "seconds")
@@ -374,6 +389,8 @@ def main(argv: list[str] | None = None) -> None:
         rows += skinny_rows(target, args.explore)
     if "weight_decode" in wanted:
         rows += decode_rows(target)
+    if "fold" in wanted:
+        rows += fold_rows(target)
     if "gemm_small" in wanted:
         rows += gemm_rows(target, True, tk._gemm_configs(True))
     if "gemm_large" in wanted:

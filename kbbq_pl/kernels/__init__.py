@@ -64,7 +64,9 @@ it the activations are decoded to bf16 once and the weights in the loop.
 
 The decode and prefill paths multiply decoded values where each is exact in the type the
 product takes (:mod:`kbbq_pl.kernels.exact`), so they too give the exact product of the codes
-rounded once, up to FP32 accumulation.
+rounded once, up to FP32 accumulation.  So does the opt-in FP8 prefill product of MX
+operands (:func:`kbbq_pl.kernels.exact.fold_mx_to_e4m3`), up to the accumulation of the FP8
+tensor cores within each chunk of 128.
 
 On compute capability 10.x (Blackwell) NVFP4 goes through ``torch._scaled_mm``'s FP4 path
 (:mod:`kbbq_pl.kernels.blackwell`, untested here: no such GPU).
@@ -80,9 +82,11 @@ import importlib.util
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..formats import Format
+from .exact import FP8_CHUNK
 from .interpret import interpreting as _interpreting
 from .prepared import PreparedWeight
 from .prepared import prepare_weight as _prepare_weight
@@ -362,7 +366,7 @@ PREFILL_MIN_M = 1024
 """From this many rows on :func:`linear_w4a4` takes the prefill path (weights decoded to bf16
 once per call or kept, one matrix product); below, the decode path (:mod:`.skinny`)."""
 PATHS = ("decode", "tiled", "prefill")
-PREFILL_PRODUCTS = ("auto", "cublas", "triton")
+PREFILL_PRODUCTS = ("auto", "cublas", "triton", "fp8")
 
 
 def choose_path(m: int) -> str:
@@ -392,7 +396,16 @@ def _prefill_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | 
                   out_dtype: torch.dtype, product: str) -> Tensor:
     fmt = prepared.fmt
     scale_kind, _, gain = _scale_meta(fmt)
-    a, pts = quantize_activation_values(x2, t, fmt, act_gs, dtype=torch.bfloat16)
+    if product == "fp8" and fp8_product_applies(fmt, x2.shape[1], bias, out_dtype):
+        a_codes, a_exponents, _, _ = _activation_kernel(x2, t, fmt, None, "linear_w4a4", None)
+        y = _fp8_product(a_codes, a_exponents, codes, scales, fmt.block_size, gain)
+        if y is not None:
+            return y
+        a, pts = decode_weight(a_codes, a_exponents, fmt), None  # the bf16 product instead
+    else:
+        a, pts = quantize_activation_values(x2, t, fmt, act_gs, dtype=torch.bfloat16)
+    if product == "fp8":
+        product = "auto"
     w = prepared.decoded
     if w is None:
         w = decode_weight(codes, scales, fmt)
@@ -416,6 +429,47 @@ def _prefill_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | 
     if bias is not None:
         acc = acc + bias.to(torch.float32)
     return acc.to(out_dtype)
+
+
+def fp8_product_applies(fmt: Format, k: int, bias: Tensor | None,
+                        out_dtype: torch.dtype) -> bool:
+    """Whether the prefill product ``fp8`` multiplies on FP8 tensor cores: MX (an NVFP4 value
+    ``q * s`` needs up to 6 significant bits, E4M3 has 4), ``K`` a multiple of
+    :data:`~kbbq_pl.kernels.exact.FP8_CHUNK`, a bf16 output and no bias (cuBLAS rounds its
+    scaled sum once to the output; a bias added after would round twice).  Elsewhere it runs
+    the bf16 product."""
+    return (fmt.scale_kind == "e8m0" and k % FP8_CHUNK == 0 and bias is None
+            and out_dtype == torch.bfloat16)
+
+
+def _fp8_product(a_codes: Tensor, a_exponents: Tensor, codes: Tensor, exponents: Tensor,
+                 d: int, gain: float) -> Tensor | None:
+    """``A W^T`` of MX operands on FP8 tensor cores, bf16 ``[M, N]``; None where a chunk of
+    either operand does not fold exactly into E4M3 (:func:`~kbbq_pl.kernels.exact.
+    fold_mx_to_e4m3`; read on the host: one device-to-host copy a call).
+
+    Both operands are folded to E4M3 with one FP32 scale per 128 along K (the weights' with
+    the ``no_clip`` gain ``1 / gain^2`` in it), and cuBLAS's 1 x 128 block-scaled FP8 product
+    (Hopper) sums each chunk on the tensor cores and adds it times its two scales to an FP32
+    accumulator.  Without a GPU (Triton's interpreter) the same sum is formed in FP32 from the
+    folded operands."""
+    backend = _backend()
+    inexact = torch.zeros(1, dtype=torch.int32, device=codes.device)
+    a8, a_scales = backend.fold_e4m3(a_codes, a_exponents, d, inexact)
+    w8, w_scales = backend.fold_e4m3(codes, exponents, d, inexact, 1.0 / (gain * gain))
+    if int(inexact.item()):
+        return None
+    if not a8.is_cuda:
+        def unfold(v: Tensor, s: Tensor) -> Tensor:
+            return v.float() * s.repeat_interleave(FP8_CHUNK, dim=1)
+
+        return (unfold(a8, a_scales) @ unfold(w8, w_scales).T).to(torch.bfloat16)
+    if hasattr(F, "scaled_mm"):
+        from torch.nn.functional import ScalingType
+
+        return F.scaled_mm(a8, w8.T, a_scales, ScalingType.BlockWise1x128, w_scales,
+                           ScalingType.BlockWise1x128, output_dtype=torch.bfloat16)
+    return torch._scaled_mm(a8, w8.T, a_scales, w_scales.T, out_dtype=torch.bfloat16)
 
 
 def _fp32_product(a: Tensor, w: Tensor) -> Tensor:
@@ -448,7 +502,10 @@ def linear_w4a4(
       (where they are known on the host: MX, static NVFP4, a bf16 output), else an FP32
       product rounded once after the scales; ``triton`` uses the project's GEMM, whose
       epilogue reads the scales on the device; ``auto`` is ``cublas`` where ``alpha`` is
-      known, else ``triton``.
+      known, else ``triton``; ``fp8`` (opt-in, MX) folds both operands to E4M3 with one
+      scale per 128 along K and multiplies on FP8 tensor cores where every chunk folds
+      exactly (checked on the host each call, so not inside a CUDA graph), else as ``auto``
+      (:func:`fp8_product_applies`).
 
     Every path gives each output within one rounding (to ``x``'s dtype) of the exact product
     of the same codes.  ``prepared`` (from :func:`prepare_weight`, for these weights) spares

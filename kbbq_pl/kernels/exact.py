@@ -28,7 +28,10 @@ nibbles of the weights' standard packing (element ``2i`` low), decoded two at a 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+from ..formats.rounding import e2m1_code_magnitude, unpack_nibbles
 
 NVFP4_DECODE_SHIFT = 14
 """The NVFP4 decode path multiplies ``q * s * 2^-14`` (fp16, exact) and its epilogue ``2^14``."""
@@ -121,3 +124,62 @@ def decoded_weight_bytes(n: int, k: int, block: int) -> int:
     """Bytes a decode reads and writes for an ``[n, k]`` FP4 weight to bf16: packed codes and
     one scale byte per block read, two bytes per element written."""
     return n * k // 2 + n * (k // block) + 2 * n * k
+
+
+# --------------------------------------------------------------------- MX on FP8 tensor cores
+
+FP8_CHUNK = 128
+"""Elements along K that share one FP32 scale in the FP8 product (cuBLAS's 1 x 128 block
+scaling on Hopper): four MX blocks."""
+FP8_HEADROOM = 6
+"""A chunk's scale is ``2^(e_max - 6)``: its largest block then decodes to at most
+``6 * 2^6 = 384``, within E4M3's 448."""
+FP8_FLOOR = -8
+"""The lowest block exponent, relative to the chunk's scale, whose values are all E4M3 values:
+``0.5 * 2^-8`` is E4M3's smallest subnormal ``2^-9``, ``1.5 * 2^-8 = 3 * 2^-9``; every other
+E2M1 value times ``2^d`` with ``-8 <= d <= 6`` is an E4M3 normal or subnormal too."""
+
+
+def fold_mx_to_e4m3(codes: Tensor, exponents: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """MXFP4 ``q * 2^e`` (packed codes ``[R, K/2]``, biased exponents ``[R, K/32]``) as E4M3
+    values times one power of two per chunk of :data:`FP8_CHUNK`: ``(values float8_e4m3fn
+    [R, K], scales fp32 [R, ceil(K/128)], inexact bool [R, ceil(K/128)])``.
+
+    E2M1 values are exact in E4M3 (the paper's Sec. "Number Formats": 2 significant bits
+    against 4), and so is ``q * 2^d`` for ``FP8_FLOOR <= d <= FP8_HEADROOM``.  A chunk's scale
+    is ``2^(e_max - FP8_HEADROOM)``, ``e_max`` the largest exponent among its blocks that hold a
+    nonzero code (a NaN block is NaN throughout and does not count; a chunk with none has
+    scale 1), so ``values * scale`` is ``q * 2^e`` exactly wherever the chunk is not
+    ``inexact``: a nonzero code in a block more than ``FP8_HEADROOM - FP8_FLOOR = 14`` binades
+    under the chunk's largest.  The product of two folded operands is then the W4A4 product up
+    to its accumulation, with one scale multiply per chunk (the promotion of DeepGEMM's
+    two-level accumulation)."""
+    rows, half = codes.shape
+    k = 2 * half
+    e = exponents.view(torch.uint8).to(torch.int32)
+    blocks = e.shape[1]
+    d = k // blocks
+    per_chunk = FP8_CHUNK // d
+    chunks = -(-blocks // per_chunk)
+    nibbles = unpack_nibbles(codes).to(torch.int32)
+    mag = nibbles & 7
+    nan_block = e == E8M0_NAN
+    counted = (mag.reshape(rows, blocks, d) != 0).any(dim=-1) & ~nan_block
+    none = -(1 << 20)  # below every exponent: a chunk of no counted block
+
+    def by_chunk(t: Tensor, fill) -> Tensor:  # [R, blocks] -> [R, chunks, per_chunk]
+        return F.pad(t, (0, chunks * per_chunk - blocks), value=fill).reshape(rows, chunks,
+                                                                              per_chunk)
+
+    e_max = by_chunk(torch.where(counted, e - 127, none), none).amax(dim=-1)
+    exponent = torch.where(e_max > none, e_max - FP8_HEADROOM, 0)  # [R, chunks]
+    shift = (e - 127) - exponent.repeat_interleave(per_chunk, dim=1)[:, :blocks]
+    inexact = by_chunk(counted & (shift < FP8_FLOOR), False).any(dim=-1)
+    q = e2m1_code_magnitude(mag)
+    q = torch.where(nibbles >= 8, -q, q)
+    shift = shift.clamp(FP8_FLOOR, FP8_HEADROOM).repeat_interleave(d, dim=1)
+    values = torch.ldexp(q, shift.to(torch.float32))
+    values = torch.where(nan_block.repeat_interleave(d, dim=1), float("nan"), values)
+    scales = torch.ldexp(torch.ones(exponent.shape, device=codes.device),
+                         exponent.to(torch.float32))
+    return values.to(torch.float8_e4m3fn), scales, inexact

@@ -732,3 +732,93 @@ def decoded_matmul(a_values, w_values, a_global, w_global, scale_kind: int, gain
             return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), 1)
         _w4a4_large[grid](*args, **meta)
     return out
+
+
+# --------------------------------------------------------------------------- MX on FP8
+
+
+@triton.jit
+def _e4m3_word(words, step, nan_block, FIRST: tl.constexpr):
+    """Four codes of each word (from bit ``FIRST``) times ``step`` as E4M3 bytes in one int32
+    (NaN bytes in a NaN block)."""
+    out = tl.zeros_like(words)
+    for j in tl.static_range(4):
+        q = _e2m1_values((words >> (FIRST + 4 * j)) & 15)
+        byte = (q * step).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+        out = out | (byte << (8 * j))
+    return tl.where(nan_block, 0x7F7F7F7F, out)
+
+
+@triton.jit
+def _fold_e4m3_kernel(words_ptr, exps_ptr, values_ptr, scales_ptr, inexact_ptr, R,
+                      stride_wr, stride_er, stride_vr, multiplier,
+                      D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """:func:`kbbq_pl.kernels.exact.fold_mx_to_e4m3` of one chunk of 128 for ``BLOCK_R`` rows
+    (program axis 1 the chunk): E4M3 bytes ``[R, K]`` (stored as int32 words, four bytes
+    each), the chunk's scale ``2^exponent * multiplier`` (FP32, chunk-major: ``scales_ptr[c *
+    R + r]``, the layout of cuBLAS's 1 x 128 scales), and the number of inexact chunks added
+    to ``inexact_ptr``.
+
+    The codes are read as int32 words of 8, ``[BLOCK_R, blocks, words a block]`` (a thread
+    holds a block's words, 16 bytes), each block with its exponent, so that the chunk's
+    largest exponent is a reduction along the row and no value changes thread.  Each code
+    becomes ``q * 2^shift`` in FP32 (exact) and is converted to E4M3 (exact: every value the
+    fold allows is an E4M3 value)."""
+    tl.static_assert(D == 32)  # MX: a chunk's four exponent bytes are one int32
+    PB: tl.constexpr = 128 // D  # blocks a chunk
+    WB: tl.constexpr = D // 8  # words a block
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    chunk = tl.program_id(1)
+    row_mask = (rows < R)[:, None, None]
+    b = tl.arange(0, PB)[None, :, None]
+    words = tl.load(words_ptr + rows[:, None, None] * stride_wr + chunk * 16 + b * WB
+                    + tl.arange(0, WB)[None, None, :], mask=row_mask, other=0)  # [R, PB, WB]
+    # the chunk's four exponent bytes as one word: unpacked where the codes' words are
+    e4 = tl.load(exps_ptr + rows * stride_er + chunk, mask=rows < R, other=0)
+    e = (e4[:, None, None] >> (8 * b)) & 255  # [R, PB, 1]
+    nan_block = e == 255
+    counted = ((words & 0x77777777) != 0) & ~nan_block  # a nonzero code in the word
+    none: tl.constexpr = -(1 << 20)
+    e_max = tl.max(tl.max(tl.where(counted, e - 127, none), axis=2), axis=1)
+    exponent = tl.where(e_max > none, e_max - 6, 0)  # FP8_HEADROOM
+    shift = (e - 127) - exponent[:, None, None]
+    low = (counted & (shift < -8)).to(tl.int32)  # FP8_FLOOR
+    inexact = tl.max(tl.max(low, axis=2), axis=1)
+    tl.atomic_add(inexact_ptr, tl.sum(inexact, axis=0))
+    shift = tl.minimum(tl.maximum(shift, -8), 6)
+    step = ((shift + 127) << 23).to(tl.float32, bitcast=True)  # 2^shift
+    step = tl.where(nan_block, float("nan"), step)
+    values = tl.reshape(tl.join(_e4m3_word(words, step, nan_block, 0),
+                                _e4m3_word(words, step, nan_block, 16)), [BLOCK_R, 32])
+    v = chunk * 32 + tl.arange(0, 32)
+    tl.store(values_ptr + rows[:, None] * stride_vr + v[None, :], values,
+             mask=(rows < R)[:, None])
+    # 2^exponent for exponent in [-133, 121] (below -126 an FP32 subnormal)
+    bits = tl.where(exponent >= -126, (exponent + 127) << 23, 1 << tl.maximum(exponent + 149, 0))
+    tl.store(scales_ptr + chunk * R + rows, bits.to(tl.float32, bitcast=True) * multiplier,
+             mask=rows < R)
+
+
+FOLD_TILE = (64, 4)
+"""Rows and warps of one program of the E4M3 fold (one chunk of 128 a program: 8 KB of
+values)."""
+
+
+def fold_e4m3(codes, exponents, d: int, inexact, multiplier: float = 1.0):
+    """Launch the fold (:func:`_fold_e4m3_kernel`) of MX codes ``[R, K/2]`` with biased
+    exponents ``[R, K/d]`` (``K`` a multiple of 128): ``(values float8_e4m3fn [R, K], scales
+    fp32 [R, K/128] with strides (1, R))``; the inexact chunks are added to ``inexact``
+    (int32 ``[1]`` on the device)."""
+    rows, k = codes.shape[0], codes.shape[1] * 2
+    chunks = k // 128
+    words = codes.view(torch.int32)
+    exponent_words = exponents.view(torch.int32)  # four a chunk (little-endian: block 0 low)
+    values = torch.empty(rows, k // 4, dtype=torch.int32, device=codes.device)
+    scales = torch.empty(chunks, rows, dtype=torch.float32, device=codes.device)
+    block_r, warps = (4, 4) if INTERPRET else FOLD_TILE
+    grid = (cdiv(rows, block_r), chunks)
+    _fold_e4m3_kernel[grid](words, exponent_words, values, scales, inexact, rows,
+                            words.stride(0), exponent_words.stride(0), values.stride(0),
+                            multiplier, D=d,
+                            BLOCK_R=block_r, num_warps=warps)
+    return values.view(torch.float8_e4m3fn), scales.t()

@@ -354,10 +354,16 @@ def w4a4_linear(x: Tensor, weight: W4A4Weight, bias: Tensor | None = None, *,
         assert kernels is not None
         return kernels.linear_w4a4(x, weight.qdata, weight.scale, weight.global_scale,
                                    weight.fmt, weight.transform, scale, bias,
-                                   prepared=_prepared_weight(kernels, weight, scale))
+                                   prepared=_prepared_weight(kernels, weight, scale),
+                                   prefill_product=PREFILL_PRODUCT)
     return _emulated_linear(x, weight, bias, scale)
 
 
+PREFILL_PRODUCT = "auto"
+"""The product of the kernels' prefill path for every W4A4 layer (``prefill_product`` of
+:func:`kbbq_pl.kernels.linear_w4a4`): ``auto``, bf16 tensor cores on the exactly decoded
+operands, by default; ``fp8`` multiplies MX layers on FP8 tensor cores where their operands
+fold exactly (opt-in; not inside a CUDA graph: docs/kernels.md)."""
 KEEP_DECODED_WEIGHTS = False
 """Whether the kernels keep each weight decoded to bf16 for the prefill path (2 bytes a weight
 on the device, 3.6x the packed codes; the default decodes per call: docs/kernels.md)."""

@@ -152,7 +152,8 @@ class FakeKernels(types.ModuleType):
         return ("prepared", codes, act_global_scale, keep_decoded)
 
     def linear_w4a4(self, x, codes, scales, global_scale, fmt, transform=None,
-                    act_global_scale=None, bias=None, *, prepared=None):
+                    act_global_scale=None, bias=None, *, prepared=None, prefill_product="auto"):
+        assert prefill_product == w4a4.PREFILL_PRODUCT
         self.calls.append((x, codes, scales, global_scale, fmt, transform, act_global_scale,
                            bias, prepared))
         return torch.full((*x.shape[:-1], codes.shape[0]), 7.0, dtype=x.dtype)

@@ -2,13 +2,15 @@
 
     python bench/kernel_budget.py [--copy-gbs 3000] [--bf16-tflops 697] [--gap-us 1.5]
                                   [--sass-per-weight 4.8] [--dynamic] [--independent]
-                                  [--keep-decoded]
+                                  [--keep-decoded] [--fp8-tflops 1200] [--sync-us 10]
     python bench/kernel_budget.py --tiny     # one shape (K = N = 8192), M = 1
 
 For each shape (K = N = 8192 and the Llama-3-8B linears 4096 -> 4096, 4096 -> 6144,
 4096 -> 14336, 14336 -> 4096), M = 1, 16, 64, 256, 1024, 4096 and NVFP4 / MXFP4 with a
 per-block transform (KBBQ-shaped, as the layers run it), for each path that takes M rows
-(decode: the decode GEMM, any M; prefill: weight decode + bf16 product, from 256 on), the
+(decode: the decode GEMM, any M; prefill: weight decode + bf16 product, from 256 on; fp8,
+MXFP4 from 256 on: the opt-in FP8 product, activation codes, both operands folded to E4M3,
+cuBLAS's block-scaled FP8 product after one host read of the fold check), the
 fewest bytes each kernel must move through device memory (each input read once, each output
 written once) and the FLOPs, and from them:
 
@@ -18,6 +20,10 @@ written once) and the FLOPs, and from them:
   activation kernel at 80% (its goal) or at its instructions' rate, whichever is slower
   (``ACT_SASS`` per element, from ``bench/gpu_compile.py`` on Triton 3.6, at 128 per SM clock),
   the weight decode at 80%, the product at the bf16 rate,
+  the FP8 product at ``--fp8-tflops`` (an assumption: about 0.85 of twice the bf16 rate, for
+  the promotion of every 128 along K; to be measured) after ``--sync-us`` for the host read
+  of its fold check (an assumption), each fold at 80% of the copy or at ``FOLD_SASS`` per
+  element, whichever is slower,
   and ``--gap-us`` per kernel boundary inside a CUDA graph (an assumption: to be measured),
   except between the activation kernel and the decode GEMM, which launches as its
   programmatic dependent (already resident, prefetching its weights, when the activation
@@ -43,12 +49,16 @@ import math
 SHAPES = ((8192, 8192), (4096, 4096), (4096, 6144), (4096, 14336), (14336, 4096))
 ROWS = (1, 16, 64, 256, 1024, 4096)
 FORMATS = {"nvfp4": 16, "mxfp4": 32}
-TARGETS = {1: 2.5, 16: 2.2, 4096: 0.95}
+TARGETS = {1: 2.5, 16: 2.2, 4096: 0.95}  # the FP8 product's stretch goal at 4096: 1.3
 ISSUE_RATE = 132 * 128 * 1.98e9
 """Thread-instructions an H100/H200 issues per second (132 SMs, 128 a clock, 1.98 GHz)."""
 ACT_SASS = {"nvfp4": 43.5, "mxfp4": 53.8}
 """SASS per element of the activation kernel with a per-block transform, writing values
 (``bench/gpu_compile.py --kernels act_values``, Triton 3.6, sm_90: 256-row tiles)."""
+ACT_CODES_SASS = {"nvfp4": 51.0, "mxfp4": 60.8}
+"""The same kernel writing packed codes and scale bytes (``--kernels act``, 256-row tiles)."""
+FOLD_SASS = 13.1
+"""SASS per element of the MX fold to E4M3 (``--kernels fold``, Triton 3.6 and 3.9)."""
 BF16_GEMV_FRACTION = 0.76
 DECODE_FRACTION = 0.70
 STREAM_FRACTION = 0.80
@@ -88,14 +98,22 @@ def gaps(path: str, two_passes: bool, dependent: bool, keep_decoded: bool = Fals
     return kernels(path, two_passes, keep_decoded) - 1 - (path == "decode" and dependent)
 
 
-def paths(m: int) -> tuple[str, ...]:
-    return ("decode",) if m < 256 else ("decode", "prefill") if m < 4096 else ("prefill",
-                                                                                 "decode")
+def fold_bytes(rows: int, k: int, d: int) -> int:
+    """The E4M3 fold of ``rows`` MX rows: codes and scale bytes read, E4M3 bytes and one FP32
+    scale per 128 written."""
+    return rows * k // 2 + rows * (k // d) + rows * k + 4 * rows * (k // 128)
+
+
+def paths(m: int, fmt: str = "nvfp4") -> tuple[str, ...]:
+    fp8 = ("fp8",) if fmt == "mxfp4" else ()
+    return (("decode",) if m < 256 else ("decode", "prefill") + fp8 if m < 4096
+            else ("prefill",) + fp8 + ("decode",))
 
 
 def predict(m: int, k: int, n: int, fmt: str, copy: float, bf16_rate: float,
             gap: float, path: str = "decode", sass_per_weight: float = 4.8,
-            dynamic: bool = False, dependent: bool = True, keep_decoded: bool = False) -> dict:
+            dynamic: bool = False, dependent: bool = True, keep_decoded: bool = False,
+            fp8_rate: float = 1200e12, sync: float = 10e-6) -> dict:
     """The figures of one row (seconds, bytes, FLOPs) as the module docstring defines them."""
     d = FORMATS[fmt]
     two_passes = fmt == "nvfp4" and dynamic  # the amax pass first
@@ -113,6 +131,17 @@ def predict(m: int, k: int, n: int, fmt: str, copy: float, bf16_rate: float,
             gemm = max(gemm, flops / bf16_rate, issue)
         predicted = act_time + gemm + gap * gaps(path, two_passes, dependent)
         decode_fraction = product / copy
+    elif path == "fp8":  # activation codes, two folds, the FP8 product after a host read
+        act = 2 * m * k + 4 * k * d + m * k // 2 + m * (k // d)
+        act_time = max(act / (STREAM_FRACTION * copy), m * k * ACT_CODES_SASS[fmt] / ISSUE_RATE)
+        folds = fold_bytes(m, k, d) + fold_bytes(n, k, d)
+        fold_time = max(folds / (STREAM_FRACTION * copy), (m + n) * k * FOLD_SASS / ISSUE_RATE)
+        operands = m * k + n * k + 4 * (m + n) * (k // 128) + 2 * m * n
+        ours_bytes = act + folds + operands
+        floor = (act + folds) / copy + max(flops / (2 * bf16_rate), operands / copy)
+        predicted = (act_time + fold_time + max(flops / fp8_rate, operands / copy)
+                     + sync + 2 * gap)
+        decode_fraction = float("nan")
     else:
         decode = 0 if keep_decoded else weight_decode_bytes(k, n, d)
         operands = 2 * m * k + 2 * n * k + 2 * m * n  # what the bf16 product reads and writes
@@ -150,6 +179,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="the prefill path with the weights kept decoded to bf16 "
                              "(kbbq_pl.quant.w4a4.KEEP_DECODED_WEIGHTS: no weight decode per "
                              "call, 2 bytes a weight held)")
+    parser.add_argument("--fp8-tflops", type=float, default=1200.0,
+                        help="assumed rate of cuBLAS's 1x128 block-scaled FP8 product at large M")
+    parser.add_argument("--sync-us", type=float, default=10.0,
+                        help="assumed microseconds the FP8 product loses to its host read")
     parser.add_argument("--tiny", action="store_true", help="one shape (K = N = 8192), M = 1")
     args = parser.parse_args(argv)
     shapes, rows = (SHAPES[:1], ROWS[:1]) if args.tiny else (SHAPES, ROWS)
@@ -167,9 +200,10 @@ def main(argv: list[str] | None = None) -> None:
     for k, n in shapes:
         for m in rows:
             for fmt in FORMATS:
-                for path in paths(m):
+                for path in paths(m, fmt):
                     r = predict(m, k, n, fmt, copy, rate, gap, path, args.sass_per_weight,
-                                args.dynamic, not args.independent, args.keep_decoded)
+                                args.dynamic, not args.independent, args.keep_decoded,
+                                args.fp8_tflops * 1e12, args.sync_us * 1e-6)
                     gemm_floor = r["gemm_floor_us"]
                     cells = [f"{k}->{n}", m, fmt, path, f"{r['ours_mb']:.1f}",
                              f"{r['bf16_mb']:.1f}", f"{r['gflop']:.3g}", f"{r['floor_us']:.1f}",

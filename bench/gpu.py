@@ -91,7 +91,7 @@ FULL = dict(act_shape=(8192, 8192), check_k=4096, check_n=4096, check_m=(1, 16, 
             hidden=4096, intermediate=14336, heads=32, kv_heads=8, layers=8, vocab=32000,
             prefill=(4, 2048), prompt=32, decode_tokens=64, decode_batches=(1, 16),
             logits_tokens=16, rotate_bytes=150e6, replays=20)
-TINY = dict(act_shape=(20, 64), check_k=128, check_n=24, check_m=(3,),
+TINY = dict(act_shape=(20, 64), check_k=128, check_n=32, check_m=(3,),
             gemm_shapes=((128, 48),), gemm_m=(1, 40), path_m=(1, 20, 40),
             rows_shapes=((128, 24),), rows_m=(20, 40),
             prefill_min_m=32, hidden=32, intermediate=64, heads=2, kv_heads=2, layers=1,

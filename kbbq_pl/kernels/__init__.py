@@ -107,6 +107,7 @@ __all__ = [
     "available",
     "choose_path",
     "decode_weight",
+    "fp8_product_applies",
     "linear_w4a4",
     "prepare_weight",
     "quantize_activation_values",
@@ -396,7 +397,8 @@ def _prefill_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | 
                   out_dtype: torch.dtype, product: str) -> Tensor:
     fmt = prepared.fmt
     scale_kind, _, gain = _scale_meta(fmt)
-    if product == "fp8" and fp8_product_applies(fmt, x2.shape[1], bias, out_dtype):
+    if product == "fp8" and fp8_product_applies(fmt, x2.shape[1], codes.shape[0], bias,
+                                                out_dtype):
         a_codes, a_exponents, _, _ = _activation_kernel(x2, t, fmt, None, "linear_w4a4", None)
         y = _fp8_product(a_codes, a_exponents, codes, scales, fmt.block_size, gain)
         if y is not None:
@@ -431,14 +433,14 @@ def _prefill_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | 
     return acc.to(out_dtype)
 
 
-def fp8_product_applies(fmt: Format, k: int, bias: Tensor | None,
+def fp8_product_applies(fmt: Format, k: int, n: int, bias: Tensor | None,
                         out_dtype: torch.dtype) -> bool:
     """Whether the prefill product ``fp8`` multiplies on FP8 tensor cores: MX (an NVFP4 value
     ``q * s`` needs up to 6 significant bits, E4M3 has 4), ``K`` a multiple of
-    :data:`~kbbq_pl.kernels.exact.FP8_CHUNK`, a bf16 output and no bias (cuBLAS rounds its
-    scaled sum once to the output; a bias added after would round twice).  Elsewhere it runs
-    the bf16 product."""
-    return (fmt.scale_kind == "e8m0" and k % FP8_CHUNK == 0 and bias is None
+    :data:`~kbbq_pl.kernels.exact.FP8_CHUNK`, ``N`` of 16 (cuBLAS's FP8 layouts), a bf16
+    output and no bias (cuBLAS rounds its scaled sum once to the output; a bias added after
+    would round twice).  Elsewhere it runs the bf16 product."""
+    return (fmt.scale_kind == "e8m0" and k % FP8_CHUNK == 0 and n % 16 == 0 and bias is None
             and out_dtype == torch.bfloat16)
 
 
@@ -459,11 +461,19 @@ def _fp8_product(a_codes: Tensor, a_exponents: Tensor, codes: Tensor, exponents:
     w8, w_scales = backend.fold_e4m3(codes, exponents, d, inexact, 1.0 / (gain * gain))
     if int(inexact.item()):
         return None
-    if not a8.is_cuda:
+    if a8.device.type == "cpu":  # the interpreter: the same sum in FP32
         def unfold(v: Tensor, s: Tensor) -> Tensor:
             return v.float() * s.repeat_interleave(FP8_CHUNK, dim=1)
 
         return (unfold(a8, a_scales) @ unfold(w8, w_scales).T).to(torch.bfloat16)
+    return _block_scaled_fp8_mm(a8, a_scales, w8, w_scales)
+
+
+def _block_scaled_fp8_mm(a8: Tensor, a_scales: Tensor, w8: Tensor, w_scales: Tensor) -> Tensor:
+    """cuBLAS's 1 x 128 block-scaled FP8 product ``(a8 * a_scales) (w8 * w_scales)^T`` in bf16:
+    ``a8 [M, K]``, ``w8 [N, K]`` E4M3, the scales FP32 ``[M, K/128]`` and ``[N, K/128]`` with
+    strides ``(1, M)`` and ``(1, N)``, as :func:`torch.nn.functional.scaled_mm` takes them
+    (``torch._scaled_mm`` on a torch without it)."""
     if hasattr(F, "scaled_mm"):
         from torch.nn.functional import ScalingType
 

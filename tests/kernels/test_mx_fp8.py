@@ -114,7 +114,7 @@ def test_triton_fold_gives_the_reference_bytes_scales_and_count():
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp4_no_clip"])
 def test_fp8_prefill_product_is_within_one_rounding(fmt):
     needs_kernels()
-    k, n = 256, 24
+    k, n = 256, 32
     t = make_transform("random", k, 32, seed=5)
     x, q = decode_operands(fmt, 20, n, k, seed=8)
     ref = exact_product(x, q, fmt, t)
@@ -148,11 +148,12 @@ def test_fp8_product_falls_back_where_a_chunk_does_not_fold_or_it_does_not_apply
     assert_within_one_bf16_rounding(y, ref)
     # not MX, K not a multiple of 128, a bias, another output dtype: the bf16 product
     fmt = F.get_format("mxfp4")
-    assert K.fp8_product_applies(fmt, 256, None, torch.bfloat16)
-    assert not K.fp8_product_applies(F.get_format("nvfp4"), 256, None, torch.bfloat16)
-    assert not K.fp8_product_applies(fmt, 96, None, torch.bfloat16)
-    assert not K.fp8_product_applies(fmt, 256, torch.zeros(4), torch.bfloat16)
-    assert not K.fp8_product_applies(fmt, 256, None, torch.float32)
+    assert K.fp8_product_applies(fmt, 256, 48, None, torch.bfloat16)
+    assert not K.fp8_product_applies(F.get_format("nvfp4"), 256, 48, None, torch.bfloat16)
+    assert not K.fp8_product_applies(fmt, 96, 48, None, torch.bfloat16)
+    assert not K.fp8_product_applies(fmt, 256, 40, None, torch.bfloat16)
+    assert not K.fp8_product_applies(fmt, 256, 48, torch.zeros(48), torch.bfloat16)
+    assert not K.fp8_product_applies(fmt, 256, 48, None, torch.float32)
     xn, qn = decode_operands("nvfp4", 12, n, k, seed=9)
     with mock.patch.object(K, "_fp8_product") as fp8:
         y = K.linear_w4a4(xn, qn.qdata, qn.scale, qn.global_scale, "nvfp4", path="prefill",
@@ -172,7 +173,7 @@ def test_layers_take_the_fp8_product_when_asked():
     from kbbq_pl.quant.layers import w4a4_weight
 
     torch.manual_seed(1)
-    layer = nn.Linear(256, 24, bias=False).to(torch.bfloat16)
+    layer = nn.Linear(256, 32, bias=False).to(torch.bfloat16)
     t = make_transform("hadamard", 256, 32)
     weight = w4a4_weight(layer, "mxfp4", t, name="probe")
     layer.weight = nn.Parameter(weight, requires_grad=False)
@@ -191,6 +192,27 @@ def test_layers_take_the_fp8_product_when_asked():
         assert_within_one_bf16_rounding(y, ref)
 
 
+def test_folded_operands_are_what_torch_scaled_mm_takes():
+    """The fold's outputs (shapes, strides, dtypes) pass torch's own checks of the 1 x 128
+    block-scaled product, run on meta tensors (its shape function: no GPU needed)."""
+    needs_kernels()
+    from kbbq_pl.kernels import triton_kernels as tk
+
+    x, q = decode_operands("mxfp4", 24, 48, 384, seed=2)
+    a_codes, a_exponents, _ = K.quantize_activations(x, None, "mxfp4")
+    counter = torch.zeros(1, dtype=torch.int32)
+    folded = [*tk.fold_e4m3(a_codes, a_exponents, 32, counter),
+              *tk.fold_e4m3(q.qdata, q.scale.view(torch.uint8), 32, counter)]
+
+    def meta(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+    y = K._block_scaled_fp8_mm(*[meta(t) for t in folded])
+    assert y.shape == (24, 48) and y.dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="blockwise|scal"):
+        K._block_scaled_fp8_mm(*[meta(t.contiguous()) for t in folded])
+
+
 @pytest.mark.gpu
 def test_gpu_fp8_product_is_within_one_rounding():
     device = torch.device("cuda")
@@ -202,10 +224,11 @@ def test_gpu_fp8_product_is_within_one_rounding():
     for m in (1024, 2048):
         x, q = decode_operands("mxfp4", m, n, k, seed=m)
         ref = exact_product(x, q, "mxfp4", t.cpu()).to(device)
-        with mock.patch.object(K, "_fp8_product", wraps=K._fp8_product) as fp8:
+        with mock.patch.object(K, "_block_scaled_fp8_mm",
+                               wraps=K._block_scaled_fp8_mm) as fp8:
             y = K.linear_w4a4(x.to(device), q.qdata.to(device), q.scale.to(device), None,
                               "mxfp4", t, prefill_product="fp8")
-        assert fp8.call_count == 1
+        assert fp8.call_count == 1  # on FP8, not the bf16 product
         assert_within_one_bf16_rounding(y, ref)
 
 

@@ -192,9 +192,11 @@ def test_layers_take_the_fp8_product_when_asked():
         assert_within_one_bf16_rounding(y, ref)
 
 
-def test_folded_operands_are_what_torch_scaled_mm_takes():
+def test_folded_operands_are_what_torch_scaled_mm_takes(monkeypatch):
     """The fold's outputs (shapes, strides, dtypes) pass torch's own checks of the 1 x 128
-    block-scaled product, run on meta tensors (its shape function: no GPU needed)."""
+    block-scaled product, run on meta tensors (its shape function: no GPU needed), through
+    ``torch.nn.functional.scaled_mm`` and through ``torch._scaled_mm`` (a torch without the
+    former)."""
     needs_kernels()
     from kbbq_pl.kernels import triton_kernels as tk
 
@@ -211,6 +213,9 @@ def test_folded_operands_are_what_torch_scaled_mm_takes():
     assert y.shape == (24, 48) and y.dtype == torch.bfloat16
     with pytest.raises(RuntimeError, match="blockwise|scal"):
         K._block_scaled_fp8_mm(*[meta(t.contiguous()) for t in folded])
+    monkeypatch.delattr(torch.nn.functional, "scaled_mm")
+    y = K._block_scaled_fp8_mm(*[meta(t) for t in folded])
+    assert y.shape == (24, 48) and y.dtype == torch.bfloat16
 
 
 @pytest.mark.gpu

@@ -455,9 +455,10 @@ def gemm_section(run: Run) -> None:
                                               scales[0], prepared=p)
                             for (c, s), p in zip(sets, decoded)])
                         del decoded
-                    on_fp8, fp8_vs_default, fp8_check = float("nan"), float("nan"), ""
+                    on_fp8 = fp8_kept = fp8_vs_default = float("nan")
+                    fp8_check = ""
                     if path == "prefill" and fmt_.scale_kind == "e8m0":
-                        on_fp8, fp8_vs_default, fp8_check = fp8_columns(
+                        on_fp8, fp8_kept, fp8_vs_default, fp8_check = fp8_columns(
                             run, K, x, t, q, name, sets, preps, own_calls, t_bf16)
                         ratios.setdefault((m, name, "MX on FP8"), []).append(on_fp8)
                     independent = float("nan")
@@ -479,8 +480,8 @@ def gemm_section(run: Run) -> None:
                         ratios.setdefault((m, name, "weights kept decoded"), []).append(
                             kept_decoded)
                     rows.append([f"{k}->{n}", m, name, label, path, t_bf16 * 1e3, t_ours * 1e3,
-                                 ratio, target, dynamic, kept_decoded, on_fp8, fp8_vs_default,
-                                 fp8_check, independent, t_product * 1e3,
+                                 ratio, target, dynamic, kept_decoded, on_fp8, fp8_kept,
+                                 fp8_vs_default, fp8_check, independent, t_product * 1e3,
                                  copy_fraction, "yes" if ok else f"NO ({excess:.2g})"])
                     run.add("gemm", k=k, n=n, m=m, fmt=name, transform=label, path=path,
                             bf16_ms=t_bf16 * 1e3, ours_ms=t_ours * 1e3, speedup=ratio,
@@ -494,15 +495,17 @@ def gemm_section(run: Run) -> None:
     table("linear_w4a4 (activation kernel + product) against bf16 torch.matmul; product: the "
           "GEMM alone (decode: the decode GEMM; prefill: weight decode + product); weights "
           "kept decoded: the prefill path with no decode per call (opt-in); MX on FP8: the "
-          "opt-in prefill product 'fp8' (eager: it reads its fold check on the host), beside "
-          "it its time over the default path's, both eager, and its check (within one "
+          "opt-in prefill product 'fp8' (eager: it reads its fold check on the host), with "
+          "the weights folded per call and kept folded, its time over the default path's, "
+          "both eager, and its check (within one "
           "rounding; the fraction of outputs whose bits differ from the default path's); copy: "
           "its bytes over time against the device copy; not a dependent launch: the decode "
           "path with its GEMM launched after the activation kernel ends (M = 1, KBBQ blocks)",
           ["K->N", "M", "format", "transform", "path", "bf16 ms", "W4A4 ms", "x bf16", "target",
            "x bf16, dynamic NVFP4", "x bf16, weights kept decoded", "x bf16, MX on FP8",
-           "FP8 / default, eager", "FP8 check", "x bf16, GEMM not a dependent launch",
-           "product ms", "copy fraction", "within one rounding"], rows)
+           "x bf16, MX on FP8, weights kept folded", "FP8 / default, eager", "FP8 check",
+           "x bf16, GEMM not a dependent launch", "product ms", "copy fraction",
+           "within one rounding"], rows)
     for m, key in ((1, "decode_1"), (16, "decode_16"), (4096, "prefill")):
         for name in run.formats:
             found = {label: ratios[m, name, label] for label in (
@@ -515,12 +518,14 @@ def gemm_section(run: Run) -> None:
                 run.line(f"linear M={m} {name}: x bf16, min / median / max over shapes",
                          "; ".join(f"{label} {spread(v)}" for label, v in found.items()),
                          TARGETS[key], f"{met}/{len(every)}")
-    on_fp8 = [r["speedup"] for r in run.rows if r.get("section") == "fp8" and r["folded"]]
-    if on_fp8:
+    fp8_rows = [r for r in run.rows if r.get("section") == "fp8" and r["folded"]]
+    if fp8_rows:
+        on_fp8 = [r["speedup"] for r in fp8_rows]
+        kept = [r["kept_folded_speedup"] for r in fp8_rows]
         met = sum(v >= TARGETS["prefill_fp8"] for v in on_fp8)
         run.line("linear M=4096 mxfp4 on FP8 tensor cores (opt-in, eager): x bf16, "
-                 "min / median / max", spread(on_fp8), TARGETS["prefill_fp8"],
-                 f"{met}/{len(on_fp8)}")
+                 "min / median / max", f"folded per call {spread(on_fp8)}; weights kept "
+                 f"folded {spread(kept)}", TARGETS["prefill_fp8"], f"{met}/{len(on_fp8)}")
     fractions = [r["copy_fraction"] for r in run.rows if r.get("section") == "gemm"
                  and r["m"] == 1 and r["transform"] == "none"
                  and r["copy_fraction"] == r["copy_fraction"]]
@@ -539,7 +544,8 @@ def fp8_columns(run: Run, K, x, t, q, name: str, sets, preps, default_calls,
                 t_bf16: float) -> tuple[float, float, str]:
     """The opt-in FP8 prefill product of an MX layer (``prefill_product="fp8"``): its speed
     against bf16 (timed eagerly: its fold check is read on the host, which a CUDA graph cannot
-    capture), its eager time over the default path's eager time, and its check: within one
+    capture), the weights folded per call and kept folded (``keep_decoded``), its eager time
+    over the default path's eager time, and its check: within one
     bf16 rounding of the exact product, the fraction of outputs whose bits differ from the
     default path's (the FP8 tensor cores' accumulation against bf16's), and whether it ran on
     FP8 at all (a chunk that does not fold sends it to the bf16 product)."""
@@ -559,12 +565,19 @@ def fp8_columns(run: Run, K, x, t, q, name: str, sets, preps, default_calls,
     differ = float((y.view(torch.int16) != default_calls[0]().view(torch.int16)).float().mean())
     t_fp8 = eager_seconds_per_call(run, calls)
     t_default = eager_seconds_per_call(run, default_calls)
+    kept = [K.prepare_weight(c, s, q.global_scale, name, keep_decoded=True,
+                             prefill_product="fp8") for c, s in sets]  # the weights folded once
+    t_kept = eager_seconds_per_call(run, [
+        functools.partial(K.linear_w4a4, x, c, s, q.global_scale, name, t, prepared=p,
+                          prefill_product="fp8") for (c, s), p in zip(sets, kept)])
+    del kept
     check = (f"{'ran' if folded else 'fell back'}; "
              f"{'yes' if ok else f'NO ({excess:.2g})'}; differ {differ:.3g}")
     run.add("fp8", k=x.shape[1], n=sets[0][0].shape[0], m=x.shape[0], fmt=name,
-            speedup=t_bf16 / t_fp8, over_default=t_fp8 / t_default, within_one_rounding=ok,
-            excess=excess, bits_differ=differ, folded=folded)
-    return t_bf16 / t_fp8, t_fp8 / t_default, check
+            speedup=t_bf16 / t_fp8, kept_folded_speedup=t_bf16 / t_kept,
+            over_default=t_fp8 / t_default, within_one_rounding=ok, excess=excess,
+            bits_differ=differ, folded=folded)
+    return t_bf16 / t_fp8, t_bf16 / t_kept, t_fp8 / t_default, check
 
 
 def spread(values: list[float]) -> str:

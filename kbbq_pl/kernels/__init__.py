@@ -34,7 +34,8 @@ word_order=False) -> (values, pts)``
     The rounded activations as their values ``q * s`` (exact in bf16, and in fp16 for NVFP4),
     bit for bit :func:`~kbbq_pl.kernels.reference.reference_activation_values`.
 ``decode_weight(codes, scales, fmt) -> bf16 [N, K]``, ``prepare_weight(codes, scales,
-global_scale, fmt, act_global_scale=None, *, keep_decoded=False) -> PreparedWeight``
+global_scale, fmt, act_global_scale=None, *, keep_decoded=False, prefill_product="auto")
+-> PreparedWeight``
     The prefill path's weight operand; what a layer works out once per weight and device
     (:mod:`kbbq_pl.kernels.prepared`).
 
@@ -346,21 +347,37 @@ def decode_weight(codes: Tensor, scales: Tensor, fmt: str | Format) -> Tensor:
 
 def prepare_weight(codes: Tensor, scales: Tensor, global_scale: Tensor | float | None,
                    fmt: str | Format, act_global_scale: Tensor | float | None = None, *,
-                   keep_decoded: bool = False) -> PreparedWeight:
+                   keep_decoded: bool = False, prefill_product: str = "auto") -> PreparedWeight:
     """The weight's :class:`~kbbq_pl.kernels.prepared.PreparedWeight`, worked out once for
     :func:`linear_w4a4` (a W4A4 layer keeps one per device): host copies of the static scales,
-    the MX decode shift and, with ``keep_decoded``, the bf16 decode the prefill path multiplies
-    (memory for speed: see :mod:`kbbq_pl.kernels.prepared`)."""
+    the MX decode shift and, with ``keep_decoded``, the prefill product's weight operand
+    (memory for speed: see :mod:`kbbq_pl.kernels.prepared`): the bf16 decode, or for
+    ``prefill_product="fp8"`` (where :func:`fp8_product_applies`) the E4M3 fold when every
+    chunk folds exactly."""
     fmt = fp4_format(fmt)
     codes, scale_bytes = _operand(codes, scales, fmt.block_size, "weight", "prepare_weight")
+    if prefill_product not in PREFILL_PRODUCTS:
+        raise ValueError(f"prepare_weight: prefill_product must be one of {PREFILL_PRODUCTS}, "
+                         f"got {prefill_product!r}")
     gs = None if global_scale is None else _device_scalar(global_scale, codes.device,
                                                           "global_scale")
 
     def decode(c: Tensor, s: Tensor) -> Tensor:
         return decode_weight(c, s, fmt)
 
+    def fold(c: Tensor, s: Tensor) -> tuple[Tensor, Tensor] | None:
+        _require(c.device, "prepare_weight")
+        inexact = torch.zeros(1, dtype=torch.int32, device=c.device)
+        gain = _scale_meta(fmt)[2]
+        folded = _backend().fold_e4m3(c, s, fmt.block_size, inexact, 1.0 / (gain * gain))
+        return None if int(inexact.item()) else folded
+
+    folds = (prefill_product == "fp8"
+             and fp8_product_applies(fmt, 2 * codes.shape[1], codes.shape[0], None,
+                                     torch.bfloat16))
     return _prepare_weight(codes, scale_bytes, gs, fmt, act_global_scale,
-                           keep_decoded=keep_decoded, decode=decode)
+                           keep_decoded=keep_decoded, decode=decode,
+                           fold=fold if folds else None)
 
 
 PREFILL_MIN_M = 1024
@@ -400,7 +417,8 @@ def _prefill_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | 
     if product == "fp8" and fp8_product_applies(fmt, x2.shape[1], codes.shape[0], bias,
                                                 out_dtype):
         a_codes, a_exponents, _, _ = _activation_kernel(x2, t, fmt, None, "linear_w4a4", None)
-        y = _fp8_product(a_codes, a_exponents, codes, scales, fmt.block_size, gain)
+        y = _fp8_product(a_codes, a_exponents, codes, scales, fmt.block_size, gain,
+                         prepared.folded)
         if y is not None:
             return y
         a, pts = decode_weight(a_codes, a_exponents, fmt), None  # the bf16 product instead
@@ -445,7 +463,8 @@ def fp8_product_applies(fmt: Format, k: int, n: int, bias: Tensor | None,
 
 
 def _fp8_product(a_codes: Tensor, a_exponents: Tensor, codes: Tensor, exponents: Tensor,
-                 d: int, gain: float) -> Tensor | None:
+                 d: int, gain: float, folded: tuple[Tensor, Tensor] | None = None
+                 ) -> Tensor | None:
     """``A W^T`` of MX operands on FP8 tensor cores, bf16 ``[M, N]``; None where a chunk of
     either operand does not fold exactly into E4M3 (:func:`~kbbq_pl.kernels.exact.
     fold_mx_to_e4m3`; read on the host: one device-to-host copy a call).
@@ -454,11 +473,12 @@ def _fp8_product(a_codes: Tensor, a_exponents: Tensor, codes: Tensor, exponents:
     the ``no_clip`` gain ``1 / gain^2`` in it), and cuBLAS's 1 x 128 block-scaled FP8 product
     (Hopper) sums each chunk on the tensor cores and adds it times its two scales to an FP32
     accumulator.  Without a GPU (Triton's interpreter) the same sum is formed in FP32 from the
-    folded operands."""
+    folded operands.  ``folded``: the weights already folded (kept by :func:`prepare_weight`)."""
     backend = _backend()
     inexact = torch.zeros(1, dtype=torch.int32, device=codes.device)
     a8, a_scales = backend.fold_e4m3(a_codes, a_exponents, d, inexact)
-    w8, w_scales = backend.fold_e4m3(codes, exponents, d, inexact, 1.0 / (gain * gain))
+    w8, w_scales = folded or backend.fold_e4m3(codes, exponents, d, inexact,
+                                               1.0 / (gain * gain))
     if int(inexact.item()):
         return None
     if a8.device.type == "cpu":  # the interpreter: the same sum in FP32

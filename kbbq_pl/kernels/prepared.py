@@ -5,7 +5,8 @@ otherwise work out in every call: the MX decode shift (:func:`kbbq_pl.kernels.ex
 one read of the exponents' range), host copies of the static scales (so the prefill path can
 hand cuBLAS one FP32 ``alpha`` without a device-to-host copy per call) and, opt-in, the weights
 decoded to bf16 (:attr:`PreparedWeight.decoded`, 2 bytes a weight: the prefill path's decode
-then costs nothing per call, at 3.6 to 3.8 times the packed weights' memory).  The codes and
+then costs nothing per call, at 3.6 to 3.8 times the packed weights' memory) or, for the FP8
+product of MX, folded to E4M3 (:attr:`PreparedWeight.folded`, 1.03 bytes a weight).  The codes and
 scales themselves are not held: every product is given them (the decode path reads them as
 they are stored, see :mod:`kbbq_pl.kernels.skinny`), so a cache of prepared weights keyed
 weakly by the codes lets them go.  Pure torch; the decode itself is the Triton kernel of
@@ -32,6 +33,9 @@ class PreparedWeight:
         host_global: the NVFP4 per-tensor scale as a float, read once; None if not read.
         host_act_scale: the static NVFP4 activation scale as a float, when the layer has one.
         decoded: ``q * s`` in bf16 ``[N, K]`` (without the per-tensor scale), or None.
+        folded: for the FP8 prefill product of MX, the weights folded to E4M3 and their FP32
+            scales per 128 along K (:func:`kbbq_pl.kernels.exact.fold_mx_to_e4m3`, exact), or
+            None.
     """
 
     fmt: Format
@@ -39,6 +43,7 @@ class PreparedWeight:
     host_global: float | None = None
     host_act_scale: float | None = None
     decoded: Tensor | None = None
+    folded: tuple[Tensor, Tensor] | None = None
     _shift: int | None = None
 
     def shift(self, scales: Tensor) -> int | None:
@@ -66,19 +71,25 @@ class PreparedWeight:
 
 def prepare_weight(codes: Tensor, scales: Tensor, global_scale: Tensor | None, fmt: Format,
                    act_global_scale: Tensor | float | None = None, *,
-                   keep_decoded: bool = False, decode=None,
+                   keep_decoded: bool = False, decode=None, fold=None,
                    host_scalars: bool = True) -> PreparedWeight:
     """A :class:`PreparedWeight` for these codes.  ``host_scalars`` reads the per-tensor scales
     to the host now (one device-to-host copy each, once; MX reads its exponents' range too);
-    ``decode(codes, scales)`` (the Triton decode) fills :attr:`PreparedWeight.decoded` when
-    ``keep_decoded``."""
+    with ``keep_decoded`` the prefill product's weight operand is kept: ``fold(codes,
+    scales)`` (the E4M3 fold, for the FP8 product: ``(values, scales)``, or None where the
+    weights do not fold exactly) fills :attr:`PreparedWeight.folded` when given and the
+    weights fold, else ``decode(codes, scales)`` (the Triton decode) fills
+    :attr:`PreparedWeight.decoded`."""
     prepared = PreparedWeight(fmt, tuple(codes.shape))
     if host_scalars:
         prepared.host_global = None if global_scale is None else float(global_scale)
         prepared.host_act_scale = None if act_global_scale is None else float(act_global_scale)
         prepared.shift(scales)
     if keep_decoded:
-        if decode is None:
-            raise ValueError("keep_decoded needs the decode function")
-        prepared.decoded = decode(codes, scales)
+        if fold is not None:
+            prepared.folded = fold(codes, scales)
+        if prepared.folded is None:
+            if decode is None:
+                raise ValueError("keep_decoded needs the decode function")
+            prepared.decoded = decode(codes, scales)
     return prepared

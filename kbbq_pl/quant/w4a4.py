@@ -365,8 +365,10 @@ PREFILL_PRODUCT = "auto"
 operands, by default; ``fp8`` multiplies MX layers on FP8 tensor cores where their operands
 fold exactly (opt-in; not inside a CUDA graph: docs/kernels.md)."""
 KEEP_DECODED_WEIGHTS = False
-"""Whether the kernels keep each weight decoded to bf16 for the prefill path (2 bytes a weight
-on the device, 3.6x the packed codes; the default decodes per call: docs/kernels.md)."""
+"""Whether the kernels keep each weight as the prefill product takes it: decoded to bf16 (2
+bytes a weight on the device, 3.6x the packed codes) or, with ``PREFILL_PRODUCT = "fp8"``, an
+MX weight folded to E4M3 (1.03 bytes a weight); the default decodes or folds per call:
+docs/kernels.md."""
 _prepared: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -375,13 +377,14 @@ def _prepared_weight(kernels: ModuleType, weight: W4A4Weight, act_scale: Tensor 
     products choose their path by the number of rows), made at its first product there and
     kept while its codes live unchanged.  The first product reads the static scales to the
     host: warm a layer up before capturing it in a CUDA graph."""
-    key = (weight.qdata._version, weight.scale._version, KEEP_DECODED_WEIGHTS,
+    key = (weight.qdata._version, weight.scale._version, KEEP_DECODED_WEIGHTS, PREFILL_PRODUCT,
            None if act_scale is None else (id(act_scale), act_scale._version))
     entry = _prepared.get(weight.qdata)
     if entry is None or entry[0] != key:
         prepared = kernels.prepare_weight(weight.qdata, weight.scale, weight.global_scale,
                                           weight.fmt, act_scale,
-                                          keep_decoded=KEEP_DECODED_WEIGHTS)
+                                          keep_decoded=KEEP_DECODED_WEIGHTS,
+                                          prefill_product=PREFILL_PRODUCT)
         entry = _prepared[weight.qdata] = (key, prepared)
     return entry[1]
 

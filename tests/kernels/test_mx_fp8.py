@@ -163,6 +163,41 @@ def test_fp8_product_falls_back_where_a_chunk_does_not_fold_or_it_does_not_apply
                                         path="prefill"))
 
 
+def test_weights_kept_folded_give_the_same_bits():
+    """``prepare_weight(..., keep_decoded=True, prefill_product="fp8")`` keeps an MX weight
+    folded to E4M3 (the fold checked once), and the product with it gives the bits of the
+    per-call fold without folding the weights again; a weight that does not fold keeps its
+    bf16 decode instead; NVFP4 and the default product keep the bf16 decode."""
+    needs_kernels()
+    from kbbq_pl.kernels import triton_kernels as tk
+
+    k, n = 256, 32
+    x, q = decode_operands("mxfp4_no_clip", 20, n, k, seed=4)
+    per_call = K.linear_w4a4(x, q.qdata, q.scale, None, "mxfp4_no_clip", path="prefill",
+                             prefill_product="fp8")
+    kept = K.prepare_weight(q.qdata, q.scale, None, "mxfp4_no_clip", keep_decoded=True,
+                            prefill_product="fp8")
+    assert kept.decoded is None and kept.folded is not None
+    assert kept.folded[0].dtype == torch.float8_e4m3fn and kept.folded[0].shape == (n, k)
+    with mock.patch.object(tk, "fold_e4m3", wraps=tk.fold_e4m3) as fold:
+        y = K.linear_w4a4(x, q.qdata, q.scale, None, "mxfp4_no_clip", path="prefill",
+                          prefill_product="fp8", prepared=kept)
+    assert fold.call_count == 1  # the activations only
+    assert torch.equal(y, per_call)
+    exponents = q.scale.view(torch.uint8).clone()
+    exponents[3, 1] -= 20
+    unfolded = K.prepare_weight(q.qdata, exponents, None, "mxfp4", keep_decoded=True,
+                                prefill_product="fp8")
+    assert unfolded.folded is None and unfolded.decoded is not None
+    for fmt, product in (("nvfp4", "fp8"), ("mxfp4", "auto")):
+        _, qf = decode_operands(fmt, 1, n, k)
+        prepared = K.prepare_weight(qf.qdata, qf.scale, qf.global_scale, fmt,
+                                    keep_decoded=True, prefill_product=product)
+        assert prepared.folded is None and prepared.decoded is not None
+    with pytest.raises(ValueError, match="prefill_product must be one of"):
+        K.prepare_weight(q.qdata, q.scale, None, "mxfp4", prefill_product="fp4")
+
+
 def test_layers_take_the_fp8_product_when_asked():
     """``kbbq_pl.quant.w4a4.PREFILL_PRODUCT = "fp8"``: an MX W4A4 layer (no bias) on a kernel
     device multiplies its prefill rows on FP8; the default leaves it to the bf16 product."""
@@ -181,11 +216,15 @@ def test_layers_take_the_fp8_product_when_asked():
     outputs = {}
     with torch.no_grad(), mock.patch.object(w4a4, "KERNEL_DEVICE_TYPES", ("cpu",)), \
             mock.patch.object(K, "PREFILL_MIN_M", 32):
-        for product in ("auto", "fp8"):
+        for product, keep in (("auto", False), ("fp8", False), ("fp8", True)):
             with mock.patch.object(w4a4, "PREFILL_PRODUCT", product), \
+                    mock.patch.object(w4a4, "KEEP_DECODED_WEIGHTS", keep), \
                     mock.patch.object(K, "_fp8_product", wraps=K._fp8_product) as fp8:
-                outputs[product] = layer(x)
+                outputs[product, keep] = layer(x)
             assert fp8.call_count == (product == "fp8")
+            prepared = w4a4._prepared[layer.weight.qdata][1]
+            assert (prepared.folded is not None) == keep
+    assert torch.equal(outputs["fp8", False], outputs["fp8", True])
     ref = K.reference_linear_w4a4(x.float(), weight.qdata, weight.scale, None, "mxfp4",
                                   t).double()
     for y in outputs.values():

@@ -148,7 +148,8 @@ class FakeKernels(types.ModuleType):
         return self.ok
 
     def prepare_weight(self, codes, scales, global_scale, fmt, act_global_scale=None, *,
-                       keep_decoded=False):
+                       keep_decoded=False, prefill_product="auto"):
+        assert prefill_product == w4a4.PREFILL_PRODUCT
         return ("prepared", codes, act_global_scale, keep_decoded)
 
     def linear_w4a4(self, x, codes, scales, global_scale, fmt, transform=None,

@@ -120,6 +120,7 @@ class Run:
     start: float = field(default_factory=time.perf_counter)
     copy_rate: float | None = None  # bytes/s of a device copy (read + written)
     trace_dir: Path | None = None  # where the model section's profiler traces go
+    failed: set[str] = field(default_factory=set)  # opt-in rows that raised: not tried again
 
     @property
     def cuda(self) -> bool:
@@ -157,6 +158,24 @@ def section(run: Run, name: str, needs_s: float = 0.0):
             torch.cuda.synchronize()
     else:
         run.notes.append(f"{name}: {time.perf_counter() - began:.0f} s")
+
+
+def attempt(run: Run, what: str, call, fallback):
+    """``call()``, or ``fallback`` where it raises (printed, noted, and not tried again this
+    run): an opt-in row (the FP8 product) must not cost its section the other rows."""
+    if what in run.failed:
+        return fallback
+    try:
+        return call()
+    except Exception as error:
+        traceback.print_exc()
+        run.failed.add(what)
+        run.notes.append(f"{what}: FAILED ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0][:160]}); the run goes on without it")
+        return fallback
+
+
+FP8_ROWS = "MX on FP8 tensor cores"
 
 
 def table(title: str, header: list[str], rows: list[list]) -> None:
@@ -317,8 +336,13 @@ def check_section(run: Run) -> None:
             if get_format(name).scale_kind == "e8m0":
                 more.append(("prefill", "fp8"))
             for path, product in [(chosen, "auto")] + more * (chosen == "prefill"):
-                y = K.linear_w4a4(x, q.qdata, q.scale, q.global_scale, name, t,
-                                  prepared=prepared, path=path, prefill_product=product)
+                call = functools.partial(K.linear_w4a4, x, q.qdata, q.scale, q.global_scale,
+                                         name, t, prepared=prepared, path=path,
+                                         prefill_product=product)
+                y = call() if product != "fp8" else attempt(run, FP8_ROWS, call, None)
+                if y is None:
+                    rows.append([name, m, path, product, "FAILED", float("nan")])
+                    continue
                 ok, excess = within_one_rounding(y, ref)
                 paths_all += 1
                 paths_ok += ok
@@ -458,9 +482,12 @@ def gemm_section(run: Run) -> None:
                     on_fp8 = fp8_kept = fp8_vs_default = float("nan")
                     fp8_check = ""
                     if path == "prefill" and fmt_.scale_kind == "e8m0":
-                        on_fp8, fp8_kept, fp8_vs_default, fp8_check = fp8_columns(
-                            run, K, x, t, q, name, sets, preps, own_calls, t_bf16)
-                        ratios.setdefault((m, name, "MX on FP8"), []).append(on_fp8)
+                        on_fp8, fp8_kept, fp8_vs_default, fp8_check = attempt(
+                            run, FP8_ROWS, functools.partial(
+                                fp8_columns, run, K, x, t, q, name, sets, preps, own_calls,
+                                t_bf16), (math.nan, math.nan, math.nan, "FAILED"))
+                        if on_fp8 == on_fp8:
+                            ratios.setdefault((m, name, "MX on FP8"), []).append(on_fp8)
                     independent = float("nan")
                     if (m == 1 and label != "none"  # each costs a compile: one row a shape
                             and skinny.dependent_launch(device)):
@@ -1148,15 +1175,18 @@ def model_section(run: Run) -> None:
                 returned.append(y is not None)
                 return y
 
-            with mock.patch.object(w4a4, "PREFILL_PRODUCT", "fp8"):
-                fp8_prefill = base["prefill"] / act_seconds(run, functools.partial(prefill,
-                                                                                   model))
-                with mock.patch.object(K, "_fp8_product", spy):
-                    on_fp8 = prefill(model).float()
-            default = prefill(model).float()
-            fp8_logits = (f"{float((on_fp8 - default).abs().max() / default.abs().max()):.2g}; "
-                          f"on FP8 in {sum(returned)} of {len(returned)} linears tried")
-            del on_fp8, default
+            def fp8_run(model=model) -> tuple[float, str]:
+                with mock.patch.object(w4a4, "PREFILL_PRODUCT", "fp8"):
+                    ratio = base["prefill"] / act_seconds(run, functools.partial(prefill,
+                                                                                 model))
+                    with mock.patch.object(K, "_fp8_product", spy):
+                        on_fp8 = prefill(model).float()
+                default = prefill(model).float()
+                diff = float((on_fp8 - default).abs().max() / default.abs().max())
+                return ratio, (f"{diff:.2g}; on FP8 in {sum(returned)} of {len(returned)} "
+                               "linears tried")
+
+            fp8_prefill, fp8_logits = attempt(run, FP8_ROWS, fp8_run, (math.nan, "FAILED"))
             run.line(f"model {name}: prefill x bf16, MX on FP8 (opt-in; logits max |diff| "
                      f"against the default path, over max |logit|: {fp8_logits})",
                      f"{fp8_prefill:.3g}", TARGETS["model_prefill"],

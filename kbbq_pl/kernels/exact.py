@@ -145,11 +145,11 @@ def fold_mx_to_e4m3(codes: Tensor, exponents: Tensor) -> tuple[Tensor, Tensor, T
     values times one power of two per chunk of :data:`FP8_CHUNK`: ``(values float8_e4m3fn
     [R, K], scales fp32 [R, ceil(K/128)], inexact bool [R, ceil(K/128)])``.
 
-    E2M1 values are exact in E4M3 (the paper's Sec. "Number Formats": 2 significant bits
-    against 4), and so is ``q * 2^d`` for ``FP8_FLOOR <= d <= FP8_HEADROOM``.  A chunk's scale
-    is ``2^(e_max - FP8_HEADROOM)``, ``e_max`` the largest exponent among its blocks that hold a
-    nonzero code (a NaN block is NaN throughout and does not count; a chunk with none has
-    scale 1), so ``values * scale`` is ``q * 2^e`` exactly wherever the chunk is not
+    E2M1 values are exact in E4M3 (2 significant bits against 4; the formats of the paper's
+    App. "Format Constants"), and so is ``q * 2^d`` for ``FP8_FLOOR <= d <= FP8_HEADROOM``.
+    A chunk's scale is ``2^(e_max - FP8_HEADROOM)``, ``e_max`` the largest exponent among its
+    blocks that hold a nonzero code (a NaN block is NaN throughout and does not count; a chunk
+    with none has scale 1), so ``values * scale`` is ``q * 2^e`` exactly wherever the chunk is not
     ``inexact``: a nonzero code in a block more than ``FP8_HEADROOM - FP8_FLOOR = 14`` binades
     under the chunk's largest.  The product of two folded operands is then the W4A4 product up
     to its accumulation, with one scale multiply per chunk (the promotion of DeepGEMM's

@@ -6,8 +6,8 @@ one read of the exponents' range), host copies of the static scales (so the pref
 hand cuBLAS one FP32 ``alpha`` without a device-to-host copy per call) and, opt-in, the weights
 decoded to bf16 (:attr:`PreparedWeight.decoded`, 2 bytes a weight: the prefill path's decode
 then costs nothing per call, at 3.6 to 3.8 times the packed weights' memory) or, for the FP8
-product of MX, folded to E4M3 (:attr:`PreparedWeight.folded`, 1.03 bytes a weight).  The codes and
-scales themselves are not held: every product is given them (the decode path reads them as
+product of MX, folded to E4M3 (:attr:`PreparedWeight.folded`, 1.03 bytes a weight).  The codes
+and scales themselves are not held: every product is given them (the decode path reads them as
 they are stored, see :mod:`kbbq_pl.kernels.skinny`), so a cache of prepared weights keyed
 weakly by the codes lets them go.  Pure torch; the decode itself is the Triton kernel of
 :mod:`kbbq_pl.kernels.triton_kernels`.

@@ -787,7 +787,6 @@ def _fold_e4m3_kernel(words_ptr, exps_ptr, values_ptr, scales_ptr, inexact_ptr, 
     tl.atomic_add(inexact_ptr, tl.sum(inexact, axis=0))
     shift = tl.minimum(tl.maximum(shift, -8), 6)
     step = ((shift + 127) << 23).to(tl.float32, bitcast=True)  # 2^shift
-    step = tl.where(nan_block, float("nan"), step)
     values = tl.reshape(tl.join(_e4m3_word(words, step, nan_block, 0),
                                 _e4m3_word(words, step, nan_block, 16)), [BLOCK_R, 32])
     v = chunk * 32 + tl.arange(0, 32)

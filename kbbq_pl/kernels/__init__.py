@@ -374,7 +374,7 @@ def prepare_weight(codes: Tensor, scales: Tensor, global_scale: Tensor | float |
 
     folds = (prefill_product == "fp8"
              and fp8_product_applies(fmt, 2 * codes.shape[1], codes.shape[0], None,
-                                     torch.bfloat16))
+                                     torch.bfloat16, codes.device))
     return _prepare_weight(codes, scale_bytes, gs, fmt, act_global_scale,
                            keep_decoded=keep_decoded, decode=decode,
                            fold=fold if folds else None)
@@ -415,7 +415,7 @@ def _prefill_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | 
     fmt = prepared.fmt
     scale_kind, _, gain = _scale_meta(fmt)
     if product == "fp8" and fp8_product_applies(fmt, x2.shape[1], codes.shape[0], bias,
-                                                out_dtype):
+                                                out_dtype, x2.device):
         a_codes, a_exponents, _, _ = _activation_kernel(x2, t, fmt, None, "linear_w4a4", None)
         y = _fp8_product(a_codes, a_exponents, codes, scales, fmt.block_size, gain,
                          prepared.folded)
@@ -452,14 +452,20 @@ def _prefill_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | 
 
 
 def fp8_product_applies(fmt: Format, k: int, n: int, bias: Tensor | None,
-                        out_dtype: torch.dtype) -> bool:
+                        out_dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the prefill product ``fp8`` multiplies on FP8 tensor cores: MX (an NVFP4 value
     ``q * s`` needs up to 6 significant bits, E4M3 has 4), ``K`` a multiple of
     :data:`~kbbq_pl.kernels.exact.FP8_CHUNK`, ``N`` of 16 (cuBLAS's FP8 layouts), a bf16
     output and no bias (cuBLAS rounds its scaled sum once to the output; a bias added after
-    would round twice).  Elsewhere it runs the bf16 product."""
-    return (fmt.scale_kind == "e8m0" and k % FP8_CHUNK == 0 and n % 16 == 0 and bias is None
-            and out_dtype == torch.bfloat16)
+    would round twice), on Hopper (compute capability 9.x: cuBLAS's 1 x 128 block scaling is
+    Hopper's) or on the CPU under Triton's interpreter.  Elsewhere it runs the bf16
+    product."""
+    if device.type == "cuda":
+        on_device = torch.cuda.get_device_capability(device)[0] == 9
+    else:
+        on_device = device.type == "cpu"
+    return (on_device and fmt.scale_kind == "e8m0" and k % FP8_CHUNK == 0 and n % 16 == 0
+            and bias is None and out_dtype == torch.bfloat16)
 
 
 def _fp8_product(a_codes: Tensor, a_exponents: Tensor, codes: Tensor, exponents: Tensor,

@@ -148,12 +148,17 @@ def test_fp8_product_falls_back_where_a_chunk_does_not_fold_or_it_does_not_apply
     assert_within_one_bf16_rounding(y, ref)
     # not MX, K not a multiple of 128, a bias, another output dtype: the bf16 product
     fmt = F.get_format("mxfp4")
-    assert K.fp8_product_applies(fmt, 256, 48, None, torch.bfloat16)
-    assert not K.fp8_product_applies(F.get_format("nvfp4"), 256, 48, None, torch.bfloat16)
-    assert not K.fp8_product_applies(fmt, 96, 48, None, torch.bfloat16)
-    assert not K.fp8_product_applies(fmt, 256, 40, None, torch.bfloat16)
-    assert not K.fp8_product_applies(fmt, 256, 48, torch.zeros(48), torch.bfloat16)
-    assert not K.fp8_product_applies(fmt, 256, 48, None, torch.float32)
+    cpu = torch.device("cpu")
+    assert K.fp8_product_applies(fmt, 256, 48, None, torch.bfloat16, cpu)
+    assert not K.fp8_product_applies(F.get_format("nvfp4"), 256, 48, None, torch.bfloat16, cpu)
+    assert not K.fp8_product_applies(fmt, 96, 48, None, torch.bfloat16, cpu)
+    assert not K.fp8_product_applies(fmt, 256, 40, None, torch.bfloat16, cpu)
+    assert not K.fp8_product_applies(fmt, 256, 48, torch.zeros(48), torch.bfloat16, cpu)
+    assert not K.fp8_product_applies(fmt, 256, 48, None, torch.float32, cpu)
+    for capability, applies in (((9, 0), True), ((8, 0), False), ((10, 0), False)):
+        with mock.patch.object(torch.cuda, "get_device_capability", return_value=capability):
+            assert K.fp8_product_applies(fmt, 256, 48, None, torch.bfloat16,
+                                         torch.device("cuda")) == applies
     xn, qn = decode_operands("nvfp4", 12, n, k, seed=9)
     with mock.patch.object(K, "_fp8_product") as fp8:
         y = K.linear_w4a4(xn, qn.qdata, qn.scale, qn.global_scale, "nvfp4", path="prefill",

@@ -458,10 +458,11 @@ def fp8_product_applies(fmt: Format, k: int, n: int, bias: Tensor | None,
     :data:`~kbbq_pl.kernels.exact.FP8_CHUNK`, ``N`` of 16 (cuBLAS's FP8 layouts), a bf16
     output and no bias (cuBLAS rounds its scaled sum once to the output; a bias added after
     would round twice), on Hopper (compute capability 9.x: cuBLAS's 1 x 128 block scaling is
-    Hopper's) or on the CPU under Triton's interpreter.  Elsewhere it runs the bf16
-    product."""
+    Hopper's) outside a CUDA graph's capture (the product reads its fold check on the host),
+    or on the CPU under Triton's interpreter.  Elsewhere it runs the bf16 product."""
     if device.type == "cuda":
-        on_device = torch.cuda.get_device_capability(device)[0] == 9
+        on_device = (torch.cuda.get_device_capability(device)[0] == 9
+                     and not torch.cuda.is_current_stream_capturing())
     else:
         on_device = device.type == "cpu"
     return (on_device and fmt.scale_kind == "e8m0" and k % FP8_CHUNK == 0 and n % 16 == 0
@@ -540,8 +541,8 @@ def linear_w4a4(
       epilogue reads the scales on the device; ``auto`` is ``cublas`` where ``alpha`` is
       known, else ``triton``; ``fp8`` (opt-in, MX) folds both operands to E4M3 with one
       scale per 128 along K and multiplies on FP8 tensor cores where every chunk folds
-      exactly (checked on the host each call, so not inside a CUDA graph), else as ``auto``
-      (:func:`fp8_product_applies`).
+      exactly (checked on the host each call; inside a CUDA graph's capture it runs as
+      ``auto``), else as ``auto`` (:func:`fp8_product_applies`).
 
     Every path gives each output within one rounding (to ``x``'s dtype) of the exact product
     of the same codes.  ``prepared`` (from :func:`prepare_weight`, for these weights) spares

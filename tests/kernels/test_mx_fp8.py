@@ -155,8 +155,11 @@ def test_fp8_product_falls_back_where_a_chunk_does_not_fold_or_it_does_not_apply
     assert not K.fp8_product_applies(fmt, 256, 40, None, torch.bfloat16, cpu)
     assert not K.fp8_product_applies(fmt, 256, 48, torch.zeros(48), torch.bfloat16, cpu)
     assert not K.fp8_product_applies(fmt, 256, 48, None, torch.float32, cpu)
-    for capability, applies in (((9, 0), True), ((8, 0), False), ((10, 0), False)):
-        with mock.patch.object(torch.cuda, "get_device_capability", return_value=capability):
+    for capability, capturing, applies in (((9, 0), False, True), ((9, 0), True, False),
+                                           ((8, 0), False, False), ((10, 0), False, False)):
+        with mock.patch.object(torch.cuda, "get_device_capability", return_value=capability), \
+                mock.patch.object(torch.cuda, "is_current_stream_capturing",
+                                  return_value=capturing):
             assert K.fp8_product_applies(fmt, 256, 48, None, torch.bfloat16,
                                          torch.device("cuda")) == applies
     xn, qn = decode_operands("nvfp4", 12, n, k, seed=9)
@@ -263,7 +266,7 @@ def test_folded_operands_are_what_torch_scaled_mm_takes(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_product_is_within_one_rounding():
+def test_gpu_fp8_product_is_within_one_rounding_and_stays_out_of_graphs():
     device = torch.device("cuda")
     needs_kernels(device)
     if torch.cuda.get_device_capability(device)[0] != 9:
@@ -279,6 +282,15 @@ def test_gpu_fp8_product_is_within_one_rounding():
                               "mxfp4", t, prefill_product="fp8")
         assert fp8.call_count == 1  # on FP8, not the bf16 product
         assert_within_one_bf16_rounding(y, ref)
+    # captured in a CUDA graph (no host read there): the bf16 product, its bits
+    args = (x.to(device), q.qdata.to(device), q.scale.to(device), None, "mxfp4", t)
+    default = K.linear_w4a4(*args)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = K.linear_w4a4(*args, prefill_product="fp8")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, default)
 
 
 FOLD_COMPILE_CHECK = """

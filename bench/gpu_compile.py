@@ -53,8 +53,8 @@ from kbbq_pl.kernels import triton_kernels as tk  # noqa: E402
 ACT_SIGNATURE = {
     "x_ptr": "*bf16", "t_ptr": "*fp32", "codes_ptr": "*u8", "scales_ptr": "*u8",
     "global_ptr": "*fp32", "amax_ptr": "*fp32", "pts_ptr": "*fp32", "values_ptr": "*bf16",
-    "M": "i32", "n_blocks": "i32", "stride_xm": "i32", "stride_cm": "i32", "stride_sm": "i32",
-    "stride_vm": "i32", "m_bucket": "i32",
+    "inexact_ptr": "*i32", "M": "i32", "n_blocks": "i32", "stride_xm": "i32", "stride_cm": "i32",
+    "stride_sm": "i32", "stride_vm": "i32", "m_bucket": "i32",
 }
 GEMM_SIGNATURE = {
     "a_ptr": "*u8", "a_scale_ptr": "*u8", "w_ptr": "*u8", "w_scale_ptr": "*u8",
@@ -308,13 +308,29 @@ FOLD_SIGNATURE = {"words_ptr": "*i32", "exps_ptr": "*i32", "values_ptr": "*i32",
 
 
 def fold_rows(target: GPUTarget) -> list[dict]:
-    """The MX fold to E4M3 of the FP8 prefill product (both operands, each call), at its tile."""
+    """The MX fold to E4M3 of the FP8 prefill product: the weights' fold kernel and the
+    activation kernel folding its values (a per-block transform), each at its tile."""
     block_r, warps = tk.FOLD_TILE
     start = time.perf_counter()
     compiled = compile_kernel(tk._fold_e4m3_kernel, FOLD_SIGNATURE, dict(D=32, BLOCK_R=block_r),
                               target, num_warps=warps, enable_fp_fusion=True)
-    return [_row("fold to e4m3 mxfp4", f"{block_r}x128 w={warps}", compiled,
+    rows = [_row("fold to e4m3 mxfp4", f"{block_r}x128 w={warps}", compiled,
                  block_r * 128 / (32 * warps), start)]
+    tile = dict(tk.E4M3_TILE)
+    warps = tile.pop("num_warps")
+    constants = dict(D=32, SCALE_KIND=tk.SCALE_E8M0, ROUNDING=0, GAIN=1.0, HAS_T=True,
+                     STATIC=False, AMAX_ONLY=False, PRODUCT=tk.PRODUCT_FMA_CHAIN,
+                     WRITE_CODES=False, WRITE_VALUES=False, WORD_ORDER=False,
+                     PARTS_FIRST=tk.PARTS_FIRST, LAUNCH_DEPENDENTS=False, WRITE_E4M3=True,
+                     **tile)
+    signature = dict(ACT_SIGNATURE, scales_ptr="*fp32")
+    start = time.perf_counter()
+    compiled = compile_kernel(tk._quantize_activations_kernel, signature, constants, target,
+                              num_warps=warps, enable_fp_fusion=True)
+    rows.append(_row("act e4m3 (folded) mxfp4", f"BM={tile['BLOCK_M']} NB={tile['NB']} "
+                     f"w={warps}", compiled, tile["BLOCK_M"] * tile["NB"] * 32 / (32 * warps),
+                     start))
+    return rows
 
 
 def gemm_rows(target: GPUTarget, small: bool, configs, decoded: bool = False) -> list[dict]:

@@ -9,8 +9,9 @@ For each shape (K = N = 8192 and the Llama-3-8B linears 4096 -> 4096, 4096 -> 61
 4096 -> 14336, 14336 -> 4096), M = 1, 16, 64, 256, 1024, 4096 and NVFP4 / MXFP4 with a
 per-block transform (KBBQ-shaped, as the layers run it), for each path that takes M rows
 (decode: the decode GEMM, any M; prefill: weight decode + bf16 product, from 256 on; fp8,
-MXFP4 from 256 on: the opt-in FP8 product, activation codes, both operands folded to E4M3,
-cuBLAS's block-scaled FP8 product after one host read of the fold check), the
+MXFP4 from 256 on: the opt-in FP8 product, the activations folded to E4M3 by the activation
+kernel, the weights by the fold kernel, cuBLAS's block-scaled FP8 product after one host read
+of the fold check), the
 fewest bytes each kernel must move through device memory (each input read once, each output
 written once) and the FLOPs, and from them:
 
@@ -22,8 +23,8 @@ written once) and the FLOPs, and from them:
   the weight decode at 80%, the product at the bf16 rate,
   the FP8 product at ``--fp8-tflops`` (an assumption: about 0.85 of twice the bf16 rate, for
   the promotion of every 128 along K; to be measured) after ``--sync-us`` for the host read
-  of its fold check (an assumption), each fold at 80% of the copy or at ``FOLD_SASS`` per
-  element, whichever is slower,
+  of its fold check (an assumption), the activation kernel at ``ACT_E4M3_SASS`` and the
+  weights' fold at ``FOLD_SASS`` per element or 80% of the copy, whichever is slower,
   and ``--gap-us`` per kernel boundary inside a CUDA graph (an assumption: to be measured),
   except between the activation kernel and the decode GEMM, which launches as its
   programmatic dependent (already resident, prefetching its weights, when the activation
@@ -55,10 +56,11 @@ ISSUE_RATE = 132 * 128 * 1.98e9
 ACT_SASS = {"nvfp4": 43.5, "mxfp4": 53.8}
 """SASS per element of the activation kernel with a per-block transform, writing values
 (``bench/gpu_compile.py --kernels act_values``, Triton 3.6, sm_90: 256-row tiles)."""
-ACT_CODES_SASS = {"nvfp4": 51.0, "mxfp4": 60.8}
-"""The same kernel writing packed codes and scale bytes (``--kernels act``, 256-row tiles)."""
-FOLD_SASS = 13.1
-"""SASS per element of the MX fold to E4M3 (``--kernels fold``, Triton 3.6 and 3.9)."""
+ACT_E4M3_SASS = 59.5
+"""The same kernel folding its MX values to E4M3 for the FP8 product (``--kernels fold``,
+64 rows by 4 blocks, Triton 3.6)."""
+FOLD_SASS = 13.0
+"""SASS per element of the weights' fold to E4M3 (``--kernels fold``, Triton 3.6)."""
 BF16_GEMV_FRACTION = 0.76
 DECODE_FRACTION = 0.70
 STREAM_FRACTION = 0.80
@@ -131,16 +133,17 @@ def predict(m: int, k: int, n: int, fmt: str, copy: float, bf16_rate: float,
             gemm = max(gemm, flops / bf16_rate, issue)
         predicted = act_time + gemm + gap * gaps(path, two_passes, dependent)
         decode_fraction = product / copy
-    elif path == "fp8":  # activation codes, two folds, the FP8 product after a host read
-        act = 2 * m * k + 4 * k * d + m * k // 2 + m * (k // d)
-        act_time = max(act / (STREAM_FRACTION * copy), m * k * ACT_CODES_SASS[fmt] / ISSUE_RATE)
-        folds = fold_bytes(m, k, d) + fold_bytes(n, k, d)
-        fold_time = max(folds / (STREAM_FRACTION * copy), (m + n) * k * FOLD_SASS / ISSUE_RATE)
+    elif path == "fp8":  # activations folded, the weights' fold, the FP8 product after a read
+        act = 2 * m * k + 4 * k * d + m * k + 4 * m * (k // 128)
+        act_time = max(act / (STREAM_FRACTION * copy), m * k * ACT_E4M3_SASS / ISSUE_RATE)
+        folds = 0 if keep_decoded else fold_bytes(n, k, d)  # kept: folded once
+        fold_time = 0 if keep_decoded else max(folds / (STREAM_FRACTION * copy),
+                                               n * k * FOLD_SASS / ISSUE_RATE)
         operands = m * k + n * k + 4 * (m + n) * (k // 128) + 2 * m * n
         ours_bytes = act + folds + operands
         floor = (act + folds) / copy + max(flops / (2 * bf16_rate), operands / copy)
         predicted = (act_time + fold_time + max(flops / fp8_rate, operands / copy)
-                     + sync + 2 * gap)
+                     + sync + (1 if keep_decoded else 2) * gap)
         decode_fraction = float("nan")
     else:
         decode = 0 if keep_decoded else weight_decode_bytes(k, n, d)
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--keep-decoded", action="store_true",
                         help="the prefill path with the weights kept decoded to bf16 "
                              "(kbbq_pl.quant.w4a4.KEEP_DECODED_WEIGHTS: no weight decode per "
-                             "call, 2 bytes a weight held)")
+                             "call, 2 bytes a weight held); the FP8 product's kept folded")
     parser.add_argument("--fp8-tflops", type=float, default=1200.0,
                         help="assumed rate of cuBLAS's 1x128 block-scaled FP8 product at large M")
     parser.add_argument("--sync-us", type=float, default=10.0,

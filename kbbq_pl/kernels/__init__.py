@@ -416,16 +416,12 @@ def _prefill_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | 
     scale_kind, _, gain = _scale_meta(fmt)
     if product == "fp8" and fp8_product_applies(fmt, x2.shape[1], codes.shape[0], bias,
                                                 out_dtype, x2.device):
-        a_codes, a_exponents, _, _ = _activation_kernel(x2, t, fmt, None, "linear_w4a4", None)
-        y = _fp8_product(a_codes, a_exponents, codes, scales, fmt.block_size, gain,
-                         prepared.folded)
+        y = _fp8_product(x2, t, codes, scales, prepared)
         if y is not None:
             return y
-        a, pts = decode_weight(a_codes, a_exponents, fmt), None  # the bf16 product instead
-    else:
-        a, pts = quantize_activation_values(x2, t, fmt, act_gs, dtype=torch.bfloat16)
-    if product == "fp8":
+    if product == "fp8":  # where it does not apply or a chunk does not fold: the bf16 product
         product = "auto"
+    a, pts = quantize_activation_values(x2, t, fmt, act_gs, dtype=torch.bfloat16)
     w = prepared.decoded
     if w is None:
         w = decode_weight(codes, scales, fmt)
@@ -469,23 +465,25 @@ def fp8_product_applies(fmt: Format, k: int, n: int, bias: Tensor | None,
             and bias is None and out_dtype == torch.bfloat16)
 
 
-def _fp8_product(a_codes: Tensor, a_exponents: Tensor, codes: Tensor, exponents: Tensor,
-                 d: int, gain: float, folded: tuple[Tensor, Tensor] | None = None
-                 ) -> Tensor | None:
-    """``A W^T`` of MX operands on FP8 tensor cores, bf16 ``[M, N]``; None where a chunk of
-    either operand does not fold exactly into E4M3 (:func:`~kbbq_pl.kernels.exact.
+def _fp8_product(x2: Tensor, t: Tensor | None, codes: Tensor, exponents: Tensor,
+                 prepared: PreparedWeight) -> Tensor | None:
+    """``Q(T x) Q(W T^-1)^T`` of MX operands on FP8 tensor cores, bf16 ``[M, N]``; None where a
+    chunk of either operand does not fold exactly into E4M3 (:func:`~kbbq_pl.kernels.exact.
     fold_mx_to_e4m3`; read on the host: one device-to-host copy a call).
 
-    Both operands are folded to E4M3 with one FP32 scale per 128 along K (the weights' with
-    the ``no_clip`` gain ``1 / gain^2`` in it), and cuBLAS's 1 x 128 block-scaled FP8 product
-    (Hopper) sums each chunk on the tensor cores and adds it times its two scales to an FP32
-    accumulator.  Without a GPU (Triton's interpreter) the same sum is formed in FP32 from the
-    folded operands.  ``folded``: the weights already folded (kept by :func:`prepare_weight`)."""
-    backend = _backend()
+    The activation kernel rounds ``T x`` and folds it to E4M3 with one FP32 scale per 128
+    along K; the weights are folded the same way (kept by :func:`prepare_weight`, or here,
+    with the ``no_clip`` gain ``1 / gain^2`` in their scales); cuBLAS's 1 x 128
+    block-scaled FP8 product (Hopper) sums each chunk on the tensor cores and adds it times
+    its two scales to an FP32 accumulator.  Without a GPU (Triton's interpreter) the same sum
+    is formed in FP32 from the folded operands."""
+    fmt = prepared.fmt
+    gain = _scale_meta(fmt)[2]
     inexact = torch.zeros(1, dtype=torch.int32, device=codes.device)
-    a8, a_scales = backend.fold_e4m3(a_codes, a_exponents, d, inexact)
-    w8, w_scales = folded or backend.fold_e4m3(codes, exponents, d, inexact,
-                                               1.0 / (gain * gain))
+    a8, a_scales, _, _ = _activation_kernel(x2, t, fmt, None, "linear_w4a4", None,
+                                            e4m3_inexact=inexact)
+    w8, w_scales = prepared.folded or _backend().fold_e4m3(codes, exponents, fmt.block_size,
+                                                           inexact, 1.0 / (gain * gain))
     if int(inexact.item()):
         return None
     if a8.device.type == "cpu":  # the interpreter: the same sum in FP32

@@ -225,14 +225,14 @@ def _transformed_blocks(x_ptr, t_ptr, rows, row_mask, blocks, block_mask, n_bloc
 
 @triton.jit
 def _quantize_activations_kernel(
-    x_ptr, t_ptr, codes_ptr, scales_ptr, global_ptr, amax_ptr, pts_ptr, values_ptr,
+    x_ptr, t_ptr, codes_ptr, scales_ptr, global_ptr, amax_ptr, pts_ptr, values_ptr, inexact_ptr,
     M, n_blocks, stride_xm, stride_cm, stride_sm, stride_vm, m_bucket,
     D: tl.constexpr, SCALE_KIND: tl.constexpr, ROUNDING: tl.constexpr, GAIN: tl.constexpr,
     HAS_T: tl.constexpr, STATIC: tl.constexpr, AMAX_ONLY: tl.constexpr,
     PRODUCT: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
     WRITE_CODES: tl.constexpr = True, WRITE_VALUES: tl.constexpr = False,
     WORD_ORDER: tl.constexpr = False, PARTS_FIRST: tl.constexpr = False,
-    LAUNCH_DEPENDENTS: tl.constexpr = False,
+    LAUNCH_DEPENDENTS: tl.constexpr = False, WRITE_E4M3: tl.constexpr = False,
 ):
     """One tile of ``BLOCK_M`` rows by ``NB`` blocks: transform, block amax, scales, E2M1 codes,
     packing.  ``AMAX_ONLY`` (the first pass of dynamic NVFP4) only folds the amax of ``T x``
@@ -243,7 +243,11 @@ def _quantize_activations_kernel(
     ``values_ptr``'s dtype, where they are exact (:mod:`kbbq_pl.kernels.exact`), in the natural
     order or (``WORD_ORDER``) in :func:`~kbbq_pl.kernels.exact.word_order_index` order.
     ``LAUNCH_DEPENDENTS`` lets a kernel launched after it as a programmatic dependent (the
-    decode GEMM) start at once: it waits for this one's results itself."""
+    decode GEMM) start at once: it waits for this one's results itself.  ``WRITE_E4M3`` (MX,
+    a program holding whole chunks of 128: ``NB * D == 128``) stores the values folded to
+    E4M3 as :func:`kbbq_pl.kernels.exact.fold_mx_to_e4m3` folds the codes (bytes in
+    ``codes_ptr``, row stride ``stride_cm``), the chunk's FP32 scale in ``scales_ptr`` (chunk
+    major: ``[chunk * M + row]``) and adds its inexact chunks to ``inexact_ptr``."""
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
     pid_m = tl.program_id(0)
@@ -300,6 +304,27 @@ def _quantize_activations_kernel(
             tl.store(c_ptrs, packed, mask=mask)
             s_ptrs = scales_ptr + rows[None, :] * stride_sm + blocks[:, None]
             tl.store(s_ptrs, code.to(tl.uint8), mask=block_mask[:, None] & row_mask[None, :])
+        if WRITE_E4M3:  # MX: e is the blocks' exponent; one chunk of 128 a program
+            tl.static_assert((SCALE_KIND == 1) & (NB * D == 128))
+            q = _e2m1_round(y)
+            counted = (tl.max(tl.abs(q), axis=2) > 0) & ~bad  # [NB, BLOCK_M]
+            none: tl.constexpr = -(1 << 20)
+            e_max = tl.max(tl.where(counted, e, none), axis=0)
+            exponent = tl.where(e_max > none, e_max - 6, 0)  # FP8_HEADROOM
+            shift = e - exponent[None, :]
+            low = (counted & (shift < -8)).to(tl.int32)  # FP8_FLOOR
+            inexact = tl.max(low, axis=0) & row_mask.to(tl.int32)
+            tl.atomic_add(inexact_ptr, tl.sum(inexact, axis=0))
+            step = ((tl.minimum(tl.maximum(shift, -8), 6) + 127) << 23).to(tl.float32,
+                                                                           bitcast=True)
+            byte = (q * step[:, :, None]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            byte = tl.where(bad[:, :, None], 0x7F, byte)
+            k = blocks[:, None, None] * D + tl.arange(0, D)[None, None, :]
+            tl.store(codes_ptr + rows[None, :, None] * stride_cm + k, byte, mask=mask)
+            bits = tl.where(exponent >= -126, (exponent + 127) << 23,
+                            1 << tl.maximum(exponent + 149, 0))
+            tl.store(scales_ptr + pid_b * M + rows, bits.to(tl.float32, bitcast=True),
+                     mask=row_mask)
         if WRITE_VALUES:
             scale_value = tl.where(bad, float("nan"), scale_value)
             values = _e2m1_round(y) * scale_value[:, :, None]
@@ -350,6 +375,10 @@ _quantize_activations_tuned = triton.autotune(
 )(_quantize_activations_kernel)
 
 INTERPRETER_ACT_CONFIG = {"BLOCK_M": 16, "NB": 2}
+E4M3_TILE = {"BLOCK_M": 32 if _TRITON_3_7 else 64, "NB": 4, "num_warps": 4}
+"""The activation kernel's tile when it folds MX values to E4M3 (a whole chunk of 128 a
+program: four blocks; as many block rows a thread as :data:`ACT_TILES`' MX tile)."""
+INTERPRETER_E4M3_CONFIG = {"BLOCK_M": 16, "NB": 4}
 
 
 _COLUMNS = WeakIdKeyDictionary()
@@ -374,7 +403,8 @@ def _m_bucket(m: int) -> int:
 def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, gain: float,
                          global_scale, config: dict | None = None, product: int | None = None,
                          values_dtype: torch.dtype | None = None, codes: bool = True,
-                         word_order: bool = False, launch_dependents: bool = False):
+                         word_order: bool = False, launch_dependents: bool = False,
+                         e4m3_inexact=None):
     """Launch the activation kernel(s); arguments already checked by :mod:`kbbq_pl.kernels`.
 
     Returns ``(codes uint8 [M, K/2], scales uint8 [M, K/d], pts fp32 [] or None, values)``:
@@ -384,6 +414,10 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     overrides how ``T x`` is multiplied (benchmarks: ``PRODUCT_TF32X3``).
     ``launch_dependents``: the last launch lets the next kernel start early (the decode GEMM
     launched as its programmatic dependent: :func:`kbbq_pl.kernels.skinny.dependent_launch`).
+    ``e4m3_inexact`` (MX, ``K`` a multiple of 128; an int32 ``[1]`` counter): instead of the
+    codes, the values folded to E4M3 for the FP8 product (``codes``: float8_e4m3fn ``[M, K]``;
+    ``scales``: FP32 ``[M, K/128]``, strides ``(1, M)``; the inexact chunks added to the
+    counter), as :func:`fold_e4m3` folds the codes.
     """
     if product is None:
         product = PRODUCT_FMA_CHAIN
@@ -403,8 +437,15 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     amax = (torch.zeros(1, dtype=torch.float32, device=device) if nvfp4 and not static
             else torch.empty(1, dtype=torch.float32, device=device))
     dummy = amax
-    codes_out = torch.empty(m, k // 2, dtype=torch.uint8, device=device) if codes else None
-    scales_out = torch.empty(m, n_blocks, dtype=torch.uint8, device=device) if codes else None
+    e4m3 = e4m3_inexact is not None
+    if e4m3:
+        codes = False
+        codes_out = torch.empty(m, k, dtype=torch.uint8, device=device)
+        scales_out = torch.empty(k // 128, m, dtype=torch.float32, device=device)
+    else:
+        codes_out = torch.empty(m, k // 2, dtype=torch.uint8, device=device) if codes else None
+        scales_out = (torch.empty(m, n_blocks, dtype=torch.uint8, device=device) if codes
+                      else None)
     values = None
     if values_dtype is not None:
         width = -(-k // 128) * 128 if word_order else k  # a partial chunk keeps its slots
@@ -412,18 +453,20 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     meta = dict(D=d, SCALE_KIND=scale_kind, ROUNDING=rounding, GAIN=gain,
                 HAS_T=transform is not None, STATIC=static, PRODUCT=product,
                 WRITE_CODES=codes, WRITE_VALUES=values is not None, WORD_ORDER=word_order,
-                PARTS_FIRST=PARTS_FIRST)
-    codes_arg = codes_out if codes else dummy
-    scales_arg = scales_out if codes else dummy
+                PARTS_FIRST=PARTS_FIRST, WRITE_E4M3=e4m3)
+    codes_arg = codes_out if codes or e4m3 else dummy
+    scales_arg = scales_out if codes or e4m3 else dummy
     args = [x, transform_columns(transform) if transform is not None else dummy, codes_arg,
             scales_arg,
             global_scale if static else dummy, amax, pts if nvfp4 else dummy,
-            values if values is not None else dummy,
-            m, n_blocks, x.stride(0), codes_arg.stride(0) if codes else 0,
+            values if values is not None else dummy, e4m3_inexact if e4m3 else dummy,
+            m, n_blocks, x.stride(0), codes_arg.stride(0) if codes or e4m3 else 0,
             scales_arg.stride(0) if codes else 0, values.stride(0) if values is not None else 0,
             _m_bucket(m)]
 
-    if config is None and not INTERPRET:
+    if e4m3:  # a program holds whole chunks of 128
+        config = INTERPRETER_E4M3_CONFIG if INTERPRET else E4M3_TILE
+    elif config is None and not INTERPRET:
         config = (FEW_ROWS_TILES if m <= FEW_ROWS else ACT_TILES)[d]
     elif config == "autotune":
         config = None
@@ -444,6 +487,8 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     if nvfp4 and not static:
         launch(True)
     launch(False)
+    if e4m3:
+        return codes_out.view(torch.float8_e4m3fn), scales_out.t(), None, None
     return codes_out, scales_out, pts, values
 
 

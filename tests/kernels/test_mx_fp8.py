@@ -112,6 +112,33 @@ def test_triton_fold_gives_the_reference_bytes_scales_and_count():
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp4_no_clip"])
+@pytest.mark.parametrize("kind", ["random", None])
+def test_activation_kernel_folds_as_the_reference_folds_its_codes(fmt, kind):
+    """The activation kernel's E4M3 output (the FP8 product's activations) is the reference
+    fold of the reference codes, byte for byte, with its chunk scales and inexact count: rows
+    not a multiple of the tile, a zero block, a NaN, a block far under its chunk."""
+    needs_kernels()
+    from kbbq_pl.kernels import triton_kernels as tk
+
+    gen = torch.Generator().manual_seed(6)
+    x = (torch.randn(37, 384, generator=gen) * torch.logspace(-2, 2, 384)).to(torch.bfloat16)
+    x[3, 96:128] = 0
+    x[5, 200] = float("nan")
+    x[7, 0:32] *= 1e-6
+    t = make_transform(kind, 384, 32, seed=6) if kind else None
+    codes, scales, _ = K.reference_quantize_activations(x, t, fmt)
+    want_values, want_scales, want_inexact = exact.fold_mx_to_e4m3(codes, scales)
+    counter = torch.zeros(1, dtype=torch.int32)
+    kind_, rounding, gain = K._scale_meta(F.get_format(fmt))
+    values, chunk_scales, _, _ = tk.quantize_activations(
+        x, None if t is None else t.contiguous(), 32, kind_, rounding, gain, None,
+        e4m3_inexact=counter)
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
+    assert torch.equal(chunk_scales, want_scales) and chunk_scales.stride() == (1, 37)
+    assert int(counter) == int(want_inexact.sum()) >= 1
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp4_no_clip"])
 def test_fp8_prefill_product_is_within_one_rounding(fmt):
     needs_kernels()
     k, n = 256, 32
@@ -190,7 +217,7 @@ def test_weights_kept_folded_give_the_same_bits():
     with mock.patch.object(tk, "fold_e4m3", wraps=tk.fold_e4m3) as fold:
         y = K.linear_w4a4(x, q.qdata, q.scale, None, "mxfp4_no_clip", path="prefill",
                           prefill_product="fp8", prepared=kept)
-    assert fold.call_count == 1  # the activations only
+    assert fold.call_count == 0  # the activation kernel folds the activations
     assert torch.equal(y, per_call)
     exponents = q.scale.view(torch.uint8).clone()
     exponents[3, 1] -= 20

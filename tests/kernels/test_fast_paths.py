@@ -19,6 +19,7 @@ from test_kernels import (
     block,
     gemm_error,
     make_transform,
+    run_compile_check,
     ties_rows,
 )
 from torch import nn
@@ -620,16 +621,4 @@ def test_decode_gemm_compiles_for_hopper_without_a_gpu():
     spills, at most 5 SASS per weight in its loop (3.3 to 4.9 seen with Triton 3.6 and 3.9),
     every division correctly rounded; launched as a programmatic dependent, it only prefetches
     before it waits for the activation kernel, which lets it launch."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton")
-    bench = str(Path(__file__).resolve().parents[2] / "bench")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", DECODE_COMPILE_CHECK.format(bench=bench)],
-                            capture_output=True, text=True, env=env, timeout=300, check=False)
-    if "ptxas" in result.stderr and "not found" in result.stderr:
-        pytest.skip("triton's ptxas is not available on this machine")
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    run_compile_check(DECODE_COMPILE_CHECK)

@@ -480,21 +480,28 @@ print("ok")
 """
 
 
-def test_kernels_compile_for_hopper_without_a_gpu():
-    """The GPU code paths (FMA chain, wgmma) compile for sm_90 with the ptxas in triton's wheel:
-    the transform is a chain of FP32 FMAs (one per output and block element), divisions are
-    correctly rounded, nothing flushes subnormals, the GEMMs use the tensor cores, no spills."""
+def run_compile_check(script: str) -> None:
+    """Run a compile check (``script``, with ``{bench}`` for the bench folder, which holds
+    ``gpu_compile``) in a fresh interpreter without ``TRITON_INTERPRET``: it must print "ok";
+    skipped where triton's ptxas is missing."""
     import os
     import subprocess
 
     pytest.importorskip("triton")
     bench = str(Path(__file__).resolve().parents[2] / "bench")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", COMPILE_CHECK.format(bench=bench)],
-                            capture_output=True, text=True, env=env, timeout=300)
+    result = subprocess.run([sys.executable, "-c", script.format(bench=bench)],
+                            capture_output=True, text=True, env=env, timeout=300, check=False)
     if "ptxas" in result.stderr and "not found" in result.stderr:
         pytest.skip("triton's ptxas is not available on this machine")
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_kernels_compile_for_hopper_without_a_gpu():
+    """The GPU code paths (FMA chain, wgmma) compile for sm_90 with the ptxas in triton's wheel:
+    the transform is a chain of FP32 FMAs (one per output and block element), divisions are
+    correctly rounded, nothing flushes subnormals, the GEMMs use the tensor cores, no spills."""
+    run_compile_check(COMPILE_CHECK)
 
 
 def test_gpu_bench_tiny_run(capsys):

@@ -15,18 +15,14 @@ from unittest import mock
 
 import pytest
 import torch
-from test_fast_paths import decode_operands, exact_product, needs_kernels
-from test_kernels import assert_within_one_bf16_rounding, make_transform
+from test_fast_paths import E2M1_ALL, decode_operands, exact_product, needs_kernels
+from test_kernels import assert_within_one_bf16_rounding, make_transform, run_compile_check
 
 from kbbq_pl import formats as F
 from kbbq_pl import kernels as K
 from kbbq_pl.kernels import exact
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
-E2M1_ALL = torch.cat([E2M1, -E2M1])
-
 
 def spans_operand(spans: list[int], second_block_codes: torch.Tensor | None = None):
     """One row per span ``s``: a chunk of four MX blocks, the first at exponent 10 holding
@@ -344,16 +340,4 @@ def test_fold_compiles_for_hopper_without_a_gpu():
     """The fold compiled for sm_90: no local memory, the hardware's FP32-to-E4M3 conversion
     (exact here: every value it converts is an E4M3 value), 16-byte loads of the codes, at
     most 16 SASS an element (13.0 with Triton 3.6, 13.1 with 3.9, 2026-11-28)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton")
-    bench = str(Path(__file__).resolve().parents[2] / "bench")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", FOLD_COMPILE_CHECK.format(bench=bench)],
-                            capture_output=True, text=True, env=env, timeout=300, check=False)
-    if "ptxas" in result.stderr and "not found" in result.stderr:
-        pytest.skip("triton's ptxas is not available on this machine")
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    run_compile_check(FOLD_COMPILE_CHECK)

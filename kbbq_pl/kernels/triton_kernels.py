@@ -855,8 +855,11 @@ def fold_e4m3(codes, exponents, d: int, inexact, multiplier: float = 1.0):
     (int32 ``[1]`` on the device)."""
     rows, k = codes.shape[0], codes.shape[1] * 2
     chunks = k // 128
-    words = codes.view(torch.int32)
-    exponent_words = exponents.view(torch.int32)  # four a chunk (little-endian: block 0 low)
+    # read as int32 words (four exponents a chunk, block 0 in the low byte): a view that does
+    # not start on a word is copied first
+    words, exponent_words = (
+        (t if t.storage_offset() % 4 == 0 else t.clone()).view(torch.int32)
+        for t in (codes, exponents))
     values = torch.empty(rows, k // 4, dtype=torch.int32, device=codes.device)
     scales = torch.empty(chunks, rows, dtype=torch.float32, device=codes.device)
     block_r, warps = (4, 4) if INTERPRET else FOLD_TILE

@@ -102,6 +102,16 @@ def test_triton_fold_gives_the_reference_bytes_scales_and_count():
         assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
         assert torch.equal(scales, want_scales) and scales.stride() == (1, codes.shape[0])
         assert int(counter) == int(want_inexact.sum()) > 0
+    shifted = []  # the same codes and exponents in views that do not start on a word
+    for t in (q.qdata, exponents):
+        buffer = torch.zeros(t.numel() + 1, dtype=torch.uint8)
+        shifted.append(buffer[1:].view(t.shape))
+        shifted[-1].copy_(t)
+    counter = torch.zeros(1, dtype=torch.int32)
+    values, scales = tk.fold_e4m3(*shifted, 32, counter)
+    want_values, want_scales, want_inexact = exact.fold_mx_to_e4m3(q.qdata, exponents)
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
+    assert torch.equal(scales, want_scales) and int(counter) == int(want_inexact.sum())
     counter = torch.zeros(1, dtype=torch.int32)
     _, scaled = tk.fold_e4m3(q.qdata, q.scale.view(torch.uint8), 32, counter, 1 / 0.5625)
     assert torch.equal(scaled, exact.fold_mx_to_e4m3(q.qdata, q.scale)[1] * (1 / 0.5625))

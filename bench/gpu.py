@@ -22,15 +22,18 @@ the run goes on, and the summary says what failed or was skipped for time):
   M = 4096.  Beside each: the product alone, its fraction of the copy bandwidth (packed codes,
   scales, activations and output, each once), whether the output is within one bf16
   rounding of the exact product, on the prefill path the ratio with the weights kept
-  decoded (the opt-in ``KEEP_DECODED_WEIGHTS``: no decode per call), for MX the opt-in FP8
-  product (``prefill_product="fp8"``, eager: its time against bf16 and against the default
-  path, whether it ran on FP8, its bits against the default path's), and (M = 1 with KBBQ
+  decoded (the opt-in ``KEEP_DECODED_WEIGHTS``: no decode per call), and (M = 1 with KBBQ
   blocks) the ratio with the
   decode GEMM launched after the activation kernel ends instead of as its programmatic
   dependent (which the ``check`` section first checks gives the same bits, eagerly and in a
   CUDA graph, else turns off for the run).  Timed as CUDA graphs replaying the call over
   enough copies of the weights to overflow the L2 cache (so weights come from memory, as in a
-  model), the median of replays divided by the copies.
+  model), the median of replays divided by the copies.  For MX, a table of the opt-in FP8
+  product (``prefill_product="fp8"``) at the prefill rows: eager (it reads its fold check on
+  the host), folding the weights per call and keeping them folded, and its kernels in a CUDA
+  graph without the host read; its time over the default path's; whether it ran on FP8,
+  within one rounding, and the fraction of its outputs whose bits differ from the default
+  path's.
 * ``act``: a device-to-device copy of 8192 x 8192 bf16 (bytes read + written), the activation
   kernel's codes (exact FMA chain at its tile and at the other, the FMA dot, the tf32x3
   product; each with its code mismatch rate against the chain) and
@@ -440,7 +443,7 @@ def gemm_section(run: Run) -> None:
     from kbbq_pl.kernels import triton_kernels as tk
 
     device = run.device
-    rows, ratios = [], {}
+    rows, ratios, fp8_rows = [], {}, []
     for k, n, w, w_set in gemm_weights(run, "gemm", reserve=30):
         packed = {name: packed_copies(run, w, name) for name in run.formats}
         for m in run.shapes["gemm_m"]:
@@ -479,15 +482,12 @@ def gemm_section(run: Run) -> None:
                                               scales[0], prepared=p)
                             for (c, s), p in zip(sets, decoded)])
                         del decoded
-                    on_fp8 = fp8_kept = fp8_vs_default = float("nan")
-                    fp8_check = ""
                     if path == "prefill" and fmt_.scale_kind == "e8m0":
-                        on_fp8, fp8_kept, fp8_vs_default, fp8_check = attempt(
+                        fp8_rows.append([f"{k}->{n}", m, name, label, t_bf16 * 1e3,
+                                         t_bf16 / t_ours] + attempt(
                             run, FP8_ROWS, functools.partial(
                                 fp8_columns, run, K, x, t, q, name, sets, preps, own_calls,
-                                t_bf16), (math.nan, math.nan, math.nan, "FAILED"))
-                        if on_fp8 == on_fp8:
-                            ratios.setdefault((m, name, "MX on FP8"), []).append(on_fp8)
+                                t_bf16), [math.nan] * 5 + ["FAILED"]))
                     independent = float("nan")
                     if (m == 1 and label != "none"  # each costs a compile: one row a shape
                             and skinny.dependent_launch(device)):
@@ -507,36 +507,42 @@ def gemm_section(run: Run) -> None:
                         ratios.setdefault((m, name, "weights kept decoded"), []).append(
                             kept_decoded)
                     rows.append([f"{k}->{n}", m, name, label, path, t_bf16 * 1e3, t_ours * 1e3,
-                                 ratio, target, dynamic, kept_decoded, on_fp8, fp8_kept,
-                                 fp8_vs_default, fp8_check, independent, t_product * 1e3,
+                                 ratio, target, dynamic, kept_decoded, independent,
+                                 t_product * 1e3,
                                  copy_fraction, "yes" if ok else f"NO ({excess:.2g})"])
                     run.add("gemm", k=k, n=n, m=m, fmt=name, transform=label, path=path,
                             bf16_ms=t_bf16 * 1e3, ours_ms=t_ours * 1e3, speedup=ratio,
                             target=target, dynamic_speedup=dynamic,
-                            kept_decoded_speedup=kept_decoded, fp8_speedup=on_fp8,
-                            fp8_over_default_eager=fp8_vs_default, fp8_check=fp8_check,
+                            kept_decoded_speedup=kept_decoded,
                             independent_speedup=independent, product_ms=t_product * 1e3,
                             copy_fraction=copy_fraction, within_one_rounding=ok)
             print(f"  [{time.perf_counter() - run.start:.0f} s] {k}->{n} M={m} done", flush=True)
         del w_set, packed
     table("linear_w4a4 (activation kernel + product) against bf16 torch.matmul; product: the "
           "GEMM alone (decode: the decode GEMM; prefill: weight decode + product); weights "
-          "kept decoded: the prefill path with no decode per call (opt-in); MX on FP8: the "
-          "opt-in prefill product 'fp8' (eager: it reads its fold check on the host), with "
-          "the weights folded per call and kept folded, its time over the default path's, "
-          "both eager, and its check (within one "
-          "rounding; the fraction of outputs whose bits differ from the default path's); copy: "
-          "its bytes over time against the device copy; not a dependent launch: the decode "
-          "path with its GEMM launched after the activation kernel ends (M = 1, KBBQ blocks)",
+          "kept decoded: the prefill path with no decode per call (opt-in); copy: its bytes "
+          "over time against the device copy; not a dependent launch: the decode path with "
+          "its GEMM launched after the activation kernel ends (M = 1, KBBQ blocks)",
           ["K->N", "M", "format", "transform", "path", "bf16 ms", "W4A4 ms", "x bf16", "target",
-           "x bf16, dynamic NVFP4", "x bf16, weights kept decoded", "x bf16, MX on FP8",
-           "x bf16, MX on FP8, weights kept folded", "FP8 / default, eager", "FP8 check",
+           "x bf16, dynamic NVFP4", "x bf16, weights kept decoded",
            "x bf16, GEMM not a dependent launch", "product ms", "copy fraction",
            "within one rounding"], rows)
+    if fp8_rows:
+        table("MX on FP8 tensor cores, the opt-in prefill product 'fp8', against bf16 "
+              "torch.matmul: eager (it reads its fold check on the host, which a CUDA graph "
+              "cannot capture), the weights folded per call and kept folded; in a CUDA graph "
+              "without the host read (weights kept folded: what the product costs the GPU); "
+              "its eager time over the default path's eager time; its check: ran on FP8 or "
+              "fell back, within one bf16 rounding of the exact product, the fraction of "
+              "outputs whose bits differ from the default path's",
+              ["K->N", "M", "format", "transform", "bf16 ms", "default x bf16",
+               "FP8 x bf16, eager", "FP8 x bf16, eager, weights kept folded",
+               "FP8 x bf16, graph, no host read", "FP8 / default, eager",
+               "FP8 ms, graph", "FP8 check"], fp8_rows)
     for m, key in ((1, "decode_1"), (16, "decode_16"), (4096, "prefill")):
         for name in run.formats:
             found = {label: ratios[m, name, label] for label in (
-                "none", "KBBQ blocks", "dynamic scale", "weights kept decoded", "MX on FP8")
+                "none", "KBBQ blocks", "dynamic scale", "weights kept decoded")
                 if (m, name, label) in ratios}
             if found:
                 every = [v for label, values in found.items() for v in values
@@ -545,14 +551,15 @@ def gemm_section(run: Run) -> None:
                 run.line(f"linear M={m} {name}: x bf16, min / median / max over shapes",
                          "; ".join(f"{label} {spread(v)}" for label, v in found.items()),
                          TARGETS[key], f"{met}/{len(every)}")
-    fp8_rows = [r for r in run.rows if r.get("section") == "fp8" and r["folded"]]
-    if fp8_rows:
-        on_fp8 = [r["speedup"] for r in fp8_rows]
-        kept = [r["kept_folded_speedup"] for r in fp8_rows]
+    folded = [r for r in run.rows if r.get("section") == "fp8" and r["folded"]]
+    if folded:
+        on_fp8 = [r["speedup"] for r in folded]
         met = sum(v >= TARGETS["prefill_fp8"] for v in on_fp8)
         run.line("linear M=4096 mxfp4 on FP8 tensor cores (opt-in, eager): x bf16, "
                  "min / median / max", f"folded per call {spread(on_fp8)}; weights kept "
-                 f"folded {spread(kept)}", TARGETS["prefill_fp8"], f"{met}/{len(on_fp8)}")
+                 f"folded {spread([r['kept_folded_speedup'] for r in folded])}; in a graph "
+                 f"without the host read {spread([r['graph_speedup'] for r in folded])}",
+                 TARGETS["prefill_fp8"], f"{met}/{len(on_fp8)}")
     fractions = [r["copy_fraction"] for r in run.rows if r.get("section") == "gemm"
                  and r["m"] == 1 and r["transform"] == "none"
                  and r["copy_fraction"] == r["copy_fraction"]]
@@ -571,8 +578,9 @@ def fp8_columns(run: Run, K, x, t, q, name: str, sets, preps, default_calls,
                 t_bf16: float) -> tuple[float, float, str]:
     """The opt-in FP8 prefill product of an MX layer (``prefill_product="fp8"``): its speed
     against bf16 (timed eagerly: its fold check is read on the host, which a CUDA graph cannot
-    capture), the weights folded per call and kept folded (``keep_decoded``), its eager time
-    over the default path's eager time, and its check: within one
+    capture), the weights folded per call and kept folded (``keep_decoded``), its kernels in a
+    CUDA graph without the host read (the weights kept folded), its eager time over the
+    default path's eager time, and its check: within one
     bf16 rounding of the exact product, the fraction of outputs whose bits differ from the
     default path's (the FP8 tensor cores' accumulation against bf16's), and whether it ran on
     FP8 at all (a chunk that does not fold sends it to the bf16 product)."""
@@ -597,14 +605,27 @@ def fp8_columns(run: Run, K, x, t, q, name: str, sets, preps, default_calls,
     t_kept = eager_seconds_per_call(run, [
         functools.partial(K.linear_w4a4, x, c, s, q.global_scale, name, t, prepared=p,
                           prefill_product="fp8") for (c, s), p in zip(sets, kept)])
+    t_graph = math.nan
+    if all(p.folded is not None for p in kept):
+        def on_gpu(p):  # the product's kernels without the host read of the fold check
+            inexact = torch.zeros(1, dtype=torch.int32, device=x.device)
+            a8, a_scales, _, _ = K._activation_kernel(x, t, p.fmt, None, "fp8 bench", None,
+                                                      e4m3_inexact=inexact)
+            return K._block_scaled_fp8_mm(a8, a_scales, *p.folded)
+
+        t_graph = seconds_per_call(run, [functools.partial(on_gpu, p) for p in kept])
+        if folded:
+            assert torch.equal(on_gpu(kept[0]), y), "the graph's product differs"
     del kept
     check = (f"{'ran' if folded else 'fell back'}; "
              f"{'yes' if ok else f'NO ({excess:.2g})'}; differ {differ:.3g}")
     run.add("fp8", k=x.shape[1], n=sets[0][0].shape[0], m=x.shape[0], fmt=name,
             speedup=t_bf16 / t_fp8, kept_folded_speedup=t_bf16 / t_kept,
+            graph_speedup=t_bf16 / t_graph, graph_ms=t_graph * 1e3,
             over_default=t_fp8 / t_default, within_one_rounding=ok, excess=excess,
             bits_differ=differ, folded=folded)
-    return t_bf16 / t_fp8, t_bf16 / t_kept, t_fp8 / t_default, check
+    return [t_bf16 / t_fp8, t_bf16 / t_kept, t_bf16 / t_graph, t_fp8 / t_default,
+            t_graph * 1e3, check]
 
 
 def spread(values: list[float]) -> str:

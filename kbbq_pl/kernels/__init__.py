@@ -475,8 +475,7 @@ def _fp8_product(x2: Tensor, t: Tensor | None, codes: Tensor, exponents: Tensor,
     along K; the weights are folded the same way (kept by :func:`prepare_weight`, or here,
     with the ``no_clip`` gain ``1 / gain^2`` in their scales); cuBLAS's 1 x 128
     block-scaled FP8 product (Hopper) sums each chunk on the tensor cores and adds it times
-    its two scales to an FP32 accumulator.  Without a GPU (Triton's interpreter) the same sum
-    is formed in FP32 from the folded operands."""
+    its two scales to an FP32 accumulator (:func:`_block_scaled_fp8_mm`)."""
     fmt = prepared.fmt
     gain = _scale_meta(fmt)[2]
     inexact = torch.zeros(1, dtype=torch.int32, device=codes.device)
@@ -486,11 +485,6 @@ def _fp8_product(x2: Tensor, t: Tensor | None, codes: Tensor, exponents: Tensor,
                                                            inexact, 1.0 / (gain * gain))
     if int(inexact.item()):
         return None
-    if a8.device.type == "cpu":  # the interpreter: the same sum in FP32
-        def unfold(v: Tensor, s: Tensor) -> Tensor:
-            return v.float() * s.repeat_interleave(FP8_CHUNK, dim=1)
-
-        return (unfold(a8, a_scales) @ unfold(w8, w_scales).T).to(torch.bfloat16)
     return _block_scaled_fp8_mm(a8, a_scales, w8, w_scales)
 
 
@@ -498,7 +492,13 @@ def _block_scaled_fp8_mm(a8: Tensor, a_scales: Tensor, w8: Tensor, w_scales: Ten
     """cuBLAS's 1 x 128 block-scaled FP8 product ``(a8 * a_scales) (w8 * w_scales)^T`` in bf16:
     ``a8 [M, K]``, ``w8 [N, K]`` E4M3, the scales FP32 ``[M, K/128]`` and ``[N, K/128]`` with
     strides ``(1, M)`` and ``(1, N)``, as :func:`torch.nn.functional.scaled_mm` takes them
-    (``torch._scaled_mm`` on a torch without it)."""
+    (``torch._scaled_mm`` on a torch without it); on the CPU (Triton's interpreter) the same
+    sum in FP32."""
+    if a8.device.type == "cpu":
+        def unfold(v: Tensor, s: Tensor) -> Tensor:
+            return v.float() * s.repeat_interleave(FP8_CHUNK, dim=1)
+
+        return (unfold(a8, a_scales) @ unfold(w8, w_scales).T).to(torch.bfloat16)
     if hasattr(F, "scaled_mm"):
         from torch.nn.functional import ScalingType
 

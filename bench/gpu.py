@@ -49,8 +49,9 @@ the run goes on, and the summary says what failed or was skipped for time):
   goes).  Targets: memory <= 0.35, decode 2.0x (batch 1) and 1.8x (batch 16), prefill 0.9x.
 * ``rows``: where the prefill path starts paying: at K = N = 8192 and 4096 -> 14336, KBBQ-shaped
   blocks, M = 64, 256, 1024, 4096, every path that can take M rows (decode; tiled up to 256;
-  prefill from 256) against bf16, each checked within one rounding; the summary names the
-  fewest rows from which prefill beat decode on both shapes (``K.PREFILL_MIN_M`` is 1024).
+  prefill from 256; for MX the FP8 product's kernels in a CUDA graph, without its host read)
+  against bf16, each checked within one rounding; the summary names the fewest rows from which
+  prefill (and the FP8 product) beat decode on both shapes (``K.PREFILL_MIN_M`` is 1024).
 * ``peers`` (last: they take what time is left): torch's int4 weight-only kernel
   (``aten._weight_int4pack_mm``, group 32) and, when importable, GemLite 0.6's ``A16W4_NVFP``,
   ``A16W4_MXFP``, ``A4W4_NVFP_dynamic`` and ``A4W4_MXFP_dynamic``, at the same shapes and M,
@@ -96,7 +97,7 @@ FULL = dict(act_shape=(8192, 8192), check_k=4096, check_n=4096, check_m=(1, 16, 
             logits_tokens=16, rotate_bytes=150e6, replays=20)
 TINY = dict(act_shape=(20, 64), check_k=128, check_n=32, check_m=(3,),
             gemm_shapes=((128, 48),), gemm_m=(1, 40), path_m=(1, 20, 40),
-            rows_shapes=((128, 24),), rows_m=(20, 40),
+            rows_shapes=((128, 32),), rows_m=(20, 40),
             prefill_min_m=32, hidden=32, intermediate=64, heads=2, kv_heads=2, layers=1,
             vocab=64, prefill=(2, 8), prompt=3, decode_tokens=2, decode_batches=(1, 2),
             logits_tokens=3, rotate_bytes=0, replays=1)
@@ -606,17 +607,12 @@ def fp8_columns(run: Run, K, x, t, q, name: str, sets, preps, default_calls,
         functools.partial(K.linear_w4a4, x, c, s, q.global_scale, name, t, prepared=p,
                           prefill_product="fp8") for (c, s), p in zip(sets, kept)])
     t_graph = math.nan
-    if all(p.folded is not None for p in kept):
-        def on_gpu(p):  # the product's kernels without the host read of the fold check
-            inexact = torch.zeros(1, dtype=torch.int32, device=x.device)
-            a8, a_scales, _, _ = K._activation_kernel(x, t, p.fmt, None, "fp8 bench", None,
-                                                      e4m3_inexact=inexact)
-            return K._block_scaled_fp8_mm(a8, a_scales, *p.folded)
-
-        t_graph = seconds_per_call(run, [functools.partial(on_gpu, p) for p in kept])
+    graph_calls = fp8_kernel_calls(K, x, t, kept)
+    if graph_calls:
+        t_graph = seconds_per_call(run, graph_calls)
         if folded:
-            assert torch.equal(on_gpu(kept[0]), y), "the graph's product differs"
-    del kept
+            assert torch.equal(graph_calls[0](), y), "the graph's product differs"
+    del kept, graph_calls
     check = (f"{'ran' if folded else 'fell back'}; "
              f"{'yes' if ok else f'NO ({excess:.2g})'}; differ {differ:.3g}")
     run.add("fp8", k=x.shape[1], n=sets[0][0].shape[0], m=x.shape[0], fmt=name,
@@ -626,6 +622,23 @@ def fp8_columns(run: Run, K, x, t, q, name: str, sets, preps, default_calls,
             bits_differ=differ, folded=folded)
     return [t_bf16 / t_fp8, t_bf16 / t_kept, t_bf16 / t_graph, t_fp8 / t_default,
             t_graph * 1e3, check]
+
+
+def fp8_kernel_calls(K, x, t, kept) -> list:
+    """The FP8 product's kernels for ``x`` against each weight kept folded (``kept``, prepared
+    with ``prefill_product="fp8"``), without the host read of the fold check, so that a CUDA
+    graph can replay them: the activation kernel folding to E4M3, then cuBLAS's block-scaled
+    product.  Empty where a weight did not fold."""
+    if not all(p.folded is not None for p in kept):
+        return []
+
+    def call(p):
+        inexact = torch.zeros(1, dtype=torch.int32, device=x.device)
+        a8, a_scales, _, _ = K._activation_kernel(x, t, p.fmt, None, "fp8 bench", None,
+                                                  e4m3_inexact=inexact)
+        return K._block_scaled_fp8_mm(a8, a_scales, *p.folded)
+
+    return [functools.partial(call, p) for p in kept]
 
 
 def spread(values: list[float]) -> str:
@@ -794,12 +807,14 @@ def rows_section(run: Run) -> None:
     """Where the prefill path starts paying: ``linear_w4a4`` on each path that can take ``M``
     rows (decode: the decode GEMM, any M; tiled: the GEMM of both packed operands, up to 256;
     prefill: weights decoded + cuBLAS, from 256 on) against bf16, KBBQ-shaped blocks, at the
-    shapes of ``rows_shapes``; the summary gives the fewest rows from which prefill beat decode
-    on every shape (what ``K.PREFILL_MIN_M`` should be)."""
+    shapes of ``rows_shapes``; for MX beside prefill the FP8 product's kernels in a CUDA graph
+    (no host read, the weights kept folded); the summary gives the fewest rows from which
+    prefill (and the FP8 product) beat decode on every shape (what ``K.PREFILL_MIN_M`` should
+    be)."""
     from kbbq_pl import kernels as K
     from kbbq_pl.formats import get_format
 
-    rows, prefill_wins = [], {}
+    rows, prefill_wins, fp8_wins = [], {}, {}
     for k, n, w, w_set in gemm_weights(run, "rows", reserve=30, shapes="rows_shapes"):
         packed = {name: packed_copies(run, w, name) for name in run.formats}
         small, large = min(run.shapes["rows_m"]), max(run.shapes["rows_m"])
@@ -826,6 +841,11 @@ def rows_section(run: Run) -> None:
                     run.add("rows", k=k, n=n, m=m, fmt=name, path=path, bf16_ms=t_bf16 * 1e3,
                             ms=seconds[path] * 1e3, speedup=t_bf16 / seconds[path],
                             within_one_rounding=ok)
+                if "prefill" in seconds and get_format(name).scale_kind == "e8m0":
+                    seconds["fp8"] = attempt(run, FP8_ROWS, functools.partial(
+                        fp8_rows_row, run, K, x, t, q, name, sets, ref, t_bf16, rows), math.nan)
+                    fp8_wins.setdefault(name, {}).setdefault(m, []).append(
+                        seconds["fp8"] < seconds["decode"])
                 if "prefill" in seconds:
                     prefill_wins.setdefault(name, {}).setdefault(m, []).append(
                         seconds["prefill"] < seconds["decode"])
@@ -838,6 +858,29 @@ def rows_section(run: Run) -> None:
         beaten = [m for m in sorted(wins) if all(wins[m])]
         run.line(f"rows from which prefill beats decode, {name} (PREFILL_MIN_M = "
                  f"{K.PREFILL_MIN_M})", beaten[0] if beaten else f"none up to {max(wins)}")
+    for name, wins in fp8_wins.items():
+        beaten = [m for m in sorted(wins) if all(wins[m])]
+        run.line(f"rows from which the FP8 product (graph, no host read) beats decode, {name}",
+                 beaten[0] if beaten else f"none up to {max(wins)}")
+
+
+def fp8_rows_row(run: Run, K, x, t, q, name: str, sets, ref, t_bf16: float,
+                 rows: list) -> float:
+    """The rows section's FP8 row: the product's kernels in a CUDA graph (no host read; the
+    weights kept folded) against bf16, checked within one rounding; its seconds."""
+    kept = [K.prepare_weight(c, s, q.global_scale, name, keep_decoded=True,
+                             prefill_product="fp8") for c, s in sets]
+    calls = fp8_kernel_calls(K, x, t, kept)
+    if not calls:
+        return math.nan
+    seconds = seconds_per_call(run, calls)
+    ok, excess = within_one_rounding(calls[0](), ref)
+    k, n, m = x.shape[1], sets[0][0].shape[0], x.shape[0]
+    rows.append([f"{k}->{n}", m, name, "fp8 (graph, no host read)", t_bf16 * 1e3,
+                 seconds * 1e3, t_bf16 / seconds, "yes" if ok else f"NO ({excess:.2g})"])
+    run.add("rows", k=k, n=n, m=m, fmt=name, path="fp8", bf16_ms=t_bf16 * 1e3,
+            ms=seconds * 1e3, speedup=t_bf16 / seconds, within_one_rounding=ok)
+    return seconds
 
 
 

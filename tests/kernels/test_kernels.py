@@ -526,12 +526,14 @@ def test_gpu_bench_tiny_run(capsys):
                 "model nvfp4 compiled: decode batch 1 x bf16 compiled"):
         assert row in summary, row
     assert "FAILED" not in summary
-    # MX's opt-in FP8 prefill product: checked and timed in the gemm section
-    module.main(["--tiny", "--formats", "mxfp4", "--sections", "check,gemm"])
+    # MX's opt-in FP8 prefill product: checked and timed in the gemm and rows sections
+    module.main(["--tiny", "--formats", "mxfp4", "--sections", "check,gemm,rows"])
     out = capsys.readouterr().out
     summary = out[out.index("## summary"):]
     assert "within one bf16 rounding of the exact product | 6/6" in summary
     assert "mxfp4 on FP8 tensor cores (opt-in, eager): x bf16" in summary
+    assert "rows from which the FP8 product (graph, no host read) beats decode" in summary
+    assert "| fp8 (graph, no host read) |" in out
     assert "ran; yes; differ 0" in out and "FAILED" not in summary
     # an opt-in row that raises costs its section nothing else: noted, not tried again
     with mock.patch.object(K, "_fp8_product", side_effect=RuntimeError("no FP8 here")):

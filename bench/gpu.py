@@ -588,15 +588,9 @@ def fp8_columns(run: Run, K, x, t, q, name: str, sets, preps, default_calls,
     calls = [functools.partial(K.linear_w4a4, x, c, s, q.global_scale, name, t,
                                prepared=p, prefill_product="fp8")
              for (c, s), p in zip(sets, preps)]
-    returned, product = [], K._fp8_product
-
-    def spy(*args):
-        returned.append(product(*args))
-        return returned[-1]
-
-    with mock.patch.object(K, "_fp8_product", spy):
+    with fp8_products(K) as ran:
         y = calls[0]()
-    folded = len(returned) == 1 and returned[0] is not None
+    folded = ran == [True]
     ok, excess = within_one_rounding(y, exact_product(x, t, q, name))
     differ = float((y.view(torch.int16) != default_calls[0]().view(torch.int16)).float().mean())
     t_fp8 = eager_seconds_per_call(run, calls)
@@ -622,6 +616,21 @@ def fp8_columns(run: Run, K, x, t, q, name: str, sets, preps, default_calls,
             bits_differ=differ, folded=folded)
     return [t_bf16 / t_fp8, t_bf16 / t_kept, t_bf16 / t_graph, t_fp8 / t_default,
             t_graph * 1e3, check]
+
+
+@contextlib.contextmanager
+def fp8_products(K) -> Iterator[list[bool]]:
+    """Inside it, whether each FP8 product tried ran on FP8 (False: a chunk did not fold and
+    the call fell back to the bf16 product), in the order of the calls."""
+    ran, product = [], K._fp8_product
+
+    def watched(*args):
+        y = product(*args)
+        ran.append(y is not None)
+        return y
+
+    with mock.patch.object(K, "_fp8_product", watched):
+        yield ran
 
 
 def fp8_kernel_calls(K, x, t, kept) -> list:
@@ -817,6 +826,7 @@ def rows_section(run: Run) -> None:
     rows, prefill_wins, fp8_wins = [], {}, {}
     for k, n, w, w_set in gemm_weights(run, "rows", reserve=30, shapes="rows_shapes"):
         packed = {name: packed_copies(run, w, name) for name in run.formats}
+        folded: dict[str, list] = {}
         small, large = min(run.shapes["rows_m"]), max(run.shapes["rows_m"])
         for m in run.shapes["rows_m"]:
             x = torch.randn(m, k, device=run.device, dtype=torch.bfloat16)
@@ -842,15 +852,21 @@ def rows_section(run: Run) -> None:
                             ms=seconds[path] * 1e3, speedup=t_bf16 / seconds[path],
                             within_one_rounding=ok)
                 if "prefill" in seconds and get_format(name).scale_kind == "e8m0":
+                    if name not in folded:  # the weights folded once a shape
+                        folded[name] = [K.prepare_weight(c, s, q.global_scale, name,
+                                                         keep_decoded=True,
+                                                         prefill_product="fp8")
+                                        for c, s in sets]
                     seconds["fp8"] = attempt(run, FP8_ROWS, functools.partial(
-                        fp8_rows_row, run, K, x, t, q, name, sets, ref, t_bf16, rows), math.nan)
+                        fp8_rows_row, run, K, x, t, name, folded[name], ref, t_bf16, rows),
+                        math.nan)
                     fp8_wins.setdefault(name, {}).setdefault(m, []).append(
                         seconds["fp8"] < seconds["decode"])
                 if "prefill" in seconds:
                     prefill_wins.setdefault(name, {}).setdefault(m, []).append(
                         seconds["prefill"] < seconds["decode"])
         print(f"  [{time.perf_counter() - run.start:.0f} s] rows {k}->{n} done", flush=True)
-        del w_set, packed
+        del w_set, packed, folded
     table("linear_w4a4 by path against bf16 torch.matmul, KBBQ-shaped blocks",
           ["K->N", "M", "format", "path", "bf16 ms", "W4A4 ms", "x bf16", "within one rounding"],
           rows)
@@ -864,18 +880,16 @@ def rows_section(run: Run) -> None:
                  beaten[0] if beaten else f"none up to {max(wins)}")
 
 
-def fp8_rows_row(run: Run, K, x, t, q, name: str, sets, ref, t_bf16: float,
+def fp8_rows_row(run: Run, K, x, t, name: str, kept, ref, t_bf16: float,
                  rows: list) -> float:
     """The rows section's FP8 row: the product's kernels in a CUDA graph (no host read; the
-    weights kept folded) against bf16, checked within one rounding; its seconds."""
-    kept = [K.prepare_weight(c, s, q.global_scale, name, keep_decoded=True,
-                             prefill_product="fp8") for c, s in sets]
+    weights ``kept`` folded) against bf16, checked within one rounding; its seconds."""
     calls = fp8_kernel_calls(K, x, t, kept)
     if not calls:
         return math.nan
     seconds = seconds_per_call(run, calls)
     ok, excess = within_one_rounding(calls[0](), ref)
-    k, n, m = x.shape[1], sets[0][0].shape[0], x.shape[0]
+    k, n, m = x.shape[1], kept[0].shape[0], x.shape[0]
     rows.append([f"{k}->{n}", m, name, "fp8 (graph, no host read)", t_bf16 * 1e3,
                  seconds * 1e3, t_bf16 / seconds, "yes" if ok else f"NO ({excess:.2g})"])
     run.add("rows", k=k, n=n, m=m, fmt=name, path="fp8", bf16_ms=t_bf16 * 1e3,
@@ -1232,22 +1246,15 @@ def model_section(run: Run) -> None:
         if get_format(name).scale_kind == "e8m0":  # the opt-in FP8 product, eager as above
             from kbbq_pl import kernels as K
 
-            returned, product = [], K._fp8_product
-
-            def spy(*args):
-                y = product(*args)
-                returned.append(y is not None)
-                return y
-
             def fp8_run(model=model) -> tuple[float, str]:
                 with mock.patch.object(w4a4, "PREFILL_PRODUCT", "fp8"):
                     ratio = base["prefill"] / act_seconds(run, functools.partial(prefill,
                                                                                  model))
-                    with mock.patch.object(K, "_fp8_product", spy):
+                    with fp8_products(K) as ran:
                         on_fp8 = prefill(model).float()
                 default = prefill(model).float()
                 diff = float((on_fp8 - default).abs().max() / default.abs().max())
-                return ratio, (f"{diff:.2g}; on FP8 in {sum(returned)} of {len(returned)} "
+                return ratio, (f"{diff:.2g}; on FP8 in {sum(ran)} of {len(ran)} "
                                "linears tried")
 
             fp8_prefill, fp8_logits = attempt(run, FP8_ROWS, fp8_run, (math.nan, "FAILED"))

@@ -368,8 +368,7 @@ def prepare_weight(codes: Tensor, scales: Tensor, global_scale: Tensor | float |
     def fold(c: Tensor, s: Tensor) -> tuple[Tensor, Tensor] | None:
         _require(c.device, "prepare_weight")
         inexact = torch.zeros(1, dtype=torch.int32, device=c.device)
-        gain = _scale_meta(fmt)[2]
-        folded = _backend().fold_e4m3(c, s, fmt.block_size, inexact, 1.0 / (gain * gain))
+        folded = _fold_weight(c, s, fmt, inexact)
         return None if int(inexact.item()) else folded
 
     folds = (prefill_product == "fp8"
@@ -414,12 +413,11 @@ def _prefill_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | 
                   out_dtype: torch.dtype, product: str) -> Tensor:
     fmt = prepared.fmt
     scale_kind, _, gain = _scale_meta(fmt)
-    if product == "fp8" and fp8_product_applies(fmt, x2.shape[1], codes.shape[0], bias,
-                                                out_dtype, x2.device):
-        y = _fp8_product(x2, t, codes, scales, prepared)
-        if y is not None:
-            return y
-    if product == "fp8":  # where it does not apply or a chunk does not fold: the bf16 product
+    if product == "fp8":  # where it does not apply or a chunk does not fold: as "auto"
+        if fp8_product_applies(fmt, x2.shape[1], codes.shape[0], bias, out_dtype, x2.device):
+            y = _fp8_product(x2, t, codes, scales, prepared)
+            if y is not None:
+                return y
         product = "auto"
     a, pts = quantize_activation_values(x2, t, fmt, act_gs, dtype=torch.bfloat16)
     w = prepared.decoded
@@ -472,20 +470,26 @@ def _fp8_product(x2: Tensor, t: Tensor | None, codes: Tensor, exponents: Tensor,
     fold_mx_to_e4m3`; read on the host: one device-to-host copy a call).
 
     The activation kernel rounds ``T x`` and folds it to E4M3 with one FP32 scale per 128
-    along K; the weights are folded the same way (kept by :func:`prepare_weight`, or here,
-    with the ``no_clip`` gain ``1 / gain^2`` in their scales); cuBLAS's 1 x 128
-    block-scaled FP8 product (Hopper) sums each chunk on the tensor cores and adds it times
-    its two scales to an FP32 accumulator (:func:`_block_scaled_fp8_mm`)."""
+    along K; the weights are folded the same way (kept by :func:`prepare_weight`, or here:
+    :func:`_fold_weight`); cuBLAS's 1 x 128 block-scaled FP8 product (Hopper) sums each chunk
+    on the tensor cores and adds it times its two scales to an FP32 accumulator
+    (:func:`_block_scaled_fp8_mm`)."""
     fmt = prepared.fmt
-    gain = _scale_meta(fmt)[2]
     inexact = torch.zeros(1, dtype=torch.int32, device=codes.device)
     a8, a_scales, _, _ = _activation_kernel(x2, t, fmt, None, "linear_w4a4", None,
                                             e4m3_inexact=inexact)
-    w8, w_scales = prepared.folded or _backend().fold_e4m3(codes, exponents, fmt.block_size,
-                                                           inexact, 1.0 / (gain * gain))
+    w8, w_scales = prepared.folded or _fold_weight(codes, exponents, fmt, inexact)
     if int(inexact.item()):
         return None
     return _block_scaled_fp8_mm(a8, a_scales, w8, w_scales)
+
+
+def _fold_weight(codes: Tensor, exponents: Tensor, fmt: Format,
+                 inexact: Tensor) -> tuple[Tensor, Tensor]:
+    """An MX weight folded to E4M3 for the FP8 product, the ``no_clip`` gain ``1 / gain^2`` of
+    the product in its scales; its inexact chunks added to ``inexact``."""
+    gain = _scale_meta(fmt)[2]
+    return _backend().fold_e4m3(codes, exponents, fmt.block_size, inexact, 1.0 / (gain * gain))
 
 
 def _block_scaled_fp8_mm(a8: Tensor, a_scales: Tensor, w8: Tensor, w_scales: Tensor) -> Tensor:

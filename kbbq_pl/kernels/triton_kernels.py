@@ -21,11 +21,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from ..formats.rounding import NVFP4_MIN_GLOBAL_SCALE, NVFP4_SCALE_DIVISOR
+from .exact import FP8_FLOOR, FP8_HEADROOM
 from .host import cdiv, next_power_of_2
 from .interpret import interpreting
 
 _PTS_DIVISOR = tl.constexpr(NVFP4_SCALE_DIVISOR)  # NVFP4's per-tensor scale: amax / (448 * 6)
 _MIN_PTS = tl.constexpr(NVFP4_MIN_GLOBAL_SCALE)
+_FP8_HEADROOM = tl.constexpr(FP8_HEADROOM)  # the E4M3 fold's rule (kbbq_pl.kernels.exact)
+_FP8_FLOOR = tl.constexpr(FP8_FLOOR)
+_NO_BLOCK = tl.constexpr(-(1 << 20))  # below every block exponent: a chunk of no counted block
 
 INTERPRET = interpreting()
 _TRITON_3_7 = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 7)
@@ -109,10 +113,9 @@ def _e4m3_round(s):
 
 @triton.jit
 def _pow2(e):
-    """Exact ``2^e`` in FP32 for int32 ``e`` in [-127, 127] (2^-127 is subnormal)."""
-    normal = (tl.maximum(e + 127, 1) << 23).to(tl.float32, bitcast=True)
-    subnormal = tl.full(e.shape, 0x400000, tl.int32).to(tl.float32, bitcast=True)
-    return tl.where(e < -126, subnormal, normal)
+    """Exact ``2^e`` in FP32 for int32 ``e`` in [-149, 127] (below -126 an FP32 subnormal)."""
+    bits = tl.where(e < -126, 1 << tl.maximum(e + 149, 0), tl.maximum(e + 127, 1) << 23)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -162,6 +165,19 @@ def _decode_tile(packed, scales, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, D: t
     q = tl.reshape(_e2m1_values(codes), [ROWS, BLOCK_K // D, D])
     s = _block_scale_values(scales, SCALE_KIND)
     return tl.reshape(q * s[:, :, None], [ROWS, BLOCK_K])
+
+
+@triton.jit
+def _fold_shifts(e, counted, e_max):
+    """The E4M3 fold of :func:`kbbq_pl.kernels.exact.fold_mx_to_e4m3` for blocks of exponent
+    ``e`` (int32) in chunks whose largest counted exponent is ``e_max`` (``_NO_BLOCK`` for a
+    chunk of none; broadcast against ``e``): ``(multiplier 2^shift of each block, inexact
+    int32 of each block, the chunk's exponent)``.  ``counted``: the block holds a nonzero
+    code and is not NaN."""
+    exponent = tl.where(e_max > _NO_BLOCK, e_max - _FP8_HEADROOM, 0)
+    shift = e - exponent
+    low = (counted & (shift < _FP8_FLOOR)).to(tl.int32)
+    return _pow2(tl.minimum(tl.maximum(shift, _FP8_FLOOR), _FP8_HEADROOM)), low, exponent
 
 
 # --------------------------------------------------------------------------- activations
@@ -308,22 +324,15 @@ def _quantize_activations_kernel(
             tl.static_assert((SCALE_KIND == 1) & (NB * D == 128))
             q = _e2m1_round(y)
             counted = (tl.max(tl.abs(q), axis=2) > 0) & ~bad  # [NB, BLOCK_M]
-            none: tl.constexpr = -(1 << 20)
-            e_max = tl.max(tl.where(counted, e, none), axis=0)
-            exponent = tl.where(e_max > none, e_max - 6, 0)  # FP8_HEADROOM
-            shift = e - exponent[None, :]
-            low = (counted & (shift < -8)).to(tl.int32)  # FP8_FLOOR
+            e_max = tl.max(tl.where(counted, e, _NO_BLOCK), axis=0)
+            step, low, exponent = _fold_shifts(e, counted, e_max[None, :])
             inexact = tl.max(low, axis=0) & row_mask.to(tl.int32)
             tl.atomic_add(inexact_ptr, tl.sum(inexact, axis=0))
-            step = ((tl.minimum(tl.maximum(shift, -8), 6) + 127) << 23).to(tl.float32,
-                                                                           bitcast=True)
             byte = (q * step[:, :, None]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
             byte = tl.where(bad[:, :, None], 0x7F, byte)
             k = blocks[:, None, None] * D + tl.arange(0, D)[None, None, :]
             tl.store(codes_ptr + rows[None, :, None] * stride_cm + k, byte, mask=mask)
-            bits = tl.where(exponent >= -126, (exponent + 127) << 23,
-                            1 << tl.maximum(exponent + 149, 0))
-            tl.store(scales_ptr + pid_b * M + rows, bits.to(tl.float32, bitcast=True),
+            tl.store(scales_ptr + pid_b * M + rows, _pow2(tl.reshape(exponent, [BLOCK_M])),
                      mask=row_mask)
         if WRITE_VALUES:
             scale_value = tl.where(bad, float("nan"), scale_value)
@@ -823,24 +832,17 @@ def _fold_e4m3_kernel(words_ptr, exps_ptr, values_ptr, scales_ptr, inexact_ptr, 
     e = (e4[:, None, None] >> (8 * b)) & 255  # [R, PB, 1]
     nan_block = e == 255
     counted = ((words & 0x77777777) != 0) & ~nan_block  # a nonzero code in the word
-    none: tl.constexpr = -(1 << 20)
-    e_max = tl.max(tl.max(tl.where(counted, e - 127, none), axis=2), axis=1)
-    exponent = tl.where(e_max > none, e_max - 6, 0)  # FP8_HEADROOM
-    shift = (e - 127) - exponent[:, None, None]
-    low = (counted & (shift < -8)).to(tl.int32)  # FP8_FLOOR
+    e_max = tl.max(tl.max(tl.where(counted, e - 127, _NO_BLOCK), axis=2), axis=1)
+    step, low, exponent = _fold_shifts(e - 127, counted, e_max[:, None, None])
     inexact = tl.max(tl.max(low, axis=2), axis=1)
     tl.atomic_add(inexact_ptr, tl.sum(inexact, axis=0))
-    shift = tl.minimum(tl.maximum(shift, -8), 6)
-    step = ((shift + 127) << 23).to(tl.float32, bitcast=True)  # 2^shift
     values = tl.reshape(tl.join(_e4m3_word(words, step, nan_block, 0),
                                 _e4m3_word(words, step, nan_block, 16)), [BLOCK_R, 32])
     v = chunk * 32 + tl.arange(0, 32)
     tl.store(values_ptr + rows[:, None] * stride_vr + v[None, :], values,
              mask=(rows < R)[:, None])
-    # 2^exponent for exponent in [-133, 121] (below -126 an FP32 subnormal)
-    bits = tl.where(exponent >= -126, (exponent + 127) << 23, 1 << tl.maximum(exponent + 149, 0))
-    tl.store(scales_ptr + chunk * R + rows, bits.to(tl.float32, bitcast=True) * multiplier,
-             mask=rows < R)
+    scale = _pow2(tl.reshape(exponent, [BLOCK_R])) * multiplier  # one a row
+    tl.store(scales_ptr + chunk * R + rows, scale, mask=rows < R)
 
 
 FOLD_TILE = (64, 4)

@@ -54,15 +54,21 @@ the run goes on, and the summary says what failed or was skipped for time):
   prefill (and the FP8 product) beat decode on both shapes (``K.PREFILL_MIN_M`` is 1024).
 * ``peers`` (last: they take what time is left): torch's int4 weight-only kernel
   (``aten._weight_int4pack_mm``, group 32) and, when importable, GemLite 0.6's ``A16W4_NVFP``,
-  ``A16W4_MXFP``, ``A4W4_NVFP_dynamic`` and ``A4W4_MXFP_dynamic``, at the same shapes and M,
-  timed the same way.
+  ``A16W4_MXFP``, ``A4W4_NVFP_dynamic`` and ``A4W4_MXFP_dynamic`` (each quantizing the bf16
+  weight its own way), at the same shapes and M, timed the same way.  Then whether GemLite's
+  kernel can replace ours: its weight-only layer built from our stored codes and scales, fed
+  our activation kernel's bf16 values (KBBQ blocks), timed beside ``linear_w4a4`` on the same
+  operands and checked within one bf16 rounding of the exact product (GemLite's A4W4 layers
+  round the activations themselves, MX's scale exponent up where OCP's rounds down and NVFP4's
+  ties to the smaller magnitude, and apply no transform: not our product).
 
 * ``compiled`` (after the peers): the model section's batch-1 decoding with every step
   through ``torch.compile`` on both sides (a W4A4 linear is one custom operator to the
   compiler), replayed from a CUDA graph.  Target 2.0x, as eager.
 
 ``--tiny`` runs every section's logic on tiny shapes on the CPU under Triton's interpreter
-(timings meaningless, no peers), which ``tests/kernels/test_kernels.py`` does so that this script
+(timings meaningless; of the peers only the GemLite-on-ours rows, where a test stands in for
+GemLite), which ``tests/kernels/test_kernels.py`` does so that this script
 cannot rot.  Without CUDA and without ``--tiny`` the script exits with a message.
 """
 
@@ -902,25 +908,28 @@ def fp8_rows_row(run: Run, K, x, t, name: str, kept, ref, t_bf16: float,
 
 
 def peers_section(run: Run) -> None:
-    if not run.cuda:
+    helper = gemlite_helper()
+    if not run.cuda and helper is None:
         print("peers: skipped (they run on CUDA only)")
         run.notes.append("peers: skipped on the CPU")
         return
     device = run.device
-    rows = []
-    gemlite = gemlite_classes()
+    stock = ([("int4 tinygemm g32", int4_tinygemm), *gemlite_classes(helper)] if run.cuda
+             else [])  # on the CPU (a test's stand-in for GemLite) only the GemLite-on-ours rows
+    rows, ours_rows = [], []
     best_m1: dict[str, list[float]] = {}
     for k, n, w, w_set in gemm_weights(run, "peers", reserve=40):
+        packed = ({name: packed_copies(run, w, name) for name in run.formats
+                   if name in GEMLITE_WEIGHT_ONLY} if helper else {})
         for m in run.shapes["gemm_m"]:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             t_bf16 = bf16_seconds(run, x, w_set)
-            for peer, make in [("int4 tinygemm g32", int4_tinygemm), *gemlite]:
+            for peer, make in stock:
                 try:
                     calls = [make(w, x) for _ in range(copies(run, w.numel() // 2))]
                     seconds = seconds_per_call(run, calls)
                 except Exception as error:  # a peer that does not run here is a row, not a crash
-                    rows.append([f"{k}->{n}", m, peer, t_bf16 * 1e3, "-", "-",
-                                 f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"])
+                    rows.append([f"{k}->{n}", m, peer, t_bf16 * 1e3, "-", "-", failure(error)])
                     continue
                 rows.append([f"{k}->{n}", m, peer, t_bf16 * 1e3, seconds * 1e3,
                              t_bf16 / seconds, ""])
@@ -928,11 +937,41 @@ def peers_section(run: Run) -> None:
                         ms=seconds * 1e3, speedup=t_bf16 / seconds)
                 if m == 1:
                     best_m1.setdefault(peer, []).append(t_bf16 / seconds)
-        del w, w_set
-    table("peers against bf16 torch.matmul (same shapes, same timing)",
-          ["K->N", "M", "peer", "bf16 ms", "peer ms", "x bf16", "note"], rows)
+            for name, (q, sets, _) in packed.items():
+                ours_rows.append(gemlite_on_ours_row(run, helper, x, name, q, sets, t_bf16))
+        del w, w_set, packed
+    if stock:
+        table("peers against bf16 torch.matmul (same shapes, same timing; GemLite quantizes "
+              "the bf16 weight its own way)",
+              ["K->N", "M", "peer", "bf16 ms", "peer ms", "x bf16", "note"], rows)
     for peer, values in best_m1.items():
         run.line(f"peer {peer} M=1: x bf16 min/median/max", spread(values))
+    if ours_rows:
+        table("GemLite's weight-only FP4 GEMM on our operands (KBBQ blocks; NVFP4 with a static "
+              "activation scale): our activation kernel's bf16 values, then GemLite's A16W4 "
+              "layer built from the codes and block scales as kbbq-pl stores them, against "
+              "linear_w4a4 on the same operands; same product: within one bf16 rounding of "
+              "the exact product of the same codes; deterministic: the same bits in four "
+              "calls (ours: a fixed-order reduction)",
+              ["K->N", "M", "format", "bf16 ms", "ours ms", "ours x bf16", "GemLite ms",
+               "GemLite x bf16", "GemLite / ours, time", "same product", "deterministic"],
+              ours_rows)
+    found = [r for r in run.rows if r.get("section") == "gemlite on ours"]
+    for name in run.formats:
+        for m in (1, 16):
+            mine = [r for r in found if r["fmt"] == name and r["m"] == m]
+            if mine:
+                times = [r["gemlite_ms"] / r["ours_ms"] for r in mine]
+                same = sum(r["same_product"] for r in mine)
+                repeats = sum(r["same_bits_repeated"] for r in mine)
+                run.line(f"GemLite A16W4 on our operands, {name} M={m}: its time / ours, "
+                         f"min/median/max (same product {same}/{len(mine)}, deterministic "
+                         f"{repeats}/{len(mine)})", spread(times),
+                         "ours faster", f"{sum(v >= 1 for v in times)}/{len(times)}")
+
+
+def failure(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
 
 
 def int4_tinygemm(w: torch.Tensor, x: torch.Tensor):
@@ -947,12 +986,19 @@ def int4_tinygemm(w: torch.Tensor, x: torch.Tensor):
     return functools.partial(torch.ops.aten._weight_int4pack_mm, x, weight, group, scales_zeros)
 
 
-def gemlite_classes() -> list:
-    """GemLite 0.6's FP4 layers as (name, maker) when gemlite imports (carried as a wheel)."""
+def gemlite_helper():
+    """GemLite 0.6's ``gemlite.helper`` (carried to the GPU as a wheel), or None (said once)."""
     try:
         from gemlite import helper
     except Exception as error:  # noqa: BLE001 - absent or broken: say so and go on
         print(f"GemLite not importable ({type(error).__name__}: {error}); its rows are skipped")
+        return None
+    return helper
+
+
+def gemlite_classes(helper) -> list:
+    """GemLite's FP4 layers as (name, maker), each quantizing a bf16 weight its own way."""
+    if helper is None:
         return []
 
     def maker(cls):
@@ -968,6 +1014,72 @@ def gemlite_classes() -> list:
     names = ("A16W4_NVFP", "A16W4_MXFP", "A4W4_NVFP_dynamic", "A4W4_MXFP_dynamic")
     return [(f"GemLite {name}", maker(getattr(helper, name))) for name in names
             if hasattr(helper, name)]
+
+
+GEMLITE_WEIGHT_ONLY = {"nvfp4": "A16W4_NVFP", "mxfp4": "A16W4_MXFP"}
+"""GemLite's weight-only layer of each format: bf16 activations times FP4 weights, which on our
+activation kernel's values (exact in bf16) is the W4A4 product."""
+
+
+def gemlite_on_ours(helper, name: str, codes: torch.Tensor, scales: torch.Tensor) -> nn.Module:
+    """GemLite's weight-only layer on the weights as kbbq-pl stores them: packed E2M1 codes
+    ``[N, K/2]`` (element ``2i`` in the low nibble, GemLite's order and code table) and their
+    block scales (E4M3, or E8M0 bytes), through its ``from_packed_weights``.  For NVFP4 its
+    epilogue's FP32 factor (``meta_scale``) is left for :func:`set_gemlite_factor`."""
+    layer = getattr(helper, GEMLITE_WEIGHT_ONLY[name])(device=str(codes.device),
+                                                        dtype=torch.bfloat16)
+    if name == "nvfp4":
+        return layer.from_packed_weights(codes, scales=scales.view(torch.float8_e4m3fn))
+    return layer.from_packed_weights(codes, scales.view(torch.uint8))
+
+
+def set_gemlite_factor(layer: nn.Module, factor: torch.Tensor) -> None:
+    """The FP32 factor GemLite's NVFP4 epilogue multiplies the sum by: here both per-tensor
+    scales (activations' and weights'), as our epilogue applies them."""
+    with torch.no_grad():
+        layer.meta_scale.copy_(factor)
+
+
+def gemlite_on_ours_row(run: Run, helper, x: torch.Tensor, name: str, q, sets,
+                        t_bf16: float) -> list:
+    """One row of GemLite's weight-only GEMM on our operands against ``linear_w4a4``."""
+    from kbbq_pl import kernels as K
+    from kbbq_pl.formats import get_format
+
+    m, k = x.shape
+    n = q.qdata.shape[0]
+    fmt_ = get_format(name)
+    t = kbbq_blocks(k, fmt_.block_size, x.device)
+    head = [f"{k}->{n}", m, name, t_bf16 * 1e3]
+    scale = K.quantize_activation_values(x, t, name)[1] if fmt_.global_scale else None
+    ours = [functools.partial(K.linear_w4a4, x, c, s, q.global_scale, name, t, scale,
+                              prepared=K.prepare_weight(c, s, q.global_scale, name, scale))
+            for c, s in sets]
+    t_ours = seconds_per_call(run, ours)
+
+    def theirs_call(layer):
+        values, _ = K.quantize_activation_values(x, t, name, scale, dtype=torch.bfloat16)
+        return layer(values)
+
+    try:
+        layers = [gemlite_on_ours(helper, name, c, s) for c, s in sets]
+        if scale is not None:
+            for layer in layers:
+                set_gemlite_factor(layer, scale * q.global_scale)
+        theirs = [functools.partial(theirs_call, layer) for layer in layers]
+        y = theirs[0]()
+        same, excess = within_one_rounding(y, exact_product(x, t, q, name, scale))
+        # split-K partial sums added atomically come in any order: the bits may change
+        repeats = all(torch.equal(y, theirs[0]()) for _ in range(3))
+        t_theirs = seconds_per_call(run, theirs)
+    except Exception as error:  # GemLite refusing our operands is a finding, not a crash
+        return head + [t_ours * 1e3, t_bf16 / t_ours, "-", "-", "-", failure(error), "-"]
+    run.add("gemlite on ours", k=k, n=n, m=m, fmt=name, bf16_ms=t_bf16 * 1e3,
+            ours_ms=t_ours * 1e3, gemlite_ms=t_theirs * 1e3, same_product=same,
+            same_bits_repeated=repeats)
+    return head + [t_ours * 1e3, t_bf16 / t_ours, t_theirs * 1e3, t_bf16 / t_theirs,
+                   t_theirs / t_ours, "yes" if same else f"NO ({excess:.2g})",
+                   "yes" if repeats else "NO"]
 
 
 # --------------------------------------------------------------------------- model
@@ -1331,7 +1443,7 @@ def compiled_section(run: Run) -> None:
 
 SECTIONS = {"check": (check_section, 20), "gemm": (gemm_section, 60), "act": (act_section, 20),
             "model": (model_section, 120), "rows": (rows_section, 40),
-            "peers": (peers_section, 40), "compiled": (compiled_section, 150)}
+            "peers": (peers_section, 60), "compiled": (compiled_section, 150)}
 """Each section and the seconds of budget it needs to start; the default order puts the peers
 and the compiled model last, where they take what time is left."""
 

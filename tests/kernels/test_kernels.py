@@ -504,10 +504,8 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     run_compile_check(COMPILE_CHECK)
 
 
-def test_gpu_bench_tiny_run(capsys):
-    """bench/gpu.py's every section on tiny shapes under the interpreter, its summary last, no
-    section failing (the device script cannot rot between GPU sessions)."""
-    needs_kernels()
+def gpu_bench():
+    """bench/gpu.py as a module."""
     path = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
     spec = importlib.util.spec_from_file_location("bench_gpu", path)
     module = importlib.util.module_from_spec(spec)
@@ -516,6 +514,14 @@ def test_gpu_bench_tiny_run(capsys):
         spec.loader.exec_module(module)
     finally:
         del sys.modules["bench_gpu"]
+    return module
+
+
+def test_gpu_bench_tiny_run(capsys):
+    """bench/gpu.py's every section on tiny shapes under the interpreter, its summary last, no
+    section failing (the device script cannot rot between GPU sessions)."""
+    needs_kernels()
+    module = gpu_bench()
     module.main(["--tiny", "--formats", "nvfp4"])
     out = capsys.readouterr().out
     summary = out[out.index("## summary"):]
@@ -542,6 +548,75 @@ def test_gpu_bench_tiny_run(capsys):
     summary = out[out.index("## summary"):]
     assert "MX on FP8 tensor cores: FAILED (RuntimeError: no FP8 here)" in summary
     assert "within one bf16 rounding of the exact product | 5/5" in summary
+
+
+GEMLITE_E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+
+
+class GemLiteWeightOnlyStandIn(torch.nn.Module):
+    """What GemLite 0.6's weight-only FP4 layer computes, as its source reads (it imports only
+    with CUDA): codes ``[N, K/2]`` with element ``2i`` in the low nibble
+    (``pack_weights_over_cols``), indices into its E2M1 table (``quant_utils.fp4_values``), one
+    scale per group along K, the FP32 sum times ``meta_scale`` for NVFP4 (group 16), rounded to
+    bf16.  ``high_first`` swaps the nibbles: a layout that is not GemLite's, which the bench's
+    check must catch."""
+
+    def __init__(self, packed, scales, group: int, high_first: bool = False):
+        super().__init__()
+        nibbles = [packed & 15, packed >> 4]
+        if high_first:
+            nibbles.reverse()
+        codes = torch.stack(nibbles, -1).flatten(-2).long()
+        self.weight = GEMLITE_E2M1[codes] * scales.float().repeat_interleave(group, -1)
+        self.group = group
+        self.meta_scale = torch.nn.Parameter(torch.tensor(0.0), requires_grad=False)
+
+    def forward(self, x):
+        acc = x.float() @ self.weight.T
+        return (acc * self.meta_scale if self.group == 16 else acc).to(torch.bfloat16)
+
+
+def gemlite_stand_in(high_first: bool = False):
+    """``gemlite.helper``'s two weight-only classes, with its ``from_packed_weights`` signatures."""
+
+    class A16W4_NVFP:  # noqa: N801 - GemLite's names
+        def __init__(self, device, dtype):
+            assert dtype == torch.bfloat16
+
+        def from_packed_weights(self, weight_packed, bias=None, scales=None, meta_scale=None):
+            assert weight_packed.dtype == torch.uint8 and scales.dtype == torch.float8_e4m3fn
+            return GemLiteWeightOnlyStandIn(weight_packed, scales, 16, high_first)
+
+    class A16W4_MXFP:  # noqa: N801
+        def __init__(self, device, dtype):
+            assert dtype == torch.bfloat16
+
+        def from_packed_weights(self, W_q_packed, scales, bias=None):  # noqa: N803
+            assert W_q_packed.dtype == torch.uint8 and scales.dtype == torch.uint8
+            return GemLiteWeightOnlyStandIn(W_q_packed, torch.exp2(scales.float() - 127), 32,
+                                            high_first)
+
+    return type("helper", (), dict(A16W4_NVFP=A16W4_NVFP, A16W4_MXFP=A16W4_MXFP))
+
+
+def test_gpu_bench_gemlite_on_our_operands(capsys):
+    """The peers section builds GemLite's weight-only layers from the codes and scales as we
+    store them (NVFP4 with both per-tensor scales as its epilogue's factor), feeds them our
+    activation values, and says whether that is our product: yes for GemLite's layout (a
+    stand-in, on the CPU), NO for a layout with the nibbles swapped."""
+    needs_kernels()
+    module = gpu_bench()
+    for high_first, verdict in ((False, "1/1"), (True, "0/1")):
+        with mock.patch.object(module, "gemlite_helper",
+                               return_value=gemlite_stand_in(high_first)):
+            module.main(["--tiny", "--formats", "nvfp4,mxfp4", "--sections", "peers"])
+        out = capsys.readouterr().out
+        summary = out[out.index("## summary"):]
+        for fmt in ("nvfp4", "mxfp4"):
+            assert f"GemLite A16W4 on our operands, {fmt} M=1: its time / ours, min/median/max " \
+                   f"(same product {verdict}, deterministic 1/1)" in summary, summary
+        assert ("| yes | yes |" in out) != high_first and ("| NO (" in out) == high_first
+        assert "FAILED" not in summary and "peers: skipped" not in summary
 
 
 # --------------------------------------------------------------------------- GPU

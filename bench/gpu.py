@@ -949,7 +949,8 @@ def peers_section(run: Run) -> None:
     if ours_rows:
         table("GemLite's weight-only FP4 GEMM on our operands (KBBQ blocks; NVFP4 with a static "
               "activation scale): our activation kernel's bf16 values, then GemLite's A16W4 "
-              "layer built from the codes and block scales as kbbq-pl stores them, against "
+              "layer built from the codes and block scales as kbbq-pl stores them (its split-K "
+              "partial sums added in FP32, not its default bf16 atomics), against "
               "linear_w4a4 on the same operands; same product: within one bf16 rounding of "
               "the exact product of the same codes; deterministic: the same bits in four "
               "calls (ours: a fixed-order reduction)",
@@ -1040,6 +1041,23 @@ def set_gemlite_factor(layer: nn.Module, factor: torch.Tensor) -> None:
         layer.meta_scale.copy_(factor)
 
 
+@contextlib.contextmanager
+def fp32_partial_sums():
+    """GemLite's split-K GEMM adding its partial sums in FP32 (``set_native_atomic_bfp16(False)``,
+    its accuracy setting) instead of bf16 atomics (its default on sm_90), restored after: the
+    setting under which its product can be ours."""
+    try:
+        from gemlite.core import set_native_atomic_bfp16
+    except Exception:  # noqa: BLE001 - a stand-in (CPU test) or another GemLite: as it is
+        yield
+        return
+    set_native_atomic_bfp16(False)
+    try:
+        yield
+    finally:
+        set_native_atomic_bfp16(True)
+
+
 def gemlite_on_ours_row(run: Run, helper, x: torch.Tensor, name: str, q, sets,
                         t_bf16: float) -> list:
     """One row of GemLite's weight-only GEMM on our operands against ``linear_w4a4``."""
@@ -1062,16 +1080,17 @@ def gemlite_on_ours_row(run: Run, helper, x: torch.Tensor, name: str, q, sets,
         return layer(values)
 
     try:
-        layers = [gemlite_on_ours(helper, name, c, s) for c, s in sets]
-        if scale is not None:
-            for layer in layers:
-                set_gemlite_factor(layer, scale * q.global_scale)
-        theirs = [functools.partial(theirs_call, layer) for layer in layers]
-        y = theirs[0]()
-        same, excess = within_one_rounding(y, exact_product(x, t, q, name, scale))
-        # split-K partial sums added atomically come in any order: the bits may change
-        repeats = all(torch.equal(y, theirs[0]()) for _ in range(3))
-        t_theirs = seconds_per_call(run, theirs)
+        with fp32_partial_sums():
+            layers = [gemlite_on_ours(helper, name, c, s) for c, s in sets]
+            if scale is not None:
+                for layer in layers:
+                    set_gemlite_factor(layer, scale * q.global_scale)
+            theirs = [functools.partial(theirs_call, layer) for layer in layers]
+            y = theirs[0]()
+            same, excess = within_one_rounding(y, exact_product(x, t, q, name, scale))
+            # split-K partial sums added atomically come in any order: the bits may change
+            repeats = all(torch.equal(y, theirs[0]()) for _ in range(3))
+            t_theirs = seconds_per_call(run, theirs)
     except Exception as error:  # GemLite refusing our operands is a finding, not a crash
         return head + [t_ours * 1e3, t_bf16 / t_ours, "-", "-", "-", failure(error), "-"]
     run.add("gemlite on ours", k=k, n=n, m=m, fmt=name, bf16_ms=t_bf16 * 1e3,

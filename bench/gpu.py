@@ -1025,13 +1025,15 @@ activation kernel's values (exact in bf16) is the W4A4 product."""
 def gemlite_on_ours(helper, name: str, codes: torch.Tensor, scales: torch.Tensor) -> nn.Module:
     """GemLite's weight-only layer on the weights as kbbq-pl stores them: packed E2M1 codes
     ``[N, K/2]`` (element ``2i`` in the low nibble, GemLite's order and code table) and their
-    block scales (E4M3, or E8M0 bytes), through its ``from_packed_weights``.  For NVFP4 its
-    epilogue's FP32 factor (``meta_scale``) is left for :func:`set_gemlite_factor`."""
+    block scales (E4M3, or E8M0) through its ``from_packed_weights``, typed as float8 (its
+    ``pack`` converts them ``.to`` its scale dtype: uint8 exponent bytes would be converted by
+    value).  For NVFP4 its epilogue's FP32 factor (``meta_scale``) is left for
+    :func:`set_gemlite_factor`."""
     layer = getattr(helper, GEMLITE_WEIGHT_ONLY[name])(device=str(codes.device),
                                                         dtype=torch.bfloat16)
     if name == "nvfp4":
         return layer.from_packed_weights(codes, scales=scales.view(torch.float8_e4m3fn))
-    return layer.from_packed_weights(codes, scales.view(torch.uint8))
+    return layer.from_packed_weights(codes, scales.view(torch.float8_e8m0fnu))
 
 
 def set_gemlite_factor(layer: nn.Module, factor: torch.Tensor) -> None:

@@ -559,7 +559,8 @@ class GemLiteWeightOnlyStandIn(torch.nn.Module):
     (``pack_weights_over_cols``), indices into its E2M1 table (``quant_utils.fp4_values``), one
     scale per group along K, the FP32 sum times ``meta_scale`` for NVFP4 (group 16), rounded to
     bf16.  ``high_first`` swaps the nibbles: a layout that is not GemLite's, which the bench's
-    check must catch."""
+    check must catch.  Its MX scales are what GemLite's ``pack`` makes of them (converted
+    ``.to(torch.float8_e8m0fnu)``)."""
 
     def __init__(self, packed, scales, group: int, high_first: bool = False):
         super().__init__()
@@ -592,8 +593,10 @@ def gemlite_stand_in(high_first: bool = False):
             assert dtype == torch.bfloat16
 
         def from_packed_weights(self, W_q_packed, scales, bias=None):  # noqa: N803
-            assert W_q_packed.dtype == torch.uint8 and scales.dtype == torch.uint8
-            return GemLiteWeightOnlyStandIn(W_q_packed, torch.exp2(scales.float() - 127), 32,
+            assert W_q_packed.dtype == torch.uint8
+            # GemLite's pack: scales.to(float8_e8m0fnu), which converts uint8 bytes by value
+            exponents = scales.to(torch.float8_e8m0fnu).view(torch.uint8)
+            return GemLiteWeightOnlyStandIn(W_q_packed, torch.exp2(exponents.float() - 127), 32,
                                             high_first)
 
     return type("helper", (), dict(A16W4_NVFP=A16W4_NVFP, A16W4_MXFP=A16W4_MXFP))

@@ -54,13 +54,13 @@ the run goes on, and the summary says what failed or was skipped for time):
   prefill (and the FP8 product) beat decode on both shapes (``K.PREFILL_MIN_M`` is 1024).
 * ``peers`` (last: they take what time is left): torch's int4 weight-only kernel
   (``aten._weight_int4pack_mm``, group 32) and, when importable, GemLite 0.6's ``A16W4_NVFP``,
-  ``A16W4_MXFP``, ``A4W4_NVFP_dynamic`` and ``A4W4_MXFP_dynamic`` (each quantizing the bf16
-  weight its own way), at the same shapes and M, timed the same way.  Then whether GemLite's
-  kernel can replace ours: its weight-only layer built from our stored codes and scales, fed
-  our activation kernel's bf16 values (KBBQ blocks), timed beside ``linear_w4a4`` on the same
-  operands and checked within one bf16 rounding of the exact product (GemLite's A4W4 layers
-  round the activations themselves, MX's scale exponent up where OCP's rounds down and NVFP4's
-  ties to the smaller magnitude, and apply no transform: not our product).
+  ``A16W4_MXFP``, ``A4W4_NVFP_dynamic`` and ``A4W4_MXFP_dynamic`` (built from our stored FP4
+  weights, fed the bf16 input), at the same shapes and M, timed the same way.  Then whether
+  GemLite's kernel can replace ours: its weight-only layers fed our activation kernel's bf16
+  values (KBBQ blocks), timed beside ``linear_w4a4`` on the same operands, checked within one
+  bf16 rounding of the exact product and for the same bits call after call (GemLite's A4W4
+  layers round the activations themselves, MX's scale exponent up where OCP's rounds down and
+  NVFP4's ties to the smaller magnitude, and apply no transform: not our product).
 
 * ``compiled`` (after the peers): the model section's batch-1 decoding with every step
   through ``torch.compile`` on both sides (a W4A4 linear is one custom operator to the
@@ -914,20 +914,24 @@ def peers_section(run: Run) -> None:
         run.notes.append("peers: skipped on the CPU")
         return
     device = run.device
-    stock = ([("int4 tinygemm g32", int4_tinygemm), *gemlite_classes(helper)] if run.cuda
-             else [])  # on the CPU (a test's stand-in for GemLite) only the GemLite-on-ours rows
+    gemlite_formats = [name for name in run.formats if name in GEMLITE_LAYERS] if helper else []
     rows, ours_rows = [], []
     best_m1: dict[str, list[float]] = {}
     for k, n, w, w_set in gemm_weights(run, "peers", reserve=40):
-        packed = ({name: packed_copies(run, w, name) for name in run.formats
-                   if name in GEMLITE_WEIGHT_ONLY} if helper else {})
+        packed = {name: packed_copies(run, w, name) for name in gemlite_formats}
+        layers = {(name, cls): gemlite_layers(helper, cls, q, sets)
+                  for name, (q, sets, _) in packed.items() for cls in GEMLITE_LAYERS[name]
+                  if hasattr(helper, cls)}
         for m in run.shapes["gemm_m"]:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             t_bf16 = bf16_seconds(run, x, w_set)
-            for peer, make in stock:
+            peers = [(f"GemLite {cls}", functools.partial(layer_calls, made, x))
+                     for (_, cls), made in layers.items()]
+            if run.cuda:
+                peers.insert(0, ("int4 tinygemm g32", functools.partial(int4_calls, run, w, x)))
+            for peer, make_calls in peers:
                 try:
-                    calls = [make(w, x) for _ in range(copies(run, w.numel() // 2))]
-                    seconds = seconds_per_call(run, calls)
+                    seconds = seconds_per_call(run, make_calls())
                 except Exception as error:  # a peer that does not run here is a row, not a crash
                     rows.append([f"{k}->{n}", m, peer, t_bf16 * 1e3, "-", "-", failure(error)])
                     continue
@@ -938,12 +942,15 @@ def peers_section(run: Run) -> None:
                 if m == 1:
                     best_m1.setdefault(peer, []).append(t_bf16 / seconds)
             for name, (q, sets, _) in packed.items():
-                ours_rows.append(gemlite_on_ours_row(run, helper, x, name, q, sets, t_bf16))
-        del w, w_set, packed
-    if stock:
-        table("peers against bf16 torch.matmul (same shapes, same timing; GemLite quantizes "
-              "the bf16 weight its own way)",
-              ["K->N", "M", "peer", "bf16 ms", "peer ms", "x bf16", "note"], rows)
+                weight_only = layers.get((name, GEMLITE_LAYERS[name][0]))
+                if weight_only is not None:
+                    ours_rows.append(gemlite_on_ours_row(run, x, name, q, sets, weight_only,
+                                                         t_bf16))
+        del w, w_set, packed, layers
+    table("peers against bf16 torch.matmul (same shapes, same timing): torch's int4 kernel on "
+          "random codes; GemLite's layers on our stored FP4 weights, fed the bf16 input (its "
+          "A4W4 layers round it themselves)",
+          ["K->N", "M", "peer", "bf16 ms", "peer ms", "x bf16", "note"], rows)
     for peer, values in best_m1.items():
         run.line(f"peer {peer} M=1: x bf16 min/median/max", spread(values))
     if ours_rows:
@@ -975,6 +982,11 @@ def failure(error: Exception) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
 
 
+def int4_calls(run: Run, w: torch.Tensor, x: torch.Tensor) -> list:
+    """The int4 peer on enough copies of its weights to overflow the L2 cache."""
+    return [int4_tinygemm(w, x) for _ in range(copies(run, w.numel() // 2))]
+
+
 def int4_tinygemm(w: torch.Tensor, x: torch.Tensor):
     """torch's int4 weight-only product (``aten._weight_int4pack_mm``, tinygemm: the kernel of
     torchao's int4 weight-only config), group 32, on random codes of ``w``'s shape."""
@@ -997,48 +1009,47 @@ def gemlite_helper():
     return helper
 
 
-def gemlite_classes(helper) -> list:
-    """GemLite's FP4 layers as (name, maker), each quantizing a bf16 weight its own way."""
-    if helper is None:
-        return []
-
-    def maker(cls):
-        def make(w, x):
-            layer = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device,
-                              dtype=torch.bfloat16)
-            with torch.no_grad():
-                layer.weight.copy_(w)
-            quant = cls(device=str(w.device), dtype=torch.bfloat16).from_linear(layer)
-            return functools.partial(quant, x)
-        return make
-
-    names = ("A16W4_NVFP", "A16W4_MXFP", "A4W4_NVFP_dynamic", "A4W4_MXFP_dynamic")
-    return [(f"GemLite {name}", maker(getattr(helper, name))) for name in names
-            if hasattr(helper, name)]
+GEMLITE_LAYERS = {"nvfp4": ("A16W4_NVFP", "A4W4_NVFP_dynamic"),
+                  "mxfp4": ("A16W4_MXFP", "A4W4_MXFP_dynamic")}
+"""GemLite's layers of each format: weight-only first (bf16 activations times FP4 weights,
+which on our activation kernel's values is the W4A4 product), then W4A4 with the activations
+rounded by GemLite itself (its rule, no transform: not our product)."""
 
 
-GEMLITE_WEIGHT_ONLY = {"nvfp4": "A16W4_NVFP", "mxfp4": "A16W4_MXFP"}
-"""GemLite's weight-only layer of each format: bf16 activations times FP4 weights, which on our
-activation kernel's values (exact in bf16) is the W4A4 product."""
+def gemlite_layer(helper, cls: str, codes: torch.Tensor, scales: torch.Tensor,
+                  global_scale: torch.Tensor | None) -> nn.Module:
+    """GemLite's layer ``cls`` on the weights as kbbq-pl stores them, through its
+    ``from_packed_weights``: packed E2M1 codes ``[N, K/2]`` (element ``2i`` in the low nibble,
+    GemLite's order and code table) and their block scales typed as float8 (its ``pack``
+    converts them ``.to`` its scale dtype: uint8 exponent bytes would be converted by value);
+    NVFP4's global scale in GemLite's convention, the reciprocal of ours.  Built from our
+    weights, not from a bf16 one, GemLite's quantizer (compiled by ``torch.compile`` for each
+    shape) never runs: its kernels are the same."""
+    layer = getattr(helper, cls)(device=str(codes.device), dtype=torch.bfloat16)
+    if global_scale is not None:  # NVFP4
+        return layer.from_packed_weights(codes, scales=scales.view(torch.float8_e4m3fn),
+                                         meta_scale=1.0 / global_scale)
+    return layer.from_packed_weights(codes, scales=scales.view(torch.float8_e8m0fnu))
 
 
-def gemlite_on_ours(helper, name: str, codes: torch.Tensor, scales: torch.Tensor) -> nn.Module:
-    """GemLite's weight-only layer on the weights as kbbq-pl stores them: packed E2M1 codes
-    ``[N, K/2]`` (element ``2i`` in the low nibble, GemLite's order and code table) and their
-    block scales (E4M3, or E8M0) through its ``from_packed_weights``, typed as float8 (its
-    ``pack`` converts them ``.to`` its scale dtype: uint8 exponent bytes would be converted by
-    value).  For NVFP4 its epilogue's FP32 factor (``meta_scale``) is left for
-    :func:`set_gemlite_factor`."""
-    layer = getattr(helper, GEMLITE_WEIGHT_ONLY[name])(device=str(codes.device),
-                                                        dtype=torch.bfloat16)
-    if name == "nvfp4":
-        return layer.from_packed_weights(codes, scales=scales.view(torch.float8_e4m3fn))
-    return layer.from_packed_weights(codes, scales.view(torch.float8_e8m0fnu))
+def gemlite_layers(helper, cls: str, q, sets) -> list[nn.Module] | Exception:
+    """One GemLite layer per copy of the weights (the calls cycle through them, as ours do), or
+    the error GemLite raised (a row says it)."""
+    try:
+        return [gemlite_layer(helper, cls, c, s, q.global_scale) for c, s in sets]
+    except Exception as error:  # noqa: BLE001 - GemLite refusing our operands is a finding
+        return error
+
+
+def layer_calls(layers: list[nn.Module] | Exception, x: torch.Tensor) -> list:
+    if isinstance(layers, Exception):
+        raise layers
+    return [functools.partial(layer, x) for layer in layers]
 
 
 def set_gemlite_factor(layer: nn.Module, factor: torch.Tensor) -> None:
-    """The FP32 factor GemLite's NVFP4 epilogue multiplies the sum by: here both per-tensor
-    scales (activations' and weights'), as our epilogue applies them."""
+    """The FP32 factor GemLite's weight-only NVFP4 epilogue multiplies the sum by: here both
+    per-tensor scales (activations' and weights'), as our epilogue applies them."""
     with torch.no_grad():
         layer.meta_scale.copy_(factor)
 
@@ -1060,9 +1071,10 @@ def fp32_partial_sums():
         set_native_atomic_bfp16(True)
 
 
-def gemlite_on_ours_row(run: Run, helper, x: torch.Tensor, name: str, q, sets,
+def gemlite_on_ours_row(run: Run, x: torch.Tensor, name: str, q, sets, layers,
                         t_bf16: float) -> list:
-    """One row of GemLite's weight-only GEMM on our operands against ``linear_w4a4``."""
+    """One row of GemLite's weight-only GEMM (``layers``, one per copy of the weights) on our
+    operands against ``linear_w4a4``."""
     from kbbq_pl import kernels as K
     from kbbq_pl.formats import get_format
 
@@ -1082,8 +1094,9 @@ def gemlite_on_ours_row(run: Run, helper, x: torch.Tensor, name: str, q, sets,
         return layer(values)
 
     try:
+        if isinstance(layers, Exception):
+            raise layers
         with fp32_partial_sums():
-            layers = [gemlite_on_ours(helper, name, c, s) for c, s in sets]
             if scale is not None:
                 for layer in layers:
                     set_gemlite_factor(layer, scale * q.global_scale)

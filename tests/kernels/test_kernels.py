@@ -619,6 +619,7 @@ def test_gpu_bench_gemlite_on_our_operands(capsys):
             assert f"GemLite A16W4 on our operands, {fmt} M=1: its time / ours, min/median/max " \
                    f"(same product {verdict}, deterministic 1/1)" in summary, summary
         assert ("| yes | yes |" in out) != high_first and ("| NO (" in out) == high_first
+        assert "| GemLite A16W4_NVFP |" in out and "| GemLite A16W4_MXFP |" in out  # as peers
         assert "FAILED" not in summary and "peers: skipped" not in summary
 
 

@@ -531,6 +531,8 @@ def test_gpu_bench_tiny_run(capsys):
                 "rows from which prefill beats decode, nvfp4", "peers: skipped",
                 "model nvfp4 compiled: decode batch 1 x bf16 compiled"):
         assert row in summary, row
+    # a goal missed (every speed goal, on the CPU) says by how much
+    assert "| 0.35 | 0/1; worst " in summary and "x from the target |" in summary
     assert "FAILED" not in summary
     # MX's opt-in FP8 prefill product: checked and timed in the gemm and rows sections
     module.main(["--tiny", "--formats", "mxfp4", "--sections", "check,gemm,rows"])

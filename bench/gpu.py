@@ -55,7 +55,10 @@ the run goes on, and the summary says what failed or was skipped for time):
 * ``peers`` (last: they take what time is left): torch's int4 weight-only kernel
   (``aten._weight_int4pack_mm``, group 32) and, when importable, GemLite 0.6's ``A16W4_NVFP``,
   ``A16W4_MXFP``, ``A4W4_NVFP_dynamic`` and ``A4W4_MXFP_dynamic`` (built from our stored FP4
-  weights, fed the bf16 input), at the same shapes and M, timed the same way.  Then whether
+  weights, fed the bf16 input; its autotuning ``--gemlite-autotune``, by default its two
+  default tiles: its shipped tunings cover no FP4 type, and its ``fast`` search compiles about
+  25 tiles for every shape and layer), at the same shapes and M, timed the same way; a row is
+  not started with less than ``PEER_RESERVE_S`` of the budget left.  Then whether
   GemLite's kernel can replace ours: its weight-only layers fed our activation kernel's bf16
   values (KBBQ blocks), timed beside ``linear_w4a4`` on the same operands, checked within one
   bf16 rounding of the exact product and for the same bits call after call (GemLite's A4W4
@@ -80,6 +83,7 @@ import functools
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -131,6 +135,7 @@ class Run:
     copy_rate: float | None = None  # bytes/s of a device copy (read + written)
     trace_dir: Path | None = None  # where the model section's profiler traces go
     failed: set[str] = field(default_factory=set)  # opt-in rows that raised: not tried again
+    gemlite_autotune: str = "default"  # GemLite's autotuning: "default" (2 tiles), "fast", "max"
 
     @property
     def cuda(self) -> bool:
@@ -179,6 +184,10 @@ def section(run: Run, name: str, needs_s: float = 0.0):
                          f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
         if run.cuda:
             torch.cuda.synchronize()
+    except SystemExit:  # the call's time limit (``stopped``): said, then the summary
+        run.notes.append(f"{name}: STOPPED by the time limit after "
+                         f"{time.perf_counter() - began:.0f} s")
+        raise
     else:
         run.notes.append(f"{name}: {time.perf_counter() - began:.0f} s")
 
@@ -916,7 +925,7 @@ def fp8_rows_row(run: Run, K, x, t, name: str, kept, ref, t_bf16: float,
 
 
 def peers_section(run: Run) -> None:
-    helper = gemlite_helper()
+    helper = gemlite_helper(run.gemlite_autotune)
     if not run.cuda and helper is None:
         print("peers: skipped (they run on CUDA only)")
         run.notes.append("peers: skipped on the CPU")
@@ -938,6 +947,8 @@ def peers_section(run: Run) -> None:
             if run.cuda:
                 peers.insert(0, ("int4 tinygemm g32", functools.partial(int4_calls, run, w, x)))
             for peer, make_calls in peers:
+                if out_of_time(run, f"{peer} at {k}->{n} M={m}"):
+                    break
                 try:
                     seconds = seconds_per_call(run, make_calls())
                 except Exception as error:  # a peer that does not run here is a row, not a crash
@@ -951,6 +962,8 @@ def peers_section(run: Run) -> None:
                     best_m1.setdefault(peer, []).append(t_bf16 / seconds)
             for name, (q, sets, _) in packed.items():
                 weight_only = layers.get((name, GEMLITE_LAYERS[name][0]))
+                if out_of_time(run, f"GemLite on our operands, {name} at {k}->{n} M={m}"):
+                    break
                 if weight_only is not None:
                     ours_rows.append(gemlite_on_ours_row(run, x, name, q, sets, weight_only,
                                                          t_bf16))
@@ -986,6 +999,21 @@ def peers_section(run: Run) -> None:
                          "ours faster", f"{sum(v >= 1 for v in times)}/{len(times)}")
 
 
+PEER_RESERVE_S = 30.0
+"""Seconds of the budget a peer row needs to start (GemLite compiles its tiles for each new
+shape on first use)."""
+
+
+def out_of_time(run: Run, row: str) -> bool:
+    """Whether the peers' next row would overrun the budget (said once, naming the row)."""
+    if run.left() >= PEER_RESERVE_S:
+        return False
+    if "peers: out of time" not in run.failed:
+        run.failed.add("peers: out of time")
+        run.notes.append(f"peers: stopped for time before {row}")
+    return True
+
+
 def failure(error: Exception) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
 
@@ -1007,13 +1035,17 @@ def int4_tinygemm(w: torch.Tensor, x: torch.Tensor):
     return functools.partial(torch.ops.aten._weight_int4pack_mm, x, weight, group, scales_zeros)
 
 
-def gemlite_helper():
-    """GemLite 0.6's ``gemlite.helper`` (carried to the GPU as a wheel), or None (said once)."""
+def gemlite_helper(autotune: str):
+    """GemLite 0.6's ``gemlite.helper`` (carried to the GPU as a wheel) with its autotuning set
+    to ``autotune``, or None (said once)."""
     try:
+        import gemlite
         from gemlite import helper
     except Exception as error:  # noqa: BLE001 - absent or broken: say so and go on
         print(f"GemLite not importable ({type(error).__name__}: {error}); its rows are skipped")
         return None
+    gemlite.set_autotune(autotune)
+    print(f"GemLite {gemlite.__version__}, autotuning {autotune!r}")
     return helper
 
 
@@ -1488,6 +1520,12 @@ SECTIONS = {"check": (check_section, 20), "gemm": (gemm_section, 60), "act": (ac
 and the compiled model last, where they take what time is left."""
 
 
+def stopped(signum, frame) -> None:
+    """SIGTERM (``timeout`` at the end of the device call's limit): leave through ``main``'s
+    ``finally``, which writes the JSON and prints the summary of what was measured."""
+    raise SystemExit(f"stopped by signal {signum} (the call's time limit)")
+
+
 def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -1504,6 +1542,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget-s", type=float, default=500.0,
                         help="seconds the run may take; a section that would not fit is skipped")
     parser.add_argument("--json", type=Path, help="write every row here")
+    parser.add_argument("--gemlite-autotune", default="default",
+                        choices=("default", "fast", "max"),
+                        help="GemLite's autotuning for the peers: its 'fast' compiles about 25 "
+                             "tiles for every shape and layer (its shipped tunings cover no FP4 "
+                             "type), more than a short GPU session has; 'default' tries its 2")
     parser.add_argument("--tiny", "--dry-run", dest="tiny", action="store_true",
                         help="tiny shapes on the CPU under the Triton interpreter (timings "
                              "meaningless): checks the script's logic")
@@ -1525,7 +1568,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown sections {sorted(unknown)}")
     shapes = TINY if args.tiny else FULL
     run = Run(shapes, device, args.formats.split(","), args.budget_s,
-              trace_dir=args.json.parent if args.json else None)
+              trace_dir=args.json.parent if args.json else None,
+              gemlite_autotune=args.gemlite_autotune)
     import triton
 
     where = (f"{torch.cuda.get_device_name(device)}" if cuda else
@@ -1533,6 +1577,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{where}; torch {torch.__version__}, triton {triton.__version__}, commit {commit()}")
     patch = (mock.patch.object(K, "PREFILL_MIN_M", shapes["prefill_min_m"])
              if shapes["prefill_min_m"] else contextlib.nullcontext())
+    previous = signal.signal(signal.SIGTERM, stopped)  # the summary still comes
     try:
         with patch:
             with section(run, "device copy"):
@@ -1543,6 +1588,7 @@ def main(argv: list[str] | None = None) -> None:
                     if go:
                         function(run)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(dict(device=where, commit=commit(), rows=run.rows,

@@ -10,7 +10,10 @@ accumulation round-off of the float64 product of the dequantized operands.  The 
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
+import signal
+import subprocess
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -623,6 +626,41 @@ def test_gpu_bench_gemlite_on_our_operands(capsys):
         assert ("| yes | yes |" in out) != high_first and ("| NO (" in out) == high_first
         assert "| GemLite A16W4_NVFP |" in out and "| GemLite A16W4_MXFP |" in out  # as peers
         assert "FAILED" not in summary and "peers: skipped" not in summary
+
+
+def test_gpu_bench_peers_stop_for_time(capsys):
+    """A peer row that would start with less than its reserve of the budget left is not
+    started (GemLite compiles for minutes on a new shape): said once in the summary."""
+    needs_kernels()
+    module = gpu_bench()
+    with (mock.patch.object(module, "gemlite_helper", return_value=gemlite_stand_in()),
+          mock.patch.object(module, "PEER_RESERVE_S", 100.0)):
+        module.main(["--tiny", "--formats", "nvfp4", "--sections", "peers", "--budget-s", "100"])
+    summary = capsys.readouterr().out.split("## summary")[1]
+    assert "peers: stopped for time before GemLite A16W4_NVFP at 128->48 M=1" in summary
+    assert summary.count("stopped for time") == 1 and "GemLite A16W4 on our operands" not in summary
+
+
+def test_gpu_bench_summary_survives_the_time_limit(tmp_path):
+    """SIGTERM (the device call's ``timeout``) mid-section: the run still writes its JSON and
+    prints the summary, naming the section the limit stopped."""
+    needs_kernels()
+    bench = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
+    out = tmp_path / "bench.json"
+    process = subprocess.Popen([sys.executable, "-u", str(bench), "--tiny", "--formats", "nvfp4",
+                                "--sections", "gemm", "--json", str(out)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith("## gemm"):
+            process.send_signal(signal.SIGTERM)
+            break
+    lines.append(process.communicate(timeout=120)[0])
+    printed = "".join(lines)
+    assert process.returncode != 0
+    assert "## summary" in printed and "gemm: STOPPED by the time limit" in printed, printed
+    assert "gemm: STOPPED by the time limit" in json.loads(out.read_text())["notes"][-1]
 
 
 # --------------------------------------------------------------------------- GPU

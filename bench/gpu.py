@@ -245,16 +245,9 @@ def seconds_per_call(run: Run, calls: list, replays: int | None = None) -> float
             call()
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(replays or run.shapes["replays"]):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) / 1e3 / len(calls))
+    seconds = median_seconds(run, graph.replay, len(calls), replays)
     del graph
-    return statistics.median(times)
+    return seconds
 
 
 def eager_seconds_per_call(run: Run, calls: list, replays: int | None = None) -> float:
@@ -262,18 +255,26 @@ def eager_seconds_per_call(run: Run, calls: list, replays: int | None = None) ->
     what a CUDA graph cannot capture (the FP8 prefill product reads its fold check)."""
     if not run.cuda:
         return seconds_per_call(run, calls)
-    for call in calls:
-        call()
+    def launch() -> None:
+        for call in calls:
+            call()
+
+    launch()
     torch.cuda.synchronize()
+    return median_seconds(run, launch, len(calls), replays)
+
+
+def median_seconds(run: Run, launch, calls: int, replays: int | None) -> float:
+    """Median over the replays of ``launch()``'s device time (CUDA events), per call of the
+    ``calls`` it launches."""
     times = []
     for _ in range(replays or run.shapes["replays"]):
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
-        for call in calls:
-            call()
+        launch()
         end.record()
         end.synchronize()
-        times.append(begin.elapsed_time(end) / 1e3 / len(calls))
+        times.append(begin.elapsed_time(end) / 1e3 / calls)
     return statistics.median(times)
 
 
@@ -1008,9 +1009,9 @@ def out_of_time(run: Run, row: str) -> bool:
     """Whether the peers' next row would overrun the budget (said once, naming the row)."""
     if run.left() >= PEER_RESERVE_S:
         return False
-    if "peers: out of time" not in run.failed:
-        run.failed.add("peers: out of time")
-        run.notes.append(f"peers: stopped for time before {row}")
+    said = "peers: stopped for time before "
+    if not any(note.startswith(said) for note in run.notes):
+        run.notes.append(said + row)
     return True
 
 

@@ -1,10 +1,13 @@
-"""Imports of optional or noisy dependencies, kept in one place."""
+"""Imports of optional or noisy dependencies, and what differs between the torch versions
+supported, kept in one place."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 from collections.abc import Iterator
+
+import torch
 
 
 @contextlib.contextmanager
@@ -26,3 +29,15 @@ def quiet_loggers(*names: str, level: int = logging.ERROR) -> Iterator[None]:
 with quiet_loggers("torchao", "torch.utils._pytree"):
     import torchao.prototype.mx_formats  # noqa: F401  (registers its enums with torch now)
     from torchao.utils import TorchAOBaseTensor  # noqa: F401
+
+
+def tracing() -> bool:
+    """Whether ``torch.compile`` or ``torch.export`` is tracing the current call: code then
+    takes its traceable path (no read to the host, no eager-only cache, no nested compile).
+
+    ``torch.compiler.is_compiling()`` alone does not say it on every torch supported: torch
+    2.11 traces a tensor subclass's ``__torch_function__`` (``F.linear`` of a ``W4A4Weight``)
+    by running it on fake tensors with ``is_compiling()`` False (2.13 says True).  The fake
+    tensor mode those runs are under says it on both (a C lookup, ~0.1 us)."""
+    return (torch.compiler.is_compiling()
+            or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None)

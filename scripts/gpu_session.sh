@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of a session lent a GPU machine (the `device` tool), in one short call.
 #
+#   bash scripts/gpu_session.sh image-check  # here, before a GPU session: the image's torch and
+#                                         # Triton (a venv, $IMAGE_VENV) run the kernel and
+#                                         # compile tests and bench/gpu.py --tiny interpreted
 #   bash scripts/gpu_session.sh prepare   # here, with network: wheels the image lacks -> .whl/
 #                                         # (GemLite 0.6 among them), the shared data the GPU
 #                                         # tests read -> .devrun/data
@@ -43,6 +46,26 @@ DATA="MANIFEST.md tiny_llama_aidreams260K winogrande llama2_tokenizer wikitext2"
 # a peer of issue 45 (pure Triton; numpy, tqdm and triton are in the image): an sdist, built
 # into a wheel here
 GEMLITE="gemlite==0.6.0.post2"
+
+# The image's torch (research/2026-11-26-first-gpu-run.md); its wheel pins the image's Triton
+IMAGE_TORCH=2.11.0
+
+image_check() {
+    # The CPU suite runs the newest torch and Triton; the GPU machine runs the image's, where
+    # torch.compile traced W4A4 layers differently (2026-11-28): check them here first.
+    local venv=${IMAGE_VENV:-/tmp/kbbq-image-venv}
+    if [ ! -x "$venv/bin/python" ]; then
+        # torch's CUDA wheel runs on a CPU; Triton 3.6's interpreter needs numpy < 2.4 (it
+        # takes int() of one-element arrays)
+        python3 -m venv "$venv" && "$venv/bin/pip" install -q "torch==$IMAGE_TORCH" "numpy<2.4" &&
+            "$venv/bin/pip" install -q -e ".[test]" || exit 1
+    fi
+    "$venv/bin/python" -c "import torch, triton; print('torch', torch.__version__, 'triton',
+    triton.__version__)"
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_INTERPRET=1 HF_HUB_OFFLINE=1 \
+        "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs tests/kernels \
+        tests/quant/test_w4a4_compile.py "$@"
+}
 
 prepare() {
     mkdir -p .whl .devrun/data
@@ -98,6 +121,8 @@ run() {
 
 case "${1:-}" in
     prepare) prepare ;;
+    image-check) shift; image_check "$@" ;;
     run) shift; run "$@" ;;
-    *) echo "usage: bash scripts/gpu_session.sh prepare | run [kernels|tests|bench|all]" >&2; exit 2 ;;
+    *) echo "usage: bash scripts/gpu_session.sh image-check | prepare | run [kernels|tests|bench|all]" >&2
+       exit 2 ;;
 esac

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._compat import tracing
+
 _mode = os.environ.get("KBBQ_PL_COMPILE", "auto").strip().lower()
 _broken = False
 _cache: dict[tuple, Callable[..., Any]] = {}
@@ -52,7 +54,7 @@ def _backend_available(device_type: str) -> bool:
 
 def compile_enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` run compiled under the current mode."""
-    if _broken or _mode in ("0", "off", "false") or torch.compiler.is_compiling():
+    if _broken or _mode in ("0", "off", "false") or tracing():
         return False
     if _mode in ("1", "on", "true"):
         return True

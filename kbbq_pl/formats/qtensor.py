@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._compat import TorchAOBaseTensor
+from .._compat import TorchAOBaseTensor, tracing
 from . import rounding
 from .dispatch import run_kernel
 from .spec import Format, get_format
@@ -204,7 +204,7 @@ def _held_on_device(ok: Tensor, name: str, what: str, x: Tensor) -> bool:
     device-side assert on CUDA; reading it would break the graph at every rounding call), and
     inside :func:`deferred_checks` it waits for the block's one read.  False: the caller reads
     it now."""
-    if torch.compiler.is_compiling():
+    if tracing():
         torch._assert_async(ok, f"{name}: {what}")
         return True
     if _deferred is not None:

@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .._compat import tracing
 from .spec import E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL
 
 NVFP4_MIN_GLOBAL_SCALE = 2.0**-122
@@ -175,7 +176,7 @@ def round_e2m1_fast(magnitude: Tensor) -> Tensor:
     """:func:`round_e2m1` of ``magnitude >= 0`` (not NaN), bit for bit, the fastest way on the
     device: :func:`round_e2m1_counted` eagerly on a CPU, the arithmetic elsewhere (a compiled
     graph fuses it into one pass)."""
-    if magnitude.device.type != "cpu" or torch.compiler.is_compiling():
+    if magnitude.device.type != "cpu" or tracing():
         return round_e2m1(magnitude)
     return round_e2m1_counted(magnitude)
 
@@ -189,7 +190,7 @@ def encode_e2m1(y: Tensor) -> Tensor:
     graph fuses instead."""
     sign = torch.signbit(y).to(torch.uint8) << 3
     magnitude = y.abs()
-    if torch.compiler.is_compiling():
+    if tracing():
         return e2m1_magnitude_code(round_e2m1(magnitude)).to(torch.uint8) | sign
     if y.device.type == "cpu":
         return count_e2m1_codes(magnitude) | sign

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._compat import TorchAOBaseTensor
+from .._compat import TorchAOBaseTensor, tracing
 from ..formats import Format, QuantizedTensor, fake_quantize, ste_fake_quantize
 from ..kernels.reference import supports_format
 from ..transforms.fit import transform_inputs
@@ -406,7 +406,7 @@ def _linear_arguments(args: tuple, kwargs: dict,
 @W4A4Weight.implements(torch.ops.aten.linear.default)
 def _linear(func, types, args, kwargs):
     x, weight, bias = _linear_arguments(args, kwargs or {}, W4A4Weight)
-    if torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad):
+    if tracing() and not (torch.is_grad_enabled() and x.requires_grad):
         return compiled_linear(x, weight, bias)
     return w4a4_linear(x, weight, bias)
 

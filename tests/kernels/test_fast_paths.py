@@ -307,7 +307,9 @@ def test_decode_gemm_autotuned_launch_under_the_interpreter():
             x, q = decode_operands("nvfp4", m, 48, 256, seed=m)
             assert gemm_error(skinny(x, q, "nvfp4"), exact_product(x, q, "nvfp4")) <= 1e-5
     S._partial_rows.cache_clear()
-    assert tried == [(40, 32), (40, 64)]  # 3 rows: one candidate, nothing to benchmark
+    # 3 rows: one candidate (Triton 3.9 does not benchmark it, 3.6 does)
+    assert [tile for m, tile in tried if m == 3] in ([], [16])
+    assert [tile for m, tile in tried if m == 40] == [32, 64]
 
 
 class _Launches:

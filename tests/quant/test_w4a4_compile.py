@@ -87,6 +87,26 @@ def test_an_exported_program_holds_the_operator_and_gives_the_eager_bits():
     assert targets.count("kbbq_pl.w4a4_linear.default") == 2, targets
 
 
+def test_fake_inputs_take_the_traceable_paths_whatever_is_compiling_says(monkeypatch):
+    """The compiler traces ``F.linear`` of a ``W4A4Weight`` by running its handler on fake
+    tensors, where torch 2.11 says ``is_compiling()`` False: the product still becomes the
+    operator (no gradient) or the traceable emulation (a gradient), neither reading a value."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kbbq_pl._compat import tracing
+
+    linear, _, _ = hadamard_linear()
+    assert not tracing()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        assert tracing()
+        x = mode.from_tensor(torch.randn(3, 64))
+        with torch.no_grad():
+            assert linear(x).shape == (3, 24)
+        y = linear(x.requires_grad_())
+        assert y.shape == (3, 24) and y.requires_grad
+
+
 def test_compiled_products_reach_the_kernels_with_one_prepared_weight(monkeypatch):
     fake = FakeKernels()
     monkeypatch.setitem(sys.modules, "kbbq_pl.kernels", fake)

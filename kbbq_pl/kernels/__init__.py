@@ -4,8 +4,9 @@ The interface (checked arguments, clear errors; ``K`` is the reduction length, `
 16 for NVFP4, 32 for MXFP4):
 
 ``available(device) -> bool``
-    Whether the kernels run on ``device``: CUDA with triton installed, or the CPU under Triton's
-    interpreter (``TRITON_INTERPRET=1`` set before this package's kernels are first used).
+    Whether the kernels run on ``device``: CUDA with Triton :data:`MIN_TRITON` or later (torch
+    2.10 on ships it), or the CPU under Triton's interpreter (``TRITON_INTERPRET=1`` set before
+    this package's kernels are first used).  Older Triton: a warning, once, and False.
 ``quantize_activations(x, transform, fmt, global_scale=None) -> (codes, scales, pts)``
     ``x [M, K]`` (bf16, fp16 or fp32), ``transform`` None or ``[K/d, d, d]`` (one matrix per
     block, applied as ``T_b x_b``; Hadamard is one such tensor).  Returns packed E2M1 codes
@@ -80,6 +81,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import re
+import warnings
 from typing import Any
 
 import torch
@@ -103,6 +106,7 @@ from .reference import (
 )
 
 __all__ = [
+    "MIN_TRITON",
     "PREFILL_MIN_M",
     "PreparedWeight",
     "available",
@@ -124,9 +128,36 @@ __all__ = [
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+MIN_TRITON = (3, 6)
+"""The oldest Triton that compiles the kernels to their bits: 3.5 compiles ``tl.div_rn`` to
+``div.rn.ftz.f32``, which flushes subnormal operands and quotients to zero."""
+
+
 @functools.cache
 def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def _triton_version() -> tuple[int, ...]:
+    import triton
+
+    return tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:3])
+
+
+@functools.cache
+def _triton_recent() -> bool:
+    if _triton_version() >= MIN_TRITON:
+        return True
+    warnings.warn(f"kbbq_pl.kernels need Triton {_version_text(MIN_TRITON)} or later (torch "
+                  f"2.10 on ships it); found {_version_text(_triton_version())}, whose "
+                  "divisions flush subnormals: W4A4 layers run the exact emulation instead",
+                  RuntimeWarning, stacklevel=3)
+    return False
+
+
+def _version_text(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
 
 
 def _backend():
@@ -138,7 +169,7 @@ def _backend():
 def available(device: torch.device | str) -> bool:
     """Whether the Triton kernels run on ``device`` (module docstring)."""
     device = torch.device(device)
-    if not _triton_installed():
+    if not _triton_installed() or not _triton_recent():
         return False
     if _interpreting():
         return device.type == "cpu"
@@ -150,6 +181,9 @@ def _require(device: torch.device, what: str) -> None:
         return
     if not _triton_installed():
         reason = "triton is not installed"
+    elif not _triton_recent():
+        reason = (f"Triton {_version_text(_triton_version())} is older than "
+                  f"{_version_text(MIN_TRITON)}, whose divisions keep the kernels' bits")
     elif _interpreting():
         reason = "TRITON_INTERPRET=1 runs the kernels on the CPU only"
     else:

@@ -16,6 +16,7 @@ import math
 import signal
 import subprocess
 import sys
+import warnings
 from fractions import Fraction
 from pathlib import Path
 from unittest import mock
@@ -444,6 +445,27 @@ def test_available_and_blackwell_gate():
     assert not blackwell_nvfp4_available(CPU, F.get_format("nvfp4"))
     if not torch.cuda.is_available():
         assert not K.available("cuda")
+
+
+def test_an_older_triton_is_not_used(monkeypatch):
+    """Triton 3.5 compiles ``tl.div_rn`` to ``div.rn.ftz.f32`` (subnormals flushed): with it
+    the kernels say they are unavailable (W4A4 layers emulate), warn once and name the
+    version in their error."""
+    needs_kernels()
+    monkeypatch.setattr(K, "_triton_version", lambda: (3, 5, 1))
+    K._triton_recent.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match=r"need Triton 3\.6 or later .* found 3\.5\.1"):
+            assert not K.available("cpu")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert not K.available("cpu")  # said once
+            with pytest.raises(RuntimeError, match=r"Triton 3\.5\.1 is older than 3\.6"):
+                K.quantize_activations(torch.randn(2, 32), None, "mxfp4")
+    finally:
+        monkeypatch.undo()
+        K._triton_recent.cache_clear()
+    assert K.available("cpu")
 
 
 def test_package_imports_without_triton(tmp_path):

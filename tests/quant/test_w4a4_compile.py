@@ -37,7 +37,9 @@ def graphs_of(module: nn.Module, *args) -> list[str]:
 
 
 class TwoLinears(nn.Module):
-    """Two W4A4 linears with an elementwise op between them (which Inductor fuses)."""
+    """Two W4A4 linears with elementwise ops between them (which Inductor fuses), exact ones:
+    the compiled model's bits are then the linears' own (Inductor's ``silu`` on the CPU rounds
+    differently from eager's in torch 2.10)."""
 
     def __init__(self, fmt: str, **kwargs) -> None:
         super().__init__()
@@ -45,7 +47,7 @@ class TwoLinears(nn.Module):
         self.down, _, _ = hadamard_linear(96, 40, fmt, **kwargs)
 
     def forward(self, x):
-        return self.down(nn.functional.silu(self.up(x)) * 2.0)
+        return self.down(torch.relu(self.up(x)) * 2.0)
 
 
 @pytest.mark.parametrize("fmt, act_scale, dtype", [

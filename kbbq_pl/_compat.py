@@ -38,6 +38,8 @@ def tracing() -> bool:
     ``torch.compiler.is_compiling()`` alone does not say it on every torch supported: torch
     2.11 traces a tensor subclass's ``__torch_function__`` (``F.linear`` of a ``W4A4Weight``)
     by running it on fake tensors with ``is_compiling()`` False (2.13 says True).  The fake
-    tensor mode those runs are under says it on both (a C lookup, ~0.1 us)."""
+    tensor mode those runs are under says it on both; read as torch's fake tensors read it (a C
+    lookup, ~0.1 us: every quantized linear's forward asks, and
+    ``torch._guards.active_fake_mode`` walks the mode stack in Python)."""
     return (torch.compiler.is_compiling()
             or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None)

@@ -81,16 +81,17 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import re
 import warnings
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.torch_version import TorchVersion
 
 from ..formats import Format
 from .exact import FP8_CHUNK
+from .host import triton_version as _triton_version
 from .interpret import interpreting as _interpreting
 from .prepared import PreparedWeight
 from .prepared import prepare_weight as _prepare_weight
@@ -128,7 +129,7 @@ __all__ = [
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-MIN_TRITON = (3, 6)
+MIN_TRITON = TorchVersion("3.6")
 """The oldest Triton that compiles the kernels to their bits: 3.5 compiles ``tl.div_rn`` to
 ``div.rn.ftz.f32``, which flushes subnormal operands and quotients to zero."""
 
@@ -139,25 +140,13 @@ def _triton_installed() -> bool:
 
 
 @functools.cache
-def _triton_version() -> tuple[int, ...]:
-    import triton
-
-    return tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:3])
-
-
-@functools.cache
 def _triton_recent() -> bool:
     if _triton_version() >= MIN_TRITON:
         return True
-    warnings.warn(f"kbbq_pl.kernels need Triton {_version_text(MIN_TRITON)} or later (torch "
-                  f"2.10 on ships it); found {_version_text(_triton_version())}, whose "
-                  "divisions flush subnormals: W4A4 layers run the exact emulation instead",
-                  RuntimeWarning, stacklevel=3)
+    warnings.warn(f"kbbq_pl.kernels need Triton {MIN_TRITON} or later (torch 2.10 on ships "
+                  f"it); found {_triton_version()}, whose divisions flush subnormals: W4A4 "
+                  "layers run the exact emulation instead", RuntimeWarning, stacklevel=3)
     return False
-
-
-def _version_text(version: tuple[int, ...]) -> str:
-    return ".".join(map(str, version))
 
 
 def _backend():
@@ -182,8 +171,8 @@ def _require(device: torch.device, what: str) -> None:
     if not _triton_installed():
         reason = "triton is not installed"
     elif not _triton_recent():
-        reason = (f"Triton {_version_text(_triton_version())} is older than "
-                  f"{_version_text(MIN_TRITON)}, whose divisions keep the kernels' bits")
+        reason = (f"Triton {_triton_version()} is older than {MIN_TRITON}, whose divisions "
+                  "keep the kernels' bits")
     elif _interpreting():
         reason = "TRITON_INTERPRET=1 runs the kernels on the CPU only"
     else:

@@ -22,7 +22,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from ..formats.rounding import NVFP4_MIN_GLOBAL_SCALE, NVFP4_SCALE_DIVISOR
 from .exact import FP8_FLOOR, FP8_HEADROOM
-from .host import cdiv, next_power_of_2
+from .host import cdiv, next_power_of_2, triton_version
 from .interpret import interpreting
 
 _PTS_DIVISOR = tl.constexpr(NVFP4_SCALE_DIVISOR)  # NVFP4's per-tensor scale: amax / (448 * 6)
@@ -32,7 +32,7 @@ _FP8_FLOOR = tl.constexpr(FP8_FLOOR)
 _NO_BLOCK = tl.constexpr(-(1 << 20))  # below every block exponent: a chunk of no counted block
 
 INTERPRET = interpreting()
-_TRITON_3_7 = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 7)
+_TRITON_3_7 = triton_version() >= (3, 7)
 PARTS_FIRST = _TRITON_3_7
 """Where the activation kernel puts a block's parts (:func:`_transformed_blocks`): Triton's
 coalescing ranks the dimensions of equal contiguity by index, ascending after the contiguous

@@ -23,6 +23,7 @@ from unittest import mock
 
 import pytest
 import torch
+from torch.torch_version import TorchVersion
 
 from kbbq_pl import formats as F
 from kbbq_pl import kernels as K
@@ -452,7 +453,7 @@ def test_an_older_triton_is_not_used(monkeypatch):
     the kernels say they are unavailable (W4A4 layers emulate), warn once and name the
     version in their error."""
     needs_kernels()
-    monkeypatch.setattr(K, "_triton_version", lambda: (3, 5, 1))
+    monkeypatch.setattr(K, "_triton_version", lambda: TorchVersion("3.5.1"))
     K._triton_recent.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match=r"need Triton 3\.6 or later .* found 3\.5\.1"):

@@ -190,7 +190,8 @@ class KBBQ(Callback):
         def load_model_state_dict(checkpoint, *args, **kwargs):
             state = checkpoint.get(CHECKPOINT_KEY)
             if state is not None and not quantized_linears(pl_module):
-                install_empty_layers(pl_module, state["layers"], trainable=state["trainable"])
+                install_empty_layers(pl_module, state["layers"], trainable=state["trainable"],
+                                     stored=checkpoint.get("state_dict", {}))
                 log.info("KBBQ: rebuilt %d quantized layers from the checkpoint",
                          len(state["layers"]))
             return load_state(checkpoint, *args, **kwargs)
@@ -288,7 +289,8 @@ def restore_quantized(pl_module: nn.Module, checkpoint: Mapping[str, Any]) -> No
     state = checkpoint.get(CHECKPOINT_KEY)
     if state is None or quantized_linears(pl_module):
         return
-    install_empty_layers(pl_module, state["layers"], trainable=state["trainable"])
+    install_empty_layers(pl_module, state["layers"], trainable=state["trainable"],
+                         stored=checkpoint.get("state_dict", {}))
 
 
 __all__ = ["CalibrationStatistics", "KBBQ", "calibration_batches",

@@ -1,5 +1,6 @@
-"""Tiny random-initialized causal LMs for tests: ``tiny_model("llama" | "qwen3" | "gpt2")``
-builds a small model of each causal-LM architecture from a config, with no download."""
+"""Tiny random-initialized causal LMs for tests: ``tiny_model("llama" | "qwen3" | "gpt2" |
+"qwen3_moe" | "mixtral" | "gpt_oss")`` builds a small model of each causal-LM architecture from
+a config, with no download."""
 
 from __future__ import annotations
 
@@ -17,15 +18,36 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
                   max_position_embeddings=256),
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=256,
                  bos_token_id=255, eos_token_id=255),
+    # mixture-of-experts: transformers holds the experts as 3-D weights
+    "qwen3_moe": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      vocab_size=256, max_position_embeddings=256, moe_intermediate_size=32,
+                      num_experts=8, num_experts_per_tok=2),
+    "mixtral": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                    max_position_embeddings=256, num_local_experts=4, num_experts_per_tok=2),
+    "gpt_oss": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+                    max_position_embeddings=256, num_local_experts=4, num_experts_per_tok=2,
+                    eos_token_id=255, pad_token_id=0),
 }
 
 
 
 def tiny_config(arch: str, **overrides: Any):
-    """A small config of a causal-LM architecture (``llama``, ``qwen3``, ``gpt2``)."""
-    from transformers import GPT2Config, LlamaConfig, Qwen3Config
+    """A small config of a causal-LM architecture (``llama``, ``qwen3``, ``gpt2``; with
+    mixture-of-experts layers ``qwen3_moe``, ``mixtral``, ``gpt_oss``)."""
+    from transformers import (
+        GPT2Config,
+        GptOssConfig,
+        LlamaConfig,
+        MixtralConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
-    classes = {"llama": LlamaConfig, "qwen3": Qwen3Config, "gpt2": GPT2Config}
+    classes = {"llama": LlamaConfig, "qwen3": Qwen3Config, "gpt2": GPT2Config,
+               "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig, "gpt_oss": GptOssConfig}
     if arch not in classes:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(classes)}")
     return classes[arch](**{**TINY_CONFIGS[arch], **overrides})

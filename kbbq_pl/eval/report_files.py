@@ -79,7 +79,7 @@ def report_markdown(report: QuantizationReport, title: str = "kbbq-pl quantizati
     parts += ["## Summary", "", markdown_table(["statistic", "value"],
                                                [[k, v] for k, v in summary.items()]), ""]
     if report.skipped:
-        parts += ["## Skipped layers", ""]
+        parts += ["## Left in full precision", ""]
         parts += [f"- `{name}`: {reason}" for name, reason in report.skipped.items()] + [""]
     if report.autobrake:
         grid = list(recipe.autobrake.grid)

@@ -41,6 +41,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from ..formats import Format, QuantizedTensor, get_format, quantize
+from ..quant.experts import unfuse_experts
 from ..quant.layers import QuantizedLinear, quantized_linears, swap_module
 from ..quant.sequential import trim_heap
 from .fileio import check_output, save_safetensors, sha256_file, write_folder
@@ -104,8 +105,12 @@ def empty_layer(meta: dict[str, Any], fmt: Format | None = None, name: str = "",
 
 
 def install_empty_layers(model: nn.Module, layers: dict[str, dict[str, Any]],
-                         trainable: bool = False) -> None:
-    """Swap every listed layer of ``model`` for an empty :class:`QuantizedLinear`."""
+                         trainable: bool = False, stored: Iterable[str] = ()) -> None:
+    """Swap every listed layer of ``model`` for an empty :class:`QuantizedLinear`, after the
+    fused experts that the checkpoint stores expert by expert (its ``layers`` or the names of
+    its ``stored`` tensors) are made linear layers (:func:`kbbq_pl.quant.experts.
+    unfuse_experts`)."""
+    unfuse_experts(model, [*layers, *stored])
     for name, meta in layers.items():
         try:
             model.get_submodule(name)
@@ -652,7 +657,7 @@ def build_quantized_model(folder: Path, metadata: dict[str, Any], tensors: dict[
         tensors = {name: value.to(dense[name])
                    if name in dense and value.is_floating_point() else value
                    for name, value in tensors.items()}
-    install_empty_layers(model, metadata["layers"])
+    install_empty_layers(model, metadata["layers"], stored=tensors)
     load_tensors(model, tensors, metadata, folder)
     del tensors
     trim_heap()  # the placeholders' memory back to the system

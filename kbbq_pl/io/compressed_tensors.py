@@ -35,7 +35,12 @@ them).  What each kbbq-pl layer becomes (:func:`plan_layers`):
   back and stock readers do not apply; the export warns and ``strict`` refuses it;
 * a layer padded to whole blocks (compressed-tensors has no padding): written dense, its
   dequantized ``Q(W T^-1) T`` cut to ``in_features``, and listed in ``ignore`` (the export
-  warns, ``strict`` refuses).
+  warns, ``strict`` refuses);
+* the experts of a mixture-of-experts model (:mod:`kbbq_pl.quant.experts`): plain FP4 only,
+  the whole model written under the names of the architecture's own checkpoints
+  (:func:`checkpoint_names`: each expert's ``gate_up_proj`` split into its gate and up layers),
+  the routers in ``ignore``, as llm-compressor writes them.  kbbq-pl does not import such
+  folders yet.
 
 :data:`ISSUES` is the one list of what stock readers would not compute as kbbq-pl does:
 :func:`plan_layers` tags each layer with its issue, :func:`describe_issues` turns the tags into
@@ -50,6 +55,7 @@ are exact in every format.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import shutil
@@ -62,6 +68,7 @@ import torch
 from torch import Tensor, nn
 
 from ..formats import Format, get_format
+from ..quant.experts import fused_experts, unfuse_experts
 from ..quant.layers import quantized_linears
 from ..quant.modules import is_transposed
 from ..transforms.fit import hadamard, transform_inputs
@@ -272,6 +279,14 @@ def plan_layers(layers: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, T
     for name, meta in layers.items():
         fmt = get_format(meta["format"])
         _check_format(name, fmt)
+        if linear_types.get(name) == "expert":
+            kind = transform_kind(tensors.get(f"{name}.transform"), fmt.block_size or 1)
+            if kind != "none" or meta["padded_in"] != meta["in_features"]:
+                raise ExportError(f"{name}: an expert of a mixture-of-experts layer exports as "
+                                  "plain FP4 only (no transform, no padding); this one has "
+                                  + (f"a {kind} transform" if kind != "none" else "padding"))
+            plans[name] = ExportLayer(name, True, kind)
+            continue
         if linear_types.get(name) != "Linear":
             raise ExportError(f"{name}: compressed-tensors quantizes torch.nn.Linear layers; "
                               f"this one is a {linear_types.get(name, 'missing module')}")
@@ -375,14 +390,69 @@ def compressed_tensors_state(
     return out, exact
 
 
+EXPERT_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
+"""The tensors of an FP4 expert layer in compressed-tensors layout."""
+
+
+def checkpoint_names(state: dict[str, Tensor], skeleton: nn.Module) -> dict[str, Tensor]:
+    """``state`` (kbbq-pl's module names) under the names the architecture's checkpoints use,
+    as transformers' ``save_pretrained`` writes them: its conversion mapping reversed
+    (``revert_weight_conversion``).  ``skeleton``: the architecture with its experts fused.
+    A fused experts module's per-expert tensors (``<experts>.<e>.gate_up_proj.<suffix>``,
+    ``down_proj``) are stacked into the fused weight that the mapping splits into the stored
+    per-expert ones (Qwen3-MoE: ``<experts>.<e>.gate_proj`` and ``up_proj``, each half of the
+    rows; Mixtral: ``block_sparse_moe.experts.<e>.w1`` / ``w3`` / ``w2``); a per-tensor scale is
+    shared by the gate and up halves.  ``state`` is consumed."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    out: dict[str, Tensor] = {}
+    for prefix, experts in fused_experts(skeleton).items():
+        count = experts.down_proj.shape[0]
+        for proj in ("gate_up_proj", "up_proj", "down_proj"):
+            for suffix in EXPERT_SUFFIXES:
+                keys = [f"{prefix}.{e}.{proj}.{suffix}" for e in range(count)]
+                if keys[0] not in state:
+                    continue
+                parts = [state.pop(key) for key in keys]
+                stacked = torch.stack(parts)
+                if parts[0].dim() == 1 and proj == "gate_up_proj":
+                    stacked = torch.stack([stacked, stacked], dim=1)  # [experts, 2, 1]
+                fused = f"{prefix}.{proj}"
+                stored = revert_weight_conversion(skeleton, {fused: stacked})
+                if fused in stored:
+                    raise ExportError(
+                        f"{fused}: {type(skeleton).__name__} checkpoints store these experts "
+                        "as one 3-D tensor, which compressed-tensors does not express; serve "
+                        "the kbbq-pl folder with transformers (kbbq-pl serve)")
+                for key, value in stored.items():
+                    value = value.reshape(parts[0].shape) if parts[0].dim() == 1 else value
+                    out[f"{key.removesuffix('.weight')}.{suffix}"] = value.contiguous()
+    out.update(revert_weight_conversion(skeleton, state))
+    return out
+
+
+def _stored_module_names(names: list[str], skeleton: nn.Module) -> list[str]:
+    """Module ``names`` as the architecture's checkpoints name them (:func:`checkpoint_names`)."""
+    dummies = {f"{name}.weight": torch.empty(0) for name in names}
+    return sorted(key.removesuffix(".weight") for key in checkpoint_names(dummies, skeleton))
+
+
 def _write_export(staging: Path, tensors: dict[str, Tensor], layers: dict[str, dict[str, Any]],
-                  linear_types: Mapping[str, str], *, weight_only: bool, strict: bool,
+                  skeleton: nn.Module, *, weight_only: bool, strict: bool,
                   recipe: Mapping[str, Any] | None) -> None:
     """Write the compressed-tensors weights and ``quantization_config`` into ``staging``,
-    which already holds the HuggingFace ``config.json``."""
+    which already holds the HuggingFace ``config.json``; ``skeleton``: the architecture
+    (:func:`_skeleton`).  A model with mixture-of-experts layers is written under the names
+    of the architecture's checkpoints (:func:`checkpoint_names`), its routers ignored."""
+    linear_types = _linear_types(skeleton)
+    moe = bool(fused_experts(skeleton))
     from compressed_tensors.compressors import ModelCompressor
 
     plans = plan_layers(layers, tensors, linear_types, strict)
+    dense_experts = [n for n, kind in linear_types.items() if kind == "expert" and n not in plans]
+    if dense_experts:
+        raise ExportError(f"{dense_experts[0]} and {len(dense_experts) - 1} more experts are in "
+                          "full precision: the export writes quantized experts only")
     fp4 = [n for n, p in plans.items() if p.fp4]
     if not fp4:
         raise ExportError("no layer can be written in compressed-tensors FP4: "
@@ -399,15 +469,18 @@ def _write_export(staging: Path, tensors: dict[str, Tensor], layers: dict[str, d
             "tensor_group has no per-tensor scale at all): export weight-only "
             "(--weight-only) or quantize with act_scale: static")
     ignore = sorted(n for n, kind in linear_types.items()
-                    if kind == "Linear" and not (n in plans and plans[n].fp4))
-    config = quantization_config(scale_kind, weight_only, ignore)
+                    if kind in ("Linear", "router") and not (n in plans and plans[n].fp4))
+    stored_names = ((lambda names: _stored_module_names(names, skeleton)) if moe else sorted)
+    config = quantization_config(scale_kind, weight_only, stored_names(ignore))
     hadamards = [n for n in fp4 if plans[n].transform == "hadamard"]
     transform_config = None
     if hadamards:
         without = [n for n in fp4 if plans[n].transform != "hadamard"]
         block = get_format(layers[hadamards[0]]["format"]).block_size
-        transform_config = hadamard_transform_config(block, ignore + without)
+        transform_config = hadamard_transform_config(block, stored_names(ignore + without))
     state, exact_scales = compressed_tensors_state(tensors, layers, plans, weight_only)
+    if moe:
+        state = checkpoint_names(state, skeleton)
     save_safetensors(state, staging / WEIGHTS_NAME, metadata={"format": "pt"})
     ModelCompressor(quantization_config=config,
                     transform_config=transform_config).update_config(str(staging))
@@ -429,15 +502,24 @@ def _skeleton(config: Any, causal: bool) -> nn.Module:
         return empty_model(config, causal)
 
 
-def _linear_types(config: Any, causal: bool) -> dict[str, str]:
-    """Every linear module of the architecture of ``config`` with its class name (``Linear``
-    or ``Conv1D``), as it is before quantization."""
-    from ..quant.modules import is_linear
+def _linear_types(skeleton: nn.Module) -> dict[str, str]:
+    """Every linear module of the architecture ``skeleton`` (:func:`_skeleton`) with its
+    class name (``Linear`` or ``Conv1D``), as it is before quantization; ``expert`` for the
+    linear layers of fused experts (:func:`kbbq_pl.quant.experts.unfuse_experts`) and
+    ``router`` for the other 2-D weights of a mixture-of-experts model (its routers)."""
+    from ..quant.modules import is_linear, weights_outside_linears
 
+    skeleton = copy.deepcopy(skeleton)
+    experts = tuple(f"{name}." for name in unfuse_experts(skeleton))
     types = {}
-    for name, module in _skeleton(config, causal).named_modules():
+    for name, module in skeleton.named_modules():
         if is_linear(module):
-            types[name] = "Conv1D" if is_transposed(module) else "Linear"
+            types[name] = ("expert" if name.startswith(experts) else
+                           "Conv1D" if is_transposed(module) else "Linear")
+    if experts:
+        types.update({name.removesuffix(".weight"): "router"
+                      for name, shape in weights_outside_linears(skeleton).items()
+                      if name.endswith(".weight") and len(shape) == 2})
     return types
 
 
@@ -454,7 +536,7 @@ def export_compressed_tensors(
     target = check_output(out_dir, overwrite=overwrite, sources=[source])
     metadata = read_metadata(source)
     tensors = memory_names(read_tensors(source), metadata)
-    linear_types = _linear_types(AutoConfig.from_pretrained(source), metadata["causal_lm"])
+    skeleton = _skeleton(AutoConfig.from_pretrained(source), metadata["causal_lm"])
 
     def write(staging: Path) -> None:
         for name in ("config.json", *HF_SIDE_FILES):
@@ -465,7 +547,7 @@ def export_compressed_tensors(
             # checkpoints written before write_hf_files named it; readers need the class
             hf_config["architectures"] = [metadata["model_class"]]
             (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        _write_export(staging, tensors, metadata["layers"], linear_types,
+        _write_export(staging, tensors, metadata["layers"], skeleton,
                       weight_only=weight_only, strict=strict, recipe=metadata.get("recipe"))
 
     return write_folder(target, write, kind="compressed-tensors", overwrite=overwrite,
@@ -482,12 +564,12 @@ def save_compressed_tensors(
     require_compressed_tensors()
     if not quantized_linears(model):
         raise ValueError("the model has no quantized layers to save")
-    linear_types = _linear_types(model.config, is_causal_model(model))
+    skeleton = _skeleton(model.config, is_causal_model(model))
 
     def write(staging: Path) -> None:
         write_hf_files(staging, model, tokenizer)
         tensors, layers, _ = checkpoint_contents(model)
-        _write_export(staging, tensors, layers, linear_types, weight_only=weight_only,
+        _write_export(staging, tensors, layers, skeleton, weight_only=weight_only,
                       strict=strict, recipe=recipe)
 
     return write_folder(out_dir, write, kind="compressed-tensors", overwrite=overwrite)
@@ -655,6 +737,10 @@ def read_compressed_tensors(folder: str | Path) -> tuple[dict[str, Any], dict[st
     causal = is_causal_lm_config(hf_config)
     dtype = _config_dtype(hf_config)
     schemes, skeleton = _scheme_of_layers(folder, block, causal)
+    if fused_experts(skeleton):
+        raise CheckpointError(f"{folder}: kbbq-pl does not import compressed-tensors folders "
+                              "of mixture-of-experts models yet; load it with transformers or "
+                              "vLLM")
     hadamards = _hadamard_layers(folder, block, skeleton)
     extension = block.get(EXTENSION_KEY) or {}
     exact_scales = extension.get("per_tensor_scales", {})

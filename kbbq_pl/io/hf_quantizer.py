@@ -37,6 +37,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..formats import get_format, quantize
 from ..quant.act_scale import effective_act_scale
+from ..quant.experts import FUSED_PARAMETERS, ExpertLinears, unfuse_experts
 from ..quant.layers import QuantizedLinear, quantized_linears, swap_module
 from ..quant.w4a4 import W4A4Weight
 from .checkpoint import (
@@ -216,6 +217,7 @@ class KbbqHfQuantizer(HfQuantizer):
                                   {"version": self.quantization_config.version, "layers": layers})
             with torch.device("cpu"):  # from_pretrained builds the skeleton under "meta"
                 check_layer_tensors(layers, stored)
+        unfuse_experts(model, [*layers, *(stored if files else ())])
         for name, meta in layers.items():
             try:
                 linear = model.get_submodule(name)
@@ -234,6 +236,20 @@ class KbbqHfQuantizer(HfQuantizer):
 
     def get_load_operations(self) -> dict[str, type]:
         return {"deserialize": KbbqDeserialize}
+
+    def update_weight_conversions(self, weight_conversions: list, model: nn.Module) -> list:
+        """The model's weight conversions, less those that merge per-expert tensors into the
+        3-D weights of experts that the checkpoint stores expert by expert (unfused before
+        loading, :mod:`kbbq_pl.quant.experts`): their tensors load as they are stored."""
+        from transformers.core_model_loading import WeightConverter
+
+        fused = [f"{name}.{param}" for name, module in model.named_modules()
+                 if isinstance(module, ExpertLinears) for param in FUSED_PARAMETERS]
+        kept = [conversion for conversion in weight_conversions
+                if not (isinstance(conversion, WeightConverter) and any(
+                    name.endswith(target) for target in conversion._original_target_patterns
+                    for name in fused))]
+        return super().update_weight_conversions(kept, model)
 
     def get_state_dict_and_metadata(self, model: nn.Module) -> tuple[dict[str, Tensor], dict]:
         state = model.state_dict()

@@ -111,6 +111,32 @@ def find_linears(
     return found
 
 
+def weights_outside_linears(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Weight matrices (2-D or more) that no linear layer holds, by qualified name, with their
+    shapes: MoE experts stored as 3-D tensors (transformers' fused experts that
+    :func:`kbbq_pl.quant.experts.unfuse_experts` does not take), routers held as bare
+    parameters.  kbbq-pl quantizes linear layers only, so these stay in full precision.
+    Embeddings and what :data:`DEFAULT_IGNORE` names (the LM head) are not counted."""
+    ignore_res = _compile(None, DEFAULT_IGNORE)
+    found: dict[str, tuple[int, ...]] = {}
+    for module_name, module in model.named_modules():
+        if is_linear(module) or isinstance(module, nn.Embedding):
+            continue
+        for param_name, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            if param.dim() >= 2 and not any(p.search(name) for p in ignore_res):
+                found[name] = tuple(param.shape)
+    return found
+
+
+def linear_weight_count(model: nn.Module) -> int:
+    """Elements of the weights of every linear layer outside :data:`DEFAULT_IGNORE` (the LM
+    head, embeddings)."""
+    ignore_res = _compile(None, DEFAULT_IGNORE)
+    return sum(linear_weight(module).numel() for name, module in model.named_modules()
+               if is_linear(module) and not any(p.search(name) for p in ignore_res))
+
+
 _CELL_PATTERNS = (
     ("qkv", r"(q_proj|k_proj|v_proj|qkv_proj|query|key|value|c_attn|Wqkv)$"),
     ("out", r"(o_proj|out_proj|attention\.output\.dense|attn\.c_proj|self_attn\.dense)$"),

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 import weakref
 from collections.abc import Mapping
@@ -39,9 +40,17 @@ from tqdm.auto import tqdm
 
 from .collectives import Collectives, ReduceFn
 from .config import QuantizationConfig
+from .experts import calibrating_every_expert, fused_experts, unfuse_experts
 from .gptq.quantizer import GPTQ
 from .layers import QuantizedLinear, quantized_linears, swap_module
-from .modules import check_finite, find_linears, in_out_features, linear_weight
+from .modules import (
+    check_finite,
+    find_linears,
+    in_out_features,
+    linear_weight,
+    linear_weight_count,
+    weights_outside_linears,
+)
 from .report import QuantizationReport, chosen_lambda, layer_report, peak_memory_mb
 from .rtn.quantizer import RTN
 from .sequential import Batches, BlockResidency, SequentialRunner, held_in, trim_heap
@@ -69,6 +78,11 @@ def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[st
         raise ValueError(f"{type(model).__name__} is already quantized ({len(existing)} quantized "
                          f"layers, e.g. {existing[0]}): quantizing again would round rounded "
                          "weights; quantize the full-precision model")
+    for name, experts in fused_experts(model).items():
+        if experts.down_proj.is_meta:
+            raise ValueError(f"{name}: the experts of a mixture-of-experts model cannot be "
+                             "streamed from disk block by block yet; load the model in memory")
+    unfuse_experts(model)
     modules = find_linears(model, config.layers.targets, config.layers.ignore)
     for name, module in modules.items():
         if not linear_weight(module).is_meta:  # a streamed block's: checked when it is read
@@ -84,6 +98,17 @@ def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[st
                 log.warning("%s: skipped (%s)", name, skipped[name])
     if not modules:
         raise ValueError("every targeted layer was skipped; nothing to quantize")
+    outside = weights_outside_linears(model)
+    for name, shape in outside.items():
+        skipped[name] = (f"a {len(shape)}-D weight {list(shape)} outside a linear layer: "
+                         "kept in full precision")
+    held = sum(math.prod(shape) for shape in outside.values())
+    if held >= 0.01 * (held + linear_weight_count(model)):
+        log.warning("%d weights outside linear layers stay in full precision: %.0f%% of the "
+                    "model's weights outside its embeddings and head (e.g. %s %s); kbbq-pl "
+                    "quantizes linear layers", len(outside),
+                    100 * held / (held + linear_weight_count(model)), next(iter(outside)),
+                    list(next(iter(outside.values()))))
     return modules, skipped
 
 
@@ -153,31 +178,32 @@ def quantize_model(
     modes = weakref.WeakKeyDictionary((module, module.training) for module in model.modules())
     model.eval()
     try:
-        steps = tqdm(runner, total=len(runner), desc=f"{config.method} {config.format.name}",
-                     unit="block", disable=not progress or len(runner) == 1)
-        for step in steps:
-            last = step.index == len(runner) - 1
-            linears = {n: m for n, m in step.linears().items() if n in targets}
-            # propagating through the quantized block decodes its weights: the report's output
-            # SNR decodes them first, and the block's forward reuses those copies
-            with step.on_device(), held_in(step.module, compute_dtype), (
-                    cache_decoded_weights() if propagate == "quantized"
-                    else contextlib.nullcontext()):
-                for name in streamed.intersection(linears):
-                    check_finite(linear_weight(linears[name]), name, "weight")
-                outputs = None
-                if linears:
-                    block = Block(step, linears, model, config, collectives, runner.split,
-                                  timing, progress)
-                    outputs = _quantize_block(block, quantizer, propagate == "fp" and not last,
-                                              report)
-                if not last:
-                    tick = time.perf_counter()
-                    if outputs is None:  # the quantized block's: each weight decoded once
-                        outputs = step.run()
-                    step.advance(outputs)
-                    timing["propagation"] += time.perf_counter() - tick
-            trim_heap()
+        with calibrating_every_expert(model):
+            steps = tqdm(runner, total=len(runner), desc=f"{config.method} {config.format.name}",
+                         unit="block", disable=not progress or len(runner) == 1)
+            for step in steps:
+                last = step.index == len(runner) - 1
+                linears = {n: m for n, m in step.linears().items() if n in targets}
+                # propagating through the quantized block decodes its weights: the report's output
+                # SNR decodes them first, and the block's forward reuses those copies
+                with step.on_device(), held_in(step.module, compute_dtype), (
+                        cache_decoded_weights() if propagate == "quantized"
+                        else contextlib.nullcontext()):
+                    for name in streamed.intersection(linears):
+                        check_finite(linear_weight(linears[name]), name, "weight")
+                    outputs = None
+                    if linears:
+                        block = Block(step, linears, model, config, collectives, runner.split,
+                                      timing, progress)
+                        outputs = _quantize_block(block, quantizer, propagate == "fp" and not last,
+                                                  report)
+                    if not last:
+                        tick = time.perf_counter()
+                        if outputs is None:  # the quantized block's: each weight decoded once
+                            outputs = step.run()
+                        step.advance(outputs)
+                        timing["propagation"] += time.perf_counter() - tick
+                trim_heap()
     finally:  # every module back in its mode; the new layers in training mode, ready to be
         # fine-tuned (straight-through), until the model is put in eval mode
         for module in model.modules():

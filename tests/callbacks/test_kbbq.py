@@ -246,3 +246,20 @@ def test_calibration_batches_settle_packing_for_the_model():
         lengths = {b["input_ids"].shape[1] for b in calibration_batches(trainer, None, model)}
         assert data.packing is packed
         assert (lengths == {64}) if packed else (len(lengths) > 1 and max(lengths) <= 64)
+
+
+def test_moe_experts_fine_tune_through_fp4_and_reload_from_the_checkpoint(tmp_path):
+    """A mixture-of-experts model: its fused experts become linear layers, quantized and
+    trained like the others; the Lightning checkpoint rebuilds them."""
+    module = TinyLM(arch="qwen3_moe")
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    trainer(tmp_path, [KBBQ(), checkpoint], max_steps=2,
+            enable_checkpointing=True).fit(module, datamodule=datamodule())
+    layers = quantized_linears(module)
+    assert len(layers) == 2 * (4 + 8 * 2)  # blocks x (attention + experts x (up, down))
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))
+    module.eval()
+    restored = TinyLM.load_from_checkpoint(checkpoint.last_model_path, arch="qwen3_moe")
+    restored.eval()
+    with torch.no_grad():
+        assert torch.equal(restored(input_ids=ids).logits, module(input_ids=ids).logits)

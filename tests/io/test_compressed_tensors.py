@@ -26,7 +26,7 @@ from transformers.utils.quantization_config import CompressedTensorsConfig  # no
 
 from kbbq_pl.cli.commands import main  # noqa: E402
 from kbbq_pl.formats import QuantizedTensor, get_format  # noqa: E402
-from kbbq_pl.io.checkpoint import save_quantized  # noqa: E402
+from kbbq_pl.io.checkpoint import CheckpointError, save_quantized  # noqa: E402
 from kbbq_pl.io.compressed_tensors import (  # noqa: E402
     ExportError,
     bf16_decodes_agree,
@@ -41,6 +41,7 @@ from kbbq_pl.io.fileio import OutputPathError  # noqa: E402
 from kbbq_pl.io.models import from_pretrained, load_model  # noqa: E402
 from kbbq_pl.quant import (  # noqa: E402
     FormatConfig,
+    LayersConfig,
     QuantizationConfig,
     TransformConfig,
     WeightsConfig,
@@ -506,3 +507,73 @@ def test_folded_o_proj_exports_without_a_transform(tmp_path):
         assert same_bits(ct_decompressed(out, name),
                          quantized_linears(model)[name].weight.dequantize(torch.bfloat16))
     assert torch.equal(logits(from_pretrained(out)), logits(model))
+
+
+# ------------------------------------------------------------------ mixture of experts
+
+@pytest.mark.parametrize("arch, fmt, stored", [
+    ("qwen3_moe", "nvfp4", ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj",
+                            "mlp.experts.{e}.down_proj", "mlp.gate")),
+    ("mixtral", "mxfp4", ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
+                          "block_sparse_moe.experts.{e}.w2", "block_sparse_moe.gate")),
+])
+def test_moe_experts_export_under_their_architectures_checkpoint_names(arch, fmt, stored,
+                                                                       tmp_path):
+    """Each expert's gate_up_proj splits into the gate and up layers the architecture's
+    checkpoints hold (transformers' conversion mapping reversed), decoded bit for bit as
+    kbbq-pl decodes them; the routers are ignored."""
+    model = tiny_model(arch)
+    quantize_model(model, _batches(), recipe(fmt, "identity", gptq=True), progress=False)
+    out = save_compressed_tensors(model, tmp_path / "ct", strict=True)
+    _, config = ct_config(out)
+    gate, up, down, router = stored
+    assert config.ignore == sorted(["lm_head"] + [f"model.layers.{i}.{router}" for i in (0, 1)])
+    layers = quantized_linears(model)
+    experts = model.model.layers[0].mlp.experts
+    for i in (0, 1):
+        for e in range(experts.num_experts):
+            prefix = f"model.layers.{i}"
+            ours = layers[f"{prefix}.mlp.experts.{e}.gate_up_proj"].weight.dequantize(
+                torch.bfloat16)
+            half = ours.shape[0] // 2
+            assert same_bits(ct_decompressed(out, f"{prefix}.{gate.format(e=e)}"), ours[:half])
+            assert same_bits(ct_decompressed(out, f"{prefix}.{up.format(e=e)}"), ours[half:])
+            assert same_bits(ct_decompressed(out, f"{prefix}.{down.format(e=e)}"),
+                             layers[f"{prefix}.mlp.experts.{e}.down_proj"].weight.dequantize(
+                                 torch.bfloat16))
+        name = f"model.layers.{i}.self_attn.q_proj"
+        assert same_bits(ct_decompressed(out, name), layers[name].weight.dequantize(
+            torch.bfloat16))
+    if fmt == "mxfp4":  # transformers' MoE decompression leaves NVFP4's global scale out
+        loaded = AutoModelForCausalLM.from_pretrained(
+            out, quantization_config=CompressedTensorsConfig(dequantize=True))
+        for i in (0, 1):  # merged back into its fused experts, bit for bit
+            fused = loaded.model.layers[i].mlp.experts
+            for e in range(experts.num_experts):
+                for proj in ("gate_up_proj", "down_proj"):
+                    ours = layers[f"model.layers.{i}.mlp.experts.{e}.{proj}"].weight
+                    assert same_bits(getattr(fused, proj)[e],
+                                     ours.dequantize(getattr(fused, proj).dtype))
+    with pytest.raises(CheckpointError, match="mixture-of-experts models yet"):
+        from_pretrained(out)
+
+
+def test_moe_experts_with_a_transform_or_stored_fused_are_refused(tmp_path):
+    kbbq = tiny_model("qwen3_moe")
+    quantize_model(kbbq, _batches(), recipe("nvfp4", "kbbq"), progress=False)
+    with pytest.raises(ExportError, match=r"experts\.0\.gate_up_proj: .* plain FP4 only .* "
+                                          r"custom transform"):
+        save_compressed_tensors(kbbq, tmp_path / "kbbq")
+    gpt_oss = tiny_model("gpt_oss")
+    quantize_model(gpt_oss, _batches(), recipe("mxfp4", "identity"), progress=False)
+    with pytest.raises(ExportError, match=r"experts\.gate_up_proj: GptOssForCausalLM "
+                                          "checkpoints store these experts as one 3-D tensor"):
+        save_compressed_tensors(gpt_oss, tmp_path / "gpt_oss")
+    dense = tiny_model("qwen3_moe")
+    ignored = QuantizationConfig(transform=TransformConfig("identity"),
+                                 layers=LayersConfig(ignore=[r"lm_head$", r"experts\.[1-7]\."]))
+    quantize_model(dense, _batches(), ignored, progress=False)
+    with pytest.raises(ExportError, match=r"experts\.1\.gate_up_proj and 27 more experts are "
+                                          "in full precision"):
+        save_compressed_tensors(dense, tmp_path / "dense")
+    assert not any((tmp_path / name).exists() for name in ("kbbq", "gpt_oss", "dense"))

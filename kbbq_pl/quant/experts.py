@@ -1,0 +1,179 @@
+"""Mixture-of-experts layers as linear layers, so that their experts are quantized.
+
+transformers (5 and later) holds the experts of a mixture-of-experts layer as 3-D parameters
+(``gate_up_proj`` or ``up_proj``, and ``down_proj``: ``[experts, out, in]``, or ``[experts, in,
+out]`` where the class says ``is_transposed``; biases ``[experts, out]`` where it says
+``has_bias``), which no linear-layer machinery sees: left alone, the experts (nearly all of an
+MoE model's weights) would stay in full precision.  :func:`unfuse_experts` replaces each such
+module by :class:`ExpertLinears`, one :class:`Expert` per expert holding its two projections as
+``nn.Linear`` layers (named ``<experts>.<e>.gate_up_proj`` / ``up_proj`` and ``down_proj``),
+which computes what the fused module's eager forward computes; the experts are then calibrated,
+transformed and quantized as every other linear layer.  llm-compressor likewise turns fused
+experts into linear layers before it quantizes them.
+
+While a model is quantized (:func:`calibrating_every_expert`), every expert sees every
+calibration token, as llm-compressor's ``calibrate_all_experts`` does: a rarely routed expert
+still gets statistics for its transform, activation scale and Hessian, while the layer's output
+(what the next block is calibrated on) still sums the routed experts only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["FUSED_PARAMETERS", "Expert", "ExpertLinears", "calibrating_every_expert",
+           "fused_experts", "unfuse_experts"]
+
+FUSED_PARAMETERS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias",
+                    "down_proj_bias")
+"""The parameters a fused experts module may hold (the module docstring)."""
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers experts module with 3-D weights (decorated by
+    ``transformers.integrations.moe.use_experts_implementation``, which sets ``has_gate``,
+    ``has_bias`` and ``is_transposed``) that :class:`ExpertLinears` computes: not those with a
+    norm after each expert (``has_post_expert_norm``), which stay as they are."""
+    down = getattr(module, "down_proj", None)
+    return (isinstance(down, nn.Parameter) and down.dim() == 3
+            and all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed"))
+            and not getattr(module, "has_post_expert_norm", False))
+
+
+def fused_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """The fused experts modules of ``model`` by qualified name."""
+    return {name: module for name, module in model.named_modules() if is_fused_experts(module)}
+
+
+class Expert(nn.Module):
+    """One expert: ``gate_up_proj`` (gated experts; ``up_proj`` otherwise) and ``down_proj``."""
+
+    def __init__(self, up: nn.Linear, down: nn.Linear, gated: bool) -> None:
+        super().__init__()
+        self.add_module("gate_up_proj" if gated else "up_proj", up)
+        self.down_proj = down
+
+    @property
+    def up(self) -> nn.Module:
+        return self._modules.get("gate_up_proj") or self._modules["up_proj"]
+
+
+class ExpertLinears(nn.Module):
+    """The experts of a fused transformers experts module as :class:`Expert` children named
+    ``0`` to ``experts - 1``; ``forward(hidden_states, top_k_index, top_k_weights)`` is the
+    fused module's eager forward (each hit expert on its routed tokens, its output times the
+    routing weight added in the input's dtype)."""
+
+    def __init__(self, experts: list[Expert], fused: nn.Module) -> None:
+        super().__init__()
+        for index, expert in enumerate(experts):
+            self.add_module(str(index), expert)
+        self.num_experts = len(experts)
+        self.has_gate = bool(fused.has_gate)
+        self.act_fn = getattr(fused, "act_fn", None)
+        # the fused class's gating (transformers' default: act(gate) * up on concatenated
+        # halves; gpt-oss: its clamped, interleaved SwiGLU), with the scalars it reads
+        self._gate_function = type(fused)._apply_gate if self.has_gate else None
+        for key, value in vars(fused).items():
+            if not key.startswith("_") and isinstance(value, (bool, int, float)):
+                self.__dict__.setdefault(key, value)
+        self.every_expert = False
+
+    def expert(self, index: int) -> Expert:
+        return self._modules[str(index)]  # type: ignore[return-value]
+
+    def _apply_gate(self, gate_up: Tensor) -> Tensor:
+        return self._gate_function(self, gate_up)
+
+    def run_expert(self, index: int, x: Tensor) -> Tensor:
+        """Expert ``index`` on tokens ``x [tokens, hidden]``."""
+        expert = self.expert(index)
+        h = expert.up(x)
+        h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+        return expert.down_proj(h)
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+                ) -> Tensor:
+        final = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1)
+            mask = mask.permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+            every = range(self.num_experts) if self.every_expert else [int(e) for e in hit]
+        for index in every:
+            if index == self.num_experts:
+                continue
+            top_k_pos, token_idx = torch.where(mask[index])
+            if self.every_expert:  # statistics from every token; the output from the routed
+                out = self.run_expert(index, hidden_states)[token_idx]
+            else:
+                out = self.run_expert(index, hidden_states[token_idx])
+            out = out * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, out.to(final.dtype))
+        return final
+
+
+def _linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
+    """An ``nn.Linear`` holding ``weight [out, in]`` and ``bias`` (copies; on the meta device
+    where they are)."""
+    out_features, in_features = weight.shape
+    layer = nn.Linear(in_features, out_features, bias=bias is not None, device="meta",
+                      dtype=weight.dtype)
+    layer.weight = nn.Parameter(weight.detach().clone().contiguous(), requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.detach().clone().contiguous(), requires_grad=False)
+    return layer
+
+
+def expert_linears(fused: nn.Module) -> ExpertLinears:
+    """``fused`` (see :func:`is_fused_experts`) as :class:`ExpertLinears` with the same
+    weights, dtype and device."""
+    up_name = "gate_up_proj" if fused.has_gate else "up_proj"
+    up, down = getattr(fused, up_name), fused.down_proj
+    up_bias = getattr(fused, f"{up_name}_bias", None) if fused.has_bias else None
+    down_bias = getattr(fused, "down_proj_bias", None) if fused.has_bias else None
+    experts = []
+    for e in range(down.shape[0]):
+        w_up, w_down = (up[e].T, down[e].T) if fused.is_transposed else (up[e], down[e])
+        experts.append(Expert(_linear(w_up, None if up_bias is None else up_bias[e]),
+                              _linear(w_down, None if down_bias is None else down_bias[e]),
+                              fused.has_gate))
+    return ExpertLinears(experts, fused)
+
+
+def unfuse_experts(model: nn.Module, stored: Iterable[str] | None = None) -> list[str]:
+    """Replace every fused experts module of ``model`` by :class:`ExpertLinears` (in place;
+    on the meta device, a model built to be loaded into, the experts stay there), and return
+    their names.  ``stored``: the names a checkpoint holds (layers or tensors); only the
+    modules that it stores expert by expert (``<name>.<e>.``) are replaced."""
+    names = list(stored) if stored is not None else None
+    replaced = []
+    for name, module in fused_experts(model).items():
+        if names is not None:
+            pattern = re.compile(re.escape(name) + r"\.\d+\.")
+            if not any(pattern.match(stored_name) for stored_name in names):
+                continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, expert_linears(module))
+        replaced.append(name)
+    return replaced
+
+
+@contextlib.contextmanager
+def calibrating_every_expert(model: nn.Module) -> Iterator[None]:
+    """Within it, every :class:`ExpertLinears` of ``model`` runs every expert on every token
+    (the module docstring)."""
+    modules = [m for m in model.modules() if isinstance(m, ExpertLinears)]
+    for module in modules:
+        module.every_expert = True
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.every_expert = False

@@ -185,7 +185,8 @@ def act_configs(d: int, explore: bool):
 FMA_DOT_TILES = {16: triton.Config({"BLOCK_M": 64, "NB": 4}, num_warps=4),
                  32: triton.Config({"BLOCK_M": 64, "NB": 2}, num_warps=4)}
 """The tile the FMA-dot product ran at before the register chain replaced it (compiled beside
-it for comparison; ``PRODUCT_FMA_DOT`` stays selectable for benchmarks)."""
+it for comparison, with the tensor-core ``tf32x3`` product at the same tile; both stay
+selectable for benchmarks)."""
 
 
 def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> list[dict]:
@@ -203,7 +204,8 @@ def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> l
                 signature["values_ptr"] = dtype or ("*fp16" if fmt == "nvfp4" else "*bf16")
             runs = [(config, tk.PRODUCT_FMA_CHAIN) for config in act_configs(d, explore)]
             if has_t and not explore:
-                runs.append((FMA_DOT_TILES[d], tk.PRODUCT_FMA_DOT))
+                runs += [(FMA_DOT_TILES[d], tk.PRODUCT_FMA_DOT),
+                         (FMA_DOT_TILES[d], tk.PRODUCT_TF32X3)]
             for config, product in runs:
                 constants = dict(D=d, SCALE_KIND=kind, ROUNDING=0, GAIN=1.0, HAS_T=has_t,
                                  STATIC=False, AMAX_ONLY=False, PRODUCT=product,
@@ -219,7 +221,8 @@ def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> l
                 name = "act codes" if not out_values else (
                     "act values word-order" if word_order else "act values bf16")
                 name += "" if has_t else ", no transform"
-                name += ", fma dot" if product == tk.PRODUCT_FMA_DOT else ""
+                name += {tk.PRODUCT_FMA_DOT: ", fma dot", tk.PRODUCT_TF32X3: ", tf32x3"}.get(
+                    product, "")
                 rows.append(_row(f"{name} {fmt}", f"BM={config.kwargs['BLOCK_M']} "
                                  f"NB={config.kwargs['NB']} w={config.num_warps}", compiled,
                                  per_thread, start))

@@ -23,6 +23,9 @@ model larger than the accelerator's memory quantizes) and the cached activations
 the dtype it is held in (e.g. bfloat16 as saved) and only the current block is converted for
 its step (the layers before the first block, for the capture): one model's bytes in memory,
 the float32 results.  Peak memory goes into the report.
+
+A mixture-of-experts model's fused experts are made linear layers first, and every expert sees
+every calibration token while the model is quantized (:mod:`kbbq_pl.quant.experts`).
 """
 
 from __future__ import annotations
@@ -70,7 +73,10 @@ def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[st
                                                                            dict[str, str]]:
     """Targeted layers, and those skipped with the reason; a weight holding NaN or Inf is an
     error naming the layer (before any calibration), and so is a model that already holds
-    quantized layers (quantizing again would round rounded weights).  A weight still on the meta
+    quantized layers (quantizing again would round rounded weights).  Fused mixture-of-experts
+    experts are first made linear layers (:func:`~kbbq_pl.quant.experts.unfuse_experts`);
+    weights outside linear layers (routers, experts of unknown layouts) are listed among the
+    skipped, with a warning when they hold 1% or more of the weights.  A weight still on the meta
     device (a block streamed from disk, not read yet) is checked when :func:`quantize_model`
     reaches its block."""
     existing = list(quantized_linears(model))
@@ -103,12 +109,12 @@ def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[st
         skipped[name] = (f"a {len(shape)}-D weight {list(shape)} outside a linear layer: "
                          "kept in full precision")
     held = sum(math.prod(shape) for shape in outside.values())
-    if held >= 0.01 * (held + linear_weight_count(model)):
+    share = held / (held + linear_weight_count(model))
+    if share >= 0.01:
+        name, shape = next(iter(outside.items()))
         log.warning("%d weights outside linear layers stay in full precision: %.0f%% of the "
                     "model's weights outside its embeddings and head (e.g. %s %s); kbbq-pl "
-                    "quantizes linear layers", len(outside),
-                    100 * held / (held + linear_weight_count(model)), next(iter(outside)),
-                    list(next(iter(outside.values()))))
+                    "quantizes linear layers", len(outside), 100 * share, name, list(shape))
     return modules, skipped
 
 

@@ -152,3 +152,52 @@ def test_torchao_quantize_of_unfused_experts_is_quantize_model():
     quantize_model(reference, batches, recipe, progress=False)
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, reference(IDS).logits)
+
+
+def test_moe_experts_run_the_kernels_under_the_interpreter(monkeypatch):
+    """The routed tokens of each expert (a few rows) go through kbbq-pl's kernels (Triton's
+    interpreter on the CPU) and give the emulation's logits."""
+    pytest.importorskip("triton")
+    import kbbq_pl.kernels as K
+    from kbbq_pl.quant import w4a4
+
+    if not K.available("cpu"):
+        pytest.skip("the kernels do not run on the CPU here (TRITON_INTERPRET unset)")
+    model = tiny_model("qwen3_moe")
+    quantize_model(model, [{"input_ids": IDS}], QuantizationConfig(), progress=False)
+    model.to(torch.bfloat16)
+    ids = IDS[:1, :6]
+    with torch.no_grad():
+        emulated = model(ids).logits
+        rows = []
+        linear_w4a4 = K.linear_w4a4
+        monkeypatch.setattr(w4a4, "KERNEL_DEVICE_TYPES", ("cpu",))
+        monkeypatch.setattr(K, "linear_w4a4", lambda x, *args, **kwargs: (
+            rows.append(x.numel() // x.shape[-1]), linear_w4a4(x, *args, **kwargs))[1])
+        assert torch.equal(model(ids).logits, emulated)
+    # per block: 4 attention layers on 6 tokens, each token's 2 experts (up and down)
+    assert sum(rows) == 2 * (4 * 6 + 6 * 2 * 2) and min(rows) < 6
+
+
+@pytest.mark.gpu
+def test_moe_experts_run_the_kernels_on_a_gpu(tmp_path):
+    """On a CUDA device the experts' layers run kbbq-pl's kernels, through transformers as
+    through kbbq_pl.from_pretrained, with the same bits."""
+    from transformers import AutoModelForCausalLM
+
+    from kbbq_pl.quant.w4a4 import uses_kernels
+
+    model = moe_model("qwen3_moe")
+    quantize_model(model, [{"input_ids": IDS}], QuantizationConfig(), progress=False)
+    kbbq_pl.save_quantized(model, tmp_path / "q")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.bfloat16,
+                                                  device_map="cuda")
+    reference = kbbq_pl.from_pretrained(tmp_path / "q", device="cuda", dtype=torch.bfloat16)
+    layer = loaded.model.layers[0].mlp.experts.get_submodule("3.down_proj")
+    assert uses_kernels(torch.zeros(1, 32, dtype=torch.bfloat16, device="cuda"), layer.weight)
+    ids = IDS.cuda()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, reference(ids).logits)
+        tokens = loaded.generate(ids[:1, :8], max_new_tokens=8, do_sample=False)
+        assert torch.equal(tokens, reference.generate(ids[:1, :8], max_new_tokens=8,
+                                                      do_sample=False))

@@ -87,7 +87,8 @@ def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[st
     for name, experts in fused_experts(model).items():
         if experts.down_proj.is_meta:
             raise ValueError(f"{name}: the experts of a mixture-of-experts model cannot be "
-                             "streamed from disk block by block yet; load the model in memory")
+                             "streamed from disk block by block yet; load the model in memory "
+                             "(kbbq-pl quantize --no-stream)")
     unfuse_experts(model)
     modules = find_linears(model, config.layers.targets, config.layers.ignore)
     for name, module in modules.items():

@@ -118,15 +118,15 @@ class ExpertLinears(nn.Module):
         return final
 
 
-def _linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
+def _linear(weight: Tensor, bias: Tensor | None, trainable: bool) -> nn.Linear:
     """An ``nn.Linear`` holding ``weight [out, in]`` and ``bias`` (copies; on the meta device
-    where they are)."""
+    where they are); ``trainable``: whether its parameters require gradients."""
     out_features, in_features = weight.shape
     layer = nn.Linear(in_features, out_features, bias=bias is not None, device="meta",
                       dtype=weight.dtype)
-    layer.weight = nn.Parameter(weight.detach().clone().contiguous(), requires_grad=False)
+    layer.weight = nn.Parameter(weight.detach().clone().contiguous(), requires_grad=trainable)
     if bias is not None:
-        layer.bias = nn.Parameter(bias.detach().clone().contiguous(), requires_grad=False)
+        layer.bias = nn.Parameter(bias.detach().clone().contiguous(), requires_grad=trainable)
     return layer
 
 
@@ -140,9 +140,10 @@ def expert_linears(fused: nn.Module) -> ExpertLinears:
     experts = []
     for e in range(down.shape[0]):
         w_up, w_down = (up[e].T, down[e].T) if fused.is_transposed else (up[e], down[e])
-        experts.append(Expert(_linear(w_up, None if up_bias is None else up_bias[e]),
-                              _linear(w_down, None if down_bias is None else down_bias[e]),
-                              fused.has_gate))
+        experts.append(Expert(
+            _linear(w_up, None if up_bias is None else up_bias[e], up.requires_grad),
+            _linear(w_down, None if down_bias is None else down_bias[e], down.requires_grad),
+            fused.has_gate))
     return ExpertLinears(experts, fused)
 
 

@@ -41,13 +41,15 @@ def test_unfused_experts_compute_the_fused_eager_forward(arch):
     model = moe_model(arch)
     fused = model.model.layers[0].mlp.experts
     unfused = copy.deepcopy(model)
-    assert unfuse_experts(unfused) == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    with torch.no_grad():  # as quantize_model calls it
+        assert unfuse_experts(unfused) == [f"model.layers.{i}.mlp.experts" for i in range(2)]
     assert not fused_experts(unfused)
     experts = unfused.model.layers[0].mlp.experts
     assert isinstance(experts, ExpertLinears) and experts.num_experts == fused.num_experts
     up = experts.get_submodule("1.gate_up_proj")
     stored = fused.gate_up_proj[1].T if fused.is_transposed else fused.gate_up_proj[1]
     assert isinstance(up, nn.Linear) and torch.equal(up.weight, stored)
+    assert up.weight.requires_grad  # trainable as the fused parameter was
     assert (up.bias is not None) == fused.has_bias
     with torch.no_grad():
         if fused.has_bias:  # gpt-oss: x @ W + b there, one addmm here: the rounding order

@@ -279,8 +279,8 @@ def plan_layers(layers: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, T
     for name, meta in layers.items():
         fmt = get_format(meta["format"])
         _check_format(name, fmt)
+        kind = transform_kind(tensors.get(f"{name}.transform"), fmt.block_size or 1)
         if linear_types.get(name) == "expert":
-            kind = transform_kind(tensors.get(f"{name}.transform"), fmt.block_size or 1)
             if kind != "none" or meta["padded_in"] != meta["in_features"]:
                 raise ExportError(f"{name}: an expert of a mixture-of-experts layer exports as "
                                   "plain FP4 only (no transform, no padding); this one has "
@@ -290,7 +290,6 @@ def plan_layers(layers: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, T
         if linear_types.get(name) != "Linear":
             raise ExportError(f"{name}: compressed-tensors quantizes torch.nn.Linear layers; "
                               f"this one is a {linear_types.get(name, 'missing module')}")
-        kind = transform_kind(tensors.get(f"{name}.transform"), fmt.block_size or 1)
         if meta["padded_in"] != meta["in_features"]:
             plans[name] = ExportLayer(name, False, kind, "padded", (
                 f"in_features {meta['in_features']} is not a multiple of the {fmt.name} block "
@@ -444,10 +443,10 @@ def _write_export(staging: Path, tensors: dict[str, Tensor], layers: dict[str, d
     which already holds the HuggingFace ``config.json``; ``skeleton``: the architecture
     (:func:`_skeleton`).  A model with mixture-of-experts layers is written under the names
     of the architecture's checkpoints (:func:`checkpoint_names`), its routers ignored."""
-    linear_types = _linear_types(skeleton)
-    moe = bool(fused_experts(skeleton))
     from compressed_tensors.compressors import ModelCompressor
 
+    linear_types = _linear_types(skeleton)
+    moe = bool(fused_experts(skeleton))
     plans = plan_layers(layers, tensors, linear_types, strict)
     dense_experts = [n for n, kind in linear_types.items() if kind == "expert" and n not in plans]
     if dense_experts:

@@ -2,13 +2,15 @@
 and the previous default (``--no-stream --dtype float32``), in one run.
 
     python bench/scale.py [--blocks 1 12 26] [--methods rtn_kbbq gptq_kbbq] [--threads 1]
-                          [--processes 1 2] [--no-table]
+                          [--processes 1 2] [--no-table] [--arch qwen3_moe]
     python bench/scale.py --tiny     # one block of a tiny Llama, RTN-KBBQ, one process
 
 1. For each depth, saves a random-initialized Llama (hidden 2048, FFN 5632, 16 heads, 4 KV
    heads, vocabulary 32,000, untied embeddings: 250 MiB of embeddings and 86 MiB a block; 1,
-   12 and 26 blocks are 0.3, 1.3 and 2.5 GB) to a temporary folder as sharded bf16
-   safetensors (shards of 256 MB, as HuggingFace writes large models).
+   12 and 26 blocks are 0.3, 1.3 and 2.5 GB; ``--arch qwen3_moe``: a Qwen3-MoE of hidden 1024
+   with 16 experts of FFN 512 a block, 4 routed, 125 MiB of embeddings and 55 MiB a block) to
+   a temporary folder as sharded bf16 safetensors (shards of 256 MB, as HuggingFace writes
+   large models, the experts expert by expert).
 2. Runs ``kbbq-pl quantize --config RECIPE --model FOLDER --data.init_args.n_tokens TOKENS``
    (RTN-KBBQ NVFP4 lambda 0.75 and GPTQ-KBBQ NVFP4 by default; the model has no tokenizer, so
    the calibration tokens are random, seeded) in one subprocess per run, in each mode: the
@@ -52,6 +54,14 @@ BLOCK = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 
 TINY_BLOCK = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
               "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512,
               "tie_word_embeddings": True}
+MOE_BLOCK = {"hidden_size": 1024, "moe_intermediate_size": 512, "intermediate_size": 2816,
+             "num_experts": 16, "num_experts_per_tok": 4, "num_attention_heads": 16,
+             "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 32000,
+             "max_position_embeddings": 2048, "tie_word_embeddings": False}
+"""A Qwen3-MoE block (``--arch qwen3_moe``): 16 experts of FFN 512, 4 routed; 50 MiB of bf16
+expert weights a block."""
+TINY_MOE_BLOCK = {**TINY_BLOCK, "moe_intermediate_size": 32, "num_experts": 4,
+                  "num_experts_per_tok": 2, "head_dim": 16}
 TINY = {"blocks": [1], "methods": ["rtn_kbbq"], "tokens": 256, "processes": [1]}
 RECIPES = {"rtn_kbbq": "rtn_kbbq_nvfp4_lam0.75", "gptq_kbbq": "gptq_kbbq_nvfp4",
            "rtn_kbbq_auto": "rtn_kbbq_nvfp4_auto"}
@@ -61,12 +71,17 @@ STREAMED_BY_ITSELF = "streaming them from disk block by block"
 """What ``kbbq-pl quantize`` prints when it chooses to stream."""
 
 
-def save_model(folder: Path, blocks: int, block: dict = BLOCK) -> None:
-    """A random Llama of ``blocks`` blocks made as ``block`` says, in ``folder``."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def save_model(folder: Path, blocks: int, args: argparse.Namespace, fixed_cost: bool = False
+               ) -> None:
+    """A random model of ``blocks`` blocks of ``args.arch`` (a Llama, or a Qwen3-MoE: ``BLOCK``
+    or ``MOE_BLOCK``; tiny ones for ``args.tiny`` and ``fixed_cost``) in ``folder``."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
     torch.manual_seed(0)
-    config = LlamaConfig(num_hidden_layers=blocks, **block)
+    moe = args.arch == "qwen3_moe"
+    tiny = args.tiny or fixed_cost
+    block = (TINY_MOE_BLOCK if tiny else MOE_BLOCK) if moe else (TINY_BLOCK if tiny else BLOCK)
+    config = (Qwen3MoeConfig if moe else LlamaConfig)(num_hidden_layers=blocks, **block)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="256MB")
 
@@ -115,6 +130,9 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["rtn_kbbq", "gptq_kbbq"],
                         choices=list(RECIPES))
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--arch", default="llama", choices=["llama", "qwen3_moe"],
+                        help="Llama blocks (BLOCK) or mixture-of-experts Qwen3-MoE blocks "
+                             "(MOE_BLOCK)")
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--processes", type=int, nargs="*", default=[1, 2],
@@ -145,12 +163,12 @@ def size_table(args: argparse.Namespace) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tiny = Path(tmp) / "fixed-cost"
-        save_model(tiny, 1, TINY_BLOCK)
+        save_model(tiny, 1, args, fixed_cost=True)
         fixed = quantize(tiny, Path(tmp) / "out-fixed-cost", "rtn_kbbq", "default", args)
         print(f"fixed cost: {fixed}", flush=True)
         for blocks in args.blocks:
-            source = Path(tmp) / f"llama-{blocks}"
-            save_model(source, blocks, TINY_BLOCK if args.tiny else BLOCK)
+            source = Path(tmp) / f"{args.arch}-{blocks}"
+            save_model(source, blocks, args)
             for method in args.methods:
                 row = {"size_mb": mib(source), "blocks": blocks, "method": method}
                 digests = {}
@@ -162,8 +180,8 @@ def size_table(args: argparse.Namespace) -> None:
                 row["equal"] = len(set(digests.values())) == 1 if len(digests) > 1 else None
                 rows.append(row)
     print(f"\n`kbbq-pl quantize --data.init_args.n_tokens {args.tokens}`, {args.threads} "
-          f"thread(s); peak RSS in MiB; fixed cost (the default command on a one-block Llama "
-          f"of hidden size 64): {fixed['peak_mb']:.0f} MiB\n")
+          f"thread(s), {args.arch}; peak RSS in MiB; fixed cost (the default command on a "
+          f"one-block {args.arch} of hidden size 64): {fixed['peak_mb']:.0f} MiB\n")
     cells = [f"{mode} peak" for mode in args.modes] + [f"{mode} s" for mode in args.modes]
     print("| bf16 weights (MiB) | blocks | method | " + " | ".join(cells)
           + " | (default - fixed) / weights | default streamed | same tensors |")
@@ -189,9 +207,9 @@ def processes_table(args: argparse.Namespace) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        source = Path(tmp) / "llama"
+        source = Path(tmp) / args.arch
         blocks = min(args.blocks)
-        save_model(source, blocks, TINY_BLOCK if args.tiny else BLOCK)
+        save_model(source, blocks, args)
         for method in args.methods:
             digests = {}
             for count in args.processes:

@@ -10,7 +10,12 @@ released.  Peak memory: embeddings + head + one block + the calibration activati
 output folder is written atomically (:func:`kbbq_pl.io.fileio.write_folder`: it appears
 complete or not at all) and reloads with :func:`kbbq_pl.from_pretrained`; its tensors are bit
 for bit those of the in-memory pipeline with ``--offload`` (the layers before the first block
-run on the CPU).  Every recipe streams in one pass.
+run on the CPU).  Every recipe streams in one pass.  Tensors are found by the model's names
+through the architecture's conversion mapping, as ``from_pretrained`` finds them
+(:class:`SafetensorsSource`), so a mixture-of-experts block's experts, stored expert by expert
+or fused, are read as its fused parameters and handed to its
+:class:`~kbbq_pl.quant.experts.ExpertLinears` (the pipeline made them linear layers on the meta
+device).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterable
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +33,7 @@ from torch import Tensor, nn
 
 from ..quant.collectives import Collectives
 from ..quant.config import QuantizationConfig
+from ..quant.experts import ExpertLinears
 from ..quant.pipeline import quantize_model
 from ..quant.report import QuantizationReport
 from ..quant.sequential import BlockStep, count_tokens, find_blocks
@@ -98,12 +105,17 @@ class SafetensorsSource:
     """The tensors of a HuggingFace model folder, read one at a time without loading the rest
     (``model.safetensors``, or the shards its ``model.safetensors.index.json`` maps).
 
-    A name is looked up as the model spells it, then with its base-model prefix removed or
-    added (a bare encoder read from a checkpoint saved with its head, and the reverse)."""
+    Given the ``model`` they are read into, a tensor is asked for by the model's name and found
+    as transformers' ``from_pretrained`` finds it: through the architecture's conversion mapping
+    (renamed, e.g. Mixtral's ``block_sparse_moe`` as ``mlp``; or made of several stored tensors,
+    e.g. a mixture-of-experts layer's fused ``experts.gate_up_proj`` of each expert's
+    ``gate_proj`` and ``up_proj``), with the base-model prefix removed or added (a bare encoder
+    read from a checkpoint saved with its head, and the reverse).  Without ``model``, names are
+    the stored ones."""
 
-    def __init__(self, folder: str | Path, base_prefix: str = "") -> None:
+    def __init__(self, folder: str | Path, model: nn.Module | None = None) -> None:
         self.folder = Path(folder)
-        self.base_prefix = base_prefix
+        self.model = model
         index = self.folder / SOURCE_INDEX
         if index.is_file():
             try:
@@ -117,6 +129,43 @@ class SafetensorsSource:
         else:
             raise CheckpointError(f"{self.folder}: no {SOURCE_FILE} or {SOURCE_INDEX} (streaming "
                                   "reads safetensors checkpoints)")
+        self._sources: dict[str, list[tuple[str, str | None]]] = {}
+        self._converters: dict[str, Any] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        if model is None:
+            self._sources = {name: [(name, None)] for name in self.files}
+        else:
+            self._map_names(model)
+
+    def _map_names(self, model: nn.Module) -> None:
+        """Map each of ``model``'s tensor names to the stored tensors it is made of, as
+        transformers' ``convert_and_load_state_dict_in_model`` does (the same functions, the
+        stored names in the same order), with the converter that makes it where there is one."""
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            dot_natural_key,
+            rename_source_key,
+        )
+
+        mapping = get_model_conversion_mapping(model) if isinstance(model, PreTrainedModel) else []
+        renamings = [entry for entry in mapping if isinstance(entry, WeightRenaming)]
+        converters = [entry for entry in mapping if isinstance(entry, WeightConverter)]
+        by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+        expected = model.state_dict()
+        prefix = getattr(model, "base_model_prefix", "")
+        for key in sorted(self.files, key=dot_natural_key):
+            name, pattern = rename_source_key(key, renamings, converters, prefix, expected)
+            if name not in expected and key in expected:
+                name, pattern = key, None
+            elif name not in expected:
+                name, pattern = rename_source_key(key, [], [], prefix, expected)
+            self._sources.setdefault(name, []).append((key, pattern))
+            if pattern is not None:
+                self._converters[name] = by_pattern[pattern]
+                self._shapes[name] = tuple(expected[name].shape)
 
     @staticmethod
     def _open(file: Path):
@@ -130,29 +179,52 @@ class SafetensorsSource:
         """The size of the checkpoint's files on disk."""
         return sum(file.stat().st_size for file in set(self.files.values()))
 
-    def stored_name(self, name: str) -> str | None:
-        """The checkpoint's name of the model's tensor ``name`` (None when it has none)."""
-        candidates = [name]
-        if self.base_prefix:
-            lead = self.base_prefix + "."
-            candidates.append(name[len(lead):] if name.startswith(lead) else lead + name)
-        return next((c for c in candidates if c in self.files), None)
+    def __contains__(self, name: str) -> bool:
+        """Whether the checkpoint holds the model's tensor ``name``."""
+        return name in self._sources
+
+    def _stored_counts(self, name: str) -> str:
+        """How many stored tensors of each pattern make the model's tensor ``name``."""
+        counts: dict[str, int] = {}
+        for _, pattern in self._sources[name]:
+            counts[str(pattern)] = counts.get(str(pattern), 0) + 1
+        return ", ".join(f"{count} {pattern}" for pattern, count in counts.items())
 
     def read(self, names: Iterable[str]) -> dict[str, Tensor]:
         """The tensors ``names`` (the model's names), each file opened once; an error names the
         tensors the checkpoint lacks."""
-        stored = {name: self.stored_name(name) for name in names}
-        missing = [name for name, key in stored.items() if key is None]
+        names = list(names)
+        missing = [name for name in names if name not in self._sources]
         if missing:
             raise missing_tensors(self.folder, missing)
         by_file: dict[Path, list[str]] = {}
-        for name, key in stored.items():
-            by_file.setdefault(self.files[key], []).append(name)
-        tensors: dict[str, Tensor] = {}
-        for file, group in by_file.items():
+        for name in names:
+            for key, _ in self._sources[name]:
+                by_file.setdefault(self.files[key], []).append(key)
+        stored: dict[str, Tensor] = {}
+        for file, keys in by_file.items():
             with self._open(file) as handle:
-                for name in group:
-                    tensors[name] = handle.get_tensor(stored[name])
+                for key in keys:
+                    stored[key] = handle.get_tensor(key)
+        tensors: dict[str, Tensor] = {}
+        for name in names:
+            if name not in self._converters:
+                tensors[name] = stored.pop(self._sources[name][0][0])
+                continue
+            converter = deepcopy(self._converters[name])
+            for key, pattern in self._sources[name]:
+                converter.add_tensor(name, key, pattern, stored.pop(key))
+            try:
+                value = converter.convert(name, model=self.model, config=self.model.config)[name]
+            except (RuntimeError, ValueError, KeyError, IndexError) as error:
+                raise CheckpointError(f"{self.folder}: {name} cannot be made of its stored "
+                                      f"tensors ({self._stored_counts(name)}): {error}") from None
+            value = value[0] if isinstance(value, list) else value
+            if tuple(value.shape) != self._shapes[name]:
+                raise CheckpointError(
+                    f"{self.folder}: the stored tensors ({self._stored_counts(name)}) make {name} "
+                    f"{list(value.shape)}, the model's config makes it {list(self._shapes[name])}")
+            tensors[name] = value
         return tensors
 
 
@@ -184,10 +256,10 @@ def model_skeleton(folder: str | Path, *, causal: bool | None = None,
 
     config = AutoConfig.from_pretrained(folder)
     model = empty_model(config, is_causal_lm_config(config) if causal is None else causal, dtype)
-    source = SafetensorsSource(folder, getattr(model, "base_model_prefix", ""))
+    source = SafetensorsSource(folder, model)
     blocks_name, _ = find_blocks(model)
     outside = [name for name in model.state_dict()
-               if not name.startswith(blocks_name + ".") and source.stored_name(name)]
+               if not name.startswith(blocks_name + ".") and name in source]
     _materialize(model, source.read(outside), torch.device("cpu"))
     model.tie_weights()
     check_materialized(model, folder, skip=blocks_name)
@@ -219,8 +291,18 @@ class StreamedBlocks:
         self.shards = shards
 
     def load(self, step: BlockStep) -> None:
+        experts = {f"{step.name}.{name}": module for name, module in step.module.named_modules()
+                   if isinstance(module, ExpertLinears)}
         names = [f"{step.name}.{name}" for name in step.module.state_dict()]
-        _materialize(step.module, self.source.read(names), step.runner.device, step.name)
+        names = [name for name in names if not any(name.startswith(f"{e}.") for e in experts)]
+        fused = [f"{name}.{param}" for name, module in experts.items()
+                 for param in module.fused_parameters]
+        tensors = self.source.read(names + fused)
+        for name, module in experts.items():  # stored fused or expert by expert: as fused
+            state = module.unfused_state({param: tensors.pop(f"{name}.{param}")
+                                          for param in module.fused_parameters})
+            tensors.update({f"{name}.{key}": value for key, value in state.items()})
+        _materialize(step.module, tensors, step.runner.device, step.name)
 
     def unload(self, step: BlockStep, done: bool) -> None:
         if done and self.shards is not None:

@@ -82,10 +82,26 @@ class ExpertLinears(nn.Module):
         for key, value in vars(fused).items():
             if not key.startswith("_") and isinstance(value, (bool, int, float)):
                 self.__dict__.setdefault(key, value)
+        self.is_transposed = bool(fused.is_transposed)
+        self.fused_parameters = tuple(fused_weights(fused))
         self.every_expert = False
 
     def expert(self, index: int) -> Expert:
         return self._modules[str(index)]  # type: ignore[return-value]
+
+    def unfused_state(self, fused: dict[str, Tensor]) -> dict[str, Tensor]:
+        """This module's state (its experts' weights and biases, by their names here) from the
+        fused module's parameters ``fused`` (by name: ``gate_up_proj``, ``down_proj``, ...), as
+        a checkpoint stores them."""
+        up_name = "gate_up_proj" if self.has_gate else "up_proj"
+        state = {}
+        for e, (w_up, b_up, w_down, b_down) in enumerate(per_expert(fused, self.has_gate,
+                                                                    self.is_transposed)):
+            for name, value in ((f"{up_name}.weight", w_up), (f"{up_name}.bias", b_up),
+                                ("down_proj.weight", w_down), ("down_proj.bias", b_down)):
+                if value is not None:
+                    state[f"{e}.{name}"] = value.contiguous()
+        return state
 
     def _apply_gate(self, gate_up: Tensor) -> Tensor:
         return self._gate_function(self, gate_up)
@@ -130,20 +146,38 @@ def _linear(weight: Tensor, bias: Tensor | None, trainable: bool) -> nn.Linear:
     return layer
 
 
+def fused_weights(fused: nn.Module) -> dict[str, Tensor]:
+    """The weights (and biases, where the class says ``has_bias``) of the fused experts module
+    ``fused`` by parameter name (:data:`FUSED_PARAMETERS`)."""
+    up_name = "gate_up_proj" if fused.has_gate else "up_proj"
+    names = [up_name, "down_proj"] + ([f"{up_name}_bias", "down_proj_bias"] if fused.has_bias
+                                      else [])
+    return {name: getattr(fused, name) for name in names if getattr(fused, name, None) is not None}
+
+
+def per_expert(fused: dict[str, Tensor], gated: bool, transposed: bool,
+               ) -> Iterator[tuple[Tensor, Tensor | None, Tensor, Tensor | None]]:
+    """Each expert's ``(up weight [out, in], up bias, down weight, down bias)`` (views) from
+    the fused parameters ``fused`` (:func:`fused_weights`'s names and layout)."""
+    up_name = "gate_up_proj" if gated else "up_proj"
+    up, down = fused[up_name], fused["down_proj"]
+    up_bias, down_bias = fused.get(f"{up_name}_bias"), fused.get("down_proj_bias")
+    for e in range(down.shape[0]):
+        w_up, w_down = (up[e].T, down[e].T) if transposed else (up[e], down[e])
+        yield (w_up, None if up_bias is None else up_bias[e], w_down,
+               None if down_bias is None else down_bias[e])
+
+
 def expert_linears(fused: nn.Module) -> ExpertLinears:
     """``fused`` (see :func:`is_fused_experts`) as :class:`ExpertLinears` with the same
     weights, dtype and device."""
-    up_name = "gate_up_proj" if fused.has_gate else "up_proj"
-    up, down = getattr(fused, up_name), fused.down_proj
-    up_bias = getattr(fused, f"{up_name}_bias", None) if fused.has_bias else None
-    down_bias = getattr(fused, "down_proj_bias", None) if fused.has_bias else None
-    experts = []
-    for e in range(down.shape[0]):
-        w_up, w_down = (up[e].T, down[e].T) if fused.is_transposed else (up[e], down[e])
-        experts.append(Expert(
-            _linear(w_up, None if up_bias is None else up_bias[e], up.requires_grad),
-            _linear(w_down, None if down_bias is None else down_bias[e], down.requires_grad),
-            fused.has_gate))
+    weights = fused_weights(fused)
+    up_trainable, down_trainable = (weights[name].requires_grad for name in (
+        "gate_up_proj" if fused.has_gate else "up_proj", "down_proj"))
+    experts = [Expert(_linear(w_up, b_up, up_trainable), _linear(w_down, b_down, down_trainable),
+                      fused.has_gate)
+               for w_up, b_up, w_down, b_down in per_expert(weights, fused.has_gate,
+                                                             fused.is_transposed)]
     return ExpertLinears(experts, fused)
 
 

@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 
 from .collectives import Collectives, ReduceFn
 from .config import QuantizationConfig
-from .experts import calibrating_every_expert, fused_experts, unfuse_experts
+from .experts import calibrating_every_expert, unfuse_experts
 from .gptq.quantizer import GPTQ
 from .layers import QuantizedLinear, quantized_linears, swap_module
 from .modules import (
@@ -84,11 +84,6 @@ def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[st
         raise ValueError(f"{type(model).__name__} is already quantized ({len(existing)} quantized "
                          f"layers, e.g. {existing[0]}): quantizing again would round rounded "
                          "weights; quantize the full-precision model")
-    for name, experts in fused_experts(model).items():
-        if experts.down_proj.is_meta:
-            raise ValueError(f"{name}: the experts of a mixture-of-experts model cannot be "
-                             "streamed from disk block by block yet; load the model in memory "
-                             "(kbbq-pl quantize --no-stream)")
     unfuse_experts(model)
     modules = find_linears(model, config.layers.targets, config.layers.ignore)
     for name, module in modules.items():

@@ -75,6 +75,48 @@ def test_streamed_checkpoint_is_bit_for_bit_the_in_memory_one(sharded_llama, tmp
     assert torch.equal(reloaded[0](input_ids=ids).logits, reloaded[1](input_ids=ids).logits)
 
 
+# each stores its experts differently: Qwen3-MoE each expert's gate_proj / up_proj / down_proj,
+# Mixtral each expert's w1 / w3 / w2 under block_sparse_moe (its router too), gpt-oss fused and
+# transposed with biases
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_a_mixture_of_experts_model_streams_bit_for_bit_as_in_memory(tmp_path, arch):
+    source = tmp_path / arch
+    tiny_model(arch).to(torch.bfloat16).save_pretrained(source, max_shard_size="100KB")
+    before = _files(source)
+    config = QuantizationConfig.from_dict(RECIPES["rtn-kbbq"])
+    model, _ = load_model(source)
+    quantize_model(model, _batches(), config, progress=False)
+    save_quantized(model, tmp_path / "memory")
+    report = quantize_checkpoint(source, tmp_path / "streamed", config, _batches(),
+                                 progress=False)
+    assert _files(source) == before
+    memory, streamed = read_tensors(tmp_path / "memory"), read_tensors(tmp_path / "streamed")
+    assert memory.keys() == streamed.keys()
+    assert all(torch.equal(memory[k], streamed[k]) for k in memory)
+    experts = model.config.num_local_experts
+    assert {r.name for r in report.layers} >= {f"model.layers.1.mlp.experts.{e}.down_proj"
+                                               for e in range(experts)}
+    ids = torch.randint(0, 256, (1, 16))
+    reloaded = [from_pretrained(tmp_path / name) for name in ("memory", "streamed")]
+    assert torch.equal(reloaded[0](input_ids=ids).logits, reloaded[1](input_ids=ids).logits)
+
+
+def test_a_missing_expert_is_named_before_its_block_is_quantized(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    source = tmp_path / "qwen3_moe"
+    tiny_model("qwen3_moe").to(torch.bfloat16).save_pretrained(source)
+    tensors = load_file(source / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    message = (r"model\.layers\.1\.mlp\.experts\.gate_up_proj cannot be made of its stored "
+               r"tensors \(8 mlp\.experts\.\*\.gate_proj\.weight, 7 mlp\.experts\.\*\.up_proj")
+    with pytest.raises(CheckpointError, match=message):
+        quantize_checkpoint(source, tmp_path / "out", QuantizationConfig(), _batches(),
+                            progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_skeleton_holds_no_block_weights(sharded_llama):
     model, source = model_skeleton(sharded_llama)
     blocks = [p for n, p in model.named_parameters() if n.startswith("model.layers.")]

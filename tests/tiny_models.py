@@ -62,3 +62,43 @@ def tiny_model(arch: str, seed: int = 0, **overrides: Any) -> nn.Module:
     model = AutoModelForCausalLM.from_config(config)
     model.eval()
     return model
+
+
+_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=256)
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+               image_size=32, patch_size=8)
+IMAGE_TOKEN = 500
+"""The image token id of :func:`tiny_multimodal` models."""
+
+
+def tiny_multimodal(arch: str, seed: int = 0) -> nn.Module:
+    """A random-initialized image-text-to-text model (``llava``, ``gemma3``, ``qwen2_5_vl``:
+    a vision tower of 2 blocks, a projector and a language model of 2 blocks, vocabulary 512,
+    images of 32 x 32 pixels), eval mode."""
+    import transformers as T
+
+    if arch == "llava":
+        config = T.LlavaConfig(text_config=T.LlamaConfig(**_TEXT).to_dict(),
+                               vision_config={"model_type": "clip_vision_model", **_VISION},
+                               image_token_index=IMAGE_TOKEN)
+    elif arch == "gemma3":
+        config = T.Gemma3Config(text_config={**_TEXT, "model_type": "gemma3_text"},
+                                vision_config=_VISION, mm_tokens_per_image=4,
+                                image_token_index=IMAGE_TOKEN, boi_token_index=501,
+                                eoi_token_index=502)
+    elif arch == "qwen2_5_vl":
+        text = {k: v for k, v in _TEXT.items() if k != "head_dim"}
+        config = T.Qwen2_5_VLConfig(
+            text_config={**text, "model_type": "qwen2_5_vl_text", "bos_token_id": 0,
+                         "eos_token_id": 1,
+                         "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+            vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64,
+                           "num_heads": 2, "out_hidden_size": 64, "fullatt_block_indexes": [1]},
+            image_token_id=IMAGE_TOKEN, video_token_id=501, vision_start_token_id=502)
+    else:
+        raise ValueError(f"unknown tiny multimodal architecture {arch!r}")
+    torch.manual_seed(seed)
+    model = T.AutoModelForImageTextToText.from_config(config)
+    model.eval()
+    return model

@@ -125,7 +125,7 @@ class FidelityProbe:
             raise ValueError(f"--eval_sentences must be at least 1, got {n}")
         self.tokenizer = tokenizer
         if tokenizer is None:
-            vocab = model.config.vocab_size
+            vocab = model.config.get_text_config().vocab_size
             blocks = n or RANDOM_BLOCKS
             self.blocks = token_blocks("random", None, n_tokens=64 * blocks, seq_len=64,
                                        seed=seed + 1, vocab_size=vocab)
@@ -207,7 +207,7 @@ def settle_data(data: CalibrationDataModule, model: nn.Module, tokenizer: Any,
                     "the mixed text corpus", name)
         data.source = RANDOM
     if tokenizer is None and data.vocab_size is None:
-        data.vocab_size = model.config.vocab_size
+        data.vocab_size = model.config.get_text_config().vocab_size
     data.for_model(model)
 
 
@@ -342,18 +342,30 @@ def _left_to_eval(source: Path, out: Path) -> str:
 
 
 def resolve_recipes(argv: list[str]) -> list[str]:
-    """``--config NAME`` may name a packaged recipe (``rtn_kbbq_nvfp4_lam0.75``) instead of a
-    file: it resolves to the copy shipped in ``kbbq_pl.recipes``; a name that is neither is an
-    error suggesting the closest packaged names."""
+    """``argv`` with its recipes first: ``--config NAME`` may name a packaged recipe
+    (``rtn_kbbq_nvfp4_lam0.75``) instead of a file, which resolves to the copy shipped in
+    ``kbbq_pl.recipes`` (a name that is neither is an error suggesting the closest packaged
+    names); and every ``--config`` moves before the other options, so that an option given on
+    the command line overrides the recipe wherever it stands (jsonargparse applies arguments in
+    order: ``--model DIR --config RECIPE`` would quantize the recipe's model)."""
     from kbbq_pl.recipes import recipe_path
 
-    out = list(argv)
-    for index, value in enumerate(out):
-        if value.startswith("--config=") and not Path(value[len("--config="):]).exists():
-            out[index] = f"--config={recipe_path(value[len('--config='):])}"
-        elif value == "--config" and index + 1 < len(out) and not Path(out[index + 1]).exists():
-            out[index + 1] = str(recipe_path(out[index + 1]))
-    return out
+    recipes: list[str] = []
+    rest: list[str] = []
+    index = 0
+    while index < len(argv):
+        value = argv[index]
+        if value.startswith("--config="):
+            name = value[len("--config="):]
+            recipes += ["--config", name if Path(name).exists() else str(recipe_path(name))]
+        elif value == "--config" and index + 1 < len(argv):
+            name = argv[index + 1]
+            recipes += ["--config", name if Path(name).exists() else str(recipe_path(name))]
+            index += 1
+        else:
+            rest.append(value)
+        index += 1
+    return recipes + rest
 
 
 def main(argv: list[str] | None = None) -> int:

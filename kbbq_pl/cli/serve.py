@@ -221,9 +221,12 @@ def load_chat_model(folder: Path, device: torch.device, dtype: torch.dtype | str
     """The causal LM of ``folder`` through transformers' ``from_pretrained`` (kbbq-pl's
     quantizer is registered when :mod:`kbbq_pl` is imported) on ``device``, in eval mode, and
     its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=str(device))
+    from ..io.checkpoint import auto_class
+
+    loader = auto_class(AutoConfig.from_pretrained(folder), causal=True)
+    model = loader.from_pretrained(folder, dtype=dtype, device_map=str(device))
     return model.eval(), AutoTokenizer.from_pretrained(folder)
 
 

@@ -420,7 +420,7 @@ def run_law(
     check_output(out, overwrite=overwrite, sources=sources)
     # a quantized folder (kbbq-pl's or compressed-tensors'): the law of its dequantized weights
     loaded, tokenizer = load_model(model, device=device, dequantize=True)
-    vocab = getattr(loaded.config, "vocab_size", None)
+    vocab = getattr(loaded.config.get_text_config(), "vocab_size", None)
     ids = token_blocks(data, tokenizer, n_tokens=tokens, seq_len=seq_len, seed=seed,
                        vocab_size=vocab).to(device)
     batches = [{"input_ids": ids[i:i + batch_size],

@@ -382,12 +382,45 @@ def write_hf_files(folder: Path, model: nn.Module, tokenizer: Any = None,
         tokenizer.save_pretrained(folder)
 
 
+def _image_text_classes() -> dict[str, str]:
+    """transformers' image-text-to-text classes by model type."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return dict(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+def is_multimodal_config(config: Any) -> bool:
+    """Whether ``config`` is that of an image-text-to-text model (a language model with a
+    vision tower: Llava, Gemma 3, Qwen2.5-VL, Mistral 3, ...), which generates text as a causal
+    LM does: its ``architectures`` name one, or (a config made in code) its model type has
+    one."""
+    if config.architectures:
+        return any(a in _image_text_classes().values() for a in config.architectures)
+    return config.model_type in _image_text_classes()
+
+
 def is_causal_lm_config(config: Any) -> bool:
-    return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in config.architectures or [])
+    """Whether ``config`` names a model that generates text: a causal LM, or an
+    image-text-to-text model (:func:`is_multimodal_config`)."""
+    return (any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in config.architectures or [])
+            or is_multimodal_config(config))
 
 
 def is_causal_model(model: nn.Module) -> bool:
-    return type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+    name = type(model).__name__
+    return (name.endswith(("ForCausalLM", "LMHeadModel"))
+            or name in _image_text_classes().values())
+
+
+def auto_class(config: Any, causal: bool) -> Any:
+    """The transformers auto class that builds the model of ``config``: the bare model
+    (``causal`` False), an image-text-to-text model where the config names one, else a causal
+    LM."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if not causal:
+        return AutoModel
+    return AutoModelForImageTextToText if is_multimodal_config(config) else AutoModelForCausalLM
 
 
 def read_metadata(folder: str | Path) -> dict[str, Any]:
@@ -617,10 +650,11 @@ def empty_model(config: Any, causal: bool, dtype: torch.dtype = torch.float32) -
     its parameters on the meta device (no memory, no initialization; loading assigns them)
     and its buffers (rotary frequencies) computed as the model computes them."""
     from accelerate import init_empty_weights
-    from transformers import AutoModel, AutoModelForCausalLM
 
     with init_empty_weights(include_buffers=False):
-        return (AutoModelForCausalLM if causal else AutoModel).from_config(config, dtype=dtype)
+        model = auto_class(config, causal).from_config(config, dtype=dtype)
+    model.tie_weights()  # not all architectures tie their embeddings when built empty (Gemma 3)
+    return model
 
 
 def check_materialized(model: nn.Module, source: str | Path, skip: str | None = None) -> None:

@@ -25,6 +25,7 @@ from .checkpoint import (
     FORMAT_TAG,
     TOKENIZER_FILES,
     CheckpointError,
+    auto_class,
     block_metadata,
     build_quantized_model,
     config_block,
@@ -223,7 +224,7 @@ def load_model(
     ``quantized="refuse"`` it is a ValueError saying what it is (quantizing it again would
     round rounded weights).  ``causal=True`` asks for a causal LM (an error for a quantized
     encoder).  ``dtype`` None keeps the dtype the weights are stored in."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     folder = resolve_model_path(path)
     device = parse_device(device)
@@ -241,8 +242,8 @@ def load_model(
     else:
         config = AutoConfig.from_pretrained(folder)
         causal = is_causal_lm_config(config) if causal is None else causal
-        loader = AutoModelForCausalLM if causal else AutoModel
-        model = loader.from_pretrained(folder, dtype="auto" if dtype is None else dtype)
+        model = auto_class(config, causal).from_pretrained(
+            folder, dtype="auto" if dtype is None else dtype)
         model.to(device)
     model.eval()
     return model, load_tokenizer(folder)

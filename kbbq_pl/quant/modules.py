@@ -111,6 +111,28 @@ def find_linears(
     return found
 
 
+def modality_encoders(model: nn.Module) -> list[str]:
+    """The parts of a multimodal model outside its language model, by qualified name (Llava
+    and Gemma 3: ``model.vision_tower`` and ``model.multi_modal_projector``; Qwen2.5-VL:
+    ``model.visual``): the other children of the module that holds ``model.get_decoder()`` in a
+    model whose config has a ``vision_config``; none for a text model.  Text calibration never
+    runs them, so they are not quantized."""
+    if getattr(getattr(model, "config", None), "vision_config", None) is None:
+        return []
+    try:
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError):
+        return []
+    path = next((name for name, module in model.named_modules() if module is decoder), None)
+    if not path or decoder is getattr(model, "base_model", None):
+        return []
+    parent_name = path.rpartition(".")[0]
+    parent = model.get_submodule(parent_name) if parent_name else model
+    lead = f"{parent_name}." if parent_name else ""
+    return [lead + name for name, child in parent.named_children()
+            if child is not decoder and next(child.parameters(), None) is not None]
+
+
 def weights_outside_linears(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """Weight matrices (2-D or more) that no linear layer holds, by qualified name, with their
     shapes: MoE experts stored as 3-D tensors (transformers' fused experts that

@@ -52,6 +52,7 @@ from .modules import (
     in_out_features,
     linear_weight,
     linear_weight_count,
+    modality_encoders,
     weights_outside_linears,
 )
 from .report import QuantizationReport, chosen_lambda, layer_report, peak_memory_mb
@@ -75,6 +76,8 @@ def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[st
     error naming the layer (before any calibration), and so is a model that already holds
     quantized layers (quantizing again would round rounded weights).  Fused mixture-of-experts
     experts are first made linear layers (:func:`~kbbq_pl.quant.experts.unfuse_experts`);
+    a multimodal model's vision tower and projector are left out (text calibration does not run
+    them: :func:`~kbbq_pl.quant.modules.modality_encoders`), each listed among the skipped;
     weights outside linear layers (routers, experts of unknown layouts) are listed among the
     skipped, with a warning when they hold 1% or more of the weights.  A weight still on the meta
     device (a block streamed from disk, not read yet) is checked when :func:`quantize_model`
@@ -86,10 +89,18 @@ def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[st
                          "weights; quantize the full-precision model")
     unfuse_experts(model)
     modules = find_linears(model, config.layers.targets, config.layers.ignore)
+    skipped: dict[str, str] = {}
+    encoders = modality_encoders(model)
+    for encoder in encoders:
+        inside = [name for name in modules if name.startswith(f"{encoder}.")]
+        for name in inside:
+            del modules[name]
+        skipped[encoder] = (f"outside the language model of a multimodal model ({len(inside)} "
+                            "targeted linear layers): text calibration does not run it; kept "
+                            "in full precision")
     for name, module in modules.items():
         if not linear_weight(module).is_meta:  # a streamed block's: checked when it is read
             check_finite(linear_weight(module), name, "weight")
-    skipped: dict[str, str] = {}
     if config.format.unaligned == "skip":
         for name, module in list(modules.items()):
             in_features, _ = in_out_features(module)
@@ -100,7 +111,8 @@ def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[st
                 log.warning("%s: skipped (%s)", name, skipped[name])
     if not modules:
         raise ValueError("every targeted layer was skipped; nothing to quantize")
-    outside = weights_outside_linears(model)
+    outside = {name: shape for name, shape in weights_outside_linears(model).items()
+               if not name.startswith(tuple(f"{encoder}." for encoder in encoders))}
     for name, shape in outside.items():
         skipped[name] = (f"a {len(shape)}-D weight {list(shape)} outside a linear layer: "
                          "kept in full precision")

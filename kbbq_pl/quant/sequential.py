@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from ..formats import QuantizedTensor
-from .modules import is_linear
+from .modules import is_linear, modality_encoders
 
 log = logging.getLogger(__name__)
 
@@ -180,10 +180,14 @@ class _Stop(Exception):
 
 def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """The model's stack of transformer blocks: the longest ``nn.ModuleList`` whose items
-    hold linear layers (``model.layers``, ``encoder.layer``, ``transformer.h``, ...)."""
+    hold linear layers (``model.layers``, ``encoder.layer``, ``transformer.h``, ...), outside
+    a multimodal model's vision tower (:func:`~kbbq_pl.quant.modules.modality_encoders`)."""
     best: tuple[str, nn.ModuleList] | None = None
+    encoders = tuple(f"{name}." for name in modality_encoders(model))
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if encoders and name.startswith(encoders):
             continue
         if not all(any(is_linear(m) for m in item.modules()) for item in module):
             continue

@@ -279,6 +279,21 @@ def test_a_mistyped_recipe_name_suggests_the_packaged_ones(tmp_path, monkeypatch
     assert "did you mean gptq_kbbq_nvfp4" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("config_flag", [["--config", "gptq_nvfp4"], ["--config=gptq_nvfp4"]])
+def test_options_override_the_recipe_wherever_they_stand(config_flag):
+    from kbbq_pl.cli.quantize import _parser, resolve_recipes
+
+    # the packaged recipe sets model: minilm and n_tokens 4096; jsonargparse applies arguments
+    # in order, so before the reordering these options, given first, were silently replaced
+    argv = ["--model", "path/to/llama", "--data.init_args.n_tokens", "512", *config_flag,
+            "--recipe.format.name", "mxfp4"]
+    config = _parser("kbbq-pl quantize").parse_args(resolve_recipes(argv))
+    assert config.model == "path/to/llama"
+    assert config.data.init_args.n_tokens == 512
+    assert config.recipe.format.name == "mxfp4"
+    assert config.recipe.weights.quantizer == "gptq"
+
+
 def test_recipes_are_listed_with_what_each_does(capsys):
     from kbbq_pl.recipes import packaged_recipes
 

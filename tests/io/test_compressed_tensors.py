@@ -577,3 +577,29 @@ def test_moe_experts_with_a_transform_or_stored_fused_are_refused(tmp_path):
                                           "in full precision"):
         save_compressed_tensors(dense, tmp_path / "dense")
     assert not any((tmp_path / name).exists() for name in ("kbbq", "gpt_oss", "dense"))
+
+
+@pytest.mark.parametrize("arch", ["llava", "gemma3", "qwen2_5_vl"])
+def test_a_multimodal_model_exports_its_language_model_with_the_vision_tower_ignored(arch,
+                                                                                      tmp_path):
+    from tiny_models import tiny_multimodal
+    from transformers import AutoModelForImageTextToText
+
+    from kbbq_pl.quant.modules import is_linear
+
+    model = tiny_multimodal(arch)
+    quantize_model(model, _batches(vocab=400), recipe("nvfp4", "identity", gptq=True),
+                   progress=False)
+    out = save_compressed_tensors(model, tmp_path / "ct", strict=True)
+    _, config = ct_config(out)
+    layers = quantized_linears(model)
+    unquantized = [name for name, m in model.named_modules() if is_linear(m)]
+    assert sorted(config.ignore) == sorted(unquantized)  # the vision tower, projector, head
+    assert any(".visual." in n or ".vision_tower." in n for n in config.ignore)
+    for name, layer in layers.items():
+        assert same_bits(ct_decompressed(out, name), layer.weight.dequantize(torch.bfloat16))
+    ids = torch.randint(0, 400, (2, 16), generator=torch.Generator().manual_seed(7))
+    loaded = AutoModelForImageTextToText.from_pretrained(
+        out, quantization_config=CompressedTensorsConfig(dequantize=True))
+    assert torch.equal(logits(loaded, ids), logits(weight_only_reference(model, layers), ids))
+    assert torch.equal(logits(from_pretrained(out), ids), logits(model, ids))

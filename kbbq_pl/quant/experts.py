@@ -14,7 +14,9 @@ experts into linear layers before it quantizes them.
 While a model is quantized (:func:`calibrating_every_expert`), every expert sees every
 calibration token, as llm-compressor's ``calibrate_all_experts`` does: a rarely routed expert
 still gets statistics for its transform, activation scale and Hessian, while the layer's output
-(what the next block is calibrated on) still sums the routed experts only.
+(what the next block is calibrated on) still sums the routed experts only.  The experts' up
+projections then read one tensor one after another, so the statistics collectors form its
+products once: GPTQ holds one Hessian for all of them (a layer's experts are one group).
 """
 
 from __future__ import annotations
@@ -108,10 +110,12 @@ class ExpertLinears(nn.Module):
 
     def run_expert(self, index: int, x: Tensor) -> Tensor:
         """Expert ``index`` on tokens ``x [tokens, hidden]``."""
-        expert = self.expert(index)
-        h = expert.up(x)
-        h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
-        return expert.down_proj(h)
+        return self.expert(index).down_proj(self._hidden(index, x))
+
+    def _hidden(self, index: int, x: Tensor) -> Tensor:
+        """Expert ``index``'s up projection of ``x``, gated (what its ``down_proj`` reads)."""
+        h = self.expert(index).up(x)
+        return self._apply_gate(h) if self.has_gate else self.act_fn(h)
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
                 ) -> Tensor:
@@ -121,12 +125,18 @@ class ExpertLinears(nn.Module):
             mask = mask.permute(2, 1, 0)
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
             every = range(self.num_experts) if self.every_expert else [int(e) for e in hit]
-        for index in every:
+        # statistics from every token, the output from the routed ones; the up projections
+        # read the input one after another, so that a statistics collector forms its products
+        # (x^T x) once for all experts (it shares those of layers reading a tensor in a row)
+        hidden = ([self._hidden(e, hidden_states) for e in every] if self.every_expert
+                  else None)
+        for position, index in enumerate(every):
             if index == self.num_experts:
                 continue
             top_k_pos, token_idx = torch.where(mask[index])
-            if self.every_expert:  # statistics from every token; the output from the routed
-                out = self.run_expert(index, hidden_states)[token_idx]
+            if hidden is not None:
+                out = self.expert(index).down_proj(hidden[position])[token_idx]
+                hidden[position] = None
             else:
                 out = self.run_expert(index, hidden_states[token_idx])
             out = out * top_k_weights[token_idx, top_k_pos, None]

@@ -83,6 +83,28 @@ def test_every_expert_sees_every_calibration_token():
     torch.testing.assert_close(every, routed, rtol=0, atol=1e-6)  # the output: routed experts
 
 
+def test_every_experts_up_projection_shares_one_hessian_while_calibrating():
+    """Calibrating every expert on every token, the experts' up projections read one tensor:
+    one Hessian sum for all of them (one GPTQ group), each down_proj its own."""
+    from kbbq_pl.quant.gptq.quantizer import HessianCollector
+
+    model = tiny_model("qwen3_moe")
+    unfuse_experts(model)
+    mlp = model.model.layers[0].mlp
+    linears = {name: m for name, m in mlp.experts.named_modules() if isinstance(m, nn.Linear)}
+    collector = HessianCollector(linears, 16)
+    x = torch.randn(12, 64)
+    with torch.no_grad(), calibrating_every_expert(model), collector.hooks():
+        mlp(x[None])
+    collector.reduce(lambda t: t)
+    experts = range(mlp.experts.num_experts)
+    ups = sorted(f"{e}.gate_up_proj" for e in experts)
+    assert sorted(map(sorted, collector.groups())) == sorted(
+        [ups] + [[f"{e}.down_proj"] for e in experts])
+    flat = x.double()
+    assert torch.allclose(collector.hessian(ups[0]).double(), 2 * flat.T @ flat / 12, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch, config", [
     ("qwen3_moe", QuantizationConfig()),
     ("gpt_oss", QuantizationConfig(transform=TransformConfig(name="identity"),

@@ -350,21 +350,20 @@ def resolve_recipes(argv: list[str]) -> list[str]:
     order: ``--model DIR --config RECIPE`` would quantize the recipe's model)."""
     from kbbq_pl.recipes import recipe_path
 
+    def recipe(name: str) -> list[str]:
+        return ["--config", name if Path(name).exists() else str(recipe_path(name))]
+
     recipes: list[str] = []
     rest: list[str] = []
-    index = 0
-    while index < len(argv):
-        value = argv[index]
+    values = iter(argv)
+    for value in values:
         if value.startswith("--config="):
-            name = value[len("--config="):]
-            recipes += ["--config", name if Path(name).exists() else str(recipe_path(name))]
-        elif value == "--config" and index + 1 < len(argv):
-            name = argv[index + 1]
-            recipes += ["--config", name if Path(name).exists() else str(recipe_path(name))]
-            index += 1
+            recipes += recipe(value[len("--config="):])
+        elif value == "--config":
+            name = next(values, None)
+            recipes += [value] if name is None else recipe(name)
         else:
             rest.append(value)
-        index += 1
     return recipes + rest
 
 

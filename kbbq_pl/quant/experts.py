@@ -162,7 +162,7 @@ def fused_weights(fused: nn.Module) -> dict[str, Tensor]:
     up_name = "gate_up_proj" if fused.has_gate else "up_proj"
     names = [up_name, "down_proj"] + ([f"{up_name}_bias", "down_proj_bias"] if fused.has_bias
                                       else [])
-    return {name: getattr(fused, name) for name in names if getattr(fused, name, None) is not None}
+    return {name: getattr(fused, name) for name in names}
 
 
 def per_expert(fused: dict[str, Tensor], gated: bool, transposed: bool,

@@ -90,9 +90,9 @@ def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[st
     unfuse_experts(model)
     modules = find_linears(model, config.layers.targets, config.layers.ignore)
     skipped: dict[str, str] = {}
-    encoders = modality_encoders(model)
-    for encoder in encoders:
-        inside = [name for name in modules if name.startswith(f"{encoder}.")]
+    encoders = {encoder: f"{encoder}." for encoder in modality_encoders(model)}
+    for encoder, lead in encoders.items():
+        inside = [name for name in modules if name.startswith(lead)]
         for name in inside:
             del modules[name]
         skipped[encoder] = (f"outside the language model of a multimodal model ({len(inside)} "
@@ -112,7 +112,7 @@ def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[st
     if not modules:
         raise ValueError("every targeted layer was skipped; nothing to quantize")
     outside = {name: shape for name, shape in weights_outside_linears(model).items()
-               if not name.startswith(tuple(f"{encoder}." for encoder in encoders))}
+               if not name.startswith(tuple(encoders.values()))}
     for name, shape in outside.items():
         skipped[name] = (f"a {len(shape)}-D weight {list(shape)} outside a linear layer: "
                          "kept in full precision")

@@ -1,6 +1,6 @@
 """Tiny random-initialized causal LMs for tests: ``tiny_model("llama" | "qwen3" | "gpt2" |
-"qwen3_moe" | "mixtral" | "gpt_oss")`` builds a small model of each causal-LM architecture from
-a config, with no download."""
+"qwen3_moe" | "mixtral" | "gpt_oss" | "qwen2_moe" | "llama4_text" | "hunyuan_v1_moe")`` builds a
+small model of each causal-LM architecture from a config, with no download."""
 
 from __future__ import annotations
 
@@ -30,24 +30,31 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
                     max_position_embeddings=256, num_local_experts=4, num_experts_per_tok=2,
                     eos_token_id=255, pad_token_id=0),
+    # routers as linear layers: Qwen2-MoE's shared_expert_gate (one output), Llama 4's router
+    # (an nn.Linear subclass returning a tuple; experts fed every token, scaled by its score),
+    # Hunyuan's gate.wg (a linear alone in its module)
+    "qwen2_moe": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                      max_position_embeddings=256, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2),
+    "llama4_text": dict(hidden_size=64, intermediate_size=32, intermediate_size_mlp=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, vocab_size=256, max_position_embeddings=256,
+                        num_local_experts=4, num_experts_per_tok=1, pad_token_id=0),
+    "hunyuan_v1_moe": dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           vocab_size=256, max_position_embeddings=256, num_experts=4,
+                           moe_topk=2, pad_token_id=0, eos_token_id=255),
 }
-
 
 
 def tiny_config(arch: str, **overrides: Any):
     """A small config of a causal-LM architecture (``llama``, ``qwen3``, ``gpt2``; with
-    mixture-of-experts layers ``qwen3_moe``, ``mixtral``, ``gpt_oss``)."""
-    from transformers import (
-        GPT2Config,
-        GptOssConfig,
-        LlamaConfig,
-        MixtralConfig,
-        Qwen3Config,
-        Qwen3MoeConfig,
-    )
+    mixture-of-experts layers ``qwen3_moe``, ``mixtral``, ``gpt_oss``, ``qwen2_moe``,
+    ``llama4_text``, ``hunyuan_v1_moe``)."""
+    from transformers import AutoConfig
 
-    classes = {"llama": LlamaConfig, "qwen3": Qwen3Config, "gpt2": GPT2Config,
-               "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig, "gpt_oss": GptOssConfig}
+    classes = {arch: type(AutoConfig.for_model(arch)) for arch in TINY_CONFIGS}
     if arch not in classes:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(classes)}")
     return classes[arch](**{**TINY_CONFIGS[arch], **overrides})
@@ -102,3 +109,38 @@ def tiny_multimodal(arch: str, seed: int = 0) -> nn.Module:
     model = T.AutoModelForImageTextToText.from_config(config)
     model.eval()
     return model
+
+
+_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=256,
+              moe_intermediate_size=32, num_experts=4, num_local_experts=4, n_routed_experts=4,
+              num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+              qk_nope_head_dim=8, v_head_dim=16, n_shared_experts=1, first_k_dense_replace=1,
+              n_group=1, topk_group=1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+              tie_word_embeddings=False)
+_SMALL_OVERRIDES: dict[str, dict[str, Any]] = {
+    "deepseek_v3": {"head_dim": None},  # the rope head dim, set by the config
+    "falcon": {"head_dim": None},
+    "gemma4_text": {"head_dim": None},  # per layer
+    "qwen3_next": {"num_hidden_layers": 4},  # a full-attention layer every fourth
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"], mamba_n_heads=8,
+                             mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16,
+                             shared_intermediate_size=128),
+}
+
+
+def small_model(model_type: str, seed: int = 0, **overrides: Any) -> nn.Module:
+    """A random-initialized causal LM of any transformers ``model_type``, its config's fields
+    that :data:`_SMALL` names made small (with the few overrides an architecture needs, and
+    ``overrides``), eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cls = type(AutoConfig.for_model(model_type))
+    fields = cls().to_dict()
+    values = {**{k: v for k, v in _SMALL.items() if k in fields},
+              **_SMALL_OVERRIDES.get(model_type, {}), **overrides}
+    config = cls(**{k: v for k, v in values.items() if v is not None})
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).eval()

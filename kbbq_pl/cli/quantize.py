@@ -145,7 +145,7 @@ class FidelityProbe:
         self.reference = self.embed(model)
 
     def embed(self, model: nn.Module) -> torch.Tensor:
-        body = getattr(model, "base_model", model)
+        body = _backbone(model)
         with computed_in(model, COMPUTE_DTYPE):
             if self.sentences is not None:
                 return self._embed_text(body, self.tokenizer, self.sentences)
@@ -160,6 +160,19 @@ class FidelityProbe:
         return {"fidelity_mean_cosine": summary["mean_cosine"],
                 "fidelity_min_cosine": summary["min_cosine"],
                 "fidelity_samples": summary["n_sentences"], "fidelity_data": self.source}
+
+
+def _backbone(model: nn.Module) -> nn.Module:
+    """The model under its head, whose output has ``last_hidden_state``: ``base_model``, or
+    where that is the model itself (Llama 4's causal LM names a ``language_model`` it does not
+    have), its first child that is a transformers model."""
+    from transformers import PreTrainedModel
+
+    body = getattr(model, "base_model", model)
+    if body is model:
+        body = next((child for child in model.children()
+                     if isinstance(child, PreTrainedModel)), model)
+    return body
 
 
 def default_output_dir(model: str, recipe: str) -> Path:

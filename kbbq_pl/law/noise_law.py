@@ -146,18 +146,18 @@ def block_ceilings(sigma_blocks: Tensor) -> Tensor:
     return blocks.shape[-1] * blocks.square().sum((-1, -2)) / trace.square()
 
 
-def paired_spectrum(sigma_blocks: Tensor, gram_blocks: Tensor, damping: float = 0.0) -> Tensor:
+def paired_spectrum(sigma_blocks: Tensor, gram_blocks: Tensor) -> Tensor:
     """Singular values ``s`` of ``W'^T X'`` per block (Eq. wushsvd), from the blocks of the
     input second moment and of the weight Gram (``[..., d, d]``): the square roots of the
-    eigenvalues of ``W'^T Sigma_b W'`` with ``W' W'^T = G_b``."""
+    eigenvalues of ``W'^T Sigma_b W'`` for any ``W' W'^T = G_b``; here the symmetric root
+    ``W' = G_b^(1/2)``, defined for every positive semi-definite block: a weight block of rank
+    below ``d`` (a layer with fewer than ``d`` outputs, zero columns) has zeros in its
+    spectrum where a Cholesky factor would not exist."""
     g = gram_blocks.to(_F64)
     s = sigma_blocks.to(_F64)
-    if damping:
-        eye = torch.eye(g.shape[-1], dtype=_F64, device=g.device)
-        g = g + damping * torch.diagonal(g, dim1=-2, dim2=-1).mean(-1)[..., None, None] * eye
-        s = s + damping * torch.diagonal(s, dim1=-2, dim2=-1).mean(-1)[..., None, None] * eye
-    root = torch.linalg.cholesky(g)
-    paired = root.transpose(-1, -2) @ s @ root
+    eigenvalues, vectors = torch.linalg.eigh(g)
+    root = (vectors * eigenvalues.clamp(min=0).sqrt()[..., None, :]) @ vectors.transpose(-1, -2)
+    paired = root @ s @ root
     return torch.linalg.eigvalsh(paired).clamp(min=0).sqrt()
 
 

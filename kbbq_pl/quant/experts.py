@@ -28,23 +28,52 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import Tensor, nn
 
-__all__ = ["FUSED_PARAMETERS", "Expert", "ExpertLinears", "calibrating_every_expert",
-           "fused_experts", "unfuse_experts"]
+from .modules import in_out_features, is_linear
+
+__all__ = ["FUSED_PARAMETERS", "SCORED_EXPERTS", "Expert", "ExpertLinears", "ScoredExpertLinears",
+           "calibrating_every_expert", "fused_experts", "moe_routers", "unfuse_experts"]
 
 FUSED_PARAMETERS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias",
                     "down_proj_bias")
 """The parameters a fused experts module may hold (the module docstring)."""
 
 
+SCORED_EXPERTS = ("Llama4TextExperts",)
+"""Fused experts classes that read every token once per expert, already scaled by its routing
+score (zero where the token is not routed to it: Llama 4's ``Llama4TextMoe``):
+``forward(hidden_states [experts * tokens, hidden])``, weights ``[experts, in, out]``, the gate
+and up projections concatenated halves, no biases.  :class:`ScoredExpertLinears` computes them."""
+
+
+def _is_scored(module: nn.Module) -> bool:
+    return type(module).__name__ in SCORED_EXPERTS
+
+
 def is_fused_experts(module: nn.Module) -> bool:
-    """Whether ``module`` is a transformers experts module with 3-D weights (decorated by
-    ``transformers.integrations.moe.use_experts_implementation``, which sets ``has_gate``,
-    ``has_bias`` and ``is_transposed``) that :class:`ExpertLinears` computes: not those with a
-    norm after each expert (``has_post_expert_norm``), which stay as they are."""
+    """Whether ``module`` is a transformers experts module with 3-D weights that
+    :class:`ExpertLinears` computes: one decorated by
+    ``transformers.integrations.moe.use_experts_implementation`` (which sets ``has_gate``,
+    ``has_bias`` and ``is_transposed``), except those with a norm after each expert
+    (``has_post_expert_norm``), which stay as they are; or one of :data:`SCORED_EXPERTS`."""
     down = getattr(module, "down_proj", None)
-    return (isinstance(down, nn.Parameter) and down.dim() == 3
-            and all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed"))
-            and not getattr(module, "has_post_expert_norm", False))
+    if not (isinstance(down, nn.Parameter) and down.dim() == 3):
+        return False
+    return _is_scored(module) or (
+        all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed"))
+        and not getattr(module, "has_post_expert_norm", False))
+
+
+def _layout(fused: nn.Module) -> tuple[bool, bool, bool]:
+    """``(has_gate, has_bias, is_transposed)`` of a fused experts module."""
+    if _is_scored(fused):
+        return True, False, True
+    return bool(fused.has_gate), bool(fused.has_bias), bool(fused.is_transposed)
+
+
+def _chunked_gate(self: ExpertLinears, gate_up: Tensor) -> Tensor:
+    """``act(gate) * up`` on the concatenated halves (transformers' default gating)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return self.act_fn(gate) * up
 
 
 def fused_experts(model: nn.Module) -> dict[str, nn.Module]:
@@ -76,15 +105,15 @@ class ExpertLinears(nn.Module):
         for index, expert in enumerate(experts):
             self.add_module(str(index), expert)
         self.num_experts = len(experts)
-        self.has_gate = bool(fused.has_gate)
+        self.has_gate, _, self.is_transposed = _layout(fused)
         self.act_fn = getattr(fused, "act_fn", None)
         # the fused class's gating (transformers' default: act(gate) * up on concatenated
         # halves; gpt-oss: its clamped, interleaved SwiGLU), with the scalars it reads
-        self._gate_function = type(fused)._apply_gate if self.has_gate else None
+        self._gate_function = (None if not self.has_gate else
+                               getattr(type(fused), "_apply_gate", _chunked_gate))
         for key, value in vars(fused).items():
             if not key.startswith("_") and isinstance(value, (bool, int, float)):
                 self.__dict__.setdefault(key, value)
-        self.is_transposed = bool(fused.is_transposed)
         self.fused_parameters = tuple(fused_weights(fused))
         self.every_expert = False
 
@@ -144,6 +173,17 @@ class ExpertLinears(nn.Module):
         return final
 
 
+class ScoredExpertLinears(ExpertLinears):
+    """:class:`ExpertLinears` of one of :data:`SCORED_EXPERTS`: ``forward(hidden_states)``
+    takes the tokens once per expert, scaled by their routing scores, and returns each
+    expert's output on its share, as the fused module does.  Its experts are calibrated on the
+    tokens as they arrive (the routed ones, scaled; the others are zero rows)."""
+
+    def forward(self, hidden_states: Tensor) -> Tensor:  # type: ignore[override]
+        shares = hidden_states.view(self.num_experts, -1, hidden_states.shape[-1])
+        return torch.cat([self.run_expert(e, shares[e]) for e in range(self.num_experts)])
+
+
 def _linear(weight: Tensor, bias: Tensor | None, trainable: bool) -> nn.Linear:
     """An ``nn.Linear`` holding ``weight [out, in]`` and ``bias`` (copies; on the meta device
     where they are); ``trainable``: whether its parameters require gradients."""
@@ -159,9 +199,9 @@ def _linear(weight: Tensor, bias: Tensor | None, trainable: bool) -> nn.Linear:
 def fused_weights(fused: nn.Module) -> dict[str, Tensor]:
     """The weights (and biases, where the class says ``has_bias``) of the fused experts module
     ``fused`` by parameter name (:data:`FUSED_PARAMETERS`)."""
-    up_name = "gate_up_proj" if fused.has_gate else "up_proj"
-    names = [up_name, "down_proj"] + ([f"{up_name}_bias", "down_proj_bias"] if fused.has_bias
-                                      else [])
+    has_gate, has_bias, _ = _layout(fused)
+    up_name = "gate_up_proj" if has_gate else "up_proj"
+    names = [up_name, "down_proj"] + ([f"{up_name}_bias", "down_proj_bias"] if has_bias else [])
     return {name: getattr(fused, name) for name in names}
 
 
@@ -182,13 +222,13 @@ def expert_linears(fused: nn.Module) -> ExpertLinears:
     """``fused`` (see :func:`is_fused_experts`) as :class:`ExpertLinears` with the same
     weights, dtype and device."""
     weights = fused_weights(fused)
+    has_gate, _, transposed = _layout(fused)
     up_trainable, down_trainable = (weights[name].requires_grad for name in (
-        "gate_up_proj" if fused.has_gate else "up_proj", "down_proj"))
+        "gate_up_proj" if has_gate else "up_proj", "down_proj"))
     experts = [Expert(_linear(w_up, b_up, up_trainable), _linear(w_down, b_down, down_trainable),
-                      fused.has_gate)
-               for w_up, b_up, w_down, b_down in per_expert(weights, fused.has_gate,
-                                                             fused.is_transposed)]
-    return ExpertLinears(experts, fused)
+                      has_gate)
+               for w_up, b_up, w_down, b_down in per_expert(weights, has_gate, transposed)]
+    return (ScoredExpertLinears if _is_scored(fused) else ExpertLinears)(experts, fused)
 
 
 def unfuse_experts(model: nn.Module, stored: Iterable[str] | None = None) -> list[str]:
@@ -222,3 +262,39 @@ def calibrating_every_expert(model: nn.Module) -> Iterator[None]:
     finally:
         for module in modules:
             module.every_expert = False
+
+
+def _expert_count(experts: nn.Module) -> int | None:
+    """How many experts an ``experts`` module holds (:class:`ExpertLinears`, a fused module,
+    a ``ModuleList``), or None when it does not say."""
+    count = getattr(experts, "num_experts", None)
+    if isinstance(count, int):
+        return count
+    if isinstance(experts, nn.ModuleList):
+        return len(experts)
+    down = getattr(experts, "down_proj", None)
+    return down.shape[0] if isinstance(down, nn.Parameter) and down.dim() == 3 else None
+
+
+def moe_routers(model: nn.Module) -> list[str]:
+    """The linear layers that route tokens in ``model``'s mixture-of-experts layers, by
+    qualified name: in a module with an ``experts`` child, each linear layer that is alone in
+    its child of that module (the child itself, or e.g. Arcee's ``router.gate``, Hunyuan's
+    ``gate.wg``), outside the experts, with no more outputs than there are experts: the router
+    (one logit per expert; Llama 4, Phi-MoE) and Qwen2-MoE's ``shared_expert_gate`` (one).
+    A shared expert (three linear layers in one child) is not a router."""
+    routers = []
+    for name, module in model.named_modules():
+        experts = module._modules.get("experts")
+        count = None if experts is None else _expert_count(experts)
+        if count is None:
+            continue
+        lead = f"{name}." if name else ""
+        for child_name, child in module.named_children():
+            if child is experts:
+                continue
+            linears = [(sub, m) for sub, m in child.named_modules() if is_linear(m)]
+            if len(linears) == 1 and in_out_features(linears[0][1])[1] <= count:
+                sub = linears[0][0]
+                routers.append(lead + child_name + (f".{sub}" if sub else ""))
+    return routers

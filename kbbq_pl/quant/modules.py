@@ -4,7 +4,9 @@ A *targeted linear* is an ``nn.Linear`` or a transformers ``Conv1D`` (GPT-2, who
 stored transposed, ``[in, out]``) whose qualified name matches one of the ``targets`` regular
 expressions and none of the ``ignore`` ones (``re.search``).  By default every linear layer is
 a target except the LM head, embeddings and BERT's pooler, which are not part of the
-transformer blocks (llm-compressor ignores ``lm_head`` likewise).
+transformer blocks (llm-compressor ignores ``lm_head`` likewise), and Mamba's time-step
+projection ``dt_proj`` (Mamba, Falcon-Mamba, Jamba), whose weight the mixer reads directly
+instead of calling the layer (vLLM leaves it unquantized too).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from torch import Tensor, nn
 from ..formats.rounding import all_finite
 
 DEFAULT_TARGETS: tuple[str, ...] = (".*",)
-DEFAULT_IGNORE: tuple[str, ...] = (r"(^|\.)lm_head$", r"embed", r"(^|\.)(wte|wpe)$", r"pooler")
+DEFAULT_IGNORE: tuple[str, ...] = (r"(^|\.)lm_head$", r"embed", r"(^|\.)(wte|wpe)$", r"pooler",
+                                   r"(^|\.)dt_proj$")
 
 
 def _conv1d_type() -> type | None:
@@ -33,6 +36,22 @@ def is_linear(module: nn.Module) -> bool:
     """An ``nn.Linear`` or a transformers ``Conv1D``."""
     conv1d = _conv1d_type()
     return isinstance(module, nn.Linear) or (conv1d is not None and isinstance(module, conv1d))
+
+
+PLAIN_LINEAR_SUBCLASSES: tuple[str, ...] = ("FalconLinear",)
+"""Subclasses of ``nn.Linear`` whose own forward computes ``nn.Linear``'s product (Falcon's
+``input @ weight.T + bias``), quantized as any linear layer."""
+
+
+def has_own_forward(module: nn.Module) -> bool:
+    """Whether a linear layer's class overrides ``forward`` with something other than the
+    linear product: Llama 4's and Phi-MoE's routers subclass ``nn.Linear`` and return a tuple,
+    DeepSeek-V4's grouped output projection multiplies by blocks; a quantized linear in their
+    place would compute something else.  :data:`PLAIN_LINEAR_SUBCLASSES` do not count."""
+    conv1d = _conv1d_type()
+    base = conv1d if conv1d is not None and isinstance(module, conv1d) else nn.Linear
+    return (type(module).forward is not base.forward
+            and type(module).__name__ not in PLAIN_LINEAR_SUBCLASSES)
 
 
 def is_transposed(module: nn.Module) -> bool:

@@ -43,12 +43,13 @@ from tqdm.auto import tqdm
 
 from .collectives import Collectives, ReduceFn
 from .config import QuantizationConfig
-from .experts import calibrating_every_expert, unfuse_experts
+from .experts import calibrating_every_expert, moe_routers, unfuse_experts
 from .gptq.quantizer import GPTQ
 from .layers import QuantizedLinear, quantized_linears, swap_module
 from .modules import (
     check_finite,
     find_linears,
+    has_own_forward,
     in_out_features,
     linear_weight,
     linear_weight_count,
@@ -77,7 +78,10 @@ def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[st
     quantized layers (quantizing again would round rounded weights).  Fused mixture-of-experts
     experts are first made linear layers (:func:`~kbbq_pl.quant.experts.unfuse_experts`);
     a multimodal model's vision tower and projector are left out (text calibration does not run
-    them: :func:`~kbbq_pl.quant.modules.modality_encoders`), each listed among the skipped;
+    them: :func:`~kbbq_pl.quant.modules.modality_encoders`), each listed among the skipped, and
+    so are the routers of mixture-of-experts layers (:func:`~kbbq_pl.quant.experts.moe_routers`)
+    and linear layers whose class has its own forward (:func:`~kbbq_pl.quant.modules.
+    has_own_forward`);
     weights outside linear layers (routers, experts of unknown layouts) are listed among the
     skipped, with a warning when they hold 1% or more of the weights.  A weight still on the meta
     device (a block streamed from disk, not read yet) is checked when :func:`quantize_model`
@@ -98,6 +102,16 @@ def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[st
         skipped[encoder] = (f"outside the language model of a multimodal model ({len(inside)} "
                             "targeted linear layers): text calibration does not run it; kept "
                             "in full precision")
+    for name in moe_routers(model):
+        if modules.pop(name, None) is not None:
+            skipped[name] = ("the router of a mixture-of-experts layer: kept in full precision, "
+                             "as vLLM and llm-compressor keep routers")
+    for name, module in list(modules.items()):
+        if has_own_forward(module):
+            del modules[name]
+            skipped[name] = (f"a {type(module).__name__}, a linear layer with its own forward: "
+                             "a quantized linear in its place would compute something else; "
+                             "kept in full precision")
     for name, module in modules.items():
         if not linear_weight(module).is_meta:  # a streamed block's: checked when it is read
             check_finite(linear_weight(module), name, "weight")

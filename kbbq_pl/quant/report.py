@@ -91,7 +91,7 @@ def layer_kappas(stats: LayerStatistics, weight: Tensor, transform: Tensor | Non
         # relative against float64 (the bench's layers), at a fifth of the time
         grouped = weight.float().reshape(out_features, -1, block)
         gram_blocks = (torch.einsum("obi,obj->bij", grouped, grouped) / out_features).double()
-        spectrum = law.paired_spectrum(sigma_blocks, gram_blocks, damping=1e-12)
+        spectrum = law.paired_spectrum(sigma_blocks, gram_blocks)
         best = law.optimal_block_denominator(spectrum)
         after = law.block_denominator(sigma_blocks, gram_blocks, transform)
         ceilings = law.block_ceilings(sigma_blocks)
@@ -111,7 +111,7 @@ def layer_kappas(stats: LayerStatistics, weight: Tensor, transform: Tensor | Non
     before = numerator / law._denominator(sigma, gram, None)
     after = numerator / law._denominator(sigma, gram, transform)
     spectrum = law.paired_spectrum(law.diagonal_blocks(sigma, block),
-                                   law.diagonal_blocks(gram, block), damping=1e-12)
+                                   law.diagonal_blocks(gram, block))
     best = law.optimal_block_denominator(spectrum)
     block_ceiling = law.block_kappa_star(sigma, block)
     return {

@@ -2,12 +2,15 @@
 
 The calibration batches are first split into their parts (:func:`split_calibration`: every
 batch, or the auto-brake's fitting and held-out sequences; each rank's share of them under
-several processes).  The first block's inputs (positional and keyword arguments: attention
-masks, rotary position embeddings, ...) are captured once by running the model up to it; then
-each block in order runs over the cached inputs and its outputs become the next block's
-inputs.  Only one block's
-inputs and outputs are held (on ``offload_device``), so memory does not grow with depth: the
-sequential pipeline of llm-compressor and of the GPTQ reference loop.
+several processes).  Every block's arguments (positional and keyword: attention masks, rotary
+position embeddings, ...) are captured once by running the model with each block passing its
+hidden states through unchanged: they differ from block to block in many models (Gemma 2 to 4,
+gpt-oss, Qwen3 and Mistral with sliding-window layers: a mask and rotary embeddings per layer
+type; hybrids: a linear-attention layer's own mask; Gemma 4: per-layer inputs), and tensors that
+several blocks share are held once.  Then each block in order runs over its arguments with the
+previous block's outputs as hidden states.  Only one block's activations are held (on
+``offload_device``), so memory does not grow with depth: the sequential pipeline of
+llm-compressor and of the GPTQ reference loop.
 
     runner = SequentialRunner(model, batches)
     for step in runner:                    # step.index, step.name, step.module
@@ -174,8 +177,28 @@ def _block_stack(model: nn.Module, targets: Collection[str] | None
     return name, blocks, None
 
 
+class _Recorder(nn.Module):
+    """Stands in for a block in its stack while the blocks' arguments are captured: its
+    forward is ``record``; any other attribute is the block's (a model's loop may read the
+    block's layer type)."""
+
+    def __init__(self, block: nn.Module, record: Any) -> None:
+        super().__init__()
+        self.__dict__["_block"] = block  # not a submodule
+        self.__dict__["_record"] = record
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_block"], name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__dict__["_record"](*args, **kwargs)
+
+
 class _Stop(Exception):
-    """Raised by the capture hook to end the model's forward at the first block."""
+    """Raised by the capture of the last block's arguments to end the model's forward."""
 
 
 def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -199,19 +222,26 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     return best
 
 
-def _to(value: Any, device: torch.device) -> Any:
+def _to(value: Any, device: torch.device, moved: dict[int, tuple[Tensor, Tensor]] | None = None
+        ) -> Any:
     """``value`` with every tensor it holds (in a :class:`BlockInput`, tuples, lists and dicts:
-    hidden states, position embeddings, attention masks, cache positions) on ``device``."""
+    hidden states, position embeddings, attention masks, cache positions) on ``device``.
+    ``moved``: a tensor met again (the same object) is moved once (``id`` -> (the tensor, its
+    copy); the tensor is kept so that its ``id`` is not reused)."""
     if isinstance(value, Tensor):
-        return value.detach().to(device)
+        if moved is None:
+            return value.detach().to(device)
+        if id(value) not in moved:
+            moved[id(value)] = (value, value.detach().to(device))
+        return moved[id(value)][1]
     if isinstance(value, BlockInput):
-        return BlockInput(_to(value.args, device), _to(value.kwargs, device))
+        return BlockInput(_to(value.args, device, moved), _to(value.kwargs, device, moved))
     if isinstance(value, tuple):
-        return tuple(_to(v, device) for v in value)
+        return tuple(_to(v, device, moved) for v in value)
     if isinstance(value, list):
-        return [_to(v, device) for v in value]
+        return [_to(v, device, moved) for v in value]
     if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
+        return {k: _to(v, device, moved) for k, v in value.items()}
     return value
 
 
@@ -284,10 +314,13 @@ class BlockStep:
         return outputs
 
     def advance(self, outputs: Sequence[Tensor]) -> None:
-        """Feed ``outputs`` (from :meth:`run`) to the next block."""
+        """Feed ``outputs`` (from :meth:`run`) to the next block, with its own arguments."""
         if len(outputs) != len(self.inputs):
             raise ValueError(f"{len(outputs)} outputs for {len(self.inputs)} cached inputs")
-        self.runner.inputs = [c.with_hidden(o) for c, o in zip(self.inputs, outputs)]
+        runner = self.runner
+        following = runner.calls[self.index + 1] if self.index + 1 < len(runner.calls) else None
+        runner.inputs = [(c if following is None else following[b]).with_hidden(o)
+                         for b, (c, o) in enumerate(zip(self.inputs, outputs))]
 
 
 class BlockResidency(Protocol):
@@ -352,9 +385,12 @@ class SequentialRunner:
         self.offload_device = torch.device(offload_device)
         self.compute_dtype = compute_dtype
         self.blocks_name, self.blocks, self.whole_model = _block_stack(model, targets)
+        self.calls: list[list[BlockInput]] = []
+        """Each block's arguments per batch (their hidden states those of the first block)."""
         if self.whole_model is None:
             with computed_in(model, compute_dtype):
-                self.inputs = self.capture(batches)
+                self.calls = self.capture(batches)
+            self.inputs = self.calls[0]
         else:
             log.info("%s: the model runs as one block (%s)", type(model).__name__,
                      self.whole_model)
@@ -362,29 +398,61 @@ class SequentialRunner:
                            for batch in batches]
 
     @torch.no_grad()
-    def capture(self, batches: Sequence[Mapping[str, Tensor]]) -> list[BlockInput]:
-        """The first block's inputs for ``batches``: the model runs up to it."""
-        captured: list[BlockInput] = []
+    def capture(self, batches: Sequence[Mapping[str, Tensor]]) -> list[list[BlockInput]]:
+        """Every block's arguments for each of ``batches`` (the first block's with its hidden
+        states, the others' without): the model runs with each block's forward replaced by
+        one that records its arguments and returns its hidden states, up to the last block.
+        A model that cannot run so (its code reads more of a block's output than the hidden
+        states) gives every block the first block's arguments, with a log message."""
+        try:
+            return self._run_recording(batches, len(self.blocks))
+        except Exception as error:  # noqa: BLE001 - the first block's alone, or the real error
+            first = self._run_recording(batches, 1)[0]
+            log.info("%s: each block is given the first block's arguments (the model does not "
+                     "run with its blocks passed through: %s)", type(self.model).__name__, error)
+            return [first] * len(self.blocks)
 
-        def hook(module, args, kwargs):
-            kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "use_cache")}
-            captured.append(_to(BlockInput(tuple(args), kwargs), self.offload_device))
-            raise _Stop
+    def _run_recording(self, batches: Sequence[Mapping[str, Tensor]], count: int
+                       ) -> list[list[BlockInput]]:
+        """The arguments of the first ``count`` blocks per batch (:meth:`capture`)."""
+        calls: list[list[BlockInput]] = [[] for _ in range(count)]
+        moved: dict[int, tuple[Tensor, Tensor]] = {}  # per batch: what its blocks share
 
-        handle = self.blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
+        def recorder(index: int):
+            def forward(*args: Any, **kwargs: Any) -> Tensor:
+                kwargs = {k: v for k, v in kwargs.items()
+                          if k not in ("past_key_values", "use_cache")}
+                call = BlockInput(tuple(args), kwargs)
+                hidden = call.hidden
+                calls[index].append(_to(call if index == 0 else call.with_hidden(None),
+                                        self.offload_device, moved))
+                if index == count - 1:
+                    raise _Stop
+                return hidden
+            return forward
+
         device = next(self.model.parameters()).device  # the layers before the first block
+        blocks = list(self.blocks)[:count]
+        for index, block in enumerate(blocks):  # the blocks themselves (and hooks) never run
+            self.blocks[index] = _Recorder(block, recorder(index))
         try:
             for batch in batches:
                 batch = {k: v.to(device) for k, v in batch.items()}
+                moved.clear()
                 try:
                     self.model(**batch, use_cache=False)
                 except _Stop:
                     pass
         finally:
-            handle.remove()
-        if not captured:
+            for index, block in enumerate(blocks):
+                self.blocks[index] = block
+        if not calls[0]:
             raise ValueError("no calibration batches: the calibration set is empty")
-        return captured
+        counts = {len(recorded) for recorded in calls}
+        if counts != {len(batches)}:
+            raise ValueError(f"the blocks were called {sorted(counts)} times for "
+                             f"{len(batches)} batches")
+        return calls
 
     def __len__(self) -> int:
         return len(self.blocks)

@@ -315,7 +315,10 @@ class StatisticsCollector:
         if missing:
             raise ValueError(
                 f"{len(missing)} targeted layers saw no calibration tokens (e.g. {missing[0]}); "
-                "the calibration set is empty or those layers are not reached by forward()"
+                "the calibration set is empty or those layers are not reached by forward() "
+                "(a module that reads their weight instead of calling them, or an encoder "
+                "that a decoder-only calibration never runs): leave them out with "
+                "--recipe.layers.ignore PATTERN"
             )
 
 

@@ -77,8 +77,9 @@ def test_streamed_checkpoint_is_bit_for_bit_the_in_memory_one(sharded_llama, tmp
 
 # each stores its experts differently: Qwen3-MoE each expert's gate_proj / up_proj / down_proj,
 # Mixtral each expert's w1 / w3 / w2 under block_sparse_moe (its router too), gpt-oss fused and
-# transposed with biases
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
+# transposed with biases, Llama 4 fused and transposed under feed_forward (its router a linear
+# layer, which stays in full precision)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss", "llama4_text"])
 def test_a_mixture_of_experts_model_streams_bit_for_bit_as_in_memory(tmp_path, arch):
     source = tmp_path / arch
     tiny_model(arch).to(torch.bfloat16).save_pretrained(source, max_shard_size="100KB")
@@ -94,7 +95,8 @@ def test_a_mixture_of_experts_model_streams_bit_for_bit_as_in_memory(tmp_path, a
     assert memory.keys() == streamed.keys()
     assert all(torch.equal(memory[k], streamed[k]) for k in memory)
     experts = model.config.num_local_experts
-    assert {r.name for r in report.layers} >= {f"model.layers.1.mlp.experts.{e}.down_proj"
+    moe = "feed_forward" if arch == "llama4_text" else "mlp"
+    assert {r.name for r in report.layers} >= {f"model.layers.1.{moe}.experts.{e}.down_proj"
                                                for e in range(experts)}
     ids = torch.randint(0, 256, (1, 16))
     reloaded = [from_pretrained(tmp_path / name) for name in ("memory", "streamed")]

@@ -579,3 +579,19 @@ def test_intercept_gap_deviations_on_log_uniform_operands():
                                 / (shifted["noise"] / shifted["signal"]))
     assert abs(misaligned - predicted) < 0.05
     assert predicted < 12.04 - 0.3
+
+
+def test_the_paired_spectrum_of_a_weight_of_lower_rank_than_its_block():
+    """A layer with fewer outputs than the block (a router, a gate with one output) or a zero
+    block: ``G_b`` is singular and has no Cholesky factor; the spectrum is still that of
+    ``W'^T Sigma_b W'`` (one output ``w``: a single value ``sqrt(w^T Sigma_b w)``)."""
+    block = 8
+    sigma_blocks = law.diagonal_blocks(random_second_moment(16, seed=3), block)
+    w = torch.randn(1, 16, generator=generator(4), dtype=F64)
+    w[:, block:] = 0  # the second block's weights are zero
+    gram_blocks = law.diagonal_blocks(law.weight_gram(w), block)
+    spectrum = law.paired_spectrum(sigma_blocks, gram_blocks)
+    first = w[0, :block]
+    assert torch.allclose(spectrum[0, -1], (first @ sigma_blocks[0] @ first).sqrt(), rtol=1e-10)
+    assert spectrum[0, :-1].abs().max() < 1e-6 * spectrum[0, -1]
+    assert torch.equal(spectrum[1], torch.zeros(block, dtype=F64))

@@ -14,8 +14,10 @@ import kbbq_pl
 from kbbq_pl.quant import QuantizationConfig, TransformConfig, WeightsConfig, quantize_model
 from kbbq_pl.quant.experts import (
     ExpertLinears,
+    ScoredExpertLinears,
     calibrating_every_expert,
     fused_experts,
+    moe_routers,
     unfuse_experts,
 )
 from kbbq_pl.quant.layers import quantized_linears
@@ -133,6 +135,61 @@ def test_moe_experts_are_quantized_and_reload_bit_for_bit(tmp_path, arch, config
         assert torch.equal(loaded(IDS).logits, quantized)
         assert torch.equal(through_transformers(IDS).logits, quantized)
     assert set(quantized_linears(through_transformers)) == set(layers)
+
+
+ROUTERS = {  # architecture: its routers held as linear layers, per MoE layer
+    "qwen2_moe": ["mlp.shared_expert_gate"],  # one output; mlp.gate is a bare parameter
+    "llama4_text": ["feed_forward.router"],   # an nn.Linear subclass returning a tuple
+    "hunyuan_v1_moe": ["mlp.gate.wg"],        # a linear alone in the router module
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ROUTERS))
+def test_routers_held_as_linear_layers_stay_in_full_precision(tmp_path, arch):
+    """A router is not quantized (vLLM loads it unquantized; a quantized linear in place of
+    Llama 4's would not return its tuple), is listed with its reason, and the model reloads
+    bit for bit through kbbq-pl and transformers."""
+    from transformers import AutoModelForCausalLM
+
+    model = moe_model(arch)
+    with torch.no_grad():
+        reference = model(IDS).logits
+    routers = [f"model.layers.{i}.{r}" for i in (0, 1) for r in ROUTERS[arch]]
+    assert moe_routers(model) == routers
+    weights = {name: model.get_submodule(name).weight.clone() for name in routers}
+    report = quantize_model(model, [{"input_ids": IDS}], QuantizationConfig(), progress=False)
+    layers = quantized_linears(model)
+    for name in routers:
+        assert "router of a mixture-of-experts layer" in report.skipped[name]
+        assert name not in layers
+        assert torch.equal(model.get_submodule(name).weight, weights[name])
+    assert sum(".experts." in name for name in layers) == 2 * 4 * 2  # layers x experts x 2
+    shared = [n for n in layers if ".shared_expert" in n]  # a shared expert is quantized
+    assert len(shared) == (0 if arch == "hunyuan_v1_moe" else 2 * 3)
+    with torch.no_grad():
+        quantized = model(IDS).logits
+    assert (quantized - reference).norm() < 0.3 * reference.norm()
+    kbbq_pl.save_quantized(model, tmp_path / "q")
+    through_transformers = AutoModelForCausalLM.from_pretrained(tmp_path / "q", device_map="cpu")
+    with torch.no_grad():
+        assert torch.equal(kbbq_pl.from_pretrained(tmp_path / "q")(IDS).logits, quantized)
+        assert torch.equal(through_transformers(IDS).logits, quantized)
+
+
+def test_llama4_experts_fed_scored_tokens_unfuse_to_the_same_logits():
+    """Llama 4's experts read every token once per expert, scaled by its routing score:
+    :class:`ScoredExpertLinears` computes what the fused module computes."""
+    model = moe_model("llama4_text")
+    fused = model.model.layers[0].feed_forward.experts
+    unfused = copy.deepcopy(model)
+    assert unfuse_experts(unfused) == [f"model.layers.{i}.feed_forward.experts" for i in (0, 1)]
+    experts = unfused.model.layers[0].feed_forward.experts
+    assert isinstance(experts, ScoredExpertLinears) and experts.num_experts == 4
+    # stored [experts, in, out], gate and up halves of the columns
+    assert torch.equal(experts.get_submodule("2.gate_up_proj").weight, fused.gate_up_proj[2].T)
+    assert torch.equal(experts.get_submodule("2.down_proj").weight, fused.down_proj[2].T)
+    with torch.no_grad():
+        torch.testing.assert_close(unfused(IDS).logits, model(IDS).logits, rtol=0, atol=1e-6)
 
 
 def test_weights_outside_linear_layers_are_reported_and_warned(caplog, monkeypatch):

@@ -9,7 +9,7 @@ from tiny_models import tiny_model
 
 from kbbq_pl.io.data import token_blocks
 from kbbq_pl.io.models import load_model
-from kbbq_pl.quant.modules import cell_kind, find_linears, linear_weight
+from kbbq_pl.quant.modules import cell_kind, find_linears, is_targeted, linear_weight
 from kbbq_pl.quant.sequential import SequentialRunner, find_blocks
 
 
@@ -31,6 +31,8 @@ def test_find_linears_targets_ignore_and_errors(minilm):
         find_linears(model, targets=["q_proj"])
     with pytest.raises(ValueError, match="invalid module-name pattern"):
         find_linears(model, targets=["("])
+    # Mamba's time-step projection: the mixer reads its weight, never calls it
+    assert not is_targeted("model.layers.0.mamba.dt_proj") and is_targeted("mamba.x_proj")
 
 
 def test_gpt2_conv1d_weights_are_read_as_out_by_in():
@@ -66,6 +68,101 @@ def test_sequential_runner_reproduces_the_model(arch, minilm):
     assert torch.allclose(final(hidden), expected, atol=1e-5)
 
 
+# blocks called with arguments of their own: a sliding-window mask and local rotary
+# embeddings on some layers (Gemma 3, gpt-oss: the window 8 of 32 tokens), per-layer inputs and
+# head sizes (Gemma 4), a linear-attention layer's mask (Qwen3-Next)
+PER_LAYER = {
+    "gemma3_text": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "gpt_oss": dict(sliding_window=8),
+    "gemma4_text": dict(sliding_window=8),
+    "qwen3_next": {},
+}
+
+
+@pytest.mark.parametrize("arch", sorted(PER_LAYER))
+def test_each_block_runs_with_its_own_arguments(arch):
+    from tiny_models import small_model
+
+    model = small_model(arch, **PER_LAYER[arch])
+    ids = torch.randint(3, 250, (4, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+        runner = SequentialRunner(model, [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}])
+        for step in runner:
+            step.advance(step.run())
+        hidden = model.model.norm(torch.cat([c.hidden for c in runner.inputs]))
+    assert torch.allclose(hidden, expected, atol=1e-5)
+
+
+class _DictBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, hidden_states, scale):
+        return {"hidden": hidden_states + scale * self.proj(hidden_states)}
+
+
+class _ReadsBlockOutputs(torch.nn.Module):
+    """A model whose loop reads more of a block's output than the hidden states."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_DictBlock(), _DictBlock()])
+
+    def forward(self, x, use_cache=False):
+        for layer in self.layers:
+            x = layer(x, scale=torch.tensor(0.5))["hidden"]
+        return x
+
+
+def test_a_model_that_reads_its_blocks_outputs_gives_each_the_first_blocks_arguments(caplog):
+    import logging
+
+    model = _ReadsBlockOutputs()
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(0))
+    with caplog.at_level(logging.INFO, logger="kbbq_pl.quant.sequential"):
+        runner = SequentialRunner(model, [{"x": x}])
+    assert "each block is given the first block's arguments" in caplog.text
+    with torch.no_grad():
+        for step in runner:
+            step.advance([o["hidden"] for o in [step.module(*c.args, **c.kwargs)
+                                                for c in step.inputs]])
+        assert torch.equal(runner.inputs[0].hidden, model(x))
+    assert all(isinstance(block, _DictBlock) for block in model.layers)  # put back
+
+
 def test_sequential_runner_rejects_empty_calibration():
     with pytest.raises(ValueError, match="calibration set is empty"):
         SequentialRunner(tiny_model("llama"), [])
+
+
+class _Scaled(torch.nn.Linear):
+    """A linear layer subclass whose forward is not the linear product."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_a_linear_subclass_with_its_own_forward_is_left_in_full_precision():
+    """Quantizing it would replace its forward by the plain product; Falcon's FalconLinear
+    computes that product and is quantized."""
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+
+    from kbbq_pl.quant import QuantizationConfig, quantize_model
+    from kbbq_pl.quant.layers import quantized_linears
+    from kbbq_pl.quant.modules import has_own_forward
+
+    assert not has_own_forward(torch.nn.Linear(4, 4)) and not has_own_forward(FalconLinear(4, 4))
+    model = tiny_model("llama")
+    mlp = model.model.layers[0].mlp
+    scaled = _Scaled(128, 64, bias=False)
+    scaled.weight = mlp.down_proj.weight
+    mlp.down_proj = scaled
+    assert has_own_forward(scaled)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    report = quantize_model(model, [{"input_ids": ids}], QuantizationConfig(), progress=False)
+    name = "model.layers.0.mlp.down_proj"
+    assert "_Scaled, a linear layer with its own forward" in report.skipped[name]
+    assert name not in quantized_linears(model) and model.get_submodule(name) is scaled
+    assert "model.layers.1.mlp.down_proj" in quantized_linears(model)

@@ -5,7 +5,7 @@ batch, or the auto-brake's fitting and held-out sequences; each rank's share of 
 several processes).  Every block's arguments (positional and keyword: attention masks, rotary
 position embeddings, ...) are captured once by running the model with each block passing its
 hidden states through unchanged: they differ from block to block in many models (Gemma 2 to 4,
-gpt-oss, Qwen3 and Mistral with sliding-window layers: a mask and rotary embeddings per layer
+gpt-oss, Cohere 2, Qwen3 with sliding-window layers: a mask and rotary embeddings per layer
 type; hybrids: a linear-attention layer's own mask; Gemma 4: per-layer inputs), and tensors that
 several blocks share are held once.  Then each block in order runs over its arguments with the
 previous block's outputs as hidden states.  Only one block's activations are held (on

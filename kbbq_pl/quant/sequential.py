@@ -185,7 +185,7 @@ class _Recorder(nn.Module):
     def __init__(self, block: nn.Module, record: Any) -> None:
         super().__init__()
         self.__dict__["_block"] = block  # not a submodule
-        self.__dict__["_record"] = record
+        self.record = record
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -194,7 +194,7 @@ class _Recorder(nn.Module):
             return getattr(self.__dict__["_block"], name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.__dict__["_record"](*args, **kwargs)
+        return self.record(*args, **kwargs)
 
 
 class _Stop(Exception):
@@ -400,8 +400,9 @@ class SequentialRunner:
     @torch.no_grad()
     def capture(self, batches: Sequence[Mapping[str, Tensor]]) -> list[list[BlockInput]]:
         """Every block's arguments for each of ``batches`` (the first block's with its hidden
-        states, the others' without): the model runs with each block's forward replaced by
-        one that records its arguments and returns its hidden states, up to the last block.
+        states, the others' without): the model runs with each block replaced in its stack by
+        a :class:`_Recorder` that records its arguments and returns its hidden states, up to
+        the last block.
         A model that cannot run so (its code reads more of a block's output than the hidden
         states) gives every block the first block's arguments, with a log message."""
         try:

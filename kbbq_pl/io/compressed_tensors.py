@@ -39,8 +39,8 @@ them).  What each kbbq-pl layer becomes (:func:`plan_layers`):
 * the experts of a mixture-of-experts model (:mod:`kbbq_pl.quant.experts`): plain FP4 only,
   the whole model written under the names of the architecture's own checkpoints
   (:func:`checkpoint_names`: each expert's ``gate_up_proj`` split into its gate and up layers),
-  the routers in ``ignore``, as llm-compressor writes them.  kbbq-pl does not import such
-  folders yet.
+  the routers in ``ignore``, as llm-compressor writes them; import regroups them
+  (:func:`model_names`).
 
 :data:`ISSUES` is the one list of what stock readers would not compute as kbbq-pl does:
 :func:`plan_layers` tags each layer with its issue, :func:`describe_issues` turns the tags into
@@ -603,27 +603,43 @@ def _read_tensors(folder: Path) -> dict[str, Tensor]:
     return tensors
 
 
-def _scheme_of_layers(folder: Path, block: dict[str, Any], causal: bool):
-    """(layer name -> its compressed-tensors scheme, the skeleton model), matched as
-    compressed-tensors matches: targets minus ``ignore``."""
-    from compressed_tensors.quantization import QuantizationConfig
-    from compressed_tensors.utils import match_named_modules
-    from transformers import AutoConfig
+def _matched(skeleton: nn.Module, sources: Mapping[str, list[str]], targets: Any,
+             ignore: Any) -> set[str]:
+    """The layers of ``sources`` (layer -> the stored layers it comes from: :func:`model_names`)
+    that compressed-tensors' ``targets`` minus ``ignore`` match, as compressed-tensors matches
+    the stored layers (an expert layer, not a module of the fused ``skeleton``, as a linear
+    one); a layer matches when all its stored layers do."""
+    from compressed_tensors.utils import is_match
 
-    config = QuantizationConfig.model_validate(block)
-    skeleton = _skeleton(AutoConfig.from_pretrained(folder), causal)
-    schemes = {}
+    modules = dict(skeleton.named_modules())
+    with torch.device("meta"):
+        probe = nn.Linear(1, 1)
+    names = set()
+    for layer, stored in sources.items():
+        hits = [is_match(name, modules.get(layer, probe), targets, ignore) for name in stored]
+        if any(hits) and not all(hits):
+            raise CheckpointError(f"{layer}: its stored layers {stored} are not all matched by "
+                                  f"{list(targets)} minus {list(ignore or [])}")
+        if hits and all(hits):
+            names.add(layer)
+    return names
+
+
+def _scheme_of_layers(config: Any, skeleton: nn.Module,
+                      sources: Mapping[str, list[str]]) -> dict[str, Any]:
+    """Layer name -> its compressed-tensors scheme (the first config group matching it)."""
+    schemes: dict[str, Any] = {}
     for scheme in config.config_groups.values():
-        for name, _ in match_named_modules(skeleton, scheme.targets, config.ignore):
+        for name in _matched(skeleton, sources, scheme.targets, config.ignore):
             schemes.setdefault(name, scheme)
-    return schemes, skeleton
+    return schemes
 
 
-def _hadamard_layers(folder: Path, block: dict[str, Any], skeleton: nn.Module) -> dict[str, int]:
+def _hadamard_layers(folder: Path, block: dict[str, Any], skeleton: nn.Module,
+                     sources: Mapping[str, list[str]]) -> dict[str, int]:
     """Layers under an online ``hadamard`` input transform of ``transform_config`` (layer ->
     size); anything else in ``transform_config`` is refused."""
     from compressed_tensors.transform import TransformConfig
-    from compressed_tensors.utils import match_named_modules
 
     raw = block.get("transform_config") or {}
     if not raw or not raw.get("config_groups"):
@@ -641,9 +657,129 @@ def _hadamard_layers(folder: Path, block: dict[str, Any], skeleton: nn.Module) -
                     f"{args.location}, head_dim {scheme.head_dim}, randomize "
                     f"{scheme.randomize}) is not read by kbbq-pl: only a deterministic "
                     "block hadamard at the input is")
-            for name, _ in match_named_modules(skeleton, args.targets, args.ignore):
+            for name in _matched(skeleton, sources, args.targets, args.ignore):
                 sizes[name] = scheme.head_dim
     return sizes
+
+
+_SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def model_names(tensors: dict[str, Tensor], skeleton: nn.Module,
+                folder: Path) -> tuple[dict[str, Tensor], dict[str, list[str]]]:
+    """The inverse of :func:`checkpoint_names`: a mixture-of-experts model's ``tensors``, stored
+    under the names of its architecture's checkpoints, under kbbq-pl's module names, and each
+    layer with the stored layers it comes from (itself, for any other model).
+
+    The renames are transformers' conversion mapping reversed on probe tensors that carry
+    their module's index.  The FP4 tensors of experts stored expert by expert (Qwen3-MoE's
+    ``gate_proj`` and ``up_proj``, Mixtral's ``w1`` / ``w3`` / ``w2``) are regrouped under
+    kbbq-pl's expert layers (``<experts>.<e>.gate_up_proj.<suffix>``, ``down_proj``) and dense
+    ones merged into the fused weight, by the mapping reversed on an index tensor, so that any
+    split or reshape it makes is undone exactly.  The gate and up halves must share their
+    per-tensor scales (llm-compressor fuses them, as vLLM does).  ``tensors`` is consumed."""
+    experts = fused_experts(skeleton)
+    plain = [name for name, _ in skeleton.named_modules()
+             if name and not any(name == e or name.startswith(f"{e}.") for e in experts)]
+    if not experts:
+        return tensors, {name: [name] for name in plain}
+    renamed: dict[str, Tensor] = {}
+    sources: dict[str, list[str]] = {}
+    for prefix, module in experts.items():
+        sources.update(_regroup_experts(tensors, renamed, skeleton, prefix, module, folder))
+    probes = {f"{name}.weight": torch.tensor([i]) for i, name in enumerate(plain)}
+    layer_of = {stored: plain[int(index)]
+                for stored, index in _stored_pieces(skeleton, probes).items()}
+    for key, value in tensors.items():
+        parts = key.split(".")
+        stored = next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)
+                       if ".".join(parts[:i]) in layer_of), None)
+        renamed[key if stored is None else layer_of[stored] + key[len(stored):]] = value
+    tensors.clear()
+    sources.update({layer: [stored] for stored, layer in layer_of.items()})
+    return renamed, sources
+
+
+def _regroup_experts(tensors: dict[str, Tensor], regrouped: dict[str, Tensor],
+                     skeleton: nn.Module, prefix: str, experts: nn.Module,
+                     folder: Path) -> dict[str, list[str]]:
+    """:func:`model_names` for the fused experts module ``prefix``: its stored tensors moved
+    from ``tensors`` into ``regrouped``."""
+    sources: dict[str, list[str]] = {}
+    count = experts.down_proj.shape[0]
+    for proj in ("gate_up_proj", "up_proj", "down_proj"):
+        if getattr(experts, proj, None) is None:
+            continue
+        fused = f"{prefix}.{proj}"
+        modules = list(_stored_pieces(skeleton, {fused: torch.zeros(count, 2, 1)}))
+        if modules == [fused]:
+            continue  # stored fused: loads as it is
+        present = [s for s in (*EXPERT_SUFFIXES, "weight") if f"{modules[0]}.{s}" in tensors]
+        if "weight" in present and len(present) > 1:
+            raise CheckpointError(f"{folder}: {modules[0]} holds both a dense weight and FP4 "
+                                  "codes")
+        for suffix in present:
+            missing = [m for m in modules if f"{m}.{suffix}" not in tensors]
+            if missing:
+                raise CheckpointError(f"{folder}: the checkpoint has {modules[0]}.{suffix} "
+                                      f"but no {missing[0]}.{suffix}")
+            values = {m: tensors.pop(f"{m}.{suffix}") for m in modules}
+            stacked, owners = _merged_experts(skeleton, fused, count, values)
+            if suffix == "weight":
+                if stacked.shape != getattr(experts, proj).shape:
+                    raise CheckpointError(f"{folder}: {modules[0]} and the other experts "
+                                          f"stack to {list(stacked.shape)}, not {fused}'s "
+                                          f"{list(getattr(experts, proj).shape)}")
+                regrouped[fused] = stacked
+                continue
+            for e in range(count):
+                layer = f"{prefix}.{e}.{proj}"
+                sources[layer] = owners[e]
+                regrouped[f"{layer}.{suffix}"] = _expert_value(
+                    stacked[e], values[owners[e][0]], f"{folder}: {layer}.{suffix}")
+    return sources
+
+
+def _merged_experts(skeleton: nn.Module, fused: str, count: int,
+                    values: dict[str, Tensor]) -> tuple[Tensor, list[list[str]]]:
+    """The stored per-expert ``values`` of the fused weight ``fused`` stacked as
+    ``[count, rows, columns]`` (each value read as ``[rows, columns]``; a per-tensor scale as
+    ``[1, 1]``), and the stored layers of each expert."""
+    first = next(iter(values.values()))
+    width = first.shape[-1] if first.dim() > 1 else 1
+    rows = sum(v.numel() for v in values.values()) // (count * width)
+    index = torch.arange(count * rows * width).reshape(count, rows, width)
+    pieces = _stored_pieces(skeleton, {fused: index})
+    flat = torch.empty(index.numel(), dtype=_SAME_WIDTH[first.element_size()])
+    owners: list[list[str]] = [[] for _ in range(count)]
+    for module, piece in pieces.items():
+        value = values[module]
+        if value.reshape(-1, width).shape != piece.shape:
+            raise CheckpointError(f"{module}: shape {list(value.shape)} does not fit the "
+                                  f"{list(index.shape)} experts of {fused}")
+        flat[piece.flatten()] = value.reshape(-1).view(flat.dtype)
+        owners[int(piece.flatten()[0]) // (rows * width)].append(module)
+    return flat.view(first.dtype).reshape(count, rows, width), owners
+
+
+def _stored_pieces(skeleton: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """transformers' conversion mapping reversed on ``state``, by stored layer name."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return {key.removesuffix(".weight"): piece
+            for key, piece in revert_weight_conversion(skeleton, state).items()}
+
+
+def _expert_value(rows: Tensor, stored: Tensor, what: str) -> Tensor:
+    """One expert's ``rows`` (:func:`_merged_experts`) in the layout of its ``stored`` value:
+    a per-tensor scale must be the same for every stored layer (the gate and up halves)."""
+    if stored.dim() > 1:
+        return rows.contiguous()
+    bits = rows.view(_SAME_WIDTH[rows.element_size()])
+    if not bool((bits == bits[:1]).all()):
+        raise CheckpointError(f"{what}: the gate and up layers hold different per-tensor scales "
+                              f"({rows.flatten().tolist()}); kbbq-pl's expert layer has one")
+    return rows[0].reshape(stored.shape).clone()
 
 
 def _import_format(folder: Path, name: str, scheme: Any, block: Mapping[str, Any],
@@ -723,7 +859,9 @@ def read_compressed_tensors(folder: str | Path) -> tuple[dict[str, Any], dict[st
     static ``input_global_scale``; MXFP4 as :data:`IMPORT_FORMATS` says); weight-only layers
     (``input_activations`` null) become dense linears holding the dequantized weights, their
     activations left unquantized as the config says.  Online Hadamard transforms and kbbq-pl's
-    ``input_transform`` tensors are applied."""
+    ``input_transform`` tensors are applied.  Experts stored expert by expert become kbbq-pl's
+    expert layers (:func:`model_names`)."""
+    from compressed_tensors.quantization import QuantizationConfig
     from transformers import AutoConfig
 
     require_compressed_tensors()
@@ -735,18 +873,21 @@ def read_compressed_tensors(folder: str | Path) -> tuple[dict[str, Any], dict[st
     hf_config = AutoConfig.from_pretrained(folder)
     causal = is_causal_lm_config(hf_config)
     dtype = _config_dtype(hf_config)
-    schemes, skeleton = _scheme_of_layers(folder, block, causal)
-    if fused_experts(skeleton):
-        raise CheckpointError(f"{folder}: kbbq-pl does not import compressed-tensors folders "
-                              "of mixture-of-experts models yet; load it with transformers or "
-                              "vLLM")
-    hadamards = _hadamard_layers(folder, block, skeleton)
+    skeleton = _skeleton(hf_config, causal)
+    tensors, sources = model_names(_read_tensors(folder), skeleton, folder)
+    schemes = _scheme_of_layers(QuantizationConfig.model_validate(block), skeleton, sources)
+    hadamards = _hadamard_layers(folder, block, skeleton, sources)
     extension = block.get(EXTENSION_KEY) or {}
     exact_scales = extension.get("per_tensor_scales", {})
-    tensors = _read_tensors(folder)
     names = [k.removesuffix(".weight_packed") for k in tensors if k.endswith(".weight_packed")]
     if not names:
         raise CheckpointError(f"{folder}: no FP4 layer (no .weight_packed tensor)")
+    kinds = _linear_types(skeleton)
+    for name in names:
+        if kinds.get(name) == "router":
+            raise CheckpointError(f"{folder}: {name} is a mixture-of-experts router stored in "
+                                  "FP4; kbbq-pl, as vLLM, keeps routers in full precision: "
+                                  "quantize with the routers in ignore")
     layers: dict[str, dict[str, Any]] = {}
     for name in names:
         scheme = schemes.get(name)

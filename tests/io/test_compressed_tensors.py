@@ -9,6 +9,7 @@ import json
 import logging
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -408,27 +409,30 @@ def test_what_compressed_tensors_cannot_express_is_refused(tmp_path):
 
 # ------------------------------------------------------------------ import
 
-def _llm_compressor_style_folder(folder: Path, preset: str) -> Path:
-    """A folder written with compressed-tensors' own API as llm-compressor does (scales from
-    its own observers' formulas, its compressor, its config writer), not with kbbq-pl."""
+def _compress_as_llm_compressor(model: torch.nn.Module, preset: str, ignore: list[str],
+                                fused: list[list[str]] = ()) -> Any:
+    """Quantize ``model``'s linear layers in place with compressed-tensors' own API as
+    llm-compressor does (scales from its own observers' formulas, its compressor), each group
+    of ``fused`` layers sharing one weight global scale; returns the compressor, whose
+    ``update_config`` writes the folder's ``quantization_config``."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig as QC
     from compressed_tensors.quantization import apply_quantization_config
     from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
-    model = tiny_model("llama", seed=3)
-    model.config.architectures = ["LlamaForCausalLM"]
     scheme = preset_name_to_scheme(preset, ["Linear"])
-    config = QC(config_groups={"group_0": scheme}, ignore=["lm_head"])
-    apply_quantization_config(model, config)
-    for _, module in model.named_modules():
+    apply_quantization_config(model, QC(config_groups={"group_0": scheme}, ignore=ignore))
+    group_of = {name: group for group in fused for name in group}
+    for name, module in model.named_modules():
         if getattr(module, "quantization_scheme", None) is None:
             continue
         weight, args = module.weight.data, module.quantization_scheme.weights
         groups = weight.reshape(weight.shape[0], -1, args.group_size)
         global_scale = None
         if hasattr(module, "weight_global_scale"):
-            global_scale = generate_gparam(weight.min(), weight.max())
+            shared = torch.cat([model.get_submodule(n).weight.data.flatten()
+                                for n in group_of.get(name, [name])])
+            global_scale = generate_gparam(shared.min(), shared.max())
             module.weight_global_scale.data.copy_(global_scale)
         scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), args, global_scale)
         module.weight_scale.data = scale
@@ -436,6 +440,15 @@ def _llm_compressor_style_folder(folder: Path, preset: str) -> Path:
             module.input_global_scale.data.copy_(torch.tensor([448 * 6 / 4.0]))
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
+    return compressor
+
+
+def _llm_compressor_style_folder(folder: Path, preset: str) -> Path:
+    """A folder written with compressed-tensors' own API as llm-compressor does, not with
+    kbbq-pl (:func:`_compress_as_llm_compressor`)."""
+    model = tiny_model("llama", seed=3)
+    model.config.architectures = ["LlamaForCausalLM"]
+    compressor = _compress_as_llm_compressor(model, preset, ["lm_head"])
     model.save_pretrained(folder)
     compressor.update_config(str(folder))
     return folder
@@ -554,8 +567,91 @@ def test_moe_experts_export_under_their_architectures_checkpoint_names(arch, fmt
                     ours = layers[f"model.layers.{i}.mlp.experts.{e}.{proj}"].weight
                     assert same_bits(getattr(fused, proj)[e],
                                      ours.dequantize(getattr(fused, proj).dtype))
-    with pytest.raises(CheckpointError, match="mixture-of-experts models yet"):
-        from_pretrained(out)
+    assert torch.equal(logits(from_pretrained(out)), logits(model))  # imported bit for bit
+
+
+def _llm_compressor_style_moe_folder(folder: Path, preset: str, *, fuse_gate_up: bool = True,
+                                     ignore_routers: bool = True) -> Path:
+    """A tiny Qwen3-MoE written as llm-compressor writes one, without kbbq-pl: each expert's
+    linear layers under the checkpoint's names (``mlp.experts.<e>.gate_proj`` ...) quantized by
+    compressed-tensors' own API (:func:`_compress_as_llm_compressor`), the gate and up layers
+    sharing their global scale, the routers ignored."""
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import revert_weight_conversion
+
+    model = tiny_model("qwen3_moe", seed=3)
+    model.config.architectures = ["Qwen3MoeForCausalLM"]
+    stored = revert_weight_conversion(model, model.state_dict())
+    linear = re.compile(r".*(_proj|lm_head|mlp\.gate)\.weight$")
+    tree = torch.nn.Module()
+    for key, value in stored.items():
+        if linear.match(key):
+            *path, name = key.removesuffix(".weight").split(".")
+            parent = tree
+            for part in path:
+                if not hasattr(parent, part):
+                    parent.add_module(part, torch.nn.Module())
+                parent = getattr(parent, part)
+            parent.add_module(name, torch.nn.Linear(value.shape[1], value.shape[0], bias=False))
+            getattr(parent, name).weight.data = value.clone()
+    experts = [k.removesuffix(".gate_proj.weight") for k in stored
+               if re.search(r"experts\.\d+\.gate_proj\.weight$", k)]
+    fused = [[f"{e}.gate_proj", f"{e}.up_proj"] for e in experts] if fuse_gate_up else []
+    ignore = ["lm_head", "re:.*mlp.gate$"] if ignore_routers else ["lm_head"]
+    compressor = _compress_as_llm_compressor(tree, preset, ignore, fused)
+    folder.mkdir()
+    model.config.save_pretrained(folder)
+    state = {k: v.clone() for k, v in stored.items() if not linear.match(k)}
+    save_file({**state, **tree.state_dict()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    compressor.update_config(str(folder))
+    return folder
+
+
+def test_import_reads_an_llm_compressor_style_moe_folder(tmp_path):
+    """Experts stored expert by expert regroup into kbbq-pl's expert layers, decoded bit for
+    bit as compressed-tensors decodes them; weight-only, the model computes transformers'
+    logits."""
+    folder = _llm_compressor_style_moe_folder(tmp_path / "nvfp4", "NVFP4")
+    model = from_pretrained(folder)
+    layers = quantized_linears(model)
+    assert len(layers) == 2 * (4 + 2 * 8)  # attention, and gate_up / down of 8 experts
+    for i in (0, 1):
+        for e in range(8):
+            prefix = f"model.layers.{i}.mlp.experts.{e}"
+            gate_up = layers[f"{prefix}.gate_up_proj"]
+            assert gate_up.act_scale == "static"
+            assert float(gate_up.act_global_scale) == pytest.approx(4.0 / 2688, rel=1e-7)
+            assert same_bits(gate_up.weight.dequantize(torch.bfloat16), torch.cat(
+                [ct_decompressed(folder, f"{prefix}.{p}") for p in ("gate_proj", "up_proj")]))
+            assert same_bits(layers[f"{prefix}.down_proj"].weight.dequantize(torch.bfloat16),
+                             ct_decompressed(folder, f"{prefix}.down_proj"))
+    assert torch.isfinite(logits(model)).all()
+    weight_only = _llm_compressor_style_moe_folder(tmp_path / "mxfp4", "MXFP4A16")
+    ours = from_pretrained(weight_only)
+    assert not quantized_linears(ours)  # weight-only: dense, activations unquantized
+    theirs = AutoModelForCausalLM.from_pretrained(
+        weight_only, quantization_config=CompressedTensorsConfig(dequantize=True))
+    for i in (0, 1):  # transformers merges the experts back, in bfloat16: the same values
+        fused, unfused = theirs.model.layers[i].mlp.experts, ours.model.layers[i].mlp.experts
+        for e in range(8):
+            for proj in ("gate_up_proj", "down_proj"):
+                weight = getattr(getattr(unfused, str(e)), proj).weight
+                assert torch.equal(weight, getattr(fused, proj)[e].float())
+    # the experts one by one against the fused experts: float32 sums in another order
+    assert torch.allclose(logits(ours), logits(theirs.float()), rtol=0, atol=1e-6)
+
+
+def test_import_refuses_moe_layers_kbbq_pl_cannot_hold(tmp_path):
+    unfused = _llm_compressor_style_moe_folder(tmp_path / "scales", "NVFP4", fuse_gate_up=False)
+    with pytest.raises(CheckpointError, match=r"experts\.0\.gate_up_proj\.weight_global_scale: "
+                                              "the gate and up layers hold different"):
+        from_pretrained(unfused)
+    router = _llm_compressor_style_moe_folder(tmp_path / "router", "NVFP4",
+                                              ignore_routers=False)
+    with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.gate is a mixture-of-experts "
+                                              "router stored in FP4"):
+        from_pretrained(router)
 
 
 def test_moe_experts_with_a_transform_or_stored_fused_are_refused(tmp_path):

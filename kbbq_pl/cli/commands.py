@@ -270,11 +270,14 @@ def _recipes(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    """Convert a kbbq-pl checkpoint folder for a serving stack (compressed-tensors)."""
+    """Convert a kbbq-pl checkpoint folder for a serving stack (compressed-tensors, or
+    gpt-oss's own mxfp4)."""
     from kbbq_pl.io.compressed_tensors import export_compressed_tensors
+    from kbbq_pl.io.mxfp4 import export_mxfp4
 
-    out = export_compressed_tensors(args.in_dir, args.out_dir, weight_only=args.weight_only,
-                                    strict=args.strict, overwrite=args.overwrite)
+    export = export_mxfp4 if args.format == "mxfp4" else export_compressed_tensors
+    out = export(args.in_dir, args.out_dir, weight_only=args.weight_only, strict=args.strict,
+                 overwrite=args.overwrite)
     print(written_summary(out))
     return 0
 
@@ -431,19 +434,20 @@ def build_parser() -> argparse.ArgumentParser:
     law.set_defaults(run=_law)
     export = sub.add_parser(
         "export", help="convert a kbbq-pl checkpoint for vLLM / HF transformers "
-                       "(compressed-tensors)")
-    export.add_argument("--format", required=True, choices=["compressed-tensors"],
-                        help="the serving format")
+                       "(compressed-tensors, or gpt-oss's own mxfp4)")
+    export.add_argument("--format", required=True, choices=["compressed-tensors", "mxfp4"],
+                        help="the serving format (mxfp4: gpt-oss's MXFP4 experts, weights only)")
     export.add_argument("in_dir", help="a kbbq-pl checkpoint folder (kbbq-pl quantize)")
     export.add_argument("out_dir", help="the folder to write (not inside in_dir)")
     export.add_argument("--weight-only", action="store_true",
-                        help="declare weights only (NVFP4A16 / MXFP4A16): activations unquantized")
+                        help="declare weights only (NVFP4A16 / MXFP4A16; mxfp4 needs it): "
+                             "activations unquantized")
     export.add_argument("--strict", action="store_true",
                         help="refuse what stock readers would not compute as kbbq-pl does "
                              "(without it: a warning naming the layers): per-block transforms "
                              "(KBBQ, WUSH, HAAR), the block Hadamard of MR-GPTQ / RTN-HADAMARD "
                              "(vLLM applies it, transformers drops it), padded layers written "
-                             "dense")
+                             "dense; mxfp4: quantized layers outside the experts written dense")
     _add_overwrite(export, "out_dir")
     export.set_defaults(run=_export)
     add_serve_parsers(sub)

@@ -522,15 +522,16 @@ def _linear_types(skeleton: nn.Module) -> dict[str, str]:
     return types
 
 
-def export_compressed_tensors(
-    in_dir: str | Path, out_dir: str | Path, *, weight_only: bool = False,
-    strict: bool = False, overwrite: bool = False,
-) -> Path:
-    """Convert the kbbq-pl checkpoint ``in_dir`` into a compressed-tensors folder ``out_dir``
-    (module docstring), with the tokenizer and generation config; ``in_dir`` is only read."""
+def export_folder(in_dir: str | Path, out_dir: str | Path,
+                  write_weights: Callable[[Path, dict[str, Tensor], dict[str, Any], nn.Module],
+                                          None], *, kind: str, overwrite: bool = False) -> Path:
+    """Convert the kbbq-pl checkpoint ``in_dir`` into a serving format's folder ``out_dir``
+    (``kind``): its ``config.json``, tokenizer and generation config copied, then
+    ``write_weights(staging, tensors, metadata, skeleton)`` (the checkpoint's tensors under
+    kbbq-pl's module names, its metadata, the architecture on the meta device) writes the
+    weights and the ``quantization_config``.  ``in_dir`` is only read; the write is atomic."""
     from transformers import AutoConfig
 
-    require_compressed_tensors()
     source = Path(in_dir)
     target = check_output(out_dir, overwrite=overwrite, sources=[source])
     metadata = read_metadata(source)
@@ -546,11 +547,26 @@ def export_compressed_tensors(
             # checkpoints written before write_hf_files named it; readers need the class
             hf_config["architectures"] = [metadata["model_class"]]
             (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        _write_export(staging, tensors, metadata["layers"], skeleton,
-                      weight_only=weight_only, strict=strict, recipe=metadata.get("recipe"))
+        write_weights(staging, tensors, metadata, skeleton)
 
-    return write_folder(target, write, kind="compressed-tensors", overwrite=overwrite,
-                        sources=[source])
+    return write_folder(target, write, kind=kind, overwrite=overwrite, sources=[source])
+
+
+def export_compressed_tensors(
+    in_dir: str | Path, out_dir: str | Path, *, weight_only: bool = False,
+    strict: bool = False, overwrite: bool = False,
+) -> Path:
+    """Convert the kbbq-pl checkpoint ``in_dir`` into a compressed-tensors folder ``out_dir``
+    (module docstring), with the tokenizer and generation config; ``in_dir`` is only read."""
+    require_compressed_tensors()
+
+    def write_weights(staging: Path, tensors: dict[str, Tensor], metadata: dict[str, Any],
+                      skeleton: nn.Module) -> None:
+        _write_export(staging, tensors, metadata["layers"], skeleton, weight_only=weight_only,
+                      strict=strict, recipe=metadata.get("recipe"))
+
+    return export_folder(in_dir, out_dir, write_weights, kind="compressed-tensors",
+                         overwrite=overwrite)
 
 
 def save_compressed_tensors(
@@ -940,7 +956,8 @@ def dense_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module
 
 __all__ = [
     "CONFIG_NAME", "ExportError", "ExportLayer", "bf16_decodes_agree", "ct_global_scale",
-    "dense_model", "effective_weight", "export_compressed_tensors", "hadamard_transform_config",
+    "dense_model", "effective_weight", "export_compressed_tensors", "export_folder",
+    "hadamard_transform_config",
     "is_compressed_tensors_folder", "kbbq_global_scale", "plan_layers", "quantization_config",
     "read_compressed_tensors", "save_compressed_tensors", "transform_kind",
 ]

@@ -210,7 +210,7 @@ def quantize_model(
             steps = tqdm(runner, total=len(runner), desc=f"{config.method} {config.format.name}",
                          unit="block", disable=not progress or len(runner) == 1)
             for step in steps:
-                last = step.index == len(runner) - 1
+                last = step.index == len(runner.blocks) - 1
                 linears = {n: m for n, m in step.linears().items() if n in targets}
                 # propagating through the quantized block decodes its weights: the report's output
                 # SNR decodes them first, and the block's forward reuses those copies
@@ -240,10 +240,12 @@ def quantize_model(
     report.seconds.update(timing)
     report.seconds["total"] = time.perf_counter() - start
     report.model.update(peak_memory_mb(runner.device))
-    report.model["blocks"] = len(runner)
+    report.model["blocks"] = len(runner.blocks)
     report.model["propagate"] = propagate
     if runner.whole_model is not None:
         report.model["whole_model"] = runner.whole_model
+    if runner.prologue is not None:
+        report.model["prologue"] = runner.prologue.names
     return report
 
 

@@ -19,8 +19,11 @@ llm-compressor and of the GPTQ reference loop.
         ...                                # quantize step.module, maybe run it again
         step.advance(outputs)              # the outputs feed the next block
 
-A model without a stack of blocks, or one whose targeted layers (``targets``) are not all inside
-it (an ``lm_head`` quantized too), runs as one step: the whole model over the batches.
+Targeted layers (``targets``) outside the stack that the model runs before its first block
+(Gemma 4's ``per_layer_model_projection`` of the embeddings) form a step of their own before the
+blocks (:class:`PrologueStep`), after which the blocks' arguments are captured again through
+them.  A model without a stack of blocks, or with another targeted layer outside it (an
+``lm_head`` quantized too), runs as one step: the whole model over the batches.
 
 Where a block's weights live between steps is the runner's :class:`BlockResidency`:
 :class:`MoveToDevice` (the model in memory, each block moved to the device for its step and back)
@@ -162,19 +165,76 @@ def split_calibration(batches: Sequence[Mapping[str, Tensor]], holdout: float | 
     return split, parts[0] + parts[1]
 
 
-def _block_stack(model: nn.Module, targets: Collection[str] | None
-                 ) -> tuple[str, nn.ModuleList, str | None]:
+def _block_stack(model: nn.Module) -> tuple[str, nn.ModuleList, str | None]:
     """The stack of blocks to walk (:func:`find_blocks`), or the whole model as one block with
-    the reason: no stack, or targeted layers outside it."""
+    the reason: it has no stack."""
     try:
         name, blocks = find_blocks(model)
     except ValueError as error:
         return "", nn.ModuleList([model]), str(error)
-    outside = [t for t in targets or () if not t.startswith(name + ".")]
-    if outside:
-        return "", nn.ModuleList([model]), (f"targeted layers outside its blocks {name}: "
-                                            f"{', '.join(outside[:3])}")
     return name, blocks, None
+
+
+class _Prologue(nn.Module):
+    """The targeted layers a model runs before its first block (Gemma 4's
+    ``per_layer_model_projection`` of the embeddings), as one step of a
+    :class:`SequentialRunner`: ``forward(**batch)`` runs the model up to its blocks for one
+    batch (their layers as they are then, quantized or not) and returns every block's
+    arguments for it (:meth:`SequentialRunner.capture`)."""
+
+    def __init__(self, runner: SequentialRunner, linears: Mapping[str, nn.Module]) -> None:
+        super().__init__()
+        self.__dict__["_runner"] = runner  # not a submodule
+        self.names = list(linears)
+        self.layers = nn.ModuleList(linears.values())  # the model's own modules
+
+    def forward(self, **batch: Tensor) -> list[BlockInput]:
+        runner = self.__dict__["_runner"]
+        with computed_in(runner.model, runner.compute_dtype):
+            calls = runner.capture([batch])
+        return [block_calls[0] for block_calls in calls]
+
+
+class PrologueStep:
+    """The step of a :class:`SequentialRunner` before its blocks (:class:`_Prologue`): its
+    inputs are the calibration batches, its outputs every block's arguments per batch, which
+    :meth:`advance` makes the blocks' (the blocks then see the prologue's layers as the step
+    left them).  It runs where the model's first layers are, as the capture does."""
+
+    index = -1
+    name = "prologue"
+
+    def __init__(self, runner: SequentialRunner, module: _Prologue) -> None:
+        self.runner = runner
+        self.module = module
+
+    @property
+    def inputs(self) -> list[BlockInput]:
+        return self.runner.batches
+
+    def linears(self) -> dict[str, nn.Module]:
+        return dict(zip(self.module.names, self.module.layers))
+
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator[PrologueStep]:
+        yield self
+
+    @torch.no_grad()
+    def run(self, keep_outputs: bool = True, subset: slice = slice(None)
+            ) -> list[list[BlockInput]] | None:
+        outputs = [] if keep_outputs else None
+        for batch in self.inputs[subset]:
+            calls = self.module(**batch.kwargs)
+            if outputs is not None:
+                outputs.append(calls)
+        return outputs
+
+    def advance(self, outputs: Sequence[list[BlockInput]]) -> None:
+        """Every block's arguments from ``outputs`` (per batch, from :meth:`run`)."""
+        if len(outputs) != len(self.inputs):
+            raise ValueError(f"{len(outputs)} outputs for {len(self.inputs)} batches")
+        self.runner.calls = [list(per_block) for per_block in zip(*outputs)]
+        self.runner.inputs = self.runner.calls[0]
 
 
 class _Recorder(nn.Module):
@@ -384,18 +444,58 @@ class SequentialRunner:
         self.device = torch.device(device) if device else next(model.parameters()).device
         self.offload_device = torch.device(offload_device)
         self.compute_dtype = compute_dtype
-        self.blocks_name, self.blocks, self.whole_model = _block_stack(model, targets)
+        self.blocks_name, self.blocks, self.whole_model = _block_stack(model)
         self.calls: list[list[BlockInput]] = []
         """Each block's arguments per batch (their hidden states those of the first block)."""
+        self.batches = [_to(BlockInput((), dict(batch)), self.offload_device)
+                        for batch in batches]
+        self.prologue: _Prologue | None = None
+        """The targeted layers run before the first block, quantized in a step of their own."""
+        self._batch_index, self._batch_in_blocks = 0, False  # where the capture is (_watching)
+        outside = [] if self.whole_model else [
+            t for t in targets or () if not t.startswith(self.blocks_name + ".")]
         if self.whole_model is None:
-            with computed_in(model, compute_dtype):
+            with computed_in(model, compute_dtype), self._watching(outside) as before:
                 self.calls = self.capture(batches)
+            after = [name for name in outside if name not in before]
+            if after:
+                self.whole_model = (f"targeted layers outside its blocks {self.blocks_name} "
+                                    f"not run before them: {', '.join(after[:3])}")
+            elif outside:
+                self.prologue = _Prologue(self, {n: model.get_submodule(n) for n in outside})
+        if self.whole_model is None:
             self.inputs = self.calls[0]
         else:
             log.info("%s: the model runs as one block (%s)", type(model).__name__,
                      self.whole_model)
-            self.inputs = [_to(BlockInput((), dict(batch)), self.offload_device)
-                           for batch in batches]
+            self.blocks_name, self.blocks, self.calls = "", nn.ModuleList([model]), []
+            self.inputs = self.batches
+
+    @contextlib.contextmanager
+    def _watching(self, names: Sequence[str]) -> Iterator[set[str]]:
+        """Within it, the capture notes which of the layers ``names`` every batch runs before
+        its first block: yields that set, complete at the end."""
+        seen: dict[str, set[int]] = {name: set() for name in names}
+        late: set[str] = set()
+
+        def hook(name: str):
+            def note(module: nn.Module, args: Any) -> None:
+                if self._batch_in_blocks:
+                    late.add(name)
+                else:
+                    seen[name].add(self._batch_index)
+            return note
+
+        handles = [self.model.get_submodule(name).register_forward_pre_hook(hook(name))
+                   for name in names]
+        before: set[str] = set()
+        try:
+            yield before
+        finally:
+            for handle in handles:
+                handle.remove()
+        batches = set(range(len(self.batches)))
+        before.update(name for name, hit in seen.items() if hit == batches and name not in late)
 
     @torch.no_grad()
     def capture(self, batches: Sequence[Mapping[str, Tensor]]) -> list[list[BlockInput]]:
@@ -421,6 +521,7 @@ class SequentialRunner:
 
         def recorder(index: int):
             def forward(*args: Any, **kwargs: Any) -> Tensor:
+                self._batch_in_blocks = True
                 kwargs = {k: v for k, v in kwargs.items()
                           if k not in ("past_key_values", "use_cache")}
                 call = BlockInput(tuple(args), kwargs)
@@ -437,9 +538,10 @@ class SequentialRunner:
         for index, block in enumerate(blocks):  # the blocks themselves (and hooks) never run
             self.blocks[index] = _Recorder(block, recorder(index))
         try:
-            for batch in batches:
+            for self._batch_index, batch in enumerate(batches):
                 batch = {k: v.to(device) for k, v in batch.items()}
                 moved.clear()
+                self._batch_in_blocks = False
                 try:
                     self.model(**batch, use_cache=False)
                 except _Stop:
@@ -456,9 +558,11 @@ class SequentialRunner:
         return calls
 
     def __len__(self) -> int:
-        return len(self.blocks)
+        return len(self.blocks) + (self.prologue is not None)
 
-    def __iter__(self) -> Iterator[BlockStep]:
+    def __iter__(self) -> Iterator[BlockStep | PrologueStep]:
+        if self.prologue is not None:
+            yield PrologueStep(self, self.prologue)
         for index in range(len(self.blocks)):  # by index: a released block is not held here
             name = f"{self.blocks_name}.{index}" if self.whole_model is None else ""
             yield BlockStep(self, index, name, self.blocks[index])

@@ -103,6 +103,29 @@ def test_a_mixture_of_experts_model_streams_bit_for_bit_as_in_memory(tmp_path, a
     assert torch.equal(reloaded[0](input_ids=ids).logits, reloaded[1](input_ids=ids).logits)
 
 
+def test_a_layer_before_the_blocks_streams_as_in_memory(tmp_path):
+    """Gemma 4's per_layer_model_projection, outside the blocks, is quantized in a step before
+    them, from memory and from disk alike (GPTQ: the blocks see it quantized)."""
+    from tiny_models import small_model
+
+    source = tmp_path / "gemma4"
+    small_model("gemma4_text").to(torch.bfloat16).save_pretrained(source,
+                                                                  max_shard_size="200KB")
+    config = QuantizationConfig.from_dict(RECIPES["gptq-mxfp4-quantized"])
+    model, _ = load_model(source)
+    memory_report = quantize_model(model, _batches(), config, progress=False)
+    save_quantized(model, tmp_path / "memory")
+    report = quantize_checkpoint(source, tmp_path / "streamed", config, _batches(),
+                                 progress=False)
+    for r in (memory_report, report):
+        assert r.model["prologue"] == ["model.per_layer_model_projection"]
+        assert "whole_model" not in r.model
+    memory, streamed = read_tensors(tmp_path / "memory"), read_tensors(tmp_path / "streamed")
+    assert memory.keys() == streamed.keys()
+    assert "model.per_layer_model_projection.weight_scale" in streamed
+    assert all(torch.equal(memory[k], streamed[k]) for k in memory)
+
+
 def test_a_missing_expert_is_named_before_its_block_is_quantized(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -94,6 +94,38 @@ def test_each_block_runs_with_its_own_arguments(arch):
     assert torch.allclose(hidden, expected, atol=1e-5)
 
 
+def test_layers_run_before_the_blocks_are_a_step_of_their_own():
+    """Gemma 4's per_layer_model_projection (of the embeddings, outside the blocks) is
+    quantized in a step before the blocks, whose arguments are then captured again through
+    the layer as that step left it; a targeted layer run after the blocks (the head) still
+    makes the model one block."""
+    from tiny_models import small_model
+
+    from kbbq_pl.quant.sequential import PrologueStep
+
+    model = small_model("gemma4_text")
+    ids = torch.randint(3, 250, (4, 32), generator=torch.Generator().manual_seed(0))
+    batches = [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}]
+    projection = "model.per_layer_model_projection"
+    targets = [projection, "model.layers.0.mlp.down_proj"]
+    with torch.no_grad():
+        runner = SequentialRunner(model, batches, targets=targets)
+        assert runner.whole_model is None and runner.prologue.names == [projection]
+        steps = iter(runner)
+        prologue = next(steps)
+        assert isinstance(prologue, PrologueStep) and len(runner) == len(runner.blocks) + 1
+        assert list(prologue.linears()) == [projection]
+        captured = runner.calls
+        model.get_submodule(projection).weight.mul_(2)  # as if quantized
+        prologue.advance(prologue.run())
+        assert runner.inputs is runner.calls[0] and len(runner.calls) == len(captured)
+        per_layer_input = 1  # each block's second positional argument
+        assert all(not torch.equal(before.args[per_layer_input], after.args[per_layer_input])
+                   for before, after in zip(captured[1], runner.calls[1]))
+        assert SequentialRunner(model, batches, targets=[*targets, "lm_head"]).whole_model == (
+            "targeted layers outside its blocks model.layers not run before them: lm_head")
+
+
 class _DictBlock(torch.nn.Module):
     def __init__(self):
         super().__init__()

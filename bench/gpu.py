@@ -175,8 +175,8 @@ def section(run: Run, name: str, needs_s: float = 0.0):
         yield False
         return
     began = time.perf_counter()
-    print(f"\n## {name}", flush=True)
-    try:
+    try:  # the heading inside: a signal right after it still notes the section as stopped
+        print(f"\n## {name}", flush=True)
         yield True
     except Exception as error:  # report and go on: the other sections still run
         traceback.print_exc()

@@ -2,13 +2,14 @@
 and the previous default (``--no-stream --dtype float32``), in one run.
 
     python bench/scale.py [--blocks 1 12 26] [--methods rtn_kbbq gptq_kbbq] [--threads 1]
-                          [--processes 1 2] [--no-table] [--arch qwen3_moe]
+                          [--processes 1 2] [--no-table] [--arch qwen3_moe|gemma4_text]
     python bench/scale.py --tiny     # one block of a tiny Llama, RTN-KBBQ, one process
 
 1. For each depth, saves a random-initialized Llama (hidden 2048, FFN 5632, 16 heads, 4 KV
    heads, vocabulary 32,000, untied embeddings: 250 MiB of embeddings and 86 MiB a block; 1,
    12 and 26 blocks are 0.3, 1.3 and 2.5 GB; ``--arch qwen3_moe``: a Qwen3-MoE of hidden 1024
-   with 16 experts of FFN 512 a block, 4 routed, 125 MiB of embeddings and 55 MiB a block) to
+   with 16 experts of FFN 512 a block, 4 routed, 125 MiB of embeddings and 55 MiB a block;
+   ``--arch gemma4_text``: a Gemma 4 of hidden 1024, FFN 4096, per-layer inputs of 128) to
    a temporary folder as sharded bf16 safetensors (shards of 256 MB, as HuggingFace writes
    large models, the experts expert by expert).
 2. Runs ``kbbq-pl quantize --config RECIPE --model FOLDER --data.init_args.n_tokens TOKENS``
@@ -62,6 +63,19 @@ MOE_BLOCK = {"hidden_size": 1024, "moe_intermediate_size": 512, "intermediate_si
 expert weights a block."""
 TINY_MOE_BLOCK = {**TINY_BLOCK, "moe_intermediate_size": 32, "num_experts": 4,
                   "num_experts_per_tok": 2, "head_dim": 16}
+GEMMA4_BLOCK = {"hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 8,
+                "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 32000,
+                "vocab_size_per_layer_input": 32000, "hidden_size_per_layer_input": 128,
+                "max_position_embeddings": 2048, "tie_word_embeddings": True}
+"""A Gemma 4 text block (``--arch gemma4_text``): per-layer inputs of 128 from the embeddings
+through ``per_layer_model_projection``, a layer outside the blocks; its layer types are the
+config's (one full-attention layer in six, and the last)."""
+TINY_GEMMA4_BLOCK = {**TINY_BLOCK, "head_dim": 16, "vocab_size_per_layer_input": 256,
+                     "hidden_size_per_layer_input": 16}
+ARCHES = {"llama": ("LlamaConfig", BLOCK, TINY_BLOCK),
+          "qwen3_moe": ("Qwen3MoeConfig", MOE_BLOCK, TINY_MOE_BLOCK),
+          "gemma4_text": ("Gemma4TextConfig", GEMMA4_BLOCK, TINY_GEMMA4_BLOCK)}
+"""Each ``--arch``: its transformers config class, its block, its tiny block."""
 TINY = {"blocks": [1], "methods": ["rtn_kbbq"], "tokens": 256, "processes": [1]}
 RECIPES = {"rtn_kbbq": "rtn_kbbq_nvfp4_lam0.75", "gptq_kbbq": "gptq_kbbq_nvfp4",
            "rtn_kbbq_auto": "rtn_kbbq_nvfp4_auto"}
@@ -73,15 +87,15 @@ STREAMED_BY_ITSELF = "streaming them from disk block by block"
 
 def save_model(folder: Path, blocks: int, args: argparse.Namespace, fixed_cost: bool = False
                ) -> None:
-    """A random model of ``blocks`` blocks of ``args.arch`` (a Llama, or a Qwen3-MoE: ``BLOCK``
-    or ``MOE_BLOCK``; tiny ones for ``args.tiny`` and ``fixed_cost``) in ``folder``."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
+    """A random model of ``blocks`` blocks of ``args.arch`` (:data:`ARCHES`; tiny blocks for
+    ``args.tiny`` and ``fixed_cost``) in ``folder``."""
+    import transformers
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    moe = args.arch == "qwen3_moe"
-    tiny = args.tiny or fixed_cost
-    block = (TINY_MOE_BLOCK if tiny else MOE_BLOCK) if moe else (TINY_BLOCK if tiny else BLOCK)
-    config = (Qwen3MoeConfig if moe else LlamaConfig)(num_hidden_layers=blocks, **block)
+    config_class, block, tiny_block = ARCHES[args.arch]
+    block = tiny_block if args.tiny or fixed_cost else block
+    config = getattr(transformers, config_class)(num_hidden_layers=blocks, **block)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="256MB")
 
@@ -130,9 +144,9 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["rtn_kbbq", "gptq_kbbq"],
                         choices=list(RECIPES))
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    parser.add_argument("--arch", default="llama", choices=["llama", "qwen3_moe"],
-                        help="Llama blocks (BLOCK) or mixture-of-experts Qwen3-MoE blocks "
-                             "(MOE_BLOCK)")
+    parser.add_argument("--arch", default="llama", choices=list(ARCHES),
+                        help="Llama blocks (BLOCK), mixture-of-experts Qwen3-MoE blocks "
+                             "(MOE_BLOCK) or Gemma 4 blocks (GEMMA4_BLOCK)")
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--processes", type=int, nargs="*", default=[1, 2],

@@ -713,6 +713,7 @@ def model_names(tensors: dict[str, Tensor], skeleton: nn.Module,
         renamed[key if stored is None else layer_of[stored] + key[len(stored):]] = value
     tensors.clear()
     sources.update({layer: [stored] for stored, layer in layer_of.items()})
+    sources.update({name: [name] for name in plain if name not in sources})
     return renamed, sources
 
 

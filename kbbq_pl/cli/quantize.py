@@ -331,7 +331,8 @@ def _quantize_streamed(args, parser: ArgumentParser, config, start: float,
     report = quantize_checkpoint(source, out, recipe, batches, device=launch.device,
                                  tokenizer=tokenizer, recipe=metadata, extra_files=reports,
                                  overwrite=args.overwrite, collectives=launch.collectives,
-                                 shard=launch.shard)
+                                 shard=launch.shard, dtype=DTYPES.get(args.dtype),
+                                 compute_dtype=COMPUTE_DTYPE)
     if not launch.writes:
         return 0
     print(report_markdown(report))

@@ -43,8 +43,10 @@ from .checkpoint import (
     check_materialized,
     checkpoint_contents,
     empty_model,
+    header_tensors,
     is_causal_lm_config,
     missing_tensors,
+    weight_files,
     write_checkpoint_files,
 )
 from .fileio import check_output, write_folder
@@ -246,15 +248,30 @@ def _materialize(module: nn.Module, tensors: dict[str, Tensor], device: torch.de
     module.load_state_dict(state, strict=False, assign=True)
 
 
+def stored_dtype(folder: str | Path, config: Any) -> torch.dtype:
+    """The dtype transformers' ``dtype="auto"`` gives the model of ``folder``: its config's
+    ``dtype``, else that of the first floating-point tensor stored, else float32."""
+    declared = getattr(config, "dtype", None)
+    if isinstance(declared, str):
+        declared = getattr(torch, declared.removeprefix("torch."), None)
+    if isinstance(declared, torch.dtype):
+        return declared
+    stored = header_tensors(weight_files(folder)).values()
+    return next((t.dtype for t in stored if t.is_floating_point()), torch.float32)
+
+
 def model_skeleton(folder: str | Path, *, causal: bool | None = None,
-                   dtype: torch.dtype = torch.float32) -> tuple[nn.Module, SafetensorsSource]:
+                   dtype: torch.dtype | None = torch.float32
+                   ) -> tuple[nn.Module, SafetensorsSource]:
     """The model of ``folder``'s ``config.json`` in eval mode, with the parameters of its blocks
     on the meta device (no memory) and everything else (embeddings, final norm, head, buffers)
-    read from its checkpoint, in ``dtype`` as :func:`kbbq_pl.io.models.load_model` loads it;
-    and the checkpoint, for :class:`StreamedBlocks`."""
+    read from its checkpoint, in ``dtype`` (None: as stored, :func:`stored_dtype`) as
+    :func:`kbbq_pl.io.models.load_model` loads it; and the checkpoint, for
+    :class:`StreamedBlocks`."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(folder)
+    dtype = stored_dtype(folder, config) if dtype is None else dtype
     model = empty_model(config, is_causal_lm_config(config) if causal is None else causal, dtype)
     source = SafetensorsSource(folder, model)
     blocks_name, _ = find_blocks(model)
@@ -283,12 +300,14 @@ class StreamedBlocks:
     """A :class:`~kbbq_pl.quant.sequential.BlockResidency` for a model whose blocks are on
     disk: each block is read from ``source`` onto the runner's device for its step; after it,
     its tensors go to ``shards`` as the next shard (not on a rank that does not write:
-    ``shards`` None) and the block is replaced by a :class:`ReleasedBlock` (its memory
-    freed)."""
+    ``shards`` None; full-precision tensors in ``dtype``, None: as held) and the block is
+    replaced by a :class:`ReleasedBlock` (its memory freed)."""
 
-    def __init__(self, source: SafetensorsSource, shards: ShardWriter | None) -> None:
+    def __init__(self, source: SafetensorsSource, shards: ShardWriter | None,
+                 dtype: torch.dtype | None = None) -> None:
         self.source = source
         self.shards = shards
+        self.dtype = dtype
 
     def load(self, step: BlockStep) -> None:
         experts = {f"{step.name}.{name}": module for name, module in step.module.named_modules()
@@ -306,7 +325,8 @@ class StreamedBlocks:
 
     def unload(self, step: BlockStep, done: bool) -> None:
         if done and self.shards is not None:
-            self.shards.add(checkpoint_contents(step.module, prefix=step.name))
+            self.shards.add(checkpoint_contents(step.module, prefix=step.name,
+                                                dtype=self.dtype))
         step.runner.blocks[step.index] = ReleasedBlock(step.name)  # the pipeline trims the heap
 
 
@@ -325,6 +345,8 @@ def quantize_checkpoint(
     progress: bool = True,
     collectives: Collectives | None = None,
     shard: bool = False,
+    dtype: torch.dtype | None = torch.float32,
+    compute_dtype: torch.dtype | None = None,
 ) -> QuantizationReport:
     """Quantize the model of ``source_dir`` with ``config`` block by block from disk into the
     checkpoint folder ``out_dir`` (module docstring); returns the report.
@@ -334,18 +356,23 @@ def quantize_checkpoint(
     ``quantization_config.json``; ``extra_files(report)`` names files written beside (reports);
     ``collectives`` and ``shard``: several processes, as
     :func:`~kbbq_pl.quant.pipeline.quantize_model` takes them (every rank reads the blocks,
-    rank 0 alone writes).  ``source_dir`` is only read."""
+    rank 0 alone writes).  ``dtype``: the dtype the model is held in (None: as stored),
+    ``compute_dtype``: what it computes in and writes its full-precision tensors in (None: as
+    held), as ``kbbq-pl quantize`` holds and computes an in-memory model.  ``source_dir`` is
+    only read."""
     collectives = collectives or Collectives()
     out = check_output(out_dir, overwrite=overwrite, sources=[source_dir])
-    model, source = model_skeleton(source_dir, causal=causal)
+    model, source = model_skeleton(source_dir, causal=causal, dtype=dtype)
     log.info("%s: streaming %d MiB of weights from %s", type(model).__name__,
              source.total_bytes >> 20, source_dir)
     calibration = batches(model) if callable(batches) else list(batches)
 
     def run(shards: ShardWriter | None) -> QuantizationReport:
         report = quantize_model(model, calibration, config, device=device,
-                                residency=StreamedBlocks(source, shards), collectives=collectives,
-                                shard=shard, progress=progress and collectives.rank == 0)
+                                residency=StreamedBlocks(source, shards, compute_dtype),
+                                collectives=collectives, shard=shard,
+                                progress=progress and collectives.rank == 0,
+                                compute_dtype=compute_dtype)
         report.model.update(streamed_from=str(source_dir),
                             calibration_tokens=count_tokens(calibration))
         return report
@@ -358,7 +385,7 @@ def quantize_checkpoint(
         nonlocal report
         shards = ShardWriter(staging)
         report = run(shards)
-        shards.add(checkpoint_contents(model))
+        shards.add(checkpoint_contents(model, dtype=compute_dtype))
         write_checkpoint_files(staging, model, shards, tokenizer=tokenizer, recipe=recipe,
                                extra_files=extra_files(report) if extra_files else None)
 

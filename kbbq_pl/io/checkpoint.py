@@ -399,6 +399,15 @@ def is_multimodal_config(config: Any) -> bool:
     return config.model_type in _image_text_classes()
 
 
+def declared_dtype(config: Any) -> torch.dtype | None:
+    """The dtype a HuggingFace ``config`` declares (``dtype``, or the older ``torch_dtype``),
+    None where it declares none."""
+    declared = getattr(config, "dtype", None) or config.__dict__.get("torch_dtype")
+    if isinstance(declared, str):
+        declared = getattr(torch, declared.removeprefix("torch."), None)
+    return declared if isinstance(declared, torch.dtype) else None
+
+
 def is_causal_lm_config(config: Any) -> bool:
     """Whether ``config`` names a model that generates text: a causal LM, or an
     image-text-to-text model (:func:`is_multimodal_config`)."""

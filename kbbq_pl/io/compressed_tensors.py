@@ -78,6 +78,7 @@ from .checkpoint import (
     WEIGHTS_NAME,
     CheckpointError,
     checkpoint_contents,
+    declared_dtype,
     empty_model,
     is_causal_lm_config,
     is_causal_model,
@@ -256,12 +257,17 @@ def describe_issues(plans: Mapping[str, ExportLayer]) -> list[str]:
     return lines
 
 
+def is_mxfp4(fmt: Format) -> bool:
+    """Whether ``fmt`` stores MXFP4 as its readers decode it: E2M1 in blocks of 32 under an
+    E8M0 scale, values ``q * 2^e`` (every rounding of the scale but ``no_clip``)."""
+    return (fmt.element == "e2m1" and fmt.granularity == "block" and fmt.scale_kind == "e8m0"
+            and fmt.block_size == 32 and fmt.e8m0_rounding != "no_clip")
+
+
 def _check_format(name: str, fmt: Format) -> None:
-    ok = (fmt.element == "e2m1" and fmt.granularity == "block"
-          and ((fmt.scale_kind == "e4m3" and fmt.block_size == 16 and fmt.global_scale)
-               or (fmt.scale_kind == "e8m0" and fmt.block_size == 32
-                   and fmt.e8m0_rounding != "no_clip")))
-    if not ok:
+    nvfp4 = (fmt.element == "e2m1" and fmt.granularity == "block" and fmt.scale_kind == "e4m3"
+             and fmt.block_size == 16 and fmt.global_scale)
+    if not (nvfp4 or is_mxfp4(fmt)):
         extra = (" (its values are q * 2^e / 0.75, which no compressed-tensors scale expresses)"
                  if fmt.e8m0_rounding == "no_clip" and fmt.scale_kind == "e8m0" else "")
         raise ExportError(f"{name}: format {fmt.name}{extra} has no compressed-tensors "
@@ -761,22 +767,22 @@ def _merged_experts(skeleton: nn.Module, fused: str, count: int,
                     values: dict[str, Tensor]) -> tuple[Tensor, list[list[str]]]:
     """The stored per-expert ``values`` of the fused weight ``fused`` stacked as
     ``[count, rows, columns]`` (each value read as ``[rows, columns]``; a per-tensor scale as
-    ``[1, 1]``), and the stored layers of each expert."""
+    ``[1, 1]``), and the stored layers of each expert.  The mapping is reversed on the rows'
+    indices (``[count, rows, 1]``): it splits and stacks rows and experts, never columns."""
     first = next(iter(values.values()))
     width = first.shape[-1] if first.dim() > 1 else 1
     rows = sum(v.numel() for v in values.values()) // (count * width)
-    index = torch.arange(count * rows * width).reshape(count, rows, width)
-    pieces = _stored_pieces(skeleton, {fused: index})
-    flat = torch.empty(index.numel(), dtype=_SAME_WIDTH[first.element_size()])
+    index = torch.arange(count * rows).reshape(count, rows, 1)
+    stacked = torch.empty(count * rows, width, dtype=_SAME_WIDTH[first.element_size()])
     owners: list[list[str]] = [[] for _ in range(count)]
-    for module, piece in pieces.items():
-        value = values[module]
-        if value.reshape(-1, width).shape != piece.shape:
-            raise CheckpointError(f"{module}: shape {list(value.shape)} does not fit the "
-                                  f"{list(index.shape)} experts of {fused}")
-        flat[piece.flatten()] = value.reshape(-1).view(flat.dtype)
-        owners[int(piece.flatten()[0]) // (rows * width)].append(module)
-    return flat.view(first.dtype).reshape(count, rows, width), owners
+    for module, piece in _stored_pieces(skeleton, {fused: index}).items():
+        value = values[module].reshape(-1, width)
+        if piece.shape != (value.shape[0], 1):
+            raise CheckpointError(f"{module}: shape {list(values[module].shape)} does not fit "
+                                  f"the {[count, rows, width]} experts of {fused}")
+        stacked[piece.flatten()] = value.view(stacked.dtype)
+        owners[int(piece[0, 0]) // rows].append(module)
+    return stacked.view(first.dtype).reshape(count, rows, width), owners
 
 
 def _stored_pieces(skeleton: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -860,13 +866,6 @@ def _import_transform(name: str, tensors: dict[str, Tensor], hadamard_size: int 
     return None if stored is None else _loaded_transform(stored, block)
 
 
-def _config_dtype(hf_config: Any) -> torch.dtype:
-    dtype = getattr(hf_config, "dtype", None) or hf_config.__dict__.get("torch_dtype")
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    return getattr(torch, str(dtype or "float32").removeprefix("torch."))
-
-
 def read_compressed_tensors(folder: str | Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A compressed-tensors NVFP4 / MXFP4 folder as kbbq-pl checkpoint metadata and tensors
     (the layout of :mod:`kbbq_pl.io.checkpoint`), for
@@ -889,7 +888,7 @@ def read_compressed_tensors(folder: str | Path) -> tuple[dict[str, Any], dict[st
                               "quantization_config with quant_method compressed-tensors)")
     hf_config = AutoConfig.from_pretrained(folder)
     causal = is_causal_lm_config(hf_config)
-    dtype = _config_dtype(hf_config)
+    dtype = declared_dtype(hf_config) or torch.float32
     skeleton = _skeleton(hf_config, causal)
     tensors, sources = model_names(_read_tensors(folder), skeleton, folder)
     schemes = _scheme_of_layers(QuantizationConfig.model_validate(block), skeleton, sources)
@@ -958,7 +957,7 @@ def dense_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module
 __all__ = [
     "CONFIG_NAME", "ExportError", "ExportLayer", "bf16_decodes_agree", "ct_global_scale",
     "dense_model", "effective_weight", "export_compressed_tensors", "export_folder",
-    "hadamard_transform_config",
+    "hadamard_transform_config", "is_mxfp4",
     "is_compressed_tensors_folder", "kbbq_global_scale", "plan_layers", "quantization_config",
     "read_compressed_tensors", "save_compressed_tensors", "transform_kind",
 ]

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from ..formats import get_format
 from ..quant.experts import fused_experts
 from .checkpoint import WEIGHTS_NAME, stored_weight
-from .compressed_tensors import ExportError, effective_weight, export_folder
+from .compressed_tensors import ExportError, effective_weight, export_folder, is_mxfp4
 from .fileio import save_safetensors
 
 log = logging.getLogger(__name__)
@@ -55,8 +55,7 @@ def _expert_codes(tensors: dict[str, Tensor], layers: dict[str, dict[str, Any]],
             raise ExportError(f"{name} is in full precision: the mxfp4 format stores quantized "
                               "experts only")
         fmt = get_format(meta["format"])
-        if not (fmt.element == "e2m1" and fmt.scale_kind == "e8m0" and fmt.block_size == 32
-                and fmt.e8m0_rounding != "no_clip"):
+        if not is_mxfp4(fmt):
             raise ExportError(f"{name}: format {fmt.name} is not MXFP4 (E2M1 in blocks of 32 "
                               "under an E8M0 scale: mxfp4, mxfp4_even, ...)")
         if f"{name}.transform" in tensors or meta["padded_in"] != meta["in_features"]:

@@ -42,6 +42,7 @@ from .checkpoint import (
     ShardWriter,
     check_materialized,
     checkpoint_contents,
+    declared_dtype,
     empty_model,
     header_tensors,
     is_causal_lm_config,
@@ -251,10 +252,8 @@ def _materialize(module: nn.Module, tensors: dict[str, Tensor], device: torch.de
 def stored_dtype(folder: str | Path, config: Any) -> torch.dtype:
     """The dtype transformers' ``dtype="auto"`` gives the model of ``folder``: its config's
     ``dtype``, else that of the first floating-point tensor stored, else float32."""
-    declared = getattr(config, "dtype", None)
-    if isinstance(declared, str):
-        declared = getattr(torch, declared.removeprefix("torch."), None)
-    if isinstance(declared, torch.dtype):
+    declared = declared_dtype(config)
+    if declared is not None:
         return declared
     stored = header_tensors(weight_files(folder)).values()
     return next((t.dtype for t in stored if t.is_floating_point()), torch.float32)

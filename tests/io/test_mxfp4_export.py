@@ -4,7 +4,6 @@ own MXFP4 loader (on the CPU it dequantizes the experts)."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import logging
 
@@ -19,25 +18,19 @@ from kbbq_pl.io.checkpoint import save_quantized
 from kbbq_pl.io.compressed_tensors import ExportError, dense_model
 from kbbq_pl.io.data import token_blocks
 from kbbq_pl.io.mxfp4 import export_mxfp4
-from kbbq_pl.quant import (
-    FormatConfig,
-    LayersConfig,
-    QuantizationConfig,
-    TransformConfig,
-    WeightsConfig,
-    quantize_model,
-)
+from kbbq_pl.quant import QuantizationConfig, quantize_model
 from kbbq_pl.quant.layers import quantized_linears
 
 IDS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(7))
-EXPERTS_ONLY = LayersConfig(ignore=[r"lm_head$", r"self_attn\."])
+EXPERTS_ONLY = {"ignore": [r"lm_head$", r"self_attn\."]}
 
 
 def _recipe(fmt: str = "mxfp4", transform: str = "identity",
-            layers: LayersConfig | None = EXPERTS_ONLY) -> QuantizationConfig:
-    config = QuantizationConfig(format=FormatConfig(fmt), weights=WeightsConfig("gptq"),
-                                transform=TransformConfig(transform))
-    return config if layers is None else dataclasses.replace(config, layers=layers)
+            layers: dict | None = EXPERTS_ONLY) -> QuantizationConfig:
+    recipe = {"format": {"name": fmt}, "weights": {"quantizer": "gptq"},
+              "transform": {"name": transform}}
+    return QuantizationConfig.from_dict(recipe if layers is None else {**recipe,
+                                                                       "layers": layers})
 
 
 def _checkpoint(tmp_path, config: QuantizationConfig, arch: str = "gpt_oss"):

@@ -6,6 +6,8 @@ wraps it for Lightning.  Sources:
 * a local ``.txt`` file (one text stream) or ``.jsonl`` file (the ``text_key`` field of each
   line, joined by newlines);
 * ``"hf:<path>[:<config>][:<split>]"`` or a ``datasets.Dataset`` (its ``text_key`` column);
+  in both, a field holding a conversation (a list of ``{"role", "content"}`` messages, as in
+  ultrachat's ``messages``) is rendered by the tokenizer's chat template (:func:`is_chat`);
 * ``"mixed"`` (the default): the mixed-domain corpus shipped with kbbq-pl (prose from
   WikiText-2 valid, math from GSM8K train, code from MBPP train tasks; about 480 KB, see
   ``kbbq_pl/resources/CALIBRATION_CORPUS.md``), the paper's default kind of calibration data;
@@ -26,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -41,38 +43,26 @@ RANDOM = "random"
 MIXED = "mixed"
 
 
-def _read_records(source: str | Path, text_key: str) -> tuple[list[str], str]:
-    """The records of a local source and how they join into one stream: a ``.jsonl`` file's
-    ``text_key`` fields (joined by newlines), or a text file's non-empty lines (its text as
-    written); ``"mixed"`` is the shipped corpus (jsonl)."""
-    if str(source) == MIXED:
-        from ..resources import calibration_corpus
-
-        source, text_key = calibration_corpus(), "text"
-    path = Path(source)
-    if not path.is_file():
-        raise FileNotFoundError(f"calibration source {str(source)!r} is not a file, 'mixed', "
-                                "'random' or 'hf:<dataset>'")
-    if path.suffix == ".jsonl":
-        texts = []
-        with path.open(encoding="utf-8") as handle:
-            for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}:{number}: not valid JSON ({error})") from None
-                if text_key not in record:
-                    raise ValueError(f"{path}:{number}: no {text_key!r} field "
-                                     f"(fields: {sorted(record)}); pass text_key=")
-                texts.append(str(record[text_key]))
-        return texts, "\n".join(texts)
-    text = path.read_text(encoding="utf-8")
-    return [line.strip() for line in text.splitlines() if line.strip()], text
+def _jsonl_fields(path: Path, text_key: str) -> list[Any]:
+    """The ``text_key`` field of each record of a ``.jsonl`` file."""
+    fields = []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not valid JSON ({error})") from None
+            if text_key not in record:
+                raise ValueError(f"{path}:{number}: no {text_key!r} field "
+                                 f"(fields: {sorted(record)}); pass text_key=")
+            fields.append(record[text_key])
+    return fields
 
 
-def _dataset_records(source: Any, text_key: str) -> list[str]:
+def _dataset_fields(source: Any, text_key: str) -> list[Any]:
+    """The ``text_key`` column of a dataset, or of ``"hf:<path>[:<config>][:<split>]"``."""
     if isinstance(source, str):
         import datasets
 
@@ -82,16 +72,66 @@ def _dataset_records(source: Any, text_key: str) -> list[str]:
         source = datasets.load_dataset(path, config, split=split)
     if text_key not in source.column_names:
         raise ValueError(f"dataset has no {text_key!r} column (columns: {source.column_names})")
-    return [str(t) for t in source[text_key]]
+    return list(source[text_key])
 
 
-def _source_records(source: Any, text_key: str) -> tuple[list[str], str]:
-    """The records of a text source (file, ``"mixed"``, ``hf:`` or a dataset) and the one
-    stream they make."""
+def is_chat(value: Any) -> bool:
+    """Whether a record's field is a conversation: a list of messages, each a dict with a
+    ``role`` and a ``content`` (the OpenAI / HF chat format: ultrachat's ``messages``)."""
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(m, dict) and "role" in m and "content" in m for m in value))
+
+
+def _as_text(value: Any, tokenizer: Any, source: Any, index: int) -> str:
+    """A record's field as the text the model reads: a string as it is, a conversation
+    rendered by the tokenizer's chat template (what an instruct model is served), as
+    llm-compressor's examples calibrate instruct models."""
+    if isinstance(value, str):
+        return value
+    if is_chat(value):
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            name = getattr(tokenizer, "name_or_path", None) or "the model's"
+            raise ValueError(f"calibration source {str(source)!r}, record {index}: a "
+                             f"conversation, but tokenizer {name!r} has no chat template to "
+                             "render it with")
+        return tokenizer.apply_chat_template(value, tokenize=False)
+    if isinstance(value, (list, dict)):
+        raise ValueError(f"calibration source {str(source)!r}, record {index}: the field is "
+                         f"a {type(value).__name__}, neither text nor a conversation (a list of "
+                         "dicts with 'role' and 'content')")
+    return str(value)
+
+
+class Records(NamedTuple):
+    """A text source's records as the model reads them."""
+
+    texts: list[str]
+    stream: str  # the records as one text: a text file as written, others joined by newlines
+    templated: list[bool]  # the record is a rendered conversation, framed by its template
+
+
+def source_records(source: Any, text_key: str = "text", tokenizer: Any = None) -> Records:
+    """The records of a text source: a text file's non-empty lines, a ``.jsonl`` file's or a
+    dataset's ``text_key`` fields (``"hf:..."`` or a ``datasets.Dataset``), or the shipped
+    corpus (``"mixed"``); a conversation field rendered by the tokenizer's chat template."""
     if isinstance(source, (str, Path)) and not str(source).startswith("hf:"):
-        return _read_records(source, text_key)
-    records = _dataset_records(source, text_key)
-    return records, "\n".join(records)
+        if str(source) == MIXED:
+            from ..resources import calibration_corpus
+
+            source, text_key = calibration_corpus(), "text"
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"calibration source {str(source)!r} is not a file, "
+                                    "'mixed', 'random' or 'hf:<dataset>'")
+        if path.suffix != ".jsonl":
+            text = path.read_text(encoding="utf-8")
+            lines = [line.strip() for line in text.splitlines() if line.strip()]
+            return Records(lines, text, [False] * len(lines))
+        fields = _jsonl_fields(path, text_key)
+    else:
+        fields = _dataset_fields(source, text_key)
+    texts = [_as_text(value, tokenizer, source, index) for index, value in enumerate(fields)]
+    return Records(texts, "\n".join(texts), [is_chat(value) for value in fields])
 
 
 def random_tokens(vocab_size: int, count: int, seed: int,
@@ -153,7 +193,7 @@ def token_blocks(
         if tokenizer is None:
             raise ValueError(f"calibration source {source!r} is text: it needs a tokenizer (a "
                              "model without one calibrates on source 'random')")
-        text = _source_records(source, text_key)[1]
+        text = source_records(source, text_key, tokenizer).stream
         ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False,
                         verbose=False)["input_ids"]
         available = len(ids) // body
@@ -196,18 +236,20 @@ def token_records(
     if tokenizer is None or (isinstance(source, str) and source == RANDOM):
         raise ValueError(f"calibration on whole records needs text and a tokenizer, got source "
                          f"{source!r}{'' if tokenizer is not None else ' without a tokenizer'}")
-    records = _source_records(source, text_key)[0]
-    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed))
+    records = source_records(source, text_key, tokenizer)
+    order = torch.randperm(len(records.texts), generator=torch.Generator().manual_seed(seed))
     chosen: list[Tensor] = []
     total = 0
     for index in order.tolist():
-        ids = tokenizer(records[index], truncation=True, max_length=max_len,
-                        return_attention_mask=False, verbose=False)["input_ids"]
+        # a rendered conversation holds its template's special tokens already
+        ids = tokenizer(records.texts[index], add_special_tokens=not records.templated[index],
+                        truncation=True, max_length=max_len, return_attention_mask=False,
+                        verbose=False)["input_ids"]
         chosen.append(torch.tensor(ids, dtype=torch.long))
         total += len(ids)
         if total >= n_tokens:
             return chosen
-    raise ValueError(f"calibration source {source!r} has {len(records)} records of {total} "
+    raise ValueError(f"calibration source {source!r} has {len(records.texts)} records of {total} "
                      f"tokens, fewer than n_tokens={n_tokens}")
 
 

@@ -114,3 +114,58 @@ def test_packing_follows_the_model_unless_set(minilm):
     assert settled(causal, packing=False).packing is False
     assert settled(encoder, source="random").packing is True
     assert settled(encoder, tokenizer=None).packing is True
+
+
+def _chats(count: int) -> list[list[dict[str, str]]]:
+    return [[{"role": "user", "content": f"what is {i} plus {i} ?"},
+             {"role": "assistant", "content": f"{i} plus {i} is {2 * i} ."}]
+            for i in range(count)]
+
+
+def test_conversations_are_rendered_by_the_chat_template(minilm, tmp_path):
+    """A field holding a conversation (ultrachat's ``messages``) is calibrated on as the
+    tokenizer's chat template renders it, in a jsonl file and in a dataset, packed or whole;
+    whole records take no second framing (the template's own special tokens frame them)."""
+    import copy
+
+    import datasets
+
+    from kbbq_pl.io.data import source_records
+
+    _, plain = minilm
+    tokenizer = copy.deepcopy(plain)
+    tokenizer.chat_template = ("{% for m in messages %}[CLS] {{ m['role'] }} : "
+                               "{{ m['content'] }} [SEP]{% endfor %}")
+    chats = _chats(200)
+    lines = tmp_path / "chats.jsonl"
+    lines.write_text("\n".join(json.dumps({"messages": chat, "id": i})
+                               for i, chat in enumerate(chats)))
+    rendered = [tokenizer.apply_chat_template(chat, tokenize=False) for chat in chats]
+    assert rendered[3] == ("[CLS] user : what is 3 plus 3 ? [SEP]"
+                           "[CLS] assistant : 3 plus 3 is 6 . [SEP]")
+    records = source_records(lines, "messages", tokenizer)
+    assert records.texts == rendered and all(records.templated)
+    from_dataset = source_records(datasets.Dataset.from_list([{"messages": c} for c in chats]),
+                                  "messages", tokenizer)
+    assert from_dataset == records
+
+    blocks = token_blocks(lines, tokenizer, n_tokens=512, seq_len=64, text_key="messages")
+    stream = tokenizer("\n".join(rendered), add_special_tokens=False)["input_ids"]
+    body = torch.tensor(stream[: len(stream) // 62 * 62]).reshape(-1, 62)
+    assert all(any(torch.equal(row[1:-1], window) for window in body) for row in blocks)
+    assert (blocks == tokenizer.cls_token_id).sum() > len(blocks)  # the template's tokens too
+
+    whole = token_records(lines, tokenizer, n_tokens=300, max_len=64, text_key="messages")
+    for ids in whole:
+        text = tokenizer.decode(ids)
+        assert text.startswith("[CLS] user :") and text.count("[CLS]") == 2, text
+        assert ids[0] == tokenizer.cls_token_id and ids[1] != tokenizer.cls_token_id
+
+    with pytest.raises(ValueError, match=r"record 0: a conversation, but tokenizer .* no chat "
+                                         r"template"):
+        token_blocks(lines, plain, n_tokens=128, seq_len=64, text_key="messages")
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": ["a", "b"]}))
+    with pytest.raises(ValueError, match="record 1: the field is a list, neither text nor a "
+                                         "conversation"):
+        token_records(odd, tokenizer, n_tokens=64, max_len=32)

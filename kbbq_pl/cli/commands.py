@@ -74,6 +74,12 @@ def _limit(text: str) -> int | float:
     return int(value) if value >= 1 else value
 
 
+def _boolean(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() == "true"
+
+
 LM_METRICS = ("ppl", "kl")
 TEXT_HELP = ("text file of ppl/kl (default: DATA_DIR/wikitext2/test.txt if it exists, else "
              "the first 24 KB of it shipped with kbbq-pl, about 5,800 SmolLM2 tokens: its "
@@ -139,6 +145,8 @@ def _eval(args: argparse.Namespace) -> int:
     device = parse_device(args.device)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     benchmarks = [t for t in tasks if t not in LM_METRICS]
+    if args.fewshot_as_multiturn and not args.apply_chat_template:
+        raise ValueError("--fewshot-as-multiturn true needs --apply-chat-template")
     # every path is checked before a model is loaded or lm-eval imported: the output first
     if args.out:
         check_output(args.out, overwrite=args.overwrite, kind="file")
@@ -176,6 +184,9 @@ def _eval(args: argparse.Namespace) -> int:
                 cache_dir=args.cache_dir, max_gen_toks=args.max_gen_toks,
                 mmlu_subjects=args.mmlu_subjects.split(",") if args.mmlu_subjects else None,
                 allow_code_execution=args.allow_code_execution,
+                apply_chat_template=args.apply_chat_template,
+                fewshot_as_multiturn=args.fewshot_as_multiturn,
+                system_instruction=args.system_instruction,
             ))
     results["wall_time_s"] = time.perf_counter() - start
     results["model"] = str(args.model)
@@ -187,6 +198,9 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"perplexity {m['perplexity']:.4f}" + (
             f"  KL to {m['reference']} {m['kl']:.5f} nats/token" if m["kl"] is not None else ""))
     if benchmarks:
+        if args.apply_chat_template:
+            print("benchmarks scored through the tokenizer's chat template"
+                  + (", shots as turns" if args.fewshot_as_multiturn is not False else ""))
         print(f"{'task':<14}{'metric':<28}{'score':>8}{'docs':>7}{'shots':>7}")
     for task, entry in results.items():
         if isinstance(entry, dict) and "score" in entry:
@@ -351,6 +365,16 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--num-fewshot", default="", help="overrides, e.g. mmlu=0,gsm8k=4")
     evaluate.add_argument("--batch-size", type=int, default=8)
     evaluate.add_argument("--max-gen-toks", type=int, default=256)
+    evaluate.add_argument("--apply-chat-template", action="store_true",
+                          help="benchmarks: render each prompt with the tokenizer's chat "
+                               "template, as an instruct model is served (lm-eval's "
+                               "--apply_chat_template)")
+    evaluate.add_argument("--fewshot-as-multiturn", type=_boolean, default=None,
+                          metavar="{true,false}",
+                          help="benchmarks: the shots as earlier turns of the chat (default: "
+                               "with --apply-chat-template)")
+    evaluate.add_argument("--system-instruction", default=None,
+                          help="benchmarks: a system message before each prompt")
     evaluate.add_argument("--mmlu-subjects", default="", help="comma-separated (default: all)")
     evaluate.add_argument("--cache-dir", default=None, help="converted data (default: "
                           "$KBBQ_PL_CACHE/eval_data or ~/.cache/kbbq_pl/eval_data)")

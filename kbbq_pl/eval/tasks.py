@@ -575,6 +575,9 @@ def run_benchmarks(
     allow_code_execution: bool | None = None,
     seed: int = 1234,
     bootstrap_iters: int = 1000,
+    apply_chat_template: bool = False,
+    fewshot_as_multiturn: bool | None = None,
+    system_instruction: str | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Evaluate an in-memory causal LM on the benchmarks ``tasks`` (names from
     :data:`BENCHMARKS`) with lm-evaluation-harness, offline; see the module documentation.
@@ -585,10 +588,27 @@ def run_benchmarks(
     ``limit`` caps the documents per lm-eval task (MMLU: per subject), ``num_fewshot``
     overrides :data:`DEFAULT_FEWSHOT` per benchmark.  Generation is greedy with at most
     ``max_gen_toks`` new tokens (less when the model's context is short: at most half of it).
-    MBPP needs ``allow_code_execution=True`` or ``HF_ALLOW_CODE_EVAL=1``.  Returns
-    :func:`summarize`'s dict, and keeps lm-eval's full output under the key ``"lm_eval"``.
+    MBPP needs ``allow_code_execution=True`` or ``HF_ALLOW_CODE_EVAL=1``.
+
+    An instruct model is scored as it is served with ``apply_chat_template=True``: each prompt
+    rendered by the tokenizer's chat template, the shots as earlier turns of the conversation
+    (``fewshot_as_multiturn``, which follows ``apply_chat_template`` unless set), after a
+    ``system_instruction`` if given; lm-eval's ``--apply_chat_template``,
+    ``--fewshot_as_multiturn`` and ``--system_instruction``.  Returns :func:`summarize`'s dict
+    (each entry's ``chat_template`` says which way it was scored), and keeps lm-eval's full
+    output under the key ``"lm_eval"``.
     """
     tasks = list(dict.fromkeys(tasks))
+    if fewshot_as_multiturn is None:
+        fewshot_as_multiturn = apply_chat_template
+    if fewshot_as_multiturn and not apply_chat_template:
+        raise ValueError("fewshot_as_multiturn needs apply_chat_template: the shots become "
+                         "turns of a chat")
+    if (apply_chat_template and tokenizer is not None
+            and not getattr(tokenizer, "chat_template", None)):
+        raise ValueError(f"apply_chat_template: tokenizer "
+                         f"{getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r}"
+                         " has no chat template")
     check_data(tasks, data_dir, mmlu_subjects)  # before lm-eval is imported (and warns)
     if "mbpp" in tasks and not code_execution_allowed(allow_code_execution):
         raise PermissionError(
@@ -616,9 +636,12 @@ def run_benchmarks(
         model=lm, tasks=flat, limit=limit, task_manager=TaskManager(include_defaults=False),
         confirm_run_unsafe_code="mbpp" in tasks, random_seed=seed, numpy_random_seed=seed,
         torch_random_seed=seed, fewshot_random_seed=seed, bootstrap_iters=bootstrap_iters,
-        log_samples=False,
+        log_samples=False, apply_chat_template=apply_chat_template,
+        fewshot_as_multiturn=fewshot_as_multiturn, system_instruction=system_instruction,
     )
     summary = summarize(results, configs)
+    for entry in summary.values():
+        entry["chat_template"] = apply_chat_template
     for entry in summary.values():
         for key, value in entry.items():
             if isinstance(value, float) and not math.isfinite(value):

@@ -209,6 +209,65 @@ def test_an_oracle_scores_one_on_every_task(data_dir, cache_dir):
         assert summary[task]["acc"] == 1.0, task
 
 
+def test_chat_template_renders_prompts_and_shots(data_dir, cache_dir):
+    """``apply_chat_template``: every prompt goes through the model's chat template, the shots
+    as earlier turns (unless ``fewshot_as_multiturn=False``), after the system instruction;
+    without it no prompt is a chat.  The oracle still scores one: the targets are unchanged."""
+    oracle = type(_oracle())
+
+    class ChatOracle(oracle):
+        contexts: list[str] = []
+
+        def apply_chat_template(self, chat_history, add_generation_prompt=True):
+            return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in chat_history) \
+                + ("<assistant>" if add_generation_prompt else "")
+
+        @property
+        def tokenizer_name(self):
+            return "chat-oracle"
+
+        def chat_template(self, chat_template=False):
+            return "chat-oracle-template"
+
+        def loglikelihood(self, requests, disable_tqdm=False):
+            self.contexts += [r.args[0] for r in requests]
+            return super().loglikelihood(requests, disable_tqdm)
+
+        def generate_until(self, requests, disable_tqdm=False):
+            self.contexts += [r.args[0] for r in requests]
+            return super().generate_until(requests, disable_tqdm)
+
+    def run(**chat):
+        lm = ChatOracle()
+        lm.contexts = []
+        summary = B.run_benchmarks(lm, None, ["gsm8k", "arc_easy"], limit=2, data_dir=data_dir,
+                                   cache_dir=cache_dir, **chat)
+        assert summary["gsm8k"]["score"] == summary["arc_easy"]["score"] == 1.0
+        assert all(entry["chat_template"] is bool(chat) for entry in summary.values()
+                   if "score" in entry)
+        return lm.contexts
+
+    assert not any("<user>" in context for context in run())
+    turns = run(apply_chat_template=True, system_instruction="Be brief.")
+    gsm8k = [c for c in turns if "The answer is" in c]
+    assert gsm8k and all(c.startswith("<system>Be brief.</system><user>") for c in turns)
+    assert all(c.count("<user>") == 9 and c.count("</assistant>") == 8 for c in gsm8k)
+    one_turn = [c for c in run(apply_chat_template=True, fewshot_as_multiturn=False)
+                if "The answer is" in c]
+    assert one_turn and all(c.count("<user>") == 1 for c in one_turn)
+    with pytest.raises(ValueError, match="fewshot_as_multiturn needs apply_chat_template"):
+        B.run_benchmarks(ChatOracle(), None, ["gsm8k"], limit=1, data_dir=data_dir,
+                         fewshot_as_multiturn=True)
+
+
+def test_chat_template_needs_one(data_dir, tiny_llama):
+    _, model, tokenizer = tiny_llama
+    assert not tokenizer.chat_template
+    with pytest.raises(ValueError, match="has no chat template"):
+        B.run_benchmarks(model, tokenizer, ["arc_easy"], limit=1, data_dir=data_dir,
+                         apply_chat_template=True)
+
+
 def _check(summary, task, n_docs, n_available):
     entry = summary[task]
     assert 0.0 <= entry["score"] <= 1.0
@@ -274,6 +333,30 @@ def test_cli_eval(tiny_llama, data_dir, cache_dir, tmp_path, capsys):
     assert results["winogrande"]["num_fewshot"] == 1 and results["winogrande"]["n_docs"] == 2
     assert 0.0 <= results["winogrande"]["score"] <= 1.0 and results["wall_time_s"] > 0
     assert "winogrande" in capsys.readouterr().out
+
+
+def test_cli_eval_with_the_chat_template(tiny_llama, data_dir, cache_dir, tmp_path, capsys):
+    import shutil
+
+    folder, _, _ = tiny_llama
+    chat = tmp_path / "chat-model"
+    shutil.copytree(folder, chat)
+    (chat / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}", encoding="utf-8")
+    out = tmp_path / "results.json"
+    common = ["eval", "--model", str(chat), "--tasks", "winogrande", "--limit", "2",
+              "--data-dir", str(data_dir), "--cache-dir", str(cache_dir)]
+    assert main([*common, "--fewshot-as-multiturn", "true"]) == 2
+    assert "--fewshot-as-multiturn true needs --apply-chat-template" in capsys.readouterr().err
+    assert main([*common, "--apply-chat-template", "--system-instruction", "Choose.",
+                 "--out", str(out)]) == 0
+    assert json.loads(out.read_text(encoding="utf-8"))["winogrande"]["chat_template"] is True
+    assert "scored through the tokenizer's chat template, shots as turns" in (
+        capsys.readouterr().out)
+    assert main(["eval", "--model", str(folder), "--tasks", "winogrande", "--limit", "1",
+                 "--data-dir", str(data_dir), "--apply-chat-template"]) == 2
+    assert "has no chat template" in capsys.readouterr().err
 
 
 @pytest.mark.gpu

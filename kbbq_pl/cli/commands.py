@@ -221,7 +221,8 @@ def _compare(args: argparse.Namespace) -> int:
     recipes = ([r.strip() for r in args.recipes.split(",") if r.strip()] if args.recipes
                else table_recipes([f.strip() for f in args.formats.split(",") if f.strip()]))
     calibration = {key: value for key, value in (("source", args.calibration_source),
-                                                 ("n_tokens", args.calibration_tokens))
+                                                 ("n_tokens", args.calibration_tokens),
+                                                 ("text_key", args.calibration_text_key))
                    if value is not None}
     tasks = ([t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks
              else default_tasks(args.model))
@@ -418,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "file)")
     compare.add_argument("--calibration-tokens", type=int, default=None,
                          help="override every recipe's calibration token budget")
+    compare.add_argument("--calibration-text-key", default=None,
+                         help="the calibration source's field (a jsonl or dataset's; a "
+                              "conversation is rendered by the chat template)")
     compare.add_argument("--batch-size", type=int, default=4)
     compare.add_argument("--cache-dir", default=None, help="converted benchmark data")
     compare.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")

@@ -329,7 +329,7 @@ def run_compare(
         settings = {**common, "recipe": config.to_dict(),
                     "calibration": {"source": str(data.source), "n_tokens": data.n_tokens,
                                     "seq_len": data.seq_len, "seed": data.seed,
-                                    "packing": data.packing}}
+                                    "packing": data.packing, "text_key": data.text_key}}
         row = cached(stem, settings)
         if row is None:
             begin = time.perf_counter()

@@ -27,6 +27,18 @@ def test_table_pieces():
     assert "95.2%" in table or "95.3%" in table
 
 
+def test_calibration_overrides_reach_every_recipe():
+    """--calibration-source / -tokens / -text-key override the recipe's data module (a chats
+    file's ``messages``, say)."""
+    from kbbq_pl.cli.compare import load_recipe
+
+    data, _, stem = load_recipe("gptq_kbbq_nvfp4", "smollm2", {
+        "source": "chats.jsonl", "n_tokens": 512, "text_key": "messages"})
+    assert (data.source, data.n_tokens, data.text_key, stem) == (
+        "chats.jsonl", 512, "messages", "gptq_kbbq_nvfp4")
+    assert load_recipe("gptq_kbbq_nvfp4", "smollm2", {})[0].text_key == "text"
+
+
 def test_compare_writes_the_table_and_resumes(tiny_llama2c_folder, tmp_path, capsys):
     text = tmp_path / "story.txt"
     text.write_text("Lily and Ben went to the park. They saw a big dog and a small cat. " * 40,
@@ -47,7 +59,7 @@ def test_compare_writes_the_table_and_resumes(tiny_llama2c_folder, tmp_path, cap
     for row in (identity, kbbq):
         assert row["kl"] > 1e-4 and row["perplexity"] > 1.0 and row["scored_tokens"] == 200
         assert row["kl_max"] > row["kl"]
-        assert row["calibration"]["n_tokens"] == 256
+        assert row["calibration"]["n_tokens"] == 256 and row["calibration"]["text_key"] == "text"
     assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "compare.md").read_text(encoding="utf-8").startswith("# kbbq-pl compare")
 

@@ -198,9 +198,10 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"perplexity {m['perplexity']:.4f}" + (
             f"  KL to {m['reference']} {m['kl']:.5f} nats/token" if m["kl"] is not None else ""))
     if benchmarks:
-        if args.apply_chat_template:
+        scored = results[benchmarks[0]]
+        if scored["chat_template"]:
             print("benchmarks scored through the tokenizer's chat template"
-                  + (", shots as turns" if args.fewshot_as_multiturn is not False else ""))
+                  + (", shots as turns" if scored["fewshot_as_multiturn"] else ""))
         print(f"{'task':<14}{'metric':<28}{'score':>8}{'docs':>7}{'shots':>7}")
     for task, entry in results.items():
         if isinstance(entry, dict) and "score" in entry:

@@ -595,8 +595,8 @@ def run_benchmarks(
     (``fewshot_as_multiturn``, which follows ``apply_chat_template`` unless set), after a
     ``system_instruction`` if given; lm-eval's ``--apply_chat_template``,
     ``--fewshot_as_multiturn`` and ``--system_instruction``.  Returns :func:`summarize`'s dict
-    (each entry's ``chat_template`` says which way it was scored), and keeps lm-eval's full
-    output under the key ``"lm_eval"``.
+    (each entry's ``chat_template`` and ``fewshot_as_multiturn`` say how it was scored), and
+    keeps lm-eval's full output under the key ``"lm_eval"``.
     """
     tasks = list(dict.fromkeys(tasks))
     if fewshot_as_multiturn is None:
@@ -641,7 +641,7 @@ def run_benchmarks(
     )
     summary = summarize(results, configs)
     for entry in summary.values():
-        entry["chat_template"] = apply_chat_template
+        entry.update(chat_template=apply_chat_template, fewshot_as_multiturn=fewshot_as_multiturn)
     for entry in summary.values():
         for key, value in entry.items():
             if isinstance(value, float) and not math.isfinite(value):

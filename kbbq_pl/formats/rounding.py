@@ -16,8 +16,8 @@ backend, see there):
   ``s = e4m3(clamp((amax_b / 6) / pts, 2^-6, 448))``; elements ``e2m1(x * ((1 / pts) / s))``;
   dequantization ``q * (pts * s)``.  Block scales never go below the smallest normal E4M3
   (2^-6), as in torchao; an all-zero tensor gives zeros (torchao gives NaN).  A tensor whose
-  amax is below ``448 * 6 * 2^-122`` (about 5e-34), where the FP32 reciprocal overflows,
-  quantizes to zeros.
+  amax is below ``448 * 6 * 2^-121`` (about 1e-33), where the FP32 reciprocal of its smallest
+  block scale would overflow, quantizes to zeros.
 * MXFP4 follows torchao's ``to_mx``: the shared exponent is read off the FP32 bits of the block
   amax; elements are ``e2m1(x / 2^e)``.  ``no_clip`` multiplies the elements by 3/4 (exact) and
   dequantizes as ``(q * 2^e) / 0.75``.  Unlike torchao, a block whose exponent clamps to the
@@ -36,8 +36,10 @@ from torch import Tensor
 from .._compat import tracing
 from .spec import E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL
 
-NVFP4_MIN_GLOBAL_SCALE = 2.0**-122
-"""Smallest per-tensor NVFP4 scale whose reciprocal chain stays finite in FP32."""
+NVFP4_MIN_GLOBAL_SCALE = 2.0**-121
+"""Smallest per-tensor NVFP4 scale whose reciprocal chain stays finite in FP32: with the
+smallest block scale 2^-6, ``(1 / 2^-121) / 2^-6 = 2^127`` (at 2^-122 it overflows to inf, and
+a zero element times inf is NaN)."""
 NVFP4_SCALE_DIVISOR = E4M3_MAX * E2M1_MAX
 """``448 * 6``: NVFP4's per-tensor scale is ``amax / NVFP4_SCALE_DIVISOR``
 (:func:`nvfp4_tensor_scale`; a kernel divides by this constant)."""

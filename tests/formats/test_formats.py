@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kbbq_pl import formats as F
 from kbbq_pl._compat import quiet_loggers
+from kbbq_pl.formats.rounding import NVFP4_MIN_GLOBAL_SCALE
 
 with quiet_loggers("torchao", "torch.utils._pytree"):
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
@@ -138,6 +139,17 @@ def test_nvfp4_tensor_below_representable_range_quantizes_to_zeros():
     out = F.fake_quantize(x, "nvfp4")
     assert torch.equal(out, torch.zeros_like(x))
     assert torch.isfinite(F.quantize(x, "nvfp4").dequantize()).all()
+
+
+def test_nvfp4_at_the_smallest_usable_global_scale_stays_finite():
+    # the smallest block scale (2^-6) under the smallest per-tensor scale: the reciprocal
+    # (1 / pts) / 2^-6 must stay finite, or a zero element times it is NaN
+    least = torch.tensor(NVFP4_MIN_GLOBAL_SCALE)
+    x = torch.zeros(2, 32)
+    x[0, :16] = 6 * 448 * NVFP4_MIN_GLOBAL_SCALE
+    out = F.fake_quantize(x, "nvfp4", global_scale=least)
+    assert torch.equal(out, x)
+    assert torch.equal(F.quantize(x, "nvfp4", global_scale=least).dequantize(), x)
 
 
 def test_nvfp4_static_global_scale_saturates_like_torchao():

@@ -11,6 +11,7 @@ from torch import nn
 
 from kbbq_pl import formats as F
 from kbbq_pl.formats import QuantizedTensor
+from kbbq_pl.formats.rounding import NVFP4_MIN_GLOBAL_SCALE
 from kbbq_pl.io.data import token_blocks
 from kbbq_pl.io.models import load_model
 from kbbq_pl.quant import (
@@ -210,6 +211,22 @@ def test_static_activation_scales_make_outputs_independent_of_the_batch():
     with torch.no_grad():
         together = model(input_ids=torch.cat([ids[:1], loud[1:]])).logits[:1]
     assert torch.allclose(alone, together, atol=1e-5)
+
+
+def test_a_layer_calibrated_on_zeros_keeps_zeros_zero():
+    """An all-zero up projection gives ``down_proj`` only zeros to calibrate on: its static
+    activation scale is the smallest usable one, and zeros still quantize to zeros (at 2^-122
+    the reciprocal chain overflowed and ``0 * inf`` made every logit NaN)."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.zero_()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    quantize_model(model, batches_of(ids), QuantizationConfig(), progress=False)
+    down = model.model.layers[0].mlp.down_proj
+    assert float(down.weight.act_global_scale) == NVFP4_MIN_GLOBAL_SCALE
+    with torch.no_grad():
+        assert torch.equal(down(torch.zeros(3, down.in_features)), torch.zeros(3, 64))
+        assert torch.isfinite(model(input_ids=ids).logits).all()
 
 
 def test_skip_policy_and_tiny_llama_width():

@@ -177,9 +177,10 @@ class LayersConfig:
 
     Attributes:
         targets: module-name regular expressions of the layers to quantize (default: every
-            linear layer but the LM head, embeddings, BERT's pooler and Mamba's ``dt_proj``;
-            see :mod:`kbbq_pl.quant.modules`).  Routers of mixture-of-experts layers and
-            linear layers with their own forward are never quantized.
+            linear layer but the LM head, embeddings, BERT's pooler, Mamba's ``dt_proj`` and
+            sparse attention's scoring layers; see :mod:`kbbq_pl.quant.modules`).  Routers of
+            mixture-of-experts layers and linear layers with their own forward are never
+            quantized.
         ignore: module-name regular expressions of layers to leave in full precision.
     """
 

@@ -281,7 +281,8 @@ def moe_routers(model: nn.Module) -> list[str]:
     qualified name: in a module with an ``experts`` child, each linear layer that is alone in
     its child of that module (the child itself, or e.g. Arcee's ``router.gate``, Hunyuan's
     ``gate.wg``), outside the experts, with no more outputs than there are experts: the router
-    (one logit per expert; Llama 4, Phi-MoE) and Qwen2-MoE's ``shared_expert_gate`` (one).
+    (one logit per expert; Llama 4, Phi-MoE; LongCat-Flash's ``router.classifier`` also scores
+    its ``zero_expert_num`` identity experts) and Qwen2-MoE's ``shared_expert_gate`` (one).
     A shared expert (three linear layers in one child) is not a router."""
     routers = []
     for name, module in model.named_modules():
@@ -289,6 +290,7 @@ def moe_routers(model: nn.Module) -> list[str]:
         count = None if experts is None else _expert_count(experts)
         if count is None:
             continue
+        count += getattr(experts, "zero_expert_num", 0) or 0
         lead = f"{name}." if name else ""
         for child_name, child in module.named_children():
             if child is experts:

@@ -264,7 +264,8 @@ class _Stop(Exception):
 def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """The model's stack of transformer blocks: the longest ``nn.ModuleList`` whose items
     hold linear layers (``model.layers``, ``encoder.layer``, ``transformer.h``, ...), outside
-    a multimodal model's vision tower (:func:`~kbbq_pl.quant.modules.modality_encoders`)."""
+    a multimodal model's vision tower (:func:`~kbbq_pl.quant.modules.modality_encoders`).
+    A list of linear layers (Gemma 3n's ``altup_projections``) is not a stack of blocks."""
     best: tuple[str, nn.ModuleList] | None = None
     encoders = tuple(f"{name}." for name in modality_encoders(model))
     for name, module in model.named_modules():
@@ -273,6 +274,8 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
         if encoders and name.startswith(encoders):
             continue
         if not all(any(is_linear(m) for m in item.modules()) for item in module):
+            continue
+        if any(is_linear(item) for item in module):
             continue
         if best is None or len(module) > len(best[1]):
             best = (name, module)

@@ -18,9 +18,15 @@ ARCHITECTURES = [
     "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma4_text", "phi3",
     "olmo2", "granite", "cohere2", "smollm3", "glm4", "falcon", "gpt_neox",
     # mixture of experts
-    "deepseek_v3", "glm4_moe", "minimax_m2", "ernie4_5_moe", "olmoe", "phimoe",
+    "deepseek_v3", "glm4_moe", "minimax_m2", "ernie4_5_moe", "olmoe", "phimoe", "longcat_flash",
+    "dbrx", "lfm2_moe",
+    # sparse attention (DeepSeek's lightning indexer, DeepSeek-V4's compressors)
+    "deepseek_v32", "glm_moe_dsa", "deepseek_v4",
     # hybrid: linear attention or Mamba layers
-    "qwen3_next", "nemotron_h", "falcon_h1", "granitemoehybrid", "jamba", "lfm2",
+    "qwen3_next", "nemotron_h", "falcon_h1", "granitemoehybrid", "jamba", "lfm2", "kimi_linear",
+    "bailing_hybrid", "zamba2", "mamba2",
+    # per-layer embeddings, AltUp and LAuReL
+    "gemma3n_text",
 ]
 IDS = torch.randint(3, 250, (2, 24), generator=torch.Generator().manual_seed(0))
 
@@ -37,7 +43,8 @@ def test_an_architecture_quantizes_and_reloads_through_transformers(tmp_path, ar
     layers = quantized_linears(model)
     left = [name for name in linears if name not in layers]
     assert all(name in report.skipped for name in left), left
-    assert all("router" in report.skipped[name] or name.endswith("dt_proj") for name in left)
+    assert all("router" in report.skipped[name] or name.endswith("dt_proj")
+               or name.endswith("o_a_proj") for name in left)  # DeepSeek-V4's grouped linear
     with torch.no_grad():
         quantized = model(IDS).logits
     assert torch.isfinite(quantized).all()
@@ -50,3 +57,17 @@ def test_an_architecture_quantizes_and_reloads_through_transformers(tmp_path, ar
     assert set(quantized_linears(reloaded)) == set(layers)
     with torch.no_grad():
         assert torch.equal(reloaded(IDS).logits, quantized)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa", "deepseek_v4"])
+def test_sparse_attention_scoring_layers_stay_in_full_precision(arch):
+    """vLLM and SGLang build the lightning indexer's ``weights_proj`` and DeepSeek-V4's KV
+    compressors unquantized: a checkpoint holding them in FP4 would not load there."""
+    model = small_model(arch)
+    quantize_model(model, [{"input_ids": IDS}], QuantizationConfig(), progress=False)
+    layers = quantized_linears(model)
+    kept = [name for name in find_linears(model, ignore=[])
+            if name.endswith(("weights_proj", "compressor.kv_proj", "compressor.gate_proj",
+                              "indexer.kv_proj", "indexer.gate_proj"))]
+    assert kept and not set(kept) & set(layers)
+    assert any(name.endswith(("indexer.wq_b", "indexer.q_b_proj")) for name in layers)

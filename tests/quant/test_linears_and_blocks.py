@@ -126,6 +126,21 @@ def test_layers_run_before_the_blocks_are_a_step_of_their_own():
             "targeted layers outside its blocks model.layers not run before them: lm_head")
 
 
+def test_a_list_of_linear_layers_is_not_the_stack_of_blocks():
+    """A tiny Gemma 3n holds 3 ``altup_projections`` and 2 blocks: the blocks are the stack,
+    and the AltUp projections run before them, in the prologue step (its AltUp unembedding,
+    after the blocks, matches the ``embed`` pattern and is not targeted)."""
+    from tiny_models import small_model
+
+    model = small_model("gemma3n_text")
+    assert find_blocks(model)[0] == "model.layers"
+    ids = torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(0))
+    runner = SequentialRunner(model, [{"input_ids": ids}], targets=list(find_linears(model)))
+    assert runner.whole_model is None
+    assert runner.prologue.names == ["model.per_layer_model_projection",
+                                     *(f"model.altup_projections.{i}" for i in range(3))]
+
+
 class _DictBlock(torch.nn.Module):
     def __init__(self):
         super().__init__()

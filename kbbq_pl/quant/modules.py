@@ -6,12 +6,13 @@ expressions and none of the ``ignore`` ones (``re.search``).  By default every l
 a target except the LM head, embeddings and BERT's pooler, which are not part of the
 transformer blocks (llm-compressor ignores ``lm_head`` likewise), and Mamba's time-step
 projection ``dt_proj`` (Mamba, Falcon-Mamba, Jamba), whose weight the mixer reads directly
-instead of calling the layer (vLLM leaves it unquantized too).  Sparse attention's small
-scoring layers, which vLLM and SGLang build unquantized, stay in full precision too: the
-lightning indexer's per-head ``weights_proj`` (DeepSeek-V3.2, GLM-5; DeepSeek-V4's
-``indexer.scorer.weights_proj``) and DeepSeek-V4's KV compressors (``compressor.kv_proj`` /
-``gate_proj`` and the indexer's own, ``indexer.kv_proj`` / ``gate_proj``: vLLM's
-``fused_wkv_wgate``).
+instead of calling the layer (vLLM leaves it unquantized too).  Sparse attention's key and
+scoring layers stay in full precision too, as vLLM builds them: the lightning indexer's key
+``wk`` and per-head ``weights_proj`` (DeepSeek-V3.2, GLM-5: one unquantized GEMM,
+``wk_weights_proj``; DeepSeek-V4's ``indexer.scorer.weights_proj``) and DeepSeek-V4's KV
+compressors (``compressor.kv_proj`` / ``gate_proj`` and the indexer's own, ``indexer.kv_proj``
+/ ``gate_proj``: ``fused_wkv_wgate``).  The indexer's query (``wq_b``, V4's ``q_b_proj``) is
+quantized.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from ..formats.rounding import all_finite
 
 DEFAULT_TARGETS: tuple[str, ...] = (".*",)
 DEFAULT_IGNORE: tuple[str, ...] = (r"(^|\.)lm_head$", r"embed", r"(^|\.)(wte|wpe)$", r"pooler",
-                                   r"(^|\.)dt_proj$", r"(^|\.)indexer\.(scorer\.)?weights_proj$",
+                                   r"(^|\.)dt_proj$",
+                                   r"(^|\.)indexer\.(wk|(scorer\.)?weights_proj)$",
                                    r"(^|\.)(compressor|indexer)\.(kv|gate)_proj$")
 
 

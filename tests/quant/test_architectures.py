@@ -61,13 +61,15 @@ def test_an_architecture_quantizes_and_reloads_through_transformers(tmp_path, ar
 
 @pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa", "deepseek_v4"])
 def test_sparse_attention_scoring_layers_stay_in_full_precision(arch):
-    """vLLM and SGLang build the lightning indexer's ``weights_proj`` and DeepSeek-V4's KV
-    compressors unquantized: a checkpoint holding them in FP4 would not load there."""
+    """vLLM builds the lightning indexer's ``wk`` and ``weights_proj`` (one unquantized GEMM)
+    and DeepSeek-V4's KV compressors unquantized: a checkpoint holding them in FP4 would not
+    load there."""
     model = small_model(arch)
     quantize_model(model, [{"input_ids": IDS}], QuantizationConfig(), progress=False)
     layers = quantized_linears(model)
     kept = [name for name in find_linears(model, ignore=[])
-            if name.endswith(("weights_proj", "compressor.kv_proj", "compressor.gate_proj",
-                              "indexer.kv_proj", "indexer.gate_proj"))]
+            if name.endswith(("weights_proj", "indexer.wk", "compressor.kv_proj",
+                              "compressor.gate_proj", "indexer.kv_proj", "indexer.gate_proj"))]
     assert kept and not set(kept) & set(layers)
+    assert arch == "deepseek_v4" or any(name.endswith("indexer.wk") for name in kept)
     assert any(name.endswith(("indexer.wq_b", "indexer.q_b_proj")) for name in layers)

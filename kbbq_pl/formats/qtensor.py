@@ -239,12 +239,14 @@ def _global_scale_arg(fmt: Format, global_scale: Tensor | float | None, name: st
     if value.numel() != 1:
         raise ValueError(f"{name}: global_scale must be a scalar, got shape {tuple(value.shape)}")
     value = value.reshape(())
-    least = rounding.NVFP4_MIN_GLOBAL_SCALE
-    what = f"global_scale must be finite and at least {least:g}"
-    if _held_on_device(torch.isfinite(value) & (value >= least), name, what, value):
+    # a positive scale below the smallest usable one quantizes to zeros, as a tensor below the
+    # representable range does: a layer calibrated on zeros by kbbq-pl before 2^-121 was that
+    # smallest scale holds 2^-122
+    what = "global_scale must be finite and positive"
+    if _held_on_device(torch.isfinite(value) & (value > 0), name, what, value):
         return value
     scalar = float(value)
-    if not (math.isfinite(scalar) and scalar >= least):
+    if not (math.isfinite(scalar) and scalar > 0):
         raise ValueError(f"{name}: {what}, got {scalar!r}")
     return value
 

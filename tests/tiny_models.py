@@ -176,3 +176,45 @@ def small_model(model_type: str, seed: int = 0, **overrides: Any) -> nn.Module:
     config = cls(**{k: v for k, v in values.items() if v is not None})
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config).eval()
+
+
+_SMALL_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, depth=2,
+                     num_attention_heads=2, num_heads=2, num_key_value_heads=2, head_dim=16,
+                     image_size=32, patch_size=8, out_hidden_size=64, embed_dim=32,
+                     position_embedding_size=64, pooling_kernel_size=2)
+_MROPE = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+_SMALL_MULTIMODAL: dict[str, dict[str, dict[str, Any]]] = {
+    "kimi_k25": {"text_config": {"head_dim": 8, "num_key_value_heads": 4}},  # DeepSeek-V3
+    "qwen3_5_moe": {"text_config": {"num_hidden_layers": 4}},  # a full-attention layer
+    "glm4v_moe": {"text_config": {"rope_parameters": {**_MROPE, "mrope_section": [2, 1, 1],
+                                                      "partial_rotary_factor": 0.5}}},
+    "glm4v": {"text_config": {"rope_parameters": _MROPE}},
+    "step3p7": {"text_config": {"sliding_window": 8}},
+}
+_VISION_OFF_BY_DEFAULT = {"gemma4": ("vision_config",)}
+
+
+def small_multimodal(model_type: str, seed: int = 0) -> nn.Module:
+    """A random-initialized image-text-to-text model of any transformers ``model_type``: each
+    of its sub-configs made small (the text config's fields that :data:`_SMALL` names,
+    vocabulary 512; the vision and other encoders' that :data:`_SMALL_VISION` names), eval
+    mode.  Text only: builds the model, not its image inputs."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    cls = type(AutoConfig.for_model(model_type))
+    default = cls()
+    overrides = _SMALL_MULTIMODAL.get(model_type, {})
+    kwargs = {}
+    for name, sub_class in (getattr(cls, "sub_configs", None) or {}).items():
+        sub = getattr(default, name, None)
+        if sub is None and name in _VISION_OFF_BY_DEFAULT.get(model_type, ()):
+            sub = sub_class()
+        if sub is None or not hasattr(sub, "to_dict"):
+            continue
+        small = {**_SMALL, "vocab_size": 512} if name == "text_config" else _SMALL_VISION
+        fields = sub.to_dict()
+        values = {**{k: v for k, v in small.items() if k in fields}, **overrides.get(name, {})}
+        kwargs[name] = {**{k: v for k, v in values.items() if v is not None},
+                        "model_type": sub.model_type}
+    torch.manual_seed(seed)
+    return AutoModelForImageTextToText.from_config(cls(**kwargs)).eval()

@@ -110,11 +110,12 @@ class SafetensorsSource:
 
     Given the ``model`` they are read into, a tensor is asked for by the model's name and found
     as transformers' ``from_pretrained`` finds it: through the architecture's conversion mapping
-    (renamed, e.g. Mixtral's ``block_sparse_moe`` as ``mlp``; or made of several stored tensors,
+    (renamed, e.g. Mixtral's ``block_sparse_moe`` as ``mlp``; made of several stored tensors,
     e.g. a mixture-of-experts layer's fused ``experts.gate_up_proj`` of each expert's
-    ``gate_proj`` and ``up_proj``), with the base-model prefix removed or added (a bare encoder
-    read from a checkpoint saved with its head, and the reverse).  Without ``model``, names are
-    the stored ones."""
+    ``gate_proj`` and ``up_proj``; or one of the pieces of a stored tensor, e.g. Kimi K2.5's
+    vision ``attn.q_proj`` / ``k_proj`` / ``v_proj`` of its ``wqkv``), with the base-model
+    prefix removed or added (a bare encoder read from a checkpoint saved with its head, and the
+    reverse).  Without ``model``, names are the stored ones."""
 
     def __init__(self, folder: str | Path, model: nn.Module | None = None) -> None:
         self.folder = Path(folder)
@@ -135,6 +136,8 @@ class SafetensorsSource:
         self._sources: dict[str, list[tuple[str, str | None]]] = {}
         self._converters: dict[str, Any] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._made_with: dict[str, str] = {}  # a piece of a split: the name its converter runs as
+        self._parameters: _MappedParameters | None = None
         if model is None:
             self._sources = {name: [(name, None)] for name in self.files}
         else:
@@ -158,6 +161,7 @@ class SafetensorsSource:
         converters = [entry for entry in mapping if isinstance(entry, WeightConverter)]
         by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
         expected = model.state_dict()
+        self._parameters = _MappedParameters(model, expected)
         prefix = getattr(model, "base_model_prefix", "")
         for key in sorted(self.files, key=dot_natural_key):
             name, pattern = rename_source_key(key, renamings, converters, prefix, expected)
@@ -166,9 +170,20 @@ class SafetensorsSource:
             elif name not in expected:
                 name, pattern = rename_source_key(key, [], [], prefix, expected)
             self._sources.setdefault(name, []).append((key, pattern))
-            if pattern is not None:
-                self._converters[name] = by_pattern[pattern]
-                self._shapes[name] = tuple(expected[name].shape)
+            if pattern is None:
+                continue
+            converter = by_pattern[pattern]
+            # a one-to-many converter maps the stored tensor to its first target; the others
+            # are the same stored tensor's other pieces (transformers names them alike)
+            first, *others = converter.target_patterns
+            pieces = [name] + [name.replace(first, other) for other in others
+                               if len(converter.source_patterns) == 1]
+            for piece in pieces:
+                if piece in expected:
+                    self._sources[piece] = self._sources[name]
+                    self._converters[piece] = converter
+                    self._shapes[piece] = tuple(expected[piece].shape)
+                    self._made_with[piece] = name
 
     @staticmethod
     def _open(file: Path):
@@ -207,21 +222,30 @@ class SafetensorsSource:
         stored: dict[str, Tensor] = {}
         for file, keys in by_file.items():
             with self._open(file) as handle:
-                for key in keys:
+                for key in dict.fromkeys(keys):
                     stored[key] = handle.get_tensor(key)
         tensors: dict[str, Tensor] = {}
+        converted: dict[str, dict[str, Any]] = {}  # by the name each converter ran as
         for name in names:
             if name not in self._converters:
                 tensors[name] = stored.pop(self._sources[name][0][0])
                 continue
-            converter = deepcopy(self._converters[name])
-            for key, pattern in self._sources[name]:
-                converter.add_tensor(name, key, pattern, stored.pop(key))
-            try:
-                value = converter.convert(name, model=self.model, config=self.model.config)[name]
-            except (RuntimeError, ValueError, KeyError, IndexError) as error:
-                raise CheckpointError(f"{self.folder}: {name} cannot be made of its stored "
-                                      f"tensors ({self._stored_counts(name)}): {error}") from None
+            made_with = self._made_with[name]
+            if made_with not in converted:
+                converter = deepcopy(self._converters[name])
+                for key, pattern in self._sources[name]:
+                    converter.add_tensor(made_with, key, pattern, stored.pop(key))
+                try:
+                    converted[made_with] = converter.convert(
+                        made_with, model=self._parameters, config=self.model.config)
+                except (RuntimeError, ValueError, KeyError, IndexError) as error:
+                    raise CheckpointError(f"{self.folder}: {name} cannot be made of its stored "
+                                          f"tensors ({self._stored_counts(name)}): {error}"
+                                          ) from None
+            value = converted[made_with].pop(name, None)
+            if value is None:
+                raise CheckpointError(f"{self.folder}: the stored tensors of {made_with} "
+                                      f"({self._stored_counts(name)}) do not make {name}")
             value = value[0] if isinstance(value, list) else value
             if tuple(value.shape) != self._shapes[name]:
                 raise CheckpointError(
@@ -229,6 +253,23 @@ class SafetensorsSource:
                     f"{list(value.shape)}, the model's config makes it {list(self._shapes[name])}")
             tensors[name] = value
         return tensors
+
+
+class _MappedParameters:
+    """What transformers' conversion operations ask of the model (a parameter's shape and dtype
+    by name, ``get_parameter``), as the model was when its names were mapped: the pipeline may
+    since have made its fused experts linear layers (Qwen3-VL-MoE's experts are stored fused and
+    transposed, and its conversion compares them with the fused parameter's shape)."""
+
+    def __init__(self, model: nn.Module, state: dict[str, Tensor]) -> None:
+        self.config = model.config
+        self._meta = {name: torch.empty(value.shape, dtype=value.dtype, device="meta")
+                      for name, value in state.items()}
+
+    def get_parameter(self, name: str) -> Tensor:
+        if name not in self._meta:
+            raise AttributeError(f"the model has no parameter {name}")
+        return self._meta[name]
 
 
 def _materialize(module: nn.Module, tensors: dict[str, Tensor], device: torch.device,

@@ -141,9 +141,9 @@ def find_linears(
 def modality_encoders(model: nn.Module) -> list[str]:
     """The parts of a multimodal model outside its language model, by qualified name (Llava
     and Gemma 3: ``model.vision_tower`` and ``model.multi_modal_projector``; Qwen2.5-VL:
-    ``model.visual``): the other children of the module that holds ``model.get_decoder()`` in a
-    model whose config has a ``vision_config``; none for a text model.  Text calibration never
-    runs them, so they are not quantized."""
+    ``model.visual``; Step 3.7's projector is one linear layer): the other children of the
+    module that holds ``model.get_decoder()`` in a model whose config has a ``vision_config``;
+    none for a text model.  Text calibration never runs them, so they are not quantized."""
     if getattr(getattr(model, "config", None), "vision_config", None) is None:
         return []
     try:

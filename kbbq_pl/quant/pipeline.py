@@ -96,7 +96,7 @@ def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[st
     skipped: dict[str, str] = {}
     encoders = {encoder: f"{encoder}." for encoder in modality_encoders(model)}
     for encoder, lead in encoders.items():
-        inside = [name for name in modules if name.startswith(lead)]
+        inside = [name for name in modules if name == encoder or name.startswith(lead)]
         for name in inside:
             del modules[name]
         skipped[encoder] = (f"outside the language model of a multimodal model ({len(inside)} "

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from tiny_models import IMAGE_TOKEN, tiny_multimodal
+from tiny_models import IMAGE_TOKEN, small_multimodal, tiny_multimodal
 
 from kbbq_pl.cli.commands import main
 from kbbq_pl.io.checkpoint import read_tensors, save_quantized
@@ -111,3 +111,37 @@ def test_quantize_a_multimodal_folder_from_the_command_line(tmp_path, capsys):
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert set(report["skipped"]) >= {"model.vision_tower", "model.multi_modal_projector"}
     assert "fidelity" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model_type", [
+    "qwen3_vl", "qwen3_vl_moe",  # experts stored fused and transposed
+    "kimi_k25",  # its vision attention stored as one wqkv, split in three when loaded
+    "gemma4", "glm4v_moe",
+    "step3p7",  # its projector is one linear layer
+])
+def test_more_multimodal_models_quantize_reload_and_stream(model_type, tmp_path):
+    """Text only: the language model quantized, the encoders kept, the checkpoint reloaded
+    through transformers bit for bit, and streamed from disk as in memory."""
+    from transformers import AutoModelForImageTextToText
+
+    model = small_multimodal(model_type)
+    encoders = modality_encoders(model)
+    assert encoders and find_blocks(model)[0].endswith("language_model.layers")
+    report = quantize_model(model, _batches(), QuantizationConfig(), progress=False)
+    layers = quantized_linears(model)
+    assert layers and not [n for n in layers if n.startswith(tuple(encoders))]
+    assert all(encoder in report.skipped for encoder in encoders)
+    ids = _batches()[0]["input_ids"][:1]
+    save_quantized(model, tmp_path / "q")
+    reloaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "q")
+    assert torch.equal(logits(reloaded, {"input_ids": ids}), logits(model, {"input_ids": ids}))
+    small_multimodal(model_type).to(torch.bfloat16).save_pretrained(tmp_path / "src",
+                                                                    max_shard_size="300KB")
+    config = QuantizationConfig()
+    memory, _ = load_model(tmp_path / "src")
+    quantize_model(memory, _batches(), config, progress=False)
+    save_quantized(memory, tmp_path / "memory")
+    quantize_checkpoint(tmp_path / "src", tmp_path / "streamed", config, _batches(),
+                        progress=False)
+    a, b = read_tensors(tmp_path / "memory"), read_tensors(tmp_path / "streamed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -93,6 +93,11 @@ def test_a_multimodal_model_streams_bit_for_bit_as_in_memory(arch, tmp_path):
     # save_pretrained writes the architecture's original names (llava and gemma3:
     # language_model.model.layers.*; qwen2.5-vl: model.layers.*, visual.*)
     tiny_multimodal(arch).to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    assert_streams_as_in_memory(tmp_path)
+
+
+def assert_streams_as_in_memory(tmp_path) -> None:
+    """The checkpoint in ``tmp_path / "src"`` streamed gives the in-memory run's tensors."""
     config = QuantizationConfig()
     model, _ = load_model(tmp_path / "src")
     quantize_model(model, _batches(), config, progress=False)
@@ -137,11 +142,4 @@ def test_more_multimodal_models_quantize_reload_and_stream(model_type, tmp_path)
     assert torch.equal(logits(reloaded, {"input_ids": ids}), logits(model, {"input_ids": ids}))
     small_multimodal(model_type).to(torch.bfloat16).save_pretrained(tmp_path / "src",
                                                                     max_shard_size="300KB")
-    config = QuantizationConfig()
-    memory, _ = load_model(tmp_path / "src")
-    quantize_model(memory, _batches(), config, progress=False)
-    save_quantized(memory, tmp_path / "memory")
-    quantize_checkpoint(tmp_path / "src", tmp_path / "streamed", config, _batches(),
-                        progress=False)
-    a, b = read_tensors(tmp_path / "memory"), read_tensors(tmp_path / "streamed")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_streams_as_in_memory(tmp_path)

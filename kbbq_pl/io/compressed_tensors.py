@@ -38,9 +38,11 @@ them).  What each kbbq-pl layer becomes (:func:`plan_layers`):
   warns, ``strict`` refuses);
 * the experts of a mixture-of-experts model (:mod:`kbbq_pl.quant.experts`): plain FP4 only,
   the whole model written under the names of the architecture's own checkpoints
-  (:func:`checkpoint_names`: each expert's ``gate_up_proj`` split into its gate and up layers),
-  the routers in ``ignore``, as llm-compressor writes them; import regroups them
-  (:func:`model_names`).
+  (:func:`checkpoint_names`: each expert's ``gate_up_proj`` split into its gate and up layers;
+  experts that the checkpoints store as one 3-D tensor, Llama 4's and Qwen3-VL-MoE's, expert by
+  expert), the routers in ``ignore``, as llm-compressor writes them; import regroups them
+  (:func:`model_names`).  Where transformers reads such experts fused only (Qwen3-VL-MoE), the
+  export warns and ``strict`` refuses (:func:`experts_hf_misses`).
 
 :data:`ISSUES` is the one list of what stock readers would not compute as kbbq-pl does:
 :func:`plan_layers` tags each layer with its issue, :func:`describe_issues` turns the tags into
@@ -59,7 +61,7 @@ import copy
 import json
 import logging
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,7 +70,7 @@ import torch
 from torch import Tensor, nn
 
 from ..formats import Format, get_format
-from ..quant.experts import fused_experts, unfuse_experts
+from ..quant.experts import fused_experts, has_plain_experts, unfuse_experts
 from ..quant.layers import quantized_linears
 from ..quant.modules import is_transposed
 from ..transforms.fit import hadamard, transform_inputs
@@ -239,6 +241,10 @@ ISSUES = {
                  "from_pretrained call compressed-tensors' apply_transform_config(model, config) "
                  "with only the config's location 'input' transforms (the weight_input ones are "
                  "folded into the weights)"),
+    "by_expert": ("experts that this architecture's checkpoints store fused, written expert by "
+                  "expert (gate_proj, up_proj, down_proj) as llm-compressor writes them: vLLM "
+                  "reads them, but HF transformers reads this architecture's experts fused only "
+                  f"and would leave them at random; serve it with vLLM, or {LOAD_HINT}"),
 }
 """What stock compressed-tensors readers would not compute as kbbq-pl does, by issue: the
 export logs one warning per issue present (:func:`describe_issues`), ``strict`` refuses."""
@@ -275,13 +281,17 @@ def _check_format(name: str, fmt: Format) -> None:
 
 
 def plan_layers(layers: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, Tensor],
-                linear_types: Mapping[str, str], strict: bool) -> dict[str, ExportLayer]:
+                linear_types: Mapping[str, str], strict: bool,
+                unread_experts: Collection[str] = ()) -> dict[str, ExportLayer]:
     """What each quantized layer becomes (the module docstring); ``linear_types`` maps every
-    linear module of the architecture to its class name.  Raises :class:`ExportError` for what
-    cannot be written, and with ``strict`` for anything stock readers would not compute as
-    kbbq-pl does (:data:`ISSUES`: per-block transforms, the block Hadamard that transformers
-    drops, dense fallbacks), naming the layers."""
+    linear module of the architecture to its class name; ``unread_experts``: the experts
+    modules that HF transformers does not read expert by expert (:func:`experts_hf_misses`).
+    Raises :class:`ExportError` for what cannot be written, and with ``strict`` for anything
+    stock readers would not compute as kbbq-pl does (:data:`ISSUES`: per-block transforms, the
+    block Hadamard that transformers drops, dense fallbacks, experts transformers leaves
+    unread), naming the layers."""
     plans: dict[str, ExportLayer] = {}
+    unread = tuple(f"{prefix}." for prefix in unread_experts)
     for name, meta in layers.items():
         fmt = get_format(meta["format"])
         _check_format(name, fmt)
@@ -291,7 +301,8 @@ def plan_layers(layers: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, T
                 raise ExportError(f"{name}: an expert of a mixture-of-experts layer exports as "
                                   "plain FP4 only (no transform, no padding); this one has "
                                   + (f"a {kind} transform" if kind != "none" else "padding"))
-            plans[name] = ExportLayer(name, True, kind)
+            plans[name] = ExportLayer(name, True, kind,
+                                      "by_expert" if name.startswith(unread) else None)
             continue
         if linear_types.get(name) != "Linear":
             raise ExportError(f"{name}: compressed-tensors quantizes torch.nn.Linear layers; "
@@ -407,33 +418,93 @@ def checkpoint_names(state: dict[str, Tensor], skeleton: nn.Module) -> dict[str,
     ``down_proj``) are stacked into the fused weight that the mapping splits into the stored
     per-expert ones (Qwen3-MoE: ``<experts>.<e>.gate_proj`` and ``up_proj``, each half of the
     rows; Mixtral: ``block_sparse_moe.experts.<e>.w1`` / ``w3`` / ``w2``); a per-tensor scale is
-    shared by the gate and up halves.  ``state`` is consumed."""
+    shared by the gate and up halves.  Experts that the checkpoints store as one 3-D tensor
+    (Llama 4, Qwen3-VL-MoE) are written expert by expert under the stored experts' name, as
+    llm-compressor writes them and vLLM reads them (:func:`_expert_by_expert`).  ``state`` is
+    consumed."""
     from transformers.core_model_loading import revert_weight_conversion
 
     out: dict[str, Tensor] = {}
     for prefix, experts in fused_experts(skeleton).items():
         count = experts.down_proj.shape[0]
         for proj in ("gate_up_proj", "up_proj", "down_proj"):
+            fused = f"{prefix}.{proj}"
+            stored_fused = stored_fused_experts(skeleton, fused, count)
+            if stored_fused is not None and f"{prefix}.0.{proj}.weight_packed" in state \
+                    and not has_plain_experts(experts):
+                raise ExportError(
+                    f"{fused}: {type(skeleton).__name__} checkpoints store these experts as one "
+                    "3-D tensor and they are not plain gated MLPs (biases, or their own "
+                    "gating), which compressed-tensors does not express expert by expert; "
+                    "export gpt-oss's MXFP4 experts with --format mxfp4, or serve the kbbq-pl "
+                    "folder (kbbq-pl serve)")
             for suffix in EXPERT_SUFFIXES:
                 keys = [f"{prefix}.{e}.{proj}.{suffix}" for e in range(count)]
                 if keys[0] not in state:
                     continue
                 parts = [state.pop(key) for key in keys]
+                if stored_fused is not None:
+                    out.update(_expert_by_expert(stored_fused, proj, suffix, parts))
+                    continue
                 stacked = torch.stack(parts)
                 if parts[0].dim() == 1 and proj == "gate_up_proj":
                     stacked = torch.stack([stacked, stacked], dim=1)  # [experts, 2, 1]
-                fused = f"{prefix}.{proj}"
                 stored = revert_weight_conversion(skeleton, {fused: stacked})
-                if fused in stored:
-                    raise ExportError(
-                        f"{fused}: {type(skeleton).__name__} checkpoints store these experts "
-                        "as one 3-D tensor, which compressed-tensors does not express; serve "
-                        "the kbbq-pl folder with transformers (kbbq-pl serve)")
                 for key, value in stored.items():
                     value = value.reshape(parts[0].shape) if parts[0].dim() == 1 else value
                     out[f"{key.removesuffix('.weight')}.{suffix}"] = value.contiguous()
     out.update(revert_weight_conversion(skeleton, state))
     return out
+
+
+BY_EXPERT = {"gate_up_proj": ("gate_proj", "up_proj"), "up_proj": ("up_proj",),
+             "down_proj": ("down_proj",)}
+"""The linear layers of one expert, per fused projection, as llm-compressor names them where
+the checkpoints store the experts fused (its ``SequentialLlama4TextMoe``, and vLLM's loaders'
+per-expert ``gate_proj`` / ``up_proj`` / ``down_proj`` mapping)."""
+
+
+def stored_fused_experts(skeleton: nn.Module, fused: str, count: int) -> str | None:
+    """The stored name of the experts module whose fused projection ``fused`` (of ``count``
+    experts) the architecture's checkpoints hold as one tensor (Llama 4, Qwen3-VL-MoE, gpt-oss),
+    ``None`` where they hold it expert by expert: transformers' conversion mapping reversed on
+    a probe ``[count, 2, 1]``."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    proj = fused.rsplit(".", 1)[1]
+    (key, *more) = revert_weight_conversion(skeleton, {fused: torch.zeros(count, 2, 1)})
+    return None if more or not key.endswith(f".{proj}") else key.removesuffix(f".{proj}")
+
+
+def _expert_by_expert(stored_prefix: str, proj: str, suffix: str,
+                      parts: list[Tensor]) -> dict[str, Tensor]:
+    """Each expert's ``parts`` (its layer ``proj``'s tensor ``suffix``) under the stored experts
+    module ``stored_prefix`` as :data:`BY_EXPERT` names them: ``gate_up_proj``'s rows split into
+    the gate's and the up's halves, a per-tensor scale shared by both."""
+    out = {}
+    for e, part in enumerate(parts):
+        names = BY_EXPERT[proj]
+        pieces = [part] * len(names) if part.dim() == 1 else part.chunk(len(names))
+        for name, piece in zip(names, pieces):
+            out[f"{stored_prefix}.{e}.{name}.{suffix}"] = piece.clone()
+    return out
+
+
+def experts_hf_misses(skeleton: nn.Module) -> list[str]:
+    """The fused experts modules of ``skeleton`` that the export writes expert by expert
+    (:func:`stored_fused_experts`) and HF transformers does not read so: it reads them expert by
+    expert only where its compressed-tensors loader swaps the class for linear layers
+    (``MODULES_TO_PATCH_FOR_QUANTIZATION``: Llama 4's ``SequentialLlama4TextExperts``)."""
+    from transformers.quantizers.base import MODULES_TO_PATCH_FOR_QUANTIZATION
+    from transformers.utils.quantization_config import QuantizationMethod
+
+    def swapped(experts: nn.Module) -> bool:
+        patch = MODULES_TO_PATCH_FOR_QUANTIZATION.get(type(experts).__name__, {})
+        return QuantizationMethod.COMPRESSED_TENSORS in patch.get("quantization_methods", ())
+
+    return [prefix for prefix, experts in fused_experts(skeleton).items()
+            if stored_fused_experts(skeleton, f"{prefix}.down_proj", experts.down_proj.shape[0])
+            and not swapped(experts)]
 
 
 def _stored_module_names(names: list[str], skeleton: nn.Module) -> list[str]:
@@ -453,7 +524,7 @@ def _write_export(staging: Path, tensors: dict[str, Tensor], layers: dict[str, d
 
     linear_types = _linear_types(skeleton)
     moe = bool(fused_experts(skeleton))
-    plans = plan_layers(layers, tensors, linear_types, strict)
+    plans = plan_layers(layers, tensors, linear_types, strict, experts_hf_misses(skeleton))
     dense_experts = [n for n, kind in linear_types.items() if kind == "expert" and n not in plans]
     if dense_experts:
         raise ExportError(f"{dense_experts[0]} and {len(dense_experts) - 1} more experts are in "
@@ -734,9 +805,12 @@ def _regroup_experts(tensors: dict[str, Tensor], regrouped: dict[str, Tensor],
         if getattr(experts, proj, None) is None:
             continue
         fused = f"{prefix}.{proj}"
+        stored_fused = stored_fused_experts(skeleton, fused, count)
+        if stored_fused is not None:
+            sources.update(_regroup_by_expert(tensors, regrouped, prefix, proj, stored_fused,
+                                              count, folder))
+            continue
         modules = list(_stored_pieces(skeleton, {fused: torch.zeros(count, 2, 1)}))
-        if modules == [fused]:
-            continue  # stored fused: loads as it is
         present = [s for s in (*EXPERT_SUFFIXES, "weight") if f"{modules[0]}.{s}" in tensors]
         if "weight" in present and len(present) > 1:
             raise CheckpointError(f"{folder}: {modules[0]} holds both a dense weight and FP4 "
@@ -760,6 +834,37 @@ def _regroup_experts(tensors: dict[str, Tensor], regrouped: dict[str, Tensor],
                 sources[layer] = owners[e]
                 regrouped[f"{layer}.{suffix}"] = _expert_value(
                     stacked[e], values[owners[e][0]], f"{folder}: {layer}.{suffix}")
+    return sources
+
+
+def _regroup_by_expert(tensors: dict[str, Tensor], regrouped: dict[str, Tensor], prefix: str,
+                       proj: str, stored_fused: str, count: int,
+                       folder: Path) -> dict[str, list[str]]:
+    """:func:`_regroup_experts` for the projection ``proj`` of experts that the architecture's
+    checkpoints store fused, under the stored experts module ``stored_fused``: written expert
+    by expert (:func:`_expert_by_expert`; llm-compressor's Llama 4 and Qwen3-VL-MoE), each
+    expert's FP4 layers regrouped into kbbq-pl's ``<prefix>.<e>.<proj>``; stored fused, the
+    tensor loads as it is."""
+    names = BY_EXPERT[proj]
+    first = f"{stored_fused}.0.{names[0]}"
+    present = [s for s in (*EXPERT_SUFFIXES, "weight") if f"{first}.{s}" in tensors]
+    if "weight" in present:
+        raise CheckpointError(f"{folder}: {first}.weight is a dense expert stored expert by "
+                              "expert where the architecture stores its experts fused; kbbq-pl "
+                              "reads such experts in FP4 only")
+    sources: dict[str, list[str]] = {}
+    for e in range(count):
+        layer, owners = f"{prefix}.{e}.{proj}", [f"{stored_fused}.{e}.{n}" for n in names]
+        sources[layer] = owners
+        for suffix in present:
+            missing = [o for o in owners if f"{o}.{suffix}" not in tensors]
+            if missing:
+                raise CheckpointError(f"{folder}: the checkpoint has {first}.{suffix} but no "
+                                      f"{missing[0]}.{suffix}")
+            values = [tensors.pop(f"{o}.{suffix}") for o in owners]
+            rows = torch.cat(values) if values[0].dim() > 1 else torch.stack(values)
+            regrouped[f"{layer}.{suffix}"] = _expert_value(rows, values[0],
+                                                           f"{folder}: {layer}.{suffix}")
     return sources
 
 

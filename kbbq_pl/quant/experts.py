@@ -31,7 +31,8 @@ from torch import Tensor, nn
 from .modules import in_out_features, is_linear
 
 __all__ = ["FUSED_PARAMETERS", "SCORED_EXPERTS", "Expert", "ExpertLinears", "ScoredExpertLinears",
-           "calibrating_every_expert", "fused_experts", "moe_routers", "unfuse_experts"]
+           "calibrating_every_expert", "fused_experts", "has_plain_experts", "moe_routers",
+           "unfuse_experts"]
 
 FUSED_PARAMETERS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias",
                     "down_proj_bias")
@@ -74,6 +75,18 @@ def _chunked_gate(self: ExpertLinears, gate_up: Tensor) -> Tensor:
     """``act(gate) * up`` on the concatenated halves (transformers' default gating)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return self.act_fn(gate) * up
+
+
+def has_plain_experts(fused: nn.Module) -> bool:
+    """Whether each expert of the fused experts module ``fused`` is a plain MLP: no biases and,
+    if gated, transformers' default gating (:func:`_chunked_gate`: its ``gate_up_proj`` rows
+    are the gate's, then the up's), so that it splits into separate ``gate_proj``, ``up_proj``
+    and ``down_proj`` linear layers; not gpt-oss (biases, interleaved and clamped gating)."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    has_gate, has_bias, _ = _layout(fused)
+    gating = getattr(type(fused), "_apply_gate", _default_apply_gate)
+    return not has_bias and (not has_gate or gating is _default_apply_gate)
 
 
 def fused_experts(model: nn.Module) -> dict[str, nn.Module]:

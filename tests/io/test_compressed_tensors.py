@@ -20,7 +20,7 @@ pytest.importorskip("compressed_tensors", reason="compressed-tensors is not inst
 from compressed_tensors.compressors import BaseCompressor  # noqa: E402
 from compressed_tensors.quantization import QuantizationConfig as CTConfig  # noqa: E402
 from compressed_tensors.quantization import preset_name_to_scheme  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.utils.quantization_config import CompressedTensorsConfig  # noqa: E402
@@ -576,7 +576,6 @@ def _llm_compressor_style_moe_folder(folder: Path, preset: str, *, fuse_gate_up:
     linear layers under the checkpoint's names (``mlp.experts.<e>.gate_proj`` ...) quantized by
     compressed-tensors' own API (:func:`_compress_as_llm_compressor`), the gate and up layers
     sharing their global scale, the routers ignored."""
-    from safetensors.torch import save_file
     from transformers.core_model_loading import revert_weight_conversion
 
     model = tiny_model("qwen3_moe", seed=3)
@@ -654,6 +653,69 @@ def test_import_refuses_moe_layers_kbbq_pl_cannot_hold(tmp_path):
         from_pretrained(router)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_experts_stored_fused_export_expert_by_expert_as_llm_compressor_writes_them(fmt,
+                                                                                   tmp_path):
+    """Llama 4's checkpoints hold its experts as one 3-D tensor; the export writes each expert's
+    gate_proj / up_proj / down_proj (the names vLLM's and transformers' Llama 4 loaders read
+    expert by expert), decoded bit for bit; transformers computes kbbq-pl's weight-only model
+    bit for bit and kbbq-pl reads the folder back bit for bit."""
+    model = tiny_model("llama4_text")
+    quantize_model(model, _batches(), recipe(fmt, "identity", gptq=True), progress=False)
+    out = save_compressed_tensors(model, tmp_path / "ct", strict=True)
+    _, config = ct_config(out)
+    assert config.ignore == ["lm_head"] + [f"model.layers.{i}.feed_forward.router"
+                                           for i in (0, 1)]
+    layers = quantized_linears(model)
+    stored = load_file(str(out / "model.safetensors"))
+    assert not any(re.search(r"experts\.(gate_up|down)_proj", k) for k in stored)
+    for i in (0, 1):
+        prefix = f"model.layers.{i}.feed_forward.experts"
+        for e in range(model.config.num_local_experts):
+            ours = layers[f"{prefix}.{e}.gate_up_proj"].weight.dequantize(torch.bfloat16)
+            half = ours.shape[0] // 2
+            assert same_bits(ct_decompressed(out, f"{prefix}.{e}.gate_proj"), ours[:half])
+            assert same_bits(ct_decompressed(out, f"{prefix}.{e}.up_proj"), ours[half:])
+            assert same_bits(ct_decompressed(out, f"{prefix}.{e}.down_proj"),
+                             layers[f"{prefix}.{e}.down_proj"].weight.dequantize(torch.bfloat16))
+    loaded = AutoModelForCausalLM.from_pretrained(
+        out, quantization_config=CompressedTensorsConfig(dequantize=True))
+    assert type(loaded.model.layers[0].feed_forward.experts).__name__ == \
+        "SequentialLlama4TextExperts"  # transformers' own expert-by-expert Llama 4 experts
+    assert torch.equal(logits(loaded), logits(weight_only_reference(model, layers)))
+    assert torch.equal(logits(from_pretrained(out)), logits(model))
+    del stored["model.layers.1.feed_forward.experts.2.up_proj.weight_packed"]
+    save_file(stored, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"has model\.layers\.1\.feed_forward\.experts\.0"
+                                              r"\.gate_proj\.weight_packed but no .*experts\.2"
+                                              r"\.up_proj\.weight_packed"):
+        from_pretrained(out)
+
+
+def test_experts_transformers_reads_fused_only_export_with_a_warning(tmp_path, caplog):
+    """Qwen3-VL-MoE's experts (stored fused) are written expert by expert, as vLLM reads them;
+    transformers would leave them at random, so the export warns and strict refuses; kbbq-pl
+    reads the folder back bit for bit."""
+    from tiny_models import small_multimodal
+
+    model = small_multimodal("qwen3_vl_moe")
+    quantize_model(model, _batches(vocab=512), recipe("nvfp4", "identity"), progress=False)
+    with pytest.raises(ExportError, match=r"--strict: .*experts\.0\.gate_up_proj.* HF "
+                                          "transformers reads this architecture's experts fused "
+                                          "only"):
+        save_compressed_tensors(model, tmp_path / "strict", strict=True)
+    assert not (tmp_path / "strict").exists()
+    with caplog.at_level(logging.WARNING, logger="kbbq_pl"):
+        out = save_compressed_tensors(model, tmp_path / "ct")
+    assert any("vLLM reads them" in line for line in export_warnings(caplog))
+    stored = load_file(str(out / "model.safetensors"))
+    prefix = "model.language_model.layers.1.mlp.experts"
+    assert {f"{prefix}.3.{p}.weight_packed" for p in ("gate_proj", "up_proj", "down_proj")} \
+        <= set(stored)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(7))
+    assert torch.equal(logits(from_pretrained(out), ids), logits(model, ids))
+
+
 def test_moe_experts_with_a_transform_or_stored_fused_are_refused(tmp_path):
     kbbq = tiny_model("qwen3_moe")
     quantize_model(kbbq, _batches(), recipe("nvfp4", "kbbq"), progress=False)
@@ -663,7 +725,8 @@ def test_moe_experts_with_a_transform_or_stored_fused_are_refused(tmp_path):
     gpt_oss = tiny_model("gpt_oss")
     quantize_model(gpt_oss, _batches(), recipe("mxfp4", "identity"), progress=False)
     with pytest.raises(ExportError, match=r"experts\.gate_up_proj: GptOssForCausalLM "
-                                          "checkpoints store these experts as one 3-D tensor"):
+                                          "checkpoints store these experts as one 3-D tensor "
+                                          r"and they are not plain gated MLPs .* --format mxfp4"):
         save_compressed_tensors(gpt_oss, tmp_path / "gpt_oss")
     dense = tiny_model("qwen3_moe")
     ignored = QuantizationConfig(transform=TransformConfig("identity"),

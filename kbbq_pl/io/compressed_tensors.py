@@ -319,11 +319,15 @@ def plan_layers(layers: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, T
             plans[name] = ExportLayer(name, True, kind)
     issues = describe_issues(plans)
     if strict and issues:
+        requantize = any(plan.issue in ("padded", "transform", "hadamard")
+                         for plan in plans.values())
         raise ExportError(
             "--strict: stock compressed-tensors readers (vLLM, transformers) would not compute "
             f"what kbbq-pl computes: {'; '.join(issues)}. Export without --strict to write "
-            "them as documented, or, for every reader, quantize without a transform "
-            "(transform identity: i_*, gptq_* recipes; unaligned: skip for the padded layers)")
+            "them as documented" + (
+                ", or, for every reader, quantize without a transform (transform identity: "
+                "i_*, gptq_* recipes; unaligned: skip for the padded layers)" if requantize
+                else ""))
     return plans
 
 

@@ -42,7 +42,8 @@ them).  What each kbbq-pl layer becomes (:func:`plan_layers`):
   experts that the checkpoints store as one 3-D tensor, Llama 4's and Qwen3-VL-MoE's, expert by
   expert), the routers in ``ignore``, as llm-compressor writes them; import regroups them
   (:func:`model_names`).  Where transformers reads such experts fused only (Qwen3-VL-MoE), the
-  export warns and ``strict`` refuses (:func:`experts_hf_misses`).
+  export warns and ``strict`` refuses (:func:`hf_expert_issues`), as it does for NVFP4 experts
+  that transformers merges into fused experts without their ``weight_global_scale``.
 
 :data:`ISSUES` is the one list of what stock readers would not compute as kbbq-pl does:
 :func:`plan_layers` tags each layer with its issue, :func:`describe_issues` turns the tags into
@@ -61,7 +62,7 @@ import copy
 import json
 import logging
 import shutil
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -245,6 +246,11 @@ ISSUES = {
                   "expert (gate_proj, up_proj, down_proj) as llm-compressor writes them: vLLM "
                   "reads them, but HF transformers reads this architecture's experts fused only "
                   f"and would leave them at random; serve it with vLLM, or {LOAD_HINT}"),
+    "expert_global_scale": ("NVFP4 experts that HF transformers merges into its fused experts: "
+                            "the installed transformers dequantizes them without their "
+                            "weight_global_scale (huggingface/transformers#48371), so its experts "
+                            "are off by that scale; vLLM's loader reads it; "
+                            f"{LOAD_HINT}, or export MXFP4"),
 }
 """What stock compressed-tensors readers would not compute as kbbq-pl does, by issue: the
 export logs one warning per issue present (:func:`describe_issues`), ``strict`` refuses."""
@@ -282,16 +288,15 @@ def _check_format(name: str, fmt: Format) -> None:
 
 def plan_layers(layers: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, Tensor],
                 linear_types: Mapping[str, str], strict: bool,
-                unread_experts: Collection[str] = ()) -> dict[str, ExportLayer]:
+                expert_issues: Mapping[str, str] | None = None) -> dict[str, ExportLayer]:
     """What each quantized layer becomes (the module docstring); ``linear_types`` maps every
-    linear module of the architecture to its class name; ``unread_experts``: the experts
-    modules that HF transformers does not read expert by expert (:func:`experts_hf_misses`).
+    linear module of the architecture to its class name; ``expert_issues``: the issue of
+    each experts module's layers, by the format they are in (:func:`hf_expert_issues`).
     Raises :class:`ExportError` for what cannot be written, and with ``strict`` for anything
     stock readers would not compute as kbbq-pl does (:data:`ISSUES`: per-block transforms, the
-    block Hadamard that transformers drops, dense fallbacks, experts transformers leaves
-    unread), naming the layers."""
+    block Hadamard that transformers drops, dense fallbacks, experts transformers does not
+    read as written), naming the layers."""
     plans: dict[str, ExportLayer] = {}
-    unread = tuple(f"{prefix}." for prefix in unread_experts)
     for name, meta in layers.items():
         fmt = get_format(meta["format"])
         _check_format(name, fmt)
@@ -301,8 +306,9 @@ def plan_layers(layers: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, T
                 raise ExportError(f"{name}: an expert of a mixture-of-experts layer exports as "
                                   "plain FP4 only (no transform, no padding); this one has "
                                   + (f"a {kind} transform" if kind != "none" else "padding"))
-            plans[name] = ExportLayer(name, True, kind,
-                                      "by_expert" if name.startswith(unread) else None)
+            experts = name.rsplit(".", 2)[0]
+            plans[name] = ExportLayer(name, True, kind, (expert_issues or {}).get(
+                f"{experts}:{fmt.scale_kind}"))
             continue
         if linear_types.get(name) != "Linear":
             raise ExportError(f"{name}: compressed-tensors quantizes torch.nn.Linear layers; "
@@ -494,11 +500,17 @@ def _expert_by_expert(stored_prefix: str, proj: str, suffix: str,
     return out
 
 
-def experts_hf_misses(skeleton: nn.Module) -> list[str]:
-    """The fused experts modules of ``skeleton`` that the export writes expert by expert
-    (:func:`stored_fused_experts`) and HF transformers does not read so: it reads them expert by
-    expert only where its compressed-tensors loader swaps the class for linear layers
-    (``MODULES_TO_PATCH_FOR_QUANTIZATION``: Llama 4's ``SequentialLlama4TextExperts``)."""
+def hf_expert_issues(skeleton: nn.Module) -> dict[str, str]:
+    """How HF transformers reads each fused experts module of ``skeleton`` as exported (an
+    :data:`ISSUES` key by ``"<experts>:<scale kind>"``; absent: as written):
+
+    * written expert by expert where the checkpoints store them fused
+      (:func:`stored_fused_experts`), it reads them only where its compressed-tensors loader
+      swaps the class for linear layers (``MODULES_TO_PATCH_FOR_QUANTIZATION``: Llama 4's
+      ``SequentialLlama4TextExperts``): elsewhere ``by_expert``;
+    * merged into the fused weight (Qwen3-MoE, Mixtral, DeepSeek-V3, ...), NVFP4 experts lose
+      their ``weight_global_scale`` in the transformers that has that bug
+      (:func:`hf_drops_expert_global_scale`): ``expert_global_scale``."""
     from transformers.quantizers.base import MODULES_TO_PATCH_FOR_QUANTIZATION
     from transformers.utils.quantization_config import QuantizationMethod
 
@@ -506,9 +518,26 @@ def experts_hf_misses(skeleton: nn.Module) -> list[str]:
         patch = MODULES_TO_PATCH_FOR_QUANTIZATION.get(type(experts).__name__, {})
         return QuantizationMethod.COMPRESSED_TENSORS in patch.get("quantization_methods", ())
 
-    return [prefix for prefix, experts in fused_experts(skeleton).items()
-            if stored_fused_experts(skeleton, f"{prefix}.down_proj", experts.down_proj.shape[0])
-            and not swapped(experts)]
+    issues = {}
+    for prefix, experts in fused_experts(skeleton).items():
+        if swapped(experts):
+            continue
+        if stored_fused_experts(skeleton, f"{prefix}.down_proj", experts.down_proj.shape[0]):
+            issues.update({f"{prefix}:e4m3": "by_expert", f"{prefix}:e8m0": "by_expert"})
+        elif hf_drops_expert_global_scale():
+            issues[f"{prefix}:e4m3"] = "expert_global_scale"
+    return issues
+
+
+def hf_drops_expert_global_scale() -> bool:
+    """Whether the installed transformers decompresses merged MoE experts without their NVFP4
+    ``weight_global_scale`` (huggingface/transformers#48371; transformers 5.24 does): its
+    experts' decompression never names the tensor."""
+    import inspect
+
+    from transformers.integrations import compressed_tensors
+
+    return "weight_global_scale" not in inspect.getsource(compressed_tensors)
 
 
 def _stored_module_names(names: list[str], skeleton: nn.Module) -> list[str]:
@@ -528,7 +557,7 @@ def _write_export(staging: Path, tensors: dict[str, Tensor], layers: dict[str, d
 
     linear_types = _linear_types(skeleton)
     moe = bool(fused_experts(skeleton))
-    plans = plan_layers(layers, tensors, linear_types, strict, experts_hf_misses(skeleton))
+    plans = plan_layers(layers, tensors, linear_types, strict, hf_expert_issues(skeleton))
     dense_experts = [n for n, kind in linear_types.items() if kind == "expert" and n not in plans]
     if dense_experts:
         raise ExportError(f"{dense_experts[0]} and {len(dense_experts) - 1} more experts are in "

@@ -93,6 +93,7 @@ from .checkpoint import (
     write_hf_files,
 )
 from .fileio import check_output, save_safetensors, write_folder
+from .streaming import SafetensorsSource
 
 log = logging.getLogger(__name__)
 
@@ -440,14 +441,8 @@ def checkpoint_names(state: dict[str, Tensor], skeleton: nn.Module) -> dict[str,
         for proj in ("gate_up_proj", "up_proj", "down_proj"):
             fused = f"{prefix}.{proj}"
             stored_fused = stored_fused_experts(skeleton, fused, count)
-            if stored_fused is not None and f"{prefix}.0.{proj}.weight_packed" in state \
-                    and not has_plain_experts(experts):
-                raise ExportError(
-                    f"{fused}: {type(skeleton).__name__} checkpoints store these experts as one "
-                    "3-D tensor and they are not plain gated MLPs (biases, or their own "
-                    "gating), which compressed-tensors does not express expert by expert; "
-                    "export gpt-oss's MXFP4 experts with --format mxfp4, or serve the kbbq-pl "
-                    "folder (kbbq-pl serve)")
+            if stored_fused is not None:
+                stored_fused = stored_fused.removesuffix(f".{proj}")  # checked by the export
             for suffix in EXPERT_SUFFIXES:
                 keys = [f"{prefix}.{e}.{proj}.{suffix}" for e in range(count)]
                 if keys[0] not in state:
@@ -475,15 +470,38 @@ per-expert ``gate_proj`` / ``up_proj`` / ``down_proj`` mapping)."""
 
 
 def stored_fused_experts(skeleton: nn.Module, fused: str, count: int) -> str | None:
-    """The stored name of the experts module whose fused projection ``fused`` (of ``count``
-    experts) the architecture's checkpoints hold as one tensor (Llama 4, Qwen3-VL-MoE, gpt-oss),
+    """The stored name of the one 3-D tensor that holds the fused projection ``fused`` (of
+    ``count`` experts) in the architecture's checkpoints (Llama 4's, Qwen3-VL-MoE's and
+    gpt-oss's ``<experts>.gate_up_proj``; Granite MoE's ``block_sparse_moe.input_linear.weight``),
     ``None`` where they hold it expert by expert: transformers' conversion mapping reversed on
     a probe ``[count, 2, 1]``."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    proj = fused.rsplit(".", 1)[1]
-    (key, *more) = revert_weight_conversion(skeleton, {fused: torch.zeros(count, 2, 1)})
-    return None if more or not key.endswith(f".{proj}") else key.removesuffix(f".{proj}")
+    ((key, value), *more) = revert_weight_conversion(
+        skeleton, {fused: torch.zeros(count, 2, 1)}).items()
+    return key if not more and value.dim() == 3 else None
+
+
+def check_experts_export(skeleton: nn.Module) -> None:
+    """Raise :class:`ExportError` for fused experts that the checkpoints store whole
+    (:func:`stored_fused_experts`) and that do not write expert by expert as llm-compressor
+    writes them (:data:`BY_EXPERT`): plain gated MLPs under their experts module's stored
+    name (not gpt-oss's, nor Granite MoE's ``input_linear``)."""
+    for prefix, experts in fused_experts(skeleton).items():
+        fused = f"{prefix}.down_proj"
+        stored = stored_fused_experts(skeleton, fused, experts.down_proj.shape[0])
+        if stored is None:
+            continue
+        why = ("they are not plain gated MLPs (biases, or their own gating)"
+               if not has_plain_experts(experts) else
+               f"they are stored as {stored}, under no experts module's name"
+               if not stored.endswith(".down_proj") else None)
+        if why is not None:
+            raise ExportError(
+                f"{prefix}: {type(skeleton).__name__} checkpoints store these experts as one "
+                f"3-D tensor and {why}, which compressed-tensors does not express expert by "
+                "expert; export gpt-oss's MXFP4 experts with --format mxfp4, or serve the "
+                "kbbq-pl folder (kbbq-pl serve)")
 
 
 def _expert_by_expert(stored_prefix: str, proj: str, suffix: str,
@@ -557,6 +575,7 @@ def _write_export(staging: Path, tensors: dict[str, Tensor], layers: dict[str, d
 
     linear_types = _linear_types(skeleton)
     moe = bool(fused_experts(skeleton))
+    check_experts_export(skeleton)
     plans = plan_layers(layers, tensors, linear_types, strict, hf_expert_issues(skeleton))
     dense_experts = [n for n, kind in linear_types.items() if kind == "expert" and n not in plans]
     if dense_experts:
@@ -797,8 +816,11 @@ def model_names(tensors: dict[str, Tensor], skeleton: nn.Module,
     under the names of its architecture's checkpoints, under kbbq-pl's module names, and each
     layer with the stored layers it comes from (itself, for any other model).
 
-    The renames are transformers' conversion mapping reversed on probe tensors that carry
-    their module's index.  The FP4 tensors of experts stored expert by expert (Qwen3-MoE's
+    The tensors of FP4 layers are renamed by their layer: transformers' conversion mapping
+    reversed on probe tensors that carry their module's index.  Every other tensor is converted
+    as transformers' ``from_pretrained`` converts it (:class:`SafetensorsSource`: renamed,
+    split or concatenated, e.g. Kimi-Linear's ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` into
+    its ``conv1d``).  The FP4 tensors of experts stored expert by expert (Qwen3-MoE's
     ``gate_proj`` and ``up_proj``, Mixtral's ``w1`` / ``w3`` / ``w2``) are regrouped under
     kbbq-pl's expert layers (``<experts>.<e>.gate_up_proj.<suffix>``, ``down_proj``) and dense
     ones merged into the fused weight, by the mapping reversed on an index tensor, so that any
@@ -813,6 +835,14 @@ def model_names(tensors: dict[str, Tensor], skeleton: nn.Module,
     sources: dict[str, list[str]] = {}
     for prefix, module in experts.items():
         sources.update(_regroup_experts(tensors, renamed, skeleton, prefix, module, folder))
+    fp4 = tuple(f"{key.removesuffix('.weight_packed')}." for key in tensors
+                if key.endswith(".weight_packed"))
+    dense = SafetensorsSource.from_tensors(
+        {key: tensors.pop(key) for key in list(tensors) if not key.startswith(fp4)}, skeleton,
+        folder)
+    expected = [name for name in skeleton.state_dict() if name in dense]
+    renamed.update(dense.read(expected))
+    tensors.update(dense.unread())
     probes = {f"{name}.weight": torch.tensor([i]) for i, name in enumerate(plain)}
     layer_of = {stored: plain[int(index)]
                 for stored, index in _stored_pieces(skeleton, probes).items()}
@@ -839,9 +869,11 @@ def _regroup_experts(tensors: dict[str, Tensor], regrouped: dict[str, Tensor],
             continue
         fused = f"{prefix}.{proj}"
         stored_fused = stored_fused_experts(skeleton, fused, count)
-        if stored_fused is not None:
-            sources.update(_regroup_by_expert(tensors, regrouped, prefix, proj, stored_fused,
-                                              count, folder))
+        if stored_fused is not None:  # whole: converted with the dense tensors
+            if stored_fused.endswith(f".{proj}"):
+                sources.update(_regroup_by_expert(tensors, regrouped, prefix, proj,
+                                                  stored_fused.removesuffix(f".{proj}"), count,
+                                                  folder))
             continue
         modules = list(_stored_pieces(skeleton, {fused: torch.zeros(count, 2, 1)}))
         present = [s for s in (*EXPERT_SUFFIXES, "weight") if f"{modules[0]}.{s}" in tensors]
@@ -877,7 +909,7 @@ def _regroup_by_expert(tensors: dict[str, Tensor], regrouped: dict[str, Tensor],
     checkpoints store fused, under the stored experts module ``stored_fused``: written expert
     by expert (:func:`_expert_by_expert`; llm-compressor's Llama 4 and Qwen3-VL-MoE), each
     expert's FP4 layers regrouped into kbbq-pl's ``<prefix>.<e>.<proj>``; stored fused, the
-    tensor loads as it is."""
+    tensor is left to :func:`model_names`' dense conversion."""
     names = BY_EXPERT[proj]
     first = f"{stored_fused}.0.{names[0]}"
     present = [s for s in (*EXPERT_SUFFIXES, "weight") if f"{first}.{s}" in tensors]

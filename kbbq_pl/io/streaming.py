@@ -115,13 +115,18 @@ class SafetensorsSource:
     ``gate_proj`` and ``up_proj``; or one of the pieces of a stored tensor, e.g. Kimi K2.5's
     vision ``attn.q_proj`` / ``k_proj`` / ``v_proj`` of its ``wqkv``), with the base-model
     prefix removed or added (a bare encoder read from a checkpoint saved with its head, and the
-    reverse).  Without ``model``, names are the stored ones."""
+    reverse).  Without ``model``, names are the stored ones.  :meth:`from_tensors` maps
+    tensors already read the same way."""
 
-    def __init__(self, folder: str | Path, model: nn.Module | None = None) -> None:
+    def __init__(self, folder: str | Path, model: nn.Module | None = None,
+                 loaded: dict[str, Tensor] | None = None) -> None:
         self.folder = Path(folder)
         self.model = model
+        self._loaded = loaded
         index = self.folder / SOURCE_INDEX
-        if index.is_file():
+        if loaded is not None:
+            self.files = dict.fromkeys(loaded, self.folder)
+        elif index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (ValueError, KeyError, TypeError) as error:
@@ -142,6 +147,17 @@ class SafetensorsSource:
             self._sources = {name: [(name, None)] for name in self.files}
         else:
             self._map_names(model)
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, Tensor], model: nn.Module,
+                     folder: str | Path) -> SafetensorsSource:
+        """The stored ``tensors`` of ``folder``, already read, under ``model``'s names: each is
+        taken out of ``tensors`` when :meth:`read` converts it."""
+        return cls(folder, model, loaded=tensors)
+
+    def unread(self) -> dict[str, Tensor]:
+        """The tensors given to :meth:`from_tensors` that :meth:`read` has not taken."""
+        return dict(self._loaded or {})
 
     def _map_names(self, model: nn.Module) -> None:
         """Map each of ``model``'s tensor names to the stored tensors it is made of, as
@@ -221,6 +237,9 @@ class SafetensorsSource:
                 by_file.setdefault(self.files[key], []).append(key)
         stored: dict[str, Tensor] = {}
         for file, keys in by_file.items():
+            if self._loaded is not None:
+                stored.update((key, self._loaded.pop(key)) for key in dict.fromkeys(keys))
+                continue
             with self._open(file) as handle:
                 for key in dict.fromkeys(keys):
                     stored[key] = handle.get_tensor(key)

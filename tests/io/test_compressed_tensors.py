@@ -725,6 +725,21 @@ def test_experts_transformers_reads_fused_only_export_with_a_warning(tmp_path, c
     assert torch.equal(logits(from_pretrained(out), ids), logits(model, ids))
 
 
+@pytest.mark.parametrize("arch", ["ernie4_5_moe", "deepseek_v4", "kimi_linear"])
+def test_an_export_reads_back_with_its_renamed_and_merged_dense_tensors(arch, tmp_path):
+    """Tensors outside the FP4 layers that the conversion mapping renames (ERNIE's
+    ``moe_statics``, DeepSeek-V4's attention sinks and hyper-connections) or merges (Kimi-Linear's
+    ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` into ``conv1d``) are read back as transformers
+    reads them: kbbq-pl's import gives the quantized model's logits bit for bit."""
+    from tiny_models import small_model
+
+    model = small_model(arch)
+    ids = torch.randint(3, 250, (2, 24), generator=torch.Generator().manual_seed(0))
+    quantize_model(model, [{"input_ids": ids}], recipe("nvfp4", "identity"), progress=False)
+    out = save_compressed_tensors(model, tmp_path / "ct")
+    assert torch.equal(logits(from_pretrained(out), ids), logits(model, ids))
+
+
 def test_moe_experts_with_a_transform_or_stored_fused_are_refused(tmp_path):
     kbbq = tiny_model("qwen3_moe")
     quantize_model(kbbq, _batches(), recipe("nvfp4", "kbbq"), progress=False)
@@ -733,10 +748,18 @@ def test_moe_experts_with_a_transform_or_stored_fused_are_refused(tmp_path):
         save_compressed_tensors(kbbq, tmp_path / "kbbq")
     gpt_oss = tiny_model("gpt_oss")
     quantize_model(gpt_oss, _batches(), recipe("mxfp4", "identity"), progress=False)
-    with pytest.raises(ExportError, match=r"experts\.gate_up_proj: GptOssForCausalLM "
+    with pytest.raises(ExportError, match=r"mlp\.experts: GptOssForCausalLM "
                                           "checkpoints store these experts as one 3-D tensor "
                                           r"and they are not plain gated MLPs .* --format mxfp4"):
         save_compressed_tensors(gpt_oss, tmp_path / "gpt_oss")
+    from tiny_models import small_model
+
+    granite = small_model("granitemoehybrid")
+    quantize_model(granite, _batches(), recipe("mxfp4", "identity"), progress=False)
+    with pytest.raises(ExportError, match=r"block_sparse_moe\.experts: GraniteMoeHybridForCausalLM "
+                                          r"checkpoints store these experts as one 3-D tensor and "
+                                          r"they are stored as .*block_sparse_moe\.output_linear"):
+        save_compressed_tensors(granite, tmp_path / "granite")
     dense = tiny_model("qwen3_moe")
     ignored = QuantizationConfig(transform=TransformConfig("identity"),
                                  layers=LayersConfig(ignore=[r"lm_head$", r"experts\.[1-7]\."]))
@@ -744,7 +767,7 @@ def test_moe_experts_with_a_transform_or_stored_fused_are_refused(tmp_path):
     with pytest.raises(ExportError, match=r"experts\.1\.gate_up_proj and 27 more experts are "
                                           "in full precision"):
         save_compressed_tensors(dense, tmp_path / "dense")
-    assert not any((tmp_path / name).exists() for name in ("kbbq", "gpt_oss", "dense"))
+    assert not any((tmp_path / name).exists() for name in ("kbbq", "gpt_oss", "granite", "dense"))
 
 
 @pytest.mark.parametrize("arch", ["llava", "gemma3", "qwen2_5_vl"])

@@ -73,7 +73,7 @@ from torch import Tensor, nn
 from ..formats import Format, get_format
 from ..quant.experts import fused_experts, has_plain_experts, unfuse_experts
 from ..quant.layers import quantized_linears
-from ..quant.modules import is_transposed
+from ..quant.modules import is_linear, is_transposed
 from ..transforms.fit import hadamard, transform_inputs
 from .checkpoint import (
     CONFIG_NAME,
@@ -635,7 +635,7 @@ def _linear_types(skeleton: nn.Module) -> dict[str, str]:
     class name (``Linear`` or ``Conv1D``), as it is before quantization; ``expert`` for the
     linear layers of fused experts (:func:`kbbq_pl.quant.experts.unfuse_experts`) and
     ``router`` for the other 2-D weights of a mixture-of-experts model (its routers)."""
-    from ..quant.modules import is_linear, weights_outside_linears
+    from ..quant.modules import weights_outside_linears
 
     skeleton = copy.deepcopy(skeleton)
     experts = tuple(f"{name}." for name in unfuse_experts(skeleton))
@@ -843,9 +843,9 @@ def model_names(tensors: dict[str, Tensor], skeleton: nn.Module,
     expected = [name for name in skeleton.state_dict() if name in dense]
     renamed.update(dense.read(expected))
     tensors.update(dense.unread())
-    probes = {f"{name}.weight": torch.tensor([i]) for i, name in enumerate(plain)}
-    layer_of = {stored: plain[int(index)]
-                for stored, index in _stored_pieces(skeleton, probes).items()}
+    linears = [name for name in plain if is_linear(skeleton.get_submodule(name))]
+    layer_of = {stored: linears[int(index)]
+                for stored, index in _stored_linears(skeleton, linears).items()}
     for key, value in tensors.items():
         parts = key.split(".")
         stored = next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)
@@ -855,6 +855,24 @@ def model_names(tensors: dict[str, Tensor], skeleton: nn.Module,
     sources.update({layer: [stored] for stored, layer in layer_of.items()})
     sources.update({name: [name] for name in plain if name not in sources})
     return renamed, sources
+
+
+def _stored_linears(skeleton: nn.Module, linears: list[str]) -> dict[str, Tensor]:
+    """The stored name of each of the ``linears`` (by index): the conversion mapping reversed on
+    probes that carry their index.  A layer whose conversion reshapes its weight (Kimi K2.5's
+    vision ``wqkv``, split and permuted) has no probe's worth of stored name: it is left out,
+    as it is never an FP4 layer."""
+    probes = {f"{name}.weight": torch.tensor([i]) for i, name in enumerate(linears)}
+    try:
+        return _stored_pieces(skeleton, probes)
+    except (RuntimeError, ValueError, IndexError):
+        pieces: dict[str, Tensor] = {}
+        for key, probe in probes.items():
+            try:
+                pieces.update(_stored_pieces(skeleton, {key: probe}))
+            except (RuntimeError, ValueError, IndexError):
+                continue
+        return pieces
 
 
 def _regroup_experts(tensors: dict[str, Tensor], regrouped: dict[str, Tensor],

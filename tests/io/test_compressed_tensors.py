@@ -725,15 +725,16 @@ def test_experts_transformers_reads_fused_only_export_with_a_warning(tmp_path, c
     assert torch.equal(logits(from_pretrained(out), ids), logits(model, ids))
 
 
-@pytest.mark.parametrize("arch", ["ernie4_5_moe", "deepseek_v4", "kimi_linear"])
+@pytest.mark.parametrize("arch", ["ernie4_5_moe", "deepseek_v4", "kimi_linear", "kimi_k25"])
 def test_an_export_reads_back_with_its_renamed_and_merged_dense_tensors(arch, tmp_path):
     """Tensors outside the FP4 layers that the conversion mapping renames (ERNIE's
-    ``moe_statics``, DeepSeek-V4's attention sinks and hyper-connections) or merges (Kimi-Linear's
-    ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` into ``conv1d``) are read back as transformers
-    reads them: kbbq-pl's import gives the quantized model's logits bit for bit."""
-    from tiny_models import small_model
+    ``moe_statics``, DeepSeek-V4's attention sinks and hyper-connections), merges (Kimi-Linear's
+    ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` into ``conv1d``) or splits and permutes (Kimi
+    K2.5's vision ``wqkv``) are read back as transformers reads them: kbbq-pl's import gives the
+    quantized model's logits bit for bit."""
+    from tiny_models import small_model, small_multimodal
 
-    model = small_model(arch)
+    model = small_multimodal(arch) if arch == "kimi_k25" else small_model(arch)
     ids = torch.randint(3, 250, (2, 24), generator=torch.Generator().manual_seed(0))
     quantize_model(model, [{"input_ids": ids}], recipe("nvfp4", "identity"), progress=False)
     out = save_compressed_tensors(model, tmp_path / "ct")

@@ -62,7 +62,8 @@ image_check() {
     fi
     "$venv/bin/python" -c "import torch, triton; print('torch', torch.__version__, 'triton',
     triton.__version__)"
-    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_INTERPRET=1 HF_HUB_OFFLINE=1 \
+    # KBBQ_PL_SLOW=1: the device script's own tiny runs (bench/gpu.py), slow tests in CI
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_INTERPRET=1 HF_HUB_OFFLINE=1 KBBQ_PL_SLOW=1 \
         "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs tests/kernels \
         tests/quant/test_w4a4_compile.py "$@"
 }

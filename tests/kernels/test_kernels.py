@@ -571,6 +571,7 @@ def gpu_bench():
     return module
 
 
+@pytest.mark.slow  # 140 s on 2 cores; run before each GPU session (gpu_session.sh image-check)
 def test_gpu_bench_tiny_run(capsys):
     """bench/gpu.py's every section on tiny shapes under the interpreter, its summary last, no
     section failing (the device script cannot rot between GPU sessions)."""
@@ -658,6 +659,7 @@ def gemlite_stand_in(high_first: bool = False):
     return type("helper", (), dict(A16W4_NVFP=A16W4_NVFP, A16W4_MXFP=A16W4_MXFP))
 
 
+@pytest.mark.slow  # 70 s on 2 cores; run before each GPU session (gpu_session.sh image-check)
 def test_gpu_bench_gemlite_on_our_operands(capsys):
     """The peers section builds GemLite's weight-only layers from the codes and scales as we
     store them (NVFP4 with both per-tensor scales as its epilogue's factor), feeds them our

@@ -289,10 +289,11 @@ def _check_format(name: str, fmt: Format) -> None:
 
 def plan_layers(layers: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, Tensor],
                 linear_types: Mapping[str, str], strict: bool,
-                expert_issues: Mapping[str, str] | None = None) -> dict[str, ExportLayer]:
+                expert_issues: Mapping[tuple[str, str], str] | None = None,
+                ) -> dict[str, ExportLayer]:
     """What each quantized layer becomes (the module docstring); ``linear_types`` maps every
     linear module of the architecture to its class name; ``expert_issues``: the issue of
-    each experts module's layers, by the format they are in (:func:`hf_expert_issues`).
+    each experts module's layers by (module, block-scale kind) (:func:`hf_expert_issues`).
     Raises :class:`ExportError` for what cannot be written, and with ``strict`` for anything
     stock readers would not compute as kbbq-pl does (:data:`ISSUES`: per-block transforms, the
     block Hadamard that transformers drops, dense fallbacks, experts transformers does not
@@ -309,7 +310,7 @@ def plan_layers(layers: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, T
                                   + (f"a {kind} transform" if kind != "none" else "padding"))
             experts = name.rsplit(".", 2)[0]
             plans[name] = ExportLayer(name, True, kind, (expert_issues or {}).get(
-                f"{experts}:{fmt.scale_kind}"))
+                (experts, fmt.scale_kind)))
             continue
         if linear_types.get(name) != "Linear":
             raise ExportError(f"{name}: compressed-tensors quantizes torch.nn.Linear layers; "
@@ -518,9 +519,9 @@ def _expert_by_expert(stored_prefix: str, proj: str, suffix: str,
     return out
 
 
-def hf_expert_issues(skeleton: nn.Module) -> dict[str, str]:
+def hf_expert_issues(skeleton: nn.Module) -> dict[tuple[str, str], str]:
     """How HF transformers reads each fused experts module of ``skeleton`` as exported (an
-    :data:`ISSUES` key by ``"<experts>:<scale kind>"``; absent: as written):
+    :data:`ISSUES` key by (experts module, block-scale kind); absent: as written):
 
     * written expert by expert where the checkpoints store them fused
       (:func:`stored_fused_experts`), it reads them only where its compressed-tensors loader
@@ -536,14 +537,15 @@ def hf_expert_issues(skeleton: nn.Module) -> dict[str, str]:
         patch = MODULES_TO_PATCH_FOR_QUANTIZATION.get(type(experts).__name__, {})
         return QuantizationMethod.COMPRESSED_TENSORS in patch.get("quantization_methods", ())
 
+    drops_global_scale = hf_drops_expert_global_scale()
     issues = {}
     for prefix, experts in fused_experts(skeleton).items():
         if swapped(experts):
             continue
         if stored_fused_experts(skeleton, f"{prefix}.down_proj", experts.down_proj.shape[0]):
-            issues.update({f"{prefix}:e4m3": "by_expert", f"{prefix}:e8m0": "by_expert"})
-        elif hf_drops_expert_global_scale():
-            issues[f"{prefix}:e4m3"] = "expert_global_scale"
+            issues.update({(prefix, "e4m3"): "by_expert", (prefix, "e8m0"): "by_expert"})
+        elif drops_global_scale:
+            issues[(prefix, "e4m3")] = "expert_global_scale"
     return issues
 
 

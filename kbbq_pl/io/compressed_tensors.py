@@ -43,7 +43,12 @@ them).  What each kbbq-pl layer becomes (:func:`plan_layers`):
   expert), the routers in ``ignore``, as llm-compressor writes them; import regroups them
   (:func:`model_names`).  Where transformers reads such experts fused only (Qwen3-VL-MoE), the
   export warns and ``strict`` refuses (:func:`hf_expert_issues`), as it does for NVFP4 experts
-  that transformers merges into fused experts without their ``weight_global_scale``.
+  that transformers merges into fused experts without their ``weight_global_scale``;
+* the layers vLLM runs as one fused linear (q/k/v, gate/up: its ``qkv_proj``,
+  ``gate_up_proj``) share one NVFP4 per-tensor scale in vLLM, which decodes the fused layer with
+  the largest of the stored ``448 * 6 / amax``; ``kbbq-pl quantize`` gives them one scale
+  (:func:`kbbq_pl.quant.scales.fused_weight_scales`, as llm-compressor does), and the export warns
+  (``strict`` refuses) where they differ (:func:`_unshared_fused_scales`).
 
 :data:`ISSUES` is the one list of what stock readers would not compute as kbbq-pl does:
 :func:`plan_layers` tags each layer with its issue, :func:`describe_issues` turns the tags into
@@ -63,7 +68,7 @@ import json
 import logging
 import shutil
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +78,7 @@ from torch import Tensor, nn
 from ..formats import Format, get_format
 from ..quant.experts import fused_experts, has_plain_experts, unfuse_experts
 from ..quant.layers import quantized_linears
-from ..quant.modules import is_linear, is_transposed
+from ..quant.modules import fused_groups, is_linear, is_transposed
 from ..transforms.fit import hadamard, transform_inputs
 from .checkpoint import (
     CONFIG_NAME,
@@ -247,6 +252,13 @@ ISSUES = {
                   "expert (gate_proj, up_proj, down_proj) as llm-compressor writes them: vLLM "
                   "reads them, but HF transformers reads this architecture's experts fused only "
                   f"and would leave them at random; serve it with vLLM, or {LOAD_HINT}"),
+    "fused_scales": ("NVFP4 layers that vLLM runs as one fused linear (q/k/v, gate/up) with "
+                     "different per-tensor scales (a checkpoint quantized before kbbq-pl shared "
+                     "them, fine-tuned, quantized through torchao's quantize_, or with a fitted "
+                     "transform): vLLM decodes the fused layer with one of them, so the others' "
+                     "outputs are off by the ratio; HF transformers reads them exactly; "
+                     "requantize (kbbq-pl quantize shares them for data-free transforms), or "
+                     f"{LOAD_HINT}"),
     "expert_global_scale": ("NVFP4 experts that HF transformers merges into its fused experts: "
                             "the installed transformers dequantizes them without their "
                             "weight_global_scale (huggingface/transformers#48371), so its experts "
@@ -290,14 +302,16 @@ def _check_format(name: str, fmt: Format) -> None:
 def plan_layers(layers: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, Tensor],
                 linear_types: Mapping[str, str], strict: bool,
                 expert_issues: Mapping[tuple[str, str], str] | None = None,
-                ) -> dict[str, ExportLayer]:
+                weight_only: bool = False) -> dict[str, ExportLayer]:
     """What each quantized layer becomes (the module docstring); ``linear_types`` maps every
     linear module of the architecture to its class name; ``expert_issues``: the issue of
-    each experts module's layers by (module, block-scale kind) (:func:`hf_expert_issues`).
+    each experts module's layers by (module, block-scale kind) (:func:`hf_expert_issues`);
+    ``weight_only``: the export leaves the activations unquantized.
     Raises :class:`ExportError` for what cannot be written, and with ``strict`` for anything
     stock readers would not compute as kbbq-pl does (:data:`ISSUES`: per-block transforms, the
     block Hadamard that transformers drops, dense fallbacks, experts transformers does not
-    read as written), naming the layers."""
+    read as written, layers vLLM fuses with different per-tensor scales), naming the
+    layers."""
     plans: dict[str, ExportLayer] = {}
     for name, meta in layers.items():
         fmt = get_format(meta["format"])
@@ -325,9 +339,12 @@ def plan_layers(layers: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, T
             plans[name] = ExportLayer(name, True, kind, "hadamard")
         else:
             plans[name] = ExportLayer(name, True, kind)
+    for name in _unshared_fused_scales(plans, tensors, weight_only):
+        if plans[name].issue is None:
+            plans[name] = replace(plans[name], issue="fused_scales")
     issues = describe_issues(plans)
     if strict and issues:
-        requantize = any(plan.issue in ("padded", "transform", "hadamard")
+        requantize = any(plan.issue in ("padded", "transform", "hadamard", "fused_scales")
                          for plan in plans.values())
         raise ExportError(
             "--strict: stock compressed-tensors readers (vLLM, transformers) would not compute "
@@ -337,6 +354,23 @@ def plan_layers(layers: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, T
                 "i_*, gptq_* recipes; unaligned: skip for the padded layers)" if requantize
                 else ""))
     return plans
+
+
+def _unshared_fused_scales(plans: Mapping[str, ExportLayer], tensors: Mapping[str, Tensor],
+                           weight_only: bool) -> list[str]:
+    """The FP4 layers of fused groups (:func:`~kbbq_pl.quant.modules.fused_groups`) whose
+    NVFP4 weight per-tensor scales (or, unless ``weight_only``, input ones) differ: vLLM keeps
+    one per fused layer."""
+    suffixes = ("weight_global_scale",) + (() if weight_only else ("input_global_scale",))
+    unshared = []
+    for group in fused_groups(n for n, plan in plans.items() if plan.fp4):
+        for suffix in suffixes:
+            values = [tensors.get(f"{name}.{suffix}") for name in group]
+            if any(v is not None for v in values) and not all(
+                    v is not None and torch.equal(v, values[0]) for v in values):
+                unshared += group
+                break
+    return unshared
 
 
 def _uniform(plans: Mapping[str, ExportLayer], layers: Mapping[str, Mapping[str, Any]],
@@ -581,7 +615,8 @@ def _write_export(staging: Path, tensors: dict[str, Tensor], layers: dict[str, d
     linear_types = _linear_types(skeleton)
     moe = bool(fused_experts(skeleton))
     check_experts_export(skeleton)
-    plans = plan_layers(layers, tensors, linear_types, strict, hf_expert_issues(skeleton))
+    plans = plan_layers(layers, tensors, linear_types, strict, hf_expert_issues(skeleton),
+                        weight_only)
     dense_experts = [n for n, kind in linear_types.items() if kind == "expert" and n not in plans]
     if dense_experts:
         raise ExportError(f"{dense_experts[0]} and {len(dense_experts) - 1} more experts are in "

@@ -203,6 +203,32 @@ def cell_kind(name: str) -> str:
     return "other"
 
 
+#: Sibling linears that vLLM runs as one fused linear (its ``packed_modules_mapping``:
+#: ``qkv_proj``, BERT's ``query`` / ``key`` / ``value``, ``gate_up_proj``, DeepSeek's
+#: ``fused_qkv_a_proj``), the groups llm-compressor gives one NVFP4 per-tensor scale
+#: (``update_fused_layer_weight_global_scales``).
+FUSED_SIBLINGS: tuple[tuple[str, ...], ...] = (
+    ("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("gate_proj", "up_proj"),
+    ("q_a_proj", "kv_a_proj_with_mqa"),
+)
+
+
+def fused_groups(names: Iterable[str]) -> list[list[str]]:
+    """The layers among ``names`` (qualified) that vLLM runs as one fused linear
+    (:data:`FUSED_SIBLINGS` under one parent, at least two of them present), in
+    :data:`FUSED_SIBLINGS` order."""
+    present = set(names)
+    parents = sorted({name.rpartition(".")[0] for name in present})
+    groups = []
+    for parent in parents:
+        prefix = f"{parent}." if parent else ""
+        for siblings in FUSED_SIBLINGS:
+            group = [prefix + leaf for leaf in siblings if prefix + leaf in present]
+            if len(group) > 1:
+                groups.append(group)
+    return groups
+
+
 def parent_and_attr(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     """The parent module of ``name`` and the attribute under which it holds it."""
     parent_name, _, attr = name.rpartition(".")

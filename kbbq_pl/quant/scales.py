@@ -17,6 +17,7 @@ round-to-nearest (:mod:`kbbq_pl.quant.rtn`) and GPTQ (:mod:`kbbq_pl.quant.gptq`)
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -62,6 +63,21 @@ def weight_global_scale(weight: Tensor, fmt: Format) -> Tensor | None:
     if not fmt.global_scale:
         return None
     return nvfp4_tensor_scale(weight.detach().abs().amax())
+
+
+def fused_weight_scales(weights: Mapping[str, Tensor], fmt: Format,
+                        groups: Iterable[Sequence[str]]) -> dict[str, Tensor | None]:
+    """The NVFP4 per-tensor scales of ``weights`` (name -> ``W T^-1``, one transform for
+    all): each of ``groups`` (the layers vLLM runs as one fused linear, q/k/v and gate/up:
+    :func:`~kbbq_pl.quant.modules.fused_groups`) shares the largest of its layers' own, since
+    vLLM decodes a fused layer with one per-tensor scale (llm-compressor writes them so); the
+    others keep their own (:func:`weight_global_scale`).  None for formats without one."""
+    scales = {name: weight_global_scale(weight, fmt) for name, weight in weights.items()}
+    if fmt.global_scale:
+        for group in groups:
+            shared = torch.stack([scales[name] for name in group]).amax()
+            scales.update(dict.fromkeys(group, shared))
+    return scales
 
 
 def _scales(amax: Tensor, fmt: Format, global_scale: Tensor | None) -> E2M1Scales:

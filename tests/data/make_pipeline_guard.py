@@ -24,7 +24,10 @@ later code would only test that code against itself); from the repository root::
 Written at a31ce25 (2026-11-27, before the auto-brake was cut to its per-layer core): a
 ``scope: model`` / ``best`` recipe of that code was guarded through its per-layer run, which is
 what every auto recipe is now.  The earlier guard (written at e6ca8dc, the six GPTQ recipes that
-refit in the loop rewritten at 5594156) is in the history.
+refit in the loop rewritten at 5594156) is in the history.  Regenerated on 2026-11-29 by the
+commit that gave the layers vLLM fuses (q/k/v, gate/up) one NVFP4 per-tensor scale: the four
+NVFP4 recipes with a data-free transform (``i_nvfp4``, ``haar_nvfp4``, ``gptq_nvfp4``,
+``mr_gptq_nvfp4``) changed, the other 24 kept their digests.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.util
 import json
 import logging
 import re
@@ -26,7 +27,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.utils.quantization_config import CompressedTensorsConfig  # noqa: E402
 
 from kbbq_pl.cli.commands import main  # noqa: E402
-from kbbq_pl.formats import QuantizedTensor, get_format  # noqa: E402
+from kbbq_pl.formats import QuantizedTensor, get_format, quantize  # noqa: E402
 from kbbq_pl.io.checkpoint import CheckpointError, save_quantized  # noqa: E402
 from kbbq_pl.io.compressed_tensors import (  # noqa: E402
     ExportError,
@@ -50,6 +51,7 @@ from kbbq_pl.quant import (  # noqa: E402
     quantize_model,
 )
 from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears  # noqa: E402
+from kbbq_pl.quant.modules import fused_groups  # noqa: E402
 from kbbq_pl.transforms.fit import hadamard  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -187,12 +189,58 @@ def test_plain_export_reads_back_in_compressed_tensors_and_transformers(config, 
         ours = layer.weight.dequantize(torch.bfloat16)
         assert same_bits(ct_decompressed(out, name), ours), name
         assert (f"{name}.input_global_scale" in tensors) == (fmt == "nvfp4")
+    for group in fused_groups(layers) if fmt == "nvfp4" else []:  # vLLM's qkv_proj, gate_up_proj
+        for suffix in ("weight_global_scale", "input_global_scale"):
+            assert len({float(tensors[f"{name}.{suffix}"]) for name in group}) == 1, group
     # transformers, through compressed-tensors: the weight-only dequantized model exactly
     loaded = AutoModelForCausalLM.from_pretrained(
         out, quantization_config=CompressedTensorsConfig(dequantize=True))
     assert torch.equal(logits(loaded), logits(weight_only_reference(model, layers)))
     # and kbbq-pl reads it back bit-exactly (quantized layers, W4A4)
     assert torch.equal(logits(from_pretrained(out)), logits(model))
+
+
+def test_fused_layers_with_different_per_tensor_scales_warn_and_strict_refuses(tmp_path, caplog):
+    """vLLM decodes q/k/v and gate/up as one layer with one per-tensor scale: a checkpoint
+    whose fused layers' scales differ (quantized before kbbq-pl shared them, or fine-tuned)
+    exports with a warning naming them, and --strict refuses it."""
+    model = quantized_tiny(recipe("nvfp4", "identity"))
+    k_proj = model.get_submodule("model.layers.0.self_attn.k_proj")
+    own = quantize(k_proj.weight.dequantize(torch.float32) * 3, "nvfp4")  # its own, larger scale
+    k_proj.weight = torch.nn.Parameter(k_proj.weight.replace(
+        qdata=own.qdata, scale=own.scale, global_scale=own.global_scale), requires_grad=False)
+    group = r"3 of 14 layers \(model\.layers\.0\.self_attn\.q_proj, [^)]*v_proj\)"
+    with pytest.raises(ExportError, match=rf"--strict: .*{group}: NVFP4 layers that vLLM runs "
+                                          r"as one fused linear .* requantize"):
+        save_compressed_tensors(model, tmp_path / "strict", strict=True)
+    with caplog.at_level(logging.WARNING, logger="kbbq_pl.io.compressed_tensors"):
+        out = save_compressed_tensors(model, tmp_path / "ct")
+    (warning,) = export_warnings(caplog)
+    assert re.match(rf"compressed-tensors export: {group}: ", warning), warning
+    assert torch.equal(logits(from_pretrained(out)), logits(model))  # kbbq-pl reads it exactly
+
+
+def test_vllm_check_script_writes_kbbq_pls_output_of_every_fp4_layer(tmp_path, capsys):
+    """scripts/vllm_check.py's half that runs in kbbq-pl's environment (the other needs vLLM,
+    which CI does not install, and says so)."""
+    path = Path(__file__).parents[2] / "scripts" / "vllm_check.py"
+    spec = importlib.util.spec_from_file_location("vllm_check", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    model = quantized_tiny(recipe("nvfp4", "identity"))
+    out = save_compressed_tensors(model, tmp_path / "ct", strict=True)
+    assert script.main(["reference", str(out), "--out", str(tmp_path / "ref.pt")]) == 0
+    layers = torch.load(tmp_path / "ref.pt")["layers"]
+    assert sorted(layers) == sorted(quantized_linears(model))
+    for name, entry in layers.items():
+        layer = model.get_submodule(name)
+        assert float(entry["x"].abs().max()) == pytest.approx(
+            float(layer.act_global_scale) * 448 * 6, rel=1e-6)  # the calibrated range
+        with torch.no_grad():
+            assert torch.equal(entry["y"], layer(entry["x"])), name
+    if importlib.util.find_spec("vllm") is None:
+        assert script.main(["vllm", str(out), "--reference", str(tmp_path / "ref.pt")]) == 2
+        assert "needs vLLM" in capsys.readouterr().err
 
 
 def layer_outputs(model, names, x) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ import torch
 from tiny_models import tiny_model
 from torch import nn
 
+from kbbq_pl.formats import quantize
 from kbbq_pl.quant import (
     FormatConfig,
     LayersConfig,
@@ -21,9 +22,12 @@ from kbbq_pl.quant import (
 )
 from kbbq_pl.quant.gptq.quantizer import GPTQ
 from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears
+from kbbq_pl.quant.modules import fused_groups, linear_weight
 from kbbq_pl.quant.pipeline import WEIGHT_QUANTIZERS
 from kbbq_pl.quant.rtn.quantizer import RTN
+from kbbq_pl.quant.scales import weight_global_scale
 from kbbq_pl.quant.weight_quantizer import WeightQuantizer
+from kbbq_pl.transforms.fit import fit_transform, transform_weight
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -224,3 +228,72 @@ def test_modules_keep_their_modes_and_new_layers_can_be_fine_tuned(weight_quanti
     model(input_ids=ids, labels=ids).loss.backward()
     grad = model.model.embed_tokens.weight.grad
     assert grad is not None and grad.abs().sum() > 0
+
+
+def test_fused_groups_are_the_sibling_layers_vllm_runs_as_one():
+    names = [f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    names += [f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    names += [f"encoder.layer.0.attention.self.{p}" for p in ("query", "key", "value")]
+    names += ["model.layers.1.self_attn.q_a_proj", "model.layers.1.self_attn.kv_a_proj_with_mqa",
+              "model.layers.1.self_attn.q_b_proj", "model.layers.2.self_attn.q_proj"]
+    assert fused_groups(names) == [
+        [f"encoder.layer.0.attention.self.{p}" for p in ("query", "key", "value")],
+        ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"],
+        [f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")],
+        ["model.layers.1.self_attn.q_a_proj", "model.layers.1.self_attn.kv_a_proj_with_mqa"],
+    ]  # a q_proj without its k_proj and v_proj (layer 2) runs alone
+
+
+@pytest.mark.parametrize("config", [
+    QuantizationConfig(transform=TransformConfig("identity")),
+    QuantizationConfig(transform=TransformConfig("identity"), weights=WeightsConfig("gptq")),
+    QuantizationConfig(transform=TransformConfig("haar")),
+])
+def test_layers_vllm_fuses_share_the_largest_nvfp4_per_tensor_scale(config):
+    """vLLM decodes q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``) with one NVFP4
+    per-tensor scale: layers sharing a data-free transform get the largest of their own, as
+    llm-compressor gives them; the others keep their own."""
+    model = tiny_model("llama")
+    weights = {name: linear_weight(module).detach().float()
+               for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    own = {name: weight_global_scale(transform_weight(w, fit_transform(
+        config.transform.name, w, None, block=16, seed=config.transform.seed)), config.fmt)
+        for name, w in weights.items()}
+    plain = {name: quantize(w, "nvfp4") for name, w in weights.items()}
+    quantize_model(model, _batches(), config, progress=False)
+    layers = quantized_linears(model)
+    groups = fused_groups(layers)
+    assert len(groups) == 4  # q/k/v and gate/up of two blocks
+    for group in groups:
+        assert len({float(own[name]) for name in group}) == len(group), group  # could fail
+        largest = max(group, key=lambda name: float(own[name]))
+        for name in group:
+            assert torch.equal(layers[name].weight.global_scale, own[largest]), name
+        if config.transform.name == "identity" and config.weights.quantizer == "rtn":
+            # the layer whose scale it is rounds as on its own, bit for bit
+            assert torch.equal(layers[largest].weight.qdata, plain[largest].qdata)
+            assert torch.equal(layers[largest].weight.scale.view(torch.uint8),
+                               plain[largest].scale.view(torch.uint8))
+    alone = [name for name in layers if not any(name in group for group in groups)]
+    assert len(alone) == 4  # o_proj and down_proj: vLLM runs them alone
+    for name in alone:
+        assert torch.equal(layers[name].weight.global_scale, own[name]), name
+
+
+def test_fitted_transforms_keep_each_layers_own_per_tensor_scale():
+    """KBBQ's transform is fitted per layer (no stock server applies it; the export refuses it
+    under --strict): q/k/v keep their own scales."""
+    model = tiny_model("llama")
+    quantize_model(model, _batches(), QuantizationConfig(transform=TransformConfig("kbbq", 0.5)),
+                   progress=False)
+    layers = quantized_linears(model)
+    for group in fused_groups(layers):
+        assert len({float(layers[name].weight.global_scale) for name in group}) == len(group)
+
+
+def test_mxfp4_has_no_per_tensor_scale_to_share():
+    model = tiny_model("llama")
+    quantize_model(model, _batches(), QuantizationConfig(format=FormatConfig("mxfp4"),
+                                                         transform=TransformConfig("identity")),
+                   progress=False)
+    assert all(layer.weight.global_scale is None for layer in quantized_linears(model).values())

@@ -280,16 +280,22 @@ def gptq_layers(
     scale_search: ScaleSearch = "minmax",
     group_scales_mode: GroupScales = "static",
     names: Sequence[str] | None = None,
+    global_scales: Sequence[Tensor | None] | None = None,
 ) -> list[GPTQResult]:
     """GPTQ of layers that read the same inputs (one Hessian ``h [D, D]``, e.g. q/k/v), run
     once on their rows stacked: GPTQ treats rows independently given ``H``, so this equals one
-    run per layer (each keeps its own NVFP4 per-tensor scale) with fewer column steps."""
+    run per layer with fewer column steps.  Each layer keeps its own NVFP4 per-tensor scale,
+    or takes the given one of ``global_scales`` (e.g. one shared by the layers vLLM fuses,
+    :func:`~kbbq_pl.quant.scales.fused_weight_scales`)."""
     names = list(names) if names is not None else [f"weight{i}" for i in range(len(weights))]
     label = "+".join(names)
     fmt = check_fp4_format(fmt, label)
     if not weights or len(names) != len(weights):
         raise ValueError(f"{label}: need one name per weight, got {len(names)} for "
                          f"{len(weights)} weights")
+    if global_scales is not None and len(global_scales) != len(weights):
+        raise ValueError(f"{label}: need one global scale per weight, got "
+                         f"{len(global_scales)} for {len(weights)} weights")
     for weight, name in zip(weights, names):
         _check_inputs(weight, h, fmt, name)
     _check_block_size(block_size, fmt, label)
@@ -297,7 +303,8 @@ def gptq_layers(
         raise ValueError(f"group_scales must be 'static' or 'dynamic', got {group_scales_mode!r}")
     w, h = _prepare(torch.cat([weight.detach().to(_F32) for weight in weights]), h)
     rows = [weight.shape[0] for weight in weights]
-    layer_scales = [weight_global_scale(part, fmt) for part in w.split(rows)]
+    layer_scales = (list(global_scales) if global_scales is not None
+                    else [weight_global_scale(part, fmt) for part in w.split(rows)])
     row_scale = None
     if fmt.global_scale:
         row_scale = torch.cat([gs.expand(n) for gs, n in zip(layer_scales, rows)]).reshape(-1, 1, 1)

@@ -56,8 +56,9 @@ from ...transforms.fit import fit_transform, transform_weight
 from ..autobrake import LambdaChoice, choose_lambda
 from ..collectives import ReduceFn
 from ..config import QuantizationConfig
-from ..modules import first_input, flatten_tokens, linear_weight
+from ..modules import first_input, flatten_tokens, fused_groups, linear_weight
 from ..report import QuantizationReport
+from ..scales import fused_weight_scales
 from ..sequential import trim_heap
 from ..stats import StatisticsCollector, accumulate
 from ..weight_quantizer import Block, LayerPlan, WeightQuantizer
@@ -198,7 +199,9 @@ def quantize_layers(weights: Mapping[str, Tensor], h: Tensor, config: Quantizati
     result (the quantized ``W T^-1``) and the transform ``T`` (float64, None for the identity).
 
     Several layers need a data-free transform (identity, Hadamard, Haar: one ``T`` for all);
-    they run as one stacked GPTQ (:func:`kbbq_pl.quant.gptq.algorithm.gptq_layers`).
+    they run as one stacked GPTQ (:func:`kbbq_pl.quant.gptq.algorithm.gptq_layers`), the ones
+    vLLM fuses (q/k/v, gate/up) with one NVFP4 per-tensor scale
+    (:func:`~kbbq_pl.quant.scales.fused_weight_scales`).
     """
     fmt = config.fmt
     kind = config.transform.name
@@ -221,11 +224,12 @@ def quantize_layers(weights: Mapping[str, Tensor], h: Tensor, config: Quantizati
     else:
         transform = fit_transform(kind, weights[names[0]], None, block=config.block,
                                   seed=config.transform.seed, name=names[0])
-    results = gptq_layers([transform_weight(weights[n].to(torch.float32), transform)
-                           for n in names], transform_hessian(h, transform), fmt,
+    transformed = {n: transform_weight(weights[n].to(torch.float32), transform) for n in names}
+    scales = fused_weight_scales(transformed, fmt, fused_groups(transformed))
+    results = gptq_layers(list(transformed.values()), transform_hessian(h, transform), fmt,
                           act_order=config.gptq_act_order,
                           group_scales_mode=config.weights.group_scales,
-                          names=names, **common)
+                          names=names, global_scales=[scales[n] for n in names], **common)
     return {name: (result, transform) for name, result in zip(names, results)}
 
 

@@ -4,7 +4,9 @@ Per block (:class:`RTN`): hooks on the targeted linears collect the ``d x d`` bl
 moments of their inputs (:mod:`kbbq_pl.quant.stats`), summed over ranks; each layer's transform
 is fitted (:mod:`kbbq_pl.transforms`; with ``lam="auto"`` the brake is chosen on held-out
 sequences, :func:`auto_transform`) and ``W T^-1`` is rounded to nearest with min-max block scales
-(or MSE-searched ones, ``scale_search="mse"``, :func:`~kbbq_pl.quant.rtn.algorithm.rtn`); with
+(or MSE-searched ones, ``scale_search="mse"``, :func:`~kbbq_pl.quant.rtn.algorithm.rtn`); the
+layers vLLM fuses (q/k/v, gate/up) share one NVFP4 per-tensor scale when they share their
+transform (identity, Hadamard, Haar; :func:`~kbbq_pl.quant.scales.fused_weight_scales`); with
 ``transform.fold_o_proj`` the ``o_proj`` transforms are folded into the ``v_proj`` rows
 (:func:`fold_o_proj_transforms`, over :func:`kbbq_pl.transforms.o_proj_fold.fold_o_proj`).  By
 default the next block is calibrated on the full-precision block's outputs, so every layer's
@@ -20,12 +22,13 @@ from torch import Tensor, nn
 
 from ...formats import fake_quantize, quantize
 from ...formats.padding import pad_features
-from ...transforms.fit import fit_transform, kbbq_basis, transform_weight
+from ...transforms.fit import FITTED_TRANSFORMS, fit_transform, kbbq_basis, transform_weight
 from ...transforms.o_proj_fold import attention_heads, fold_o_proj
 from ..autobrake import LambdaChoice, choose_lambda
 from ..config import QuantizationConfig
-from ..modules import linear_weight
+from ..modules import fused_groups, linear_weight
 from ..report import QuantizationReport
+from ..scales import fused_weight_scales
 from ..stats import LayerStatistics, StatisticsCollector
 from ..weight_quantizer import Block, LayerPlan, WeightQuantizer
 from .algorithm import rtn
@@ -161,6 +164,13 @@ class RTN(WeightQuantizer):
             folded = fold_o_proj_transforms(block.model, block.linears, stats, transforms, config)
             self.folded += list(folded)
         new_values = {v_name: (weight, bias) for v_name, weight, bias in folded.values()}
+        shared: dict[str, Tensor | None] = {}
+        if (config.fmt.global_scale and config.transform.name not in FITTED_TRANSFORMS
+                and not self.trainable):
+            groups = fused_groups(block.linears)
+            shared = fused_weight_scales(
+                {name: transform_weight(padded[name], transforms[name])
+                 for group in groups for name in group}, config.fmt, groups)
 
         plans = {}
         for name in block.linears:
@@ -169,9 +179,10 @@ class RTN(WeightQuantizer):
             if full_precision is not None:  # the weight the module takes (in its dtype)
                 weight = pad_features(full_precision[0].to(weight.dtype), config.fmt)
             quantized = None
-            if config.weights.scale_search == "mse":
+            if config.weights.scale_search == "mse" or name in shared:
                 quantized = rtn(transform_weight(weight, transforms[name]), config.fmt,
-                                search="mse")[0]
+                                search=config.weights.scale_search,
+                                global_scale=shared.get(name))[0]
             elif name in folded:
                 quantized = quantize(transform_weight(weight, transforms[name]), config.fmt,
                                      name=f"{name}.weight")

@@ -46,9 +46,11 @@ them).  What each kbbq-pl layer becomes (:func:`plan_layers`):
   that transformers merges into fused experts without their ``weight_global_scale``;
 * the layers vLLM runs as one fused linear (q/k/v, gate/up: its ``qkv_proj``,
   ``gate_up_proj``) share one NVFP4 per-tensor scale in vLLM, which decodes the fused layer with
-  the largest of the stored ``448 * 6 / amax``; ``kbbq-pl quantize`` gives them one scale
-  (:func:`kbbq_pl.quant.scales.fused_weight_scales`, as llm-compressor does), and the export warns
-  (``strict`` refuses) where they differ (:func:`_unshared_fused_scales`).
+  the largest of the stored ``448 * 6 / amax``, and a mixture-of-experts layer's experts share
+  one input scale per projection; ``kbbq-pl quantize`` gives them one scale
+  (:func:`kbbq_pl.quant.scales.fused_weight_scales`, as llm-compressor does; the pipeline's
+  static activation scales), and the export warns (``strict`` refuses) where they differ
+  (:func:`_unshared_fused_scales`).
 
 :data:`ISSUES` is the one list of what stock readers would not compute as kbbq-pl does:
 :func:`plan_layers` tags each layer with its issue, :func:`describe_issues` turns the tags into
@@ -252,12 +254,14 @@ ISSUES = {
                   "expert (gate_proj, up_proj, down_proj) as llm-compressor writes them: vLLM "
                   "reads them, but HF transformers reads this architecture's experts fused only "
                   f"and would leave them at random; serve it with vLLM, or {LOAD_HINT}"),
-    "fused_scales": ("NVFP4 layers that vLLM runs as one fused linear (q/k/v, gate/up) with "
-                     "different per-tensor scales (a checkpoint quantized before kbbq-pl shared "
-                     "them, fine-tuned, quantized through torchao's quantize_, or with a fitted "
-                     "transform): vLLM decodes the fused layer with one of them, so the others' "
-                     "outputs are off by the ratio; HF transformers reads them exactly; "
-                     "requantize (kbbq-pl quantize shares them for data-free transforms), or "
+    "fused_scales": ("NVFP4 layers that vLLM runs under one per-tensor scale with different "
+                     "ones (q/k/v and gate/up, one fused linear each; the inputs of one "
+                     "projection of a mixture-of-experts layer's experts): a checkpoint "
+                     "quantized before kbbq-pl shared them, fine-tuned, quantized through "
+                     "torchao's quantize_, or with a fitted transform; vLLM decodes the weights "
+                     "(rounds the inputs) with one of them, so the others' outputs are off by "
+                     "the ratio (clipped); HF transformers reads them exactly; requantize "
+                     "(kbbq-pl quantize shares them for data-free transforms), or "
                      f"{LOAD_HINT}"),
     "expert_global_scale": ("NVFP4 experts that HF transformers merges into its fused experts: "
                             "the installed transformers dequantizes them without their "
@@ -339,7 +343,7 @@ def plan_layers(layers: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, T
             plans[name] = ExportLayer(name, True, kind, "hadamard")
         else:
             plans[name] = ExportLayer(name, True, kind)
-    for name in _unshared_fused_scales(plans, tensors, weight_only):
+    for name in _unshared_fused_scales(plans, tensors, linear_types, weight_only):
         if plans[name].issue is None:
             plans[name] = replace(plans[name], issue="fused_scales")
     issues = describe_issues(plans)
@@ -357,13 +361,22 @@ def plan_layers(layers: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, T
 
 
 def _unshared_fused_scales(plans: Mapping[str, ExportLayer], tensors: Mapping[str, Tensor],
-                           weight_only: bool) -> list[str]:
-    """The FP4 layers of fused groups (:func:`~kbbq_pl.quant.modules.fused_groups`) whose
-    NVFP4 weight per-tensor scales (or, unless ``weight_only``, input ones) differ: vLLM keeps
-    one per fused layer."""
-    suffixes = ("weight_global_scale",) + (() if weight_only else ("input_global_scale",))
+                           linear_types: Mapping[str, str], weight_only: bool) -> list[str]:
+    """The FP4 layers whose NVFP4 per-tensor scales vLLM replaces by one that differ within
+    their group: the weight and input scales of fused layers
+    (:func:`~kbbq_pl.quant.modules.fused_groups`), and, unless ``weight_only``, the input
+    scales of one projection of a mixture-of-experts layer's experts."""
+    fp4 = [n for n, plan in plans.items() if plan.fp4]
+    inputs = () if weight_only else ("input_global_scale",)
+    experts: dict[tuple[str, str], list[str]] = {}
+    for name in fp4:
+        if linear_types.get(name) == "expert":
+            module, _, proj = name.rsplit(".", 2)
+            experts.setdefault((module, proj), []).append(name)
+    checks = [(group, ("weight_global_scale", *inputs)) for group in fused_groups(fp4)]
+    checks += [(group, inputs) for group in experts.values() if len(group) > 1]
     unshared = []
-    for group in fused_groups(n for n, plan in plans.items() if plan.fp4):
+    for group, suffixes in checks:
         for suffix in suffixes:
             values = [tensors.get(f"{name}.{suffix}") for name in group]
             if any(v is not None for v in values) and not all(

@@ -25,7 +25,10 @@ its step (the layers before the first block, for the capture): one model's bytes
 the float32 results.  Peak memory goes into the report.
 
 A mixture-of-experts model's fused experts are made linear layers first, and every expert sees
-every calibration token while the model is quantized (:mod:`kbbq_pl.quant.experts`).
+every calibration token while the model is quantized (:mod:`kbbq_pl.quant.experts`); where the
+experts share their transform (identity, Hadamard, Haar), static activation scales are shared
+by every expert's up projection, and by every expert's down projection
+(:func:`~kbbq_pl.quant.experts.expert_projections`), as vLLM's MoE layers use them.
 """
 
 from __future__ import annotations
@@ -41,9 +44,10 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ..transforms.fit import FITTED_TRANSFORMS
 from .collectives import Collectives, ReduceFn
 from .config import QuantizationConfig
-from .experts import calibrating_every_expert, moe_routers, unfuse_experts
+from .experts import calibrating_every_expert, expert_projections, moe_routers, unfuse_experts
 from .gptq.quantizer import GPTQ
 from .layers import QuantizedLinear, quantized_linears, swap_module
 from .modules import (
@@ -270,7 +274,9 @@ def _quantize_block(block: Block, quantizer: WeightQuantizer, keep_outputs: bool
     if static:
         tick = time.perf_counter()
         scales = _static_act_scales(inputs, block.linears, plans, config, step.runner.device,
-                                    block.collectives.reduce_max)
+                                    block.collectives.reduce_max,
+                                    [] if config.transform.name in FITTED_TRANSFORMS
+                                    else expert_projections(block.model, block.linears))
         inputs.clear()
         timing["activation_scales"] += time.perf_counter() - tick
 
@@ -301,12 +307,19 @@ def _quantize_block(block: Block, quantizer: WeightQuantizer, keep_outputs: bool
 
 def _static_act_scales(inputs: Mapping[str, list[Tensor]], linears: Mapping[str, nn.Module],
                        plans: Mapping[str, LayerPlan], config: QuantizationConfig,
-                       device: torch.device, reduce_max: ReduceFn) -> dict[str, Tensor]:
+                       device: torch.device, reduce_max: ReduceFn,
+                       shared: list[list[str]]) -> dict[str, Tensor]:
     """Static NVFP4 per-tensor scales of every layer's transformed inputs ``T x``,
     from the inputs kept in the calibration pass of the full-precision block (no second run
-    of it; a folded layer's ``T`` applies to the unfolded weights' inputs, which these are)."""
+    of it; a folded layer's ``T`` applies to the unfolded weights' inputs, which these are).
+    Each group of ``shared`` (one projection of a mixture-of-experts layer's experts, which
+    vLLM quantizes under one scale) takes the largest amax of its layers."""
     transforms = {name: plan.transform for name, plan in plans.items()}
     amax = transformed_amax(inputs, linears, transforms, config.fmt, device)
+    for group in shared:
+        present = [name for name in group if name in amax]
+        if present:
+            amax.update(dict.fromkeys(present, torch.stack([amax[n] for n in present]).amax()))
     return act_scales_from_amax(amax, reduce_max)
 
 

@@ -211,13 +211,33 @@ def test_fused_layers_with_different_per_tensor_scales_warn_and_strict_refuses(t
         qdata=own.qdata, scale=own.scale, global_scale=own.global_scale), requires_grad=False)
     group = r"3 of 14 layers \(model\.layers\.0\.self_attn\.q_proj, [^)]*v_proj\)"
     with pytest.raises(ExportError, match=rf"--strict: .*{group}: NVFP4 layers that vLLM runs "
-                                          r"as one fused linear .* requantize"):
+                                          r"under one per-tensor scale .* requantize"):
         save_compressed_tensors(model, tmp_path / "strict", strict=True)
     with caplog.at_level(logging.WARNING, logger="kbbq_pl.io.compressed_tensors"):
         out = save_compressed_tensors(model, tmp_path / "ct")
     (warning,) = export_warnings(caplog)
     assert re.match(rf"compressed-tensors export: {group}: ", warning), warning
     assert torch.equal(logits(from_pretrained(out)), logits(model))  # kbbq-pl reads it exactly
+
+
+def test_experts_with_different_input_scales_warn(tmp_path, caplog, monkeypatch):
+    """vLLM rounds one projection's inputs with one scale for all of an MoE layer's experts: a
+    checkpoint whose experts' input scales differ exports with a warning (shown once the
+    installed transformers reads NVFP4 experts' global scales; here patched so)."""
+    monkeypatch.setattr("kbbq_pl.io.compressed_tensors.hf_drops_expert_global_scale",
+                        lambda: False)
+    model = tiny_model("qwen3_moe")
+    quantize_model(model, _batches(), recipe("nvfp4", "identity"), progress=False)
+    with caplog.at_level(logging.WARNING, logger="kbbq_pl.io.compressed_tensors"):
+        save_compressed_tensors(model, tmp_path / "shared", strict=True)
+    assert not export_warnings(caplog)
+    down = model.get_submodule("model.layers.0.mlp.experts.3.down_proj")
+    down.act_global_scale = down.act_global_scale * 2
+    with caplog.at_level(logging.WARNING, logger="kbbq_pl.io.compressed_tensors"):
+        save_compressed_tensors(model, tmp_path / "ct")
+    (warning,) = export_warnings(caplog)
+    assert re.match(r"compressed-tensors export: 8 of 40 layers \(model\.layers\.0\.mlp\.experts"
+                    r"\.0\.down_proj, .*one projection of a mixture-of-experts", warning), warning
 
 
 def test_vllm_check_script_writes_kbbq_pls_output_of_every_fp4_layer(tmp_path, capsys):

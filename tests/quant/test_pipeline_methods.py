@@ -20,6 +20,7 @@ from kbbq_pl.quant import (
     WeightsConfig,
     quantize_model,
 )
+from kbbq_pl.quant.experts import expert_projections
 from kbbq_pl.quant.gptq.quantizer import GPTQ
 from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears
 from kbbq_pl.quant.modules import fused_groups, linear_weight
@@ -297,3 +298,19 @@ def test_mxfp4_has_no_per_tensor_scale_to_share():
                                                          transform=TransformConfig("identity")),
                    progress=False)
     assert all(layer.weight.global_scale is None for layer in quantized_linears(model).values())
+
+
+def test_experts_share_one_activation_scale_per_projection():
+    """vLLM's mixture-of-experts layer rounds the inputs of every expert's gate/up projection,
+    and of every expert's down projection, under one NVFP4 per-tensor scale: each projection's
+    static scale is the one of the largest amax over the experts (the down projections' inputs
+    differ per expert)."""
+    model = tiny_model("qwen3_moe")
+    quantize_model(model, _batches(), QuantizationConfig(transform=TransformConfig("identity")),
+                   progress=False)
+    layers = quantized_linears(model)
+    groups = expert_projections(model, layers)
+    assert [group[0].rsplit(".", 1)[1] for group in groups] == ["gate_up_proj", "down_proj"] * 2
+    for group in groups:
+        assert len(group) == 8  # every expert
+        assert len({float(layers[name].act_global_scale) for name in group}) == 1, group

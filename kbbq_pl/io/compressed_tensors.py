@@ -78,7 +78,12 @@ import torch
 from torch import Tensor, nn
 
 from ..formats import Format, get_format
-from ..quant.experts import fused_experts, has_plain_experts, unfuse_experts
+from ..quant.experts import (
+    expert_projections,
+    fused_experts,
+    has_plain_experts,
+    unfuse_experts,
+)
 from ..quant.layers import quantized_linears
 from ..quant.modules import fused_groups, is_linear, is_transposed
 from ..transforms.fit import hadamard, transform_inputs
@@ -368,13 +373,9 @@ def _unshared_fused_scales(plans: Mapping[str, ExportLayer], tensors: Mapping[st
     scales of one projection of a mixture-of-experts layer's experts."""
     fp4 = [n for n, plan in plans.items() if plan.fp4]
     inputs = () if weight_only else ("input_global_scale",)
-    experts: dict[tuple[str, str], list[str]] = {}
-    for name in fp4:
-        if linear_types.get(name) == "expert":
-            module, _, proj = name.rsplit(".", 2)
-            experts.setdefault((module, proj), []).append(name)
+    experts = {n.rsplit(".", 2)[0] for n, kind in linear_types.items() if kind == "expert"}
     checks = [(group, ("weight_global_scale", *inputs)) for group in fused_groups(fp4)]
-    checks += [(group, inputs) for group in experts.values() if len(group) > 1]
+    checks += [(group, inputs) for group in expert_projections(fp4, experts.__contains__)]
     unshared = []
     for group, suffixes in checks:
         for suffix in suffixes:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -289,16 +289,16 @@ def _expert_count(experts: nn.Module) -> int | None:
     return down.shape[0] if isinstance(down, nn.Parameter) and down.dim() == 3 else None
 
 
-def expert_projections(model: nn.Module, names: Iterable[str]) -> list[list[str]]:
+def expert_projections(names: Iterable[str], is_experts: Callable[[str], bool]
+                       ) -> list[list[str]]:
     """The layers among ``names`` (qualified) that are one projection of the experts of one
-    :class:`ExpertLinears` (every ``<experts>.<e>.gate_up_proj``; every ``down_proj``), in
-    order: vLLM's fused MoE layer quantizes each projection's inputs, for all its experts, under
-    one NVFP4 activation scale."""
+    experts module (``is_experts(name)``: an :class:`ExpertLinears`; every
+    ``<experts>.<e>.gate_up_proj``, every ``down_proj``), in order: vLLM's fused MoE layer
+    rounds each projection's inputs, for all its experts, under one NVFP4 activation scale."""
     groups: dict[tuple[str, str], list[str]] = {}
     for name in names:
         parts = name.rsplit(".", 2)
-        if (len(parts) == 3 and parts[1].isdigit()
-                and isinstance(model.get_submodule(parts[0]), ExpertLinears)):
+        if len(parts) == 3 and parts[1].isdigit() and is_experts(parts[0]):
             groups.setdefault((parts[0], parts[2]), []).append(name)
     return [group for group in groups.values() if len(group) > 1]
 

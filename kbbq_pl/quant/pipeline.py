@@ -47,7 +47,13 @@ from tqdm.auto import tqdm
 from ..transforms.fit import FITTED_TRANSFORMS
 from .collectives import Collectives, ReduceFn
 from .config import QuantizationConfig
-from .experts import calibrating_every_expert, expert_projections, moe_routers, unfuse_experts
+from .experts import (
+    ExpertLinears,
+    calibrating_every_expert,
+    expert_projections,
+    moe_routers,
+    unfuse_experts,
+)
 from .gptq.quantizer import GPTQ
 from .layers import QuantizedLinear, quantized_linears, swap_module
 from .modules import (
@@ -276,7 +282,8 @@ def _quantize_block(block: Block, quantizer: WeightQuantizer, keep_outputs: bool
         scales = _static_act_scales(inputs, block.linears, plans, config, step.runner.device,
                                     block.collectives.reduce_max,
                                     [] if config.transform.name in FITTED_TRANSFORMS
-                                    else expert_projections(block.model, block.linears))
+                                    else expert_projections(block.linears, lambda name: isinstance(
+                                        block.model.get_submodule(name), ExpertLinears)))
         inputs.clear()
         timing["activation_scales"] += time.perf_counter() - tick
 

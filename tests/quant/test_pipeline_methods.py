@@ -300,6 +300,14 @@ def test_mxfp4_has_no_per_tensor_scale_to_share():
     assert all(layer.weight.global_scale is None for layer in quantized_linears(model).values())
 
 
+def test_expert_projections_group_one_projection_of_one_experts_module():
+    experts = [f"model.layers.0.mlp.experts.{e}.{p}" for e in range(3)
+               for p in ("gate_up_proj", "down_proj")]
+    stack = ["model.layers.0.fc1", "model.layers.1.fc1"]  # numbered, but no experts module
+    assert expert_projections(experts + stack, {"model.layers.0.mlp.experts"}.__contains__) == [
+        experts[0::2], experts[1::2]]
+
+
 def test_experts_share_one_activation_scale_per_projection():
     """vLLM's mixture-of-experts layer rounds the inputs of every expert's gate/up projection,
     and of every expert's down projection, under one NVFP4 per-tensor scale: each projection's
@@ -309,7 +317,7 @@ def test_experts_share_one_activation_scale_per_projection():
     quantize_model(model, _batches(), QuantizationConfig(transform=TransformConfig("identity")),
                    progress=False)
     layers = quantized_linears(model)
-    groups = expert_projections(model, layers)
+    groups = expert_projections(layers, lambda name: name.endswith("mlp.experts"))
     assert [group[0].rsplit(".", 1)[1] for group in groups] == ["gate_up_proj", "down_proj"] * 2
     for group in groups:
         assert len(group) == 8  # every expert

@@ -167,8 +167,9 @@ def check_vllm(export: Path, reference_file: Path, capability: int, tolerance: f
     for name, kernel, diff, note in rows:
         print(f"{name:56s} {kernel:32s} {note or f'{diff:.2e}'}")
     uncovered = sorted(set(ref) - covered)
-    worst = max((d for _, _, d, _ in rows if d is not None), default=float("nan"))
-    print(f"\n{type(model).__name__}: {len(rows)} FP4 linears compared, worst {worst:.2e}; "
+    diffs = [diff for _, _, diff, _ in rows if diff is not None]
+    worst = max(diffs, default=float("nan"))
+    print(f"\n{type(model).__name__}: {len(diffs)} FP4 linears compared, worst {worst:.2e}; "
           f"parameters not filled by the file: {unfilled or 'none'}; kbbq-pl layers vLLM "
           f"did not run: {uncovered or 'none'}")
     failed = [name for name, _, diff, note in rows

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from ..formats import Format, get_format
-from ..transforms.fit import TRANSFORMS
+from ..transforms.fit import FITTED_TRANSFORMS, TRANSFORMS
 from .act_scale import ActScale, check_act_scale, effective_act_scale
 from .autobrake import DEFAULT_GRID
 
@@ -322,7 +322,7 @@ class QuantizationConfig:
     @property
     def refits_in_loop(self) -> bool:
         """Whether GPTQ refits the WUSH / KBBQ blocks inside its loop."""
-        return (self.weights.quantizer == "gptq" and self.transform.name in ("wush", "kbbq")
+        return (self.weights.quantizer == "gptq" and self.transform.name in FITTED_TRANSFORMS
                 and self.weights.transform_refit == "in_loop")
 
     @property

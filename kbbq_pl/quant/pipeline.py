@@ -279,11 +279,10 @@ def _quantize_block(block: Block, quantizer: WeightQuantizer, keep_outputs: bool
     scales: dict[str, Tensor] = {}
     if static:
         tick = time.perf_counter()
+        shared = [] if config.transform.name in FITTED_TRANSFORMS else expert_projections(
+            block.linears, lambda name: isinstance(block.model.get_submodule(name), ExpertLinears))
         scales = _static_act_scales(inputs, block.linears, plans, config, step.runner.device,
-                                    block.collectives.reduce_max,
-                                    [] if config.transform.name in FITTED_TRANSFORMS
-                                    else expert_projections(block.linears, lambda name: isinstance(
-                                        block.model.get_submodule(name), ExpertLinears)))
+                                    block.collectives.reduce_max, shared)
         inputs.clear()
         timing["activation_scales"] += time.perf_counter() - tick
 

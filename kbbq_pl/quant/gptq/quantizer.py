@@ -52,7 +52,7 @@ from tqdm.auto import tqdm
 
 from ...formats import QuantizedTensor
 from ...formats.padding import pad_features
-from ...transforms.fit import fit_transform, transform_weight
+from ...transforms.fit import FITTED_TRANSFORMS, fit_transform, transform_weight
 from ..autobrake import LambdaChoice, choose_lambda
 from ..collectives import ReduceFn
 from ..config import QuantizationConfig
@@ -208,7 +208,7 @@ def quantize_layers(weights: Mapping[str, Tensor], h: Tensor, config: Quantizati
     names = list(weights)
     common = {"damping": config.weights.damping, "block_size": config.weights.block_size,
               "scale_search": config.weights.scale_search}
-    if kind in ("wush", "kbbq"):
+    if kind in FITTED_TRANSFORMS:
         if len(names) != 1:
             raise ValueError(f"{kind} transforms are fitted per layer: quantize {names} one by one")
         name, weight = names[0], weights[names[0]]
@@ -357,7 +357,7 @@ class GPTQ(WeightQuantizer):
         collector, held_out = calibration.all, calibration.held_out
         weights = {name: pad_features(linear_weight(m).detach(), config.fmt)
                    for name, m in linears.items()}
-        stacked = config.transform.name not in ("wush", "kbbq")
+        stacked = config.transform.name not in FITTED_TRANSFORMS
         groups = collector.groups()
         jobs = groups if stacked else [[name] for group in groups for name in group]
         costs = {job[0]: float(weights[job[0]].shape[1]) ** 2 * (

@@ -36,7 +36,7 @@ from kbbq_pl.formats import DeferredChecks, QuantizedTensor, deferred_checks
 from kbbq_pl.io.checkpoint import install_empty_layers, layer_metadata
 from kbbq_pl.quant import QuantizationConfig, QuantizationReport, quantize_model
 from kbbq_pl.quant.collectives import Collectives
-from kbbq_pl.quant.layers import quantized_linears
+from kbbq_pl.quant.layers import freeze_layers, quantized_linears, share_fused_scales
 from kbbq_pl.quant.modules import find_linears
 from kbbq_pl.quant.stats import StatisticsCollector, run_calibration
 from kbbq_pl.quant.w4a4 import cache_decoded_weights
@@ -223,6 +223,7 @@ class KBBQ(Callback):
         if self.calibrate_only:
             trainer.should_stop = True
             return
+        share_fused_scales(quantized_linears(pl_module))
         # the rounding's NaN/Inf checks stay on the device: one host synchronization per
         # optimizer step instead of two or three per layer per forward (formats.DeferredChecks)
         self._checks_scope = contextlib.ExitStack()
@@ -231,6 +232,14 @@ class KBBQ(Callback):
             # stored codes (GPTQ) do not change while the rest trains: decode each once, not in
             # every forward (4 bytes per weight element, as a trainable master weight holds)
             self._checks_scope.enter_context(cache_decoded_weights())
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        # the master weights moved: the fused layers' shared NVFP4 scale follows them
+        share_fused_scales(quantized_linears(pl_module))
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        share_fused_scales(quantized_linears(pl_module))
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule,
                                  optimizer: Any) -> None:
@@ -258,8 +267,7 @@ class KBBQ(Callback):
                 scope.__exit__(type(exception), exception, exception.__traceback__)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        for layer in quantized_linears(pl_module).values():
-            layer.freeze()
+        freeze_layers(quantized_linears(pl_module))
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule,
                            checkpoint: dict[str, Any]) -> None:

@@ -1,7 +1,8 @@
 """FP4 fine-tuning on a real causal LM: SmolLM2-135M-Instruct, NVFP4 RTN-KBBQ, then ``Trainer.fit``.
 
     python examples/finetune_smollm2.py [--config examples/finetune_smollm2.yaml]
-        [--steps 30] [--lr 1e-5] [--batch-size 2] [--val-every 5] [--out result.json]
+        [--recipe i_nvfp4] [--train-seed 2] [--steps 30] [--lr 1e-5] [--batch-size 2]
+        [--val-every 5] [--out result.json]
 
 1. The KBBQ callback of the shipped recipe (``rtn_kbbq_nvfp4_lam0.75``: calibration on the
    mixed corpus, lambda 0.75) quantizes the model when ``fit`` starts, keeping trainable master
@@ -120,6 +121,8 @@ class ValidationHistory(Callback):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(HERE / "finetune_smollm2.yaml"))
+    parser.add_argument("--recipe", help="a packaged recipe or recipe file (default: the config's)")
+    parser.add_argument("--train-seed", type=int, help="the seed of the training blocks")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--lr", type=float)
     parser.add_argument("--batch-size", type=int)
@@ -128,7 +131,7 @@ def main() -> None:
     args = parser.parse_args()
     settings = yaml.safe_load(Path(args.config).read_text(encoding="utf-8"))
     settings.setdefault("val_every", 5)
-    for key in ("steps", "lr", "batch_size", "val_every"):
+    for key in ("recipe", "train_seed", "steps", "lr", "batch_size", "val_every"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
     torch.manual_seed(0)

@@ -76,14 +76,8 @@ def layer_metadata(layer: QuantizedLinear) -> dict[str, Any]:
         "transform": None if transform is None else list(transform.shape),
         "act_scale": layer.act_scale,
         "bias": layer.bias is not None,
-        "dtype": str(_weight_codes(layer).orig_dtype).replace("torch.", ""),
+        "dtype": str(layer.codes().orig_dtype).replace("torch.", ""),
     }
-
-
-def _weight_codes(layer: QuantizedLinear) -> QuantizedTensor:
-    if isinstance(layer.weight, QuantizedTensor):
-        return layer.weight
-    return quantize(layer.weight.detach(), layer.fmt, name=f"{layer.name}.weight")
 
 
 def empty_layer(meta: dict[str, Any], fmt: Format | None = None, name: str = "",
@@ -140,7 +134,8 @@ def checkpoint_contents(
                 {f"{prefix}.{k}": f"{prefix}.{v}" for k, v in tied.items()})
     layers = quantized_linears(model)
     layer_params = {f"{n}.{p}" for n in layers for p in ("weight", "bias", "transform",
-                                                          "act_global_scale")}
+                                                          "act_global_scale",
+                                                          "weight_global_scale")}
     for name, tensor in model.state_dict(keep_vars=True).items():
         if name in layer_params or tensor is None:
             continue
@@ -162,7 +157,7 @@ def checkpoint_contents(
 def layer_tensors(name: str, layer: QuantizedLinear) -> dict[str, Tensor]:
     """The tensors that store quantized ``layer`` (named ``name``), on its device, as
     :func:`checkpoint_contents` names them (the module docstring)."""
-    codes = _weight_codes(layer)
+    codes = layer.codes()
     tensors = {f"{name}.weight_packed": codes.qdata.contiguous(),
                f"{name}.weight_scale": codes.scale.contiguous()}
     if codes.global_scale is not None:

@@ -262,7 +262,7 @@ ISSUES = {
     "fused_scales": ("NVFP4 layers that vLLM runs under one per-tensor scale with different "
                      "ones (q/k/v and gate/up, one fused linear each; the inputs of one "
                      "projection of a mixture-of-experts layer's experts): a checkpoint "
-                     "quantized before kbbq-pl shared them, fine-tuned, quantized through "
+                     "quantized or fine-tuned before kbbq-pl shared them, quantized through "
                      "torchao's quantize_, or with a fitted transform; vLLM decodes the weights "
                      "(rounds the inputs) with one of them, so the others' outputs are off by "
                      "the ratio (clipped); HF transformers reads them exactly; requantize "

@@ -19,6 +19,7 @@ reach the master weight; :meth:`QuantizedLinear.freeze` turns it into stored cod
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,8 @@ from ..formats import Format, QuantizedTensor, get_format, quantize, ste_fake_qu
 from ..formats.padding import pad_features
 from ..transforms.fit import transform_weight
 from .act_scale import ActScale, effective_act_scale
-from .modules import linear_weight, parent_and_attr
+from .modules import fused_groups, linear_weight, parent_and_attr
+from .scales import fused_weight_scales
 from .w4a4 import MasterWeight, W4A4Weight
 
 log = logging.getLogger(__name__)
@@ -74,7 +76,8 @@ class QuantizedLinear(nn.Module):
             ``act_global_scale``) or ``dynamic`` (``amax / (448 * 6)`` of each call).
 
     ``transform``, ``act_global_scale`` and ``act_scale`` read the weight's fields (stored
-    codes) or the module's buffers (a trainable master weight).
+    codes) or the module's buffers (a trainable master weight, which also holds
+    ``weight_global_scale``: see :func:`share_fused_scales`).
     """
 
     def __init__(
@@ -103,6 +106,9 @@ class QuantizedLinear(nn.Module):
             # registered under the names of the properties below, which read them
             self._buffers["transform"] = None if transform is None else transform.float()
             self._buffers["act_global_scale"] = act_global_scale
+            # NVFP4's per-tensor scale shared with the fused siblings (share_fused_scales);
+            # None: the master weight's own, amax / (448 * 6) of each call
+            self._buffers["weight_global_scale"] = None
         else:
             if not isinstance(weight, W4A4Weight):
                 if not isinstance(weight, QuantizedTensor):
@@ -195,23 +201,38 @@ class QuantizedLinear(nn.Module):
             return self.weight
         return MasterWeight.of(self.weight, self.fmt, in_features=self.in_features,
                                transform=self.transform, act_scale=self.act_scale,
-                               act_global_scale=self.act_global_scale, layer_name=self.name)
+                               act_global_scale=self.act_global_scale,
+                               weight_global_scale=self._buffers["weight_global_scale"],
+                               layer_name=self.name)
 
     def dequantized_weight(self, dtype: torch.dtype) -> Tensor:
         """``Q(W T^-1)`` as a dense ``[out, padded_in]`` tensor, decoded on request (for
         reports and tests; the forward does not call it for stored codes).  A trainable master
         weight is rounded anew in every call, with a straight-through gradient."""
         if self.trainable:
-            return ste_fake_quantize(self.weight, self.fmt, name=f"{self.name}.weight").to(dtype)
+            return ste_fake_quantize(self.weight, self.fmt,
+                                     global_scale=self._buffers["weight_global_scale"],
+                                     name=f"{self.name}.weight").to(dtype)
         return self.weight.dequantize(dtype)
+
+    def codes(self) -> QuantizedTensor:
+        """The FP4 codes of ``W T^-1``: the stored ones, or the trainable master weight rounded
+        as the forward rounds it."""
+        if not self.trainable:
+            return self.weight
+        return quantize(self.weight.detach(), self.fmt,
+                        global_scale=self._buffers["weight_global_scale"],
+                        name=f"{self.name}.weight")
 
     # ------------------------------------------------------------------ state
 
     def freeze(self) -> None:
-        """Round a trainable master weight into stored codes (end of fine-tuning)."""
+        """Round a trainable master weight into stored codes (end of fine-tuning; a model's
+        layers: :func:`freeze_layers`)."""
         if not self.trainable:
             return
-        codes = quantize(self.weight.detach(), self.fmt, name=f"{self.name}.weight")
+        codes = self.codes()
+        self._buffers.pop("weight_global_scale")
         transform = self._buffers.pop("transform")
         scale = self._buffers.pop("act_global_scale")
         self.weight = nn.Parameter(W4A4Weight.from_quantized(
@@ -227,14 +248,15 @@ class QuantizedLinear(nn.Module):
         # are combined here into the W4A4Weight.
         key = prefix + "weight"
         value = state_dict.get(key)
-        side = {name: state_dict.get(prefix + name) for name in ("transform", "act_global_scale")}
+        side = {name: state_dict.get(prefix + name)
+                for name in ("transform", "act_global_scale", "weight_global_scale")}
         if isinstance(value, QuantizedTensor):
             if not isinstance(value, W4A4Weight):
                 value = W4A4Weight.from_quantized(
                     value, in_features=self.in_features, transform=side["transform"],
                     act_scale=self.act_scale, act_global_scale=side["act_global_scale"],
                     layer_name=self.name)
-            for buffer in ("transform", "act_global_scale"):
+            for buffer in side:
                 self._buffers.pop(buffer, None)
             self.weight = nn.Parameter(value.to(self.weight.device), requires_grad=False)
             dropped = {key, *(prefix + name for name in side)}
@@ -268,3 +290,37 @@ def swap_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
 def quantized_linears(model: nn.Module) -> dict[str, QuantizedLinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
 
+
+def share_fused_scales(layers: Mapping[str, QuantizedLinear]) -> None:
+    """Give the trainable NVFP4 layers among ``layers`` (qualified name -> layer) that vLLM runs
+    as one fused linear (q/k/v, gate/up: :func:`~kbbq_pl.quant.modules.fused_groups`) under
+    one transform one per-tensor scale, the largest of their master weights' own
+    (:func:`~kbbq_pl.quant.scales.fused_weight_scales`), as ``quantize_model`` gives stored
+    codes: the forward and :meth:`QuantizedLinear.codes` round them under it (the
+    ``weight_global_scale`` buffer) until the next call.  The ``KBBQ`` callback calls it when
+    training starts, before every training batch and validation, and :func:`freeze_layers`
+    at the end; a training loop of your own calls it after each optimizer step."""
+    trainable = {name: layer for name, layer in layers.items() if layer.trainable}
+    for group in fused_groups(trainable):
+        first = trainable[group[0]]
+        if first.fmt.global_scale and all(
+                trainable[name].fmt == first.fmt
+                and _same_transform(trainable[name].transform, first.transform)
+                for name in group):
+            scales = fused_weight_scales({name: trainable[name].weight.detach()
+                                          for name in group}, first.fmt, [group])
+            for name in group:
+                trainable[name].weight_global_scale = scales[name]
+
+
+def freeze_layers(layers: Mapping[str, QuantizedLinear]) -> None:
+    """Round the trainable master weights among ``layers`` (qualified name -> layer) into
+    stored codes, the end of fine-tuning, the fused layers under their shared per-tensor
+    scale (:func:`share_fused_scales`, from the final master weights)."""
+    share_fused_scales(layers)
+    for layer in layers.values():
+        layer.freeze()
+
+
+def _same_transform(a: Tensor | None, b: Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))

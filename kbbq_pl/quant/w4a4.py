@@ -475,19 +475,22 @@ class MasterWeight(Tensor):
     transform: Tensor | None
     act_scale: ActScale
     act_global_scale: Tensor | None
+    weight_global_scale: Tensor | None
     layer_name: str
 
     @classmethod
     def of(cls, master: Tensor, fmt: Format, *, in_features: int, transform: Tensor | None,
            act_scale: ActScale, act_global_scale: Tensor | None,
-           layer_name: str = "") -> MasterWeight:
-        """The product's view of ``master`` (its gradient reaches ``master``)."""
+           weight_global_scale: Tensor | None = None, layer_name: str = "") -> MasterWeight:
+        """The product's view of ``master`` (its gradient reaches ``master``);
+        ``weight_global_scale`` fixes NVFP4's per-tensor scale of the master weight's rounding
+        (None: its own, ``amax / (448 * 6)``)."""
         with torch._C.DisableTorchFunctionSubclass():
             view = master.as_subclass(cls)
         view.master, view.fmt, view.in_features = master, fmt, in_features
         view.transform, view.act_scale, view.act_global_scale = transform, act_scale, \
             act_global_scale
-        view.layer_name = layer_name
+        view.weight_global_scale, view.layer_name = weight_global_scale, layer_name
         return view
 
     @classmethod
@@ -514,7 +517,8 @@ def master_linear(x: Tensor, weight: MasterWeight, bias: Tensor | None = None) -
                          weight.transform)
     static = weight.act_global_scale if weight.act_scale == "static" else None
     h = _rounded_input(h, weight.fmt, static, weight.layer_name)
-    w = ste_fake_quantize(weight.master, weight.fmt, name=f"{weight.layer_name}.weight")
+    w = ste_fake_quantize(weight.master, weight.fmt, global_scale=weight.weight_global_scale,
+                          name=f"{weight.layer_name}.weight")
     y = F.linear(h, w.to(h.dtype))
     if bias is not None:
         y = y + bias.to(y.dtype)

@@ -263,3 +263,49 @@ def test_moe_experts_fine_tune_through_fp4_and_reload_from_the_checkpoint(tmp_pa
     restored.eval()
     with torch.no_grad():
         assert torch.equal(restored(input_ids=ids).logits, module(input_ids=ids).logits)
+
+
+def test_fine_tuned_fused_layers_share_one_nvfp4_scale_and_export_for_vllm(tmp_path):
+    """vLLM runs q/k/v and gate/up as one linear under one NVFP4 per-tensor scale: while
+    fine-tuning, and into the stored codes at the end, each such group's master weights are
+    rounded under the largest of their own scales (as ``quantize_model`` shares them), the other
+    layers under their own, so the model exports to compressed-tensors with ``strict``."""
+    from kbbq_pl.formats import quantize
+    from kbbq_pl.io.compressed_tensors import save_compressed_tensors
+    from kbbq_pl.quant.modules import fused_groups
+    from kbbq_pl.quant.scales import weight_global_scale
+
+    module = TinyLM()
+    config = QuantizationConfig(format=FormatConfig("nvfp4"), transform=TransformConfig("identity"))
+    masters, in_training = {}, []
+
+    class Probe(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # after KBBQ's
+            for group in fused_groups(quantized_linears(pl_module)):
+                layers = [pl_module.get_submodule(name) for name in group]
+                largest = torch.stack([weight_global_scale(layer.weight, config.fmt)
+                                       for layer in layers]).amax()
+                in_training.extend([torch.equal(layer.weight_global_scale, largest)
+                                    for layer in layers])
+
+        def on_train_end(self, trainer, pl_module):  # before KBBQ's on_fit_end rounds them
+            masters.update({n: layer.weight.detach().clone()
+                            for n, layer in quantized_linears(pl_module).items()})
+
+    trainer(tmp_path, [KBBQ(config), Probe()], max_steps=3, enable_checkpointing=False).fit(
+        module, datamodule=datamodule())
+    assert len(in_training) == 3 * 10 and all(in_training)  # 3 steps x 10 fused layers
+    layers = quantized_linears(module)
+    groups = fused_groups(layers)
+    assert len(groups) == 4  # q/k/v and gate/up of two blocks
+    differ = 0
+    for name, layer in layers.items():
+        group = next((g for g in groups if name in g), [name])
+        own = weight_global_scale(masters[name], config.fmt)
+        shared = torch.stack([weight_global_scale(masters[n], config.fmt) for n in group]).amax()
+        differ += not torch.equal(own, shared)
+        expected = quantize(masters[name], "nvfp4", global_scale=shared)
+        for field in ("qdata", "scale", "global_scale"):
+            assert torch.equal(getattr(layer.weight, field), getattr(expected, field)), name
+    assert differ >= 4, "no fused layer's own scale differed from its group's: nothing tested"
+    save_compressed_tensors(module.model, tmp_path / "ct", strict=True)

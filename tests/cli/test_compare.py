@@ -95,8 +95,11 @@ def test_compare_refuses_what_it_did_not_write(tiny_llama2c_folder, tmp_path):
 
 
 @pytest.mark.slow
-def test_finetune_example_runs_on_the_tiny_model(tiny_llama2c_folder, tmp_path):
-    """examples/finetune_smollm2.py end to end on the tiny llama2.c model (a few steps)."""
+@pytest.mark.parametrize("recipe", [None, "i_nvfp4"])
+def test_finetune_example_runs_on_the_tiny_model(tiny_llama2c_folder, tmp_path, recipe):
+    """examples/finetune_smollm2.py end to end on the tiny llama2.c model (a few steps): its
+    recipe (RTN-KBBQ), and plain NVFP4, whose q/k/v and gate/up share a per-tensor scale
+    refreshed as the weights move (validation computes what the stored codes compute)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -111,7 +114,8 @@ def test_finetune_example_runs_on_the_tiny_model(tiny_llama2c_folder, tmp_path):
     config.write_text(yaml.safe_dump(settings))
     out = tmp_path / "ft.json"
     subprocess.run([sys.executable, str(root / "examples" / "finetune_smollm2.py"), "--config",
-                    str(config), "--out", str(out)], check=True, cwd=root, capture_output=True)
+                    str(config), "--out", str(out), *(["--recipe", recipe] if recipe else [])],
+                   check=True, cwd=root, capture_output=True)
     result = json.loads(out.read_text())
     assert result["steps"] == 3 and result["fp"]["kl"] < 1e-9
     assert result["ptq"]["kl"] > 1e-4 and result["finetuned"]["kl"] > 0

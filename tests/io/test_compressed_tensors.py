@@ -202,7 +202,7 @@ def test_plain_export_reads_back_in_compressed_tensors_and_transformers(config, 
 
 def test_fused_layers_with_different_per_tensor_scales_warn_and_strict_refuses(tmp_path, caplog):
     """vLLM decodes q/k/v and gate/up as one layer with one per-tensor scale: a checkpoint
-    whose fused layers' scales differ (quantized before kbbq-pl shared them, or fine-tuned)
+    whose fused layers' scales differ (quantized or fine-tuned before kbbq-pl shared them)
     exports with a warning naming them, and --strict refuses it."""
     model = quantized_tiny(recipe("nvfp4", "identity"))
     k_proj = model.get_submodule("model.layers.0.self_attn.k_proj")

@@ -16,7 +16,14 @@ from torch import nn
 
 from kbbq_pl import formats as F
 from kbbq_pl.quant import FormatConfig, QuantizationConfig, quantize_model, w4a4
-from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears, w4a4_weight
+from kbbq_pl.quant.layers import (
+    QuantizedLinear,
+    freeze_layers,
+    quantized_linears,
+    share_fused_scales,
+    w4a4_weight,
+)
+from kbbq_pl.quant.scales import weight_global_scale
 from kbbq_pl.quant.w4a4 import MasterWeight, W4A4Weight, cache_decoded_weights, decoded_weight
 from kbbq_pl.transforms.fit import fit_transform, transform_inputs
 
@@ -302,6 +309,42 @@ def test_freeze_moves_the_activation_side_into_the_weight():
     assert dict(layer.named_buffers()) == {} and set(layer.state_dict()) == {"weight", "bias"}
     assert torch.equal(layer.transform, t.float()) and layer.act_scale == "static"
     assert torch.equal(layer(x), before)
+
+
+def test_fused_layers_train_and_freeze_under_one_per_tensor_scale():
+    """``share_fused_scales`` gives q/k/v (one transform) the largest of their NVFP4 per-tensor
+    scales, as vLLM runs them fused: the forward rounds each master weight under it, a state
+    dict carries it, the frozen codes hold it and compute the product trained; o_proj, not
+    fused, keeps its own."""
+    torch.manual_seed(0)
+    t = fit_transform("hadamard", torch.randn(8, 32), block=16)
+    linears = {f"attn.{n}": nn.Linear(32, 8) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    with torch.no_grad():
+        linears["attn.k_proj"].weight *= 5  # the group's largest scale
+    layers = {name: QuantizedLinear.from_linear(linear, "nvfp4", t, trainable=True, name=name)
+              for name, linear in linears.items()}
+    share_fused_scales(layers)
+    largest = weight_global_scale(layers["attn.k_proj"].weight, F.get_format("nvfp4"))
+    for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj"):
+        assert torch.equal(layers[name].weight_global_scale, largest), name
+    assert layers["attn.o_proj"].weight_global_scale is None
+    q_proj, x = layers["attn.q_proj"], torch.randn(4, 32)
+    h = F.fake_quantize(transform_inputs(x, t.float()), "nvfp4")
+    with torch.no_grad():
+        shared = TF.linear(h, F.fake_quantize(q_proj.weight, "nvfp4", global_scale=largest),
+                           q_proj.bias)
+        own = TF.linear(h, F.fake_quantize(q_proj.weight, "nvfp4"), q_proj.bias)
+        assert torch.equal(q_proj(x), shared) and not torch.equal(shared, own)
+        shell = QuantizedLinear.from_linear(nn.Linear(32, 8), "nvfp4", t, trainable=True)
+        shell.load_state_dict(q_proj.state_dict())
+        assert torch.equal(shell.weight_global_scale, largest)
+        trained = {name: layer(x) for name, layer in layers.items()}
+        freeze_layers(layers)
+        for name, layer in layers.items():
+            assert isinstance(layer.weight, W4A4Weight), name
+            assert torch.equal(layer(x), trained[name]), name
+    assert torch.equal(q_proj.weight.global_scale, largest)
+    assert dict(q_proj.named_buffers()) == {}
 
 
 def test_format1_state_dict_loads_into_a_shell():

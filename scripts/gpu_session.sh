@@ -19,8 +19,11 @@
 # $OUT/trace_*.json.gz.  A failing section prints its traceback and the run goes on; a section
 # that would not fit the budget is skipped and says so (the `rows`, `peers` and `compiled`
 # sections come last: a second call with BENCH_ARGS="--sections rows,peers,compiled" takes what
-# the first skipped); a section the `timeout` below stops still leaves the summary and the JSON
-# of what was measured (bench/gpu.py turns SIGTERM into an orderly exit).
+# the first skipped; send it at once: the machine goes back after 30 s idle, and a fresh one
+# starts only with 4 minutes of device time left, so with 15 minutes in all the second call of
+# a 600 s first one has about 230 s: set BENCH_BUDGET=180 BENCH_S=210 and timeout_s 230); a
+# section the `timeout` below stops still leaves the summary and the JSON of what was measured
+# (bench/gpu.py turns SIGTERM into an orderly exit).
 #
 # Measured on an H200 (2026-11-26): the 92 GPU tests need more than 250 s (the kernels' codes
 # against the CPU reference 33 to 42 s per format, the compiled roundings 6 to 11 s each);

@@ -15,8 +15,10 @@ scheme for a GPU of ``--capability``, its ``create_weights`` and ``load_weights`
 emulated in float32) in place of the CUDA ones, which are all a CPU lacks.  It reports every
 parameter the file did not fill, and runs every FP4 linear of vLLM's model (fused ones, such as
 ``qkv_proj``, against the concatenated outputs of kbbq-pl's ``q_proj``, ``k_proj``, ``v_proj``)
-on the reference's inputs.  Mixture-of-experts layers are loaded (every parameter filled) but
-not run: vLLM has no MoE kernel for a CPU.  It does not run attention or a whole forward pass:
+on the reference's inputs (bfloat16 values).  MXFP4 layers need amd-quark, whose CUDA-only
+activation rounding and weight decoding are replaced on a CPU by quark's own PyTorch reference
+of them.  Mixture-of-experts layers are loaded (every parameter filled) but not run: vLLM has no
+MoE kernel for a CPU.  It does not run attention or a whole forward pass:
 that needs vLLM's CPU build or a GPU.
 """
 
@@ -39,7 +41,8 @@ def _inputs(in_features: int, amax: float) -> torch.Tensor:
     range of a static NVFP4 activation scale, else 1)."""
     generator = torch.Generator().manual_seed(SEED + in_features)
     x = torch.randn(ROWS, in_features, generator=generator)
-    return x * (amax / x.abs().max())
+    # bfloat16 values (kept in float32): quark's MXFP4 rounding takes bfloat16 inputs
+    return (x * (amax / x.abs().max())).bfloat16().float()
 
 
 def reference(export: Path, out: Path) -> None:
@@ -116,6 +119,35 @@ def _load_only_moe() -> None:
         method.process_weights_after_loading = lambda self, layer: None
 
 
+def _mx_emulation_on_cpu() -> None:
+    """vLLM's MXFP4 emulation rounds the activations with amd-quark's ``qdq_mxfp4`` (scale
+    rounding ``even``) and decodes the weights with its ``dq_mxfp4``, whose kernels (compiled,
+    Triton) are CUDA-only; on a CPU they are quark's own PyTorch reference of the same kernels
+    (``downcast_to_mxfp_torch``, ``upcast_from_mxfp_torch``), on bfloat16 inputs as the
+    kernel takes them."""
+    if torch.cuda.is_available():
+        return
+    try:
+        from quark.torch.kernel import mx
+        from quark.torch.kernel.mx import triton as kernel
+    except ImportError:
+        return  # vLLM's MXFP4 emulation says it needs amd-quark
+    modes = {"even": kernel.DequantScaleRoundingMode.EVEN}
+
+    def qdq_reference(x: torch.Tensor, mode: str = "even") -> torch.Tensor:
+        # the inputs (_inputs) are bfloat16 values, and so are MXFP4's (E2M1 times 2^e)
+        low = x.to(torch.bfloat16)
+        if not torch.equal(low.to(x.dtype), x):
+            raise ValueError("vllm_check.py: MXFP4 inputs must be bfloat16 values")
+        codes, scales = kernel.downcast_to_mxfp_torch(
+            low, torch.uint8, axis=-1, DEQUANT_SCALE_ROUNDING_MODE=modes[mode])
+        return kernel.upcast_from_mxfp_torch(codes, scales, torch.bfloat16, axis=-1).to(x.dtype)
+
+    mx.qdq_mxfp4 = qdq_reference
+    mx.dq_mxfp4 = lambda codes, scales, dtype: kernel.upcast_from_mxfp_torch(
+        codes, scales, dtype, axis=-1)
+
+
 def _parts(model: torch.nn.Module, name: str) -> list[str]:
     """kbbq-pl's layers that vLLM's linear ``name`` holds (its ``packed_modules_mapping``)."""
     parent, _, leaf = name.rpartition(".")
@@ -129,6 +161,7 @@ def check_vllm(export: Path, reference_file: Path, capability: int, tolerance: f
     prints a table; returns 1 if a parameter or layer is missing or a layer differs by more
     than ``tolerance`` of its largest output."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vLLM picks its platform
+    _mx_emulation_on_cpu()
     try:
         from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
         from vllm.model_executor.layers.linear import LinearBase

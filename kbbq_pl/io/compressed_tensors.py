@@ -263,9 +263,10 @@ ISSUES = {
                      "ones (q/k/v and gate/up, one fused linear each; the inputs of one "
                      "projection of a mixture-of-experts layer's experts): a checkpoint "
                      "quantized or fine-tuned before kbbq-pl shared them, quantized through "
-                     "torchao's quantize_, or with a fitted transform; vLLM decodes the weights "
-                     "(rounds the inputs) with one of them, so the others' outputs are off by "
-                     "the ratio (clipped); HF transformers reads them exactly; requantize "
+                     "torchao's quantize_ without KBBQConfig.filter_fn, or with a fitted "
+                     "transform; vLLM decodes the weights (rounds the inputs) with one of "
+                     "them, so the others' outputs are off by the ratio (clipped); HF "
+                     "transformers reads them exactly; requantize "
                      "(kbbq-pl quantize shares them for data-free transforms), or "
                      f"{LOAD_HINT}"),
     "expert_global_scale": ("NVFP4 experts that HF transformers merges into its fused experts: "

@@ -31,10 +31,13 @@ and :func:`kbbq_pl.quant.stats.act_scales_from_amax`: on the same calibration ba
 equals ``quantize_model`` with the same recipe bit for bit.
 
 ``prepare.filter_fn`` selects the layers ``quantize_model`` would (``layers.targets`` /
-``layers.ignore`` patterns; by default not the LM head); without it torchao's default filter
-prepares every ``nn.Linear``.  ``convert`` converts the layers that were prepared and leaves the
-others.  Only ``nn.Linear`` layers are handled (transformers' ``Conv1D``, GPT-2, multiplies with
-``addmm``, not ``F.linear``: quantize it with ``quantize_model``); ``lam: auto`` and GPTQ
+``layers.ignore`` patterns; by default not the LM head) and records their names, so that at
+``convert`` the NVFP4 layers vLLM fuses (q/k/v, gate/up) under a data-free transform share one
+per-tensor scale, as ``quantize_model`` gives them; without it torchao's default filter
+prepares every ``nn.Linear`` and each layer keeps its own.  ``convert`` converts the layers
+that were prepared and leaves the others.  Only ``nn.Linear`` layers are handled
+(transformers' ``Conv1D``, GPT-2, multiplies with ``addmm``, not ``F.linear``: quantize it with
+``quantize_model``); ``lam: auto`` and GPTQ
 select or compensate on the calibration set as a whole and run only through ``quantize_model``
 (as do MSE scales, ``propagate: quantized`` and ``fold_o_proj``).
 """
@@ -51,12 +54,13 @@ from torchao.core.config import AOBaseConfig
 from torchao.quantization.quantize_.common.quantization_step import QuantizationStep
 from torchao.quantization.transform_module import register_quantize_module_handler
 
-from ..formats import QuantizedTensor
+from ..formats import QuantizedTensor, quantize
 from ..formats.padding import pad_features
-from ..transforms.fit import FITTED_TRANSFORMS, fit_transform
+from ..transforms.fit import FITTED_TRANSFORMS, fit_transform, transform_weight
 from .config import QuantizationConfig
 from .layers import w4a4_weight
-from .modules import first_input, is_targeted
+from .modules import first_input, fused_groups, is_targeted
+from .scales import fused_weight_scales
 from .stats import StatisticsCollector, act_scales_from_amax
 from .w4a4 import transformed_input
 
@@ -84,6 +88,12 @@ class KBBQConfig(AOBaseConfig):
 
     config: QuantizationConfig = field(default_factory=QuantizationConfig)
     step: QuantizationStep | str = field(kw_only=True)
+    # the layers filter_fn selected, by name, and the NVFP4 per-tensor scales their fused
+    # siblings share (_fused_global_scale), filled at prepare and convert
+    _selected: dict[str, nn.Module] = field(default_factory=dict, init=False, repr=False,
+                                            compare=False)
+    _fused_scales: dict[str, Tensor | None] = field(default_factory=dict, init=False,
+                                                    repr=False, compare=False)
 
     def __post_init__(self) -> None:
         step = self.step.value if isinstance(self.step, QuantizationStep) else str(self.step)
@@ -125,6 +135,7 @@ class KBBQConfig(AOBaseConfig):
             log.info("%s: skipped (in_features %d is not a multiple of the %s block %d)", fqn,
                      module.in_features, recipe.format.name, recipe.block)
             return False
+        self._selected[fqn] = module
         return True
 
 
@@ -135,6 +146,9 @@ class KBBQObserver:
 
     def __init__(self, module: nn.Linear, ao_config: KBBQConfig) -> None:
         recipe = ao_config.config
+        # its name and the other selected layers', when prepare ran with ao_config.filter_fn
+        self.name = next((n for n, m in ao_config._selected.items() if m is module), None)
+        self.selected, self.fused_scales = ao_config._selected, ao_config._fused_scales
         self.format = recipe.format.name
         self.static = ao_config.static
         self.label = f"nn.Linear(in_features={module.in_features}, " \
@@ -210,10 +224,8 @@ def _convert(module: nn.Module, ao_config: KBBQConfig) -> nn.Module:
                          "prepared for a data-free transform)")
     observer.remove()
     weight = module.weight.detach()
-    padded = pad_features(weight, recipe.fmt)
-    transform = fit_transform(recipe.transform.name, padded, observer.sigma_blocks(),
-                              block=recipe.block, lam=float(recipe.transform.lam),
-                              seed=recipe.transform.seed, damping=recipe.transform.damping)
+    padded, transform = _padded_and_transform(module, observer, recipe)
+    global_scale = _fused_global_scale(observer, recipe)
     scale = None
     if ao_config.static:
         amax = observer.transformed_amax(module.in_features, padded.shape[1], transform,
@@ -221,10 +233,46 @@ def _convert(module: nn.Module, ao_config: KBBQConfig) -> nn.Module:
         scale = act_scales_from_amax({observer.label: amax}, lambda t: t)[observer.label]
     quantized = w4a4_weight(module, recipe.fmt, transform,
                             act_scale=recipe.effective_act_scale,
-                            act_global_scale=scale)
+                            act_global_scale=scale, quantized_weight=None if global_scale is None
+                            else quantize(transform_weight(padded, transform), recipe.fmt,
+                                          global_scale=global_scale))
     module.weight = nn.Parameter(quantized, requires_grad=False)
     delattr(module, OBSERVER_ATTR)
     return module
+
+
+def _padded_and_transform(module: nn.Module, observer: KBBQObserver,
+                          recipe: QuantizationConfig) -> tuple[Tensor, Tensor | None]:
+    """The layer's weight zero-padded to whole blocks and its fitted transform."""
+    padded = pad_features(module.weight.detach(), recipe.fmt)
+    return padded, fit_transform(recipe.transform.name, padded, observer.sigma_blocks(),
+                                 block=recipe.block, lam=float(recipe.transform.lam),
+                                 seed=recipe.transform.seed, damping=recipe.transform.damping)
+
+
+def _fused_global_scale(observer: KBBQObserver, recipe: QuantizationConfig) -> Tensor | None:
+    """The NVFP4 per-tensor scale that a layer vLLM fuses with its siblings (q/k/v, gate/up:
+    :func:`~kbbq_pl.quant.modules.fused_groups`) shares with them under a data-free transform,
+    the largest of their own (:func:`~kbbq_pl.quant.scales.fused_weight_scales`), computed for
+    the whole group at its first layer's convert, from the siblings not converted yet; None
+    (its own) otherwise, or when prepare ran without ``filter_fn`` (no names)."""
+    if (observer.name is None or not recipe.fmt.global_scale
+            or recipe.transform.name in FITTED_TRANSFORMS):
+        return None
+    shared = observer.fused_scales
+    if observer.name not in shared:
+        group = next((g for g in fused_groups(observer.selected) if observer.name in g), None)
+        if group is None:
+            return None
+        weights = {}
+        for name in group:
+            sibling = observer.selected[name]
+            sibling_observer = getattr(sibling, OBSERVER_ATTR, None)  # None: converted
+            if sibling_observer is not None:
+                padded, transform = _padded_and_transform(sibling, sibling_observer, recipe)
+                weights[name] = transform_weight(padded, transform)
+        shared.update(fused_weight_scales(weights, recipe.fmt, [list(weights)]))
+    return shared.get(observer.name)
 
 
 @register_quantize_module_handler(KBBQConfig)

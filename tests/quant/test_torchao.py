@@ -48,7 +48,9 @@ def torchao_quantize(model: nn.Module, batches, recipe: QuantizationConfig) -> N
                        transform=TransformConfig("kbbq", 0.75)),
     QuantizationConfig(format=FormatConfig("mxfp4", "dynamic"),
                        transform=TransformConfig("hadamard")),
-], ids=["nvfp4-kbbq-static", "nvfp4-kbbq-dynamic", "mxfp4-hadamard"])
+    QuantizationConfig(format=FormatConfig("nvfp4", "static"),
+                       transform=TransformConfig("hadamard")),  # q/k/v, gate/up share a scale
+], ids=["nvfp4-kbbq-static", "nvfp4-kbbq-dynamic", "mxfp4-hadamard", "nvfp4-hadamard-static"])
 def test_quantize_equals_quantize_model(recipe):
     model = tiny_model("llama", intermediate_size=172)  # the down projection is padded
     reference = copy.deepcopy(model)

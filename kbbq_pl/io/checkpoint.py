@@ -76,7 +76,8 @@ def layer_metadata(layer: QuantizedLinear) -> dict[str, Any]:
         "transform": None if transform is None else list(transform.shape),
         "act_scale": layer.act_scale,
         "bias": layer.bias is not None,
-        "dtype": str(layer.codes().orig_dtype).replace("torch.", ""),
+        "dtype": str(layer.weight.dtype if layer.trainable
+                     else layer.weight.orig_dtype).replace("torch.", ""),
     }
 
 

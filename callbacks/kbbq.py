@@ -36,7 +36,13 @@ from kbbq_pl.formats import DeferredChecks, QuantizedTensor, deferred_checks
 from kbbq_pl.io.checkpoint import install_empty_layers, layer_metadata
 from kbbq_pl.quant import QuantizationConfig, QuantizationReport, quantize_model
 from kbbq_pl.quant.collectives import Collectives
-from kbbq_pl.quant.layers import freeze_layers, quantized_linears, share_fused_scales
+from kbbq_pl.quant.layers import (
+    FusedGroup,
+    freeze_layers,
+    fused_trainable_groups,
+    quantized_linears,
+    share_fused_scales,
+)
 from kbbq_pl.quant.modules import find_linears
 from kbbq_pl.quant.stats import StatisticsCollector, run_calibration
 from kbbq_pl.quant.w4a4 import cache_decoded_weights
@@ -173,6 +179,7 @@ class KBBQ(Callback):
         self.report: QuantizationReport | None = None
         self._checks: DeferredChecks | None = None
         self._checks_scope: contextlib.ExitStack | None = None
+        self._fused: list[FusedGroup] = []  # trainable layers sharing an NVFP4 scale
 
     # ------------------------------------------------------------------ Lightning hooks
 
@@ -206,6 +213,10 @@ class KBBQ(Callback):
         strategy.load_model_state_dict = load_model_state_dict
         strategy.setup = setup_then_restore_methods
 
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # the quantized layers exist now (strategy.setup); their transforms do not train
+        self._fused = fused_trainable_groups(quantized_linears(pl_module))
+
     def _quantize_in_trainer(self, trainer: Trainer, pl_module: LightningModule,
                              stage: str) -> None:
         model = hf_model(pl_module, self.model_attr)
@@ -223,7 +234,7 @@ class KBBQ(Callback):
         if self.calibrate_only:
             trainer.should_stop = True
             return
-        share_fused_scales(quantized_linears(pl_module))
+        share_fused_scales(self._fused)
         # the rounding's NaN/Inf checks stay on the device: one host synchronization per
         # optimizer step instead of two or three per layer per forward (formats.DeferredChecks)
         self._checks_scope = contextlib.ExitStack()
@@ -236,10 +247,10 @@ class KBBQ(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
                              batch_idx: int) -> None:
         # the master weights moved: the fused layers' shared NVFP4 scale follows them
-        share_fused_scales(quantized_linears(pl_module))
+        share_fused_scales(self._fused)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        share_fused_scales(quantized_linears(pl_module))
+        share_fused_scales(self._fused)
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule,
                                  optimizer: Any) -> None:

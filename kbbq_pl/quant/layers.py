@@ -291,33 +291,48 @@ def quantized_linears(model: nn.Module) -> dict[str, QuantizedLinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
 
 
-def share_fused_scales(layers: Mapping[str, QuantizedLinear]) -> None:
-    """Give the trainable NVFP4 layers among ``layers`` (qualified name -> layer) that vLLM runs
-    as one fused linear (q/k/v, gate/up: :func:`~kbbq_pl.quant.modules.fused_groups`) under
-    one transform one per-tensor scale, the largest of their master weights' own
-    (:func:`~kbbq_pl.quant.scales.fused_weight_scales`), as ``quantize_model`` gives stored
-    codes: the forward and :meth:`QuantizedLinear.codes` round them under it (the
-    ``weight_global_scale`` buffer) until the next call.  The ``KBBQ`` callback calls it when
-    training starts, before every training batch and validation, and :func:`freeze_layers`
-    at the end; a training loop of your own calls it after each optimizer step."""
+FusedGroup = dict[str, "QuantizedLinear"]
+"""Trainable layers that vLLM runs as one fused linear, by qualified name."""
+
+
+def fused_trainable_groups(layers: Mapping[str, QuantizedLinear]) -> list[FusedGroup]:
+    """The trainable NVFP4 layers among ``layers`` (qualified name -> layer) that vLLM runs as
+    one fused linear (q/k/v, gate/up: :func:`~kbbq_pl.quant.modules.fused_groups`) under one
+    transform, grouped.  Comparing the transforms reads the device: pick the groups once (the
+    transforms do not train), then :func:`share_fused_scales` as the weights move."""
     trainable = {name: layer for name, layer in layers.items() if layer.trainable}
-    for group in fused_groups(trainable):
-        first = trainable[group[0]]
+    groups = []
+    for names in fused_groups(trainable):
+        first = trainable[names[0]]
         if first.fmt.global_scale and all(
                 trainable[name].fmt == first.fmt
                 and _same_transform(trainable[name].transform, first.transform)
-                for name in group):
-            scales = fused_weight_scales({name: trainable[name].weight.detach()
-                                          for name in group}, first.fmt, [group])
-            for name in group:
-                trainable[name].weight_global_scale = scales[name]
+                for name in names):
+            groups.append({name: trainable[name] for name in names})
+    return groups
+
+
+def share_fused_scales(groups: list[FusedGroup]) -> None:
+    """Give each group (:func:`fused_trainable_groups`) one NVFP4 per-tensor scale, the largest
+    of its master weights' own (:func:`~kbbq_pl.quant.scales.fused_weight_scales`), as
+    ``quantize_model`` gives stored codes: the forward and :meth:`QuantizedLinear.codes` round
+    them under it (the ``weight_global_scale`` buffer) until the next call.  The ``KBBQ``
+    callback calls it when training starts, before every training batch and validation, and
+    :func:`freeze_layers` at the end; a training loop of your own calls it after each
+    optimizer step."""
+    for group in groups:
+        first = next(iter(group.values()))
+        scales = fused_weight_scales({name: layer.weight.detach()
+                                      for name, layer in group.items()}, first.fmt, [list(group)])
+        for name, layer in group.items():
+            layer.weight_global_scale = scales[name]
 
 
 def freeze_layers(layers: Mapping[str, QuantizedLinear]) -> None:
     """Round the trainable master weights among ``layers`` (qualified name -> layer) into
     stored codes, the end of fine-tuning, the fused layers under their shared per-tensor
     scale (:func:`share_fused_scales`, from the final master weights)."""
-    share_fused_scales(layers)
+    share_fused_scales(fused_trainable_groups(layers))
     for layer in layers.values():
         layer.freeze()
 

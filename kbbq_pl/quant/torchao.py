@@ -88,10 +88,11 @@ class KBBQConfig(AOBaseConfig):
 
     config: QuantizationConfig = field(default_factory=QuantizationConfig)
     step: QuantizationStep | str = field(kw_only=True)
-    # the layers filter_fn selected, by name, and the NVFP4 per-tensor scales their fused
-    # siblings share (_fused_global_scale), filled at prepare and convert
+    # the layers filter_fn selected, by name (and their names by id), and the NVFP4
+    # per-tensor scales their fused siblings share (_fused_global_scale)
     _selected: dict[str, nn.Module] = field(default_factory=dict, init=False, repr=False,
                                             compare=False)
+    _names: dict[int, str] = field(default_factory=dict, init=False, repr=False, compare=False)
     _fused_scales: dict[str, Tensor | None] = field(default_factory=dict, init=False,
                                                     repr=False, compare=False)
 
@@ -135,7 +136,7 @@ class KBBQConfig(AOBaseConfig):
             log.info("%s: skipped (in_features %d is not a multiple of the %s block %d)", fqn,
                      module.in_features, recipe.format.name, recipe.block)
             return False
-        self._selected[fqn] = module
+        self._selected[fqn], self._names[id(module)] = module, fqn
         return True
 
 
@@ -147,7 +148,7 @@ class KBBQObserver:
     def __init__(self, module: nn.Linear, ao_config: KBBQConfig) -> None:
         recipe = ao_config.config
         # its name and the other selected layers', when prepare ran with ao_config.filter_fn
-        self.name = next((n for n, m in ao_config._selected.items() if m is module), None)
+        self.name = ao_config._names.get(id(module))
         self.selected, self.fused_scales = ao_config._selected, ao_config._fused_scales
         self.format = recipe.format.name
         self.static = ao_config.static

@@ -19,6 +19,7 @@ from kbbq_pl.quant import FormatConfig, QuantizationConfig, quantize_model, w4a4
 from kbbq_pl.quant.layers import (
     QuantizedLinear,
     freeze_layers,
+    fused_trainable_groups,
     quantized_linears,
     share_fused_scales,
     w4a4_weight,
@@ -323,7 +324,7 @@ def test_fused_layers_train_and_freeze_under_one_per_tensor_scale():
         linears["attn.k_proj"].weight *= 5  # the group's largest scale
     layers = {name: QuantizedLinear.from_linear(linear, "nvfp4", t, trainable=True, name=name)
               for name, linear in linears.items()}
-    share_fused_scales(layers)
+    share_fused_scales(fused_trainable_groups(layers))
     largest = weight_global_scale(layers["attn.k_proj"].weight, F.get_format("nvfp4"))
     for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj"):
         assert torch.equal(layers[name].weight_global_scale, largest), name

@@ -6,7 +6,11 @@ rename):
 * ``config.json``: the HuggingFace model config with a ``quantization_config`` of
   ``quant_method`` ``"kbbq"`` (:func:`quantization_block`: the format version and every
   quantized layer's metadata), by which transformers loads the folder once kbbq-pl is imported
-  (:mod:`kbbq_pl.io.hf_quantizer`); and the tokenizer's files when given;
+  (:mod:`kbbq_pl.io.hf_quantizer`), and an ``auto_map`` naming :data:`LOADER`'s classes, by
+  which transformers loads it with ``trust_remote_code=True`` where nothing imports kbbq-pl
+  (lm-eval's ``lm_eval`` command); and the tokenizer's files when given;
+* ``kbbq_pl_loader.py`` (:func:`remote_code_loader`): those classes, transformers' own config
+  and model classes under their own names, in a module that imports kbbq-pl;
 * ``model.safetensors`` (a model streamed from disk: one shard per block, with
   ``model.safetensors.index.json``): every tensor of the model.  A quantized layer ``L`` stores
   ``L.weight`` (its packed codes: uint8 ``[N, K/2]``, two E2M1 codes per byte, element ``2i``
@@ -59,6 +63,9 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 QUANT_METHOD = "kbbq"
 """The ``quant_method`` of the ``quantization_config`` in a checkpoint's ``config.json``."""
+LOADER = "kbbq_pl_loader"
+"""The module of a checkpoint folder that transformers imports for ``trust_remote_code=True``
+(:func:`remote_code_loader`)."""
 
 
 class CheckpointError(ValueError):
@@ -296,6 +303,11 @@ def write_checkpoint_files(staging: Path, model: nn.Module, shards: ShardWriter,
             # as save_pretrained writes it: from_pretrained(dtype="auto") reads it here
             document["dtype"] = str(written).removeprefix("torch.")
         document["quantization_config"] = quantization_block(shards.layers, shards.tied, recipe)
+        loader = remote_code_loader(model)
+        if loader is not None:
+            auto, source = loader
+            document["auto_map"] = {**document.get("auto_map", {}), **auto}
+            (staging / f"{LOADER}.py").write_text(source)
         hf_config.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
     files = shards.finish()
     metadata = {
@@ -354,11 +366,79 @@ def config_block(folder: str | Path) -> dict[str, Any] | None:
     return block if isinstance(block, dict) and block.get("quant_method") == QUANT_METHOD else None
 
 
+def remote_code_loader(model: nn.Module) -> tuple[dict[str, str], str] | None:
+    """What loads a checkpoint of ``model`` through transformers' ``trust_remote_code=True``
+    where nothing imports kbbq-pl (``lm_eval --model hf --model_args
+    pretrained=FOLDER,trust_remote_code=True``): the ``auto_map`` of ``config.json`` and the
+    text of :data:`LOADER`'s file.  The file imports kbbq_pl, which registers the ``kbbq``
+    quantization method (transformers names a missing kbbq-pl in its error), and subclasses
+    the model's and its config's transformers classes under their own names: ``AutoConfig``
+    imports it first (lm-eval reads the ``quantization_config`` before it builds the model),
+    then the model's auto class builds transformers' model.  None where the model's class is
+    not the one that auto class builds for its config."""
+    config = getattr(model, "config", None)
+
+    def own(cls: type) -> type | None:  # the transformers class a (loaded) subclass extends
+        return next((c for c in cls.__mro__ if c.__module__.startswith("transformers.models.")),
+                    None)
+
+    base = own(type(model))
+    config_base = own(type(config)) if config is not None else None
+    if base is None or config_base is None:
+        return None
+    auto = auto_class(config, is_causal_model(model))
+    try:
+        built = auto._model_mapping[config_base]
+    except KeyError:
+        return None
+    if base not in (built if isinstance(built, tuple) else (built,)):
+        return None
+    name, config_name = base.__name__, config_base.__name__
+    source = f'''"""Loads this kbbq-pl checkpoint where transformers runs a folder's own code:
+``{auto.__name__}.from_pretrained(folder, trust_remote_code=True)``, lm-eval's
+``--model_args pretrained=FOLDER,trust_remote_code=True``.  kbbq-pl must be installed:
+importing it registers the "kbbq" quantization method, which reads the quantized layers.
+The classes are transformers' own {config_name} and {name}."""
+
+import kbbq_pl  # noqa: F401
+from {config_base.__module__} import {config_name} as _{config_name}
+from {base.__module__} import {name} as _{name}
+
+
+class {config_name}(_{config_name}):
+    """transformers' {config_name}."""
+
+
+class {name}(_{name}):
+    """transformers' {name}, with kbbq-pl's quantized layers."""
+'''
+    return {"AutoConfig": f"{LOADER}.{config_name}", auto.__name__: f"{LOADER}.{name}"}, source
+
+
+def without_loader(auto_map: dict[str, Any] | None) -> dict[str, Any]:
+    """``auto_map`` less the entries that name :data:`LOADER` (a folder that does not hold
+    its file, or whose readers do not need kbbq-pl, must not name it)."""
+    return {key: value for key, value in (auto_map or {}).items()
+            if not str(value).startswith(f"{LOADER}.")}
+
+
+def drop_loader(config_file: Path) -> None:
+    """Remove the entries naming :data:`LOADER` from ``config_file``'s ``auto_map``."""
+    document = json.loads(config_file.read_text())
+    if "auto_map" not in document:
+        return
+    auto_map = without_loader(document.pop("auto_map"))
+    if auto_map:
+        document["auto_map"] = auto_map
+    config_file.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
+
+
 def write_hf_files(folder: Path, model: nn.Module, tokenizer: Any = None,
                    dtype: torch.dtype | None = None) -> None:
     """The HuggingFace files beside the weights: ``config.json`` (its ``dtype``: the one given,
-    for tensors written in another dtype than the model is held in), ``generation_config.json``
-    (for models that generate) and the tokenizer's files."""
+    for tensors written in another dtype than the model is held in; no ``auto_map`` entry
+    naming :data:`LOADER`), ``generation_config.json`` (for models that generate) and the
+    tokenizer's files."""
     config = getattr(model, "config", None)
     if config is not None:
         if not getattr(config, "architectures", None):  # as PreTrainedModel.save_pretrained
@@ -371,6 +451,7 @@ def write_hf_files(folder: Path, model: nn.Module, tokenizer: Any = None,
         finally:
             if dtype is not None:
                 config.dtype = held
+        drop_loader(folder / "config.json")
     generation = getattr(model, "generation_config", None)
     if generation is not None and is_causal_model(model):
         generation.save_pretrained(folder)

@@ -94,6 +94,7 @@ from .checkpoint import (
     CheckpointError,
     checkpoint_contents,
     declared_dtype,
+    drop_loader,
     empty_model,
     is_causal_lm_config,
     is_causal_model,
@@ -726,6 +727,7 @@ def export_folder(in_dir: str | Path, out_dir: str | Path,
         for name in ("config.json", *HF_SIDE_FILES):
             if (source / name).is_file():
                 shutil.copy2(source / name, staging / name)
+        drop_loader(staging / "config.json")  # its readers do not need kbbq-pl
         hf_config = json.loads((staging / "config.json").read_text())
         if not hf_config.get("architectures") and metadata.get("model_class"):
             # checkpoints written before write_hf_files named it; readers need the class

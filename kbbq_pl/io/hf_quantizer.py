@@ -13,7 +13,9 @@ the same logits bit for bit, with ``dtype`` (the layers outside the quantized on
 transforms and scales are used as stored) and ``device_map`` (one device: ``"cpu"``, where the
 product is kbbq-pl's exact emulation, or ``"cuda"``, where it runs on ``kbbq_pl.kernels``).
 ``generate``, ``pipeline`` and ``transformers serve`` load it the same way, and
-``save_pretrained`` writes a folder that loads again.
+``save_pretrained`` writes a folder that loads again.  Where nothing imports kbbq_pl (lm-eval's
+``lm_eval`` command), ``from_pretrained(folder, trust_remote_code=True)`` imports the folder's
+``kbbq_pl_loader.py`` (:func:`kbbq_pl.io.checkpoint.remote_code_loader`), which imports it.
 
 How: before the weights load, :meth:`KbbqHfQuantizer._process_model_before_weight_loading`
 checks the stored shapes and dtypes (from the safetensors headers) against the layers'
@@ -52,6 +54,7 @@ from .checkpoint import (
     layer_tensors,
     memory_names,
     stored_weight,
+    without_loader,
 )
 
 STORED_SUFFIXES = ("weight", "weight_scale", "weight_global_scale", "input_transform",
@@ -217,6 +220,13 @@ class KbbqHfQuantizer(HfQuantizer):
                                   {"version": self.quantization_config.version, "layers": layers})
             with torch.device("cpu"):  # from_pretrained builds the skeleton under "meta"
                 check_layer_tensors(layers, stored)
+        if not model.is_remote_code():  # loaded after import kbbq_pl, not through the loader
+            # save_pretrained writes the config, not the loader's file: name no loader there
+            auto_map = without_loader(getattr(model.config, "auto_map", None))
+            if auto_map:
+                model.config.auto_map = auto_map
+            elif hasattr(model.config, "auto_map"):
+                del model.config.auto_map
         unfuse_experts(model, [*layers, *(stored if files else ())])
         for name, meta in layers.items():
             try:

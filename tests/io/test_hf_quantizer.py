@@ -1,13 +1,18 @@
 """kbbq-pl checkpoints where users load models: transformers' ``from_pretrained`` (the
 quantization method ``kbbq`` that ``import kbbq_pl`` registers), ``save_pretrained``,
-``generate`` and ``pipeline``; and what transformers does without kbbq-pl: refuse the folder."""
+``generate`` and ``pipeline``; ``trust_remote_code=True`` where nothing imports kbbq-pl
+(lm-eval's command); and what transformers does without kbbq-pl: refuse the folder."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -147,6 +152,8 @@ def test_an_encoder_loads_through_automodel(tmp_path):
     folder = save_quantized(model, tmp_path / "minilm", tokenizer=tokenizer)
     loaded = AutoModel.from_pretrained(folder)
     assert type(loaded).__name__ == "BertModel" and len(quantized_linears(loaded)) == 6 * 6
+    assert json.loads((folder / "config.json").read_text())["auto_map"] == {
+        "AutoConfig": "kbbq_pl_loader.BertConfig", "AutoModel": "kbbq_pl_loader.BertModel"}
     same_layers(loaded, kbbq_pl.from_pretrained(folder))
     inputs = tokenizer(["A quantized encoder.", "It embeds sentences."], padding=True,
                        return_tensors="pt")
@@ -164,6 +171,9 @@ def test_save_pretrained_writes_a_folder_that_loads_again(tiny_chat_quantized, t
         assert set(a.keys()) == set(b.keys())  # the layout kbbq-pl writes, tensor for tensor
         for key in a.keys():
             assert torch.equal(bits(a.get_tensor(key)), bits(b.get_tensor(key))), key
+    # loaded after import kbbq_pl: transformers writes the config, not the folder's loader
+    assert "auto_map" not in json.loads((tmp_path / "again" / "config.json").read_text())
+    assert not (tmp_path / "again" / "kbbq_pl_loader.py").exists()
     again = causal_lm(tmp_path / "again")
     same_layers(again, model)
     with torch.no_grad():
@@ -172,6 +182,137 @@ def test_save_pretrained_writes_a_folder_that_loads_again(tiny_chat_quantized, t
         # kbbq-pl's own loader reads it too (no quantization_config.json: config.json says it)
         assert torch.equal(kbbq_pl.from_pretrained(tmp_path / "again")(input_ids=probe()).logits,
                            logits)
+
+
+# --- where nothing imports kbbq_pl: trust_remote_code -----------------------------------
+
+REMOTE_LOAD = """
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM
+
+folder, again, out = sys.argv[1:]
+assert "kbbq_pl" not in sys.modules
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+assert "kbbq_pl" in sys.modules  # imported by the folder's kbbq_pl_loader.py
+model.save_pretrained(again)
+ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+with torch.no_grad():
+    logits = model(input_ids=ids).logits
+classes = {what: [f"{c.__module__}.{c.__name__}" for c in type(obj).__mro__[:2]]
+           for what, obj in (("model", model), ("config", model.config))}
+torch.save({"classes": classes, "logits": logits}, out)
+"""
+
+
+def without_kbbq_pl(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """``args`` run by a fresh Python that has not imported kbbq_pl (its installed copy
+    stays importable), transformers' copies of a folder's code under ``tmp_path``."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    result = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_trust_remote_code_loads_the_folder_where_nothing_imports_kbbq_pl(
+        tiny_chat_quantized, tmp_path):
+    """The folder's ``kbbq_pl_loader.py`` (``auto_map``) imports kbbq-pl and subclasses
+    transformers' classes under their own names: the same logits as kbbq-pl's loader; its
+    ``save_pretrained`` copies the loader, and the copy loads both ways."""
+    config = json.loads((tiny_chat_quantized / "config.json").read_text())
+    assert config["auto_map"] == {"AutoConfig": "kbbq_pl_loader.LlamaConfig",
+                                  "AutoModelForCausalLM": "kbbq_pl_loader.LlamaForCausalLM"}
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    without_kbbq_pl(tmp_path, sys.executable, "-c", REMOTE_LOAD, str(tiny_chat_quantized),
+                    str(tmp_path / "again"), str(tmp_path / "out.pt"))
+    out = torch.load(tmp_path / "out.pt")
+    loader = r"transformers_modules\.[\w.]+\.kbbq_pl_loader\."
+    (model, base), (config_class, config_base) = out["classes"]["model"], out["classes"]["config"]
+    assert re.fullmatch(loader + "LlamaForCausalLM", model), model
+    assert base == "transformers.models.llama.modeling_llama.LlamaForCausalLM"
+    assert re.fullmatch(loader + "LlamaConfig", config_class), config_class
+    assert config_base == "transformers.models.llama.configuration_llama.LlamaConfig"
+    with torch.no_grad():
+        logits = kbbq_pl.from_pretrained(tiny_chat_quantized)(input_ids=probe()).logits
+    assert torch.equal(out["logits"], logits)
+    again = tmp_path / "again"
+    assert (again / "kbbq_pl_loader.py").read_bytes() == (
+        tiny_chat_quantized / "kbbq_pl_loader.py").read_bytes()
+    assert json.loads((again / "config.json").read_text())["auto_map"] == config["auto_map"]
+    with torch.no_grad():
+        assert torch.equal(causal_lm(again)(input_ids=probe()).logits, logits)
+
+
+def test_an_export_for_other_readers_names_no_loader(tiny_chat_quantized, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    from kbbq_pl.io.compressed_tensors import export_compressed_tensors, save_compressed_tensors
+
+    folders = [export_compressed_tensors(tiny_chat_quantized, tmp_path / "ct"),
+               save_compressed_tensors(kbbq_pl.from_pretrained(tiny_chat_quantized),
+                                       tmp_path / "ct-saved")]
+    for folder in folders:
+        assert "auto_map" not in json.loads((folder / "config.json").read_text())
+        assert not (folder / "kbbq_pl_loader.py").exists()
+
+
+TINY_TASK = """task: tiny_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {docs}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+doc_to_choice: "{{{{choices}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+def test_lm_eval_command_evaluates_the_folder_with_trust_remote_code(tiny_chat_quantized,
+                                                                      tmp_path):
+    """``lm_eval --model hf --model_args pretrained=FOLDER,trust_remote_code=True``, lm-eval's
+    own command (a fresh process), scores each choice with the log-likelihoods lm-eval
+    computes here on ``kbbq_pl.from_pretrained``'s model."""
+    pytest.importorskip("lm_eval")
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    docs = [{"question": q, "choices": c, "answer": 0} for q, c in [
+        ("Once upon a time, there was a", [" little", " big", " cat"]),
+        ("The sum of two and two is", [" four", " five", " six"]),
+        ("def add(a, b):", [" return a + b", " pass"])]]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "tiny_choice.yaml").write_text(TINY_TASK.format(docs=tmp_path / "docs.jsonl"))
+    command = shutil.which("lm_eval") or shutil.which("lm-eval")
+    assert command, "lm-eval installs its command"
+    without_kbbq_pl(tmp_path, command, "--model", "hf", "--model_args",
+                    f"pretrained={tiny_chat_quantized},trust_remote_code=True,dtype=float32",
+                    "--include_path", str(tasks), "--tasks", "tiny_choice", "--device", "cpu",
+                    "--batch_size", "1", "--output_path", str(tmp_path / "results"),
+                    "--log_samples")
+    (samples,) = (tmp_path / "results").rglob("samples_tiny_choice_*.jsonl")
+    scored = [json.loads(line) for line in samples.read_text().splitlines()]
+
+    lm = HFLM(pretrained=kbbq_pl.from_pretrained(tiny_chat_quantized),
+              tokenizer=str(tiny_chat_quantized), batch_size=1)
+    expected = simple_evaluate(model=lm, tasks=["tiny_choice"], log_samples=True,
+                               task_manager=TaskManager(include_path=str(tasks),
+                                                        include_defaults=False))
+    reference = expected["samples"]["tiny_choice"]
+    assert len(scored) == len(reference) == len(docs)
+    by_doc = {sample["doc_id"]: sample for sample in reference}
+    for sample in scored:
+        mine = [float(r[0]) for r in sample["filtered_resps"]]
+        theirs = [float(r[0]) for r in by_doc[sample["doc_id"]]["filtered_resps"]]
+        assert mine == theirs and len(mine) == len(docs[sample["doc_id"]]["choices"])
 
 
 # --- never random weights in silence ------------------------------------------------------

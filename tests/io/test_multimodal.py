@@ -5,6 +5,7 @@ the checkpoint reloads, with images, in kbbq-pl and transformers, and streams fr
 from __future__ import annotations
 
 import json
+import runpy
 
 import pytest
 import torch
@@ -86,6 +87,15 @@ def test_the_checkpoint_reloads_and_runs_images_bit_for_bit(arch, tmp_path):
     assert torch.equal(logits(ours, inputs), expected)
     theirs = AutoModelForImageTextToText.from_pretrained(tmp_path / "q")
     assert torch.equal(logits(theirs, inputs), expected)
+    # trust_remote_code=True: the folder's loader names the same classes
+    name, config_name = type(model).__name__, type(model.config).__name__
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["auto_map"] == {
+        "AutoConfig": f"kbbq_pl_loader.{config_name}",
+        "AutoModelForImageTextToText": f"kbbq_pl_loader.{name}"}
+    loader = runpy.run_path(str(tmp_path / "q" / "kbbq_pl_loader.py"))
+    assert issubclass(loader[config_name], type(model.config))
+    assert issubclass(loader[name], type(model)) and loader[name].__name__ == name
+    assert torch.equal(logits(loader[name].from_pretrained(tmp_path / "q"), inputs), expected)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -305,8 +305,9 @@ def write_checkpoint_files(staging: Path, model: nn.Module, shards: ShardWriter,
         document["quantization_config"] = quantization_block(shards.layers, shards.tied, recipe)
         loader = remote_code_loader(model)
         if loader is not None:
-            auto, source = loader
-            document["auto_map"] = {**document.get("auto_map", {}), **auto}
+            # transformers' classes compute this checkpoint, not a source's own code (whose
+            # files the folder does not hold): the loader's entries replace its auto_map
+            document["auto_map"], source = loader
             (staging / f"{LOADER}.py").write_text(source)
         hf_config.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
     files = shards.finish()

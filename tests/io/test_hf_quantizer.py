@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -128,6 +129,9 @@ def test_every_stored_layout_loads_bit_for_bit(tmp_path, arch, recipe):
     """MXFP4's E8M0 scales, a dense transform, GPT-2's Conv1D layers with biases, NVFP4 with
     dynamic activation scales and no transform: the model that was saved, bit for bit."""
     model = tiny_model(arch)
+    # as a source checkpoint with code of its own names it (kbbq-pl runs transformers' classes)
+    model.config.auto_map = {"AutoModel": "modeling_source.SourceModel",
+                             "AutoModelForCausalLM": "modeling_source.SourceForCausalLM"}
     ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
     quantize_model(model, [{"input_ids": ids}], recipe, progress=False)
     folder = save_quantized(model, tmp_path / arch)
@@ -135,6 +139,16 @@ def test_every_stored_layout_loads_bit_for_bit(tmp_path, arch, recipe):
     same_layers(loaded, kbbq_pl.from_pretrained(folder))
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids[:2]).logits, model(input_ids=ids[:2]).logits)
+    # trust_remote_code=True builds the folder's loader classes: only they are named
+    name, config_name = type(model).__name__, type(model.config).__name__
+    assert json.loads((folder / "config.json").read_text())["auto_map"] == {
+        "AutoConfig": f"kbbq_pl_loader.{config_name}",
+        "AutoModelForCausalLM": f"kbbq_pl_loader.{name}"}
+    loader = runpy.run_path(str(folder / "kbbq_pl_loader.py"))[name]
+    assert issubclass(loader, type(model)) and loader is not type(model)
+    with torch.no_grad():
+        assert torch.equal(loader.from_pretrained(folder)(input_ids=ids[:2]).logits,
+                           model(input_ids=ids[:2]).logits)
 
 
 def test_an_encoder_loads_through_automodel(tmp_path):

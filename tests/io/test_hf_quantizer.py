@@ -384,6 +384,11 @@ def test_format_1_folders_load_through_kbbq_pl_and_upgrade_for_transformers(tmp_
                            expected["logits"])
         assert torch.equal(kbbq_pl.from_pretrained(upgraded)(input_ids=expected["input_ids"])
                            .logits, expected["logits"])
+    # and one that trust_remote_code=True loads (the loader is what this test runs in process)
+    loader = runpy.run_path(str(upgraded / "kbbq_pl_loader.py"))["LlamaForCausalLM"]
+    with torch.no_grad():
+        assert torch.equal(loader.from_pretrained(upgraded)(input_ids=expected["input_ids"])
+                           .logits, expected["logits"])
 
 
 # --- generate and pipeline ----------------------------------------------------------------

@@ -150,7 +150,11 @@ def check_data(
     folder has).  Returns ``data_dir`` as a Path."""
     unknown = [t for t in tasks if t not in BENCHMARKS]
     if unknown:
-        raise ValueError(f"unknown benchmark(s) {unknown}; choose from {list(BENCHMARKS)}")
+        raise ValueError(
+            f"unknown benchmark(s) {unknown}; choose from {list(BENCHMARKS)} (these read local "
+            "files); lm-eval's other tasks run through its own command on a kbbq-pl folder: "
+            "lm_eval --model hf --model_args pretrained=FOLDER,trust_remote_code=True "
+            f"--tasks {','.join(unknown)}")
     data = Path(data_dir)
     if tasks and not data.is_dir():
         expected = ", ".join(DATA_FILES[t][0] for t in tasks)

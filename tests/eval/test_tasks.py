@@ -315,7 +315,9 @@ def test_generation_tasks_end_to_end(tiny_llama, data_dir, cache_dir):
 
 
 def test_unknown_task_and_missing_data(tmp_path, tiny_llama):
-    with pytest.raises(ValueError, match="unknown benchmark"):
+    with pytest.raises(ValueError, match=r"unknown benchmark.*lm_eval --model hf --model_args "
+                                         r"pretrained=FOLDER,trust_remote_code=True "
+                                         r"--tasks lambada_standard$"):
         B.task_configs(["mmlu", "lambada_standard"], tmp_path)
     with pytest.raises(FileNotFoundError, match="HellaSwag: .*hellaswag_val_full.txt.bz2"):
         B.task_configs(["hellaswag"], tmp_path, tmp_path / "cache")

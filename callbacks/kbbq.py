@@ -234,7 +234,6 @@ class KBBQ(Callback):
         if self.calibrate_only:
             trainer.should_stop = True
             return
-        share_fused_scales(self._fused)
         # the rounding's NaN/Inf checks stay on the device: one host synchronization per
         # optimizer step instead of two or three per layer per forward (formats.DeferredChecks)
         self._checks_scope = contextlib.ExitStack()

@@ -291,7 +291,7 @@ def quantized_linears(model: nn.Module) -> dict[str, QuantizedLinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
 
 
-FusedGroup = dict[str, "QuantizedLinear"]
+FusedGroup = dict[str, QuantizedLinear]
 """Trainable layers that vLLM runs as one fused linear, by qualified name."""
 
 
@@ -317,8 +317,8 @@ def share_fused_scales(groups: list[FusedGroup]) -> None:
     of its master weights' own (:func:`~kbbq_pl.quant.scales.fused_weight_scales`), as
     ``quantize_model`` gives stored codes: the forward and :meth:`QuantizedLinear.codes` round
     them under it (the ``weight_global_scale`` buffer) until the next call.  The ``KBBQ``
-    callback calls it when training starts, before every training batch and validation, and
-    :func:`freeze_layers` at the end; a training loop of your own calls it after each
+    callback calls it before every training batch and validation, and :func:`freeze_layers`
+    at the end; a training loop of your own calls it after each
     optimizer step."""
     for group in groups:
         first = next(iter(group.values()))

@@ -317,3 +317,35 @@ def test_every_package_is_shipped():
     assert packages == listed, ("pyproject.toml's [tool.setuptools] packages must list every "
                                 f"package: missing {sorted(packages - listed)}, "
                                 f"stale {sorted(listed - packages)}")
+
+
+WRITTEN_FILES = {"kbbq_pl_loader.py"}
+"""Python files the package writes into its outputs, named in the layout table beside the
+module that writes them."""
+
+
+def test_the_layout_table_names_every_module():
+    """docs/architecture.md's layout table: the row of each folder of the package (and of
+    ``callbacks/``, ``scripts/``) names every Python file in it, and every file it names
+    exists (a row may name a file of a subfolder, ``rtn/algorithm.py``, or a repository path)."""
+    rows = dict(re.findall(r"^\| `([\w/]+/)` \| (.*) \|$",
+                           (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8"), re.M))
+    stale, unnamed = [], []
+    for folder, text in rows.items():
+        if not (folder.startswith("kbbq_pl/") or folder in ("callbacks/", "scripts/")):
+            continue
+        named = set(re.findall(r"`([\w/]+\.py)`", text))
+        for name in named - WRITTEN_FILES:
+            if not ((ROOT / folder / name).exists() or (ROOT / name).exists()
+                    or any((ROOT / folder / sub / name).exists()
+                           for sub in re.findall(r"`(\w+)/`", text))):
+                stale.append(f"{folder}: {name}")
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            relative = path.relative_to(ROOT / folder).as_posix()
+            if path.name in ("__init__.py", "__main__.py") and relative.count("/") == 0:
+                continue
+            if path.name == "__init__.py" or relative in named or path.name in named:
+                continue
+            unnamed.append(f"{folder}{relative}")
+    assert not stale, f"docs/architecture.md names files that do not exist: {stale}"
+    assert not unnamed, f"docs/architecture.md's layout table does not name: {unnamed}"

@@ -303,8 +303,24 @@ class UsageError(ValueError):
 
 
 class _Parser(argparse.ArgumentParser):
+    """argparse, with errors raised for :func:`main` and ``--an_option`` read as
+    ``--an-option`` (users of lm-eval type ``--batch_size``; vLLM's parser does the same)."""
+
     def error(self, message: str):  # argparse prints usage and exits; raise for main instead
         raise UsageError(f"{message} (see {self.prog} -h)")
+
+    def parse_known_args(self, args=None, namespace=None):
+        if args is not None:
+            args = [_hyphenated(arg) for arg in args]
+        return super().parse_known_args(args, namespace)
+
+
+def _hyphenated(arg: str) -> str:
+    """``--an_option[=value]`` as ``--an-option[=value]``; anything else as it is."""
+    if not arg.startswith("--"):
+        return arg
+    name, equals, value = arg.partition("=")
+    return name.replace("_", "-") + equals + value
 
 
 def _add_overwrite(parser: argparse.ArgumentParser, option: str) -> None:
@@ -426,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--batch-size", type=int, default=4)
     compare.add_argument("--cache-dir", default=None, help="converted benchmark data")
     compare.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    compare.add_argument("--output_dir", "--output-dir", dest="output_dir", required=True,
+    compare.add_argument("--output-dir", dest="output_dir", required=True,
                          help="output folder (new, empty, or one to --resume)")
     compare.add_argument("--resume", action="store_true",
                          help="continue an interrupted compare folder: finished recipes with "

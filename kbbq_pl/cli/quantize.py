@@ -32,7 +32,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from jsonargparse import ActionConfigFile, ActionYesNo, ArgumentParser, lazy_instance
@@ -77,20 +77,20 @@ def _parser(prog: str) -> ArgumentParser:
         default=lazy_instance(CalibrationDataModule, source=MIXED, n_tokens=4096,
                               seq_len=256, batch_size=8))
     parser.add_class_arguments(QuantizationConfig, "recipe")
-    parser.add_argument("--output_dir", type=str | None, default=None,
+    parser.add_argument("--output_dir", "--output-dir", type=str | None, default=None,
                         help=f"the folder to write (default: {OUTPUT_ROOT}/MODEL-RECIPE, e.g. "
                              f"{OUTPUT_ROOT}/smollm2-gptq-kbbq-nvfp4-lam0.75)")
-    parser.add_argument("--overwrite", action=ActionYesNo, default=False,
+    parser.add_argument("--overwrite", action=ActionYesNo(no_prefix="no-"), default=False,
                         help="replace an existing --output_dir, if kbbq-pl wrote it")
-    parser.add_argument("--eval_data", type=str | None, default=None,
+    parser.add_argument("--eval_data", "--eval-data", type=str | None, default=None,
                         help="WikiText-style text file for the fidelity metric "
                              "(default: the embedded sentences)")
-    parser.add_argument("--eval_sentences", type=int | None, default=None,
+    parser.add_argument("--eval_sentences", "--eval-sentences", type=int | None, default=None,
                         help=f"sentences of the fidelity metric (default: all {EMBEDDED} "
                              f"embedded ones, {EVAL_DATA_SENTENCES} from --eval_data; without "
                              f"a tokenizer, {RANDOM_BLOCKS} random-token blocks)")
     parser.add_argument("--device", type=str, default="cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--offload", action=ActionYesNo, default=False,
+    parser.add_argument("--offload", action=ActionYesNo(no_prefix="no-"), default=False,
                         help="keep the model on the CPU and move one block at a time to "
                              "--device (a model larger than the device's memory)")
     parser.add_argument("--stream", action=ActionYesNo(no_prefix="no-"), default=None,
@@ -100,8 +100,7 @@ def _parser(prog: str) -> ArgumentParser:
                              "checkpoint, written in shards; the fidelity line is left to "
                              "kbbq-pl eval); default: streamed when the weights exceed half of "
                              "the memory available")
-    parser.add_argument("--dtype", type=str, default="auto",
-                        choices=["auto", *DTYPES],
+    parser.add_argument("--dtype", type=Literal[("auto", *DTYPES)], default="auto",
                         help="the dtype the model is held in while it is quantized (auto: as "
                              "its weights are stored); every block computes in float32 either "
                              "way")

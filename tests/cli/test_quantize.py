@@ -73,7 +73,7 @@ def test_offload_moves_one_block_at_a_time_and_changes_nothing(tiny_llama_dir, t
     """``--offload``: the model stays on the CPU and each block runs on ``--device`` (the CPU
     here, so this checks the path and that the checkpoint is the same bit for bit)."""
     outputs = []
-    for flag in ("--no_offload", "--offload"):
+    for flag in ("--no-offload", "--offload"):
         out = tmp_path / flag.strip("-")
         assert main(["quantize", "--config", "gptq_kbbq_nvfp4", "--model", str(tiny_llama_dir),
                      "--data.init_args.n_tokens", "128", "--data.init_args.seq_len", "32",
@@ -292,6 +292,41 @@ def test_options_override_the_recipe_wherever_they_stand(config_flag):
     assert config.data.init_args.n_tokens == 512
     assert config.recipe.format.name == "mxfp4"
     assert config.recipe.weights.quantizer == "gptq"
+
+
+def test_options_take_either_spelling_and_say_their_types(capsys):
+    """An option is spelled with ``_`` (LightningCLI's and lm-eval's style) or ``-`` (vLLM's);
+    every negation is ``--no-NAME``; ``-h`` names ``--dtype``'s choices."""
+    from kbbq_pl.cli.quantize import _parser
+
+    parser = _parser("kbbq-pl quantize")
+    underscores = parser.parse_args(["--output_dir", "o", "--eval_data", "e.txt",
+                                     "--eval_sentences", "8", "--offload", "--overwrite"])
+    hyphens = parser.parse_args(["--output-dir", "o", "--eval-data", "e.txt",
+                                 "--eval-sentences", "8", "--offload", "--overwrite"])
+    assert underscores == hyphens
+    negated = parser.parse_args(["--no-offload", "--no-overwrite", "--no-stream"])
+    assert (negated.offload, negated.overwrite, negated.stream) == (False, False, False)
+    with pytest.raises(SystemExit):
+        main(["quantize", "-h"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--dtype {auto,float32,bfloat16,float16}" in help_text
+    assert "<lambda>" not in help_text and "<function" not in help_text
+    # the other commands (argparse) read `_` as `-`, values untouched
+    from kbbq_pl.cli.commands import build_parser
+
+    hyphens = build_parser().parse_args(
+        ["eval", "--model", "m", "--tasks", "arc_easy", "--num-fewshot", "5", "--batch-size",
+         "2", "--max-gen-toks=64", "--data-dir", "d_1"])
+    underscores = build_parser().parse_args(
+        ["eval", "--model", "m", "--tasks", "arc_easy", "--num_fewshot", "5", "--batch_size",
+         "2", "--max_gen_toks=64", "--data_dir", "d_1"])
+    assert vars(hyphens) == vars(underscores)
+    assert (underscores.tasks, underscores.data_dir, underscores.max_gen_toks) == (
+        "arc_easy", "d_1", 64)
+    compare = build_parser().parse_args(["compare", "--model", "minilm", "--output_dir", "o",
+                                         "--save_closest", "c"])
+    assert (compare.output_dir, compare.save_closest) == ("o", "c")
 
 
 def test_recipes_are_listed_with_what_each_does(capsys):

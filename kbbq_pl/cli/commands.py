@@ -368,9 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "llm_foundry_eval/ wikitext2/")
     evaluate.add_argument("--text", default=None, help=TEXT_HELP)
     evaluate.add_argument("--context", type=int, default=512,
-                          help="ppl/kl: tokens a rolling window reads")
+                          help="ppl/kl: tokens a rolling window reads (default 512)")
     evaluate.add_argument("--stride", type=int, default=256,
-                          help="ppl/kl: positions each window scores after the first")
+                          help="ppl/kl: positions each window scores after the first (default 256)")
     evaluate.add_argument("--max-tokens", type=_max_tokens, default=2048,
                           help="ppl/kl: score the first N tokens of --text (default 2048, as "
                                "compare; 0: the whole text)")
@@ -425,9 +425,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="documents per benchmark (MMLU: per subject); <1: a fraction")
     compare.add_argument("--data-dir", default="../shared/data")
     compare.add_argument("--text", default=None, help=TEXT_HELP)
-    compare.add_argument("--context", type=int, default=512, help="ppl/kl: window tokens")
+    compare.add_argument("--context", type=int, default=512,
+                         help="ppl/kl: window tokens (default 512)")
     compare.add_argument("--stride", type=int, default=256,
-                         help="ppl/kl: positions each window scores after the first")
+                         help="ppl/kl: positions each window scores after the first (default 256)")
     compare.add_argument("--max-tokens", type=_max_tokens, default=2048,
                          help="ppl/kl: score the first N tokens of --text (default 2048; 0: "
                               "the whole text)")

@@ -303,10 +303,11 @@ def write_checkpoint_files(staging: Path, model: nn.Module, shards: ShardWriter,
             # as save_pretrained writes it: from_pretrained(dtype="auto") reads it here
             document["dtype"] = str(written).removeprefix("torch.")
         document["quantization_config"] = quantization_block(shards.layers, shards.tied, recipe)
+        # transformers' classes compute this checkpoint, not a source's own code (whose files
+        # the folder does not hold): the loader's entries replace its auto_map
+        document.pop("auto_map", None)
         loader = remote_code_loader(model)
         if loader is not None:
-            # transformers' classes compute this checkpoint, not a source's own code (whose
-            # files the folder does not hold): the loader's entries replace its auto_map
             document["auto_map"], source = loader
             (staging / f"{LOADER}.py").write_text(source)
         hf_config.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
@@ -453,6 +454,8 @@ def write_hf_files(folder: Path, model: nn.Module, tokenizer: Any = None,
             if dtype is not None:
                 config.dtype = held
         drop_loader(folder / "config.json")
+        # the config of a model loaded with trust_remote_code copies its module beside
+        (folder / f"{LOADER}.py").unlink(missing_ok=True)
     generation = getattr(model, "generation_config", None)
     if generation is not None and is_causal_model(model):
         generation.save_pretrained(folder)
@@ -508,6 +511,18 @@ def auto_class(config: Any, causal: bool) -> Any:
     if not causal:
         return AutoModel
     return AutoModelForImageTextToText if is_multimodal_config(config) else AutoModelForCausalLM
+
+
+def transformers_class(name: str | None, config: Any) -> type | None:
+    """transformers' model class ``name`` where it exists and builds models of ``config``
+    (a checkpoint's ``model_class``); None otherwise."""
+    import transformers
+
+    cls = getattr(transformers, name, None) if name else None
+    if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel) and \
+            isinstance(config, cls.config_class):
+        return cls
+    return None
 
 
 def read_metadata(folder: str | Path) -> dict[str, Any]:
@@ -642,7 +657,8 @@ def check_layer_tensors(layers: dict[str, dict[str, Any]], tensors: dict[str, Te
 
 def _check_layer(name: str, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
     def fail(message: str) -> CheckpointError:
-        return CheckpointError(f"{name}: {message} ({CONFIG_NAME} and {WEIGHTS_NAME} disagree)")
+        return CheckpointError(f"{name}: {message} (the checkpoint's layer metadata and its "
+                               "stored tensors disagree)")
 
     try:
         fmt = get_format(meta["format"])
@@ -732,16 +748,34 @@ def load_tensors(model: nn.Module, tensors: dict[str, Tensor], metadata: dict[st
     check_materialized(model, source)
 
 
-def empty_model(config: Any, causal: bool, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The architecture of a HuggingFace ``config`` (a causal-LM head or the bare model) with
-    its parameters on the meta device (no memory, no initialization; loading assigns them)
-    and its buffers (rotary frequencies) computed as the model computes them."""
+def empty_model(config: Any, causal: bool, dtype: torch.dtype = torch.float32,
+                model_class: str | None = None) -> nn.Module:
+    """The architecture of a HuggingFace ``config`` (the transformers class named
+    ``model_class`` where it builds this config, such as a classification head; else a
+    causal-LM head or the bare model, :func:`auto_class`) with its parameters on the meta
+    device (no memory, no initialization; loading assigns them) and its buffers (rotary
+    frequencies) computed as the model computes them."""
     from accelerate import init_empty_weights
 
+    named = transformers_class(model_class, config)
     with init_empty_weights(include_buffers=False):
-        model = auto_class(config, causal).from_config(config, dtype=dtype)
+        if named is not None:
+            model = named._from_config(config, dtype=dtype)
+        else:
+            model = auto_class(config, causal).from_config(config, dtype=dtype)
     model.tie_weights()  # not all architectures tie their embeddings when built empty (Gemma 3)
     return model
+
+
+def read_generation_config(model: nn.Module, folder: Path) -> None:
+    """Give ``model`` the ``generation_config.json`` of ``folder`` where it has one and the
+    model generates, as ``from_pretrained`` does (a chat model's end-of-turn tokens, its
+    sampling defaults); a model built from its config alone has transformers' defaults."""
+    from transformers import GenerationConfig
+
+    if (Path(folder) / "generation_config.json").is_file() and \
+            getattr(model, "can_generate", lambda: False)():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
 
 
 def check_materialized(model: nn.Module, source: str | Path, skip: str | None = None) -> None:
@@ -771,8 +805,13 @@ def build_quantized_model(folder: Path, metadata: dict[str, Any], tensors: dict[
     from transformers import AutoConfig
 
     check_layer_tensors(metadata["layers"], tensors)
-    model = empty_model(AutoConfig.from_pretrained(folder), metadata["causal_lm"],
-                        dtype or torch.float32)
+    config = AutoConfig.from_pretrained(folder)
+    declared = declared_dtype(config)
+    model = empty_model(config, metadata["causal_lm"], dtype or torch.float32,
+                        metadata.get("model_class"))
+    if dtype is None and declared is not None:
+        model.config.dtype = declared  # building set the dtype it was built in
+    read_generation_config(model, folder)
     if dtype is not None:
         dense = {name: value.dtype for name, value in model.state_dict().items()}
         tensors = {name: value.to(dense[name])

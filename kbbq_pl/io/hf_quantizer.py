@@ -85,7 +85,8 @@ class KbbqHfConfig(QuantizationConfigMixin):
         formats, method: what the checkpoint holds, for readers of the file.
     """
 
-    def __init__(self, layers: dict[str, dict[str, Any]], version: int = FORMAT_VERSION,
+    def __init__(self, layers: dict[str, dict[str, Any]] | None = None,
+                 version: int = FORMAT_VERSION,
                  tied: dict[str, str] | None = None, formats: list[str] | None = None,
                  method: str | None = None, **kwargs: Any) -> None:
         self.quant_method = QUANT_METHOD
@@ -93,7 +94,8 @@ class KbbqHfConfig(QuantizationConfigMixin):
         if method is not None:
             self.method = method
         self.formats = formats if formats is not None else sorted(
-            {meta["format"] for meta in layers.values()})
+            {str(meta.get("format")) for meta in (layers or {}).values()
+             if isinstance(meta, dict)})
         self.layers = layers
         self.tied = tied or {}
         self.post_init()
@@ -136,6 +138,23 @@ def placeholder_layer(meta: dict[str, Any], name: str, linear: nn.Module) -> Qua
         bias = torch.empty(out_features, device="meta")
     return QuantizedLinear(weight.in_features, out_features, fmt, weight,
                            bias if meta.get("bias") else None, name=name)
+
+
+def _in_model(model: nn.Module, names: list[str]) -> dict[str, str]:
+    """A checkpoint's module ``names`` as ``model`` names them, as transformers maps its
+    tensors: a head model's checkpoint (``model.layers.0...``) loaded as the bare model
+    (``AutoModel``) loses the ``base_model_prefix`` (and its head's layers, which the bare model
+    does not load), a bare model's checkpoint loaded under a head gains it."""
+    prefix = getattr(model, "base_model_prefix", "")
+    if not prefix:
+        return {name: name for name in names}
+    stored_headed = any(name.startswith(prefix + ".") for name in names)
+    if stored_headed and not hasattr(model, prefix):
+        return {name: name.removeprefix(prefix + ".") for name in names
+                if name.startswith(prefix + ".")}
+    if not stored_headed and hasattr(model, prefix):
+        return {name: f"{prefix}.{name}" for name in names}
+    return {name: name for name in names}
 
 
 def _target(model: nn.Module, name: str) -> Tensor:
@@ -215,11 +234,15 @@ class KbbqHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> None:
         layers = self.quantization_config.layers
         files = kwargs.get("checkpoint_files")
+        stored = {}
         if files:  # the stored shapes and dtypes against the metadata, before any load
             stored = memory_names(header_tensors(files),
                                   {"version": self.quantization_config.version, "layers": layers})
             with torch.device("cpu"):  # from_pretrained builds the skeleton under "meta"
                 check_layer_tensors(layers, stored)
+        rename = _in_model(model, list(layers))
+        layers = self.quantization_config.layers = {
+            rename[name]: meta for name, meta in layers.items() if name in rename}
         if not model.is_remote_code():  # loaded after import kbbq_pl, not through the loader
             # save_pretrained writes the config, not the loader's file: name no loader there
             auto_map = without_loader(getattr(model.config, "auto_map", None))
@@ -227,7 +250,7 @@ class KbbqHfQuantizer(HfQuantizer):
                 model.config.auto_map = auto_map
             elif hasattr(model.config, "auto_map"):
                 del model.config.auto_map
-        unfuse_experts(model, [*layers, *(stored if files else ())])
+        unfuse_experts(model, [*layers, *_in_model(model, list(stored)).values()])
         for name, meta in layers.items():
             try:
                 linear = model.get_submodule(name)

@@ -47,6 +47,7 @@ from .checkpoint import (
     header_tensors,
     is_causal_lm_config,
     missing_tensors,
+    read_generation_config,
     weight_files,
     write_checkpoint_files,
 )
@@ -332,6 +333,7 @@ def model_skeleton(folder: str | Path, *, causal: bool | None = None,
     config = AutoConfig.from_pretrained(folder)
     dtype = stored_dtype(folder, config) if dtype is None else dtype
     model = empty_model(config, is_causal_lm_config(config) if causal is None else causal, dtype)
+    read_generation_config(model, folder)
     source = SafetensorsSource(folder, model)
     blocks_name, _ = find_blocks(model)
     outside = [name for name in model.state_dict()
@@ -446,7 +448,8 @@ def quantize_checkpoint(
         report = run(shards)
         shards.add(checkpoint_contents(model, dtype=compute_dtype))
         write_checkpoint_files(staging, model, shards, tokenizer=tokenizer, recipe=recipe,
-                               extra_files=extra_files(report) if extra_files else None)
+                               extra_files=extra_files(report) if extra_files else None,
+                               dtype=compute_dtype)
 
     write_folder(out, write, kind="checkpoint", overwrite=overwrite, sources=[source_dir])
     assert report is not None

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from tiny_models import tiny_model
+from tiny_models import tiny_config, tiny_model
 
 import kbbq_pl
 from kbbq_pl import (
@@ -53,9 +53,10 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def same_layers(a: torch.nn.Module, b: torch.nn.Module) -> None:
+def same_layers(a: torch.nn.Module, b: torch.nn.Module, same_names: bool = True) -> None:
     """The same module tree, quantized layers with the same codes, scales, transforms and
-    activation side, and every other tensor with the same name, dtype and device."""
+    activation side (and layer names, unless ``same_names`` is False: one model is the other's
+    bare model), and every other tensor with the same name, dtype and device."""
     assert {n: type(m) for n, m in a.named_modules()} == {n: type(m) for n, m in b.named_modules()}
     layers_a, layers_b = quantized_linears(a), quantized_linears(b)
     assert layers_a and layers_a.keys() == layers_b.keys()
@@ -63,8 +64,8 @@ def same_layers(a: torch.nn.Module, b: torch.nn.Module) -> None:
         other = layers_b[name]
         assert layer.extra_repr() == other.extra_repr()
         wa, wb = layer.weight, other.weight
-        assert (wa.fmt, wa.orig_dtype, wa.in_features, wa.layer_name) == (
-            wb.fmt, wb.orig_dtype, wb.in_features, wb.layer_name)
+        assert (wa.fmt, wa.orig_dtype, wa.in_features) == (wb.fmt, wb.orig_dtype, wb.in_features)
+        assert not same_names or wa.layer_name == wb.layer_name
         for field in ("qdata", "scale", "global_scale", "transform", "act_global_scale"):
             x, y = getattr(wa, field), getattr(wb, field)
             assert (x is None) == (y is None), (name, field)
@@ -173,6 +174,26 @@ def test_an_encoder_loads_through_automodel(tmp_path):
                        return_tensors="pt")
     with torch.no_grad():
         assert torch.equal(loaded(**inputs).last_hidden_state, model(**inputs).last_hidden_state)
+    # under a head, as transformers loads a bare model's tensors into one (``bert.`` prefixed)
+    from transformers import AutoModelForSequenceClassification
+
+    headed = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=2)
+    assert len(quantized_linears(headed.bert)) == 6 * 6
+    same_layers(headed.bert, loaded, same_names=False)
+
+
+def test_a_causal_lm_folder_loads_as_its_bare_model(tiny_chat_quantized):
+    """``AutoModel`` on a causal LM's folder: the bare model (no ``model.`` prefix), whose
+    hidden states are the quantized causal LM's."""
+    from transformers import AutoModel
+
+    bare = AutoModel.from_pretrained(tiny_chat_quantized)
+    whole = kbbq_pl.from_pretrained(tiny_chat_quantized)
+    assert type(bare).__name__ == "LlamaModel"
+    same_layers(bare, whole.model, same_names=False)
+    with torch.no_grad():
+        assert torch.equal(bare(input_ids=probe()).last_hidden_state,
+                           whole.model(input_ids=probe()).last_hidden_state)
 
 
 def test_save_pretrained_writes_a_folder_that_loads_again(tiny_chat_quantized, tmp_path):
@@ -260,13 +281,29 @@ def test_trust_remote_code_loads_the_folder_where_nothing_imports_kbbq_pl(
         assert torch.equal(causal_lm(again)(input_ids=probe()).logits, logits)
 
 
+REMOTE_EXPORT = """
+import sys
+
+from transformers import AutoModelForCausalLM
+
+from kbbq_pl.io.compressed_tensors import save_compressed_tensors
+
+folder, out = sys.argv[1:]
+save_compressed_tensors(AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True), out)
+"""
+
+
 def test_an_export_for_other_readers_names_no_loader(tiny_chat_quantized, tmp_path):
+    """Exported as a file, from kbbq-pl's loader, or from a model transformers loaded with
+    ``trust_remote_code`` (whose config would copy its module beside the export)."""
     pytest.importorskip("compressed_tensors")
     from kbbq_pl.io.compressed_tensors import export_compressed_tensors, save_compressed_tensors
 
+    without_kbbq_pl(tmp_path, sys.executable, "-c", REMOTE_EXPORT, str(tiny_chat_quantized),
+                    str(tmp_path / "ct-remote"))
     folders = [export_compressed_tensors(tiny_chat_quantized, tmp_path / "ct"),
                save_compressed_tensors(kbbq_pl.from_pretrained(tiny_chat_quantized),
-                                       tmp_path / "ct-saved")]
+                                       tmp_path / "ct-saved"), tmp_path / "ct-remote"]
     for folder in folders:
         assert "auto_map" not in json.loads((folder / "config.json").read_text())
         assert not (folder / "kbbq_pl_loader.py").exists()
@@ -389,6 +426,52 @@ def test_format_1_folders_load_through_kbbq_pl_and_upgrade_for_transformers(tmp_
     with torch.no_grad():
         assert torch.equal(loader.from_pretrained(upgraded)(input_ids=expected["input_ids"])
                            .logits, expected["logits"])
+
+
+def test_the_folder_s_generation_config_and_dtype_survive_reloading_and_upgrading(tmp_path):
+    """``kbbq_pl.from_pretrained`` reads ``generation_config.json`` as transformers does (a
+    chat model's end-of-turn tokens, its sampling defaults) and keeps the dtype ``config.json``
+    declares, so a folder it saves again (``upgrade_checkpoint``) holds both unchanged."""
+    model = tiny_model("llama")
+    model.generation_config.update(eos_token_id=[2, 7], do_sample=True, temperature=0.3,
+                                   max_new_tokens=5)
+    quantize_model(model, [{"input_ids": probe(256)}], QuantizationConfig(), progress=False)
+    folder = save_quantized(model, tmp_path / "q", dtype=torch.bfloat16)
+    written = json.loads((folder / "generation_config.json").read_text())
+    assert written["eos_token_id"] == [2, 7] and written["temperature"] == 0.3
+    loaded = kbbq_pl.from_pretrained(folder)
+    assert loaded.generation_config.to_diff_dict() == causal_lm(folder).generation_config \
+        .to_diff_dict()
+    assert (loaded.generation_config.eos_token_id, loaded.generation_config.max_new_tokens) == (
+        [2, 7], 5)
+    assert loaded.config.dtype == torch.bfloat16 == loaded.model.embed_tokens.weight.dtype
+    upgraded = kbbq_pl.upgrade_checkpoint(folder, tmp_path / "upgraded")
+    for name in ("generation_config.json", "config.json"):
+        before, after = (json.loads((f / name).read_text()) for f in (folder, upgraded))
+        before.pop("transformers_version", None), after.pop("transformers_version", None)
+        assert before == after, name
+
+
+def test_a_model_with_another_head_reloads_as_itself_and_names_no_source_code(tmp_path):
+    """A classification head (no loader: lm-eval does not build one) reloads through kbbq-pl
+    and transformers as that class, with its logits; a source's ``auto_map`` (code the folder
+    does not hold) is not written."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = tiny_config("llama", num_labels=3, pad_token_id=0)
+    config.auto_map = {"AutoModelForSequenceClassification": "modeling_src.SourceModel"}
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config).eval()
+    ids = probe(256).clamp(min=1)
+    quantize_model(model, [{"input_ids": ids}], QuantizationConfig(), progress=False)
+    folder = save_quantized(model, tmp_path / "q")
+    assert "auto_map" not in json.loads((folder / "config.json").read_text())
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        for loaded in (kbbq_pl.from_pretrained(folder),
+                       AutoModelForSequenceClassification.from_pretrained(folder)):
+            assert type(loaded).__name__ == "LlamaForSequenceClassification"
+            assert torch.equal(loaded(input_ids=ids).logits, expected)
 
 
 # --- generate and pipeline ----------------------------------------------------------------

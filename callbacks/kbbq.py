@@ -53,11 +53,18 @@ DEFAULT_RECIPE = QuantizationConfig()  # frozen: one shared default is safe
 
 
 def hf_model(pl_module: nn.Module, attr: str | None = "model") -> nn.Module:
-    """The module calibration batches are fed to: ``pl_module.<attr>`` when it exists (the
-    usual place of a wrapped HuggingFace model), else ``pl_module`` itself."""
-    if attr and isinstance(getattr(pl_module, attr, None), nn.Module):
-        return getattr(pl_module, attr)
-    return pl_module
+    """The module calibration batches are fed to: ``pl_module.<attr>`` (the usual place of a
+    wrapped HuggingFace model), or ``pl_module`` itself where ``attr`` is None; a ValueError
+    naming the module's submodules where it has no such attribute."""
+    if attr is None:
+        return pl_module
+    model = getattr(pl_module, attr, None)
+    if not isinstance(model, nn.Module):
+        children = [name for name, _ in pl_module.named_children()]
+        raise ValueError(f"KBBQ: {type(pl_module).__name__} has no submodule {attr!r} to "
+                         f"quantize (model_attr={attr!r}); its submodules: {children}; pass "
+                         "model_attr=NAME, or None for the LightningModule itself")
+    return model
 
 
 def calibration_batches(trainer: Trainer, source: Any, model: nn.Module | None = None
@@ -75,7 +82,14 @@ def calibration_batches(trainer: Trainer, source: Any, model: nn.Module | None =
             raise ValueError("KBBQ needs calibration data: pass calibration= (a dataloader or a "
                              "CalibrationDataModule) or fit with a datamodule")
         if not hasattr(source, "calibration_dataloader"):
-            source = source.train_dataloader()
+            try:
+                source = source.train_dataloader()
+            except Exception as error:  # noqa: BLE001 - named in the error below
+                raise ValueError(
+                    f"KBBQ calibrates on the datamodule's calibration_dataloader() or "
+                    f"train_dataloader(); {type(source).__name__} has the first not and the "
+                    f"second failed ({type(error).__name__}: {error}); pass calibration= (a "
+                    "dataloader or a CalibrationDataModule)") from error
     if model is not None and hasattr(source, "for_model"):
         source.for_model(model)
     if hasattr(source, "calibration_dataloader"):
@@ -83,6 +97,13 @@ def calibration_batches(trainer: Trainer, source: Any, model: nn.Module | None =
     batches = list(source)
     if not batches:
         raise ValueError("the calibration set is empty: no batches")
+    if not all(isinstance(batch, Mapping) and "input_ids" in batch for batch in batches):
+        first = batches[0]
+        raise ValueError("KBBQ calibrates on dict batches with input_ids (the model's keyword "
+                         f"arguments), got {type(first).__name__}"
+                         f"{' with keys ' + str(list(first)) if isinstance(first, Mapping) else ''}"
+                         "; pass calibration= (a CalibrationDataModule or dict batches) or "
+                         "give the datamodule a calibration_dataloader()")
     rank, world = trainer.global_rank, trainer.world_size
     if world > 1 and len(batches) < world:
         raise ValueError(f"{len(batches)} calibration batches for {world} ranks")
@@ -146,7 +167,8 @@ class KBBQ(Callback):
             describe each field); default: RTN-KBBQ NVFP4, lambda 0.75.
         calibration: calibration batches (a dataloader, a ``CalibrationDataModule`` or a list of
             dicts); default: the trainer's datamodule.
-        model_attr: attribute of the LightningModule holding the HuggingFace model.
+        model_attr: attribute of the LightningModule holding the HuggingFace model (None:
+            the LightningModule itself).
         calibrate_only: quantize, then end ``fit`` before the first step (post-training
             quantization through ``Trainer.fit``; ``Trainer.validate`` quantizes too).
         trainable: keep high-precision master weights that fine-tuning updates through
@@ -190,17 +212,17 @@ class KBBQ(Callback):
         # strategy.setup, unless the restore (which goes through load_model_state_dict) has
         # already rebuilt the quantized layers from the checkpoint: no calibration is repeated.
         if quantized_linears(pl_module):
+            self._warn_if_frozen(pl_module, stage)
             return
         strategy = trainer.strategy
         load_state, setup_strategy = strategy.load_model_state_dict, strategy.setup
 
         def load_model_state_dict(checkpoint, *args, **kwargs):
-            state = checkpoint.get(CHECKPOINT_KEY)
-            if state is not None and not quantized_linears(pl_module):
-                install_empty_layers(pl_module, state["layers"], trainable=state["trainable"],
-                                     stored=checkpoint.get("state_dict", {}))
+            if not quantized_linears(pl_module):
+                restore_quantized(pl_module, checkpoint)
                 log.info("KBBQ: rebuilt %d quantized layers from the checkpoint",
-                         len(state["layers"]))
+                         len(quantized_linears(pl_module)))
+            self._warn_if_frozen(pl_module, stage)
             return load_state(checkpoint, *args, **kwargs)
 
         def setup_then_restore_methods(trainer_: Trainer) -> None:
@@ -212,6 +234,14 @@ class KBBQ(Callback):
 
         strategy.load_model_state_dict = load_model_state_dict
         strategy.setup = setup_then_restore_methods
+
+    def _warn_if_frozen(self, pl_module: LightningModule, stage: str) -> None:
+        layers = quantized_linears(pl_module).values()
+        if stage == "fit" and not self.calibrate_only and self.trainable is not False and \
+                layers and not any(layer.trainable for layer in layers):
+            log.warning("KBBQ: the quantized layers hold stored codes (the end of an earlier "
+                        "fit, GPTQ, or a checkpoint saved after either): they stay as they are "
+                        "and only the rest of the model trains")
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # the quantized layers exist now (strategy.setup); their transforms do not train
@@ -232,6 +262,9 @@ class KBBQ(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.calibrate_only:
+            # should_stop waits for min_epochs / min_steps: nothing trains after calibration
+            trainer.fit_loop.min_epochs = 0
+            trainer.fit_loop.epoch_loop.min_steps = 0
             trainer.should_stop = True
             return
         # the rounding's NaN/Inf checks stay on the device: one host synchronization per
@@ -305,10 +338,22 @@ def restore_quantized(pl_module: nn.Module, checkpoint: Mapping[str, Any]) -> No
     """Rebuild the quantized layers a checkpoint holds, so its weights load into them; call it
     from ``LightningModule.on_load_checkpoint`` to use ``load_from_checkpoint``."""
     state = checkpoint.get(CHECKPOINT_KEY)
-    if state is None or quantized_linears(pl_module):
+    if quantized_linears(pl_module):
+        return
+    stored = checkpoint.get("state_dict", {})
+    if state is None:
+        codes = [name.rpartition(".")[0] for name, value in stored.items()
+                 if isinstance(value, QuantizedTensor)
+                 or name.endswith((".transform", ".act_global_scale"))]
+        if codes:
+            raise ValueError(
+                f"this checkpoint holds quantized layers ({codes[0]}, ...) but not KBBQ's "
+                f"'{CHECKPOINT_KEY}' entry that describes them: it was saved with "
+                "weights_only (ModelCheckpoint(save_weights_only=True) skips callbacks' "
+                "state); save full checkpoints, or the model with kbbq_pl.save_quantized")
         return
     install_empty_layers(pl_module, state["layers"], trainable=state["trainable"],
-                         stored=checkpoint.get("state_dict", {}))
+                         stored=stored)
 
 
 __all__ = ["CalibrationStatistics", "KBBQ", "calibration_batches",

@@ -12,7 +12,7 @@ import contextlib
 import hashlib
 import math
 from collections.abc import Iterator
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +92,16 @@ class QuantizedTensor(TorchAOBaseTensor):
                    sorted(metadata.items()), inner)
         return hashlib.blake2b(repr(payload).encode(), digest_size=16).hexdigest()
 
+    def __reduce_ex__(self, protocol: int) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled as its inner tensors and attributes (``__tensor_flatten__``), rebuilt by
+        :func:`_rebuild_quantized`: plain tensors, so ``torch.load`` relocates them with any
+        ``map_location``, a callable too (Lightning's checkpoint loading passes one, which torch
+        refuses for the wrapper subclasses it pickles itself)."""
+        names, attributes = self.__tensor_flatten__()
+        return _rebuild_quantized, (type(self), {name: getattr(self, name) for name in names},
+                                    attributes, tuple(self.shape), tuple(self.stride()),
+                                    isinstance(self, torch.nn.Parameter))
+
     def __repr__(self) -> str:
         return (
             f"QuantizedTensor(fmt={self.fmt.name}, shape={tuple(self.shape)}, "
@@ -99,8 +109,17 @@ class QuantizedTensor(TorchAOBaseTensor):
         )
 
 
+def _rebuild_quantized(cls: type[QuantizedTensor], tensors: dict[str, Tensor],
+                       attributes: dict[str, Any], shape: tuple[int, ...],
+                       stride: tuple[int, ...], parameter: bool = False) -> QuantizedTensor:
+    """A :class:`QuantizedTensor` (or subclass) from what its ``__reduce_ex__`` pickled (an
+    ``nn.Parameter`` again where it was one)."""
+    rebuilt = cls.__tensor_unflatten__(tensors, attributes, shape, stride)
+    return torch.nn.Parameter(rebuilt, requires_grad=False) if parameter else rebuilt
+
+
 # checkpoints holding QuantizedTensor weights load with torch.load(weights_only=True)
-torch.serialization.add_safe_globals([QuantizedTensor, Format])
+torch.serialization.add_safe_globals([QuantizedTensor, Format, _rebuild_quantized])
 
 
 def _check_policy(nonfinite: str) -> None:

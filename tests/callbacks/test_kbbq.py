@@ -123,6 +123,63 @@ def test_checkpoint_reload_after_convert(tmp_path):
     assert len(quantized_linears(again)) == 14
 
 
+def test_a_checkpoint_of_stored_codes_loads_through_lightning(tmp_path):
+    """A checkpoint saved after ``fit`` (the layers hold stored codes) loads where Lightning
+    loads it, with a callable ``map_location`` (``load_from_checkpoint``, ``ckpt_path=``)."""
+    module = TinyLM()
+    fit = trainer(tmp_path, [KBBQ()], max_steps=2, enable_checkpointing=False)
+    fit.fit(module, datamodule=datamodule())
+    assert not any(layer.trainable for layer in quantized_linears(module).values())
+    path = tmp_path / "after-fit.ckpt"
+    fit.save_checkpoint(path)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))
+    module.eval()
+    with torch.no_grad():
+        expected = module(input_ids=ids).logits
+        restored = TinyLM.load_from_checkpoint(path).eval()
+        assert torch.equal(restored(input_ids=ids).logits, expected)
+    fresh = TinyLM(seed=1)
+    trainer(tmp_path, [KBBQ(calibration=[])]).validate(
+        fresh, dataloaders=datamodule().calibration_dataloader(), ckpt_path=path)
+    with torch.no_grad():
+        assert torch.equal(fresh.eval()(input_ids=ids).logits, expected)
+
+
+def test_a_weights_only_checkpoint_is_a_clear_error(tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True,
+                                 save_weights_only=True)
+    trainer(tmp_path, [KBBQ(), checkpoint], max_steps=1).fit(TinyLM(),
+                                                             datamodule=datamodule())
+    with pytest.raises(ValueError, match="saved with weights_only"):
+        TinyLM.load_from_checkpoint(checkpoint.last_model_path)
+
+
+def test_calibrate_only_trains_nothing_under_min_epochs(tmp_path):
+    module = TinyLM()
+    embeddings = module.model.model.embed_tokens.weight.detach().clone()
+    fit = trainer(tmp_path, [KBBQ(calibrate_only=True)], min_epochs=1, max_epochs=2,
+                  enable_checkpointing=False)
+    fit.fit(module, datamodule=datamodule())
+    assert fit.global_step == 0
+    assert torch.equal(module.model.model.embed_tokens.weight, embeddings)
+
+
+def test_what_kbbq_cannot_calibrate_is_named(tmp_path):
+    class Elsewhere(TinyLM):
+        def __init__(self):
+            super().__init__()
+            self.net = self.model
+            del self.model
+
+    with pytest.raises(ValueError, match=r"no submodule 'model'.*submodules: \['net'\]"):
+        trainer(tmp_path, [KBBQ(calibrate_only=True)], enable_checkpointing=False).fit(
+            Elsewhere(), datamodule=datamodule())
+    ids = datamodule().calibration_dataloader()
+    tensors = [batch["input_ids"] for batch in ids]
+    with pytest.raises(ValueError, match="dict batches with input_ids.*got Tensor"):
+        trainer(tmp_path, [KBBQ(calibration=tensors)]).validate(TinyLM(), dataloaders=ids)
+
+
 def test_kbbq_errors_without_calibration_data(tmp_path):
     with pytest.raises(ValueError, match="needs calibration data"):
         loader = datamodule().calibration_dataloader()

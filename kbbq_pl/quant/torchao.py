@@ -232,11 +232,13 @@ def _convert(module: nn.Module, ao_config: KBBQConfig) -> nn.Module:
         amax = observer.transformed_amax(module.in_features, padded.shape[1], transform,
                                          weight.device)
         scale = act_scales_from_amax({observer.label: amax}, lambda t: t)[observer.label]
+    name = observer.name or ""  # known where prepare ran with filter_fn
+    shared = None if global_scale is None else quantize(
+        transform_weight(padded, transform), recipe.fmt, global_scale=global_scale,
+        name=f"{name}.weight" if name else "weight")
     quantized = w4a4_weight(module, recipe.fmt, transform,
-                            act_scale=recipe.effective_act_scale,
-                            act_global_scale=scale, quantized_weight=None if global_scale is None
-                            else quantize(transform_weight(padded, transform), recipe.fmt,
-                                          global_scale=global_scale))
+                            act_scale=recipe.effective_act_scale, act_global_scale=scale,
+                            name=name, quantized_weight=shared)
     module.weight = nn.Parameter(quantized, requires_grad=False)
     delattr(module, OBSERVER_ATTR)
     return module

@@ -69,10 +69,12 @@ def test_quantize_equals_quantize_model(recipe):
             assert (ours is None and theirs is None) or torch.equal(
                 ours.view(torch.uint8) if ours.element_size() == 1 else ours,
                 theirs.view(torch.uint8) if theirs.element_size() == 1 else theirs), field
+            assert module.weight.layer_name == layer.weight.layer_name == name  # errors name it
     assert type(model.lm_head.weight) is nn.Parameter  # not targeted, as in quantize_model
     probe = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(model(input_ids=probe).logits, reference(input_ids=probe).logits)
+    model.load_state_dict(reference.state_dict())  # the same weights, attributes and all
 
 
 def test_state_dict_reloads_into_a_fresh_model(tmp_path):

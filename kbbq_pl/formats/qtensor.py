@@ -118,6 +118,15 @@ def _rebuild_quantized(cls: type[QuantizedTensor], tensors: dict[str, Tensor],
     return torch.nn.Parameter(rebuilt, requires_grad=False) if parameter else rebuilt
 
 
+@QuantizedTensor.implements(torch.ops.aten.empty_like.default)
+def _empty_like(func: Any, types: Any, args: Any, kwargs: Any) -> QuantizedTensor:
+    """Uninitialized storage of the same layout, on ``device`` where given (``to_empty``
+    materializes a model built or moved on the meta device): each inner tensor's own dtype."""
+    device = (kwargs or {}).get("device")
+    return args[0]._apply_fn_to_data(
+        lambda t: torch.empty_like(t, device=device if device is not None else t.device))
+
+
 # checkpoints holding QuantizedTensor weights load with torch.load(weights_only=True)
 torch.serialization.add_safe_globals([QuantizedTensor, Format, _rebuild_quantized])
 

@@ -442,3 +442,25 @@ def test_layers_reading_one_input_share_its_rounding_inside_the_decoded_cache(mo
         for w in weights[:2]:
             TF.linear(x, w)
     assert len(calls) == 5
+
+
+def test_a_quantized_model_materializes_from_the_meta_device_and_reloads():
+    """``model.to("meta")`` then ``to_empty`` (how a model is built without memory and then
+    loaded) keeps each quantized weight's class and layout; its state dict loads back into it,
+    the same logits; and a checkpoint loads with a callable ``map_location`` (Lightning's)."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    quantize_model(model, [{"input_ids": ids}], QuantizationConfig(), progress=False)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    model.to("meta").to_empty(device="cpu")
+    weights = {name: layer.weight for name, layer in quantized_linears(model).items()}
+    assert len(weights) == 14 and all(type(w) is W4A4Weight and w.qdata.device.type == "cpu"
+                                      for w in weights.values())
+    buffer.seek(0)
+    model.load_state_dict(torch.load(buffer, weights_only=True, map_location=lambda s, _: s))
+    model.model.rotary_emb.inv_freq.copy_(tiny_model("llama").model.rotary_emb.inv_freq)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, expected)

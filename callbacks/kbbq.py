@@ -220,8 +220,8 @@ class KBBQ(Callback):
         def load_model_state_dict(checkpoint, *args, **kwargs):
             if not quantized_linears(pl_module):
                 restore_quantized(pl_module, checkpoint)
-                log.info("KBBQ: rebuilt %d quantized layers from the checkpoint",
-                         len(quantized_linears(pl_module)))
+                if quantized_linears(pl_module):
+                    log.info("KBBQ: rebuilt the quantized layers from the checkpoint")
             self._warn_if_frozen(pl_module, stage)
             return load_state(checkpoint, *args, **kwargs)
 

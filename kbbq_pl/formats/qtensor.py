@@ -122,9 +122,8 @@ def _rebuild_quantized(cls: type[QuantizedTensor], tensors: dict[str, Tensor],
 def _empty_like(func: Any, types: Any, args: Any, kwargs: Any) -> QuantizedTensor:
     """Uninitialized storage of the same layout, on ``device`` where given (``to_empty``
     materializes a model built or moved on the meta device): each inner tensor's own dtype."""
-    device = (kwargs or {}).get("device")
-    return args[0]._apply_fn_to_data(
-        lambda t: torch.empty_like(t, device=device if device is not None else t.device))
+    device = (kwargs or {}).get("device")  # None: each inner tensor's own
+    return args[0]._apply_fn_to_data(lambda t: torch.empty_like(t, device=device))
 
 
 # checkpoints holding QuantizedTensor weights load with torch.load(weights_only=True)

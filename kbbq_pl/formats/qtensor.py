@@ -17,6 +17,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from .._compat import TorchAOBaseTensor, tracing
 from . import rounding
@@ -124,6 +125,28 @@ def _empty_like(func: Any, types: Any, args: Any, kwargs: Any) -> QuantizedTenso
     materializes a model built or moved on the meta device): each inner tensor's own dtype."""
     device = (kwargs or {}).get("device")  # None: each inner tensor's own
     return args[0]._apply_fn_to_data(lambda t: torch.empty_like(t, device=device))
+
+
+@QuantizedTensor.implements(torch.ops.aten._to_copy.default)
+def _to_copy(func: Any, types: Any, args: Any, kwargs: Any) -> QuantizedTensor:
+    """``.to(device)`` moves the inner tensors; ``.to(dtype)`` (``Module.to(dtype)``,
+    ``.half()``) changes the dtype the tensor presents and dequantizes to, not its codes, as
+    torchao's ``NVFP4Tensor`` and ``MXTensor`` do."""
+    source = args[0]
+    to = source._get_to_kwargs(*args[1:], **(kwargs or {}))
+    dtype = to["dtype"]
+    if dtype not in _INPUT_DTYPES:
+        raise TypeError(f"a {source.fmt.name} QuantizedTensor of shape {tuple(source.shape)} "
+                        f"on {source.device} dequantizes to a floating dtype (fp32, bf16, fp16 "
+                        f"or fp64), not {dtype}")
+    moved = source._apply_fn_to_data(
+        lambda t: t.to(to["device"], non_blocking=to["non_blocking"]))
+    if dtype != source.orig_dtype:
+        names, attributes = moved.__tensor_flatten__()
+        moved = type(moved).__tensor_unflatten__(
+            {name: getattr(moved, name) for name in names}, {**attributes, "orig_dtype": dtype},
+            moved.shape, moved.stride())
+    return return_and_correct_aliasing(func, args, kwargs, moved)
 
 
 # checkpoints holding QuantizedTensor weights load with torch.load(weights_only=True)

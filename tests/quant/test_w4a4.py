@@ -15,6 +15,7 @@ from tiny_models import tiny_model
 from torch import nn
 
 from kbbq_pl import formats as F
+from kbbq_pl import from_pretrained, save_quantized
 from kbbq_pl.quant import FormatConfig, QuantizationConfig, quantize_model, w4a4
 from kbbq_pl.quant.layers import (
     QuantizedLinear,
@@ -464,3 +465,22 @@ def test_a_quantized_model_materializes_from_the_meta_device_and_reloads():
     model.model.rotary_emb.inv_freq.copy_(tiny_model("llama").model.rotary_emb.inv_freq)
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, expected)
+
+
+def test_a_quantized_model_cast_to_bf16_presents_and_reloads_as_bf16(tmp_path):
+    """``model.to(torch.bfloat16)`` casts each quantized weight as torchao's FP4 tensors cast:
+    the dtype it presents and dequantizes to, not its codes; the folder saved from it reloads
+    in bf16 throughout, with the same logits."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    quantize_model(model, [{"input_ids": ids}], QuantizationConfig(), progress=False)
+    codes = {name: layer.weight.qdata.clone() for name, layer in quantized_linears(model).items()}
+    model.to(torch.bfloat16)
+    model.model.rotary_emb.inv_freq = tiny_model("llama").model.rotary_emb.inv_freq  # as loaded
+    for name, layer in quantized_linears(model).items():
+        assert layer.weight.dtype == layer.weight.dequantize().dtype == torch.bfloat16, name
+        assert torch.equal(layer.weight.qdata, codes[name]), name
+    loaded = from_pretrained(save_quantized(model, tmp_path / "q"))
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)

@@ -19,17 +19,19 @@ Where it runs:
   takes the decode path below 1,024 rows and the prefill path from there on (the weight's
   prepared form, ``kbbq_pl.kernels.prepare_weight``, is made at its first product on a device
   and kept with it);
-* everywhere else, and whenever a gradient must reach the input (the kernels have no backward),
-  exact emulation: the padded input is upcast to FP32 and transformed there, its FP4 rounding is
-  :func:`kbbq_pl.formats.fake_quantize` (straight-through under autograd), the weight is decoded
-  from its codes in every call (no dense copy is kept) and the product is accumulated in FP32;
-  the result is cast to the input's dtype.
+  (a gradient to the input or bias goes through the operator below, whose backward is the
+  emulation's straight-through one);
+* everywhere else, exact emulation: the padded input is upcast to FP32 and transformed there,
+  its FP4 rounding is :func:`kbbq_pl.formats.fake_quantize` (straight-through under autograd),
+  the weight is decoded from its codes in every call (no dense copy is kept) and the product is
+  accumulated in FP32; the result is cast to the input's dtype.
 
 :func:`cache_decoded_weights` is the opt-in for evaluation speed: inside it the emulation keeps
 each weight's decoded FP32 copy (4 bytes per weight element) until the block ends.
 
 Under ``torch.compile`` (and ``torch.export``) the product is one custom operator,
-``torch.ops.kbbq_pl.w4a4_linear`` (:func:`compiled_linear`), that runs the above eagerly.
+``torch.ops.kbbq_pl.w4a4_linear`` (:func:`compiled_linear`), that runs the above eagerly, with
+or without a gradient.
 """
 
 from __future__ import annotations
@@ -252,7 +254,7 @@ def cache_decoded_weights() -> Iterator[None]:
             _rounded.clear()
 
 
-def decoded_weight(weight: W4A4Weight) -> Tensor:
+def decoded_weight(weight: QuantizedTensor) -> Tensor:
     """``Q(W T^-1)`` as a dense FP32 ``[out, K]`` tensor (cached only inside
     :func:`cache_decoded_weights`, per codes tensor with its scales: the weights that share
     them, as :meth:`W4A4Weight.replace` and a compiled graph's operator make, share it)."""
@@ -275,11 +277,9 @@ def _kernels() -> ModuleType | None:
 
 def uses_kernels(x: Tensor, weight: W4A4Weight) -> bool:
     """Whether ``F.linear(x, weight)`` runs on ``kbbq_pl.kernels`` (module docstring): a device
-    of :data:`KERNEL_DEVICE_TYPES` where the kernels run, a kernel format and dtype, block
-    transforms matched to the format's block (or none), and no gradient to propagate."""
+    of :data:`KERNEL_DEVICE_TYPES` where the kernels run, a kernel format and dtype, and block
+    transforms matched to the format's block (or none)."""
     if x.device.type not in KERNEL_DEVICE_TYPES or x.dtype not in _KERNEL_INPUT_DTYPES:
-        return False
-    if torch.is_grad_enabled() and x.requires_grad:
         return False
     t = weight.transform
     if t is not None and (t.dim() != 3 or t.shape[-1] != weight.fmt.block_size):
@@ -350,6 +350,9 @@ def w4a4_linear(x: Tensor, weight: W4A4Weight, bias: Tensor | None = None, *,
                            "calibration or use act_scale='dynamic'")
     scale = weight.act_global_scale if static else None
     if uses_kernels(x, weight):
+        if torch.is_grad_enabled() and (x.requires_grad or bias is not None
+                                        and bias.requires_grad):
+            return compiled_linear(x, weight, bias)  # the kernels' forward, its backward
         kernels = _kernels()
         assert kernels is not None
         return kernels.linear_w4a4(x, weight.qdata, weight.scale, weight.global_scale,
@@ -406,7 +409,7 @@ def _linear_arguments(args: tuple, kwargs: dict,
 @W4A4Weight.implements(torch.ops.aten.linear.default)
 def _linear(func, types, args, kwargs):
     x, weight, bias = _linear_arguments(args, kwargs or {}, W4A4Weight)
-    if tracing() and not (torch.is_grad_enabled() and x.requires_grad):
+    if tracing():
         return compiled_linear(x, weight, bias)
     return w4a4_linear(x, weight, bias)
 
@@ -423,8 +426,10 @@ def compiled_linear(x: Tensor, weight: W4A4Weight, bias: Tensor | None = None) -
     (autotuning, prepared-weight caches, host-side checks), so a model compiles without a graph
     break around its linears, ``mode="reduce-overhead"`` captures them in its CUDA graphs, and
     the compiler fuses the operations between them.  The operator runs :func:`w4a4_linear`
-    eagerly on the weight's fields: the same bits as an eager call.  Without a gradient only
-    (the kernels have none; a traced emulation carries the straight-through one)."""
+    eagerly on the weight's fields: the same bits as an eager call.  Its backward is the
+    emulation's straight-through one (:func:`_w4a4_linear_backward`), so a gradient reaches the
+    input and the bias of a frozen quantized layer (an adapter or a norm trained around it)
+    through a compiled graph, and through the kernels' forward on a GPU."""
     fmt = weight.fmt
     return torch.ops.kbbq_pl.w4a4_linear(
         x, weight.qdata, weight.scale, weight.global_scale, weight.transform,
@@ -446,12 +451,50 @@ def _w4a4_linear_op(x, qdata, scale, global_scale, transform, act_global_scale, 
                  e8m0_rounding)
     weight = W4A4Weight(qdata, scale, fmt, x.dtype, last_dim, in_features, act_scale,
                         global_scale, transform, act_global_scale, layer_name)
-    return w4a4_linear(x, weight, bias)
+    with torch.no_grad():  # the gradient is the registered backward's
+        return w4a4_linear(x, weight, bias)
 
 
 @_w4a4_linear_op.register_fake
 def _w4a4_linear_fake(x, qdata, *args):
     return x.new_empty((*x.shape[:-1], qdata.shape[0]))
+
+
+def _w4a4_linear_setup_context(ctx, inputs, output) -> None:
+    x, qdata, scale, global_scale, transform, act_global_scale, bias, *fields = inputs
+    ctx.save_for_backward(qdata, scale, global_scale, transform)
+    ctx.fields = fields
+    ctx.input_shape, ctx.input_dtype = x.shape, x.dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _w4a4_linear_backward(ctx, grad: Tensor):
+    """The emulation's gradients of ``y = Q(W T^-1) Q(T x) + b`` (straight through the
+    activations' rounding, as :func:`kbbq_pl.formats.ste_fake_quantize`): ``d/dx`` is the
+    transposed product with the decoded weight in FP32, then the transform's own vector-Jacobian
+    product (its padding cropped); ``d/db`` the sum over the rows.  The codes get none."""
+    qdata, scale, global_scale, transform = ctx.saved_tensors
+    (fmt_name, block_size, scale_kind, has_global_scale, e8m0_rounding, last_dim, in_features,
+     act_scale, layer_name) = ctx.fields
+    rows = grad.reshape(-1, qdata.shape[0]).to(_F32)
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        fmt = Format(fmt_name, "e2m1", "block", block_size, scale_kind, has_global_scale,
+                     e8m0_rounding)
+        weight = QuantizedTensor(qdata, scale, fmt, _F32, last_dim, global_scale)
+        grad_h = rows @ decoded_weight(weight)
+        width = ctx.input_shape[-1]
+        shaped = grad.new_empty(ctx.input_shape, dtype=ctx.input_dtype)
+        _, transform_vjp = torch.func.vjp(
+            lambda v: transformed_input(v, width, last_dim, transform), shaped)
+        (grad_x,) = transform_vjp(grad_h)
+    if ctx.needs_input_grad[6]:
+        grad_bias = rows.sum(0).to(ctx.bias_dtype)
+    return grad_x, None, None, None, None, None, grad_bias, *(None,) * 9
+
+
+_w4a4_linear_op.register_autograd(_w4a4_linear_backward,
+                                  setup_context=_w4a4_linear_setup_context)
 
 
 # ---------------------------------------------------------------------- the trainable weight

@@ -101,9 +101,10 @@ def test_quantized_linear_on_cuda_matches_cpu():
 
 @pytest.mark.parametrize("fmt, act_scale", [("nvfp4", "static"), ("nvfp4", "dynamic"),
                                             ("mxfp4", "dynamic")])
-def test_w4a4_weight_on_cuda_runs_the_kernels(fmt, act_scale):
+def test_w4a4_weight_on_cuda_runs_the_kernels(fmt, act_scale, monkeypatch):
     if w4a4._kernels() is None:
         pytest.skip("kbbq_pl.kernels is not installed")
+    linear_w4a4 = w4a4._kernels().linear_w4a4
     linear = nn.Linear(512, 256)
     block = F.get_format(fmt).block_size
     identity = torch.eye(block).expand(512 // block, block, block)  # T x exact in any order
@@ -115,6 +116,18 @@ def test_w4a4_weight_on_cuda_runs_the_kernels(fmt, act_scale):
     assert w4a4.uses_kernels(x.to(DEVICE), on_gpu)
     got = TF.linear(x.to(DEVICE), on_gpu, linear.bias.to(DEVICE)).cpu()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # a gradient to the input: the kernels' forward, the emulation's backward (the CPU's)
+    x.requires_grad_()
+    TF.linear(x, weight, linear.bias).backward(torch.ones_like(expected))
+    kernels, calls = w4a4._kernels(), []
+    monkeypatch.setattr(kernels, "linear_w4a4",
+                        lambda *a, **k: calls.append(1) or linear_w4a4(*a, **k))
+    on_device = x.detach().to(DEVICE).requires_grad_()
+    got = TF.linear(on_device, on_gpu, linear.bias.detach().to(DEVICE))
+    torch.testing.assert_close(got.detach().cpu(), expected, rtol=1e-5, atol=1e-5)
+    got.backward(torch.ones_like(got))
+    assert calls == [1]
+    torch.testing.assert_close(on_device.grad.cpu(), x.grad, rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------- 2. quantize_model

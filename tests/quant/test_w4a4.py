@@ -203,7 +203,6 @@ def test_emulation_where_the_kernels_do_not_apply(fake_kernels, monkeypatch):
     dense = weight.replace(transform=torch.eye(64))  # a dense (Haar-like) transform
     assert torch.equal(TF.linear(x, dense, linear.bias),
                        reference(x, dense, torch.eye(64), linear.bias))
-    assert torch.equal(linear(x.clone().requires_grad_()).detach(), expected)  # a backward
     fake_kernels.ok = False
     assert torch.equal(linear(x), expected)
     monkeypatch.setitem(sys.modules, "kbbq_pl.kernels", None)  # import fails: ImportError
@@ -213,6 +212,23 @@ def test_emulation_where_the_kernels_do_not_apply(fake_kernels, monkeypatch):
     monkeypatch.setitem(sys.modules, "kbbq_pl.kernels", fake_kernels)
     fake_kernels.ok = True
     assert torch.equal(linear(x), expected) and fake_kernels.calls == []  # CPU: emulation
+
+
+def test_a_gradient_takes_the_kernels_forward_and_the_emulation_s_backward(fake_kernels):
+    """A frozen layer's input needing a gradient (an adapter trained before it) still runs on
+    the kernels, through the operator whose backward is the emulation's straight-through one."""
+    linear, weight, _ = hadamard_linear()
+    x = torch.randn(4, 64, requires_grad=True)
+    upstream = torch.randn(4, 24)
+    y = linear(x)
+    assert torch.equal(y, torch.full((4, 24), 7.0)) and len(fake_kernels.calls) == 1
+    y.backward(upstream)
+    got = x.grad, linear.bias.grad
+    x.grad = linear.bias.grad = None
+    fake_kernels.ok = False
+    linear(x).backward(upstream)
+    assert torch.equal(got[0], x.grad) and torch.equal(got[1], linear.bias.grad)
+    assert len(fake_kernels.calls) == 1
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

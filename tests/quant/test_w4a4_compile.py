@@ -92,7 +92,7 @@ def test_an_exported_program_holds_the_operator_and_gives_the_eager_bits():
 def test_fake_inputs_take_the_traceable_paths_whatever_is_compiling_says(monkeypatch):
     """The compiler traces ``F.linear`` of a ``W4A4Weight`` by running its handler on fake
     tensors, where torch 2.11 says ``is_compiling()`` False: the product still becomes the
-    operator (no gradient) or the traceable emulation (a gradient), neither reading a value."""
+    operator, with or without a gradient, reading no value."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from kbbq_pl._compat import tracing
@@ -129,15 +129,57 @@ def test_compiled_products_reach_the_kernels_with_one_prepared_weight(monkeypatc
     assert first[8][0] == "prepared" and second[8] is first[8]  # prepared once, kept
 
 
-def test_a_gradient_to_the_input_compiles_through_the_emulation():
-    linear, _, _ = hadamard_linear()
+@pytest.mark.parametrize("transform, dtype", [
+    ("blocks", torch.float32), ("dense", torch.bfloat16), ("none", torch.bfloat16)])
+def test_the_operator_s_gradients_are_the_emulation_s(transform, dtype):
+    """A gradient to the input and the bias of a frozen W4A4 layer (an adapter trained around
+    it): through the operator (its registered backward) the emulation's straight-through
+    gradients bit for bit, the input padded to whole blocks (172 -> 176)."""
+    linear, weight, _ = hadamard_linear(172, 40)
+    if transform != "blocks":
+        weight = weight.replace(transform=None if transform == "none" else
+                                torch.linalg.qr(torch.randn(176, 176))[0])
+    bias = linear.bias.detach().to(dtype).requires_grad_()
+    x = torch.randn(3, 5, 172).to(dtype).requires_grad_()
+    upstream = torch.randn(3, 5, 40).to(dtype)
+
+    def gradients(product):
+        x.grad = bias.grad = None
+        y = product(x, weight, bias)
+        y.backward(upstream)
+        return y.detach(), x.grad, bias.grad
+
+    expected = gradients(torch.nn.functional.linear)  # the emulation, through autograd
+    assert expected[1].dtype == dtype and expected[1].abs().sum() > 0
+    torch._dynamo.reset()  # aot_eager: Inductor sums the bias's gradient in its own order
+    compiled = torch.compile(torch.nn.functional.linear, backend="aot_eager", fullgraph=True)
+    for got in (gradients(w4a4.compiled_linear), gradients(compiled)):
+        assert all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+def test_a_gradient_to_the_input_compiles_to_the_operator():
+    """With a gradient too, the compiled graph holds the operator, not the traced emulation,
+    and its gradient is the eager one."""
+    model = TwoLinears("nvfp4")
     x = torch.randn(4, 64, requires_grad=True)
-    linear(x).square().sum().backward()
+    model(x).square().sum().backward()
     expected = x.grad.clone()
     x.grad = None
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: list[str] = []
+
+    def forward_compiler(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm
+
     torch._dynamo.reset()
-    torch.compile(linear)(x).square().sum().backward()
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=forward_compiler,
+                                                          bw_compiler=lambda gm, _: gm))
+    compiled(x).square().sum().backward()
     assert torch.equal(x.grad, expected)
+    assert len(graphs) == 1 and graphs[0].count(OP) == 2, graphs
+    assert "fake_quantize" not in graphs[0] and "round" not in graphs[0]
 
 
 def test_a_quantized_causal_lm_compiles_to_one_graph_with_the_eager_logits():

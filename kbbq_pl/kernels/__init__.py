@@ -447,17 +447,20 @@ def _prefill_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | 
     if w is None:
         w = decode_weight(codes, scales, fmt)
     alpha = prepared.alpha(static=act_gs is not None)
+    # cuBLAS rounds once where the bias is already bf16 (a wider one would be rounded twice)
+    one_rounding = (alpha is not None and out_dtype == torch.bfloat16
+                    and (bias is None or bias.dtype == torch.bfloat16))
     if product == "auto":
-        product = "cublas" if alpha is not None and out_dtype == torch.bfloat16 else "triton"
+        product = "cublas" if one_rounding else "triton"
     if product == "triton":
         return _backend().decoded_matmul(a, w, pts, w_global, scale_kind, gain, bias,
                                          out_dtype)
-    if alpha is not None and out_dtype == torch.bfloat16:
+    if one_rounding:
         # cuBLAS scales the FP32 sum, adds the bias and rounds once
         if bias is None:
             return torch.addmm(a.new_empty(()), a, w.T, beta=0, alpha=alpha)  # input unread
-        return torch.addmm(bias.to(a.dtype), a, w.T, alpha=alpha)
-    # scales only on the device (or another output dtype): the FP32 product, then one rounding
+        return torch.addmm(bias, a, w.T, alpha=alpha)
+    # scales only on the device, another output or bias dtype: the FP32 product, one rounding
     acc = _fp32_product(a, w)
     if pts is not None:
         acc = acc * pts * w_global

@@ -30,18 +30,19 @@ from ..formats.rounding import e2m1_decode_groups, e2m1_groups
 _F32 = torch.float32
 _F64 = torch.float64
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+KERNEL_BLOCKS = (16, 32)
+"""The block sizes of the formats the W4A4 kernels multiply; other blocks run the emulation."""
 
 
 def supports_format(fmt: Format) -> bool:
-    """Whether the W4A4 kernels multiply ``fmt``: E2M1 blocks of a power-of-two size >= 16 with
-    E4M3 scales under a per-tensor scale (NVFP4) or E8M0 scales (MXFP4, any rounding)."""
-    block = fmt.block_size or 0
+    """Whether the W4A4 kernels multiply ``fmt``: E2M1 blocks of 16 or 32 (the blocks their
+    tiles are laid out for) with E4M3 scales under a per-tensor scale (NVFP4) or E8M0 scales
+    (MXFP4, any rounding)."""
     return bool(
         fmt.element == "e2m1"
         and fmt.granularity == "block"
         and (fmt.scale_kind == "e8m0" or (fmt.scale_kind == "e4m3" and fmt.global_scale))
-        and block >= 16
-        and block & (block - 1) == 0
+        and fmt.block_size in KERNEL_BLOCKS
     )
 
 
@@ -52,7 +53,7 @@ def fp4_format(fmt: str | Format) -> Format:
     if not supports_format(fmt):
         raise ValueError(
             f"format {fmt.name!r} is not supported by the W4A4 kernels: they take E2M1 blocks "
-            f"of a power-of-two size >= 16 with e4m3 scales and a per-tensor scale (nvfp4) or "
+            f"of 16 or 32 with e4m3 scales and a per-tensor scale (nvfp4) or "
             f"e8m0 scales (mxfp4*), got element={fmt.element}, block_size={fmt.block_size}, "
             f"scale_kind={fmt.scale_kind}"
         )

@@ -318,7 +318,7 @@ def _configs():
     few = ((16, 64, 256, 4, 3), (16, 64, 512, 4, 2), (16, 128, 256, 4, 3), (16, 128, 256, 8, 3),
            (16, 256, 256, 8, 3))
     more = ((32, 64, 256, 4, 3), (32, 128, 256, 8, 3), (64, 128, 128, 4, 3),
-            (64, 128, 256, 8, 3), (128, 128, 128, 8, 2), (128, 128, 64, 4, 4))
+            (64, 128, 256, 8, 3), (128, 128, 128, 8, 2))
     return [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
                            "PRODUCT": PRODUCT_DOT}, num_warps=warps, num_stages=stages)
             for block_m, block_n, block_k, warps, stages in few + more]

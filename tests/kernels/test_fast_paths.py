@@ -419,6 +419,8 @@ def test_decode_gemm_tiles_follow_the_rows():
         return {c.kwargs["BLOCK_M"] for c in S._prune_configs(S._configs(),
                                                                 {"m_bucket": S.m_bucket(m)})}
 
+    # the tensor-core product reads the activations a whole word-order chunk per K tile
+    assert all(c.kwargs["BLOCK_K"] % S.WORD_ORDER_CHUNK == 0 for c in S._configs())
     assert tiles(1) == tiles(16) == {16}
     assert tiles(17) == tiles(32) == {32}
     assert tiles(64) == {32, 64}
@@ -455,6 +457,26 @@ def test_every_path_is_within_one_rounding_of_the_exact_product(fmt, static):
     fp32 = K.linear_w4a4(x.float(), q.qdata, q.scale, q.global_scale, fmt, t, scale,
                          bias.float(), path="prefill")
     assert fp32.dtype == torch.float32 and gemm_error(fp32, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_a_wider_bias_is_rounded_once_with_the_sum(fmt):
+    """bf16 activations, an FP32 bias (a layer kept in FP32 beside bf16 activations): each
+    output is the exact sum rounded once to bf16 on every path and product, except where the
+    exact value lies within the FP32 accumulation's error of a rounding boundary."""
+    needs_kernels()
+    k, n = 4 * block(fmt), 64
+    x, q = decode_operands(fmt, 20, n, k, seed=3, scale=0.01)
+    bias = 1 + torch.rand(n, generator=torch.Generator().manual_seed(4))  # it sets the ulp
+    ref = exact_product(x.float(), q, fmt, bias=bias.double())
+    want = ref.to(torch.bfloat16)
+    for path, product in (("decode", "auto"), ("tiled", "auto"), ("prefill", "auto"),
+                          ("prefill", "cublas"), ("prefill", "triton")):
+        y = K.linear_w4a4(x, q.qdata, q.scale, q.global_scale, fmt, None, None, bias,
+                          path=path, prefill_product=product)
+        boundary = (y.double() + want.double()) / 2
+        off = (y != want) & ((ref - boundary).abs() > 1e-6 * ref.abs().max())
+        assert y.dtype == torch.bfloat16 and not off.any(), (path, product, int(off.sum()))
 
 
 def test_paths_by_rows_and_errors():

@@ -320,8 +320,9 @@ def test_activation_argument_errors():
         K.quantize_activations(x, None, "mxfp4", 0.5)
     with pytest.raises(ValueError, match="not supported by the W4A4 kernels"):
         K.quantize_activations(x, None, "int4")
-    with pytest.raises(ValueError, match="e2m1_b8_e8m0"):
-        K.quantize_activations(x, None, "e2m1_b8_e8m0")
+    for name in ("e2m1_b8_e8m0", "e2m1_b64_e8m0", "e2m1_b128_e4m3"):  # tiles of 16 or 32
+        with pytest.raises(ValueError, match=f"{name}.*blocks of 16 or 32"):
+            K.quantize_activations(torch.randn(4, 256), None, name)
     with pytest.raises(TypeError, match="bf16, fp16 or fp32"):
         K.quantize_activations(x.double(), None, "nvfp4")
     with pytest.raises(ValueError, match="positive and finite"):

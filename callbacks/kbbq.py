@@ -58,8 +58,11 @@ def hf_model(pl_module: nn.Module, attr: str | None = "model") -> nn.Module:
     naming the module's submodules where it has no such attribute."""
     if attr is None:
         return pl_module
-    model = getattr(pl_module, attr, None)
-    if not isinstance(model, nn.Module):
+    try:
+        model = pl_module.get_submodule(attr)  # a dotted path too: "backbone.lm"
+    except AttributeError:
+        model = None
+    if model is None or model is pl_module:
         children = [name for name, _ in pl_module.named_children()]
         raise ValueError(f"KBBQ: {type(pl_module).__name__} has no submodule {attr!r} to "
                          f"quantize (model_attr={attr!r}); its submodules: {children}; pass "
@@ -209,21 +212,19 @@ class KBBQ(Callback):
         # Lightning restores a checkpoint (fit/validate(ckpt_path=...)) after every setup hook
         # and before strategy.setup configures optimizers and wraps the model, and it tells
         # callbacks nothing in between.  So the model is quantized at the start of
-        # strategy.setup, unless the restore (which goes through load_model_state_dict) has
-        # already rebuilt the quantized layers from the checkpoint: no calibration is repeated.
-        if quantized_linears(pl_module):
-            self._warn_if_frozen(pl_module, stage)
-            return
+        # strategy.setup, unless it already is or the restore (which goes through
+        # load_model_state_dict) has rebuilt the quantized layers from the checkpoint, as the
+        # checkpoint holds them (master weights or codes): no calibration is repeated.
         strategy = trainer.strategy
         load_state, setup_strategy = strategy.load_model_state_dict, strategy.setup
 
         def load_model_state_dict(checkpoint, *args, **kwargs):
-            if not quantized_linears(pl_module):
-                restore_quantized(pl_module, checkpoint)
-                if quantized_linears(pl_module):
-                    log.info("KBBQ: rebuilt the quantized layers from the checkpoint")
-            self._warn_if_frozen(pl_module, stage)
-            return load_state(checkpoint, *args, **kwargs)
+            if restore_quantized(pl_module, checkpoint):
+                log.info("KBBQ: rebuilt the quantized layers from the checkpoint")
+            loaded = load_state(checkpoint, *args, **kwargs)
+            if stage != "fit":  # evaluated as fit leaves a model: on its stored codes
+                freeze_layers(quantized_linears(pl_module))
+            return loaded
 
         def setup_then_restore_methods(trainer_: Trainer) -> None:
             del strategy.load_model_state_dict, strategy.setup
@@ -235,9 +236,9 @@ class KBBQ(Callback):
         strategy.load_model_state_dict = load_model_state_dict
         strategy.setup = setup_then_restore_methods
 
-    def _warn_if_frozen(self, pl_module: LightningModule, stage: str) -> None:
+    def _warn_if_frozen(self, pl_module: LightningModule) -> None:
         layers = quantized_linears(pl_module).values()
-        if stage == "fit" and not self.calibrate_only and self.trainable is not False and \
+        if not self.calibrate_only and self.trainable is not False and \
                 layers and not any(layer.trainable for layer in layers):
             log.warning("KBBQ: the quantized layers hold stored codes (the end of an earlier "
                         "fit, GPTQ, or a checkpoint saved after either): they stay as they are "
@@ -245,6 +246,7 @@ class KBBQ(Callback):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # the quantized layers exist now (strategy.setup); their transforms do not train
+        self._warn_if_frozen(pl_module)
         self._fused = fused_trainable_groups(quantized_linears(pl_module))
 
     def _quantize_in_trainer(self, trainer: Trainer, pl_module: LightningModule,
@@ -269,17 +271,14 @@ class KBBQ(Callback):
             return
         # the rounding's NaN/Inf checks stay on the device: one host synchronization per
         # optimizer step instead of two or three per layer per forward (formats.DeferredChecks)
+        _warn_if_not_optimized(trainer, pl_module)
+        share_fused_scales(self._fused)
         self._checks_scope = contextlib.ExitStack()
         self._checks = self._checks_scope.enter_context(deferred_checks())
         if any(not layer.trainable for layer in quantized_linears(pl_module).values()):
             # stored codes (GPTQ) do not change while the rest trains: decode each once, not in
             # every forward (4 bytes per weight element, as a trainable master weight holds)
             self._checks_scope.enter_context(cache_decoded_weights())
-
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
-                             batch_idx: int) -> None:
-        # the master weights moved: the fused layers' shared NVFP4 scale follows them
-        share_fused_scales(self._fused)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         share_fused_scales(self._fused)
@@ -293,6 +292,9 @@ class KBBQ(Callback):
                            batch: Any, batch_idx: int) -> None:
         if self._checks is not None:
             self._checks.check()  # steps without an optimizer step (accumulation, manual)
+        # the master weights moved: the fused layers' shared NVFP4 scale follows them before
+        # the next batch and before a checkpoint (ModelCheckpoint's hooks run after this one)
+        share_fused_scales(self._fused)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close_checks()
@@ -311,6 +313,7 @@ class KBBQ(Callback):
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         freeze_layers(quantized_linears(pl_module))
+        self._fused = []  # no master weights left to share a scale
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule,
                            checkpoint: dict[str, Any]) -> None:
@@ -334,12 +337,16 @@ def exclude_quantized_from_ddp_sync(pl_module: nn.Module) -> None:
         pl_module._ddp_params_and_buffers_to_ignore = sorted(ignored | names)
 
 
-def restore_quantized(pl_module: nn.Module, checkpoint: Mapping[str, Any]) -> None:
-    """Rebuild the quantized layers a checkpoint holds, so its weights load into them; call it
-    from ``LightningModule.on_load_checkpoint`` to use ``load_from_checkpoint``."""
+def restore_quantized(pl_module: nn.Module, checkpoint: Mapping[str, Any]) -> bool:
+    """Rebuild the quantized layers a checkpoint holds, so its weights load into them (where
+    the module has none, or holds them otherwise: stored codes after ``fit`` and a checkpoint
+    of master weights saved during it, or the reverse); whether it rebuilt them.  Call it from
+    ``LightningModule.on_load_checkpoint`` to use ``load_from_checkpoint``."""
     state = checkpoint.get(CHECKPOINT_KEY)
-    if quantized_linears(pl_module):
-        return
+    layers = quantized_linears(pl_module)
+    if layers and (state is None or (set(layers) == set(state["layers"]) and any(
+            layer.trainable for layer in layers.values()) == state["trainable"])):
+        return False
     stored = checkpoint.get("state_dict", {})
     if state is None:
         codes = [name.rpartition(".")[0] for name, value in stored.items()
@@ -351,9 +358,25 @@ def restore_quantized(pl_module: nn.Module, checkpoint: Mapping[str, Any]) -> No
                 f"'{CHECKPOINT_KEY}' entry that describes them: it was saved with "
                 "weights_only (ModelCheckpoint(save_weights_only=True) skips callbacks' "
                 "state); save full checkpoints, or the model with kbbq_pl.save_quantized")
-        return
+        return False
     install_empty_layers(pl_module, state["layers"], trainable=state["trainable"],
                          stored=stored)
+    return True
+
+
+def _warn_if_not_optimized(trainer: Trainer, pl_module: nn.Module) -> None:
+    """Warn where a trainable quantized layer's master weight is in no optimizer's parameter
+    groups (grouped by module type, a ``QuantizedLinear`` is not an ``nn.Linear``): ``fit``
+    would round it unchanged."""
+    optimized = {id(p) for optimizer in trainer.optimizers for group in optimizer.param_groups
+                 for p in group["params"]}
+    missing = [name for name, layer in quantized_linears(pl_module).items()
+               if layer.trainable and id(layer.weight) not in optimized]
+    if missing and trainer.optimizers:
+        log.warning(f"KBBQ: {len(missing)} trainable quantized layers ({missing[0]}, ...) have "
+                    "their master weight in no optimizer parameter group, so fit leaves them "
+                    "as quantized; select them by name or by QuantizedLinear (a quantized "
+                    "layer is not an nn.Linear) in configure_optimizers")
 
 
 __all__ = ["CalibrationStatistics", "KBBQ", "calibration_batches",

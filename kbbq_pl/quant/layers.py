@@ -317,9 +317,9 @@ def share_fused_scales(groups: list[FusedGroup]) -> None:
     of its master weights' own (:func:`~kbbq_pl.quant.scales.fused_weight_scales`), as
     ``quantize_model`` gives stored codes: the forward and :meth:`QuantizedLinear.codes` round
     them under it (the ``weight_global_scale`` buffer) until the next call.  The ``KBBQ``
-    callback calls it before every training batch and validation, and :func:`freeze_layers`
-    at the end; a training loop of your own calls it after each
-    optimizer step."""
+    callback calls it when training starts, after every training batch (before a checkpoint
+    is saved) and before validation, and :func:`freeze_layers` at the end; a training loop of
+    your own calls it after each optimizer step."""
     for group in groups:
         first = next(iter(group.values()))
         scales = fused_weight_scales({name: layer.weight.detach()

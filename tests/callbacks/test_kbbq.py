@@ -366,3 +366,59 @@ def test_fine_tuned_fused_layers_share_one_nvfp4_scale_and_export_for_vllm(tmp_p
             assert torch.equal(getattr(layer.weight, field), getattr(expected, field)), name
     assert differ >= 4, "no fused layer's own scale differed from its group's: nothing tested"
     save_compressed_tensors(module.model, tmp_path / "ct", strict=True)
+
+
+def test_a_checkpoint_of_the_fit_evaluates_and_resumes_on_the_module_fit_froze(tmp_path):
+    """After ``fit`` (its layers frozen into codes), ``validate(ckpt_path="last")`` on the same
+    Trainer and module rebuilds the layers as the checkpoint holds them (master weights),
+    evaluates them frozen (the logits ``fit`` left), and ``fit`` resumes from it; the
+    checkpoint's shared NVFP4 scales of q/k/v and gate/up are its own master weights'."""
+    from kbbq_pl.quant.modules import fused_groups
+    from kbbq_pl.quant.scales import weight_global_scale
+
+    module = TinyLM()
+    config = QuantizationConfig(format=FormatConfig("nvfp4"), transform=TransformConfig("identity"))
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    fit = trainer(tmp_path, [KBBQ(config), checkpoint], max_steps=3)
+    fit.fit(module, datamodule=datamodule())
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = module.eval()(input_ids=ids).logits
+    state = torch.load(checkpoint.last_model_path, weights_only=False)["state_dict"]
+    groups = fused_groups(quantized_linears(module))
+    assert len(groups) == 4
+    for group in groups:
+        largest = torch.stack([weight_global_scale(state[f"{name}.weight"], config.fmt)
+                               for name in group]).amax()
+        assert all(torch.equal(state[f"{name}.weight_global_scale"], largest) for name in group)
+    fit.validate(module, dataloaders=datamodule().calibration_dataloader(), ckpt_path="last")
+    layers = quantized_linears(module)
+    assert len(layers) == 14 and not any(layer.trainable for layer in layers.values())
+    with torch.no_grad():
+        assert torch.equal(module.eval()(input_ids=ids).logits, expected)
+    trainer(tmp_path, [KBBQ(config, calibration=[])], max_steps=4,
+            enable_checkpointing=False).fit(module, datamodule=datamodule(),
+                                            ckpt_path=checkpoint.last_model_path)
+    assert len(quantized_linears(module)) == 14
+
+
+def test_master_weights_left_out_of_the_optimizer_are_named(tmp_path, caplog):
+    class OnlyTheRest(TinyLM):  # selecting modules by type: a QuantizedLinear is no nn.Linear
+        def configure_optimizers(self):
+            linears = [m for m in self.modules() if isinstance(m, torch.nn.Linear)]
+            return torch.optim.Adam([p for m in linears for p in m.parameters()], lr=1e-3)
+
+    with caplog.at_level("WARNING", logger="kbbq_pl.callbacks.kbbq"):
+        trainer(tmp_path, [KBBQ()], max_steps=1, enable_checkpointing=False).fit(
+            OnlyTheRest(), datamodule=datamodule())
+    assert "14 trainable quantized layers (model.model.layers.0.self_attn.q_proj, ...) have " \
+           "their master weight in no optimizer" in caplog.text
+
+
+def test_model_attr_names_a_nested_submodule():
+    from kbbq_pl.callbacks import kbbq
+
+    module = TinyLM()
+    assert kbbq.hf_model(module, "model.model") is module.model.model
+    with pytest.raises(ValueError, match=r"no submodule 'model.encoder' to quantize"):
+        kbbq.hf_model(module, "model.encoder")

@@ -232,6 +232,18 @@ class KBBQ(Callback):
                 self._quantize_in_trainer(trainer, pl_module, stage)
             exclude_quantized_from_ddp_sync(pl_module)
             setup_strategy(trainer_)
+            if stage == "fit":  # the optimizers exist now; a checkpoint's state loads next
+                load_optimizers = strategy.load_optimizer_state_dict
+
+                def load_optimizer_state_dict(checkpoint):
+                    del strategy.load_optimizer_state_dict
+                    states = checkpoint.get("optimizer_states") or []
+                    adapted = [optimizer_state_for(optimizer, state) for optimizer, state
+                               in zip(strategy.optimizers, states)]
+                    return load_optimizers({**checkpoint, "optimizer_states": [
+                        *adapted, *states[len(adapted):]]})
+
+                strategy.load_optimizer_state_dict = load_optimizer_state_dict
 
         strategy.load_model_state_dict = load_model_state_dict
         strategy.setup = setup_then_restore_methods
@@ -263,6 +275,7 @@ class KBBQ(Callback):
         model.to(device)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.strategy.__dict__.pop("load_optimizer_state_dict", None)  # no checkpoint
         if self.calibrate_only:
             # should_stop waits for min_epochs / min_steps: nothing trains after calibration
             trainer.fit_loop.min_epochs = 0
@@ -314,6 +327,13 @@ class KBBQ(Callback):
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         freeze_layers(quantized_linears(pl_module))
         self._fused = []  # no master weights left to share a scale
+        # the optimizers (and a checkpoint saved from now on) keep only what still trains
+        live = {id(p) for p in pl_module.parameters()}
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                for stale in [p for p in group["params"] if id(p) not in live]:
+                    optimizer.state.pop(stale, None)
+                group["params"] = [p for p in group["params"] if id(p) in live]
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule,
                            checkpoint: dict[str, Any]) -> None:
@@ -362,6 +382,29 @@ def restore_quantized(pl_module: nn.Module, checkpoint: Mapping[str, Any]) -> bo
     install_empty_layers(pl_module, state["layers"], trainable=state["trainable"],
                          stored=stored)
     return True
+
+
+def optimizer_state_for(optimizer: Any, saved: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` (an optimizer's state dict from a checkpoint written after ``fit``, which holds
+    only the parameters that train) as ``optimizer`` loads it where its groups also list the
+    stored codes of the quantized layers (``configure_optimizers`` over every parameter): each
+    group's saved parameters in order, the codes given ids without state; else as saved."""
+    groups = saved.get("param_groups", [])
+    if len(groups) != len(optimizer.param_groups):
+        return saved
+    ids = (i for group in groups for i in group["params"])
+    fresh = max([-1, *(i for group in groups for i in group["params"])]) + 1
+    adapted = []
+    for group, current in zip(groups, optimizer.param_groups):
+        codes = [isinstance(p, QuantizedTensor) for p in current["params"]]
+        if len(group["params"]) != codes.count(False):
+            return saved
+        params = []
+        for is_codes in codes:
+            params.append(fresh if is_codes else next(ids))
+            fresh += is_codes
+        adapted.append({**group, "params": params})
+    return {**saved, "param_groups": adapted}
 
 
 def _warn_if_not_optimized(trainer: Trainer, pl_module: nn.Module) -> None:

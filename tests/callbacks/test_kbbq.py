@@ -422,3 +422,27 @@ def test_model_attr_names_a_nested_submodule():
     assert kbbq.hf_model(module, "model.model") is module.model.model
     with pytest.raises(ValueError, match=r"no submodule 'model.encoder' to quantize"):
         kbbq.hf_model(module, "model.encoder")
+
+
+class TrainableOnly(TinyLM):
+    def configure_optimizers(self):
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+@pytest.mark.parametrize("module_class", [TinyLM, TrainableOnly])
+def test_fit_resumes_from_a_checkpoint_saved_after_fit(tmp_path, module_class):
+    """After ``fit`` the optimizer keeps only what still trains (the master weights became
+    codes), so a checkpoint saved then resumes whether ``configure_optimizers`` lists every
+    parameter (the codes among them) or those that require grad: the rest of the model
+    continues from its optimizer state."""
+    fit = trainer(tmp_path, [KBBQ()], max_steps=2, enable_checkpointing=False)
+    fit.fit(module_class(), datamodule=datamodule())
+    (group,) = fit.optimizers[0].param_groups
+    assert len(group["params"]) == 7 and not any(isinstance(p, QuantizedTensor)
+                                                 for p in group["params"])
+    fit.save_checkpoint(tmp_path / "after.ckpt")
+    resumed = module_class(seed=1)
+    again = trainer(tmp_path, [KBBQ(calibration=[])], max_steps=3, enable_checkpointing=False)
+    again.fit(resumed, datamodule=datamodule(), ckpt_path=tmp_path / "after.ckpt")
+    embedding = resumed.model.model.embed_tokens.weight
+    assert int(again.optimizers[0].state[embedding]["step"]) == 3  # 2 restored + 1

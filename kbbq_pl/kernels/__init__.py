@@ -376,7 +376,8 @@ def prepare_weight(codes: Tensor, scales: Tensor, global_scale: Tensor | float |
     the MX decode shift and, with ``keep_decoded``, the prefill product's weight operand
     (memory for speed: see :mod:`kbbq_pl.kernels.prepared`): the bf16 decode, or for
     ``prefill_product="fp8"`` (where :func:`fp8_product_applies`) the E4M3 fold when every
-    chunk folds exactly."""
+    chunk folds exactly.  It is a snapshot of the codes and scales: prepare again after
+    changing them in place (``W4A4Weight`` does, by their version counters)."""
     fmt = fp4_format(fmt)
     codes, scale_bytes = _operand(codes, scales, fmt.block_size, "weight", "prepare_weight")
     if prefill_product not in PREFILL_PRODUCTS:

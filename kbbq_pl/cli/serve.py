@@ -62,7 +62,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None,
                         help="cpu, cuda or cuda:N (default: cuda when there is one, else cpu)")
     parser.add_argument("--dtype", default="auto",
-                        help="dtype of the layers outside the quantized ones: auto (as stored), "
+                        help="dtype of the layers outside the quantized ones: auto (as stored; "
+                             "a compressed-tensors folder stored in float32: bfloat16), "
                              "bfloat16, float16 or float32")
     parser.add_argument("--compile", action="store_true",
                         help="decode with a static KV cache, whose steps transformers compiles "
@@ -129,6 +130,22 @@ def model_device(device: str | None) -> torch.device:
     return parse_device(device)
 
 
+def folder_dtype(folder: Path, kind: str, dtype: torch.dtype | str) -> torch.dtype | str:
+    """The dtype to load ``folder`` in for ``--dtype`` (:func:`model_dtype`): ``auto`` loads a
+    compressed-tensors folder that declares float32 (a float32 kbbq-pl folder exported) in
+    bfloat16, as vLLM does, since transformers decompresses its FP4 layers to bfloat16 beside
+    float32 ones, which cannot multiply."""
+    from transformers import AutoConfig
+
+    from ..io.checkpoint import declared_dtype
+    from ..io.models import COMPRESSED_TENSORS_KIND
+
+    if dtype == "auto" and kind == COMPRESSED_TENSORS_KIND and declared_dtype(
+            AutoConfig.from_pretrained(folder)) == torch.float32:
+        return torch.bfloat16
+    return dtype
+
+
 def model_dtype(dtype: str) -> torch.dtype | str:
     """``--dtype`` as transformers takes it: ``"auto"`` or a floating-point torch dtype."""
     if dtype == "auto":
@@ -183,7 +200,7 @@ def run_serve(args: argparse.Namespace) -> int:
     _require_serving()
     folder, kind = chat_model_folder(args.folder)
     device = model_device(args.device)
-    dtype = model_dtype(args.dtype)
+    dtype = folder_dtype(folder, kind, model_dtype(args.dtype))
     check_port(args.host, args.port)
     from transformers.cli.serve import Serve
 
@@ -264,7 +281,7 @@ def run_chat(args: argparse.Namespace) -> int:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     folder, kind = chat_model_folder(args.folder)
     device = model_device(args.device)
-    dtype = model_dtype(args.dtype)
+    dtype = folder_dtype(folder, kind, model_dtype(args.dtype))
     with _quiet_progress():
         model, tokenizer = load_chat_model(folder, device, dtype)
     print(f"kbbq-pl chat: {folder} ({kind}) on {device}", file=sys.stderr, flush=True)

@@ -35,6 +35,7 @@ in-memory model that was saved.  A truncated or corrupted file gives an error na
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,10 @@ from .fileio import check_output, save_safetensors, sha256_file, write_folder
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt",
                    "vocab.json", "spiece.model")
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json",
+                   "video_preprocessor_config.json")
+"""An image-text model's processor files (its image processor's settings), which a server
+needs beside the tokenizer."""
 CONFIG_NAME = "quantization_config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -221,8 +226,9 @@ def save_quantized(
 
     ``extra_files`` maps file names to text written beside (e.g. reports).  ``source_dir`` is
     the folder the model was loaded from: an output equal to it, inside it or containing it is
-    refused.  An existing ``out_dir`` is an error unless ``overwrite``, and even then only a
-    folder kbbq-pl wrote is replaced (:func:`kbbq_pl.io.fileio.check_output`).
+    refused, and its processor files (:data:`PROCESSOR_FILES`) are copied.  An existing
+    ``out_dir`` is an error unless ``overwrite``, and even then only a folder kbbq-pl wrote is
+    replaced (:func:`kbbq_pl.io.fileio.check_output`).
     """
     check_output(out_dir, overwrite=overwrite, sources=[source_dir])
     if not quantized_linears(model):
@@ -232,7 +238,7 @@ def save_quantized(
         shards = ShardWriter(staging)
         shards.add(checkpoint_contents(model, dtype=dtype))
         write_checkpoint_files(staging, model, shards, tokenizer=tokenizer, recipe=recipe,
-                               extra_files=extra_files, dtype=dtype)
+                               extra_files=extra_files, dtype=dtype, source_dir=source_dir)
 
     return write_folder(out_dir, write, kind="checkpoint", overwrite=overwrite,
                         sources=[source_dir])
@@ -289,12 +295,16 @@ class ShardWriter:
 def write_checkpoint_files(staging: Path, model: nn.Module, shards: ShardWriter, *,
                            tokenizer: Any = None, recipe: dict[str, Any] | None = None,
                            extra_files: dict[str, str] | None = None,
-                           dtype: torch.dtype | None = None) -> None:
+                           dtype: torch.dtype | None = None,
+                           source_dir: str | Path | None = None) -> None:
     """Finish a checkpoint in ``staging`` whose tensors ``shards`` wrote: the HuggingFace files
     of ``model`` (its config, architecture and tokenizer; ``dtype``: the dtype its
-    full-precision tensors were written in), ``quantization_config.json`` and the
-    ``extra_files``."""
+    full-precision tensors were written in; the processor files of ``source_dir``, the folder
+    it was read from), ``quantization_config.json`` and the ``extra_files``."""
     write_hf_files(staging, model, tokenizer, dtype)
+    for name in PROCESSOR_FILES if source_dir is not None else ():
+        if (Path(source_dir) / name).is_file() and not (staging / name).exists():
+            shutil.copyfile(Path(source_dir) / name, staging / name)
     hf_config = staging / "config.json"
     if hf_config.is_file():
         document = json.loads(hf_config.read_text())
@@ -532,6 +542,8 @@ def read_metadata(folder: str | Path) -> dict[str, Any]:
     if not path.is_file():
         block = config_block(folder)
         if block is None:
+            if not folder.is_dir():
+                raise CheckpointError(f"{folder} does not exist (or is not a folder)")
             raise CheckpointError(f"{folder} is not a kbbq-pl checkpoint: no {CONFIG_NAME}")
         return block_metadata(folder, block)
     try:

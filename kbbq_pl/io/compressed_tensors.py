@@ -89,6 +89,7 @@ from ..quant.modules import fused_groups, is_linear, is_transposed
 from ..transforms.fit import hadamard, transform_inputs
 from .checkpoint import (
     CONFIG_NAME,
+    PROCESSOR_FILES,
     TOKENIZER_FILES,
     WEIGHTS_NAME,
     CheckpointError,
@@ -123,8 +124,10 @@ HADAMARD_SCHEME = "kbbq_hadamard"
 INPUT_TRANSFORM = "input_transform"
 EXTENSION_KEY = "kbbq_pl"
 HF_SIDE_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt",
-                 "chat_template.jinja", "chat_template.json", "generation_config.json")
-"""Files copied from a kbbq-pl folder into its export: the tokenizer and generation config."""
+                 "chat_template.jinja", "chat_template.json", "generation_config.json",
+                 *PROCESSOR_FILES)
+"""Files copied from a kbbq-pl folder into its export: the tokenizer, generation config and
+an image-text model's processor."""
 
 
 class ExportError(ValueError):
@@ -275,6 +278,10 @@ ISSUES = {
                             "weight_global_scale (huggingface/transformers#48371), so its experts "
                             "are off by that scale; vLLM's loader reads it; "
                             f"{LOAD_HINT}, or export MXFP4"),
+    "fused_partly": ("FP4 layers whose siblings that vLLM fuses with them into one linear (q/k/v, "
+                     "gate/up) are left in full precision (a recipe's layers.ignore, or "
+                     "dense): vLLM refuses to load a fused layer that mixes schemes; HF "
+                     "transformers reads it; quantize or ignore the whole group"),
 }
 """What stock compressed-tensors readers would not compute as kbbq-pl does, by issue: the
 export logs one warning per issue present (:func:`describe_issues`), ``strict`` refuses."""
@@ -353,6 +360,12 @@ def plan_layers(layers: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, T
     for name in _unshared_fused_scales(plans, tensors, linear_types, weight_only):
         if plans[name].issue is None:
             plans[name] = replace(plans[name], issue="fused_scales")
+    fp4 = {n for n, plan in plans.items() if plan.fp4}
+    for group in fused_groups([n for n, kind in linear_types.items() if kind == "Linear"]):
+        if fp4.intersection(group) and not fp4.issuperset(group):
+            for name in fp4.intersection(group):
+                if plans[name].issue is None:
+                    plans[name] = replace(plans[name], issue="fused_partly")
     issues = describe_issues(plans)
     if strict and issues:
         requantize = any(plan.issue in ("padded", "transform", "hadamard", "fused_scales")
@@ -681,9 +694,10 @@ def _write_export(staging: Path, tensors: dict[str, Tensor], layers: dict[str, d
 
 
 def _skeleton(config: Any, causal: bool) -> nn.Module:
-    """The architecture of ``config`` on the meta device (no memory, no initialization)."""
+    """The architecture of ``config`` on the meta device (no memory, no initialization); a
+    copy of ``config`` (building a model sets the dtype of the config it is given)."""
     with torch.device("meta"):
-        return empty_model(config, causal)
+        return empty_model(copy.deepcopy(config), causal)
 
 
 def _linear_types(skeleton: nn.Module) -> dict[str, str]:
@@ -1073,9 +1087,17 @@ def _import_layer(folder: Path, name: str, scheme: Any, fmt: Format, tensors: di
     if fmt.scale_kind == "e8m0":
         tensors[f"{name}.weight_scale"] = tensors[f"{name}.weight_scale"].view(
             torch.float8_e8m0fnu)
+    scales = tensors.get(f"{name}.weight_scale")
+    if scales is not None and scales.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu):
+        bad = int((~torch.isfinite(scales.float())).sum())
+        if bad:
+            raise CheckpointError(f"{folder}: {name}.weight_scale holds {bad} NaN block scales "
+                                  f"of {scales.numel()} (shape {tuple(scales.shape)}): the "
+                                  "checkpoint is corrupted")
     if f"{name}.weight_global_scale" in tensors:
         tensors[f"{name}.weight_global_scale"] = kbbq_global_scale(
-            tensors[f"{name}.weight_global_scale"], name, exact.get("weight"))
+            tensors[f"{name}.weight_global_scale"], f"{name}.weight_global_scale",
+            exact.get("weight"))
     meta = {"in_features": in_features, "out_features": out_features, "padded_in": in_features,
             "format": fmt.name, "transform": None if transform is None else list(transform.shape),
             "act_scale": "dynamic", "bias": f"{name}.bias" in tensors,
@@ -1089,7 +1111,7 @@ def _import_layer(folder: Path, name: str, scheme: Any, fmt: Format, tensors: di
         tensors[f"{name}.transform"] = transform
     if input_scale is not None:
         tensors[f"{name}.input_global_scale"] = kbbq_global_scale(
-            input_scale, f"{name}.input", exact.get("input"))
+            input_scale, f"{name}.input_global_scale", exact.get("input"))
         meta["act_scale"] = "static"
     elif fmt.global_scale:
         raise CheckpointError(

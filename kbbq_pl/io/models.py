@@ -189,6 +189,9 @@ def describe_quantized(metadata: dict[str, Any]) -> str:
     return label + (f" of {source}" if source else "")
 
 
+COMPRESSED_TENSORS_KIND = "a compressed-tensors quantized checkpoint"
+
+
 def quantized_folder_kind(folder: str | Path) -> str | None:
     """What quantized ``folder`` (a kbbq-pl checkpoint, a compressed-tensors NVFP4 / MXFP4
     folder as llm-compressor writes) holds, in words; None for a full-precision folder."""
@@ -196,7 +199,7 @@ def quantized_folder_kind(folder: str | Path) -> str | None:
     if metadata is not None:
         return f"quantized by kbbq-pl ({describe_quantized(metadata)})"
     if is_compressed_tensors_folder(folder):
-        return "a compressed-tensors quantized checkpoint"
+        return COMPRESSED_TENSORS_KIND
     return None
 
 

@@ -449,7 +449,7 @@ def quantize_checkpoint(
         shards.add(checkpoint_contents(model, dtype=compute_dtype))
         write_checkpoint_files(staging, model, shards, tokenizer=tokenizer, recipe=recipe,
                                extra_files=extra_files(report) if extra_files else None,
-                               dtype=compute_dtype)
+                               dtype=compute_dtype, source_dir=source_dir)
 
     write_folder(out, write, kind="checkpoint", overwrite=overwrite, sources=[source_dir])
     assert report is not None

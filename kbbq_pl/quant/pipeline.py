@@ -150,6 +150,23 @@ def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[st
     return modules, skipped
 
 
+def untie_targeted_weights(model: nn.Module, modules: Mapping[str, nn.Module]) -> None:
+    """Where a targeted layer's weight is tied to another parameter (an LM head tied to the
+    input embedding, ``layers.ignore: []``), the head is quantized and the embedding is not:
+    the model's config stops tying them (as llm-compressor unties them), so that a saved
+    folder loads both instead of tying the embedding to the quantized head."""
+    holders: dict[int, int] = {}
+    for _, parameter in model.named_parameters(remove_duplicate=False):
+        holders[id(parameter)] = holders.get(id(parameter), 0) + 1
+    if not any(holders.get(id(linear_weight(module)), 0) > 1 for module in modules.values()):
+        return
+    config = getattr(model, "config", None)
+    for part in {id(c): c for c in (config, getattr(config, "get_text_config", lambda: None)())
+                 if c is not None}.values():
+        if getattr(part, "tie_word_embeddings", False):
+            part.tie_word_embeddings = False
+
+
 @torch.no_grad()
 def quantize_model(
     model: nn.Module,
@@ -197,6 +214,7 @@ def quantize_model(
                          "across ranks and needs Collectives.broadcast")
     propagate = config.weights.propagate or quantizer.propagate
     modules, skipped = select_layers(model, config)
+    untie_targeted_weights(model, modules)
     streamed = {name for name, module in modules.items() if linear_weight(module).is_meta}
     targets = set(modules)  # names only: a replaced layer's weights are freed with its block
     del modules

@@ -196,3 +196,21 @@ def test_chat_refuses_bad_options_in_one_line(tiny_chat_quantized, capsys):
     assert "--max-new-tokens must be >= 1" in one_line_error(capsys, "chat")
     assert main(["chat", str(tiny_chat_quantized), "--dtype", "int8", "--prompt", "x"]) == 2
     assert "--dtype 'int8'" in one_line_error(capsys, "chat")
+
+
+def test_chat_answers_from_the_compressed_tensors_export_of_a_float32_folder(
+        tiny_chat_quantized, tmp_path, capsys):
+    """transformers decompresses an export's FP4 layers to bfloat16: ``--dtype auto`` loads a
+    folder declared float32 in bfloat16 (as vLLM does) instead of failing at the first
+    product."""
+    import json
+
+    exported = tmp_path / "ct"
+    assert json.loads((tiny_chat_quantized / "config.json").read_text())["dtype"] == "float32"
+    assert main(["export", str(tiny_chat_quantized), str(exported), "--format",
+                 "compressed-tensors"]) == 0
+    capsys.readouterr()
+    assert main(["chat", str(exported), "--prompt", MESSAGES[0]["content"],
+                 "--max-new-tokens", "4", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() and "compressed-tensors" in captured.err

@@ -864,3 +864,60 @@ def test_a_multimodal_model_exports_its_language_model_with_the_vision_tower_ign
         out, quantization_config=CompressedTensorsConfig(dequantize=True))
     assert torch.equal(logits(loaded, ids), logits(weight_only_reference(model, layers), ids))
     assert torch.equal(logits(from_pretrained(out), ids), logits(model, ids))
+
+
+def test_a_quantized_head_tied_to_the_embedding_is_untied_and_loads_everywhere(tmp_path):
+    """``layers.ignore: []`` quantizes an LM head tied to the input embedding, which stays in
+    full precision: the config stops tying them (as llm-compressor unties them), so the folder
+    and its export load in kbbq-pl and transformers with the quantized model's logits."""
+    model = tiny_model("llama", tie_word_embeddings=True)
+    quantize_model(model, _batches(), QuantizationConfig(layers=LayersConfig(ignore=[])),
+                   progress=False)
+    assert isinstance(model.lm_head, QuantizedLinear) and not model.config.tie_word_embeddings
+    expected = logits(model)
+    folder = save_quantized(model, tmp_path / "kb")
+    exported = export_compressed_tensors(folder, tmp_path / "ct")
+    for loaded in (from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder),
+                   from_pretrained(exported)):
+        assert torch.equal(logits(loaded), expected)
+
+
+def test_saving_leaves_the_model_s_config_as_it_was(tmp_path):
+    model = quantized_tiny(recipe("nvfp4", "identity")).to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    out = save_compressed_tensors(model, tmp_path / "ct")
+    assert model.config.dtype == torch.bfloat16
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_a_fused_group_left_partly_in_full_precision_warns_and_strict_refuses(tmp_path, caplog):
+    """vLLM runs q/k/v as one linear of one scheme and refuses a checkpoint that quantizes
+    some of them: an export whose recipe ignores k_proj names q_proj and v_proj."""
+    model = tiny_model("llama")
+    quantize_model(model, _batches(), QuantizationConfig(
+        transform=TransformConfig("identity"), layers=LayersConfig(ignore=["lm_head", "k_proj"])),
+        progress=False)
+    group = r"4 of 12 layers \(model\.layers\.0\.self_attn\.q_proj, [^)]*v_proj[^)]*\)"
+    with pytest.raises(ExportError, match=rf"--strict: .*{group}: FP4 layers whose siblings"):
+        save_compressed_tensors(model, tmp_path / "strict", strict=True)
+    with caplog.at_level(logging.WARNING, logger="kbbq_pl.io.compressed_tensors"):
+        out = save_compressed_tensors(model, tmp_path / "ct")
+    assert any(re.match(rf"compressed-tensors export: {group}: ", w)
+               for w in export_warnings(caplog)), export_warnings(caplog)
+    assert torch.equal(logits(from_pretrained(out)), logits(model))
+
+
+def test_an_import_names_the_layer_of_nan_block_scales_and_of_a_bad_global_scale(tmp_path):
+    out = save_compressed_tensors(quantized_tiny(recipe("nvfp4", "identity")), tmp_path / "ct")
+    layer = "model.layers.0.self_attn.q_proj"
+    tensors = load_file(str(out / "model.safetensors"))
+    nan = tensors[f"{layer}.weight_scale"].clone()
+    nan[3, 1] = float("nan")
+    save_file({**tensors, f"{layer}.weight_scale": nan}, str(out / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"{layer}\.weight_scale holds 1 NaN block scales "
+                                              r"of 256 \(shape \(64, 4\)\)"):
+        from_pretrained(out)
+    zero = torch.zeros_like(tensors[f"{layer}.weight_global_scale"])
+    save_file({**tensors, f"{layer}.weight_global_scale": zero}, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"{layer}\.weight_global_scale: per-tensor scale 0\.0"):
+        from_pretrained(out)

@@ -120,12 +120,23 @@ def assert_streams_as_in_memory(tmp_path) -> None:
 
 
 def test_quantize_a_multimodal_folder_from_the_command_line(tmp_path, capsys):
+    """The quantized folder and its export keep the source's image processor (a server
+    builds the model's processor from them)."""
+    from transformers import AutoImageProcessor, CLIPImageProcessor
+
     tiny_multimodal("llava").save_pretrained(tmp_path / "llava")
+    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+                       ).save_pretrained(tmp_path / "llava")
     assert main(["quantize", "--model", str(tmp_path / "llava"), "--output_dir",
                  str(tmp_path / "out"), "--data.n_tokens", "256", "--data.seq_len", "32"]) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert set(report["skipped"]) >= {"model.vision_tower", "model.multi_modal_projector"}
     assert "fidelity" in capsys.readouterr().out
+    assert main(["export", str(tmp_path / "out"), str(tmp_path / "ct"), "--format",
+                 "compressed-tensors"]) == 0
+    for folder in ("out", "ct"):
+        processor = AutoImageProcessor.from_pretrained(tmp_path / folder)
+        assert processor.crop_size == {"height": 32, "width": 32}, folder
 
 
 @pytest.mark.parametrize("model_type", [

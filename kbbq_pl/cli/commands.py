@@ -58,11 +58,16 @@ def _convert_llama2c(args: argparse.Namespace) -> int:
 
 
 def _parse_shots(text: str) -> dict[str, int]:
+    from kbbq_pl.eval.tasks import BENCHMARKS
+
     shots = {}
     for item in filter(None, text.split(",")):
         task, _, count = item.partition("=")
         if not count.isdigit():
             raise ValueError(f"--num-fewshot: expected task=N, got {item!r}")
+        if task.strip() not in BENCHMARKS:
+            raise ValueError(f"--num-fewshot: unknown benchmark {task.strip()!r}; choose from "
+                             f"{list(BENCHMARKS)}")
         shots[task.strip()] = int(count)
     return shots
 
@@ -130,12 +135,18 @@ def _reference_model(args: argparse.Namespace) -> str:
     if not source:
         raise ValueError(f"--tasks kl: {args.model} does not name its full-precision model; "
                          "pass --reference MODEL")
+    try:
+        resolve_model_path(source)
+    except FileNotFoundError as error:
+        raise ValueError(f"--tasks kl: {args.model} was quantized from {source!r}, which is not "
+                         f"found from here ({error}); pass --reference MODEL") from None
     return str(source)
 
 
 def _eval(args: argparse.Namespace) -> int:
     """Score a local causal LM: perplexity and KL to a reference on a text file (``ppl``,
     ``kl``), lm-eval benchmarks (the rest); write the metrics as JSON."""
+    from kbbq_pl.eval.evaluation import default_window
     from kbbq_pl.eval.lm_metrics import lm_metrics
     from kbbq_pl.eval.tasks import check_data, run_benchmarks
     from kbbq_pl.io.fileio import check_output, write_output_json
@@ -166,10 +177,18 @@ def _eval(args: argparse.Namespace) -> int:
         reference = None
         if "kl" in tasks:
             reference_name = _reference_model(args)
-            reference, _ = load_model(reference_name, causal=True, device=device)
+            reference, reference_tokenizer = load_model(reference_name, causal=True,
+                                                        device=device)
+            if reference_tokenizer is not None and \
+                    reference_tokenizer.get_vocab() != tokenizer.get_vocab():
+                raise ValueError(f"--tasks kl: the tokenizer of {reference_name} differs from "
+                                 f"{args.model}'s: KL compares next-token distributions over "
+                                 "one vocabulary; pass the model it was quantized from as "
+                                 "--reference")
+        context, stride = default_window(model, args.context, args.stride)
         with cache_decoded_weights():
             metrics = lm_metrics(model, tokenizer, text, reference=reference,
-                                 context=args.context, stride=args.stride,
+                                 context=context, stride=stride,
                                  max_tokens=args.max_tokens, batch_size=args.batch_size)
         metrics["text"] = str(text)
         if reference is not None:
@@ -367,10 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
                           help="folder with mmlu/ gsm8k/ hellaswag/ winogrande/ mbpp/ "
                                "llm_foundry_eval/ wikitext2/")
     evaluate.add_argument("--text", default=None, help=TEXT_HELP)
-    evaluate.add_argument("--context", type=int, default=512,
-                          help="ppl/kl: tokens a rolling window reads (default 512)")
-    evaluate.add_argument("--stride", type=int, default=256,
-                          help="ppl/kl: positions each window scores after the first (default 256)")
+    evaluate.add_argument("--context", type=int, default=None,
+                          help="ppl/kl: tokens a rolling window reads (default 512, or the "
+                               "model's max_position_embeddings where smaller)")
+    evaluate.add_argument("--stride", type=int, default=None,
+                          help="ppl/kl: positions each window scores after the first (default "
+                               "half the context: 256)")
     evaluate.add_argument("--max-tokens", type=_max_tokens, default=2048,
                           help="ppl/kl: score the first N tokens of --text (default 2048, as "
                                "compare; 0: the whole text)")
@@ -425,10 +446,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="documents per benchmark (MMLU: per subject); <1: a fraction")
     compare.add_argument("--data-dir", default="../shared/data")
     compare.add_argument("--text", default=None, help=TEXT_HELP)
-    compare.add_argument("--context", type=int, default=512,
-                         help="ppl/kl: window tokens (default 512)")
-    compare.add_argument("--stride", type=int, default=256,
-                         help="ppl/kl: positions each window scores after the first (default 256)")
+    compare.add_argument("--context", type=int, default=None,
+                         help="ppl/kl: window tokens (default 512, or the model's "
+                              "max_position_embeddings where smaller)")
+    compare.add_argument("--stride", type=int, default=None,
+                         help="ppl/kl: positions each window scores after the first (default "
+                              "half the context: 256)")
     compare.add_argument("--max-tokens", type=_max_tokens, default=2048,
                          help="ppl/kl: score the first N tokens of --text (default 2048; 0: "
                               "the whole text)")

@@ -145,7 +145,12 @@ class Scorer:
                                                  batch_size=batch_size)
 
     def settings(self) -> dict[str, Any]:
-        return {"tasks": self.tasks, "text": str(self.text), **self.window,
+        """What a row's scores depend on (``--resume`` reuses a row only under the same): the
+        text by its content too, since a file of the same name may have changed."""
+        text = {"text": str(self.text)}
+        if any(task in LM_TASKS for task in self.tasks) and self.text.is_file():
+            text["text_sha256"] = hashlib.sha256(self.text.read_bytes()).hexdigest()
+        return {"tasks": self.tasks, **text, **self.window,
                 "limit": self.limit, "data_dir": str(self.data_dir)}
 
     def score(self, model: torch.nn.Module) -> dict[str, Any]:
@@ -233,7 +238,7 @@ def compare_plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
 def run_compare(
     model_name: str, recipes: Sequence[str], output_dir: str | Path, *,
     tasks: Sequence[str] | None = None, text: str | Path | None = None,
-    context: int = 512, stride: int = 256, max_tokens: int | None = 2048,
+    context: int | None = None, stride: int | None = None, max_tokens: int | None = 2048,
     limit: int | float | None = None, data_dir: str | Path = "../shared/data",
     calibration: dict[str, Any] | None = None, lams: Sequence[float] = (),
     batch_size: int = 4, cache_dir: str | Path | None = None, device: str = "cpu",
@@ -249,6 +254,7 @@ def run_compare(
     rows."""
     from tqdm.auto import tqdm
 
+    from ..eval.evaluation import default_window
     from ..eval.lm_metrics import default_text
     from ..eval.tasks import check_data
     from ..io.checkpoint import is_causal_model, save_quantized
@@ -290,6 +296,7 @@ def run_compare(
         raise ValueError(f"{model_name}: no tokenizer in the model folder (ppl, kl and the "
                          f"benchmarks read text; --tasks {FIDELITY} runs on random tokens)")
     start = time.perf_counter()
+    context, stride = default_window(model, context, stride)
     scorer = Scorer(model, tokenizer, tasks=tasks, text=text, context=context, stride=stride,
                     max_tokens=max_tokens, limit=limit, data_dir=data_dir,
                     batch_size=batch_size, cache_dir=cache_dir)

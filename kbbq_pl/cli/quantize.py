@@ -272,6 +272,13 @@ def _streams(args, launch: Launch) -> bool:
     return stream
 
 
+def recorded_model(model: str | Path) -> str:
+    """The source model a checkpoint records (``kbbq-pl eval --tasks kl``'s default
+    reference): a local folder as an absolute path, so it is found from any directory; a
+    model name as given."""
+    return str(Path(model).resolve()) if Path(model).is_dir() else str(model)
+
+
 def _quantize_in_memory(args, parser: ArgumentParser, config, start: float,
                         launch: Launch) -> int:
     recipe: QuantizationConfig = args.recipe
@@ -286,7 +293,7 @@ def _quantize_in_memory(args, parser: ArgumentParser, config, start: float,
         return 0
     report.model.update(probe.measure(model), model=str(args.model), calibration_tokens=tokens,
                         **_calibration_shape(args, config), processes=launch.world_size)
-    metadata = {"config": recipe.to_dict(), "model": str(args.model)}
+    metadata = {"config": recipe.to_dict(), "model": recorded_model(args.model)}
     report.seconds["command"] = time.perf_counter() - start
     config.eval_sentences = report.model["fidelity_samples"]  # what was used, not asked
     save_quantized(model, out, tokenizer=tokenizer, recipe=metadata, source_dir=source,
@@ -311,7 +318,7 @@ def _quantize_streamed(args, parser: ArgumentParser, config, start: float,
     source, out = _source_and_output(args, recipe.label)
     refuse_quantized(args.model, quantized_folder_kind(source))
     tokenizer = load_tokenizer(source)
-    metadata = {"config": recipe.to_dict(), "model": str(args.model)}
+    metadata = {"config": recipe.to_dict(), "model": recorded_model(args.model)}
     left = _left_to_eval(source, out)
     tokens: dict[str, int] = {}
 

@@ -309,8 +309,9 @@ def rolling_windows(n_tokens: int, seq_len: int, stride: int) -> list[Window]:
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     if not 1 <= stride < seq_len:
-        raise ValueError(f"stride must be in [1, seq_len - 1] = [1, {seq_len - 1}] (every "
-                         f"scored token needs a token of context in its window), got {stride}")
+        raise ValueError(f"stride (--stride) must be in [1, context - 1] = [1, {seq_len - 1}] "
+                         "(every scored token needs a token of context in its window), got "
+                         f"{stride}")
     windows = []
     first, end = 1, min(seq_len, n_tokens)
     while True:
@@ -394,14 +395,43 @@ def prepare_stream(model: nn.Module, tokenizer: Any, source: str | Path | Tensor
     return [bos, *ids] if bos is not None else ids
 
 
+DEFAULT_CONTEXT = 512
+"""The window ``kbbq-pl eval`` and ``compare`` read by default (:func:`default_window`)."""
+
+
+def max_context(model: nn.Module) -> int | None:
+    """The positions ``model`` reads: its (text) config's ``max_position_embeddings``, None
+    where it declares none."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    longest = getattr(text, "max_position_embeddings", None)
+    return longest if isinstance(longest, int) else None
+
+
 def window_shape(model: nn.Module, seq_len: int | None, stride: int | None) -> tuple[int, int]:
-    """``(seq_len, stride)``: ``seq_len`` defaults to the model's ``max_position_embeddings``,
-    ``stride`` to half of it."""
+    """``(seq_len, stride)``: ``seq_len`` defaults to the model's ``max_position_embeddings``
+    (:func:`max_context`), which it may not exceed, ``stride`` to half of it."""
+    longest = max_context(model)
     if seq_len is None:
-        seq_len = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-        if seq_len is None:
+        if longest is None:
             raise ValueError("pass seq_len: the model's config has no max_position_embeddings")
+        seq_len = longest
+    elif longest is not None and seq_len > longest:
+        raise ValueError(f"a context of {seq_len} tokens is longer than {type(model).__name__} "
+                         f"reads (max_position_embeddings {longest}): pass a context "
+                         f"(--context) of at most {longest}")
     return seq_len, seq_len // 2 if stride is None else stride
+
+
+def default_window(model: nn.Module, context: int | None,
+                   stride: int | None) -> tuple[int, int]:
+    """``(context, stride)`` of the command line: ``context`` defaults to
+    :data:`DEFAULT_CONTEXT` tokens, or the model's ``max_position_embeddings`` where it reads
+    fewer; ``stride`` to half of the context (:func:`window_shape`)."""
+    if context is None:
+        longest = max_context(model)
+        context = DEFAULT_CONTEXT if longest is None else min(DEFAULT_CONTEXT, longest)
+    return window_shape(model, context, stride)
 
 
 def window_groups(windows: Sequence[Window], batch_size: int = 4) -> list[list[Window]]:

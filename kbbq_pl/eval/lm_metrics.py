@@ -72,7 +72,9 @@ def reference_log_probs(
     add_bos: bool = True, batch_size: int = 4, dtype: torch.dtype = torch.float32,
 ) -> ReferenceLogProbs:
     """The full-precision model's log-probabilities on every scored position of ``source``
-    (the windows :func:`lm_metrics` uses with the same arguments), on the CPU in ``dtype``."""
+    (the windows :func:`lm_metrics` uses with the same arguments), on the CPU in ``dtype``
+    (float32; a bfloat16 cache halves the memory but its rounded distributions no longer sum
+    to one, which biases the KL: a model against itself no longer gives 0)."""
     ids, context, stride, windows = _windows(model, tokenizer, source, context, stride,
                                              max_tokens, add_bos)
     rows = [torch.log_softmax(logits, dim=-1).to("cpu", dtype)

@@ -70,12 +70,13 @@ def token_kl(reference_log_probs: Tensor, logits: Tensor) -> Tensor:
 
 def token_nll_sum(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
     """The summed negative log-likelihood (nats) of ``targets`` ``[...]`` under ``logits``
-    ``[..., vocab]``: ``F.cross_entropy(..., reduction="sum")`` (its ``log_softmax``, in
-    float32 for float32 logits), returned as a 0-d float64 tensor; targets equal to
-    ``ignore_index`` are not scored."""
+    ``[..., vocab]``: ``F.cross_entropy(..., reduction="sum")`` (its ``log_softmax`` and sum
+    in float32, or float64 for float64 logits: bf16 or fp16 logits are upcast first), returned
+    as a 0-d float64 tensor; targets equal to ``ignore_index`` are not scored."""
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not predict targets "
                          f"{tuple(targets.shape)} (expected logits [..., vocab], targets [...])")
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                            ignore_index=ignore_index, reduction="sum").double()
 
@@ -192,6 +193,8 @@ class TokenKL(_Summary):
 
     def _summary(self) -> dict[str, Any]:
         count = int(self.count.item())
+        if count < 1:
+            raise ValueError("no token was scored")
         return {"kl": self.kl_sum.item() / count, "kl_max": self.kl_max.item(),
                 "n_tokens": count}
 
@@ -232,5 +235,7 @@ class CosineFidelity(_Summary):
 
     def _summary(self) -> dict[str, Any]:
         count = int(self.count.item())
+        if count < 1:
+            raise ValueError("no sentence was scored")
         return {"mean_cosine": self.cosine_sum.item() / count,
                 "min_cosine": self.cosine_min.item(), "n_sentences": count}

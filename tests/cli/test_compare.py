@@ -78,6 +78,11 @@ def test_compare_writes_the_table_and_resumes(tiny_llama2c_folder, tmp_path, cap
     after = {p.name: p.stat().st_mtime_ns for p in (out / "rows").iterdir()}
     assert after["fp.json"] == stamps["fp.json"]
     assert after["i_nvfp4.json"] != stamps["i_nvfp4.json"]
+    # a text of the same name but other content recomputes every row, the FP row too
+    text.write_text("Sue had a red kite. The wind took it up into the sky. " * 40,
+                    encoding="utf-8")
+    assert main([*changed, "--resume"]) == 0
+    assert all(after[p.name] != p.stat().st_mtime_ns for p in (out / "rows").iterdir())
 
 
 def test_compare_refuses_what_it_did_not_write(tiny_llama2c_folder, tmp_path):

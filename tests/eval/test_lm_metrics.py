@@ -108,3 +108,31 @@ def test_cli_eval_kl_of_a_quantized_folder_defaults_to_its_source(tiny_llama2c_f
     results = json.loads(out.read_text(encoding="utf-8"))["lm_metrics"]
     assert results["reference"] == str(tiny_llama2c_folder)
     assert results["kl"] > 1e-4  # FP4 weights and activations change the predictions
+
+
+def test_cli_eval_reads_no_more_than_the_model_and_checks_its_options(
+        tiny_llama2c_folder, tiny_chat_folder, tmp_path, capsys):
+    """The default window is 512 tokens or the model's max_position_embeddings where shorter
+    (stride half of it); a longer --context, an unknown --num-fewshot benchmark and a KL
+    reference with another tokenizer are one-line errors naming them."""
+    from transformers import AutoConfig
+
+    longest = AutoConfig.from_pretrained(tiny_llama2c_folder).max_position_embeddings
+    assert longest < 512
+    text = tmp_path / "story.txt"
+    text.write_text("Tom and Sam went to the park to play with a ball. " * 40, encoding="utf-8")
+    out = tmp_path / "results.json"
+    assert main(["eval", "--model", str(tiny_llama2c_folder), "--tasks", "ppl", "--text",
+                 str(text), "--out", str(out)]) == 0
+    results = json.loads(out.read_text(encoding="utf-8"))["lm_metrics"]
+    assert (results["context"], results["stride"]) == (longest, longest // 2)
+    capsys.readouterr()
+    assert main(["eval", "--model", str(tiny_llama2c_folder), "--tasks", "ppl", "--text",
+                 str(text), "--context", str(longest + 1)]) == 2
+    assert f"pass a context (--context) of at most {longest}" in capsys.readouterr().err
+    assert main(["eval", "--model", str(tiny_llama2c_folder), "--tasks", "hellaswag",
+                 "--num-fewshot", "hellaswg=5"]) == 2
+    assert "--num-fewshot: unknown benchmark 'hellaswg'" in capsys.readouterr().err
+    assert main(["eval", "--model", str(tiny_llama2c_folder), "--tasks", "kl", "--text",
+                 str(text), "--reference", str(tiny_chat_folder)]) == 2
+    assert f"the tokenizer of {tiny_chat_folder} differs" in capsys.readouterr().err

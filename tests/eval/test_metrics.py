@@ -176,6 +176,9 @@ def test_metrics_accumulate_reset_and_skip_ignored_targets():
         metric.reset()
     assert ppl.count.item() == kl.count.item() == cosine.count.item() == 0
     assert math.isinf(cosine.cosine_min.item()) and kl.kl_max.item() == 0.0
+    for metric, what in ((ppl, "token"), (kl, "token"), (cosine, "sentence")):
+        with pytest.raises(ValueError, match=f"no {what} was scored"):
+            metric.summary()
     with pytest.raises(ValueError, match="do not predict targets"):
         ppl.update(logits, targets[:-1])
     with pytest.raises(ValueError, match="differ in shape"):
@@ -301,3 +304,14 @@ def test_lightning_logs_the_held_out_figures_of_lm_metrics():
         assert logged["val_perplexity"] == pytest.approx(expected["perplexity"], rel=1e-12)
         assert logged["val_kl"] == expected["kl"]
     assert module.val_perplexity.count.item() == 0  # reset at the end of the epoch
+
+
+def test_perplexity_of_bf16_logits_is_summed_in_float32_at_least():
+    """A bf16 model's logits: the NLL is that of the same values in float32 (cross-entropy in
+    bf16 would round the log-softmax and the sum to 8 bits)."""
+    logits = (torch.randn(4096, 512, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
+    targets = torch.randint(0, 512, (4096,), generator=torch.Generator().manual_seed(1))
+    low, exact = TokenPerplexity(), TokenPerplexity()
+    low.update(logits, targets)
+    exact.update(logits.float(), targets)
+    assert low.summary() == exact.summary()

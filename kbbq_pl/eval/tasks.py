@@ -163,8 +163,13 @@ def check_data(
             f"{expected} from it: pass {option} FOLDER ({_LAYOUT})")
     for task in tasks:
         if task == "mmlu":
-            paths = [data / "mmlu" / "test" / f"{s}_test.csv"
-                     for s in subjects or mmlu_subjects(data, option)]
+            known = mmlu_subjects(data, option)
+            unknown = [s for s in subjects or () if s not in known]
+            if unknown and known:
+                raise ValueError(f"MMLU subject(s) {unknown} (--mmlu-subjects) are not among "
+                                 f"the {len(known)} of {data / 'mmlu' / 'test'}, e.g. "
+                                 f"{known[:3]}")
+            paths = [data / "mmlu" / "test" / f"{s}_test.csv" for s in subjects or known]
         else:
             paths = [data_file(data, task, i) for i in range(len(DATA_FILES[task]))]
         for path in paths:

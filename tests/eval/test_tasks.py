@@ -323,6 +323,11 @@ def test_unknown_task_and_missing_data(tmp_path, tiny_llama):
         B.task_configs(["hellaswag"], tmp_path, tmp_path / "cache")
     with pytest.raises(FileNotFoundError, match="piqa: .*llm_foundry_eval/piqa.jsonl"):
         B.task_configs(["piqa"], tmp_path, tmp_path / "cache")
+    (tmp_path / "mmlu" / "test").mkdir(parents=True)
+    (tmp_path / "mmlu" / "test" / "astronomy_test.csv").write_text("Question,A,B,C,D,Answer\n")
+    with pytest.raises(ValueError, match=r"MMLU subject\(s\) \['astronmy'\] \(--mmlu-subjects\) "
+                                         r"are not among the 1 of"):
+        B.check_data(["mmlu"], tmp_path, ["astronmy"])
 
 
 def test_cli_eval(tiny_llama, data_dir, cache_dir, tmp_path, capsys):

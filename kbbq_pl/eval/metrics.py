@@ -161,10 +161,12 @@ class TokenKL(_Summary):
     reference (full-precision) model's next-token distribution and ``p`` the model's, with
     the largest per-position KL; summed in float64.
 
-    ``update(reference_log_probs, logits)``: both ``[..., vocab]``, the reference as
-    log-probabilities (``log_softmax`` of its logits, or cached ones), the model as logits.
-    ``compute()``: the mean KL; ``summary()``: ``{"kl", "kl_max", "n_tokens"}``.  The max
-    starts at 0 (KL is never negative; a rounding below 0 reports 0).
+    ``update(reference_log_probs, logits, mask=None)``: both ``[..., vocab]``, the reference as
+    log-probabilities (``log_softmax`` of its logits, or cached ones), the model as logits;
+    ``mask [...]`` (bool, e.g. a padded batch's attention mask) keeps the positions scored, as
+    ``TokenPerplexity``'s ``ignore_index`` does.  ``compute()``: the mean KL; ``summary()``:
+    ``{"kl", "kl_max", "n_tokens"}``.  The max starts at 0 (KL is never negative; a rounding
+    below 0 reports 0).
 
     A subclass of ``torchmetrics.Metric`` rather than ``torchmetrics.regression.KLDivergence``,
     which sums in float32 and keeps no max (see the module's docstring).
@@ -181,8 +183,15 @@ class TokenKL(_Summary):
         self.add_state("kl_max", default=_float64(0.0), dist_reduce_fx="max")
         self.add_state("count", default=_count(), dist_reduce_fx="sum")
 
-    def update(self, reference_log_probs: Tensor, logits: Tensor) -> None:
-        per_token = token_kl(reference_log_probs, logits).reshape(-1).to(self.device)
+    def update(self, reference_log_probs: Tensor, logits: Tensor,
+               mask: Tensor | None = None) -> None:
+        per_token = token_kl(reference_log_probs, logits)
+        if mask is not None:
+            if mask.shape != per_token.shape:
+                raise ValueError(f"mask {tuple(mask.shape)} does not cover the positions "
+                                 f"{tuple(per_token.shape)} of the logits")
+            per_token = per_token[mask.to(per_token.device, torch.bool)]
+        per_token = per_token.reshape(-1).to(self.device)
         if per_token.numel():
             self.kl_sum += per_token.sum()
             self.kl_max = torch.maximum(self.kl_max, per_token.max())

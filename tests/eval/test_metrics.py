@@ -176,6 +176,12 @@ def test_metrics_accumulate_reset_and_skip_ignored_targets():
         metric.reset()
     assert ppl.count.item() == kl.count.item() == cosine.count.item() == 0
     assert math.isinf(cosine.cosine_min.item()) and kl.kl_max.item() == 0.0
+    masked, selected = TokenKL(), TokenKL()  # a padded batch's positions left out
+    masked.update(reference[None], logits[None], kept[None])
+    selected.update(reference[kept], logits[kept])
+    assert masked.summary() == selected.summary() and masked.summary()["n_tokens"] < len(kept)
+    with pytest.raises(ValueError, match="does not cover the positions"):
+        masked.update(reference, logits, kept[:-1])
     for metric, what in ((ppl, "token"), (kl, "token"), (cosine, "sentence")):
         with pytest.raises(ValueError, match=f"no {what} was scored"):
             metric.summary()

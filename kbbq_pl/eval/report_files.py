@@ -65,8 +65,10 @@ def report_markdown(report: QuantizationReport, title: str = "kbbq-pl quantizati
                     f"{recipe.weights.scale_search} scales"
                     + (", transform refit in the loop" if recipe.refits_in_loop else ""))
     parts = [f"# {title}", "",
-             f"**{recipe.label}**{details}, activations: {recipe.format.act_scale} per-tensor "
-             "scale", ""]
+             f"**{recipe.label}**{details}, activations: "
+             + ("static per-tensor scale" if recipe.effective_act_scale == "static" else
+                "dynamic per-tensor scale" if recipe.fmt.global_scale else
+                "block scales only (no per-tensor scale)"), ""]
     scalars = {k: v for k, v in report.model.items() if not isinstance(v, (dict, list))}
     structures = {k: v for k, v in report.model.items() if isinstance(v, (dict, list))}
     if scalars:

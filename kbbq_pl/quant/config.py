@@ -7,6 +7,7 @@ Lightning callback and torchao's ``KBBQConfig`` all take a :class:`QuantizationC
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
@@ -18,6 +19,11 @@ from .autobrake import DEFAULT_GRID
 
 __all__ = ["AutoBrakeConfig", "FormatConfig", "LayersConfig", "QuantizationConfig",
            "TransformConfig", "WeightsConfig"]
+
+
+def _is_number(value: Any) -> bool:
+    """An int or float, not a bool (a YAML ``true`` is no damping)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,11 @@ class TransformConfig:
         if self.fold_o_proj and (self.name == "haar" or self.lam == "auto"):
             raise ValueError("fold_o_proj folds block transforms fitted with a fixed lambda; "
                              f"got transform {self.name!r}, lam {self.lam!r}")
+        if not (_is_number(self.damping) and math.isfinite(self.damping) and self.damping >= 0):
+            raise ValueError(f"transform.damping (the transform fit's) must be a finite number "
+                             f">= 0, got {self.damping!r}")
+        if not (isinstance(self.seed, int) and not isinstance(self.seed, bool)):
+            raise ValueError(f"transform.seed must be an integer, got {self.seed!r}")
 
 
 @dataclass(frozen=True)
@@ -125,8 +136,8 @@ class WeightsConfig:
             if getattr(self, field_name) not in allowed:
                 raise ValueError(f"weights.{field_name} must be one of {allowed}, "
                                  f"got {getattr(self, field_name)!r}")
-        if not (isinstance(self.damping, (int, float)) and self.damping > 0):
-            raise ValueError(f"weights.damping (GPTQ's) must be a positive number, "
+        if not (_is_number(self.damping) and math.isfinite(self.damping) and self.damping > 0):
+            raise ValueError(f"weights.damping (GPTQ's) must be a finite positive number, "
                              f"got {self.damping!r}")
         if not (isinstance(self.block_size, int) and self.block_size > 0):
             raise ValueError(f"weights.block_size must be a positive integer, "
@@ -227,6 +238,10 @@ class QuantizationConfig:
                            "weights": 'WeightsConfig("gptq")'}.get(name, f"{group.__name__}()")
                 raise TypeError(f"QuantizationConfig {name} must be a {group.__name__} "
                                 f"(e.g. {name}={example}), got {value!r}")
+        if not (isinstance(self.keep_samples, int) and not isinstance(self.keep_samples, bool)
+                and self.keep_samples > 0):
+            raise ValueError(f"keep_samples (tokens kept per layer for the report's output "
+                             f"SNR) must be a positive integer, got {self.keep_samples!r}")
         block = self.block
         if self.weights.block_size % block:
             raise ValueError(f"weights.block_size must be a positive multiple of the "

@@ -446,3 +446,17 @@ def test_recipe_and_law_commands_on_cuda(tiny_llama_dir, tmp_path):
                  "--device", "cuda", "--no-progress", "--debug"]) == 0
     model, _ = load_model(out, device="cuda")
     assert next(model.parameters()).device.type == "cuda"
+
+
+@pytest.mark.parametrize("fmt, act_scale, says", [
+    ("mxfp4", "static", "block scales only (no per-tensor scale)"),  # no static scale to have
+    ("nvfp4", "static", "static per-tensor scale"),
+    ("nvfp4", "dynamic", "dynamic per-tensor scale")])
+def test_the_report_names_the_activation_scale_the_layers_have(fmt, act_scale, says):
+    from kbbq_pl.eval.report_files import report_markdown
+    from kbbq_pl.quant import FormatConfig, QuantizationConfig
+    from kbbq_pl.quant.report import QuantizationReport
+
+    recipe = QuantizationConfig(format=FormatConfig(fmt, act_scale=act_scale))
+    header = report_markdown(QuantizationReport(config=recipe.to_dict(), skipped={}))
+    assert header.splitlines()[2].endswith(f", activations: {says}")

@@ -132,13 +132,22 @@ def test_config_fields_and_validation():
     assert QuantizationConfig(transform=TransformConfig("wush")).method == "RTN-WUSH"
     for bad, match in [
         (dict(quantizer="awq"), "weights.quantizer must be one of"),
-        (dict(damping=0.0), r"weights.damping \(GPTQ's\) must be a positive number"),
+        (dict(damping=0.0), r"weights.damping \(GPTQ's\) must be a finite positive number"),
+        (dict(damping=float("inf")), r"weights.damping .* got inf"),
         (dict(scale_search="l2"), "scale_search must be one of"),
         (dict(group_scales="per_token"), "group_scales must be one of"),
         (dict(act_order="yes"), "act_order must be True, False or None"),
     ]:
         with pytest.raises(ValueError, match=match):
             WeightsConfig(**bad)
+    for bad, match in [(dict(damping=-1.0), r"transform.damping .* >= 0, got -1.0"),
+                       (dict(damping=float("nan")), "transform.damping .* got nan"),
+                       (dict(damping="0.01"), "transform.damping .* got '0.01'"),
+                       (dict(seed="abc"), "transform.seed must be an integer, got 'abc'")]:
+        with pytest.raises(ValueError, match=match):
+            TransformConfig(**bad)
+    with pytest.raises(ValueError, match="keep_samples .* must be a positive integer, got 0"):
+        QuantizationConfig(keep_samples=0)
     with pytest.raises(ValueError, match="multiple of the nvfp4 block 16"):
         QuantizationConfig(weights=WeightsConfig(block_size=24))
     with pytest.raises(ValueError, match="act-order needs transform_refit='fixed'"):

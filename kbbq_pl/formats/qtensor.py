@@ -301,10 +301,25 @@ def _global_scale_arg(fmt: Format, global_scale: Tensor | float | None, name: st
     return value
 
 
+def _as_float32(x: Tensor, nonfinite: str, name: str) -> Tensor:
+    """A float64 input as the rounding computes it, in float32: values beyond float32's range
+    are an error (``raise``) or Inf, as the other policies treat Inf."""
+    wide = torch.isfinite(x) & (x.abs() > torch.finfo(torch.float32).max)
+    if nonfinite == "raise" and bool(wide.any()):
+        raise ValueError(
+            f"{name}: {int(wide.sum())} float64 values of {x.numel()} lie beyond float32's range "
+            f"(largest magnitude {float(x[wide].abs().max()):g}) in a tensor of shape "
+            f"{tuple(x.shape)} on {x.device}; the rounding computes in float32: scale the "
+            "tensor, or pass nonfinite='zero' or 'propagate' to treat them as Inf")
+    return x.to(torch.float32)
+
+
 def _run(x: Tensor, fmt: Format, global_scale, pad: bool, nonfinite: str, name: str, fake: bool,
          out_dtype: torch.dtype):
     """Group ``x``, run the element kernel of ``fmt``; returns (kernel outputs, padding)."""
     _check_policy(nonfinite)
+    if x.dtype == torch.float64:
+        x = _as_float32(x, nonfinite, name)
     # detached: the compiled kernels then see one kind of input whether or not x requires grad
     # (a master weight being fine-tuned), instead of compiling a second graph for it
     groups, extra = _groups(x.detach(), fmt, pad, name)

@@ -21,7 +21,9 @@ backend, see there):
 * MXFP4 follows torchao's ``to_mx``: the shared exponent is read off the FP32 bits of the block
   amax; elements are ``e2m1(x / 2^e)``.  ``no_clip`` multiplies the elements by 3/4 (exact) and
   dequantizes as ``(q * 2^e) / 0.75``.  Unlike torchao, a block whose exponent clamps to the
-  E8M0 minimum 2^-127 uses 2^-127 both ways (torchao quantizes with 2^-126 there).
+  E8M0 minimum 2^-127 uses 2^-127 both ways (torchao's FLOOR quantizes with 2^-126 there, its
+  RCEIL with 1).  RCEIL rounds amax / 6 up to a power of two exactly (torchao's CPU path takes
+  ``ceil(log2(.))`` in FP32, which keeps the lower exponent a few ulps above a power of two).
 * FP8 E4M3: ``s = amax / 448``, codes ``e4m3(clamp(x / s, +-448))``, values ``code * s``.
 * INT: ``s = amax / qmax``, codes ``clamp(round(x / s), +-qmax)``, values ``code * s``.
 """

@@ -60,6 +60,18 @@ def count_tokens(batches: Iterable[Mapping[str, Any]]) -> int:
                if isinstance(b.get("input_ids"), Tensor))
 
 
+def _warn_of_padding(batches: Sequence[Mapping[str, Any]]) -> None:
+    """Warn where the batches' ``attention_mask`` marks padding: the calibration reads every
+    position of a batch as a token (statistics, Hessians, activation scales, counts)."""
+    masks = [b["attention_mask"] for b in batches if isinstance(b.get("attention_mask"), Tensor)]
+    padded = sum(int((mask == 0).sum()) for mask in masks)
+    if padded:
+        log.warning("%d of %d calibration positions are padding (attention_mask 0) and are "
+                    "calibrated on as tokens: calibrate on batches without padding (kbbq_pl.io."
+                    "data.CalibrationDataModule packs token blocks, or groups whole records "
+                    "by length)", padded, sum(mask.numel() for mask in masks))
+
+
 @dataclass(frozen=True)
 class CalibrationSplit:
     """How the cached calibration inputs divide: the first ``fit`` batches fit the transforms,
@@ -441,6 +453,7 @@ class SequentialRunner:
         batches = list(batches)
         if not batches:
             raise ValueError("the calibration set is empty: no batches")
+        _warn_of_padding(batches)
         self.split, batches = split_calibration(batches, holdout, seed, shard)
         self.model = model
         self.residency = residency or MoveToDevice()

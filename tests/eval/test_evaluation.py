@@ -156,7 +156,7 @@ class Bigram(nn.Module):
         super().__init__()
         self.table = nn.Parameter(torch.randn(vocab, vocab, generator=torch.Generator()
                                               .manual_seed(1)))
-        self.config = SimpleNamespace(bos_token_id=0, max_position_embeddings=8)
+        self.config = SimpleNamespace(bos_token_id=0, max_position_embeddings=64)
 
     def forward(self, input_ids):
         return SimpleNamespace(logits=self.table[input_ids])

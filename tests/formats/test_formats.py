@@ -407,6 +407,23 @@ def test_nonfinite_raises_with_name_and_count(name):
         F.quantize(x, name)
 
 
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "fp8_e4m3", "int8"])
+def test_float64_values_beyond_float32_are_named_or_treated_as_inf(name):
+    """The rounding computes in float32: a finite float64 value beyond its range is an error
+    naming it under ``raise`` and an Inf under the other policies (its group NaN or zeroed)."""
+    x = torch.ones(2, 32, dtype=torch.float64)
+    x[1, 3] = -1e39
+    with pytest.raises(ValueError, match=r"w: 1 float64 values of 64 lie beyond float32's "
+                                         r"range \(largest magnitude 1e\+39\)"):
+        F.quantize(x, name, name="w")
+    inf = x.clone()
+    inf[1, 3] = float("-inf")
+    for policy in ("zero", "propagate"):
+        assert torch.equal(F.fake_quantize(x, name, nonfinite=policy).isnan(),
+                           F.fake_quantize(inf, name, nonfinite=policy).isnan())
+    assert F.fake_quantize(x, name, nonfinite="propagate")[1].isnan().any()
+
+
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "e2m1_b16_fp32", "int8"])
 def test_nonfinite_policies(name):
     x = torch.randn(4, 64)

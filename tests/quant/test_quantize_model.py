@@ -359,3 +359,16 @@ def test_nvfp4_weights_convert_to_torchao_for_its_kernels():
     assert torch.equal(converted.dequantize(torch.float32), q.dequantize())
     with pytest.raises(ValueError, match="only unpadded nvfp4"):
         to_torchao_nvfp4(F.quantize(torch.randn(4, 64), "mxfp4"))
+
+
+def test_padded_calibration_batches_are_named_in_a_warning(caplog):
+    """Every position of a batch is calibrated on: padding is counted as tokens, so a padded
+    batch is named in a warning that says how to calibrate without it."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0
+    with caplog.at_level("WARNING", logger="kbbq_pl.quant.sequential"):
+        quantize_model(model, [{"input_ids": ids, "attention_mask": mask}], QuantizationConfig(),
+                       progress=False)
+    assert "6 of 32 calibration positions are padding (attention_mask 0)" in caplog.text

@@ -57,6 +57,20 @@ def _convert_llama2c(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_text_options(parser: argparse.ArgumentParser) -> None:
+    """The text ``ppl`` and ``kl`` score and its rolling windows (``eval`` and ``compare``)."""
+    parser.add_argument("--text", default=None, help=TEXT_HELP)
+    parser.add_argument("--context", type=int, default=None,
+                        help="ppl/kl: tokens a rolling window reads (default 512, or the "
+                             "model's max_position_embeddings where smaller)")
+    parser.add_argument("--stride", type=int, default=None,
+                        help="ppl/kl: positions each window scores after the first (default "
+                             "half the context: 256)")
+    parser.add_argument("--max-tokens", type=_max_tokens, default=2048,
+                        help="ppl/kl: score the first N tokens of --text (default 2048; 0: "
+                             "the whole text)")
+
+
 def _parse_shots(text: str) -> dict[str, int]:
     from kbbq_pl.eval.tasks import BENCHMARKS
 
@@ -385,16 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--data-dir", default="../shared/data",
                           help="folder with mmlu/ gsm8k/ hellaswag/ winogrande/ mbpp/ "
                                "llm_foundry_eval/ wikitext2/")
-    evaluate.add_argument("--text", default=None, help=TEXT_HELP)
-    evaluate.add_argument("--context", type=int, default=None,
-                          help="ppl/kl: tokens a rolling window reads (default 512, or the "
-                               "model's max_position_embeddings where smaller)")
-    evaluate.add_argument("--stride", type=int, default=None,
-                          help="ppl/kl: positions each window scores after the first (default "
-                               "half the context: 256)")
-    evaluate.add_argument("--max-tokens", type=_max_tokens, default=2048,
-                          help="ppl/kl: score the first N tokens of --text (default 2048, as "
-                               "compare; 0: the whole text)")
+    _add_text_options(evaluate)
     evaluate.add_argument("--reference", default=None,
                           help="kl: the full-precision model (default: the one a kbbq-pl "
                                "quantized --model was made from)")
@@ -445,16 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--limit", type=_limit, default=None,
                          help="documents per benchmark (MMLU: per subject); <1: a fraction")
     compare.add_argument("--data-dir", default="../shared/data")
-    compare.add_argument("--text", default=None, help=TEXT_HELP)
-    compare.add_argument("--context", type=int, default=None,
-                         help="ppl/kl: window tokens (default 512, or the model's "
-                              "max_position_embeddings where smaller)")
-    compare.add_argument("--stride", type=int, default=None,
-                         help="ppl/kl: positions each window scores after the first (default "
-                              "half the context: 256)")
-    compare.add_argument("--max-tokens", type=_max_tokens, default=2048,
-                         help="ppl/kl: score the first N tokens of --text (default 2048; 0: "
-                              "the whole text)")
+    _add_text_options(compare)
     compare.add_argument("--calibration-source", default=None,
                          help="override every recipe's calibration source (mixed, random, a "
                               "file)")

@@ -198,6 +198,19 @@ class LayersConfig:
     targets: list[str] | None = None
     ignore: list[str] | None = None
 
+    def __post_init__(self) -> None:
+        # one pattern or any sequence of them, held as the list a recipe file gives, so that a
+        # recipe equals itself read back (from_dict(to_dict()))
+        for name in ("targets", "ignore"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, [value])
+            elif value is not None:
+                if not all(isinstance(pattern, str) for pattern in value):
+                    raise ValueError(f"layers.{name} holds module-name patterns (strings), "
+                                     f"got {value!r}")
+                object.__setattr__(self, name, list(value))
+
 
 GROUPS: dict[str, type] = {"format": FormatConfig, "transform": TransformConfig,
                            "weights": WeightsConfig, "autobrake": AutoBrakeConfig,

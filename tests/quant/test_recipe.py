@@ -16,7 +16,7 @@ from kbbq_pl.callbacks import KBBQ
 
 from kbbq_pl.cli.commands import main
 from kbbq_pl.cli.quantize import _parser
-from kbbq_pl.quant.config import QuantizationConfig, TransformConfig
+from kbbq_pl.quant.config import LayersConfig, QuantizationConfig, TransformConfig
 from kbbq_pl.quant.torchao import KBBQConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -150,6 +150,12 @@ def test_defaults_and_python_spelling():
         config.transform.lam = 0.5  # type: ignore[misc]
     assert dataclasses.replace(config, transform=TransformConfig("kbbq", lam=0.5)).label == \
         "RTN-KBBQ nvfp4, lambda 0.5"
+    # patterns as a tuple or one string are held as the list a recipe file gives
+    layers = QuantizationConfig(layers=LayersConfig(targets=("mlp",), ignore="lm_head"))
+    assert layers.layers == LayersConfig(targets=["mlp"], ignore=["lm_head"])
+    assert QuantizationConfig.from_dict(layers.to_dict()) == layers
+    with pytest.raises(ValueError, match=r"layers.targets holds module-name patterns"):
+        LayersConfig(targets=[1])  # type: ignore[list-item]
 
 
 def test_unknown_and_removed_fields_are_one_line():

@@ -38,6 +38,7 @@ import logging
 import math
 import time
 import weakref
+from collections import Counter
 from collections.abc import Mapping
 
 import torch
@@ -155,14 +156,11 @@ def untie_targeted_weights(model: nn.Module, modules: Mapping[str, nn.Module]) -
     input embedding, ``layers.ignore: []``), the head is quantized and the embedding is not:
     the model's config stops tying them (as llm-compressor unties them), so that a saved
     folder loads both instead of tying the embedding to the quantized head."""
-    holders: dict[int, int] = {}
-    for _, parameter in model.named_parameters(remove_duplicate=False):
-        holders[id(parameter)] = holders.get(id(parameter), 0) + 1
-    if not any(holders.get(id(linear_weight(module)), 0) > 1 for module in modules.values()):
-        return
     config = getattr(model, "config", None)
-    for part in {id(c): c for c in (config, getattr(config, "get_text_config", lambda: None)())
-                 if c is not None}.values():
+    holders = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    if config is None or not any(holders[id(m.weight)] > 1 for m in modules.values()):
+        return
+    for part in (config, config.get_text_config()):
         if getattr(part, "tie_word_embeddings", False):
             part.tie_word_embeddings = False
 

@@ -447,12 +447,17 @@ def compiled_linear(x: Tensor, weight: W4A4Weight, bias: Tensor | None = None) -
 def _w4a4_linear_op(x, qdata, scale, global_scale, transform, act_global_scale, bias, fmt_name,
                     block_size, scale_kind, has_global_scale, e8m0_rounding, last_dim,
                     in_features, act_scale, layer_name):
-    fmt = Format(fmt_name, "e2m1", "block", block_size, scale_kind, has_global_scale,
-                 e8m0_rounding)
+    fmt = _block_fp4(fmt_name, block_size, scale_kind, has_global_scale, e8m0_rounding)
     weight = W4A4Weight(qdata, scale, fmt, x.dtype, last_dim, in_features, act_scale,
                         global_scale, transform, act_global_scale, layer_name)
     with torch.no_grad():  # the gradient is the registered backward's
         return w4a4_linear(x, weight, bias)
+
+
+def _block_fp4(name: str, block_size: int, scale_kind: str, has_global_scale: bool,
+               e8m0_rounding: str) -> Format:
+    """The block-FP4 :class:`Format` the operator's arguments spell out."""
+    return Format(name, "e2m1", "block", block_size, scale_kind, has_global_scale, e8m0_rounding)
 
 
 @_w4a4_linear_op.register_fake
@@ -463,7 +468,7 @@ def _w4a4_linear_fake(x, qdata, *args):
 def _w4a4_linear_setup_context(ctx, inputs, output) -> None:
     x, qdata, scale, global_scale, transform, act_global_scale, bias, *fields = inputs
     ctx.save_for_backward(qdata, scale, global_scale, transform)
-    ctx.fields = fields
+    ctx.fmt, ctx.last_dim = _block_fp4(*fields[:5]), fields[5]
     ctx.input_shape, ctx.input_dtype = x.shape, x.dtype
     ctx.bias_dtype = None if bias is None else bias.dtype
 
@@ -474,19 +479,15 @@ def _w4a4_linear_backward(ctx, grad: Tensor):
     transposed product with the decoded weight in FP32, then the transform's own vector-Jacobian
     product (its padding cropped); ``d/db`` the sum over the rows.  The codes get none."""
     qdata, scale, global_scale, transform = ctx.saved_tensors
-    (fmt_name, block_size, scale_kind, has_global_scale, e8m0_rounding, last_dim, in_features,
-     act_scale, layer_name) = ctx.fields
     rows = grad.reshape(-1, qdata.shape[0]).to(_F32)
     grad_x = grad_bias = None
     if ctx.needs_input_grad[0]:
-        fmt = Format(fmt_name, "e2m1", "block", block_size, scale_kind, has_global_scale,
-                     e8m0_rounding)
-        weight = QuantizedTensor(qdata, scale, fmt, _F32, last_dim, global_scale)
+        weight = QuantizedTensor(qdata, scale, ctx.fmt, _F32, ctx.last_dim, global_scale)
         grad_h = rows @ decoded_weight(weight)
         width = ctx.input_shape[-1]
         shaped = grad.new_empty(ctx.input_shape, dtype=ctx.input_dtype)
         _, transform_vjp = torch.func.vjp(
-            lambda v: transformed_input(v, width, last_dim, transform), shaped)
+            lambda v: transformed_input(v, width, ctx.last_dim, transform), shaped)
         (grad_x,) = transform_vjp(grad_h)
     if ctx.needs_input_grad[6]:
         grad_bias = rows.sum(0).to(ctx.bias_dtype)

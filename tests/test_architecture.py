@@ -41,7 +41,7 @@ its strategy of the pipeline (``quantizer``, the class named here), nothing else
 ONE_HOME = {"pad_features": "kbbq_pl.formats.padding",
             "check_act_scale": "kbbq_pl.quant.act_scale",
             "effective_act_scale": "kbbq_pl.quant.act_scale",
-            "count_tokens": "kbbq_pl.quant.sequential",
+            "count_tokens": "kbbq_pl.quant.tokens",
             "split_sequences": "kbbq_pl.quant.sequential",
             "rtn": "kbbq_pl.quant.rtn.algorithm",
             "group_scales": "kbbq_pl.quant.scales",
@@ -51,7 +51,7 @@ ONE_HOME = {"pad_features": "kbbq_pl.formats.padding",
             "choose_lambda": "kbbq_pl.quant.autobrake",
             "output_error": "kbbq_pl.quant.autobrake"}
 """Functions that each hold one rule, and the one module that defines them."""
-WRITTEN_ONCE = {r'"input_ids"\]\.numel\(\)': "kbbq_pl.quant.sequential",
+WRITTEN_ONCE = {r'"input_ids"\]\.numel\(\)': "kbbq_pl.quant.tokens",
                 r'act_scale == "static" and [\w.(]*fmt\.global_scale': "kbbq_pl.quant.act_scale",
                 r"act_scale not in ": "kbbq_pl.quant.act_scale",
                 r"\b448(\.0*)?\s*\*\s*6\b|\b2688\b|E4M3_MAX\s*\*\s*E2M1_MAX":

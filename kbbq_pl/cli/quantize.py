@@ -44,8 +44,9 @@ from ..io.data import MIXED, RANDOM, CalibrationDataModule, token_blocks
 from ..io.fileio import check_output, written_summary
 from ..io.models import detach_from_files, load_model, parse_device, resolve_model_path
 from ..quant import QuantizationConfig, quantize_model
-from ..quant.sequential import computed_in, count_tokens
+from ..quant.sequential import computed_in
 from ..quant.stats import model_device
+from ..quant.tokens import count_tokens
 from .launch import Launch, launched
 
 log = logging.getLogger(__name__)

@@ -393,8 +393,11 @@ def quantize(
     Arguments as in :func:`fake_quantize`.
     """
     fmt = get_format(fmt)
-    lead = x.shape[:-1] if x.dim() else ()
-    length = x.shape[-1] if x.dim() else 1
+    if x.dim() == 0:  # codes are [..., last dim]: a scalar would come back as shape (1,)
+        raise ValueError(f"{name}: a 0-d tensor has no last dimension for the codes of a "
+                         f"QuantizedTensor ({fmt.name}); quantize x.reshape(1), or use "
+                         "fake_quantize, which keeps the shape")
+    lead, length = x.shape[:-1], x.shape[-1]
     padded = length + (-length % fmt.block_size if fmt.granularity == "block" else 0)
     if fmt.granularity == "block" and padded != length and not pad:
         _groups(x, fmt, pad, name)  # raises the not-a-multiple error

@@ -85,7 +85,7 @@ from ..quant.experts import (
     unfuse_experts,
 )
 from ..quant.layers import quantized_linears
-from ..quant.modules import fused_groups, is_linear, is_transposed
+from ..quant.modules import fused_groups, in_out_features, is_linear, is_transposed
 from ..transforms.fit import hadamard, transform_inputs
 from .checkpoint import (
     CONFIG_NAME,
@@ -700,6 +700,15 @@ def _skeleton(config: Any, causal: bool) -> nn.Module:
         return empty_model(copy.deepcopy(config), causal)
 
 
+def _linear_shapes(skeleton: nn.Module) -> dict[str, tuple[int, int]]:
+    """Every linear module of the architecture ``skeleton`` (experts unfused, as
+    :func:`_linear_types` names them) with its ``(out_features, in_features)``."""
+    skeleton = copy.deepcopy(skeleton)
+    unfuse_experts(skeleton)
+    return {name: in_out_features(module)[::-1] for name, module in skeleton.named_modules()
+            if is_linear(module)}
+
+
 def _linear_types(skeleton: nn.Module) -> dict[str, str]:
     """Every linear module of the architecture ``skeleton`` (:func:`_skeleton`) with its
     class name (``Linear`` or ``Conv1D``), as it is before quantization; ``expert`` for the
@@ -1171,11 +1180,20 @@ def read_compressed_tensors(folder: str | Path) -> tuple[dict[str, Any], dict[st
             raise CheckpointError(f"{folder}: {name} is a mixture-of-experts router stored in "
                                   "FP4; kbbq-pl, as vLLM, keeps routers in full precision: "
                                   "quantize with the routers in ignore")
+    shapes = _linear_shapes(skeleton)
     layers: dict[str, dict[str, Any]] = {}
     for name in names:
         scheme = schemes.get(name)
         fmt = _import_format(folder, name, scheme, block, extension)
-        in_features = tensors[f"{name}.weight_packed"].shape[1] * 2
+        packed = tensors[f"{name}.weight_packed"]
+        in_features = packed.shape[1] * 2
+        expected = shapes.get(name)
+        if expected is not None and (packed.shape[0], in_features) != expected:
+            raise CheckpointError(
+                f"{folder}: {name}.weight_packed is {list(packed.shape)} {packed.dtype} (a "
+                f"[{packed.shape[0]}, {in_features}] weight); the architecture in config.json "
+                f"has {name} [{expected[0]}, {expected[1]}] (out, in), which packs to "
+                f"[{expected[0]}, {expected[1] // 2}]: the checkpoint does not match its config")
         transform = _import_transform(name, tensors, hadamards.get(name), in_features,
                                       fmt.block_size or 1)
         meta = _import_layer(folder, name, scheme, fmt, tensors, transform,

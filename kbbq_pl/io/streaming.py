@@ -36,7 +36,8 @@ from ..quant.config import QuantizationConfig
 from ..quant.experts import ExpertLinears
 from ..quant.pipeline import quantize_model
 from ..quant.report import QuantizationReport
-from ..quant.sequential import BlockStep, count_tokens, find_blocks
+from ..quant.sequential import BlockStep, find_blocks
+from ..quant.tokens import count_tokens
 from .checkpoint import (
     CheckpointError,
     ShardWriter,
@@ -85,6 +86,15 @@ def available_memory() -> int | None:
     return min(found) if found else None
 
 
+def _quantized_folder(folder: str | Path) -> bool:
+    """Whether ``folder``'s ``config.json`` declares a ``quantization_config``."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("quantization_config") is not None
+
+
 def streams_by_default(folder: str | Path, processes: int = 1) -> tuple[bool, str]:
     """Whether ``kbbq-pl quantize`` streams the model of ``folder`` when neither ``--stream``
     nor ``--no-stream`` is given: when its safetensors weights (held by each of ``processes``
@@ -93,6 +103,8 @@ def streams_by_default(folder: str | Path, processes: int = 1) -> tuple[bool, st
     try:
         weights = SafetensorsSource(folder).total_bytes
     except CheckpointError:
+        return False, ""
+    if _quantized_folder(folder):  # streaming reads full-precision weights only
         return False, ""
     available = available_memory()
     if available is None or weights * processes <= available / 2:
@@ -133,6 +145,7 @@ class SafetensorsSource:
             except (ValueError, KeyError, TypeError) as error:
                 raise CheckpointError(f"{index} is not a safetensors index ({error})") from None
             self.files = {name: self.folder / file for name, file in weight_map.items()}
+            self._check_index(index)
         elif (self.folder / SOURCE_FILE).is_file():
             with self._open(self.folder / SOURCE_FILE) as handle:
                 self.files = dict.fromkeys(handle.keys(), self.folder / SOURCE_FILE)
@@ -201,6 +214,18 @@ class SafetensorsSource:
                     self._converters[piece] = converter
                     self._shapes[piece] = tuple(expected[piece].shape)
                     self._made_with[piece] = name
+
+    def _check_index(self, index: Path) -> None:
+        """Raise a CheckpointError, before any work, where the index maps a tensor to a shard
+        that does not hold it (each shard's header read once)."""
+        held: dict[Path, set[str]] = {}
+        for file in dict.fromkeys(self.files.values()):
+            with self._open(file) as handle:
+                held[file] = set(handle.keys())
+        wrong = [name for name, file in self.files.items() if name not in held[file]]
+        if wrong:
+            raise CheckpointError(f"{index} maps {len(wrong)} tensors to shards that do not "
+                                  f"hold them (first: {wrong[0]} to {self.files[wrong[0]].name})")
 
     @staticmethod
     def _open(file: Path):
@@ -306,8 +331,25 @@ def _materialize(module: nn.Module, tensors: dict[str, Tensor], device: torch.de
         if tuple(value.shape) != tuple(current.shape):
             raise CheckpointError(f"{lead + name}: stored {list(value.shape)}, the model's "
                                   f"config makes it {list(current.shape)}")
+        if current.is_floating_point() and (not value.is_floating_point()
+                                            or value.element_size() == 1):
+            raise CheckpointError(f"{lead + name}: stored as {value.dtype} {list(value.shape)} "
+                                  f"for a {current.dtype} parameter: quantized codes, whose "
+                                  "scales streaming does not apply (quantize the model in "
+                                  "memory, --no-stream, or its full-precision checkpoint)")
         state[name] = value.to(device=device, dtype=current.dtype)
     module.load_state_dict(state, strict=False, assign=True)
+
+
+def quantization_method(config: Any) -> str | None:
+    """The ``quant_method`` of a config's ``quantization_config`` (a folder quantized by
+    transformers' quantizers, llm-compressor, kbbq-pl), None for full-precision weights."""
+    block = getattr(config, "quantization_config", None)
+    if block is None:
+        return None
+    method = block.get("quant_method") if isinstance(block, dict) else getattr(
+        block, "quant_method", None)
+    return str(getattr(method, "value", method) or "unknown")
 
 
 def stored_dtype(folder: str | Path, config: Any) -> torch.dtype:
@@ -331,6 +373,12 @@ def model_skeleton(folder: str | Path, *, causal: bool | None = None,
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(folder)
+    method = quantization_method(config)
+    if method is not None:
+        raise CheckpointError(
+            f"{folder} is quantized (quantization_config quant_method {method!r}): streaming "
+            "reads full-precision weights; quantize it in memory (--no-stream), where "
+            "transformers dequantizes it, or quantize its full-precision checkpoint")
     dtype = stored_dtype(folder, config) if dtype is None else dtype
     model = empty_model(config, is_causal_lm_config(config) if causal is None else causal, dtype)
     read_generation_config(model, folder)

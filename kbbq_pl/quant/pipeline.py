@@ -257,6 +257,9 @@ def quantize_model(
                             outputs = step.run()
                         step.advance(outputs)
                         timing["propagation"] += time.perf_counter() - tick
+                # the replaced layers (held by the block's linears) and the outputs now held by
+                # the next step go before the next block is loaded
+                block = linears = outputs = None
                 trim_heap()
     finally:  # every module back in its mode; the new layers in training mode, ready to be
         # fine-tuned (straight-through), until the model is put in eval mode

@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from ..formats import QuantizedTensor
 from .modules import is_linear, modality_encoders
+from .tokens import calibrating, count_tokens, token_positions
 
 log = logging.getLogger(__name__)
 
@@ -53,23 +54,12 @@ Batches = Iterable[Mapping[str, Tensor]]
 list or a DataLoader."""
 
 
-def count_tokens(batches: Iterable[Mapping[str, Any]]) -> int:
-    """The calibration tokens of ``batches``: the elements of their ``input_ids`` (a batch
-    without an ``input_ids`` tensor counts none)."""
-    return sum(int(b["input_ids"].numel()) for b in batches
-               if isinstance(b.get("input_ids"), Tensor))
-
-
-def _warn_of_padding(batches: Sequence[Mapping[str, Any]]) -> None:
-    """Warn where the batches' ``attention_mask`` marks padding: the calibration reads every
-    position of a batch as a token (statistics, Hessians, activation scales, counts)."""
-    masks = [b["attention_mask"] for b in batches if isinstance(b.get("attention_mask"), Tensor)]
-    padded = sum(int((mask == 0).sum()) for mask in masks)
+def _log_padding(batches: Sequence[Mapping[str, Any]]) -> None:
+    """Say how many of the batches' positions are padding, left out of the calibration."""
+    padded = sum(int((~p).sum()) for p in map(token_positions, batches) if p is not None)
     if padded:
-        log.warning("%d of %d calibration positions are padding (attention_mask 0) and are "
-                    "calibrated on as tokens: calibrate on batches without padding (kbbq_pl.io."
-                    "data.CalibrationDataModule packs token blocks, or groups whole records "
-                    "by length)", padded, sum(mask.numel() for mask in masks))
+        log.info("%d calibration positions are padding (attention_mask 0), left out of the "
+                 "calibration's %d tokens", padded, count_tokens(batches))
 
 
 @dataclass(frozen=True)
@@ -235,8 +225,9 @@ class PrologueStep:
     def run(self, keep_outputs: bool = True, subset: slice = slice(None)
             ) -> list[list[BlockInput]] | None:
         outputs = [] if keep_outputs else None
-        for batch in self.inputs[subset]:
-            calls = self.module(**batch.kwargs)
+        for index in range(len(self.inputs))[subset]:
+            with calibrating(self.runner.positions[index]):
+                calls = self.module(**self.inputs[index].kwargs)
             if outputs is not None:
                 outputs.append(calls)
         return outputs
@@ -378,12 +369,15 @@ class BlockStep:
     @torch.no_grad()
     def run(self, keep_outputs: bool = True, subset: slice = slice(None)) -> list[Tensor] | None:
         """Run the block over the cached inputs (all, or the batches ``subset``) on the
-        runner's device."""
+        runner's device, each call's hooks told its batch's padding (:func:`~kbbq_pl.quant.
+        tokens.calibrating`)."""
         device = self.runner.device
         outputs = [] if keep_outputs else None
-        for cached in self.inputs[subset]:
+        for index in range(len(self.inputs))[subset]:
+            cached = self.inputs[index]
             call = _to(cached, device) if device != self.runner.offload_device else cached
-            output = self.module(*call.args, **call.kwargs)
+            with calibrating(self.runner.positions[index]):
+                output = self.module(*call.args, **call.kwargs)
             if outputs is not None:
                 outputs.append(_hidden(output).detach().to(self.runner.offload_device))
         return outputs
@@ -453,7 +447,7 @@ class SequentialRunner:
         batches = list(batches)
         if not batches:
             raise ValueError("the calibration set is empty: no batches")
-        _warn_of_padding(batches)
+        _log_padding(batches)
         self.split, batches = split_calibration(batches, holdout, seed, shard)
         self.model = model
         self.residency = residency or MoveToDevice()
@@ -465,6 +459,8 @@ class SequentialRunner:
         """Each block's arguments per batch (their hidden states those of the first block)."""
         self.batches = [_to(BlockInput((), dict(batch)), self.offload_device)
                         for batch in batches]
+        self.positions = [token_positions(batch) for batch in batches]
+        """Each batch's token positions (None: no padding), which its calls' hooks keep."""
         self.prologue: _Prologue | None = None
         """The targeted layers run before the first block, quantized in a step of their own."""
         self._batch_index, self._batch_in_blocks = 0, False  # where the capture is (_watching)

@@ -32,7 +32,8 @@ from ..formats import Format
 from ..formats.padding import pad_features
 from ..formats.rounding import all_finite
 from .act_scale import static_act_scale
-from .modules import check_finite, first_input, flatten_tokens, in_out_features, linear_weight
+from .modules import check_finite, first_input, in_out_features, linear_weight
+from .tokens import calibrating, token_positions, token_rows
 from .w4a4 import transformed_input
 
 _F64 = torch.float64
@@ -86,6 +87,17 @@ class LayerStatistics:
         if self.count == 0:
             raise ValueError("no calibration tokens reached this layer")
         return self.full_sum / self.tokens
+
+    def pooled(self, other: LayerStatistics) -> LayerStatistics:
+        """The statistics of this layer's tokens and ``other``'s (another part of the
+        calibration): the sums and counts of both, this part's kept samples."""
+        full = None if self.full_sum is None or other.full_sum is None else (
+            self.full_sum + other.full_sum)
+        return LayerStatistics(
+            self.in_features, self.block, self.sigma_sum + other.sigma_sum,
+            self.output_energy + other.output_energy, self.tokens + other.tokens,
+            torch.maximum(self.input_amax, other.input_amax), list(self.samples),
+            list(self.sample_outputs), self.seen, full)
 
     def sample(self) -> Tensor:
         """The kept input tokens ``[n, in_features]`` (float32)."""
@@ -196,7 +208,9 @@ class StatisticsCollector:
     def _update(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Tensor):
         stats = self.stats[name]
         source = first_input(args, kwargs)
-        x = flatten_tokens(source).detach()
+        x = token_rows(source.detach())
+        if not len(x):  # a batch of padding only
+            return
         products = self._products(name, stats, source, x)
         accumulate(stats.sigma_sum, products.blocks)
         if products.full is not None:
@@ -241,7 +255,7 @@ class StatisticsCollector:
                        output: Tensor) -> None:
         """Output energy, token count, input amax and kept samples of one call."""
         bias = getattr(module, "bias", None)
-        y = flatten_tokens(output).detach().float()
+        y = token_rows(output.detach()).float()
         if bias is not None:
             y = y - bias.detach().float()
         # exact squares, float64 sums; in chunks that stay in the cache (a whole call's float64
@@ -330,7 +344,8 @@ def model_device(model: nn.Module) -> torch.device:
 
 @torch.no_grad()
 def run_calibration(model: nn.Module, batches: Iterable[Mapping[str, Tensor]]) -> int:
-    """Run ``model(**batch)`` over every batch (eval mode, no grad); returns the batch count."""
+    """Run ``model(**batch)`` over every batch (eval mode, no grad), the hooks told each
+    batch's padding (:func:`~kbbq_pl.quant.tokens.calibrating`); returns the batch count."""
     device = model_device(model)
     was_training = model.training
     model.eval()
@@ -338,7 +353,8 @@ def run_calibration(model: nn.Module, batches: Iterable[Mapping[str, Tensor]]) -
     try:
         for batch in batches:
             inputs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
-            model(**inputs)
+            with calibrating(token_positions(batch)):
+                model(**inputs)
             count += 1
     finally:
         model.train(was_training)
@@ -348,10 +364,11 @@ def run_calibration(model: nn.Module, batches: Iterable[Mapping[str, Tensor]]) -
 @contextlib.contextmanager
 def kept_inputs(modules: Mapping[str, nn.Module], block: nn.Module,
                 store: torch.device) -> Iterator[dict[str, list[Tensor]]]:
-    """Pre-hooks keeping a copy (on ``store``) of every layer's inputs in each call of
-    ``block`` while attached; layers that read one tensor (``q``/``k``/``v``, ``gate``/``up``)
-    share one copy.  Yields ``{name: [inputs of each call]}``: what a measurement that needs
-    the fitted transforms reads instead of running the block again."""
+    """Pre-hooks keeping a copy (on ``store``) of every layer's input tokens (padding left out:
+    :func:`~kbbq_pl.quant.tokens.token_rows`) in each call of ``block`` while attached; layers
+    that read one tensor (``q``/``k``/``v``, ``gate``/``up``) share one copy.  Yields
+    ``{name: [inputs of each call]}``: what a measurement that needs the fitted transforms
+    reads instead of running the block again."""
     kept: dict[str, list[Tensor]] = {name: [] for name in modules}
     # this call's inputs by identity, each held (so its id is not reused) with its copy
     copies: dict[int, tuple[Tensor, Tensor]] = {}
@@ -363,7 +380,7 @@ def kept_inputs(modules: Mapping[str, nn.Module], block: nn.Module,
         x = first_input(args, kwargs)
         entry = copies.get(id(x))
         if entry is None or entry[0] is not x:
-            entry = copies[id(x)] = (x, x.detach().to(store, copy=True))
+            entry = copies[id(x)] = (x, token_rows(x.detach()).to(store, copy=True))
         kept[name].append(entry[1])
 
     handles = [block.register_forward_pre_hook(new_call)]

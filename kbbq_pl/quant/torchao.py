@@ -28,7 +28,10 @@ one copy of every targeted layer's inputs; ``format.act_scale: dynamic`` keeps n
 :func:`kbbq_pl.quant.pipeline.quantize_model` makes a second pass over the data instead).  The fit,
 the rounding and the scales are :mod:`kbbq_pl.transforms`, :func:`kbbq_pl.quant.layers.w4a4_weight`
 and :func:`kbbq_pl.quant.stats.act_scales_from_amax`: on the same calibration batches the result
-equals ``quantize_model`` with the same recipe bit for bit.
+equals ``quantize_model`` with the same recipe bit for bit.  Padded batches: run them with
+:func:`kbbq_pl.quant.stats.run_calibration` (or each as ``with calibrating(token_positions(
+batch)): model(**batch)``, :mod:`kbbq_pl.quant.tokens`), and the observers leave the padding out
+as ``quantize_model`` does.
 
 ``prepare.filter_fn`` selects the layers ``quantize_model`` would (``layers.targets`` /
 ``layers.ignore`` patterns; by default not the LM head) and records their names, so that at
@@ -62,6 +65,7 @@ from .layers import w4a4_weight
 from .modules import first_input, fused_groups, is_targeted
 from .scales import fused_weight_scales
 from .stats import StatisticsCollector, act_scales_from_amax
+from .tokens import token_rows
 from .w4a4 import transformed_input
 
 log = logging.getLogger(__name__)
@@ -166,7 +170,7 @@ class KBBQObserver:
 
     @torch.no_grad()
     def _keep(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.inputs.append(first_input(args, kwargs).detach().to("cpu", copy=True))
+        self.inputs.append(token_rows(first_input(args, kwargs).detach()).to("cpu", copy=True))
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -445,6 +445,16 @@ def test_nonfinite_policies(name):
         F.fake_quantize(x, name, nonfinite="ignore")
 
 
+@pytest.mark.parametrize("name", ["nvfp4", "fp8_e4m3"])
+def test_a_scalar_is_refused_by_quantize_and_kept_by_fake_quantize(name):
+    """A QuantizedTensor's codes have a last dimension: a 0-d input is an error naming it, not
+    a tensor of shape (1,); ``fake_quantize`` keeps the shape (per-tensor formats)."""
+    with pytest.raises(ValueError, match=rf"scale: a 0-d tensor has no last dimension .*{name}"):
+        F.quantize(torch.tensor(1.5), name, name="scale")
+    if name == "fp8_e4m3":
+        assert F.fake_quantize(torch.tensor(1.5), name).shape == ()
+
+
 def test_last_dim_not_multiple_of_block_raises_or_pads():
     x = torch.randn(3, 172)  # the FFN width of the real tiny Llama
     with pytest.raises(ValueError, match=r"mlp\.down_proj: last dimension 172 .* block size 16"):

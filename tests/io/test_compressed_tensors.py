@@ -921,3 +921,18 @@ def test_an_import_names_the_layer_of_nan_block_scales_and_of_a_bad_global_scale
     save_file({**tensors, f"{layer}.weight_global_scale": zero}, str(out / "model.safetensors"))
     with pytest.raises(ValueError, match=rf"{layer}\.weight_global_scale: per-tensor scale 0\.0"):
         from_pretrained(out)
+
+
+def test_an_import_names_codes_of_the_wrong_shape(tmp_path):
+    """A ``weight_packed`` with the wrong row count is named as such (not blamed on the block
+    scales that still match the config), with the shape the architecture asks for."""
+    out = save_compressed_tensors(quantized_tiny(recipe("nvfp4", "identity")), tmp_path / "ct")
+    layer = "model.layers.0.self_attn.q_proj"
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors[f"{layer}.weight_packed"] = tensors[f"{layer}.weight_packed"][:48].clone()
+    tensors[f"{layer}.weight_scale"] = tensors[f"{layer}.weight_scale"][:48].clone()
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"{layer}\.weight_packed is \[48, 32\] "
+                                              rf"torch\.uint8 .*has {layer} \[64, 64\] \(out, "
+                                              r"in\), which packs to \[64, 32\]"):
+        from_pretrained(out)

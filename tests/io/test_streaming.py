@@ -181,6 +181,80 @@ def test_a_tensor_missing_from_the_checkpoint_is_named(sharded_llama, tmp_path):
         SafetensorsSource(tmp_path)
 
 
+def test_an_index_that_maps_a_tensor_to_the_wrong_shard_is_refused_before_any_work(
+        sharded_llama, tmp_path):
+    import shutil
+
+    folder = tmp_path / "edited"
+    shutil.copytree(sharded_llama, folder)
+    index = folder / "model.safetensors.index.json"
+    document = json.loads(index.read_text())
+    name = "model.layers.1.mlp.down_proj.weight"
+    shards = sorted(set(document["weight_map"].values()))
+    document["weight_map"][name] = next(s for s in shards if s != document["weight_map"][name])
+    index.write_text(json.dumps(document))
+    with pytest.raises(CheckpointError, match=rf"index\.json maps 1 tensors to shards that do "
+                                              rf"not hold them \(first: {name} to "):
+        SafetensorsSource(folder)
+
+
+def test_a_quantized_source_is_refused_by_streaming_and_never_streamed_by_default(tmp_path):
+    """A checkpoint quantized by another method (block FP8 as DeepSeek-V3 ships: float8 codes
+    and ``weight_scale_inv``) is not read as full-precision weights: streaming refuses it
+    (in memory, transformers dequantizes it), and a quantized tensor where the config names no
+    method is refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    from kbbq_pl.io.streaming import streams_by_default
+
+    folder = tmp_path / "fp8"
+    tiny_model("llama", num_hidden_layers=2).save_pretrained(folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    tensors[name.replace(".weight", ".weight_scale_inv")] = torch.ones(1, 1)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    plain = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(
+        {**plain, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}))
+    with pytest.raises(CheckpointError, match=r"is quantized \(quantization_config quant_method "
+                                              r"'fp8'\): streaming reads full-precision weights"):
+        model_skeleton(folder)
+    assert streams_by_default(folder) == (False, "")
+    (folder / "config.json").write_text(json.dumps(plain))
+    with pytest.raises(CheckpointError, match=rf"{name}: stored as torch\.float8_e4m3fn "
+                                              r"\[128, 64\] for a torch\.float32 parameter"):
+        quantize_checkpoint(folder, tmp_path / "out", QuantizationConfig(), _batches(),
+                            progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_blocks_full_precision_layers_are_freed_before_the_next_block_loads(
+        sharded_llama, tmp_path, monkeypatch):
+    """The pipeline keeps no reference to a replaced layer: when block k + 1 is read, no
+    full-precision linear weight of block k is alive."""
+    import gc
+    import weakref
+
+    from kbbq_pl.io import streaming
+
+    alive: list[int] = []
+    weights: list[weakref.ref] = []
+    load = streaming.StreamedBlocks.load
+
+    def counting_load(self, step):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in weights))
+        load(self, step)
+        weights.extend(weakref.ref(m.weight) for m in step.module.modules()
+                       if isinstance(m, torch.nn.Linear))
+
+    monkeypatch.setattr(streaming.StreamedBlocks, "load", counting_load)
+    quantize_checkpoint(sharded_llama, tmp_path / "out", QuantizationConfig(), _batches(),
+                        progress=False)
+    assert alive == [0, 0, 0] and len(weights) == 3 * 7
+
+
 @pytest.fixture(scope="module")
 def bf16_gemma4(tmp_path_factory) -> Path:
     """A Gemma 4 saved in bf16 whose per-layer embedding scale, sqrt(24), is not a bf16 value:

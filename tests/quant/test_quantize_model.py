@@ -361,14 +361,55 @@ def test_nvfp4_weights_convert_to_torchao_for_its_kernels():
         to_torchao_nvfp4(F.quantize(torch.randn(4, 64), "mxfp4"))
 
 
-def test_padded_calibration_batches_are_named_in_a_warning(caplog):
-    """Every position of a batch is calibrated on: padding is counted as tokens, so a padded
-    batch is named in a warning that says how to calibrate without it."""
-    model = tiny_model("llama")
+@pytest.mark.parametrize("weights", ["rtn", "gptq"])
+def test_padding_is_left_out_of_the_calibration(weights, caplog):
+    """Padded positions (attention_mask 0, on the right and on the left) are not tokens: what
+    they hold changes no bit of the quantized model (statistics, Hessians, static activation
+    scales), and the report counts the real tokens only."""
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, 10:] = 0
-    with caplog.at_level("WARNING", logger="kbbq_pl.quant.sequential"):
-        quantize_model(model, [{"input_ids": ids, "attention_mask": mask}], QuantizationConfig(),
-                       progress=False)
-    assert "6 of 32 calibration positions are padding (attention_mask 0)" in caplog.text
+    mask[0, :3] = 0
+    config = QuantizationConfig(weights=WeightsConfig(weights))
+    models, reports = [], []
+    for pad_seed in (1, 2):
+        padded = ids.clone()
+        pads = torch.randint(0, 256, ids.shape, generator=torch.Generator().manual_seed(pad_seed))
+        padded[mask == 0] = pads[mask == 0]
+        model = tiny_model("llama")
+        with caplog.at_level("INFO", logger="kbbq_pl.quant.sequential"):
+            reports.append(quantize_model(model, [{"input_ids": padded, "attention_mask": mask}],
+                                          config, progress=False))
+        models.append(model)
+    assert "9 calibration positions are padding (attention_mask 0), left out of the " \
+           "calibration's 23 tokens" in caplog.text
+    assert {row.tokens for report in reports for row in report.layers} == {23}
+    first, second = (dict(quantized_linears(m)) for m in models)
+    assert first.keys() == second.keys() and first
+    for name, layer in first.items():
+        other = second[name]
+        assert torch.equal(layer.weight.qdata, other.weight.qdata), name
+        assert torch.equal(layer.weight.scale, other.weight.scale), name
+        for (key, buffer), (_, other_buffer) in zip(layer.named_buffers(), other.named_buffers()):
+            assert torch.equal(buffer, other_buffer), (name, key)
+
+
+def test_token_rows_keep_the_rows_that_line_up_with_the_batch(caplog):
+    """Inputs ``[batch, seq, d]`` and experts' ``[batch * seq, d]`` lose their padded rows;
+    inputs of another shape keep every row, with a warning."""
+    from kbbq_pl.quant.tokens import calibrating, count_tokens, token_positions, token_rows
+
+    mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
+    positions = token_positions({"input_ids": torch.zeros(2, 3), "attention_mask": mask})
+    assert count_tokens([{"input_ids": torch.zeros(2, 3), "attention_mask": mask},
+                         {"input_ids": torch.zeros(1, 5)}]) == 9
+    x = torch.arange(2 * 3 * 2.0).reshape(2, 3, 2)
+    with calibrating(positions):
+        assert torch.equal(token_rows(x), x[mask.bool()])
+        assert torch.equal(token_rows(x.reshape(6, 2)), x[mask.bool()])
+        with caplog.at_level("WARNING", logger="kbbq_pl.quant.tokens"):
+            assert token_rows(torch.ones(4, 2)).shape == (4, 2)
+    assert "do not line up with the batch's attention_mask [2, 3]" in caplog.text
+    assert token_rows(x).shape == (6, 2)
+    assert token_positions({"input_ids": torch.zeros(2, 3), "attention_mask": torch.ones(2, 3)}) \
+        is None

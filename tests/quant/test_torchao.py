@@ -77,6 +77,25 @@ def test_quantize_equals_quantize_model(recipe):
     model.load_state_dict(reference.state_dict())  # the same weights, attributes and all
 
 
+def test_padded_batches_calibrate_as_in_quantize_model():
+    """Padded batches run through ``run_calibration``: the observers leave the padding out as
+    ``quantize_model`` does (the same bits)."""
+    recipe = QuantizationConfig(format=FormatConfig("nvfp4", "static"),
+                                transform=TransformConfig("kbbq", 0.75))
+    batches = calibration()
+    for batch in batches:
+        batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+        batch["attention_mask"][0, 11:] = 0
+    model = tiny_model("llama")
+    reference = copy.deepcopy(model)
+    quantize_model(reference, batches, recipe, progress=False)
+    torchao_quantize(model, batches, recipe)
+    for name, layer in quantized_linears(reference).items():
+        ours = model.get_submodule(name).weight
+        assert torch.equal(ours.act_global_scale, layer.weight.act_global_scale), name
+        assert torch.equal(ours.transform, layer.weight.transform), name
+
+
 def test_state_dict_reloads_into_a_fresh_model(tmp_path):
     model = tiny_model("llama")
     torchao_quantize(model, calibration(),

@@ -56,11 +56,12 @@ from ...transforms.fit import FITTED_TRANSFORMS, fit_transform, transform_weight
 from ..autobrake import LambdaChoice, choose_lambda
 from ..collectives import ReduceFn
 from ..config import QuantizationConfig
-from ..modules import first_input, flatten_tokens, fused_groups, linear_weight
+from ..modules import first_input, fused_groups, linear_weight
 from ..report import QuantizationReport
 from ..scales import fused_weight_scales
 from ..sequential import trim_heap
 from ..stats import StatisticsCollector, accumulate
+from ..tokens import token_rows
 from ..weight_quantizer import Block, LayerPlan, WeightQuantizer
 from .algorithm import (
     GPTQResult,
@@ -99,7 +100,9 @@ class HessianCollector(StatisticsCollector):
     def _update(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Tensor):
         stats = self.stats[name]
         source = first_input(args, kwargs)
-        x = flatten_tokens(source).detach()
+        x = token_rows(source.detach())
+        if not len(x):  # a batch of padding only
+            return
         products = self._products(name, stats, source, x)
         self._sources[name].append(products.reader)
         self._readers.append(name)

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from ..eval.report_files import markdown_table, report_files
-from ..io.fileio import add_resumable_file, check_output, open_resumable_folder
+from ..io.fileio import add_resumable_file, check_output, json_text, open_resumable_folder
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +312,7 @@ def run_compare(
     def store(row: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
         row["settings_digest"] = _digest(settings)
         add_resumable_file(out, f"rows/{row['name']}.json",
-                           json.dumps(row, indent=2, default=str) + "\n")
+                           json_text(row))
         return row
 
     def quantized(data: Any, config: Any) -> tuple[torch.nn.Module, Any]:
@@ -393,7 +393,7 @@ def run_compare(
         header += f"Closest to full precision: **{best['label']}** (`{stem}`), written to " \
                   f"{closest_dir}\n\n"
     document["seconds"] = time.perf_counter() - start
-    add_resumable_file(out, "compare.json", json.dumps(document, indent=2, default=str) + "\n")
+    add_resumable_file(out, "compare.json", json_text(document))
     add_resumable_file(out, "compare.md", header + table + "\n")
     add_resumable_file(out, "compare.png", lambda path: compare_plot(rows, path))
     return out, rows

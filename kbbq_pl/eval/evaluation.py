@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from kbbq_pl.eval.tasks import BENCHMARKS, run_benchmarks
+from kbbq_pl.io.models import check_context, max_context
 
 __all__ = [
     "BENCHMARKS",
@@ -399,15 +400,6 @@ DEFAULT_CONTEXT = 512
 """The window ``kbbq-pl eval`` and ``compare`` read by default (:func:`default_window`)."""
 
 
-def max_context(model: nn.Module) -> int | None:
-    """The positions ``model`` reads: its (text) config's ``max_position_embeddings``, None
-    where it declares none."""
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    longest = getattr(text, "max_position_embeddings", None)
-    return longest if isinstance(longest, int) else None
-
-
 def window_shape(model: nn.Module, seq_len: int | None, stride: int | None) -> tuple[int, int]:
     """``(seq_len, stride)``: ``seq_len`` defaults to the model's ``max_position_embeddings``
     (:func:`max_context`), which it may not exceed, ``stride`` to half of it."""
@@ -416,10 +408,8 @@ def window_shape(model: nn.Module, seq_len: int | None, stride: int | None) -> t
         if longest is None:
             raise ValueError("pass seq_len: the model's config has no max_position_embeddings")
         seq_len = longest
-    elif longest is not None and seq_len > longest:
-        raise ValueError(f"a context of {seq_len} tokens is longer than {type(model).__name__} "
-                         f"reads (max_position_embeddings {longest}): pass a context "
-                         f"(--context) of at most {longest}")
+    else:
+        check_context(model, seq_len, "a context (--context)")
     return seq_len, seq_len // 2 if stride is None else stride
 
 

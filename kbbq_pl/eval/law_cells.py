@@ -96,6 +96,7 @@ class CellReport:
     constant_coordinates: list[int] = field(default_factory=list)
     excluded_blocks: list[int] = field(default_factory=list)
     excluded_rows: list[dict[str, Any]] = field(default_factory=list)
+    uncovered_features: int = 0  # the last input features, in no whole block of block_size
 
 
 @dataclass
@@ -233,6 +234,7 @@ class _CellAccumulator:
             dead_coordinates=torch.nonzero(dead).flatten().tolist(),
             constant_coordinates=torch.nonzero(constant).flatten().tolist(),
             excluded_blocks=excluded_blocks, excluded_rows=excluded_rows,
+            uncovered_features=in_features - covered,
         )
 
 

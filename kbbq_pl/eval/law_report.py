@@ -9,7 +9,6 @@ is the whole command: load, tokenize, measure, write.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import time
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 
 from ..formats import get_format
-from ..io.fileio import check_output, write_folder
+from ..io.fileio import check_output, json_text, write_folder
 from ..law import noise_law as law
 from .law_cells import CellReport, LawMeasurement, measure_law
 
@@ -144,6 +143,13 @@ def exclusions(measurement: LawMeasurement) -> dict[str, list[dict[str, Any]]]:
             blocks.append({"cell": cell.cell, "block_size": cell.block_size,
                            "blocks": cell.excluded_blocks,
                            "reason": "no input energy in the block: kappa_b* is undefined"})
+        if cell.uncovered_features:
+            first = cell.in_features - cell.uncovered_features
+            blocks.append({"cell": cell.cell, "block_size": cell.block_size,
+                           "features": [first, cell.in_features - 1],
+                           "reason": f"the last {cell.uncovered_features} of "
+                                     f"{cell.in_features} input features fill no whole block "
+                                     f"of {cell.block_size}: kappa_b* leaves them out"})
     return {"rows": rows, "zero_variance_coordinates": coordinates, "blocks": blocks,
             "linears": list(measurement.skipped_linears)}
 
@@ -160,17 +166,6 @@ def summarize(measurement: LawMeasurement) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- files
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with every non-finite float replaced by None (JSON has no NaN)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
 
 
 def _number(value: float | None, digits: int = 2) -> str:
@@ -238,8 +233,13 @@ def _exclusion_lines(excluded: dict[str, list]) -> list[str]:
             "uses second moments)"
         )
     for item in excluded["blocks"]:
-        lines.append(f"* `{item['cell']}`: blocks {_indices(item['blocks'])} of "
-                     f"{item['block_size']} coordinates left out of kappa_b*: {item['reason']}")
+        if "features" in item:
+            first, last = item["features"]
+            lines.append(f"* `{item['cell']}`: input features {first}..{last}: {item['reason']}")
+        else:
+            lines.append(f"* `{item['cell']}`: blocks {_indices(item['blocks'])} of "
+                         f"{item['block_size']} coordinates left out of kappa_b*: "
+                         f"{item['reason']}")
     for item in excluded["linears"]:
         lines.append(f"* linear `{item['linear']}`: {item['reason']}")
     return lines
@@ -373,7 +373,7 @@ def write_report(measurement: LawMeasurement, out: str | Path, config: dict[str,
 
     def write(folder: Path) -> None:
         (folder / "law.json").write_text(
-            json.dumps(_finite(document), indent=1, allow_nan=False) + "\n")
+            json_text(document, indent=1))
         (folder / "law.md").write_text(law_markdown(summary, config, len(measurement.records)))
         (folder / "kappa.md").write_text(kappa_markdown(summary, config))
         law_figure(measurement, summary, folder / "law.png")
@@ -406,10 +406,11 @@ def run_law(
     """Load ``model`` (a local folder or ``"minilm"``), cut ``tokens`` calibration tokens from
     ``data`` (a .txt/.jsonl file, ``hf:<dataset>`` or ``random``), measure the law and write the
     report into the folder ``out`` (checked first: :func:`kbbq_pl.io.fileio.check_output`).  The
-    model runs on ``device``.  A kbbq-pl quantized checkpoint is refused: the law measures what
-    rounding does to full-precision operands.  Returns the paths and the summary."""
+    model runs on ``device``.  A quantized folder (kbbq-pl's or compressed-tensors') is measured
+    with its dequantized weights as the full-precision operands.  Returns the paths and the
+    summary."""
     from ..io.data import token_blocks
-    from ..io.models import load_model, parse_device, resolve_model_path
+    from ..io.models import check_context, load_model, parse_device, resolve_model_path
 
     start = time.perf_counter()
     if batch_size < 1:
@@ -420,6 +421,7 @@ def run_law(
     check_output(out, overwrite=overwrite, sources=sources)
     # a quantized folder (kbbq-pl's or compressed-tensors'): the law of its dequantized weights
     loaded, tokenizer = load_model(model, device=device, dequantize=True)
+    check_context(loaded, seq_len, "a --seq-len")
     vocab = getattr(loaded.config.get_text_config(), "vocab_size", None)
     ids = token_blocks(data, tokenizer, n_tokens=tokens, seq_len=seq_len, seed=seed,
                        vocab_size=vocab).to(device)

@@ -4,11 +4,11 @@ rendered from :class:`~kbbq_pl.quant.report.QuantizationReport`, and the markdow
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from typing import Any
 
+from ..io.fileio import json_text
 from ..quant.autobrake import choice_histogram
 from ..quant.config import QuantizationConfig
 from ..quant.report import QuantizationReport
@@ -115,5 +115,5 @@ def report_markdown(report: QuantizationReport, title: str = "kbbq-pl quantizati
 
 def report_files(report: QuantizationReport) -> dict[str, str]:
     """``report.json`` and ``report.md``: file name -> text, written beside the checkpoint."""
-    return {"report.json": json.dumps(report.to_dict(), indent=2, default=str) + "\n",
+    return {"report.json": json_text(report.to_dict()),
             "report.md": report_markdown(report)}

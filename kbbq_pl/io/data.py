@@ -306,9 +306,11 @@ class CalibrationDataModule(LightningDataModule):
         """Settle ``packing=None`` for ``model``: a causal LM is scored on running text, so it
         calibrates on packed blocks; an encoder embeds one text at a time, so it calibrates on
         whole records, unless there is no text (``random``, or no tokenizer).  An explicit
-        ``packing`` is kept."""
+        ``packing`` is kept.  ``seq_len`` may not exceed the positions ``model`` reads."""
         from .checkpoint import is_causal_model
+        from .models import check_context
 
+        check_context(model, self.seq_len, "a seq_len (--data.init_args.seq_len)")
         if self.packing is None:
             self.packing = (is_causal_model(model) or self.tokenizer is None
                             or (isinstance(self.source, str) and self.source == RANDOM))

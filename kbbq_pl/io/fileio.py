@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -245,13 +246,31 @@ def remove_stale_staging(out_dir: Path) -> list[Path]:
     return removed
 
 
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def json_text(document: Any, indent: int | None = 2, **options: Any) -> str:
+    """``document`` as strict JSON text ending in a newline: NaN and infinities written as
+    ``null`` (JSON has no such numbers: Python's default ``NaN`` / ``Infinity`` are refused by
+    strict readers such as ``jq`` and browsers), other objects as their ``str``."""
+    return json.dumps(_finite(document), indent=indent, default=str, allow_nan=False,
+                      **options) + "\n"
+
+
 def write_output_json(path: str | Path, document: dict[str, Any], *, overwrite: bool = False,
                       sources: Iterable[str | Path | None] = ()) -> Path:
     """Write ``document`` (with ``written_by: kbbq-pl``) as JSON to the user-named file
     ``path``, atomically, as :func:`check_output` allows."""
     target = check_output(path, overwrite=overwrite, sources=sources, kind="file")
-    text = json.dumps({"written_by": WRITTEN_BY, **document}, indent=2, default=str)
-    return atomic_write_text(target, text + "\n")
+    return atomic_write_text(target, json_text({"written_by": WRITTEN_BY, **document}))
 
 
 def written_summary(path: str | Path) -> str:

@@ -252,6 +252,25 @@ def load_model(
     return model, load_tokenizer(folder)
 
 
+def max_context(model: nn.Module) -> int | None:
+    """The positions ``model`` reads: its (text) config's ``max_position_embeddings``, None
+    where it declares none."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    longest = getattr(text, "max_position_embeddings", None)
+    return longest if isinstance(longest, int) else None
+
+
+def check_context(model: nn.Module, seq_len: int, option: str) -> None:
+    """Raise a ValueError naming ``option`` (what the user passes) where sequences of
+    ``seq_len`` tokens are longer than ``model`` reads (:func:`max_context`)."""
+    longest = max_context(model)
+    if longest is not None and seq_len > longest:
+        raise ValueError(f"sequences of {seq_len} tokens are longer than "
+                         f"{type(model).__name__} reads (max_position_embeddings {longest}): "
+                         f"pass {option} of at most {longest}")
+
+
 def detach_from_files(model: nn.Module) -> None:
     """Copy every CPU parameter and buffer of ``model`` into the process's own memory.  A model
     loaded from safetensors is memory-mapped, and a mapped file's pages stay resident while the

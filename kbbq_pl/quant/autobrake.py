@@ -51,7 +51,9 @@ class LambdaChoice:
 
     @property
     def errors_db(self) -> dict[float, float]:
-        return {lam: 10 * math.log10(e) if e > 0 else float("-inf")
+        """The errors in dB: ``-inf`` for an exact candidate, NaN where the held-out outputs
+        have no energy (the relative error is undefined)."""
+        return {lam: e if math.isnan(e) else 10 * math.log10(e) if e > 0 else float("-inf")
                 for lam, e in self.errors.items()}
 
 
@@ -61,7 +63,8 @@ def output_error(weight: Tensor, w_hat: Tensor, x: Tensor, transform: Tensor | N
     ``[out, D]`` on inputs ``x [n, D]``: ``y = x W^T`` and ``y_hat = Q(T x) w_hat^T`` with
     ``w_hat = Q(W T^-1)``, the activations rounded as deployed (a static NVFP4 scale from these
     inputs' amax, or dynamic).  ``y``: the exact outputs, when the caller scores several
-    candidates on the same inputs."""
+    candidates on the same inputs.  NaN where ``y`` has no energy (the layer's outputs on
+    these inputs are all zero)."""
     fmt = get_format(fmt)
     if y is None:
         y = x.float() @ weight.float().T  # float32 products: their error is ~1e-6 of FP4's
@@ -72,7 +75,7 @@ def output_error(weight: Tensor, w_hat: Tensor, x: Tensor, transform: Tensor | N
     residual = torch.addmm(y, h_q, w_hat.float().T, beta=-1).flatten()  # h_q w_hat^T - y
     flat = y.flatten()
     error, energy = torch.dot(residual, residual).double(), torch.dot(flat, flat).double()
-    return float(error / energy)
+    return float(error / energy) if energy > 0 else float("nan")
 
 
 def choose_lambda(weight: Tensor, x_held_out: Tensor, candidate: Callable[[float], Candidate],
@@ -80,7 +83,8 @@ def choose_lambda(weight: Tensor, x_held_out: Tensor, candidate: Callable[[float
                   act_scale: str = "static") -> LambdaChoice:
     """The lambda of ``grid`` whose candidate (``candidate(lam)``, fitted without the held-out
     tokens) has the smallest :func:`output_error` on ``x_held_out [n, D]`` (the first in grid
-    order on a tie); with several ranks, ``x_held_out`` is every rank's scored tokens,
+    order on a tie, or where no error is defined: held-out outputs without energy); with
+    several ranks, ``x_held_out`` is every rank's scored tokens,
     gathered, so that every rank chooses the same."""
     if x_held_out.numel() == 0:
         raise ValueError("no held-out tokens to choose lambda on")
@@ -90,7 +94,12 @@ def choose_lambda(weight: Tensor, x_held_out: Tensor, candidate: Callable[[float
         w_hat, transform = candidate(lam)
         errors[lam] = output_error(weight, w_hat, x_held_out, transform, fmt, act_scale, y=y)
     order = list(errors)
-    best = min(errors, key=lambda lam: (errors[lam], order.index(lam)))
+
+    def rank(lam: float) -> tuple[bool, float, int]:  # undefined errors last
+        undefined = math.isnan(errors[lam])
+        return undefined, 0.0 if undefined else errors[lam], order.index(lam)
+
+    best = min(errors, key=rank)
     return LambdaChoice(best, errors)
 
 

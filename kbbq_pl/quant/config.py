@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from ..formats import Format, get_format
-from ..transforms.fit import FITTED_TRANSFORMS, TRANSFORMS
+from ..transforms.fit import FITTED_TRANSFORMS, HADAMARD_TRANSFORMS, TRANSFORMS
 from .act_scale import ActScale, check_act_scale, effective_act_scale
 from .autobrake import DEFAULT_GRID
 
@@ -65,7 +65,8 @@ class TransformConfig:
             before ``v_proj`` is quantized (:mod:`kbbq_pl.transforms.o_proj_fold`; exact in full
             precision), so ``o_proj`` needs no online transform (e.g. for a compressed-tensors
             export).  Llama-style ``v_proj`` / ``o_proj`` names; RTN, fixed lambda,
-            post-training.
+            post-training.  A block whose attention changes the values before ``o_proj`` (a
+            gate, a norm) keeps its online transforms (checked on its outputs).
     """
 
     name: str = "kbbq"
@@ -256,6 +257,11 @@ class QuantizationConfig:
             raise ValueError(f"keep_samples (tokens kept per layer for the report's output "
                              f"SNR) must be a positive integer, got {self.keep_samples!r}")
         block = self.block
+        if self.transform.name in HADAMARD_TRANSFORMS and block & (block - 1):
+            raise ValueError(f"transform {self.transform.name!r} multiplies each block by a "
+                             f"Sylvester Hadamard matrix, which needs a power-of-two block; "
+                             f"format {self.format.name} has blocks of {block} (use transform "
+                             "haar or identity, or a format with power-of-two blocks)")
         if self.weights.block_size % block:
             raise ValueError(f"weights.block_size must be a positive multiple of the "
                              f"{self.format.name} block {block}, got {self.weights.block_size}")

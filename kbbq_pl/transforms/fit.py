@@ -36,6 +36,8 @@ from ..law.noise_law import haar_rotation
 TRANSFORMS = ("identity", "haar", "hadamard", "wush", "kbbq")
 FITTED_TRANSFORMS = ("wush", "kbbq")
 """The transforms fitted from calibration statistics (the others are data-free)."""
+HADAMARD_TRANSFORMS = ("hadamard", "wush", "kbbq")
+"""The transforms whose blocks hold a Sylvester Hadamard factor (a power-of-two block)."""
 DEFAULT_DAMPING = 0.01
 _F64 = torch.float64
 
@@ -126,7 +128,16 @@ def kbbq_basis(weight: Tensor, sigma_blocks: Tensor, damping: float = DEFAULT_DA
     eye = torch.eye(block, dtype=_F64, device=g_w.device)
     g_w = torch.where(degenerate[:, None, None], eye, damp(g_w, damping))
     g_x = torch.where(degenerate[:, None, None], eye, damp(g_x, damping))
-    root = torch.linalg.cholesky(g_w)
+    root, info = torch.linalg.cholesky_ex(g_w)
+    if bool((info > 0).any()):
+        singular = (info > 0).nonzero().flatten().tolist()
+        raise ValueError(
+            f"{name or 'layer'}: cannot fit the transform: the weight Gram of {len(singular)} "
+            f"of {len(info)} blocks (first: block {singular[0]}, input features "
+            f"{singular[0] * block}..{singular[0] * block + block - 1}) is singular with damping "
+            f"{damping} (rank-deficient: a zero or zero-padded weight column, or fewer than "
+            f"{block} output rows); use a damping > 0 (default "
+            f"{DEFAULT_DAMPING})")
     paired = root.transpose(-1, -2) @ g_x @ root
     eigenvalues, vectors = torch.linalg.eigh(paired)
     return KBBQBasis(vectors.transpose(-1, -2) @ root.transpose(-1, -2), eigenvalues, degenerate)

@@ -40,18 +40,23 @@ FitFn = Callable[[Tensor, Tensor], "Tensor | None"]
 the identity)."""
 
 
+def check_heads(blocks: int, d: int, head_dim: int, n_heads: int) -> None:
+    """Raise a ValueError unless ``blocks`` blocks of ``d`` lie inside ``n_heads`` heads of
+    ``head_dim`` and cover them."""
+    if head_dim % d:
+        raise ValueError(f"the transform's blocks of {d} span heads of head_dim {head_dim}: "
+                         "attention mixes tokens per head, so they do not fold into v_proj")
+    if blocks * d != n_heads * head_dim:
+        raise ValueError(f"{blocks} blocks of {d} do not cover {n_heads} heads of {head_dim}")
+
+
 def _heads(transform: Tensor, head_dim: int, n_heads: int) -> Tensor:
     """Blocks ``[n_heads * head_dim / d, d, d]`` as ``[n_heads, head_dim / d, d, d]``."""
     if transform.dim() != 3:
         raise ValueError(f"only block transforms fold into v_proj, got a {transform.dim()}-d "
                          f"transform of shape {tuple(transform.shape)}")
     d = transform.shape[-1]
-    if head_dim % d:
-        raise ValueError(f"the transform's blocks of {d} span heads of head_dim {head_dim}: "
-                         "attention mixes tokens per head, so they do not fold into v_proj")
-    if transform.shape[0] * d != n_heads * head_dim:
-        raise ValueError(f"transform {tuple(transform.shape)} does not cover {n_heads} heads of "
-                         f"{head_dim}")
+    check_heads(transform.shape[0], d, head_dim, n_heads)
     return transform.reshape(n_heads, head_dim // d, d, d)
 
 
@@ -108,7 +113,10 @@ def expand_to_query_heads(blocks: Tensor, n_heads: int, n_kv_heads: int) -> Tens
 
 
 def attention_heads(config: Any) -> tuple[int, int, int]:
-    """``(n_heads, n_kv_heads, head_dim)`` of a HuggingFace config."""
+    """``(n_heads, n_kv_heads, head_dim)`` of a HuggingFace config (its text model's, in a
+    multimodal config)."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
     n_heads = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
@@ -135,6 +143,7 @@ def fold_o_proj(o_weight: Tensor, o_sigma: Tensor, v_weight: Tensor, v_bias: Ten
     ``v_sigma``; None when ``fit`` gives the identity (nothing to fold).  ``heads`` is
     ``(n_heads, n_kv_heads, head_dim)`` (:func:`attention_heads`)."""
     n_heads, n_kv, head_dim = heads
+    check_heads(o_sigma.shape[0], o_sigma.shape[-1], head_dim, n_heads)
     stacked, sigma = pooled_group_statistics(o_weight, o_sigma, head_dim, n_heads, n_kv)
     shared = fit(stacked, sigma)
     if shared is None:

@@ -163,6 +163,12 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys, tiny_llama_dir):
                  str(tiny_llama_dir), "--data.init_args.n_tokens", "64",
                  "--data.init_args.seq_len", "32"]) == 2
     assert "refusing to write the output over its source" in capsys.readouterr().err
+    assert main(["quantize", "--model", str(tiny_llama_dir), "--output_dir", str(tmp_path / "o"),
+                 "--data.init_args.n_tokens", "64", "--data.init_args.seq_len", "1024"]) == 2
+    assert "sequences of 1024 tokens are longer than LlamaForCausalLM reads " \
+           "(max_position_embeddings 256): pass a seq_len (--data.init_args.seq_len) of at " \
+           "most 256" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def test_truncated_or_corrupted_checkpoint(tiny_llama_dir, tmp_path):

@@ -147,6 +147,24 @@ def test_tiny_causal_models(arch):
     assert all(row["kappa_identity"] is not None for row in summary["kappa"]["cells"])
 
 
+def test_input_features_in_no_whole_block_are_reported_as_excluded():
+    """kappa_b* reads whole blocks: with blocks of 48, the last 16 of 64 input features (and
+    all 64 with blocks of 128) are named among the exclusions, not silently left out."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 255, (2, 16), generator=torch.Generator().manual_seed(0))
+    for block_size, first in ((48, 48), (128, 0)):
+        measurement = measure_law(model, batches_of(ids, 2), FORMATS, rows=2, seed=0,
+                                  targets=[r"layers\.0\.self_attn\.o_proj"],
+                                  block_size=block_size)
+        (cell,) = measurement.cells
+        assert cell.uncovered_features == 64 - first
+        blocks = summarize(measurement)["excluded"]["blocks"]
+        assert blocks == [{"cell": cell.cell, "block_size": block_size, "features": [first, 63],
+                           "reason": f"the last {64 - first} of 64 input features fill no "
+                                     f"whole block of {block_size}: kappa_b* leaves them out"}]
+        assert (cell.block_kappa_star is None) == (first == 0)
+
+
 def test_memory_holds_one_block_of_statistics(monkeypatch):
     """No second moment outlives its block: the number of live cell accumulators when a
     block starts does not grow with depth."""
@@ -283,6 +301,11 @@ def test_cli_bad_input_exits_with_a_message(tmp_path, capsys):
     code = main(["law", "--model", "minilm", "--data", "random", "--formats", "fp9",
                  "--out", str(tmp_path / "d"), "--no-progress"])
     assert code == 2 and "unknown format 'fp9'" in capsys.readouterr().err
+    code = main(["law", "--model", "minilm", "--data", "random", "--seq-len", "1024",
+                 "--out", str(tmp_path / "e"), "--no-progress"])
+    assert code == 2 and "sequences of 1024 tokens are longer than BertModel reads " \
+                         "(max_position_embeddings 512): pass a --seq-len of at most 512" \
+                         in capsys.readouterr().err
 
 
 def test_cli_on_a_saved_model_without_tokenizer(tmp_path, capsys):

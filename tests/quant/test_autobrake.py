@@ -3,11 +3,15 @@ RTN and GPTQ, the choice of lambda per layer and its refit on every token."""
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
 from tiny_models import tiny_model
 
 from kbbq_pl.formats import fake_quantize
+from kbbq_pl.io.fileio import json_text
 from kbbq_pl.law import noise_law as law
 from kbbq_pl.quant import (
     AutoBrakeConfig,
@@ -19,6 +23,7 @@ from kbbq_pl.quant import (
 from kbbq_pl.quant.autobrake import DEFAULT_GRID, choice_histogram, choose_lambda, output_error
 from kbbq_pl.quant.layers import quantized_linears
 from kbbq_pl.quant.sequential import split_calibration, split_sequences
+from kbbq_pl.quant.tokens import count_tokens
 from kbbq_pl.transforms.fit import kbbq_basis, transform_inputs, transform_weight
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -125,6 +130,12 @@ def test_choose_lambda_takes_the_smallest_held_out_error_first_in_grid_order():
     assert same.lam == 1.0  # every candidate alike: the first in grid order
     with pytest.raises(ValueError, match="no held-out tokens"):
         choose_lambda(weight, held[:0], candidate, "mxfp4")
+    # held-out outputs without energy: every error is undefined (NaN, not -inf dB, which
+    # would read as exact), the first lambda of the grid is kept, and report.json stays JSON
+    dead = choose_lambda(weight, torch.zeros_like(held), candidate, "mxfp4", grid=(0.75, 0.25))
+    assert dead.lam == 0.75 and all(math.isnan(e) for e in dead.errors_db.values())
+    assert json.loads(json_text({"held_out_error_db": dead.errors_db})) == {
+        "held_out_error_db": {"0.75": None, "0.25": None}}
 
 
 @pytest.mark.parametrize("quantizer", ["rtn", "gptq"])
@@ -149,6 +160,7 @@ def test_auto_lambda_chooses_per_layer_and_refits_on_every_token(quantizer):
     again = quantize_model(tiny_model("llama"), batches, auto, progress=False)
     assert report.to_dict()["autobrake"] == again.to_dict()["autobrake"]  # deterministic
     assert len(report.autobrake) == 14
+    assert {row.tokens for row in report.layers} == {count_tokens(batches)}  # both parts
     for row in report.layers:
         choice = report.autobrake[row.name]
         assert row.lam == choice.lam and set(choice.errors) == set(grid)

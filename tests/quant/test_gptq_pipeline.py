@@ -150,6 +150,15 @@ def test_config_fields_and_validation():
         QuantizationConfig(keep_samples=0)
     with pytest.raises(ValueError, match="multiple of the nvfp4 block 16"):
         QuantizationConfig(weights=WeightsConfig(block_size=24))
+    for name in ("hadamard", "wush", "kbbq"):  # their blocks hold a Sylvester Hadamard factor
+        with pytest.raises(ValueError, match=rf"transform '{name}' .* needs a power-of-two "
+                                             r"block; format e2m1_b24_e4m3 has blocks of 24"):
+            QuantizationConfig(format=FormatConfig("e2m1_b24_e4m3"),
+                               transform=TransformConfig(name), weights=WeightsConfig(
+                                   block_size=96))
+    assert QuantizationConfig(format=FormatConfig("e2m1_b24_e4m3"),
+                              transform=TransformConfig("haar"),
+                              weights=WeightsConfig(block_size=96)).block == 24
     with pytest.raises(ValueError, match="act-order needs transform_refit='fixed'"):
         QuantizationConfig(transform=TransformConfig("kbbq"),
                            weights=WeightsConfig("gptq", transform_refit="in_loop", act_order=True))

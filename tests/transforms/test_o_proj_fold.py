@@ -126,3 +126,49 @@ def test_fold_o_proj_recipe():
             TransformConfig(name, lam, fold_o_proj=True)
     with pytest.raises(ValueError, match="fold_o_proj"):
         replace(fold, weights=WeightsConfig("gptq"))
+
+
+def test_an_attention_that_changes_the_values_keeps_its_online_transform(caplog):
+    """Qwen3-Next gates the attention output before o_proj: the fold would not be exact, so
+    the block runs once with the fold in place, sees its outputs move, and keeps o_proj's
+    online transform (the same model as without the fold), with a warning."""
+    import transformers as T
+
+    config = T.Qwen3NextConfig(vocab_size=256, hidden_size=128, intermediate_size=128,
+                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=32, layer_types=["full_attention"], num_experts=0,
+                               mlp_only_layers=[0])
+    models = []
+    for fold in (False, True):
+        torch.manual_seed(0)
+        model = T.Qwen3NextForCausalLM(config).eval()
+        recipe = QuantizationConfig(transform=TransformConfig("kbbq", 0.75, fold_o_proj=fold))
+        with caplog.at_level("WARNING", logger="kbbq_pl.quant.rtn.quantizer"):
+            report = quantize_model(model, _batches(), recipe, progress=False)
+        models.append(model)
+    assert report.model["o_proj_folded_into_v_proj"] == []
+    assert "fold_o_proj: model.layers.0.self_attn.o_proj: folding moves the block's " \
+           "full-precision outputs by" in caplog.text
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(models[0](input_ids=ids).logits, models[1](input_ids=ids).logits)
+
+
+def test_fold_o_proj_reads_the_heads_of_a_multimodal_models_text_config():
+    from tiny_models import tiny_multimodal
+
+    model = tiny_multimodal("llava")
+    recipe = QuantizationConfig(transform=TransformConfig("kbbq", 0.75, fold_o_proj=True))
+    report = quantize_model(model, _batches(), recipe, progress=False)
+    assert report.model["o_proj_folded_into_v_proj"] == [
+        f"model.language_model.layers.{i}.self_attn.o_proj" for i in range(2)]
+
+
+def test_blocks_that_span_heads_are_refused_naming_the_layer():
+    model = tiny_model("llama")  # head_dim 16, MXFP4 blocks of 32
+    recipe = QuantizationConfig(format=FormatConfig("mxfp4"),
+                                transform=TransformConfig("kbbq", 0.75, fold_o_proj=True))
+    with pytest.raises(ValueError, match=r"fold_o_proj: model\.layers\.0\.self_attn\.o_proj into "
+                                         r".*v_proj: the transform's blocks of 32 span heads of "
+                                         r"head_dim 16"):
+        quantize_model(model, _batches(), recipe, progress=False)

@@ -93,6 +93,20 @@ def test_degenerate_blocks_keep_the_identity():
     assert torch.equal(basis.transform(0.5)[1], torch.eye(16, dtype=torch.float64))
 
 
+def test_undamped_fit_of_a_singular_weight_gram_names_the_layer_and_block():
+    """Without damping (the paper's WUSH) a zero weight column, e.g. the zero padding of a
+    width that is not a multiple of the block, leaves ``G_W`` singular: a ValueError names the
+    layer, the block and the damping, not a bare Cholesky error."""
+    weight = torch.randn(32, 32, dtype=torch.float64)
+    sigma = law.diagonal_blocks(law.second_moment(torch.randn(256, 32, dtype=torch.float64)), 16)
+    T.kbbq_basis(weight, sigma, damping=0.0)  # full rank: fits
+    weight[:, 20] = 0
+    with pytest.raises(ValueError, match=r"mlp\.down_proj: cannot fit the transform: the weight "
+                                         r"Gram of 1 of 2 blocks \(first: block 1, input features "
+                                         r"16\.\.31\) is singular with damping 0\.0"):
+        T.kbbq_basis(weight, sigma, damping=0.0, name="mlp.down_proj")
+
+
 def test_batched_fit_matches_per_block_fit(layer):
     weight, _, sigma = layer
     blocks = law.diagonal_blocks(sigma, 16)

@@ -15,10 +15,12 @@ statistics are those of the full-precision model (``propagate="fp"``).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
-from torch import Tensor, nn
+import torch
+from torch import Tensor
 
 from ...formats import fake_quantize, quantize
 from ...formats.padding import pad_features
@@ -26,7 +28,7 @@ from ...transforms.fit import FITTED_TRANSFORMS, fit_transform, kbbq_basis, tran
 from ...transforms.o_proj_fold import attention_heads, fold_o_proj
 from ..autobrake import LambdaChoice, choose_lambda
 from ..config import QuantizationConfig
-from ..modules import fused_groups, linear_weight
+from ..modules import fused_groups, is_transposed, linear_weight
 from ..report import QuantizationReport
 from ..scales import fused_weight_scales
 from ..stats import LayerStatistics, StatisticsCollector
@@ -34,6 +36,8 @@ from ..weight_quantizer import Block, LayerPlan, WeightQuantizer
 from .algorithm import rtn
 
 __all__ = ["RTN", "auto_transform", "fold_o_proj_transforms"]
+
+log = logging.getLogger(__name__)
 
 
 def auto_transform(weight: Tensor, fit: LayerStatistics, held_out: LayerStatistics,
@@ -52,45 +56,95 @@ def auto_transform(weight: Tensor, fit: LayerStatistics, held_out: LayerStatisti
     samples = pad_features(samples, config.fmt).to(weight.device)
     choice = choose_lambda(weight, samples, candidate, config.fmt, config.autobrake.grid,
                            config.effective_act_scale)
-    pooled = (fit.sigma_sum + held_out.sigma_sum) / (fit.tokens + held_out.tokens)
-    basis = kbbq_basis(weight, pooled, config.transform.damping, name=name)
+    basis = kbbq_basis(weight, fit.pooled(held_out).sigma_blocks(), config.transform.damping,
+                       name=name)
     return basis.transform(choice.lam), choice
 
 
-def fold_o_proj_transforms(model: nn.Module, modules: dict[str, nn.Module],
-                           stats: dict[str, LayerStatistics],
-                           transforms: dict[str, Tensor | None],
-                           config: QuantizationConfig
+FOLD_TOLERANCE = 1e-3
+"""The largest relative change of a block's full-precision outputs that a fold may make (the
+fold is exact in real arithmetic; float32 rounding moves them by ~1e-6)."""
+
+
+def fold_o_proj_transforms(block: Block, stats: dict[str, LayerStatistics],
+                           transforms: dict[str, Tensor | None]
                            ) -> dict[str, tuple[str, Tensor, Tensor | None]]:
     """``transform.fold_o_proj``: refit every ``o_proj``'s transform shared per value head and
     fold it into its ``v_proj``'s rows; refit that ``v_proj``'s transform on its new weight.
     Updates ``transforms``; returns, per folded ``o_proj``, its ``v_proj`` and the new
-    full-precision ``(weight, bias)`` of the ``v_proj`` (the model is not changed)."""
-    heads = attention_heads(model.config)
+    full-precision ``(weight, bias)`` of the ``v_proj`` (the model is not changed).
+
+    The fold assumes that ``o_proj`` reads the attention probabilities times the values.  An
+    attention that changes the values on the way (Qwen3-Next's output gate, Gemma 3n's
+    ``v_norm``) breaks it: the block is run in full precision on its first cached batch with
+    the folds in place, and where its outputs move by more than :data:`FOLD_TOLERANCE` the
+    block keeps its online transforms, with a warning."""
+    config, modules = block.config, block.linears
+    heads = attention_heads(block.model.config)
     pairs = [(name, name.removesuffix("o_proj") + "v_proj") for name in modules
              if name.endswith("o_proj")]
     pairs = [(o, v) for o, v in pairs if v in modules]
     if not pairs:
         raise ValueError("fold_o_proj: no targeted o_proj with a targeted v_proj beside it "
-                         f"in {type(model).__name__} ({', '.join(modules)})")
+                         f"in {type(block.model).__name__} ({', '.join(modules)})")
 
     def fit(weight: Tensor, sigma: Tensor) -> Tensor | None:
         return fit_transform(config.transform.name, weight, sigma, block=config.block,
                              lam=float(config.transform.lam), seed=config.transform.seed,
                              damping=config.transform.damping)
 
-    folded = {}
+    folded, unfolded = {}, dict(transforms)
     for o_name, v_name in pairs:
         v_module = modules[v_name]
-        pair = fold_o_proj(linear_weight(modules[o_name]).detach(), stats[o_name].sigma_blocks(),
-                           linear_weight(v_module).detach(), v_module.bias,
-                           stats[v_name].sigma_blocks(), heads, fit, config.fmt)
+        try:
+            pair = fold_o_proj(linear_weight(modules[o_name]).detach(),
+                               stats[o_name].sigma_blocks(), linear_weight(v_module).detach(),
+                               v_module.bias, stats[v_name].sigma_blocks(), heads, fit,
+                               config.fmt)
+        except ValueError as error:
+            raise ValueError(f"fold_o_proj: {o_name} into {v_name}: {error}") from error
         if pair is None:
             continue
         transforms[o_name] = pair.o_transform
         transforms[v_name] = pair.v_transform
         folded[o_name] = (v_name, pair.v_weight, pair.v_bias)
+    change = _fold_change(block, folded, transforms) if folded else 0.0
+    if change > FOLD_TOLERANCE:
+        log.warning("fold_o_proj: %s: folding moves the block's full-precision outputs by %.2g "
+                    "(relative): its attention changes the values before o_proj (a gate or a "
+                    "norm), so its o_proj keeps an online transform", ", ".join(folded), change)
+        transforms.update(unfolded)
+        return {}
     return folded
+
+
+@torch.no_grad()
+def _fold_change(block: Block, folded: dict[str, tuple[str, Tensor, Tensor | None]],
+                 transforms: dict[str, Tensor | None]) -> float:
+    """The relative change of the block's outputs on its first cached batch when each folded
+    ``o_proj`` computes with ``W T^-1`` and its ``v_proj`` with the folded rows (full
+    precision)."""
+    reference = block.step.run(subset=slice(0, 1))[0]
+    saved = []
+    try:
+        for o_name, (v_name, weight, bias) in folded.items():
+            o_module, v_module = block.linears[o_name], block.linears[v_name]
+            for module, new in ((o_module, transform_weight(
+                    linear_weight(o_module).detach(), transforms[o_name])),
+                                (v_module, weight)):
+                saved.append((module.weight, module.weight.data))
+                module.weight.data = (new.T if is_transposed(module) else new).to(
+                    module.weight.dtype)
+            if bias is not None:
+                saved.append((v_module.bias, v_module.bias.data))
+                v_module.bias.data = bias.to(v_module.bias.dtype)
+        outputs = block.step.run(subset=slice(0, 1))[0]
+    finally:
+        for tensor, data in reversed(saved):
+            tensor.data = data
+    reference, outputs = reference.double(), outputs.double()
+    change = (outputs - reference).norm() / reference.norm().clamp(min=1e-30)
+    return float(block.collectives.reduce_max(change.float()))  # every rank decides alike
 
 
 @dataclass
@@ -161,7 +215,7 @@ class RTN(WeightQuantizer):
                     damping=config.transform.damping, name=name)
         folded = {}
         if config.transform.fold_o_proj:
-            folded = fold_o_proj_transforms(block.model, block.linears, stats, transforms, config)
+            folded = fold_o_proj_transforms(block, stats, transforms)
             self.folded += list(folded)
         new_values = {v_name: (weight, bias) for v_name, weight, bias in folded.values()}
         shared: dict[str, Tensor | None] = {}
@@ -186,9 +240,11 @@ class RTN(WeightQuantizer):
             elif name in folded:
                 quantized = quantize(transform_weight(weight, transforms[name]), config.fmt,
                                      name=f"{name}.weight")
-            plans[name] = LayerPlan(
+            plans[name] = LayerPlan(  # the report reads every token's statistics
                 transform=transforms[name], online=None if name in folded else transforms[name],
-                stats=stats[name], weight=quantized, full_precision=full_precision,
+                stats=stats[name] if held_out is None else stats[name].pooled(
+                    held_out.stats[name]),
+                weight=quantized, full_precision=full_precision,
                 choice=choices.get(name), folded=name in folded)
         return plans
 

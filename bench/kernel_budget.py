@@ -15,8 +15,9 @@ of the fold check), the
 fewest bytes each kernel must move through device memory (each input read once, each output
 written once) and the FLOPs, and from them:
 
-* ``floor``: the bytes at the copy bandwidth plus the FLOPs at the bf16 matrix rate (nothing
-  overlapped, no launch gaps): no version runs faster;
+* ``floor``: per kernel, the longer of its bytes at the copy bandwidth and its FLOPs at the
+  bf16 matrix rate (a kernel may overlap the two), the kernels one after another, no launch
+  gaps: no version runs faster;
 * ``predicted``: the decode GEMM at 70% of the copy bandwidth (the issue's goal), the
   activation kernel at 80% (its goal) or at its instructions' rate, whichever is slower
   (``ACT_SASS`` per element, from ``bench/gpu_compile.py`` on Triton 3.6, at 128 per SM clock),

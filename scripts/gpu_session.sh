@@ -12,18 +12,22 @@
 #       bash scripts/gpu_session.sh run [tests|bench|all]
 #
 # `run kernels` is the one prepared call of issue 45 (about 9 minutes on an H100: installing the
-# wheels ~30 s, then bench/gpu.py within BENCH_BUDGET = 470 s, cut at BENCH_S = 520 s): it
+# wheels ~30 s, then bench/gpu.py within its budget, cut before the call's limit): it
 # autotunes, checks (codes bit for bit, every path within one bf16 rounding) and times every
 # row the issue asks for, prints the short summary table last and leaves the full log in
 # $OUT/bench_gpu.txt, every row in $OUT/bench.json and the model section's profiler traces in
 # $OUT/trace_*.json.gz.  A failing section prints its traceback and the run goes on; a section
 # that would not fit the budget is skipped and says so (the `rows`, `peers` and `compiled`
-# sections come last: a second call with BENCH_ARGS="--sections rows,peers,compiled" takes what
-# the first skipped; send it at once: the machine goes back after 30 s idle, and a fresh one
-# starts only with 4 minutes of device time left, so with 15 minutes in all the second call of
-# a 600 s first one has about 230 s: set BENCH_BUDGET=180 BENCH_S=210 and timeout_s 230); a
-# section the `timeout` below stops still leaves the summary and the JSON of what was measured
-# (bench/gpu.py turns SIGTERM into an orderly exit).
+# sections come last: a second call takes what the first skipped, e.g. BENCH_ARGS="--sections
+# compiled,rows,peers" (in that order: peers fill what is left); send it at once: the machine
+# goes back after 30 s idle, and a fresh one starts only with 4 minutes of device time left, so
+# read `status` for budget_left_s after the first call and give the second CALL_S = its
+# timeout_s, e.g. CALL_S=230 and timeout_s 230; call give_back after it).  The limits follow
+# the call's: CALL_S (the device call's timeout_s, default 600) less the seconds already spent
+# less 15 is the bench's cut (BENCH_S), 40 s less its budget (BENCH_BUDGET); a warm machine's
+# second call reuses the installed wheels.  A section the `timeout` below stops still leaves
+# the summary and the JSON of every section before it (bench/gpu.py writes it after each, and
+# turns SIGTERM into an orderly exit).
 #
 # Measured on an H200 (2026-11-26): the 92 GPU tests need more than 250 s (the kernels' codes
 # against the CPU reference 33 to 42 s per format, the compiled roundings 6 to 11 s each);
@@ -72,6 +76,7 @@ image_check() {
 }
 
 prepare() {
+    rm -rf .whl .devrun  # one wheel per package: an older one left here fails the install
     mkdir -p .whl .devrun/data
     grep -qx "/.devrun/" .git/info/exclude 2>/dev/null || echo "/.devrun/" >> .git/info/exclude
     for name in $PACKAGES; do
@@ -82,19 +87,25 @@ prepare() {
             python -m pip wheel -q --no-deps -w .whl "$name==$version" || exit 1
     done
     python -m pip wheel -q --no-deps -w .whl "$GEMLITE" || echo "GemLite wheel not built: its rows will say so"
-    git rev-parse --short HEAD > .devrun/commit  # the device's copy of the tree has no .git
+    # the device's copy of the tree has no .git; it carries uncommitted changes too
+    git describe --always --dirty --abbrev=7 > .devrun/commit
     for item in $DATA; do cp -r "../shared/data/$item" .devrun/data/; done
     du -sh .whl .devrun
 }
 
 run() {
     local what=${1:-all}
-    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
-        .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 3; }
-    # Installed, not run from the checkout: kbbq_pl.callbacks and kbbq_pl.recipes are mapped
-    # from callbacks/ and recipes/ (pyproject.toml), which a plain PYTHONPATH does not do.
-    PYTHONPATH=/tmp/site python3 -m pip install -q --no-index --no-deps --no-build-isolation \
-        --no-compile --target /tmp/pkg . >/tmp/pkg.log 2>&1 || { tail -20 /tmp/pkg.log; exit 4; }
+    if [ -f /tmp/site/.kbbq_installed ] && [ -d /tmp/pkg/kbbq_pl ]; then
+        echo "wheels and package already installed (a warm machine's second call)"
+    else
+        python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+            .whl/*.whl >/tmp/whl.log 2>&1 || { tail -20 /tmp/whl.log; echo "wheel install failed"; exit 3; }
+        # Installed, not run from the checkout: kbbq_pl.callbacks and kbbq_pl.recipes are mapped
+        # from callbacks/ and recipes/ (pyproject.toml), which a plain PYTHONPATH does not do.
+        PYTHONPATH=/tmp/site python3 -m pip install -q --no-index --no-deps --no-build-isolation \
+            --no-compile --target /tmp/pkg . >/tmp/pkg.log 2>&1 || { tail -20 /tmp/pkg.log; exit 4; }
+        touch /tmp/site/.kbbq_installed
+    fi
     export PYTHONPATH=/tmp/pkg:/tmp/site PATH=/tmp/pkg/bin:/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
     export HF_HUB_OFFLINE=1 KBBQ_PL_FAILURE_LOG=$OUT/failures.txt
     mkdir -p ../shared && rm -rf ../shared/data && cp -r .devrun/data ../shared/data
@@ -108,17 +119,22 @@ run() {
         (cd /tmp && timeout -k 5 "${TEST_S:-300}" python3 -m pytest -m gpu -q -rfEs \
             -p no:cacheprovider --timeout "${PER_TEST_S:-90}" --durations=15 \
             --rootdir "$ROOT" -c "$ROOT/pyproject.toml" ${PYTEST_ARGS:-} "${selected[@]}") 2>&1 |
-            grep -v "IndexKernel.cu" | tee "$OUT/pytest_gpu.txt" | tail -60
+            grep --line-buffered -v "IndexKernel.cu" | tee "$OUT/pytest_gpu.txt" | tail -60
     fi
     if [ "$what" = bench ] || [ "$what" = all ]; then
         timeout -k 5 "${BENCH_S:-250}" python3 bench/gpu.py ${BENCH_ARGS:-} 2>&1 |
-            grep -v "IndexKernel.cu" | tee "$OUT/bench_gpu.txt"
+            grep --line-buffered -v "IndexKernel.cu" | tee "$OUT/bench_gpu.txt"
     fi
     if [ "$what" = kernels ]; then
+        # the cut and the budget follow what is left of the call (the header)
+        local cut=${BENCH_S:-$(( ${CALL_S:-600} - SECONDS - 15 ))}
+        local budget=${BENCH_BUDGET:-$(( cut - 40 ))}
+        echo "bench: cut at $cut s, budget $budget s ($SECONDS s spent before it)"
         # the full log goes to $OUT; the summary table is the last thing bench/gpu.py prints
-        KBBQ_PL_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || cat .devrun/commit) \
-        timeout -k 5 "${BENCH_S:-520}" python3 bench/gpu.py --budget-s "${BENCH_BUDGET:-470}" \
-            --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | grep -v "IndexKernel.cu" |
+        KBBQ_PL_COMMIT=$(git describe --always --dirty --abbrev=7 2>/dev/null ||
+                         cat .devrun/commit) \
+        timeout -k 5 "$cut" python3 bench/gpu.py --budget-s "$budget" \
+            --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "IndexKernel.cu" |
             tee "$OUT/bench_gpu.txt"
     fi
 }

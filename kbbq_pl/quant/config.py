@@ -193,7 +193,9 @@ class LayersConfig:
             sparse attention's scoring layers; see :mod:`kbbq_pl.quant.modules`).  Routers of
             mixture-of-experts layers and linear layers with their own forward are never
             quantized.
-        ignore: module-name regular expressions of layers to leave in full precision.
+        ignore: module-name regular expressions of layers to leave in full precision (a
+            pattern that matches no linear layer is named in a warning).  Both also read
+            compressed-tensors' ``re:<pattern>`` spelling.
     """
 
     targets: list[str] | None = None

@@ -303,18 +303,46 @@ def expert_projections(names: Iterable[str], is_experts: Callable[[str], bool]
     return [group for group in groups.values() if len(group) > 1]
 
 
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+"""The config fields that give the number of routed experts."""
+
+
+def _stacked_experts(module: nn.Module, count: int | None) -> nn.Module | None:
+    """The child of ``module`` that holds its experts' weights stacked in one 3-D parameter of
+    ``count`` (the config's expert count) rows, under another name than ``experts`` (JetMoE's
+    ``input_linear``); None where there is none (a convolution's 3-D kernel is not one)."""
+    if count is None:
+        return None
+    for child in module.children():
+        if isinstance(child, nn.modules.conv._ConvNd):
+            continue
+        if any(p.dim() == 3 and p.shape[0] == count for p in child._parameters.values()
+               if p is not None):
+            return child
+    return None
+
+
 def moe_routers(model: nn.Module) -> list[str]:
     """The linear layers that route tokens in ``model``'s mixture-of-experts layers, by
-    qualified name: in a module with an ``experts`` child, each linear layer that is alone in
-    its child of that module (the child itself, or e.g. Arcee's ``router.gate``, Hunyuan's
-    ``gate.wg``), outside the experts, with no more outputs than there are experts: the router
-    (one logit per expert; Llama 4, Phi-MoE; LongCat-Flash's ``router.classifier`` also scores
-    its ``zero_expert_num`` identity experts) and Qwen2-MoE's ``shared_expert_gate`` (one).
-    A shared expert (three linear layers in one child) is not a router."""
+    qualified name: in a module with an ``experts`` child (or a child holding the experts'
+    weights stacked, as many as the config's expert count: JetMoE's ``input_linear``), each
+    linear layer that is alone in its child of that module (the child itself, or e.g. Arcee's
+    ``router.gate``, Hunyuan's ``gate.wg``, JetMoE's ``router.layer``), outside the experts,
+    with no more outputs than there are experts: the router (one logit per expert; Llama 4,
+    Phi-MoE; LongCat-Flash's ``router.classifier`` also scores its ``zero_expert_num``
+    identity experts) and Qwen2-MoE's ``shared_expert_gate`` (one).  A shared expert (three
+    linear layers in one child) is not a router."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    declared = next((value for key in EXPERT_COUNT_KEYS
+                     if isinstance(value := getattr(text, key, None), int) and value > 1), None)
     routers = []
     for name, module in model.named_modules():
         experts = module._modules.get("experts")
         count = None if experts is None else _expert_count(experts)
+        if count is None:
+            experts = _stacked_experts(module, declared)
+            count = None if experts is None else declared
         if count is None:
             continue
         count += getattr(experts, "zero_expert_num", 0) or 0

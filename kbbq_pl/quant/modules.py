@@ -17,6 +17,7 @@ quantized.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Sequence
 
@@ -24,6 +25,8 @@ import torch
 from torch import Tensor, nn
 
 from ..formats.rounding import all_finite
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TARGETS: tuple[str, ...] = (".*",)
 DEFAULT_IGNORE: tuple[str, ...] = (r"(^|\.)lm_head$", r"embed", r"(^|\.)(wte|wpe)$", r"pooler",
@@ -86,8 +89,8 @@ def _compile(patterns: Iterable[str] | str | None, default: Sequence[str]) -> li
         patterns = [patterns]
     compiled = []
     for pattern in patterns:
-        try:
-            compiled.append(re.compile(pattern))
+        try:  # compressed-tensors / llm-compressor spell a regular expression "re:<pattern>"
+            compiled.append(re.compile(pattern.removeprefix("re:")))
         except re.error as error:
             raise ValueError(f"invalid module-name pattern {pattern!r}: {error}") from None
     return compiled
@@ -127,8 +130,13 @@ def find_linears(
         linears.append(name)
         if _selected(name, target_res, ignore_res):
             found[name] = module
+    examples = ", ".join(linears[:6]) or "none"
+    for pattern in ignore_res if ignore is not None else ():
+        if not any(pattern.search(name) for name in linears):
+            log.warning("layers.ignore pattern %r matches no linear layer of %s (its linear "
+                        "layers: %s%s): it leaves nothing out", pattern.pattern,
+                        type(model).__name__, examples, ", ..." if len(linears) > 6 else "")
     if not found:
-        examples = ", ".join(linears[:6]) or "none"
         raise ValueError(
             f"no linear layer of {type(model).__name__} matches targets "
             f"{[p.pattern for p in target_res]} without matching ignore "

@@ -19,7 +19,7 @@ ARCHITECTURES = [
     "olmo2", "granite", "cohere2", "smollm3", "glm4", "falcon", "gpt_neox",
     # mixture of experts
     "deepseek_v3", "glm4_moe", "minimax_m2", "ernie4_5_moe", "olmoe", "phimoe", "longcat_flash",
-    "dbrx", "lfm2_moe",
+    "dbrx", "lfm2_moe", "jetmoe",
     # sparse attention (DeepSeek's lightning indexer, DeepSeek-V4's compressors)
     "deepseek_v32", "glm_moe_dsa", "deepseek_v4",
     # hybrid: linear attention or Mamba layers
@@ -57,6 +57,18 @@ def test_an_architecture_quantizes_and_reloads_through_transformers(tmp_path, ar
     assert set(quantized_linears(reloaded)) == set(layers)
     with torch.no_grad():
         assert torch.equal(reloaded(IDS).logits, quantized)
+
+
+def test_routers_beside_stacked_experts_stay_in_full_precision():
+    """JetMoE holds its experts stacked (``input_linear``, ``[experts, out, in]``) and routes
+    with ``router.layer``, in its MLP and in its attention: the four routers are named and left
+    in full precision."""
+    model = small_model("jetmoe")
+    report = quantize_model(model, [{"input_ids": IDS}], QuantizationConfig(), progress=False)
+    routers = [f"model.layers.{i}.{where}.router.layer" for i in range(2)
+               for where in ("mlp", "self_attention.experts")]
+    assert all("router" in report.skipped[name] for name in routers), report.skipped
+    assert not set(routers) & set(quantized_linears(model))
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa", "deepseek_v4"])

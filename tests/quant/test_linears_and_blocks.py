@@ -35,6 +35,19 @@ def test_find_linears_targets_ignore_and_errors(minilm):
     assert not is_targeted("model.layers.0.mamba.dt_proj") and is_targeted("mamba.x_proj")
 
 
+def test_llm_compressor_regex_patterns_and_an_ignore_that_matches_nothing(minilm, caplog):
+    """compressed-tensors' "re:" spelling of a regular expression is read as one; an ignore
+    pattern that leaves nothing out (a typo, another model's names) is named in a warning."""
+    model, _ = minilm
+    assert len(find_linears(model, ignore=[r"re:.*layer\.0\.", "re:pooler"])) == 30
+    assert is_targeted("mlp.experts.3.up_proj", ignore=[r"re:.*self_attn.*"])
+    assert not is_targeted("mlp.experts.3.up_proj", ignore=[r"re:.*mlp\.experts.*"])
+    with caplog.at_level("WARNING", logger="kbbq_pl.quant.modules"):
+        assert len(find_linears(model, ignore=["pooler", r"mlp\.experts"])) == 36
+    assert r"layers.ignore pattern 'mlp\\.experts' matches no linear layer of BertModel" \
+        in caplog.text and "pooler'" not in caplog.text
+
+
 def test_gpt2_conv1d_weights_are_read_as_out_by_in():
     model = tiny_model("gpt2")
     layers = find_linears(model)

@@ -463,8 +463,8 @@ def _prefill_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | 
         return torch.addmm(bias, a, w.T, alpha=alpha)
     # scales only on the device, another output or bias dtype: the FP32 product, one rounding
     acc = _fp32_product(a, w)
-    if pts is not None:
-        acc = acc * pts * w_global
+    if pts is not None:  # the smaller scale first, as the kernels' epilogue
+        acc = acc * torch.minimum(pts, w_global) * torch.maximum(pts, w_global)
     if gain != 1.0:
         acc = acc / (gain * gain)
     if bias is not None:

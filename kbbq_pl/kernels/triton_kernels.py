@@ -541,7 +541,11 @@ def _epilogue(acc, offs_m, offs_n, M, N, a_global_ptr, w_global_ptr, bias_ptr, o
               EXPLICIT_BF16: tl.constexpr):
     """Per-tensor scales, the MX ``no_clip`` gain, bias; store in the output dtype."""
     if HAS_GLOBAL:
-        acc = acc * tl.load(a_global_ptr) * tl.load(w_global_ptr)
+        # the smaller scale first: |acc| <= 2688^2 K, so no product overflows FP32 where the
+        # result does not (activations ~1e35 against weights ~0.1 did, the larger one first)
+        a_global = tl.load(a_global_ptr)
+        w_global = tl.load(w_global_ptr)
+        acc = acc * tl.minimum(a_global, w_global) * tl.maximum(a_global, w_global)
     if GAIN2 != 1.0:
         acc = tl.div_rn(acc, tl.full(acc.shape, GAIN2, tl.float32))
     if HAS_BIAS:

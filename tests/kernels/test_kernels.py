@@ -387,6 +387,22 @@ def test_gemm_split_k_fp16_no_bias_and_tile_configs():
     assert half.dtype == torch.float16 and gemm_error(half, ref) <= 2.0**-10
 
 
+@pytest.mark.parametrize("m", [1, 40])  # the decode variant and the tiled path
+def test_gemm_per_tensor_scales_do_not_overflow_a_finite_product(m):
+    """NVFP4 activations near 1e35 against weights near 0.1: a finite product (~1e35) whose
+    per-tensor scales, multiplied into the sums the larger first, overflowed FP32."""
+    needs_kernels()
+    k, n = 64, 16
+    q = F.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.1, "nvfp4")
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)) * 1e35
+    codes, scales, pts = K.quantize_activations(x, None, "nvfp4")
+    ref = K.reference_w4a4_matmul(codes, scales, pts, q.qdata, q.scale, q.global_scale, "nvfp4")
+    y = K.w4a4_matmul(codes, scales, pts, q.qdata, q.scale, q.global_scale, "nvfp4", None,
+                      torch.float32)
+    assert torch.isfinite(ref).all() and torch.isfinite(y).all()
+    assert gemm_error(y, ref) <= 1e-5
+
+
 def test_gemm_nan_scale_propagates():
     needs_kernels()
     x = torch.randn(2, 64)

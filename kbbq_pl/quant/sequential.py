@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from ..formats import QuantizedTensor
 from .modules import is_linear, modality_encoders
-from .tokens import calibrating, count_tokens, token_positions
+from .tokens import calibrating, count_tokens, token_positions, unknown_padding
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,13 @@ list or a DataLoader."""
 
 
 def _log_padding(batches: Sequence[Mapping[str, Any]]) -> None:
-    """Say how many of the batches' positions are padding, left out of the calibration."""
+    """Say how many of the batches' positions are padding, left out of the calibration, and
+    warn of masks whose padding cannot be told (not 2-D)."""
+    unknown = unknown_padding(batches)
+    if unknown:
+        log.warning("%d of %d calibration batches hold an attention_mask that is not 2-D "
+                    "([batch, seq]): any padding in them is calibrated on as tokens (pass the "
+                    "2-D mask; the model builds its own)", unknown, len(batches))
     padded = sum(int((~p).sum()) for p in map(token_positions, batches) if p is not None)
     if padded:
         log.info("%d calibration positions are padding (attention_mask 0), left out of the "
@@ -110,15 +116,17 @@ def split_sequences(batches: Sequence[Mapping[str, Tensor]], holdout: float, see
     ``round(holdout * n)`` of them (at least one, at most ``n - 1``) to the held-out part; each
     part is re-batched in the original batch size, its rows in their original order, a new
     batch starting wherever the sequence length changes (whole sentences of different lengths
-    are neither padded nor cut)."""
+    are neither padded nor cut).  A sequence that is all padding is left out."""
     if not 0.0 < holdout < 1.0:
         raise ValueError(f"autobrake.holdout lies in (0, 1), got {holdout}")
     keys = list(batches[0].keys()) if batches else []
     if not keys:
         raise ValueError("the calibration set is empty: no batches")
     rows = [{k: b[k][i:i + 1] for k in keys} for b in batches for i in range(len(b[keys[0]]))]
+    rows = [row for row in rows if (p := token_positions(row)) is None or bool(p.any())]
     if len(rows) < 2:
-        raise ValueError(f"lam: auto needs at least 2 calibration sequences, got {len(rows)}")
+        raise ValueError(f"lam: auto needs at least 2 calibration sequences with tokens, got "
+                         f"{len(rows)}")
     batch_size = len(batches[0][keys[0]])
     held = min(len(rows) - 1, max(1, round(holdout * len(rows))))
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -33,8 +34,10 @@ from ..formats.padding import pad_features
 from ..formats.rounding import all_finite
 from .act_scale import static_act_scale
 from .modules import check_finite, first_input, in_out_features, linear_weight
-from .tokens import calibrating, token_positions, token_rows
+from .tokens import calibrating, token_positions, token_rows, unknown_padding
 from .w4a4 import transformed_input
+
+log = logging.getLogger(__name__)
 
 _F64 = torch.float64
 _ENERGY_CHUNK = 1 << 18
@@ -208,14 +211,14 @@ class StatisticsCollector:
     def _update(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Tensor):
         stats = self.stats[name]
         source = first_input(args, kwargs)
-        x = token_rows(source.detach())
+        x = token_rows(source.detach(), name)
         if not len(x):  # a batch of padding only
             return
         products = self._products(name, stats, source, x)
         accumulate(stats.sigma_sum, products.blocks)
         if products.full is not None:
             accumulate(stats.full_sum, products.full)
-        self._update_common(stats, module, x, output)
+        self._update_common(name, stats, module, x, output)
 
     def _products(self, name: str, stats: LayerStatistics, source: Tensor, x: Tensor
                   ) -> InputProducts:
@@ -251,11 +254,11 @@ class StatisticsCollector:
         a collector that adds them later (:class:`~kbbq_pl.quant.gptq.HessianCollector`) adds
         them here."""
 
-    def _update_common(self, stats: LayerStatistics, module: nn.Module, x: Tensor,
+    def _update_common(self, name: str, stats: LayerStatistics, module: nn.Module, x: Tensor,
                        output: Tensor) -> None:
         """Output energy, token count, input amax and kept samples of one call."""
         bias = getattr(module, "bias", None)
-        y = token_rows(output.detach()).float()
+        y = token_rows(output.detach(), name).float()
         if bias is not None:
             y = y - bias.detach().float()
         # exact squares, float64 sums; in chunks that stay in the cache (a whole call's float64
@@ -352,6 +355,9 @@ def run_calibration(model: nn.Module, batches: Iterable[Mapping[str, Tensor]]) -
     count = 0
     try:
         for batch in batches:
+            if count == 0 and unknown_padding([batch]):
+                log.warning("the calibration batches hold an attention_mask that is not 2-D "
+                            "([batch, seq]): any padding in them is calibrated on as tokens")
             inputs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
             with calibrating(token_positions(batch)):
                 model(**inputs)
@@ -380,7 +386,7 @@ def kept_inputs(modules: Mapping[str, nn.Module], block: nn.Module,
         x = first_input(args, kwargs)
         entry = copies.get(id(x))
         if entry is None or entry[0] is not x:
-            entry = copies[id(x)] = (x, token_rows(x.detach()).to(store, copy=True))
+            entry = copies[id(x)] = (x, token_rows(x.detach(), name).to(store, copy=True))
         kept[name].append(entry[1])
 
     handles = [block.register_forward_pre_hook(new_call)]
@@ -412,9 +418,17 @@ def transformed_amax(kept: Mapping[str, Iterable[Tensor]], modules: Mapping[str,
         for x in kept[names[0]]:
             x = x.to(device)  # once for every layer that reads it
             for name in names:
-                value = transformed_input(x, in_features, padded, transforms[name]).abs().max()
+                value = tensor_amax(transformed_input(x, in_features, padded, transforms[name]))
                 amax[name] = value if name not in amax else torch.maximum(amax[name], value)
     return amax
+
+
+def tensor_amax(x: Tensor) -> Tensor:
+    """``max |x|`` (float32), 0 for an empty ``x`` (a batch of padding only: every rank still
+    gives each layer it called an amax to reduce)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return x.abs().max().float()
 
 
 def act_scales_from_amax(amax: Mapping[str, Tensor],

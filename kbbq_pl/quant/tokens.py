@@ -63,22 +63,44 @@ def calibrating(positions: Tensor | None) -> Iterator[None]:
         _running.reset(reset)
 
 
-def token_rows(x: Tensor) -> Tensor:
+def _aligned(x: Tensor, positions: Tensor) -> Tensor | None:
+    """``positions`` as a mask over ``x``'s leading dimensions (flattened), or None where
+    ``x`` does not line up with the batch."""
+    batch, seq = positions.shape
+    lead = tuple(x.shape[:-1])
+    if lead == (batch, seq) or (x.dim() == 2 and x.shape[0] == batch * seq):
+        return positions.reshape(-1)
+    if len(lead) > 2 and lead[0] == batch and lead[-1] == seq:  # [batch, ..., seq]: MLA's
+        # kv_b_proj reads [batch, 1, seq, rank], attention may read [batch, heads, seq, dim]
+        shape = (batch,) + (1,) * (len(lead) - 2) + (seq,)
+        return positions.reshape(shape).expand(lead).reshape(-1)
+    return None
+
+
+def token_rows(x: Tensor, layer: str = "") -> Tensor:
     """A layer's input or output ``[..., features]`` as ``[tokens, features]``: flattened, the
     running batch's padded positions left out (:func:`calibrating`).  The positions apply where
-    ``x`` lines up with the batch: its leading dimensions ``[batch, seq]``, or their product
-    (experts reading every token, flattened); otherwise every row is kept, with a warning."""
+    ``x`` lines up with the batch: its leading dimensions ``[batch, seq]``, ``[batch, ...,
+    seq]`` or their product (experts reading every token, flattened); otherwise every row is
+    kept, with a warning naming ``layer``."""
     rows = x.reshape(-1, x.shape[-1])
     positions = _running.get()
     if positions is None:
         return rows
-    if tuple(x.shape[:-1]) == tuple(positions.shape) or (
-            x.dim() == 2 and x.shape[0] == positions.numel()):
-        return rows[positions.reshape(-1).to(rows.device)]
-    key = (tuple(x.shape[:-1]), tuple(positions.shape))
+    mask = _aligned(x, positions)
+    if mask is not None:
+        return rows[mask.to(rows.device)]
+    key = (layer, tuple(x.shape[:-1]), tuple(positions.shape))
     if key not in _unaligned:
         _unaligned.add(key)
-        log.warning("a calibrated layer reads inputs of shape %s that do not line up with the "
-                    "batch's attention_mask %s: its padded positions are calibrated on as "
-                    "tokens", list(x.shape), list(positions.shape))
+        log.warning("%s reads inputs of shape %s that do not line up with the batch's "
+                    "attention_mask %s: its padded positions are calibrated on as tokens",
+                    layer or "a calibrated layer", list(x.shape), list(positions.shape))
     return rows
+
+
+def unknown_padding(batches: Iterable[Mapping[str, Any]]) -> int:
+    """How many of ``batches`` hold an ``attention_mask`` that is not 2-D (a 4-D additive or
+    boolean mask): their padding cannot be told from their tokens."""
+    return sum(isinstance(b.get("attention_mask"), Tensor) and b["attention_mask"].dim() != 2
+               for b in batches)

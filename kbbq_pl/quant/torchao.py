@@ -64,7 +64,7 @@ from .config import QuantizationConfig
 from .layers import w4a4_weight
 from .modules import first_input, fused_groups, is_targeted
 from .scales import fused_weight_scales
-from .stats import StatisticsCollector, act_scales_from_amax
+from .stats import StatisticsCollector, act_scales_from_amax, tensor_amax
 from .tokens import token_rows
 from .w4a4 import transformed_input
 
@@ -170,7 +170,8 @@ class KBBQObserver:
 
     @torch.no_grad()
     def _keep(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.inputs.append(token_rows(first_input(args, kwargs).detach()).to("cpu", copy=True))
+        self.inputs.append(token_rows(first_input(args, kwargs).detach(), self.label).to(
+            "cpu", copy=True))
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -193,7 +194,7 @@ class KBBQObserver:
                              "step='prepare' and step='convert'")
         amax: Tensor | None = None
         for x in self.inputs:
-            value = transformed_input(x.to(device), in_features, padded, transform).abs().max()
+            value = tensor_amax(transformed_input(x.to(device), in_features, padded, transform))
             amax = value if amax is None else torch.maximum(amax, value)
         assert amax is not None
         return amax

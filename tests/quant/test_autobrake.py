@@ -51,6 +51,13 @@ def test_split_is_deterministic_disjoint_and_complete():
         split_sequences(batches, 1.0)
     with pytest.raises(ValueError, match="at least 2"):
         split_sequences([{"input_ids": ids[:1]}], 0.5)
+    # a sequence that is all padding is in neither part (a part of it alone has no tokens)
+    mask = torch.ones(3, 4, dtype=torch.long)
+    mask[1] = 0
+    parts = split_sequences([{"input_ids": ids[:3], "attention_mask": mask}], 0.5)
+    assert sorted(int(b["input_ids"][0, 0]) for part in parts for b in part) == [0, 8]
+    with pytest.raises(ValueError, match="at least 2 calibration sequences with tokens, got 1"):
+        split_sequences([{"input_ids": ids[:2], "attention_mask": mask[1:]}], 0.5)
 
 
 def test_the_split_keeps_sequences_of_different_lengths_whole():

@@ -413,3 +413,50 @@ def test_token_rows_keep_the_rows_that_line_up_with_the_batch(caplog):
     assert token_rows(x).shape == (6, 2)
     assert token_positions({"input_ids": torch.zeros(2, 3), "attention_mask": torch.ones(2, 3)}) \
         is None
+
+
+def test_padding_is_left_out_where_layers_read_batch_heads_seq_and_of_padding_only_batches(
+        caplog):
+    """Multi-head latent attention's kv_b_proj reads ``[batch, 1, seq, rank]``: its padded
+    positions are left out too (DeepSeek-V3: the pad ids change no bit).  A batch of padding
+    only adds nothing (static activation scales included), and a 4-D mask, whose padding
+    cannot be told, is named in a warning."""
+    from tiny_models import small_model
+
+    from kbbq_pl.quant.tokens import calibrating, token_positions, token_rows
+
+    positions = token_positions({"attention_mask": torch.tensor([[1, 1, 0], [0, 1, 1]])})
+    x = torch.arange(2 * 4 * 3 * 5.0).reshape(2, 4, 3, 5)  # [batch, heads, seq, dim]
+    with calibrating(positions):
+        assert torch.equal(token_rows(x), x[positions[:, None, :].expand(2, 4, 3)])
+        assert token_rows(x[:, :1]).shape == (4, 5)  # MLA's [batch, 1, seq, rank]
+    ids = torch.randint(3, 256, (3, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0
+    mask[2, 5:] = 0
+    codes = []
+    for pad_seed in (1, 2):
+        padded = ids.clone()
+        pads = torch.randint(3, 256, ids.shape, generator=torch.Generator().manual_seed(pad_seed))
+        padded[mask == 0] = pads[mask == 0]
+        model = small_model("deepseek_v3", num_key_value_heads=4)
+        report = quantize_model(model, [{"input_ids": padded, "attention_mask": mask}],
+                                QuantizationConfig(), progress=False)
+        assert {row.tokens for row in report.layers if ".layers.0." in row.name} == {31}
+        codes.append({n: layer.weight.qdata for n, layer in quantized_linears(model).items()})
+    assert any(name.endswith("kv_b_proj") for name in codes[0])
+    assert all(torch.equal(codes[0][name], codes[1][name]) for name in codes[0])
+    one, two = tiny_model("llama"), tiny_model("llama")
+    batch = {"input_ids": ids[:2], "attention_mask": torch.ones_like(ids[:2])}
+    empty = {"input_ids": ids[:2], "attention_mask": torch.zeros_like(ids[:2])}
+    quantize_model(one, [batch], QuantizationConfig(), progress=False)
+    quantize_model(two, [batch, empty], QuantizationConfig(), progress=False)
+    for name, layer in quantized_linears(one).items():
+        other = quantized_linears(two)[name]
+        assert torch.equal(layer.weight.qdata, other.weight.qdata), name
+        assert torch.equal(layer.weight.act_global_scale, other.weight.act_global_scale), name
+    four_d = torch.zeros(2, 1, 16, 16)
+    with caplog.at_level("WARNING", logger="kbbq_pl.quant.sequential"):
+        quantize_model(tiny_model("llama"), [{"input_ids": ids[:2], "attention_mask": four_d}],
+                       QuantizationConfig(), progress=False)
+    assert "1 of 1 calibration batches hold an attention_mask that is not 2-D" in caplog.text

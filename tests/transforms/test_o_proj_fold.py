@@ -154,6 +154,30 @@ def test_an_attention_that_changes_the_values_keeps_its_online_transform(caplog)
         assert torch.equal(models[0](input_ids=ids).logits, models[1](input_ids=ids).logits)
 
 
+def test_the_fold_check_reads_token_positions_only(caplog):
+    """The check compares the block's outputs at token positions: padded positions whose
+    inputs dwarf the tokens' (1e3) do not hide the gate's change (the fold is still refused)."""
+    import transformers as T
+
+    config = T.Qwen3NextConfig(vocab_size=256, hidden_size=128, intermediate_size=128,
+                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=32, layer_types=["full_attention"], num_experts=0,
+                               mlp_only_layers=[0])
+    torch.manual_seed(0)
+    model = T.Qwen3NextForCausalLM(config).eval()
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    embeds = model.get_input_embeddings()(ids).detach()
+    embeds[mask == 0] = 1e3
+    recipe = QuantizationConfig(transform=TransformConfig("kbbq", 0.75, fold_o_proj=True))
+    with caplog.at_level("WARNING", logger="kbbq_pl.quant.rtn.quantizer"):
+        report = quantize_model(model, [{"inputs_embeds": embeds, "attention_mask": mask}],
+                                recipe, progress=False)
+    assert report.model["o_proj_folded_into_v_proj"] == []
+    assert "folding moves the block's full-precision outputs" in caplog.text
+
+
 def test_fold_o_proj_reads_the_heads_of_a_multimodal_models_text_config():
     from tiny_models import tiny_multimodal
 

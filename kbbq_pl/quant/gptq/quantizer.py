@@ -100,13 +100,13 @@ class HessianCollector(StatisticsCollector):
     def _update(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Tensor):
         stats = self.stats[name]
         source = first_input(args, kwargs)
-        x = token_rows(source.detach())
+        x = token_rows(source.detach(), name)
         if not len(x):  # a batch of padding only
             return
         products = self._products(name, stats, source, x)
         self._sources[name].append(products.reader)
         self._readers.append(name)
-        self._update_common(stats, module, x, output)
+        self._update_common(name, stats, module, x, output)
 
     def _flush(self) -> None:
         """Add the last product to its readers' sums: once to a sum that exactly its readers
@@ -154,7 +154,9 @@ class HessianCollector(StatisticsCollector):
         over ranks, as long as an entry's per-call values span less than ``2^29 / calls`` in
         magnitude; beyond that, the differences are float64 roundings (~1e-16 relative), and
         :meth:`hessian` rounds to float32 (6e-8) once at the end.  One process and several give
-        the same float32 ``H``, and the same codes (tests/quant/test_gptq_pipeline.py).
+        the same float32 ``H``, and the same codes (tests/quant/test_gptq_pipeline.py), when
+        they run the same batches: each call's product is formed in float32, so regrouping the
+        tokens into other batches changes its roundings (and GPTQ's codes near their ties).
         """
         self._flush()
         self._last = None

@@ -32,6 +32,7 @@ from ..modules import fused_groups, is_transposed, linear_weight
 from ..report import QuantizationReport
 from ..scales import fused_weight_scales
 from ..stats import LayerStatistics, StatisticsCollector
+from ..tokens import calibrating, token_rows
 from ..weight_quantizer import Block, LayerPlan, WeightQuantizer
 from .algorithm import rtn
 
@@ -121,10 +122,13 @@ def fold_o_proj_transforms(block: Block, stats: dict[str, LayerStatistics],
 @torch.no_grad()
 def _fold_change(block: Block, folded: dict[str, tuple[str, Tensor, Tensor | None]],
                  transforms: dict[str, Tensor | None]) -> float:
-    """The relative change of the block's outputs on its first cached batch when each folded
-    ``o_proj`` computes with ``W T^-1`` and its ``v_proj`` with the folded rows (full
-    precision)."""
-    reference = block.step.run(subset=slice(0, 1))[0]
+    """The relative change of the block's outputs, at the token positions of its first cached
+    batch that has tokens, when each folded ``o_proj`` computes with ``W T^-1`` and its
+    ``v_proj`` with the folded rows (full precision)."""
+    positions = block.step.runner.positions
+    first = next((i for i, p in enumerate(positions) if p is None or bool(p.any())), 0)
+    batch = slice(first, first + 1)
+    reference = block.step.run(subset=batch)[0]
     saved = []
     try:
         for o_name, (v_name, weight, bias) in folded.items():
@@ -138,10 +142,13 @@ def _fold_change(block: Block, folded: dict[str, tuple[str, Tensor, Tensor | Non
             if bias is not None:
                 saved.append((v_module.bias, v_module.bias.data))
                 v_module.bias.data = bias.to(v_module.bias.dtype)
-        outputs = block.step.run(subset=slice(0, 1))[0]
+        outputs = block.step.run(subset=batch)[0]
     finally:
         for tensor, data in reversed(saved):
             tensor.data = data
+    if positions[first] is not None:  # padding's outputs are not the model's
+        with calibrating(positions[first]):
+            reference, outputs = token_rows(reference), token_rows(outputs)
     reference, outputs = reference.double(), outputs.double()
     change = (outputs - reference).norm() / reference.norm().clamp(min=1e-30)
     return float(block.collectives.reduce_max(change.float()))  # every rank decides alike

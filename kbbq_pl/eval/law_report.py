@@ -415,6 +415,9 @@ def run_law(
     start = time.perf_counter()
     if batch_size < 1:
         raise ValueError(f"batch size must be at least 1, got {batch_size}")
+    if tokens < 1 or seq_len < 2:  # before the model loads
+        raise ValueError(f"tokens (--tokens) must be at least 1 and seq_len (--seq-len) at "
+                         f"least 2, got {tokens} and {seq_len}")
     formats = [get_format(f).name for f in formats]
     device = parse_device(device)
     sources = [resolve_model_path(model)]

@@ -301,6 +301,10 @@ def test_cli_bad_input_exits_with_a_message(tmp_path, capsys):
     code = main(["law", "--model", "minilm", "--data", "random", "--formats", "fp9",
                  "--out", str(tmp_path / "d"), "--no-progress"])
     assert code == 2 and "unknown format 'fp9'" in capsys.readouterr().err
+    code = main(["law", "--model", str(tmp_path / "never-loaded"), "--data", "random",
+                 "--seq-len", "1", "--out", str(tmp_path / "f"), "--no-progress"])
+    assert code == 2 and "seq_len (--seq-len) at least 2, got 4096 and 1" in \
+        capsys.readouterr().err
     code = main(["law", "--model", "minilm", "--data", "random", "--seq-len", "1024",
                  "--out", str(tmp_path / "e"), "--no-progress"])
     assert code == 2 and "sequences of 1024 tokens are longer than BertModel reads " \

@@ -1532,8 +1532,11 @@ def stopped(signum, frame) -> None:
 
 
 def commit() -> str:
-    """The commit of the tree measured, ``-dirty`` where it has changes (the device's copy has
-    no ``.git``: what ``scripts/gpu_session.sh prepare`` recorded)."""
+    """The commit of the tree measured, ``-dirty`` where it has changes: what
+    ``scripts/gpu_session.sh prepare`` recorded (``KBBQ_PL_COMMIT``; the device's copy may hold
+    a stale ``.git``), else ``git describe``."""
+    if os.environ.get("KBBQ_PL_COMMIT"):
+        return os.environ["KBBQ_PL_COMMIT"]
     try:
         return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
                               capture_output=True, text=True, check=True,

@@ -131,8 +131,8 @@ run() {
         local budget=${BENCH_BUDGET:-$(( cut - 40 ))}
         echo "bench: cut at $cut s, budget $budget s ($SECONDS s spent before it)"
         # the full log goes to $OUT; the summary table is the last thing bench/gpu.py prints
-        KBBQ_PL_COMMIT=$(git describe --always --dirty --abbrev=7 2>/dev/null ||
-                         cat .devrun/commit) \
+        KBBQ_PL_COMMIT=$(cat .devrun/commit 2>/dev/null ||
+                         git describe --always --dirty --abbrev=7) \
         timeout -k 5 "$cut" python3 bench/gpu.py --budget-s "$budget" \
             --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "IndexKernel.cu" |
             tee "$OUT/bench_gpu.txt"

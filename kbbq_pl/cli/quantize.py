@@ -234,10 +234,12 @@ def calibration_batches(data: CalibrationDataModule, model: nn.Module, tokenizer
 
 
 def _calibration_shape(args, config) -> dict[str, str]:
-    """The calibration source and how it was cut, for the report; the settled ``packing``
-    also goes into the written ``recipe.yaml`` (rerunning it gives the same batches)."""
+    """The calibration source and how it was cut, for the report; the settled ``packing`` and
+    ``seq_len`` also go into the written ``recipe.yaml`` (rerunning it gives the same
+    batches)."""
     data = args.data
     config.data.init_args.packing = data.packing
+    config.data.init_args.seq_len = data.seq_len
     return {"calibration_source": str(data.source),
             "calibration_sequences": (f"packed blocks of {data.seq_len} tokens" if data.packs
                                       else f"whole records (at most {data.seq_len} tokens)")}

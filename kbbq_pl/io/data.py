@@ -26,6 +26,7 @@ block (the paper's n, Table calib: 256 to 65536).
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -38,6 +39,8 @@ try:
     from lightning.pytorch import LightningDataModule
 except ImportError:  # pragma: no cover - lightning is a dependency
     from pytorch_lightning import LightningDataModule
+
+log = logging.getLogger(__name__)
 
 RANDOM = "random"
 MIXED = "mixed"
@@ -306,11 +309,19 @@ class CalibrationDataModule(LightningDataModule):
         """Settle ``packing=None`` for ``model``: a causal LM is scored on running text, so it
         calibrates on packed blocks; an encoder embeds one text at a time, so it calibrates on
         whole records, unless there is no text (``random``, or no tokenizer).  An explicit
-        ``packing`` is kept.  ``seq_len`` may not exceed the positions ``model`` reads."""
+        ``packing`` is kept.  A ``seq_len`` longer than the positions ``model`` reads (a
+        recipe's 256 on a model of 128 positions) is cut to them, with a warning: calibration
+        sequences past the model's context would be out of its range, or out of its position
+        table."""
         from .checkpoint import is_causal_model
-        from .models import check_context
+        from .models import max_context
 
-        check_context(model, self.seq_len, "a seq_len (--data.init_args.seq_len)")
+        longest = max_context(model)
+        if longest is not None and self.seq_len > longest:
+            log.warning("seq_len %d is longer than %s reads (max_position_embeddings %d): "
+                        "calibrating on sequences of %d tokens (--data.init_args.seq_len sets "
+                        "it)", self.seq_len, type(model).__name__, longest, longest)
+            self.seq_len = longest
         if self.packing is None:
             self.packing = (is_causal_model(model) or self.tokenizer is None
                             or (isinstance(self.source, str) and self.source == RANDOM))

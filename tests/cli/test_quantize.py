@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from tiny_models import tiny_model
 
 from kbbq_pl.cli.commands import main
@@ -163,12 +165,21 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys, tiny_llama_dir):
                  str(tiny_llama_dir), "--data.init_args.n_tokens", "64",
                  "--data.init_args.seq_len", "32"]) == 2
     assert "refusing to write the output over its source" in capsys.readouterr().err
-    assert main(["quantize", "--model", str(tiny_llama_dir), "--output_dir", str(tmp_path / "o"),
-                 "--data.init_args.n_tokens", "64", "--data.init_args.seq_len", "1024"]) == 2
-    assert "sequences of 1024 tokens are longer than LlamaForCausalLM reads " \
-           "(max_position_embeddings 256): pass a seq_len (--data.init_args.seq_len) of at " \
-           "most 256" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_seq_len_longer_than_the_model_reads_is_cut_to_it(tiny_llama_dir, tmp_path, caplog):
+    """A recipe's seq_len beyond the model's max_position_embeddings calibrates on sequences
+    as long as the model reads, says so, and the written recipe.yaml holds the length used."""
+    out = tmp_path / "o"
+    with caplog.at_level(logging.WARNING):
+        assert main(["quantize", "--model", str(tiny_llama_dir), "--output_dir", str(out),
+                     "--data.init_args.n_tokens", "512", "--data.init_args.seq_len", "1024",
+                     "--eval_sentences", "2"]) == 0
+    assert "seq_len 1024 is longer than LlamaForCausalLM reads (max_position_embeddings " \
+           "256): calibrating on sequences of 256 tokens" in caplog.text
+    assert yaml.safe_load((out / "recipe.yaml").read_text())["data"]["init_args"]["seq_len"] \
+        == 256
 
 
 def test_truncated_or_corrupted_checkpoint(tiny_llama_dir, tmp_path):

@@ -1,7 +1,7 @@
 """W4A4 on one GPU against bf16, in one run: correctness, the GEMM paths, the activation kernel,
 peers, a whole model; a short table of every row against its target printed last.
 
-    python bench/gpu.py [--sections check,gemm,act,model,rows,peers,compiled]
+    python bench/gpu.py [--sections check,gemm,act,act_few,model,rows,peers,compiled]
                         [--formats nvfp4,mxfp4]
                         [--budget-s 500] [--json PATH]
     python bench/gpu.py --tiny        # (or --dry-run) tiny shapes on the CPU under the interpreter
@@ -38,6 +38,11 @@ the run goes on, and the summary says what failed or was skipped for time):
   kernel's codes (exact FMA chain at its tile and at the other, the FMA dot, the tf32x3
   product; each with its code mismatch rate against the chain) and
   its bf16 values (what the prefill path runs), per byte moved against the copy.  Target 0.8.
+  Beside the default (four row tiles a program, the transforms asked of L1 first): one tile a
+  program, and no L1 prefetch.
+* ``act_few``: the activation kernel of a decode step (M = 1, 16; KBBQ-shaped blocks, the
+  decode path's word-ordered values) with and without the L1 prefetch of the transforms, at
+  every K of the GEMM shapes, in microseconds.
 * ``model``: a random-init Llama (hidden 4096, 8 layers, intermediate 14336) in bf16 and with
   every decoder linear a ``W4A4Weight`` (random per-block transforms; NVFP4's activation
   scales static, calibrated on one prefill sequence, as every recipe ships them):
@@ -771,20 +776,28 @@ def act_section(run: Run) -> None:
             # operands through shared memory: the default before the register chain) at the
             # tile it ran at (64 rows by 64 elements) and three TF32 tensor-core products (not
             # bit-identical)
-            others = [(tk.PRODUCT_FMA_CHAIN, f"fma chain {rows_}x1", {"BLOCK_M": rows_, "NB": 1,
-                                                                      "num_warps": 4})
-                      for rows_ in (128, 256) if rows_ != tk.ACT_TILES[d]["BLOCK_M"]]
+            default = tk.ACT_TILES[d]
+            others = [(tk.PRODUCT_FMA_CHAIN, "fma chain, one tile a program",
+                       {**default, "TILES": 1}, True),
+                      (tk.PRODUCT_FMA_CHAIN, "fma chain, one tile a program, no L1 prefetch",
+                       {**default, "TILES": 1}, False),
+                      (tk.PRODUCT_FMA_CHAIN, "fma chain, no L1 prefetch", default, False)]
+            others += [(tk.PRODUCT_FMA_CHAIN, f"fma chain {rows_}x1",
+                        {**default, "BLOCK_M": rows_}, True)
+                       for rows_ in (128, 256) if rows_ != default["BLOCK_M"]]
             others += [(tk.PRODUCT_FMA_DOT, "fma dot", {"BLOCK_M": 64, "NB": 64 // d,
-                                                        "num_warps": 4}),
-                       (tk.PRODUCT_TF32X3, "tf32x3", None)]
-            for product, product_label, tile in (others if transform is not None and run.cuda
-                                                 else ()):
+                                                        "num_warps": 4}, True),
+                       (tk.PRODUCT_TF32X3, "tf32x3", None, True)]
+            for product, product_label, tile, prefetch in (
+                    others if transform is not None and run.cuda else ()):
                 gs = None if not fmt_.global_scale else torch.tensor(0.01, device=device)
                 exact = tk.quantize_activations(x, transform, d, kind, rounding, gain, gs)
 
-                def other(transform=transform, gs=gs, product=product, tile=tile):
+                def other(transform=transform, gs=gs, product=product, tile=tile,
+                          prefetch=prefetch):
                     return tk.quantize_activations(x, transform, d, kind, rounding, gain, gs,
-                                                   config=tile, product=product)
+                                                   config=tile, product=product,
+                                                   prefetch_transform=prefetch)
 
                 seconds = act_seconds(run, other)
                 mismatch = float((other()[0] != exact[0]).float().mean())
@@ -807,6 +820,54 @@ def act_section(run: Run) -> None:
             run.goal(f"activation {name} {label}, exact: x copy (codes; bf16 values)",
                      "; ".join(f"{ratio:.3g}" for ratio in found.values()),
                      list(found.values()), TARGETS["act"])
+
+
+def act_few_section(run: Run) -> None:
+    """The activation kernel of a decode step (M = 1 and 16 rows) with KBBQ-shaped blocks, as
+    the decode path runs it (word-ordered values for the decode GEMM; NVFP4 with a static
+    scale), with and without asking L1 for each program's transforms first, at every K of the
+    GEMM shapes: microseconds a call in a CUDA graph cycling through copies of the transforms
+    (they come from memory, as in a model, where every layer has its own), and the codes
+    identical either way."""
+    from kbbq_pl import kernels as K
+    from kbbq_pl.formats import get_format
+    from kbbq_pl.kernels import skinny
+    from kbbq_pl.kernels import triton_kernels as tk
+
+    rows = []
+    for name in run.formats:
+        fmt_ = get_format(name)
+        d = fmt_.block_size
+        kind, rounding, gain = K._scale_meta(fmt_)
+        gs = torch.tensor(0.01, device=run.device) if fmt_.global_scale else None
+        for k in sorted({k for k, _ in run.shapes["gemm_shapes"]}):
+            first = kbbq_blocks(k, d, run.device)
+            ts = [first] + [first.clone() for _ in range(copies(run, first.numel() * 4) - 1)]
+            for m in (1, 16):
+                x = torch.randn(m, k, device=run.device, dtype=torch.bfloat16)
+                timed, codes = {}, {}
+                for prefetch in (True, False):
+                    calls = [functools.partial(
+                        tk.quantize_activations, x, t, d, kind, rounding, gain, gs,
+                        values_dtype=skinny.activation_dtype(kind), codes=False,
+                        word_order=True, prefetch_transform=prefetch) for t in ts]
+                    timed[prefetch] = seconds_per_call(run, calls)
+                    codes[prefetch] = tk.quantize_activations(
+                        x, first, d, kind, rounding, gain, gs, prefetch_transform=prefetch)[0]
+                same = torch.equal(codes[True], codes[False])
+                rows.append([name, k, m, timed[True] * 1e6, timed[False] * 1e6,
+                             timed[False] / timed[True], "yes" if same else "NO"])
+                run.add("act_few", fmt=name, k=k, m=m, us=timed[True] * 1e6,
+                        us_no_prefetch=timed[False] * 1e6, same_codes=same)
+    table("activation kernel of a decode step, KBBQ-shaped blocks, word-ordered values (the "
+          "decode path), in a CUDA graph over copies of the transforms: microseconds a call "
+          "with the transforms asked of L1 first (the default) and without",
+          ["format", "K", "M", "us", "us, no prefetch", "gain", "same codes"], rows)
+    for name in run.formats:
+        gains = [r[5] for r in rows if r[0] == name]
+        if gains:
+            run.line(f"decode-step activation kernel {name}: time without the L1 prefetch / "
+                     "with, min/median/max", spread(gains))
 
 
 def act_seconds(run: Run, call) -> float:
@@ -1517,7 +1578,8 @@ def compiled_section(run: Run) -> None:
 
 
 SECTIONS = {"check": (check_section, 20), "gemm": (gemm_section, 60), "act": (act_section, 20),
-            "model": (model_section, 230), "rows": (rows_section, 40),
+            "act_few": (act_few_section, 10), "model": (model_section, 230),
+            "rows": (rows_section, 40),
             "peers": (peers_section, 60), "compiled": (compiled_section, 150)}
 """Each section and the seconds of budget it needs to start (the model section measured 198 s
 on an H200 before its profiler and FP8 rows); the default order puts the peers and the compiled
@@ -1547,7 +1609,8 @@ def commit() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", default="check,gemm,act,model,rows,peers,compiled",
+    parser.add_argument("--sections",
+                        default="check,gemm,act,act_few,model,rows,peers,compiled",
                         help=f"comma-separated, of {', '.join(SECTIONS)} (run in that order)")
     parser.add_argument("--formats", default="nvfp4,mxfp4")
     parser.add_argument("--budget-s", type=float, default=500.0,

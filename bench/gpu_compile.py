@@ -211,7 +211,8 @@ def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> l
                                  STATIC=False, AMAX_ONLY=False, PRODUCT=product,
                                  WRITE_CODES=not out_values, WRITE_VALUES=out_values,
                                  WORD_ORDER=word_order, PARTS_FIRST=tk.PARTS_FIRST,
-                                 LAUNCH_DEPENDENTS=word_order, **config.kwargs)
+                                 LAUNCH_DEPENDENTS=word_order, PREFETCH_T=True,
+                                 **config.kwargs)
                 start = time.perf_counter()
                 compiled = compile_kernel(tk._quantize_activations_kernel, signature, constants,
                                           target, num_warps=config.num_warps,

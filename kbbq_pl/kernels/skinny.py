@@ -52,7 +52,7 @@ from triton.language.extra.cuda import gdc_wait
 from .exact import MX_MULTIPLIER_BIAS, NVFP4_DECODE_SHIFT, WORD_ORDER_CHUNK
 from .host import cdiv, next_power_of_2
 from .interpret import interpreting
-from .triton_kernels import SCALE_E4M3, _block_scale_values, _epilogue, _pow2
+from .triton_kernels import SCALE_E4M3, _block_scale_values, _epilogue, _pow2, _prefetch
 
 INTERPRET = interpreting()
 
@@ -137,14 +137,6 @@ def _word_dots(words, mult, a_ptrs, a_mask, acc, SHIFT: tl.constexpr, E_LOW: tl.
 
 
 @triton.jit
-def _prefetch_to_l2(ptrs):
-    """Ask the L2 cache for the 128-byte line of each address of ``ptrs`` (a hint: no
-    register is written, nothing waits for it)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _prefetch_slice(w_ptr, ws_ptr, offs_n, n_mask, k_lo, k_hi, K, stride_wn, stride_wsn,
                     D: tl.constexpr):
     """The first :data:`PREFETCH_K` elements of this program's K slice ``[k_lo, k_hi)`` of its
@@ -155,8 +147,8 @@ def _prefetch_slice(w_ptr, ws_ptr, offs_n, n_mask, k_lo, k_hi, K, stride_wn, str
     end = tl.maximum(tl.minimum(k_hi, K) // 2 - 1, 0)  # the slice's last byte in a row
     offset = tl.minimum(k_lo // 2 + lines * 128, end)
     rows = tl.where(n_mask, offs_n, 0)
-    _prefetch_to_l2(w_ptr + rows[:, None] * stride_wn + offset[None, :])
-    _prefetch_to_l2(ws_ptr + rows * stride_wsn + tl.minimum(k_lo // D, K // D - 1))
+    _prefetch(w_ptr + rows[:, None] * stride_wn + offset[None, :], 2)
+    _prefetch(ws_ptr + rows * stride_wsn + tl.minimum(k_lo // D, K // D - 1), 2)
 
 
 @triton.jit

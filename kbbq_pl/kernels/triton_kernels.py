@@ -119,6 +119,19 @@ def _pow2(e):
 
 
 @triton.jit
+def _prefetch(ptrs, LEVEL: tl.constexpr):
+    """Ask the cache of ``LEVEL`` (1: the SM's L1, 2: L2) for the 128-byte line of each address
+    of ``ptrs`` (a hint: no register is written, nothing waits for it; compiled GPUs only, the
+    interpreter runs no PTX)."""
+    if LEVEL == 1:
+        tl.inline_asm_elementwise("prefetch.global.L1 [$1]; // $0", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _e8m0_exponent(amax, ROUNDING: tl.constexpr):
     """:func:`kbbq_pl.formats.rounding.e8m0_exponent` on FP32 ``amax >= 0`` (int32)."""
     if ROUNDING == 3:  # rceil: ceil(log2(amax / 6))
@@ -184,17 +197,41 @@ def _fold_shifts(e, counted, e_max):
 
 
 @triton.jit
-def _transformed_blocks(x_ptr, t_ptr, rows, row_mask, blocks, block_mask, n_blocks, stride_xm,
-                        D: tl.constexpr, NB: tl.constexpr, BLOCK_M: tl.constexpr,
-                        HAS_T: tl.constexpr, PRODUCT: tl.constexpr, PARTS_FIRST: tl.constexpr):
-    """``h = T_b x_b`` in FP32 for ``NB`` blocks of ``BLOCK_M`` rows: ``[NB, BLOCK_M, D]``.
+def _block_parts(rows, blocks, D: tl.constexpr, PARTS_FIRST: tl.constexpr):
+    """Element offsets within the blocks ``part``, and ``blocks`` and ``rows`` broadcast to
+    the shape of a tile of parts (:func:`_load_blocks`)."""
+    if PARTS_FIRST:  # [D/4, NB, BLOCK_M, 4]
+        part = tl.arange(0, D // 4)[:, None, None, None] * 4 + tl.arange(0, 4)[None, None, None, :]
+        return part, blocks[None, :, None, None], rows[None, None, :, None]
+    else:  # [NB, BLOCK_M, D/4, 4]
+        part = tl.arange(0, D // 4)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :]
+        return part, blocks[:, None, None, None], rows[None, :, None, None]
 
-    ``t_ptr`` holds each block's transform transposed, ``t[b, j, i] = T_b[i, j]``
-    (:func:`transform_columns`).  A row's block is loaded as ``D / 4`` parts of 4 elements, the
+
+@triton.jit
+def _load_blocks(x_ptr, tile, M, n_blocks, blocks, stride_xm, D: tl.constexpr,
+                 BLOCK_M: tl.constexpr, PARTS_FIRST: tl.constexpr):
+    """The activations of row tile ``tile`` in ``blocks``, as stored (zeros outside ``M`` rows
+    and ``n_blocks`` blocks).  A row's block is loaded as ``D / 4`` parts of 4 elements, the
     parts on the dimension to which Triton's coalescing gives lanes last (:data:`PARTS_FIRST`),
     so that one thread holds the whole block: the chain, the block's amax and its scale then
     stay in the thread (a ``[.., D]`` load would share each block between two or four threads,
-    16 bytes each).
+    16 bytes each)."""
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    part, b4, r4 = _block_parts(rows, blocks, D, PARTS_FIRST)
+    return tl.load(x_ptr + r4 * stride_xm + b4 * D + part, mask=(b4 < n_blocks) & (r4 < M),
+                   other=0.0)
+
+
+@triton.jit
+def _transformed_blocks(x4, t_ptr, rows, blocks, n_blocks, D: tl.constexpr, NB: tl.constexpr,
+                        BLOCK_M: tl.constexpr, HAS_T: tl.constexpr, PRODUCT: tl.constexpr,
+                        PARTS_FIRST: tl.constexpr):
+    """``h = T_b x_b`` in FP32 for ``NB`` blocks of ``BLOCK_M`` rows, ``[NB, BLOCK_M, D]``, from
+    their activations ``x4`` (:func:`_load_blocks`).
+
+    ``t_ptr`` holds each block's transform transposed, ``t[b, j, i] = T_b[i, j]``
+    (:func:`transform_columns`).
 
     ``PRODUCT``: ``PRODUCT_FMA_CHAIN`` (the default, on GPUs and under the interpreter): for
     ``j`` in increasing order, ``h = fma(x_j, T[:, j], h)``, the order of
@@ -203,15 +240,8 @@ def _transformed_blocks(x_ptr, t_ptr, rows, row_mask, blocks, block_mask, n_bloc
     ``PRODUCT_FMA_DOT`` (Triton's FP32 FMA dot: the same chain, operands staged in shared
     memory) and ``PRODUCT_TF32X3`` (tensor cores, three TF32 products: faster, not
     bit-identical) are kept for benchmarks."""
-    if PARTS_FIRST:  # [D/4, NB, BLOCK_M, 4]
-        part = tl.arange(0, D // 4)[:, None, None, None] * 4 + tl.arange(0, 4)[None, None, None, :]
-        b4, r4 = blocks[None, :, None, None], rows[None, None, :, None]
-        mask = block_mask[None, :, None, None] & row_mask[None, None, :, None]
-    else:  # [NB, BLOCK_M, D/4, 4]
-        part = tl.arange(0, D // 4)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :]
-        b4, r4 = blocks[:, None, None, None], rows[None, :, None, None]
-        mask = block_mask[:, None, None, None] & row_mask[None, :, None, None]
-    h4 = tl.load(x_ptr + r4 * stride_xm + b4 * D + part, mask=mask, other=0.0).to(tl.float32)
+    part, b4, r4 = _block_parts(rows, blocks, D, PARTS_FIRST)
+    h4 = x4.to(tl.float32)
     if HAS_T and PRODUCT == 0:  # PRODUCT_FMA_CHAIN
         bits = h4.to(tl.int32, bitcast=True)
         # column 0 of T (its block kept in bounds: a masked block's x is 0) for every row, in
@@ -249,6 +279,7 @@ def _quantize_activations_kernel(
     WRITE_CODES: tl.constexpr = True, WRITE_VALUES: tl.constexpr = False,
     WORD_ORDER: tl.constexpr = False, PARTS_FIRST: tl.constexpr = False,
     LAUNCH_DEPENDENTS: tl.constexpr = False, WRITE_E4M3: tl.constexpr = False,
+    TILES: tl.constexpr = 1, PREFETCH_T: tl.constexpr = False,
 ):
     """One tile of ``BLOCK_M`` rows by ``NB`` blocks: transform, block amax, scales, E2M1 codes,
     packing.  ``AMAX_ONLY`` (the first pass of dynamic NVFP4) only folds the amax of ``T x``
@@ -263,17 +294,58 @@ def _quantize_activations_kernel(
     a program holding whole chunks of 128: ``NB * D == 128``) stores the values folded to
     E4M3 as :func:`kbbq_pl.kernels.exact.fold_mx_to_e4m3` folds the codes (bytes in
     ``codes_ptr``, row stride ``stride_cm``), the chunk's FP32 scale in ``scales_ptr`` (chunk
-    major: ``[chunk * M + row]``) and adds its inexact chunks to ``inexact_ptr``."""
+    major: ``[chunk * M + row]``) and adds its inexact chunks to ``inexact_ptr``.
+
+    ``TILES``: the row tiles a program takes one after the other (program ``i`` of the first
+    grid axis takes tiles ``i TILES`` to ``(i + 1) TILES - 1``), each tile's activations
+    loaded into registers while the one before is transformed and rounded, so that loads are
+    in flight while the chain runs (with one load, one chain and one store per program, the
+    memory waited for the chain).  ``PREFETCH_T`` (compiled GPUs) asks L1 for the program's
+    transforms before the first tile.  Every row is computed as with one tile a program: the
+    same bits."""
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
-    pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
+    blocks = pid_b * NB + tl.arange(0, NB)
+    if HAS_T and PRODUCT == 0 and PREFETCH_T:  # PRODUCT_FMA_CHAIN
+        # every 128-byte line of the program's transforms asked for at once: the chain then
+        # finds each column in L1 instead of waiting for one line of memory after another
+        lines = tl.arange(0, NB * D * D // 32)
+        block = tl.minimum(pid_b * NB + lines // (D * D // 32), n_blocks - 1)
+        _prefetch(t_ptr + block * (D * D) + (lines % (D * D // 32)) * 32, 1)
+    first = tl.program_id(0) * TILES
+    last = tl.minimum(first + TILES, tl.cdiv(M, BLOCK_M))
+    x4 = _load_blocks(x_ptr, first, M, n_blocks, blocks, stride_xm, D, BLOCK_M, PARTS_FIRST)
+    for tile in range(first, last):
+        x_tile = x4
+        if TILES > 1:  # the next tile's loads in flight while this one is computed
+            x4 = _load_blocks(x_ptr, tile + 1, tl.minimum(M, last * BLOCK_M), n_blocks, blocks,
+                              stride_xm, D, BLOCK_M, PARTS_FIRST)
+        _activation_tile(
+            x_tile, t_ptr, codes_ptr, scales_ptr, global_ptr, amax_ptr, pts_ptr, values_ptr,
+            inexact_ptr, M, n_blocks, stride_cm, stride_sm, stride_vm, tile, pid_b,
+            D, SCALE_KIND, ROUNDING, GAIN, HAS_T, STATIC, AMAX_ONLY, PRODUCT, BLOCK_M, NB,
+            WRITE_CODES, WRITE_VALUES, WORD_ORDER, PARTS_FIRST, WRITE_E4M3)
+
+
+@triton.jit
+def _activation_tile(
+    x4, t_ptr, codes_ptr, scales_ptr, global_ptr, amax_ptr, pts_ptr, values_ptr, inexact_ptr,
+    M, n_blocks, stride_cm, stride_sm, stride_vm, pid_m, pid_b,
+    D: tl.constexpr, SCALE_KIND: tl.constexpr, ROUNDING: tl.constexpr, GAIN: tl.constexpr,
+    HAS_T: tl.constexpr, STATIC: tl.constexpr, AMAX_ONLY: tl.constexpr,
+    PRODUCT: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
+    WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr, WORD_ORDER: tl.constexpr,
+    PARTS_FIRST: tl.constexpr, WRITE_E4M3: tl.constexpr,
+):
+    """Row tile ``pid_m`` of block tile ``pid_b``, its activations ``x4`` loaded
+    (:func:`_load_blocks`): :func:`_quantize_activations_kernel`."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     blocks = pid_b * NB + tl.arange(0, NB)
     row_mask = rows < M
     block_mask = blocks < n_blocks
-    h = _transformed_blocks(x_ptr, t_ptr, rows, row_mask, blocks, block_mask, n_blocks,
-                            stride_xm, D, NB, BLOCK_M, HAS_T, PRODUCT, PARTS_FIRST)
+    h = _transformed_blocks(x4, t_ptr, rows, blocks, n_blocks, D, NB, BLOCK_M, HAS_T, PRODUCT,
+                            PARTS_FIRST)
     if WRITE_CODES or AMAX_ONLY:  # non-finite elements count as zeros (codes and amax)
         finite = tl.abs(h) < float("inf")
         h = tl.where(finite, h, 0.0)
@@ -353,13 +425,17 @@ def _act_configs():
             for block_m, nb, warps in ((256, 1, 4), (128, 1, 4), (512, 1, 8), (64, 2, 4))]
 
 
-ACT_TILES = {16: {"BLOCK_M": 256, "NB": 1, "num_warps": 4},
-             32: {"BLOCK_M": 128 if _TRITON_3_7 else 256, "NB": 1, "num_warps": 4}}
+ACT_TILES = {16: {"BLOCK_M": 256, "NB": 1, "TILES": 4, "num_warps": 4},
+             32: {"BLOCK_M": 128 if _TRITON_3_7 else 256, "NB": 1, "TILES": 4,
+                  "num_warps": 4}}
 """The activation kernel's tile per block size, one block per program (every thread reads
 the same ``T``): of the tiles compiled by ``bench/gpu_compile.py``, the fewest SASS per
 element without spills in the values kernel: two rows a thread (each column of ``T`` loaded
 once for both), except for MX on Triton 3.7 and later, where two rows spill (3.9: 888 bytes a
-thread) and one row runs instead (on 3.6: 54 SASS an element with two rows, 60 with one)."""
+thread) and one row runs instead (on 3.6: 54 SASS an element with two rows, 60 with one).
+Four row tiles a program, the next one's activations loaded while one is computed (``TILES``:
+one tile a program ran at 0.11 to 0.19 of a device copy on an H200, its memory idle while the
+chain ran; the same bits either way)."""
 FEW_ROWS = 16
 """Up to this many rows (a decode step) the activation kernel runs :data:`FEW_ROWS_TILES`:
 16 rows of one block (NVFP4) or two (MX) per one-warp program, ``K / d`` or ``K / 2d``
@@ -413,7 +489,7 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
                          global_scale, config: dict | None = None, product: int | None = None,
                          values_dtype: torch.dtype | None = None, codes: bool = True,
                          word_order: bool = False, launch_dependents: bool = False,
-                         e4m3_inexact=None):
+                         e4m3_inexact=None, prefetch_transform: bool | None = None):
     """Launch the activation kernel(s); arguments already checked by :mod:`kbbq_pl.kernels`.
 
     Returns ``(codes uint8 [M, K/2], scales uint8 [M, K/d], pts fp32 [] or None, values)``:
@@ -426,7 +502,9 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     ``e4m3_inexact`` (MX, ``K`` a multiple of 128; an int32 ``[1]`` counter): instead of the
     codes, the values folded to E4M3 for the FP8 product (``codes``: float8_e4m3fn ``[M, K]``;
     ``scales``: FP32 ``[M, K/128]``, strides ``(1, M)``; the inexact chunks added to the
-    counter), as :func:`fold_e4m3` folds the codes.
+    counter), as :func:`fold_e4m3` folds the codes.  ``prefetch_transform`` (None or True: on
+    compiled GPUs, the interpreter runs no PTX) asks L1 for each program's transforms first
+    (benchmarks turn it off).
     """
     if product is None:
         product = PRODUCT_FMA_CHAIN
@@ -462,7 +540,8 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     meta = dict(D=d, SCALE_KIND=scale_kind, ROUNDING=rounding, GAIN=gain,
                 HAS_T=transform is not None, STATIC=static, PRODUCT=product,
                 WRITE_CODES=codes, WRITE_VALUES=values is not None, WORD_ORDER=word_order,
-                PARTS_FIRST=PARTS_FIRST, WRITE_E4M3=e4m3)
+                PARTS_FIRST=PARTS_FIRST, WRITE_E4M3=e4m3,
+                PREFETCH_T=not INTERPRET and prefetch_transform is not False)
     codes_arg = codes_out if codes or e4m3 else dummy
     scales_arg = scales_out if codes or e4m3 else dummy
     args = [x, transform_columns(transform) if transform is not None else dummy, codes_arg,
@@ -485,12 +564,13 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
         if config is not None or INTERPRET:
             cfg = dict(config or INTERPRETER_ACT_CONFIG)
             warps = cfg.pop("num_warps", 4)
-            grid = (cdiv(m, cfg["BLOCK_M"]), cdiv(n_blocks, cfg["NB"]))
+            grid = (cdiv(cdiv(m, cfg["BLOCK_M"]), cfg.get("TILES", 1)), cdiv(n_blocks, cfg["NB"]))
             _quantize_activations_kernel[grid](*args, **meta, **passes, **cfg, num_warps=warps,
                                                enable_fp_fusion=True)
         else:
             def grid(meta):
-                return (cdiv(m, meta["BLOCK_M"]), cdiv(n_blocks, meta["NB"]))
+                return (cdiv(cdiv(m, meta["BLOCK_M"]), meta.get("TILES", 1)),
+                        cdiv(n_blocks, meta["NB"]))
             _quantize_activations_tuned[grid](*args, **meta, **passes, enable_fp_fusion=True)
 
     if nvfp4 and not static:

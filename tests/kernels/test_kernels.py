@@ -192,9 +192,28 @@ def test_tiles_do_not_change_the_bits():
     x = torch.randn(33, 96, dtype=torch.bfloat16)  # 6 blocks of 16: NB = 4 leaves a partial tile
     t = make_transform("random", 96, 16, seed=5)
     want = K.reference_quantize_activations(x, t, "nvfp4")
-    for config in ({"BLOCK_M": 32, "NB": 4}, {"BLOCK_M": 16, "NB": 1}):
+    for config in ({"BLOCK_M": 32, "NB": 4}, {"BLOCK_M": 16, "NB": 1},
+                   {"BLOCK_M": 8, "NB": 4, "TILES": 3}, {"BLOCK_M": 16, "NB": 2, "TILES": 2}):
         got = K.quantize_activations(x, t, "nvfp4", config=config)
         assert_same_quantization(got, want, f"config {config}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_row_tiles_taken_in_turn_give_the_same_values(fmt):
+    """A program that takes several row tiles in turn (``TILES``, the next one's activations
+    loaded while one is computed; the last group short, its last tile partial) writes the
+    values, in word order too, that one tile a program writes."""
+    needs_kernels()
+    d = 16 if fmt == "nvfp4" else 32
+    x = torch.randn(37, 128, dtype=torch.bfloat16)  # 5 tiles of 8 rows, the last of 5
+    t = make_transform("random", 128, d, seed=9)
+    for word_order in (False, True):
+        one = K.quantize_activation_values(x, t, fmt, word_order=word_order,
+                                           config={"BLOCK_M": 8, "NB": 2})
+        for tiles in (2, 3, 8):
+            got = K.quantize_activation_values(x, t, fmt, word_order=word_order,
+                                               config={"BLOCK_M": 8, "NB": 2, "TILES": tiles})
+            assert torch.equal(got[0], one[0]), (tiles, word_order)
 
 
 def ties_rows(d: int) -> torch.Tensor:

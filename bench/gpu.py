@@ -49,9 +49,11 @@ the run goes on, and the summary says what failed or was skipped for time):
   weight memory, batch-1 and batch-16 greedy decoding (CUDA graphs), prefill of 4 x 2048, the
   first block's linears on the kernels against the emulation on the same GPU, and each path's
   logits against bf16's; for MX the prefill again with ``PREFILL_PRODUCT = "fp8"`` (its
-  logits against the default path's); then a ``torch.profiler`` table of one eager decode
-  step and one prefill per format (the Chrome traces beside ``--json``: where the time
-  goes).  Targets: memory <= 0.35, decode 2.0x (batch 1) and 1.8x (batch 16), prefill 0.9x.
+  logits against the default path's, and both paths' prefill logits against the bf16
+  model's: equally close, or the FP8 product loses more than the compounding of one-ulp
+  changes); then a ``torch.profiler`` table of one eager decode step and one prefill per
+  format (the Chrome traces beside ``--json``: where the time goes).  Targets: memory
+  <= 0.35, decode 2.0x (batch 1) and 1.8x (batch 16), prefill 0.9x.
 * ``rows``: where the prefill path starts paying: at K = N = 8192 and 4096 -> 14336, KBBQ-shaped
   blocks, M = 64, 256, 1024, 4096, every path that can take M rows (decode; tiled up to 256;
   prefill from 256; for MX the FP8 product's kernels in a CUDA graph, without its host read)
@@ -1475,6 +1477,7 @@ def model_section(run: Run) -> None:
     base_linears = weight_bytes(reference, linears_only=True)
     progress("bf16 model built")
     base = measure(reference)
+    base_prefill = prefill(reference)  # what the FP8 product's logits are held against
     header = ["model", "weights x bf16", "linears x bf16"]
     for b in prompts:
         header += [f"decode b{b} tok/s", f"decode b{b} x bf16"]
@@ -1505,11 +1508,14 @@ def model_section(run: Run) -> None:
                 default = prefill(model).float()
                 diff = float((on_fp8 - default).abs().max() / default.abs().max())
                 return ratio, (f"{diff:.2g}; on FP8 in {sum(ran)} of {len(ran)} "
-                               "linears tried")
+                               f"linears tried; to bf16's: FP8 "
+                               f"{logits_to_bf16(on_fp8, base_prefill.float())}, default "
+                               f"{logits_to_bf16(default, base_prefill.float())}")
 
             fp8_prefill, fp8_logits = attempt(run, FP8_ROWS, fp8_run, (math.nan, "FAILED"))
             run.goal(f"model {name}: prefill x bf16, MX on FP8 (opt-in; logits max |diff| "
-                     f"against the default path, over max |logit|: {fp8_logits})",
+                     f"against the default path, over max |logit|, and each path's prefill "
+                     f"logits against the bf16 model's: {fp8_logits})",
                      f"{fp8_prefill:.3g}", [fp8_prefill], TARGETS["model_prefill"])
         progress(f"{name} timed")
         profile_steps(run, model, prompts[min(prompts)], batch, name)

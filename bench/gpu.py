@@ -1,7 +1,7 @@
 """W4A4 on one GPU against bf16, in one run: correctness, the GEMM paths, the activation kernel,
 peers, a whole model; a short table of every row against its target printed last.
 
-    python bench/gpu.py [--sections check,gemm,act,act_few,model,rows,peers,compiled]
+    python bench/gpu.py [--sections check,gemm,act,act_few,model,rows,peers,compiled,tune]
                         [--formats nvfp4,mxfp4]
                         [--budget-s 500] [--json PATH]
     python bench/gpu.py --tiny        # (or --dry-run) tiny shapes on the CPU under the interpreter
@@ -40,6 +40,10 @@ the run goes on, and the summary says what failed or was skipped for time):
   its bf16 values (what the prefill path runs), per byte moved against the copy.  Target 0.8.
   Beside the default (four row tiles a program, the transforms asked of L1 first): one tile a
   program, and no L1 prefetch.
+* ``tune`` (opt-in, not in the default list): the decode GEMM alone at M = 1 on K = N = 8192
+  and 4096 -> 14336 at a grid of tiles and K splits around the autotuned ones, each with its
+  fraction of the copy bandwidth and against the autotuned launch (where the decode GEMM's
+  bandwidth goes, and whether a tile the autotuner does not try reaches it).
 * ``act_few``: the activation kernel of a decode step (M = 1, 16; KBBQ-shaped blocks, the
   decode path's word-ordered values) with and without the L1 prefetch of the transforms, at
   every K of the GEMM shapes, in microseconds.
@@ -110,12 +114,13 @@ FULL = dict(act_shape=(8192, 8192), check_k=4096, check_n=4096, check_m=(1, 16, 
                          (14336, 4096)),
             gemm_m=(1, 16, 4096), path_m=(1, 16, 64, 1024), prefill_min_m=None,
             rows_shapes=((8192, 8192), (4096, 14336)), rows_m=(64, 256, 1024, 4096),
+            tune_shapes=((8192, 8192), (4096, 14336)),
             hidden=4096, intermediate=14336, heads=32, kv_heads=8, layers=8, vocab=32000,
             prefill=(4, 2048), prompt=32, decode_tokens=64, decode_batches=(1, 16),
             logits_tokens=16, rotate_bytes=150e6, replays=20)
 TINY = dict(act_shape=(20, 64), check_k=128, check_n=32, check_m=(3,),
             gemm_shapes=((128, 48),), gemm_m=(1, 40), path_m=(1, 20, 40),
-            rows_shapes=((128, 32),), rows_m=(20, 40),
+            rows_shapes=((128, 32),), rows_m=(20, 40), tune_shapes=((128, 32),),
             prefill_min_m=32, hidden=32, intermediate=64, heads=2, kv_heads=2, layers=1,
             vocab=64, prefill=(2, 8), prompt=3, decode_tokens=2, decode_batches=(1, 2),
             logits_tokens=3, rotate_bytes=0, replays=1)
@@ -726,6 +731,85 @@ def product_only(run, K, skinny, tk, x, t, name, sets, preps, w_global,
         calls = [functools.partial(product, c, s, p) for (c, s), p in zip(sets, preps)]
         return seconds_per_call(run, calls), float("nan")
     return float("nan"), float("nan")
+
+
+TUNE_TILES = ((16, 64, 256, 4, 3), (16, 64, 256, 4, 5), (16, 64, 128, 4, 6),
+              (16, 64, 512, 4, 4), (16, 128, 256, 4, 4), (16, 128, 128, 4, 6),
+              (16, 128, 256, 8, 3), (16, 128, 512, 8, 3), (16, 256, 256, 8, 3),
+              (16, 32, 256, 2, 4))
+"""Decode GEMM tiles (rows, columns, K, warps, stages) the ``tune`` section times: the
+autotuned ones and their neighbours (deeper pipelines, longer K tiles, a narrow column tile
+on ``mma.sync``); none spills on Triton 3.6 for sm_90 (``/tmp`` compile of each, 3.4 to 3.95
+SASS a weight, 5.2 for MX at 16x32x256)."""
+
+
+def tune_section(run: Run) -> None:
+    """The decode GEMM alone at M = 1 on K = N = 8192 and 4096 -> 14336, at every tile of
+    :data:`TUNE_TILES` and at half, once and twice the K splits it would take, against the
+    autotuned launch: microseconds and the fraction of the copy bandwidth, each output within
+    one bf16 rounding of the exact product.  Opt-in (``--sections tune``): it compiles every
+    tile, what a GPU session spends to find where the decode GEMM's bandwidth goes."""
+    from kbbq_pl import kernels as K
+    from kbbq_pl.formats import get_format
+    from kbbq_pl.kernels import skinny
+
+    rows = []
+    sms = (torch.cuda.get_device_properties(run.device).multi_processor_count if run.cuda
+           else 4)
+    for k, n, w, _ in gemm_weights(run, "tune", reserve=20, shapes="tune_shapes"):
+        x = torch.randn(1, k, device=run.device, dtype=torch.bfloat16)
+        for name in run.formats:
+            fmt_ = get_format(name)
+            kind, _, gain = K._scale_meta(fmt_)
+            q, sets, preps = packed_copies(run, w, name)
+            values, pts = K.quantize_activation_values(x, None, name,
+                                                       dtype=skinny.activation_dtype(kind),
+                                                       word_order=True)
+            exact = exact_product(x, None, q, name)
+            nbytes = sets[0][0].numel() + sets[0][1].numel() + values.numel() * 2 + n * 2
+
+            def timed(config, split):
+                calls = [functools.partial(skinny.skinny_matmul, values, 1, c,
+                                           s.view(torch.uint8), pts, q.global_scale,
+                                           fmt_.block_size, kind, gain,
+                                           p.shift(s.view(torch.uint8)), None, torch.bfloat16,
+                                           config=config, split_k=split)
+                         for (c, s), p in zip(sets, preps)]
+                ok, _ = within_one_rounding(calls[0](), exact)
+                seconds = seconds_per_call(run, calls)
+                return seconds, nbytes / seconds / run.copy_rate if run.copy_rate else math.nan, ok
+
+            tuned = timed(None, None)
+            rows.append([f"{k}->{n}", name, "autotuned", "auto", tuned[0] * 1e6, tuned[1],
+                         1.0, "yes" if tuned[2] else "NO"])
+            for bm, bn, bk, warps, stages in TUNE_TILES if run.cuda else TUNE_TILES[:1]:
+                if run.left() < 10:
+                    run.notes.append(f"tune: stopped at {k} -> {n} {name} for time")
+                    break
+                base = skinny.split_count(n, k, bn, bk, sms, 1, bm)
+                for split in dict.fromkeys((max(1, base // 2), base, 2 * base)):
+                    config = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+                              "PRODUCT": skinny.PRODUCT_DOT, "num_warps": warps,
+                              "num_stages": stages}
+                    got = attempt(run, f"tune {name} {bm}x{bn}x{bk}", functools.partial(
+                        timed, config, split), (math.nan, math.nan, False))
+                    rows.append([f"{k}->{n}", name, f"{bm}x{bn}x{bk} w={warps} s={stages}",
+                                 split, got[0] * 1e6, got[1], tuned[0] / got[0],
+                                 "yes" if got[2] else "NO"])
+    rows.sort(key=lambda r: (r[0], r[1], -r[5] if r[5] == r[5] else 0))
+    table("decode GEMM alone at M = 1, by tile and K splits (tune): microseconds, fraction of "
+          "the copy bandwidth, speed against the autotuned launch",
+          ["K->N", "format", "tile", "splits", "us", "copy fraction", "x autotuned",
+           "within one rounding"], rows)
+    for shape, name in dict.fromkeys((r[0], r[1]) for r in rows):
+        found = [r for r in rows if (r[0], r[1]) == (shape, name) and r[5] == r[5]]
+        if found:
+            best = max(found, key=lambda r: r[5])
+            run.line(f"tune {shape} {name}: best tile (copy fraction; x autotuned)",
+                     f"{best[2]} splits {best[3]} ({best[5]:.3g}; {best[6]:.3g})")
+    for row in rows:
+        run.add("tune", shape=row[0], fmt=row[1], tile=row[2], splits=row[3], us=row[4],
+                copy_fraction=row[5], x_autotuned=row[6], within_one_rounding=row[7] == "yes")
 
 
 # --------------------------------------------------------------------------- activations
@@ -1586,7 +1670,8 @@ def compiled_section(run: Run) -> None:
 SECTIONS = {"check": (check_section, 20), "gemm": (gemm_section, 60), "act": (act_section, 20),
             "act_few": (act_few_section, 10), "model": (model_section, 230),
             "rows": (rows_section, 40),
-            "peers": (peers_section, 60), "compiled": (compiled_section, 150)}
+            "peers": (peers_section, 60), "compiled": (compiled_section, 150),
+            "tune": (tune_section, 60)}
 """Each section and the seconds of budget it needs to start (the model section measured 198 s
 on an H200 before its profiler and FP8 rows); the default order puts the peers and the compiled
 model last, where they take what time is left, the peers leaving the needs of the sections

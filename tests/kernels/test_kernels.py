@@ -626,6 +626,11 @@ def test_gpu_bench_tiny_run(capsys):
     # a goal missed (every speed goal, on the CPU) says by how much
     assert "| 0.35 | 0/1; worst " in summary and "x from the target |" in summary
     assert "FAILED" not in summary
+    # the opt-in tune section: a tile and its K splits against the autotuned launch
+    module.main(["--tiny", "--formats", "nvfp4", "--sections", "tune"])
+    summary = capsys.readouterr().out.split("## summary")[1]
+    assert "tune 128->32 nvfp4: best tile (copy fraction; x autotuned)" in summary
+    assert "FAILED" not in summary
     # MX's opt-in FP8 prefill product: checked and timed in the gemm and rows sections
     module.main(["--tiny", "--formats", "mxfp4", "--sections", "check,gemm,rows"])
     out = capsys.readouterr().out

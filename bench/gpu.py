@@ -928,7 +928,10 @@ def act_few_section(run: Run) -> None:
         gs = torch.tensor(0.01, device=run.device) if fmt_.global_scale else None
         for k in sorted({k for k, _ in run.shapes["gemm_shapes"]}):
             first = kbbq_blocks(k, d, run.device)
-            ts = [first] + [first.clone() for _ in range(copies(run, first.numel() * 4) - 1)]
+            # enough copies to overflow L2 (a model's layers each read their own): a transform
+            # is 0.25 to 1.75 MB, fewer than copies() allows
+            count = max(1, min(1024, math.ceil(run.shapes["rotate_bytes"] / (first.numel() * 4))))
+            ts = [first] + [first.clone() for _ in range(count - 1)]
             for m in (1, 16):
                 x = torch.randn(m, k, device=run.device, dtype=torch.bfloat16)
                 timed, codes = {}, {}

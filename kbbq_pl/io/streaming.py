@@ -87,12 +87,13 @@ def available_memory() -> int | None:
 
 
 def _quantized_folder(folder: str | Path) -> bool:
-    """Whether ``folder``'s ``config.json`` declares a ``quantization_config``."""
+    """Whether ``folder``'s ``config.json`` declares a quantization
+    (:func:`quantization_method`)."""
     try:
         config = json.loads((Path(folder) / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and config.get("quantization_config") is not None
+    return isinstance(config, dict) and quantization_method(config) is not None
 
 
 def streams_by_default(folder: str | Path, processes: int = 1) -> tuple[bool, str]:
@@ -343,8 +344,10 @@ def _materialize(module: nn.Module, tensors: dict[str, Tensor], device: torch.de
 
 def quantization_method(config: Any) -> str | None:
     """The ``quant_method`` of a config's ``quantization_config`` (a folder quantized by
-    transformers' quantizers, llm-compressor, kbbq-pl), None for full-precision weights."""
-    block = getattr(config, "quantization_config", None)
+    transformers' quantizers, llm-compressor, kbbq-pl), None for full-precision weights;
+    ``config`` a transformers config or the dict of a ``config.json``."""
+    block = (config.get("quantization_config") if isinstance(config, dict)
+             else getattr(config, "quantization_config", None))
     if block is None:
         return None
     method = block.get("quant_method") if isinstance(block, dict) else getattr(

@@ -52,7 +52,7 @@ from triton.language.extra.cuda import gdc_wait
 from .exact import MX_MULTIPLIER_BIAS, NVFP4_DECODE_SHIFT, WORD_ORDER_CHUNK
 from .host import cdiv, next_power_of_2
 from .interpret import interpreting
-from .triton_kernels import SCALE_E4M3, _block_scale_values, _epilogue, _pow2, _prefetch
+from .triton_kernels import SCALE_E4M3, _block_scale_values, _epilogue, _pow2, _prefetch, sm_count
 
 INTERPRET = interpreting()
 
@@ -448,7 +448,7 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
                 EXPLICIT_BF16=INTERPRET and out_dtype == torch.bfloat16, DEPENDENT=dependent)
     if dependent:
         meta["launch_pdl"] = True
-    sms = 4 if INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sm_count(device)
     pinned = dict(config or INTERPRETER_CONFIG) if config is not None or INTERPRET else None
     tiles = ((pinned["BLOCK_M"], pinned["BLOCK_N"], pinned["BLOCK_K"]),) if pinned else None
     partial = torch.empty(_partial_rows(n, k, m, sms, split_k, tiles), n, dtype=torch.float32,

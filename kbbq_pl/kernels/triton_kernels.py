@@ -14,6 +14,8 @@ Every FP32 division is ``tl.div_rn`` (correctly rounded; Triton's ``/`` is the a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -433,9 +435,9 @@ the same ``T``): of the tiles compiled by ``bench/gpu_compile.py``, the fewest S
 element without spills in the values kernel: two rows a thread (each column of ``T`` loaded
 once for both), except for MX on Triton 3.7 and later, where two rows spill (3.9: 888 bytes a
 thread) and one row runs instead (on 3.6: 54 SASS an element with two rows, 60 with one).
-Four row tiles a program, the next one's activations loaded while one is computed (``TILES``:
-one tile a program ran at 0.11 to 0.19 of a device copy on an H200, its memory idle while the
-chain ran; the same bits either way)."""
+Up to four row tiles a program (:func:`tiles_per_program`), the next one's activations loaded
+while one is computed (``TILES``: one tile a program ran at 0.11 to 0.19 of a device copy on an
+H200, its memory idle while the chain ran; the same bits either way)."""
 FEW_ROWS = 16
 """Up to this many rows (a decode step) the activation kernel runs :data:`FEW_ROWS_TILES`:
 16 rows of one block (NVFP4) or two (MX) per one-warp program, ``K / d`` or ``K / 2d``
@@ -464,6 +466,26 @@ E4M3_TILE = {"BLOCK_M": 32 if _TRITON_3_7 else 64, "NB": 4, "num_warps": 4}
 """The activation kernel's tile when it folds MX values to E4M3 (a whole chunk of 128 a
 program: four blocks; as many block rows a thread as :data:`ACT_TILES`' MX tile)."""
 INTERPRETER_E4M3_CONFIG = {"BLOCK_M": 16, "NB": 4}
+
+
+PROGRAMS_PER_SM = 4
+"""The fewest activation-kernel programs per SM that :func:`tiles_per_program` leaves (about
+as many as reside at once), so that taking tiles in turn never idles SMs."""
+
+
+def tiles_per_program(tiles: int, most: int, sms: int) -> int:
+    """Row tiles each program takes in turn: up to ``most``, while ``tiles`` tiles still give
+    :data:`PROGRAMS_PER_SM` programs to each of ``sms`` SMs (at 1,024 rows, 8192 columns and
+    NVFP4's 256-row tiles: 3 on 132 SMs; at 4,096 rows: 4)."""
+    return max(1, min(most, tiles // (PROGRAMS_PER_SM * sms)))
+
+
+@functools.lru_cache(maxsize=16)
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of CUDA ``device`` (4 under the interpreter)."""
+    if INTERPRET or device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 _COLUMNS = WeakIdKeyDictionary()
@@ -556,6 +578,10 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
         config = INTERPRETER_E4M3_CONFIG if INTERPRET else E4M3_TILE
     elif config is None and not INTERPRET:
         config = (FEW_ROWS_TILES if m <= FEW_ROWS else ACT_TILES)[d]
+        if config.get("TILES", 1) > 1:
+            config = dict(config, TILES=tiles_per_program(
+                cdiv(m, config["BLOCK_M"]) * cdiv(n_blocks, config["NB"]), config["TILES"],
+                sm_count(device)))
     elif config == "autotune":
         config = None
 
@@ -766,7 +792,7 @@ def _split_k(m: int, n: int, k: int, device: torch.device) -> int:
     with 64-wide column tiles, each split at least 1024 deep, at most 8 (a power of two)."""
     if m > SMALL_M or INTERPRET:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sm_count(device)
     tiles = cdiv(n, 64)
     split = 1
     while split < 8 and tiles * split < 2 * sms and k // (2 * split) >= 1024:

@@ -198,6 +198,19 @@ def test_tiles_do_not_change_the_bits():
         assert_same_quantization(got, want, f"config {config}")
 
 
+def test_row_tiles_a_program_takes_leave_every_sm_busy():
+    """Up to the tile's most, while four programs an SM remain: a prefill of 4,096 rows takes
+    four tiles a program, 1,024 rows three, a short batch one."""
+    needs_kernels()
+    from kbbq_pl.kernels.triton_kernels import tiles_per_program
+
+    sms, columns = 132, 8192 // 16
+    assert tiles_per_program(4096 // 256 * columns, 4, sms) == 4
+    assert tiles_per_program(1024 // 256 * columns, 4, sms) == 3
+    assert tiles_per_program(256 // 256 * columns, 4, sms) == 1
+    assert tiles_per_program(10**6, 2, sms) == 2 and tiles_per_program(0, 4, sms) == 1
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_row_tiles_taken_in_turn_give_the_same_values(fmt):
     """A program that takes several row tiles in turn (``TILES``, the next one's activations

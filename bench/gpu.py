@@ -45,8 +45,9 @@ the run goes on, and the summary says what failed or was skipped for time):
   fraction of the copy bandwidth and against the autotuned launch (where the decode GEMM's
   bandwidth goes, and whether a tile the autotuner does not try reaches it).
 * ``act_few``: the activation kernel of a decode step (M = 1, 16; KBBQ-shaped blocks, the
-  decode path's word-ordered values) with and without the L1 prefetch of the transforms, at
-  every K of the GEMM shapes, in microseconds.
+  decode path's word-ordered values): the FMA chain with and without the L1 prefetch of the
+  transforms, and Triton's FMA dot (transforms loaded in one go through shared memory), at
+  every K of the GEMM shapes, in microseconds, each variant's codes against the chain's.
 * ``model``: a random-init Llama (hidden 4096, 8 layers, intermediate 14336) in bf16 and with
   every decoder linear a ``W4A4Weight`` (random per-block transforms; NVFP4's activation
   scales static, calibrated on one prefill sequence, as every recipe ships them):
@@ -908,13 +909,21 @@ def act_section(run: Run) -> None:
                      list(found.values()), TARGETS["act"])
 
 
+FEW_ROWS_VARIANTS = (("chain", None, None, True), ("chain, no L1 prefetch", None, None, False),
+                     ("fma dot, 1 warp", 1, {"BLOCK_M": 16, "num_warps": 1}, True),
+                     ("fma dot, 4 warps", 1, {"BLOCK_M": 16, "num_warps": 4}, True))
+"""The decode step's activation kernels ``act_few`` times: (label, product (None: the chain),
+tile (None: the default; the FMA dot takes 64 elements of blocks a program), L1 prefetch)."""
+
+
 def act_few_section(run: Run) -> None:
     """The activation kernel of a decode step (M = 1 and 16 rows) with KBBQ-shaped blocks, as
     the decode path runs it (word-ordered values for the decode GEMM; NVFP4 with a static
-    scale), with and without asking L1 for each program's transforms first, at every K of the
-    GEMM shapes: microseconds a call in a CUDA graph cycling through copies of the transforms
-    (they come from memory, as in a model, where every layer has its own), and the codes
-    identical either way."""
+    scale): the FMA chain (the default) with and without asking L1 for each program's
+    transforms first, and Triton's FMA dot (its operands staged in shared memory, the
+    transforms loaded in one go), at every K of the GEMM shapes: microseconds a call in a CUDA
+    graph cycling through copies of the transforms (they come from memory, as in a model, where
+    every layer has its own), and whether each variant's codes are the default's."""
     from kbbq_pl import kernels as K
     from kbbq_pl.formats import get_format
     from kbbq_pl.kernels import skinny
@@ -934,29 +943,34 @@ def act_few_section(run: Run) -> None:
             ts = [first] + [first.clone() for _ in range(count - 1)]
             for m in (1, 16):
                 x = torch.randn(m, k, device=run.device, dtype=torch.bfloat16)
-                timed, codes = {}, {}
-                for prefetch in (True, False):
+                default = tk.quantize_activations(x, first, d, kind, rounding, gain, gs)[0]
+                for label, product, tile, prefetch in FEW_ROWS_VARIANTS:
+                    config = None if tile is None else dict(tile, NB=64 // d)
+                    options = dict(config=config, product=product, prefetch_transform=prefetch)
                     calls = [functools.partial(
                         tk.quantize_activations, x, t, d, kind, rounding, gain, gs,
                         values_dtype=skinny.activation_dtype(kind), codes=False,
-                        word_order=True, prefetch_transform=prefetch) for t in ts]
-                    timed[prefetch] = seconds_per_call(run, calls)
-                    codes[prefetch] = tk.quantize_activations(
-                        x, first, d, kind, rounding, gain, gs, prefetch_transform=prefetch)[0]
-                same = torch.equal(codes[True], codes[False])
-                rows.append([name, k, m, timed[True] * 1e6, timed[False] * 1e6,
-                             timed[False] / timed[True], "yes" if same else "NO"])
-                run.add("act_few", fmt=name, k=k, m=m, us=timed[True] * 1e6,
-                        us_no_prefetch=timed[False] * 1e6, same_codes=same)
+                        word_order=True, **options) for t in ts]
+                    seconds = attempt(run, f"act_few {label}", functools.partial(
+                        seconds_per_call, run, calls), math.nan)
+                    same = attempt(run, f"act_few {label} codes", lambda: torch.equal(
+                        tk.quantize_activations(x, first, d, kind, rounding, gain, gs,
+                                                **options)[0], default), False)
+                    rows.append([name, k, m, label, seconds * 1e6, "yes" if same else "NO"])
+                    run.add("act_few", fmt=name, k=k, m=m, variant=label, us=seconds * 1e6,
+                            same_codes=same)
     table("activation kernel of a decode step, KBBQ-shaped blocks, word-ordered values (the "
-          "decode path), in a CUDA graph over copies of the transforms: microseconds a call "
-          "with the transforms asked of L1 first (the default) and without",
-          ["format", "K", "M", "us", "us, no prefetch", "gain", "same codes"], rows)
+          "decode path), in a CUDA graph over copies of the transforms: microseconds a call, "
+          "and whether the codes are the default's (the chain with the L1 prefetch)",
+          ["format", "K", "M", "variant", "us", "same codes"], rows)
     for name in run.formats:
-        gains = [r[5] for r in rows if r[0] == name]
-        if gains:
-            run.line(f"decode-step activation kernel {name}: time without the L1 prefetch / "
-                     "with, min/median/max", spread(gains))
+        for label, *_ in FEW_ROWS_VARIANTS[1:]:
+            gains = [other[4] / chain[4] for chain in rows for other in rows
+                     if chain[0] == other[0] == name and chain[1:3] == other[1:3]
+                     and chain[3] == "chain" and other[3] == label]
+            if gains:
+                run.line(f"decode-step activation kernel {name}: time of '{label}' / the "
+                         "default's, min/median/max", spread(gains))
 
 
 def act_seconds(run: Run, call) -> float:

@@ -631,7 +631,7 @@ def test_gpu_bench_tiny_run(capsys):
     summary = out[out.index("## summary"):]
     for row in ("bit for bit the CPU reference | 1/1", "within one bf16 rounding of the exact "
                 "product | 5/5", "linear M=1 nvfp4", "activation nvfp4 16x16 blocks, exact",
-                "decode-step activation kernel nvfp4: time without the L1 prefetch",
+                "decode-step activation kernel nvfp4: time of 'fma dot, 4 warps'",
                 "model nvfp4: decode batch 2", "model nvfp4: prefill",
                 "rows from which prefill beats decode, nvfp4", "peers: skipped",
                 "model nvfp4 compiled: decode batch 1 x bf16 compiled"):

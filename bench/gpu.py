@@ -872,9 +872,12 @@ def act_section(run: Run) -> None:
             others += [(tk.PRODUCT_FMA_CHAIN, f"fma chain {rows_}x1",
                         {**default, "BLOCK_M": rows_}, True)
                        for rows_ in (128, 256) if rows_ != default["BLOCK_M"]]
-            others += [(tk.PRODUCT_FMA_DOT, "fma dot", {"BLOCK_M": 64, "NB": 64 // d,
-                                                        "num_warps": 4}, True),
-                       (tk.PRODUCT_TF32X3, "tf32x3", None, True)]
+            # the tensor-core product at the FMA dot's tile: at the chain's (256 rows, one
+            # block) it spills on Triton 3.6 (10 KB a thread for MX), which the H200 run of
+            # 2026-11-30 timed (0.0023 of a copy)
+            dot_tile = {"BLOCK_M": 64, "NB": 64 // d, "num_warps": 4}
+            others += [(tk.PRODUCT_FMA_DOT, "fma dot", dot_tile, True),
+                       (tk.PRODUCT_TF32X3, "tf32x3", dot_tile, True)]
             for product, product_label, tile, prefetch in (
                     others if transform is not None and run.cuda else ()):
                 gs = None if not fmt_.global_scale else torch.tensor(0.01, device=device)

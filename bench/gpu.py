@@ -11,7 +11,8 @@ the run goes on, and the summary says what failed or was skipped for time):
 
 * ``check``: the activation kernel's codes and scales bit for bit the CPU reference
   (``kbbq_pl.kernels.reference``) and its values the reference codes decoded, NVFP4 (dynamic)
-  and MXFP4 with random 16 x 16 / 32 x 32 blocks at M = 1, 16, 256; every path of
+  and MXFP4 with random 16 x 16 / 32 x 32 blocks at M = 1, 16, 256 and 2,304 (row tiles taken
+  in turn by each program, the last group short); every path of
   ``linear_w4a4`` (decode M = 1, 16, 64; at M = 1024 prefill through cuBLAS and Triton, and
   decode) within one bf16 rounding of the float64 product of the same codes.
 * ``gemm``: ``linear_w4a4`` as a layer runs it (activation kernel + product, no transform and
@@ -110,7 +111,7 @@ from unittest import mock
 import torch
 from torch import nn
 
-FULL = dict(act_shape=(8192, 8192), check_k=4096, check_n=4096, check_m=(1, 16, 256),
+FULL = dict(act_shape=(8192, 8192), check_k=4096, check_n=4096, check_m=(1, 16, 256, 2304),
             gemm_shapes=((8192, 8192), (4096, 4096), (4096, 6144), (4096, 14336),
                          (14336, 4096)),
             gemm_m=(1, 16, 4096), path_m=(1, 16, 64, 1024), prefill_min_m=None,

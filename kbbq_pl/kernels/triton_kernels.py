@@ -283,9 +283,9 @@ def _quantize_activations_kernel(
     LAUNCH_DEPENDENTS: tl.constexpr = False, WRITE_E4M3: tl.constexpr = False,
     TILES: tl.constexpr = 1, PREFETCH_T: tl.constexpr = False,
 ):
-    """One tile of ``BLOCK_M`` rows by ``NB`` blocks: transform, block amax, scales, E2M1 codes,
-    packing.  ``AMAX_ONLY`` (the first pass of dynamic NVFP4) only folds the amax of ``T x``
-    into ``amax_ptr``; the second pass reads it back.
+    """``TILES`` tiles of ``BLOCK_M`` rows by ``NB`` blocks, one after the other: transform,
+    block amax, scales, E2M1 codes, packing.  ``AMAX_ONLY`` (the first pass of dynamic NVFP4)
+    only folds the amax of ``T x`` into ``amax_ptr``; the second pass reads it back.
 
     ``WRITE_CODES`` stores the packed codes and the scale bytes; ``WRITE_VALUES`` stores the
     decoded values ``q * s`` (without the per-tensor scale; NaN in a non-finite block) in

@@ -793,8 +793,9 @@ def tune_section(run: Run) -> None:
                     config = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
                               "PRODUCT": skinny.PRODUCT_DOT, "num_warps": warps,
                               "num_stages": stages}
-                    got = attempt(run, f"tune {name} {bm}x{bn}x{bk}", functools.partial(
-                        timed, config, split), (math.nan, math.nan, False))
+                    got = attempt(run, f"tune {name} {bm}x{bn}x{bk} w={warps} s={stages}",
+                                  functools.partial(timed, config, split),
+                                  (math.nan, math.nan, False))
                     rows.append([f"{k}->{n}", name, f"{bm}x{bn}x{bk} w={warps} s={stages}",
                                  split, got[0] * 1e6, got[1], tuned[0] / got[0],
                                  "yes" if got[2] else "NO"])

@@ -879,6 +879,8 @@ def act_section(run: Run) -> None:
             # 2026-11-30 timed (0.0023 of a copy)
             dot_tile = {"BLOCK_M": 64, "NB": 64 // d, "num_warps": 4}
             others += [(tk.PRODUCT_FMA_DOT, "fma dot", dot_tile, True),
+                       (tk.PRODUCT_FMA_DOT, "fma dot, four tiles a program",
+                        {**dot_tile, "TILES": 4}, True),
                        (tk.PRODUCT_TF32X3, "tf32x3", dot_tile, True)]
             for product, product_label, tile, prefetch in (
                     others if transform is not None and run.cuda else ()):

@@ -883,7 +883,7 @@ def act_section(run: Run) -> None:
                         {**dot_tile, "TILES": 4}, True),
                        (tk.PRODUCT_TF32X3, "tf32x3", dot_tile, True)]
             for product, product_label, tile, prefetch in (
-                    others if transform is not None and run.cuda else ()):
+                    others if transform is not None else ()):
                 gs = None if not fmt_.global_scale else torch.tensor(0.01, device=device)
                 exact = tk.quantize_activations(x, transform, d, kind, rounding, gain, gs)
 

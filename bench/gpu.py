@@ -294,9 +294,10 @@ def median_seconds(run: Run, launch, calls: int, replays: int | None) -> float:
     return statistics.median(times)
 
 
-def copies(run: Run, nbytes: int) -> int:
-    """How many copies of ``nbytes`` of weights overflow the L2 cache (at least one)."""
-    return max(1, min(32, math.ceil(run.shapes["rotate_bytes"] / max(nbytes, 1))))
+def copies(run: Run, nbytes: int, most: int = 32) -> int:
+    """How many copies of ``nbytes`` of weights overflow the L2 cache (at least one, at most
+    ``most``)."""
+    return max(1, min(most, math.ceil(run.shapes["rotate_bytes"] / max(nbytes, 1))))
 
 
 def kbbq_blocks(k: int, d: int, device, seed: int = 0) -> torch.Tensor:
@@ -754,10 +755,10 @@ def tune_section(run: Run) -> None:
     from kbbq_pl import kernels as K
     from kbbq_pl.formats import get_format
     from kbbq_pl.kernels import skinny
+    from kbbq_pl.kernels import triton_kernels as tk
 
     rows = []
-    sms = (torch.cuda.get_device_properties(run.device).multi_processor_count if run.cuda
-           else 4)
+    sms = tk.sm_count(run.device)
     for k, n, w, _ in gemm_weights(run, "tune", reserve=20, shapes="tune_shapes"):
         x = torch.randn(1, k, device=run.device, dtype=torch.bfloat16)
         for name in run.formats:
@@ -946,9 +947,9 @@ def act_few_section(run: Run) -> None:
         for k in sorted({k for k, _ in run.shapes["gemm_shapes"]}):
             first = kbbq_blocks(k, d, run.device)
             # enough copies to overflow L2 (a model's layers each read their own): a transform
-            # is 0.25 to 1.75 MB, fewer than copies() allows
-            count = max(1, min(1024, math.ceil(run.shapes["rotate_bytes"] / (first.numel() * 4))))
-            ts = [first] + [first.clone() for _ in range(count - 1)]
+            # is 0.25 to 1.75 MB, so more copies than weights take
+            ts = [first] + [first.clone()
+                            for _ in range(copies(run, first.numel() * 4, most=1024) - 1)]
             for m in (1, 16):
                 x = torch.randn(m, k, device=run.device, dtype=torch.bfloat16)
                 default = tk.quantize_activations(x, first, d, kind, rounding, gain, gs)[0]

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from ..formats import QuantizedTensor
 from .modules import is_linear, modality_encoders
-from .tokens import calibrating, count_tokens, token_positions, unknown_padding
+from .tokens import calibrating, count_tokens, token_positions, warn_unknown_padding
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +57,7 @@ list or a DataLoader."""
 def _log_padding(batches: Sequence[Mapping[str, Any]]) -> None:
     """Say how many of the batches' positions are padding, left out of the calibration, and
     warn of masks whose padding cannot be told (not 2-D)."""
-    unknown = unknown_padding(batches)
-    if unknown:
-        log.warning("%d of %d calibration batches hold an attention_mask that is not 2-D "
-                    "([batch, seq]): any padding in them is calibrated on as tokens (pass the "
-                    "2-D mask; the model builds its own)", unknown, len(batches))
+    warn_unknown_padding(batches)
     padded = sum(int((~p).sum()) for p in map(token_positions, batches) if p is not None)
     if padded:
         log.info("%d calibration positions are padding (attention_mask 0), left out of the "

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -34,10 +33,8 @@ from ..formats.padding import pad_features
 from ..formats.rounding import all_finite
 from .act_scale import static_act_scale
 from .modules import check_finite, first_input, in_out_features, linear_weight
-from .tokens import calibrating, token_positions, token_rows, unknown_padding
+from .tokens import calibrating, token_positions, token_rows, warn_unknown_padding
 from .w4a4 import transformed_input
-
-log = logging.getLogger(__name__)
 
 _F64 = torch.float64
 _ENERGY_CHUNK = 1 << 18
@@ -355,9 +352,8 @@ def run_calibration(model: nn.Module, batches: Iterable[Mapping[str, Tensor]]) -
     count = 0
     try:
         for batch in batches:
-            if count == 0 and unknown_padding([batch]):
-                log.warning("the calibration batches hold an attention_mask that is not 2-D "
-                            "([batch, seq]): any padding in them is calibrated on as tokens")
+            if count == 0:  # a stream: the first batch says what the mask is
+                warn_unknown_padding([batch])
             inputs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
             with calibrating(token_positions(batch)):
                 model(**inputs)

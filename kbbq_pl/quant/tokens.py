@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any
 
@@ -99,8 +99,12 @@ def token_rows(x: Tensor, layer: str = "") -> Tensor:
     return rows
 
 
-def unknown_padding(batches: Iterable[Mapping[str, Any]]) -> int:
-    """How many of ``batches`` hold an ``attention_mask`` that is not 2-D (a 4-D additive or
-    boolean mask): their padding cannot be told from their tokens."""
-    return sum(isinstance(b.get("attention_mask"), Tensor) and b["attention_mask"].dim() != 2
-               for b in batches)
+def warn_unknown_padding(batches: Sequence[Mapping[str, Any]]) -> None:
+    """Warn of the ``batches`` whose ``attention_mask`` is not 2-D (a 4-D additive or boolean
+    mask): their padding cannot be told from their tokens."""
+    unknown = sum(isinstance(b.get("attention_mask"), Tensor) and b["attention_mask"].dim() != 2
+                  for b in batches)
+    if unknown:
+        log.warning("%d of %d calibration batches hold an attention_mask that is not 2-D "
+                    "([batch, seq]): any padding in them is calibrated on as tokens (pass the "
+                    "2-D mask; the model builds its own)", unknown, len(batches))

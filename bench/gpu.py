@@ -535,6 +535,15 @@ def gemm_section(run: Run) -> None:
                             run, FP8_ROWS, functools.partial(
                                 fp8_columns, run, K, x, t, q, name, sets, preps, own_calls,
                                 t_bf16), [math.nan] * 5 + ["FAILED"]))
+                    one_row, one_row_ok = float("nan"), ""
+                    if m == 1:  # the opt-in one-row product, autotuned as it would run
+                        one_row, one_row_ok = attempt(
+                            run, f"one-row DP4A {name}",
+                            functools.partial(dp4a_linear, run, own_calls,
+                                              exact_product(x, t, q, name, scales[0]), t_bf16),
+                            (float("nan"), "FAILED"))
+                        if one_row == one_row:
+                            ratios.setdefault((m, name, "one-row DP4A"), []).append(one_row)
                     independent = float("nan")
                     if (m == 1 and label != "none"  # each costs a compile: one row a shape
                             and skinny.dependent_launch(device)):
@@ -554,14 +563,16 @@ def gemm_section(run: Run) -> None:
                         ratios.setdefault((m, name, "weights kept decoded"), []).append(
                             kept_decoded)
                     rows.append([f"{k}->{n}", m, name, label, path, t_bf16 * 1e3, t_ours * 1e3,
-                                 ratio, target, dynamic, kept_decoded, independent,
-                                 t_product * 1e3,
+                                 ratio, target, dynamic, kept_decoded, independent, one_row,
+                                 one_row_ok, t_product * 1e3,
                                  copy_fraction, "yes" if ok else f"NO ({excess:.2g})"])
                     run.add("gemm", k=k, n=n, m=m, fmt=name, transform=label, path=path,
                             bf16_ms=t_bf16 * 1e3, ours_ms=t_ours * 1e3, speedup=ratio,
                             target=target, dynamic_speedup=dynamic,
                             kept_decoded_speedup=kept_decoded,
-                            independent_speedup=independent, product_ms=t_product * 1e3,
+                            independent_speedup=independent, dp4a_speedup=one_row,
+                            dp4a_within_one_rounding=one_row_ok == "yes",
+                            product_ms=t_product * 1e3,
                             copy_fraction=copy_fraction, within_one_rounding=ok)
             print(f"  [{time.perf_counter() - run.start:.0f} s] {k}->{n} M={m} done", flush=True)
         del w_set, packed
@@ -569,11 +580,13 @@ def gemm_section(run: Run) -> None:
           "GEMM alone (decode: the decode GEMM; prefill: weight decode + product); weights "
           "kept decoded: the prefill path with no decode per call (opt-in); copy: its bytes "
           "over time against the device copy; not a dependent launch: the decode path with "
-          "its GEMM launched after the activation kernel ends (M = 1, KBBQ blocks)",
+          "its GEMM launched after the activation kernel ends (M = 1, KBBQ blocks); one-row "
+          "DP4A: the decode path with the opt-in integer product at M = 1 (autotuned), and "
+          "whether it is within one bf16 rounding of the exact product",
           ["K->N", "M", "format", "transform", "path", "bf16 ms", "W4A4 ms", "x bf16", "target",
            "x bf16, dynamic NVFP4", "x bf16, weights kept decoded",
-           "x bf16, GEMM not a dependent launch", "product ms", "copy fraction",
-           "within one rounding"], rows)
+           "x bf16, GEMM not a dependent launch", "x bf16, one-row DP4A", "DP4A within one",
+           "product ms", "copy fraction", "within one rounding"], rows)
     if fp8_rows:
         table("MX on FP8 tensor cores, the opt-in prefill product 'fp8', against bf16 "
               "torch.matmul: eager (it reads its fold check on the host, which a CUDA graph "
@@ -589,7 +602,7 @@ def gemm_section(run: Run) -> None:
     for m, key in ((1, "decode_1"), (16, "decode_16"), (4096, "prefill")):
         for name in run.formats:
             found = {label: ratios[m, name, label] for label in (
-                "none", "KBBQ blocks", "dynamic scale", "weights kept decoded")
+                "none", "KBBQ blocks", "dynamic scale", "weights kept decoded", "one-row DP4A")
                 if (m, name, label) in ratios}
             if found:
                 every = [v for label, values in found.items() for v in values
@@ -693,6 +706,17 @@ def fp8_kernel_calls(K, x, t, kept) -> list:
     return [functools.partial(call, p) for p in kept]
 
 
+def dp4a_linear(run: Run, calls: list, exact: torch.Tensor, t_bf16: float) -> tuple[float, str]:
+    """bf16's time over the decode path's with the one-row DP4A product (``calls``: the
+    row's linear calls, run with :data:`kbbq_pl.kernels.skinny.ONE_ROW_PRODUCT` set to it),
+    and whether its first output is within one bf16 rounding of ``exact``."""
+    from kbbq_pl.kernels import skinny
+
+    with mock.patch.object(skinny, "ONE_ROW_PRODUCT", skinny.PRODUCT_DP4A):
+        ok, excess = within_one_rounding(calls[0](), exact)
+        return t_bf16 / seconds_per_call(run, calls), "yes" if ok else f"NO ({excess:.2g})"
+
+
 def spread(values: list[float]) -> str:
     return f"{min(values):.3g} / {statistics.median(values):.3g} / {max(values):.3g}"
 
@@ -744,13 +768,19 @@ TUNE_TILES = ((16, 64, 256, 4, 3), (16, 64, 256, 4, 5), (16, 64, 128, 4, 6),
 autotuned ones and their neighbours (deeper pipelines, longer K tiles, a narrow column tile
 on ``mma.sync``); none spills on Triton 3.6 for sm_90 (``/tmp`` compile of each, 3.4 to 3.95
 SASS a weight, 5.2 for MX at 16x32x256)."""
+TUNE_DP4A_TILES = ((1, 32, 128, 4, 4), (1, 32, 128, 4, 6), (1, 64, 128, 8, 4),
+                   (1, 128, 256, 8, 3), (1, 256, 128, 8, 3), (1, 64, 512, 4, 3),
+                   (1, 64, 256, 4, 4))
+"""The one-row DP4A product's tiles the ``tune`` section times (its autotuned ones and
+neighbours; ``bench/gpu_compile.py``: 2.2 to 3.0 SASS a weight, no spills)."""
 
 
 def tune_section(run: Run) -> None:
     """The decode GEMM alone at M = 1 on K = N = 8192 and 4096 -> 14336, at every tile of
-    :data:`TUNE_TILES` and at half, once and twice the K splits it would take, against the
-    autotuned launch: microseconds and the fraction of the copy bandwidth, each output within
-    one bf16 rounding of the exact product.  Opt-in (``--sections tune``): it compiles every
+    :data:`TUNE_TILES` and at half, once and twice the K splits it would take, and the one-row
+    DP4A product (autotuned and at each of :data:`TUNE_DP4A_TILES`), against the autotuned
+    launch: microseconds and the fraction of the copy bandwidth, each output within one bf16
+    rounding of the exact product.  Opt-in (``--sections tune``): it compiles every
     tile, what a GPU session spends to find where the decode GEMM's bandwidth goes."""
     from kbbq_pl import kernels as K
     from kbbq_pl.formats import get_format
@@ -782,24 +812,49 @@ def tune_section(run: Run) -> None:
                 seconds = seconds_per_call(run, calls)
                 return seconds, nbytes / seconds / run.copy_rate if run.copy_rate else math.nan, ok
 
+            _, a_scales, dp4a_pts, doubled = K._activation_kernel(
+                x, None, fmt_, None, "tune", None, values_dtype=torch.int8, codes=False)
+            dp4a_bytes = (sets[0][0].numel() + sets[0][1].numel() + doubled.numel()
+                          + a_scales.numel() * 4 + n * 2)
+
+            def timed_dp4a(config, split):
+                calls = [functools.partial(skinny.skinny_matmul, doubled, 1, c,
+                                           s.view(torch.uint8), dp4a_pts, q.global_scale,
+                                           fmt_.block_size, kind, gain,
+                                           p.shift(s.view(torch.uint8)), None, torch.bfloat16,
+                                           config=config, split_k=split, a_scales=a_scales)
+                         for (c, s), p in zip(sets, preps)]
+                ok, _ = within_one_rounding(calls[0](), exact)
+                seconds = seconds_per_call(run, calls)
+                return (seconds, dp4a_bytes / seconds / run.copy_rate if run.copy_rate
+                        else math.nan, ok)
+
             tuned = timed(None, None)
             rows.append([f"{k}->{n}", name, "autotuned", "auto", tuned[0] * 1e6, tuned[1],
                          1.0, "yes" if tuned[2] else "NO"])
-            for bm, bn, bk, warps, stages in TUNE_TILES if run.cuda else TUNE_TILES[:1]:
+            got = attempt(run, f"tune {name} DP4A autotuned",
+                          functools.partial(timed_dp4a, None, None), (math.nan, math.nan, False))
+            rows.append([f"{k}->{n}", name, "DP4A autotuned", "auto", got[0] * 1e6, got[1],
+                         tuned[0] / got[0], "yes" if got[2] else "NO"])
+            tiles = [(tile, timed, skinny.PRODUCT_DOT) for tile in TUNE_TILES]
+            tiles += [(tile, timed_dp4a, skinny.PRODUCT_DP4A) for tile in TUNE_DP4A_TILES]
+            if not run.cuda:  # the CPU's tiny run: one tile of each product
+                tiles = [tiles[0], tiles[len(TUNE_TILES)]]
+            for (bm, bn, bk, warps, stages), call, product in tiles:
                 if run.left() < 10:
                     run.notes.append(f"tune: stopped at {k} -> {n} {name} for time")
                     break
                 base = skinny.split_count(n, k, bn, bk, sms, 1, bm)
+                label = ("DP4A " if product == skinny.PRODUCT_DP4A else "") + (
+                    f"{bm}x{bn}x{bk} w={warps} s={stages}")
                 for split in dict.fromkeys((max(1, base // 2), base, 2 * base)):
-                    config = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
-                              "PRODUCT": skinny.PRODUCT_DOT, "num_warps": warps,
-                              "num_stages": stages}
-                    got = attempt(run, f"tune {name} {bm}x{bn}x{bk} w={warps} s={stages}",
-                                  functools.partial(timed, config, split),
+                    config = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PRODUCT": product,
+                              "num_warps": warps, "num_stages": stages}
+                    got = attempt(run, f"tune {name} {label}",
+                                  functools.partial(call, config, split),
                                   (math.nan, math.nan, False))
-                    rows.append([f"{k}->{n}", name, f"{bm}x{bn}x{bk} w={warps} s={stages}",
-                                 split, got[0] * 1e6, got[1], tuned[0] / got[0],
-                                 "yes" if got[2] else "NO"])
+                    rows.append([f"{k}->{n}", name, label, split, got[0] * 1e6, got[1],
+                                 tuned[0] / got[0], "yes" if got[2] else "NO"])
     rows.sort(key=lambda r: (r[0], r[1], -r[5] if r[5] == r[5] else 0))
     table("decode GEMM alone at M = 1, by tile and K splits (tune): microseconds, fraction of "
           "the copy bandwidth, speed against the autotuned launch",

@@ -233,6 +233,7 @@ def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> l
 SKINNY_SIGNATURE = {
     "a_ptr": "*fp16", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16", "part_ptr": "*fp32",
     "count_ptr": "*i32", "a_global_ptr": "*fp32", "w_global_ptr": "*fp32", "bias_ptr": "*bf16",
+    "a_scale_ptr": "*fp32", "table_ptr": "*i32",
     "M": "i32", "N": "i32", "K": "i32", "shift": "i32", "stride_am": "i32", "stride_wn": "i32",
     "stride_wsn": "i32", "stride_om": "i32", "m_bucket": "i32",
 }
@@ -269,19 +270,21 @@ def skinny_rows(target: GPUTarget, explore: bool = False) -> list[dict]:
            for n, k, w, st in SKINNY_FMA_CONFIGS]
     for fmt, d, kind in FORMATS:
         values = skinny.VALUES_FP16 if kind == tk.SCALE_E4M3 else skinny.VALUES_BF16
-        signature = dict(SKINNY_SIGNATURE, a_ptr="*fp16" if values == skinny.VALUES_FP16
-                         else "*bf16")
-        for config in [*skinny_configs(explore), *fma]:
+        for config in [*skinny_configs(explore), *fma, *skinny._DP4A_CONFIGS]:
             k = config.kwargs
             constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
                              HAS_BIAS=True, VALUES=values, EXPLICIT_BF16=False, EVEN_K=True,
                              DEPENDENT=True, **k)  # launched as a dependent on sm_90
+            a_type = ("*i8" if k["PRODUCT"] == skinny.PRODUCT_DP4A
+                      else "*fp16" if values == skinny.VALUES_FP16 else "*bf16")
+            signature = dict(SKINNY_SIGNATURE, a_ptr=a_type)
             start = time.perf_counter()
             compiled = compile_kernel(skinny._skinny_kernel, signature, constants, target,
                                       num_warps=config.num_warps, num_stages=config.num_stages,
                                       enable_fp_fusion=True)
             per_thread = k["BLOCK_N"] * k["BLOCK_K"] / (32 * config.num_warps)
-            product = "dot" if k["PRODUCT"] == skinny.PRODUCT_DOT else "fma"
+            product = {skinny.PRODUCT_DOT: "dot", skinny.PRODUCT_FMA: "fma",
+                       skinny.PRODUCT_DP4A: "dp4a"}[k["PRODUCT"]]
             rows.append(_row(f"decode gemm {fmt} {product}",
                              f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w={config.num_warps} "
                              f"s={config.num_stages}", compiled, per_thread, start))

@@ -423,13 +423,15 @@ def _decode_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | N
 
     fmt = prepared.fmt
     scale_kind, _, gain = _scale_meta(fmt)
-    _, _, pts, values = _activation_kernel(x2, t, fmt, act_gs, "linear_w4a4", None,
-                                           values_dtype=skinny.activation_dtype(scale_kind),
-                                           codes=False, word_order=True,
-                                           launch_dependents=skinny.dependent_launch(x2.device))
-    return skinny.skinny_matmul(values, x2.shape[0], codes, scales, pts, w_global,
-                                fmt.block_size, scale_kind, gain, prepared.shift(scales), bias,
-                                out_dtype)
+    m = x2.shape[0]
+    dp4a = m == 1 and skinny.ONE_ROW_PRODUCT == skinny.PRODUCT_DP4A
+    _, a_scales, pts, values = _activation_kernel(
+        x2, t, fmt, act_gs, "linear_w4a4", None,
+        values_dtype=torch.int8 if dp4a else skinny.activation_dtype(scale_kind), codes=False,
+        word_order=not dp4a, launch_dependents=skinny.dependent_launch(x2.device))
+    return skinny.skinny_matmul(values, m, codes, scales, pts, w_global, fmt.block_size,
+                                scale_kind, gain, prepared.shift(scales), bias, out_dtype,
+                                a_scales=a_scales if dp4a else None)
 
 
 def _prefill_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | None,

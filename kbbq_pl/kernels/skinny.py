@@ -58,6 +58,12 @@ INTERPRET = interpreting()
 
 PRODUCT_DOT = 0
 PRODUCT_FMA = 1
+PRODUCT_DP4A = 2
+ONE_ROW_PRODUCT = PRODUCT_DOT
+"""The product of a one-row decode GEMM (a batch-1 decode step) in :func:`kbbq_pl.kernels.
+linear_w4a4`: the tensor cores (``PRODUCT_DOT``) or the integer dot products of
+``PRODUCT_DP4A`` (:func:`_dp4a_block_sums`; opt-in until a GPU has timed it and checked its
+bits: ``bench/gpu.py`` times both)."""
 VALUES_FP32 = 0
 VALUES_FP16 = 1
 VALUES_BF16 = 2
@@ -123,6 +129,117 @@ def _word_halves(words, mult, SHIFT: tl.constexpr, VALUES: tl.constexpr):
         return low * mult, high * mult
 
 
+E2M1_DOUBLED_LOW = 0x03020100
+"""``2|q|`` of the E2M1 magnitudes 0 to 3 (0, 0.5, 1, 1.5), one byte each: the low half of
+the byte table the DP4A product permutes (``prmt``) codes through; the high half,
+``0x0C080604``, holds 4 to 7 (2, 3, 4, 6)."""
+E2M1_DOUBLED_HIGH: tl.constexpr = tl.constexpr(0x0C080604)
+
+
+def _dp4a_block_asm(words: int) -> str:
+    """PTX of :func:`_dp4a_block_sums` for one block of ``words`` 32-bit words of codes
+    (operands: the words, then two words of int8 activations per word (its elements 0-3 and
+    4-7), then the byte table's two halves).  Per word: ``prmt`` (byte permute, PTX's default
+    mode) takes the low four nibbles as selectors, each picking ``2|q|`` from the table by its
+    three low bits, while its high bit (the code's sign) makes the byte the sign of the picked
+    one, 0: the positive codes' ``2q``, the negative ones zero; the same on the word with every
+    sign flipped gives the negative codes' ``2|q|``; ``dp4a`` (four int8 products summed into
+    an int32) takes each against the activations' ``2q`` bytes, and the block's sum is the
+    positive part less the negative part: exact integers."""
+    lines = ["{", ".reg .b32 w, n, p, t, u;", "mov.b32 t, 0;", "mov.b32 u, 0;"]
+    table = f"${1 + 3 * words}, ${2 + 3 * words}"
+    for i in range(words):
+        low, high = f"${1 + words + 2 * i}", f"${2 + words + 2 * i}"
+        lines += [f"xor.b32 n, ${1 + i}, 0x88888888;",
+                  f"prmt.b32 p, {table}, ${1 + i};", f"dp4a.s32.s32 t, p, {low}, t;",
+                  f"prmt.b32 p, {table}, n;", f"dp4a.s32.s32 u, p, {low}, u;",
+                  f"shr.u32 w, ${1 + i}, 16;", "shr.u32 n, n, 16;",
+                  f"prmt.b32 p, {table}, w;", f"dp4a.s32.s32 t, p, {high}, t;",
+                  f"prmt.b32 p, {table}, n;", f"dp4a.s32.s32 u, p, {high}, u;"]
+    lines += ["sub.s32 $0, t, u;", "}"]
+    return "\n".join(lines)
+
+
+_DP4A_ASM_2: tl.constexpr = tl.constexpr(_dp4a_block_asm(2))
+_DP4A_ASM_4: tl.constexpr = tl.constexpr(_dp4a_block_asm(4))
+_INTERPRET: tl.constexpr = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def _e2m1_doubled(c):
+    """``2q`` (int32) of E2M1 codes ``c`` (int32, 0..15)."""
+    magnitude = c & 7
+    e = magnitude >> 1
+    v = tl.where(e == 0, magnitude & 1, (2 + (magnitude & 1)) << tl.maximum(e - 1, 0))
+    return tl.where((c & 8) != 0, -v, v)
+
+
+@triton.jit
+def _word_dot(word, a_low, a_high):
+    """The interpreter's :func:`_dp4a_block_sums` of one word: ``sum 2q_w 2q_a`` over its eight
+    codes against the int8 activations of ``a_low`` (elements 0-3) and ``a_high`` (4-7)."""
+    total = tl.zeros(word.shape, tl.int32)
+    for j in tl.static_range(4):
+        total += _e2m1_doubled((word >> (4 * j)) & 15) * ((a_low << (24 - 8 * j)) >> 24)
+        total += _e2m1_doubled((word >> (16 + 4 * j)) & 15) * ((a_high << (24 - 8 * j)) >> 24)
+    return total
+
+
+@triton.jit
+def _dp4a_block_sums(words, a_blocks, b_mask, table_low, BLOCK_N: tl.constexpr,
+                     NB: tl.constexpr, D: tl.constexpr):
+    """``sum 2q_w 2q_a`` over each block (int32 ``[BLOCK_N, NB]``, exact) of the codes ``words``
+    (int32 ``[BLOCK_N, NB * D / 8]``) against the int8 activations at ``a_blocks`` (int32
+    pointers ``[NB]``, each at its block's first four), by :func:`_dp4a_block_asm` on GPUs.
+    ``table_low`` (:data:`E2M1_DOUBLED_LOW`) comes from memory: given as a constant, ptxas
+    re-creates it before each ``prmt`` (compile reports: 15% more instructions)."""
+    if D == 16:
+        w0, w1 = tl.split(tl.reshape(words, [BLOCK_N, NB, 2]))
+        a0 = tl.load(a_blocks, mask=b_mask, other=0)[None, :]
+        a1 = tl.load(a_blocks + 1, mask=b_mask, other=0)[None, :]
+        a2 = tl.load(a_blocks + 2, mask=b_mask, other=0)[None, :]
+        a3 = tl.load(a_blocks + 3, mask=b_mask, other=0)[None, :]
+        if _INTERPRET:
+            return _word_dot(w0, a0, a1) + _word_dot(w1, a2, a3)
+        high = tl.full([BLOCK_N, NB], E2M1_DOUBLED_HIGH, tl.int32)
+        low = tl.full([BLOCK_N, NB], 0, tl.int32) + table_low
+        return tl.inline_asm_elementwise(_DP4A_ASM_2, "=r" + ",r" * 8,
+                                         [w0, w1, a0, a1, a2, a3, low, high], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        even, odd = tl.split(tl.reshape(words, [BLOCK_N, NB, 2, 2]))  # words 0, 2 and 1, 3
+        w0, w2 = tl.split(even)
+        w1, w3 = tl.split(odd)
+        a0 = tl.load(a_blocks, mask=b_mask, other=0)[None, :]
+        a1 = tl.load(a_blocks + 1, mask=b_mask, other=0)[None, :]
+        a2 = tl.load(a_blocks + 2, mask=b_mask, other=0)[None, :]
+        a3 = tl.load(a_blocks + 3, mask=b_mask, other=0)[None, :]
+        a4 = tl.load(a_blocks + 4, mask=b_mask, other=0)[None, :]
+        a5 = tl.load(a_blocks + 5, mask=b_mask, other=0)[None, :]
+        a6 = tl.load(a_blocks + 6, mask=b_mask, other=0)[None, :]
+        a7 = tl.load(a_blocks + 7, mask=b_mask, other=0)[None, :]
+        if _INTERPRET:
+            return (_word_dot(w0, a0, a1) + _word_dot(w1, a2, a3) + _word_dot(w2, a4, a5)
+                    + _word_dot(w3, a6, a7))
+        high = tl.full([BLOCK_N, NB], E2M1_DOUBLED_HIGH, tl.int32)
+        low = tl.full([BLOCK_N, NB], 0, tl.int32) + table_low
+        return tl.inline_asm_elementwise(
+            _DP4A_ASM_4, "=r" + ",r" * 14,
+            [w0, w1, w2, w3, a0, a1, a2, a3, a4, a5, a6, a7, low, high], dtype=tl.int32,
+            is_pure=True, pack=1)
+
+
+@triton.jit
+def _dp4a_weight_scales(s, shift, SCALE_KIND: tl.constexpr):
+    """FP32 block scales of the weights' scale bytes ``s`` for the DP4A product: NVFP4 the E4M3
+    value, MX ``2^(e - shift)`` (NaN for the NaN exponent; ``e - shift`` in [-132, 1]:
+    :func:`kbbq_pl.kernels.exact.mx_shift`)."""
+    if SCALE_KIND == 0:  # SCALE_E4M3
+        return s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        return tl.where(s == 255, float("nan"), _pow2(s.to(tl.int32) - 127 - shift))
+
+
 @triton.jit
 def _word_dots(words, mult, a_ptrs, a_mask, acc, SHIFT: tl.constexpr, E_LOW: tl.constexpr,
                VALUES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -174,7 +291,7 @@ def _block_multipliers(s, shift, SCALE_KIND: tl.constexpr, VALUES: tl.constexpr)
 @triton.jit
 def _skinny_kernel(
     a_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, a_global_ptr, w_global_ptr, bias_ptr,
-    M, N, K, shift, stride_am, stride_wn, stride_wsn, stride_om, m_bucket,
+    a_scale_ptr, table_ptr, M, N, K, shift, stride_am, stride_wn, stride_wsn, stride_om, m_bucket,
     D: tl.constexpr, SCALE_KIND: tl.constexpr, GAIN2: tl.constexpr, HAS_GLOBAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, VALUES: tl.constexpr, EXPLICIT_BF16: tl.constexpr,
     PRODUCT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -182,7 +299,9 @@ def _skinny_kernel(
 ):
     """``out [M, N] = A W^T`` for word-ordered activation values ``A [M, >=K]`` and packed weights
     ``W`` (codes ``[N, K/2]``, scale bytes ``[N, K/D]``); program (column tile, K split, row
-    tile)."""
+    tile).  ``PRODUCT_DP4A`` (one row a tile) reads ``A`` as int8 ``2q`` in the natural order
+    and the FP32 block scales ``[M, K/D]`` at ``a_scale_ptr`` instead, ``table_ptr`` holding
+    :data:`E2M1_DOUBLED_LOW`."""
     # consecutive programs take ROW_GROUP row tiles down one column tile before the next
     # column, so a column tile's weights are read once per group and the group's activations
     # stay in L2 (the grouping of Triton's matmul tutorial)
@@ -236,6 +355,34 @@ def _skinny_kernel(
             acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 4, 2, VALUES, BLOCK_N, BLOCK_K)
             acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 8, 1, VALUES, BLOCK_N, BLOCK_K)
             acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 12, 0, VALUES, BLOCK_N, BLOCK_K)
+    elif PRODUCT == 2:  # PRODUCT_DP4A, one row: exact integer sums per block, then FP32
+        NB: tl.constexpr = BLOCK_K // D
+        blocks = tl.zeros([BLOCK_N, NB], tl.float32)
+        offs_c = tl.arange(0, BLOCK_K // 8)
+        words_ptr = w_ptr.to(tl.pointer_type(tl.int32))
+        w_ptrs = words_ptr + offs_n[:, None] * (stride_wn // 4) + offs_c[None, :]
+        offs_b = tl.arange(0, NB)
+        s_ptrs = ws_ptr + offs_n[:, None] * stride_wsn + offs_b[None, :]
+        a_words = (a_ptr + pid_m * stride_am).to(tl.pointer_type(tl.int32))
+        a_scales = a_scale_ptr + pid_m * (K // D)
+        table_low = tl.load(table_ptr)
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K):
+            if EVEN_K:
+                c_mask = tl.full([BLOCK_K // 8], 1, tl.int1)
+                b_mask = tl.full([NB], 1, tl.int1)
+            else:
+                c_mask = k0 // 8 + offs_c < K // 8
+                b_mask = k0 // D + offs_b < K // D
+            words = tl.load(w_ptrs + k0 // 8, mask=n_mask[:, None] & c_mask[None, :], other=0,
+                            eviction_policy="evict_first")
+            s = tl.load(s_ptrs + k0 // D, mask=n_mask[:, None] & b_mask[None, :], other=0,
+                        eviction_policy="evict_first")
+            sums = _dp4a_block_sums(words, a_words + k0 // 4 + (D // 4) * offs_b, b_mask,
+                                    table_low, BLOCK_N, NB, D)
+            a_s = tl.load(a_scales + k0 // D + offs_b, mask=b_mask, other=0.0)
+            w_s = _dp4a_weight_scales(s, shift, SCALE_KIND)
+            blocks += sums.to(tl.float32) * (w_s * a_s[None, :])
+        acc = tl.sum(blocks, axis=1)
     else:  # PRODUCT_FMA, one row: FP32 values, no conversion before the multiply-adds
         acc = tl.zeros([BLOCK_N], tl.float32)
         offs_j = tl.arange(0, BLOCK_K // 2)  # byte j of a tile row: elements 2j, 2j + 1
@@ -266,7 +413,7 @@ def _skinny_kernel(
     if splits == 1:
         _skinny_epilogue(acc, offs_m, offs_n, M, N, shift, a_global_ptr, w_global_ptr, bias_ptr,
                          out_ptr, stride_om, SCALE_KIND, GAIN2, HAS_GLOBAL, HAS_BIAS,
-                         EXPLICIT_BF16)
+                         EXPLICIT_BF16, PRODUCT)
     else:
         part = part_ptr + offs_m[:, None] * N + offs_n[None, :]
         split_stride = tl.num_programs(2) * BLOCK_M * N  # partials [splits, row tiles * BLOCK_M, N]
@@ -282,7 +429,7 @@ def _skinny_kernel(
                                  cache_modifier=".cg")
             _skinny_epilogue(total, offs_m, offs_n, M, N, shift, a_global_ptr, w_global_ptr,
                              bias_ptr, out_ptr, stride_om, SCALE_KIND, GAIN2, HAS_GLOBAL,
-                             HAS_BIAS, EXPLICIT_BF16)
+                             HAS_BIAS, EXPLICIT_BF16, PRODUCT)
             tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch (graph replays)
 
 
@@ -290,12 +437,14 @@ def _skinny_kernel(
 def _skinny_epilogue(acc, offs_m, offs_n, M, N, shift, a_global_ptr, w_global_ptr, bias_ptr,
                      out_ptr, stride_om, SCALE_KIND: tl.constexpr, GAIN2: tl.constexpr,
                      HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     EXPLICIT_BF16: tl.constexpr):
-    """The decode's power of two back (``2^14`` NVFP4, ``2^shift`` MX), then
-    :func:`~kbbq_pl.kernels.triton_kernels._epilogue`."""
-    if SCALE_KIND == 0:  # SCALE_E4M3: NVFP4_DECODE_SHIFT
+                     EXPLICIT_BF16: tl.constexpr, PRODUCT: tl.constexpr):
+    """The decode's power of two back (``2^14`` NVFP4, ``2^shift`` MX; the DP4A product's
+    ``1/4`` of ``2q_w 2q_a``), then :func:`~kbbq_pl.kernels.triton_kernels._epilogue`."""
+    if PRODUCT == 2:  # PRODUCT_DP4A
+        acc = acc * 0.25
+    elif SCALE_KIND == 0:  # SCALE_E4M3: NVFP4_DECODE_SHIFT
         acc = acc * 16384.0
-    else:
+    if SCALE_KIND != 0:
         acc = acc * _pow2(tl.full(acc.shape, 0, tl.int32) + shift)
     _epilogue(acc, offs_m, offs_n, M, N, a_global_ptr, w_global_ptr, bias_ptr, out_ptr,
               stride_om, GAIN2, HAS_GLOBAL, HAS_BIAS, EXPLICIT_BF16)
@@ -338,16 +487,44 @@ def m_bucket(m: int) -> int:
     return FEW_ROWS if m <= FEW_ROWS else min(next_power_of_2(m), 8192)
 
 
+def _dp4a_configs():
+    """The DP4A product's one-row tiles autotuned on GPUs (three: each costs a compile a GPU
+    session pays; ``bench/gpu.py``'s ``tune`` section times more): ``bench/gpu_compile.py
+    --kernels decode_gemm`` printed no spills and 2.2 to 3.0 SASS a weight in their loops on
+    Triton 3.6 for sm_90 (3.3 to 4.2 for the tensor-core tiles), the small one without a
+    barrier in its loop."""
+    tiles = ((32, 128, 4, 4), (128, 256, 8, 3), (64, 512, 4, 3))
+    return [triton.Config({"BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                           "PRODUCT": PRODUCT_DP4A}, num_warps=warps, num_stages=stages)
+            for block_n, block_k, warps, stages in tiles]
+
+
 _CONFIGS = _configs()
+_DP4A_CONFIGS = _dp4a_configs()
 _KEY = ["N", "K", "m_bucket", "D", "SCALE_KIND", "VALUES", "HAS_BIAS"]
 _skinny_tuned = triton.autotune(configs=_CONFIGS, key=_KEY,
                                 prune_configs_by={"early_config_prune": _prune_configs})(
     triton.heuristics({"EVEN_K": _even_k})(_skinny_kernel))
+_skinny_dp4a_tuned = triton.autotune(configs=_DP4A_CONFIGS, key=_KEY)(
+    triton.heuristics({"EVEN_K": _even_k})(_skinny_kernel))
 
 INTERPRETER_CONFIG = {"BLOCK_M": FEW_ROWS, "BLOCK_N": 16, "BLOCK_K": 128,
                       "PRODUCT": PRODUCT_DOT}
+INTERPRETER_DP4A_CONFIG = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 128, "PRODUCT": PRODUCT_DP4A}
 
 _counters: dict[torch.device, torch.Tensor] = {}
+
+
+_tables: dict[torch.device, torch.Tensor] = {}
+
+
+def _table(device: torch.device) -> torch.Tensor:
+    """The device's copy of :data:`E2M1_DOUBLED_LOW` (int32 ``[1]``), read by the DP4A product."""
+    table = _tables.get(device)
+    if table is None:
+        table = _tables[device] = torch.tensor([E2M1_DOUBLED_LOW], dtype=torch.int32,
+                                               device=device)
+    return table
 
 
 def _counter(device: torch.device) -> torch.Tensor:
@@ -419,13 +596,17 @@ def _grid(n: int, k: int, m: int, sms: int, split_k: int | None, cfg: dict
 
 @functools.lru_cache(maxsize=4096)
 def _partial_rows(n: int, k: int, m: int, sms: int, split_k: int | None,
-                  tiles: tuple[tuple[int, int, int], ...] | None) -> int:
+                  tiles: tuple[tuple[int, int, int], ...] | str | None) -> int:
     """Rows of FP32 split-K partials (``[splits x row tiles x BLOCK_M, N]``) the largest of
-    the candidate tiles (``(BLOCK_M, BLOCK_N, BLOCK_K)``; None: the autotuned ones for ``m``)
+    the candidate tiles (``(BLOCK_M, BLOCK_N, BLOCK_K)``; None: the autotuned ones for ``m``;
+    ``"dp4a"``: the DP4A product's)
     needs; worked out once per shape, not per call (a decode step is latency)."""
     if tiles is None:
         tiles = tuple((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"])
                       for c in _prune_configs(_CONFIGS, {"m_bucket": m_bucket(m)}))
+    elif tiles == "dp4a":
+        tiles = tuple((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"])
+                      for c in _DP4A_CONFIGS)
     splits = [(_splits(n, k, m, sms, split_k, bm, bn, bk), bm) for bm, bn, bk in tiles]
     return max([split * cdiv(m, bm) * bm for split, bm in splits if split > 1],
                default=1)
@@ -433,10 +614,20 @@ def _partial_rows(n: int, k: int, m: int, sms: int, split_k: int | None,
 
 def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: int,
                   scale_kind: int, gain: float, shift: int, bias, out_dtype,
-                  config: dict | None = None, split_k: int | None = None):
+                  config: dict | None = None, split_k: int | None = None, a_scales=None):
     """Launch the decode GEMM on word-ordered activation values ``a_values [M, >=K]`` (from
     :func:`kbbq_pl.kernels.triton_kernels.quantize_activations` with ``word_order``); arguments
-    checked by :mod:`kbbq_pl.kernels`.  ``config`` pins the tile, ``split_k`` the splits."""
+    checked by :mod:`kbbq_pl.kernels`.  ``config`` pins the tile, ``split_k`` the splits.
+    With ``a_scales`` (FP32 ``[M, K/d]``) the product is ``PRODUCT_DP4A``: ``a_values`` are then
+    the int8 ``2q`` of the activations in the natural order (``quantize_activations`` with an
+    int8 ``values_dtype``), one row a tile."""
+    dp4a = a_scales is not None
+    if dp4a != (a_values.dtype == torch.int8):
+        raise ValueError("the DP4A product takes int8 activations (2q) with their FP32 block "
+                         f"scales, got {a_values.dtype} values and "
+                         f"{'no' if a_scales is None else 'FP32'} scales")
+    if config is not None and (config["PRODUCT"] == PRODUCT_DP4A) != dp4a:
+        raise ValueError(f"the tile {config} does not take {a_values.dtype} activations")
     n, k = w_codes.shape[0], w_codes.shape[1] * 2
     device = w_codes.device
     out = torch.empty(m, n, dtype=out_dtype, device=device)
@@ -449,15 +640,21 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
     if dependent:
         meta["launch_pdl"] = True
     sms = sm_count(device)
-    pinned = dict(config or INTERPRETER_CONFIG) if config is not None or INTERPRET else None
-    tiles = ((pinned["BLOCK_M"], pinned["BLOCK_N"], pinned["BLOCK_K"]),) if pinned else None
+    interpreter_config = INTERPRETER_DP4A_CONFIG if dp4a else INTERPRETER_CONFIG
+    pinned = dict(config or interpreter_config) if config is not None or INTERPRET else None
+    tiles = (((pinned["BLOCK_M"], pinned["BLOCK_N"], pinned["BLOCK_K"]),) if pinned
+             else "dp4a" if dp4a else None)
     partial = torch.empty(_partial_rows(n, k, m, sms, split_k, tiles), n, dtype=torch.float32,
                           device=device)
     args = [a_values, w_codes, w_scales, out, partial, _counter(device),
             a_global if has_global else dummy, w_global if has_global else dummy,
-            bias if bias is not None else dummy, m, n, k, shift, a_values.stride(0),
+            bias if bias is not None else dummy, a_scales if dp4a else dummy,
+            _table(device) if dp4a else dummy, m, n, k, shift, a_values.stride(0),
             w_codes.stride(0), w_scales.stride(0), out.stride(0), m_bucket(m)]
     if pinned:
+        if pinned["PRODUCT"] == PRODUCT_DP4A and pinned["BLOCK_M"] != 1:
+            raise ValueError(f"the DP4A product takes one row a tile, got BLOCK_M = "
+                             f"{pinned['BLOCK_M']}")
         if pinned["PRODUCT"] == PRODUCT_DOT and pinned["BLOCK_K"] % WORD_ORDER_CHUNK:
             raise ValueError(f"the decode GEMM's tensor-core tiles span whole chunks of "
                              f"{WORD_ORDER_CHUNK}, got BLOCK_K = {pinned['BLOCK_K']}")
@@ -467,9 +664,10 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
             *args, **meta, **pinned, EVEN_K=k % pinned["BLOCK_K"] == 0, num_warps=warps,
             num_stages=stages)
     else:
-        _skinny_tuned[functools.partial(_grid, n, k, m, sms, split_k)](*args, **meta)
+        tuned = _skinny_dp4a_tuned if dp4a else _skinny_tuned
+        tuned[functools.partial(_grid, n, k, m, sms, split_k)](*args, **meta)
     return out
 
 
-__all__ = ["FEW_ROWS", "MX_MULTIPLIER_BIAS", "NVFP4_DECODE_SHIFT", "skinny_matmul",
-           "split_count"]
+__all__ = ["FEW_ROWS", "MX_MULTIPLIER_BIAS", "NVFP4_DECODE_SHIFT", "ONE_ROW_PRODUCT",
+           "PRODUCT_DP4A", "skinny_matmul", "split_count"]

@@ -290,7 +290,10 @@ def _quantize_activations_kernel(
     ``WRITE_CODES`` stores the packed codes and the scale bytes; ``WRITE_VALUES`` stores the
     decoded values ``q * s`` (without the per-tensor scale; NaN in a non-finite block) in
     ``values_ptr``'s dtype, where they are exact (:mod:`kbbq_pl.kernels.exact`), in the natural
-    order or (``WORD_ORDER``) in :func:`~kbbq_pl.kernels.exact.word_order_index` order.
+    order or (``WORD_ORDER``) in :func:`~kbbq_pl.kernels.exact.word_order_index` order; an
+    int8 ``values_ptr`` takes ``2q`` instead (the integers the decode GEMM's DP4A product
+    multiplies; 0 in a non-finite block) and ``scales_ptr`` the FP32 block scales ``s`` (NaN
+    in a non-finite block).
     ``LAUNCH_DEPENDENTS`` lets a kernel launched after it as a programmatic dependent (the
     decode GEMM) start at once: it waits for this one's results itself.  ``WRITE_E4M3`` (MX,
     a program holding whole chunks of 128: ``NB * D == 128``) stores the values folded to
@@ -408,7 +411,15 @@ def _activation_tile(
             tl.store(codes_ptr + rows[None, :, None] * stride_cm + k, byte, mask=mask)
             tl.store(scales_ptr + pid_b * M + rows, _pow2(tl.reshape(exponent, [BLOCK_M])),
                      mask=row_mask)
-        if WRITE_VALUES:
+        if WRITE_VALUES and (values_ptr.dtype.element_ty == tl.int8):
+            # the decode GEMM's one-row product: 2q as int8 (exact), the block scales apart
+            doubled = tl.where(bad[:, :, None], 0.0, _e2m1_round(y) * 2.0).to(tl.int8)
+            k = blocks[:, None, None] * D + tl.arange(0, D)[None, None, :]
+            tl.store(values_ptr + rows[None, :, None] * stride_vm + k, doubled, mask=mask)
+            tl.store(scales_ptr + rows[None, :] * stride_sm + blocks[:, None],
+                     tl.where(bad, float("nan"), scale_value),
+                     mask=block_mask[:, None] & row_mask[None, :])
+        elif WRITE_VALUES:
             scale_value = tl.where(bad, float("nan"), scale_value)
             values = _e2m1_round(y) * scale_value[:, :, None]
             k = blocks[:, None, None] * D + tl.arange(0, D)[None, None, :]
@@ -516,7 +527,9 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
 
     Returns ``(codes uint8 [M, K/2], scales uint8 [M, K/d], pts fp32 [] or None, values)``:
     ``codes`` False skips the first two (None); ``values_dtype`` (fp16, bf16 or fp32) adds the
-    decoded values ``[M, K]`` (else None), in ``word_order`` if asked.  Dynamic NVFP4 runs
+    decoded values ``[M, K]`` (else None), in ``word_order`` if asked; int8 (``codes`` False,
+    natural order) gives ``2q`` as the values and the FP32 block scales ``[M, K/d]`` as the
+    scales (the decode GEMM's DP4A product).  Dynamic NVFP4 runs
     the kernel twice (see :func:`kbbq_pl.kernels.quantize_activations`).  ``product``
     overrides how ``T x`` is multiplied (benchmarks: ``PRODUCT_TF32X3``).
     ``launch_dependents``: the last launch lets the next kernel start early (the decode GEMM
@@ -559,19 +572,25 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     if values_dtype is not None:
         width = -(-k // 128) * 128 if word_order else k  # a partial chunk keeps its slots
         values = torch.empty(m, width, dtype=values_dtype, device=device)
+    doubled = values_dtype == torch.int8  # 2q and the FP32 block scales
+    if doubled:
+        if codes or word_order or e4m3:
+            raise ValueError("int8 activation values (2q) come alone, in the natural order")
+        scales_out = torch.empty(m, n_blocks, dtype=torch.float32, device=device)
     meta = dict(D=d, SCALE_KIND=scale_kind, ROUNDING=rounding, GAIN=gain,
                 HAS_T=transform is not None, STATIC=static, PRODUCT=product,
                 WRITE_CODES=codes, WRITE_VALUES=values is not None, WORD_ORDER=word_order,
                 PARTS_FIRST=PARTS_FIRST, WRITE_E4M3=e4m3,
                 PREFETCH_T=not INTERPRET and prefetch_transform is not False)
     codes_arg = codes_out if codes or e4m3 else dummy
-    scales_arg = scales_out if codes or e4m3 else dummy
+    scales_arg = scales_out if codes or e4m3 or doubled else dummy
     args = [x, transform_columns(transform) if transform is not None else dummy, codes_arg,
             scales_arg,
             global_scale if static else dummy, amax, pts if nvfp4 else dummy,
             values if values is not None else dummy, e4m3_inexact if e4m3 else dummy,
             m, n_blocks, x.stride(0), codes_arg.stride(0) if codes or e4m3 else 0,
-            scales_arg.stride(0) if codes else 0, values.stride(0) if values is not None else 0,
+            scales_arg.stride(0) if codes or doubled else 0,
+            values.stride(0) if values is not None else 0,
             _m_bucket(m)]
 
     if e4m3:  # a program holds whole chunks of 128

@@ -294,7 +294,7 @@ def test_decode_gemm_autotuned_launch_under_the_interpreter():
     tried = []
 
     def bench(self, *args, config, **meta):
-        tried.append((args[9], config.kwargs["BLOCK_M"]))  # (M, tile)
+        tried.append((args[11], config.kwargs["BLOCK_M"]))  # (M, tile)
         return [float(config.kwargs["BLOCK_M"])] * 3
 
     one_sm_per = type("Properties", (), {"multi_processor_count": 4})()
@@ -365,6 +365,202 @@ def test_activation_kernel_fills_nothing_it_does_not_read(fmt, act_scale, fills)
     assert zeros.call_count == fills and ones.call_count == 0
     if act_scale is not None:  # written by the kernel, not left as allocated
         assert float(pts) == pytest.approx(act_scale)
+
+
+def dp4a(x, q, fmt, t=None, scale=None, bias=None, out_dtype=torch.float32, **kwargs):
+    """The decode GEMM's one-row DP4A product on ``x``'s rows rounded to int8 ``2q``."""
+    from kbbq_pl.kernels import skinny as S
+
+    fmt = F.get_format(fmt)
+    kind, _, gain = K._scale_meta(fmt)
+    _, a_scales, pts, doubled = K._activation_kernel(x, t, fmt, scale, "test", None,
+                                                     values_dtype=torch.int8, codes=False)
+    shift = exact.mx_shift(q.scale) if fmt.scale_kind == "e8m0" else 0
+    return S.skinny_matmul(doubled, x.shape[0], q.qdata, q.scale.view(torch.uint8), pts,
+                           q.global_scale, fmt.block_size, kind, gain, shift, bias, out_dtype,
+                           a_scales=a_scales, **kwargs)
+
+
+@pytest.mark.parametrize("fmt,k,split", [("nvfp4", 256, 1), ("nvfp4", 160, 2),
+                                         ("mxfp4", 192, 2), ("mxfp4_no_clip", 256, 1)])
+def test_dp4a_product_matches_the_exact_product(fmt, k, split):
+    """The one-row integer product (the interpreter runs its PTX's arithmetic in Triton:
+    ``test_dp4a_ptx_gives_the_block_sums`` checks the PTX itself), K a multiple of the tile
+    or not, split along K or not, with a bias and a transform."""
+    needs_kernels()
+    n = 40
+    t = make_transform("random", k, block(fmt), seed=1)
+    x, q = decode_operands(fmt, 1, n, k, seed=k + split)
+    bias = torch.randn(n)
+    scale = torch.tensor(0.004) if fmt == "nvfp4" and split == 1 else None
+    ref = exact_product(x, q, fmt, t, scale, bias)
+    y = dp4a(x, q, fmt, t, scale, bias, split_k=split)
+    assert y.shape == (1, n) and gemm_error(y, ref) <= 1e-5
+    assert_within_one_bf16_rounding(dp4a(x, q, fmt, t, scale, bias, torch.bfloat16,
+                                         split_k=split), ref)
+
+
+def test_dp4a_product_nan_blocks_extremes_and_errors():
+    from kbbq_pl.kernels import skinny as S
+
+    needs_kernels()
+    x, q = decode_operands("mxfp4", 1, 16, 64, seed=3)
+    x[0, 40] = float("nan")
+    assert torch.isnan(dp4a(x, q, "mxfp4")).all()
+    # every E2M1 code against every activation value, and MX weights that need a shift
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(16, 128, generator=gen) * torch.pow(2.0, torch.randint(-20, 12, (16, 1),
+                                                                           generator=gen))
+    q = F.quantize(w, "mxfp4")
+    codes = set(torch.cat([q.qdata & 15, q.qdata >> 4]).unique().tolist())
+    assert exact.mx_shift(q.scale) > 0 and codes >= set(range(1, 8)) | set(range(9, 16))
+    x = (torch.randn(1, 128, generator=gen) * 4).to(torch.bfloat16)
+    assert gemm_error(dp4a(x, q, "mxfp4"), exact_product(x, q, "mxfp4")) <= 1e-5
+    x2, q2 = decode_operands("nvfp4", 2, 16, 64)
+    values, pts = K.quantize_activation_values(x2, None, "nvfp4", dtype=torch.float16,
+                                               word_order=True)
+    with pytest.raises(ValueError, match="int8 activations"):
+        S.skinny_matmul(values, 2, q2.qdata, q2.scale.view(torch.uint8), pts, q2.global_scale,
+                        16, 0, 1.0, 0, None, torch.float32, a_scales=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="one row a tile"):
+        dp4a(x2, q2, "nvfp4", config={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128,
+                                      "PRODUCT": S.PRODUCT_DP4A})
+    with pytest.raises(ValueError, match="come alone"):
+        K._activation_kernel(x2, None, F.get_format("nvfp4"), None, "test", None,
+                             values_dtype=torch.int8, codes=False, word_order=True)
+
+
+@pytest.mark.parametrize("fmt,kind", [("nvfp4", "random"), ("mxfp4", "hadamard"),
+                                      ("mxfp4_no_clip", None)])
+def test_int8_activation_values_are_twice_the_reference_codes(fmt, kind):
+    """The DP4A product's operand: ``2q`` of every element bit for bit the reference code's,
+    the block scales its values (NaN where a block is not finite, its ``2q`` then 0)."""
+    needs_kernels()
+    f = F.get_format(fmt)
+    d = f.block_size
+    k = 3 * d
+    x = (torch.randn(5, k) * 3).to(torch.bfloat16)
+    x[1, 2] = float("nan")
+    t = make_transform(kind, k, d, seed=4)
+    _, scales, pts, doubled = K._activation_kernel(x, t, f, None, "test", None,
+                                                   values_dtype=torch.int8, codes=False)
+    codes, scale_bytes, want_pts = K.reference_quantize_activations(x, t, fmt)
+    q = E2M1_ALL.to(torch.float32)[torch.stack([codes & 15, codes >> 4], -1).reshape(5, k).long()]
+    want = (2 * q).to(torch.int8)
+    bad = torch.zeros(5, k // d, dtype=torch.bool)
+    bad[1, 0] = True
+    assert doubled.dtype == torch.int8 and scales.dtype == torch.float32
+    assert torch.equal(doubled.reshape(5, k // d, d)[~bad], want.reshape(5, k // d, d)[~bad])
+    assert (doubled.reshape(5, k // d, d)[bad] == 0).all()
+    if f.scale_kind == "e4m3":
+        want_scales = scale_bytes.view(torch.float8_e4m3fn).to(torch.float32)
+    else:
+        want_scales = torch.ldexp(torch.ones(scale_bytes.shape),
+                                  scale_bytes.to(torch.int32) - 127)
+    assert torch.equal(scales[~bad], want_scales[~bad])
+    assert torch.isnan(scales[bad]).all()
+    if want_pts is not None:
+        assert torch.equal(pts.reshape(1), want_pts.reshape(1))
+
+
+def test_dp4a_ptx_gives_the_block_sums():
+    """The PTX of the DP4A product, executed by a small model of the five instructions it
+    uses (``prmt`` in its default mode and ``dp4a`` as PTX's ISA defines them), gives the
+    exact block sums ``sum 2q_w 2q_a`` on random words covering every code, for NVFP4 (two
+    words a block) and MX (four)."""
+    import re
+
+    from kbbq_pl.kernels import skinny as S
+
+    def prmt(a, b, c):
+        source = (b << 32) | a
+        out = 0
+        for i in range(4):
+            sel = (c >> (4 * i)) & 15
+            byte = (source >> (8 * (sel & 7))) & 255
+            if sel & 8:
+                byte = 255 if byte & 128 else 0
+            out |= byte << (8 * i)
+        return out
+
+    def signed_bytes(v):
+        return [((v >> (8 * i)) & 255) - (256 if (v >> (8 * i)) & 128 else 0) for i in range(4)]
+
+    def run(asm, operands):
+        regs = {f"${i + 1}": v & 0xFFFFFFFF for i, v in enumerate(operands)}
+
+        def value(token):
+            token = token.strip()
+            if token in regs:
+                return regs[token]
+            return int(token, 0) & 0xFFFFFFFF
+
+        for line in asm.splitlines():
+            line = line.strip().rstrip(";")
+            if not line or line in "{}" or line.startswith(".reg"):
+                continue
+            op, args = line.split(None, 1)
+            dst, *src = [a.strip() for a in args.split(",")]
+            v = [value(a) for a in src]
+            if op == "mov.b32":
+                r = v[0]
+            elif op == "xor.b32":
+                r = v[0] ^ v[1]
+            elif op == "shr.u32":
+                r = v[0] >> v[1]
+            elif op == "prmt.b32":
+                r = prmt(v[0], v[1], v[2])
+            elif op == "dp4a.s32.s32":
+                acc = v[2] - (1 << 32) if v[2] & (1 << 31) else v[2]
+                r = acc + sum(p * q for p, q in zip(signed_bytes(v[0]), signed_bytes(v[1])))
+            elif op == "sub.s32":
+                r = v[0] - v[1]
+            else:
+                raise AssertionError(f"unmodelled PTX: {line}")
+            regs[dst] = r & 0xFFFFFFFF
+        assert re.search(r"\$0", asm)
+        out = regs["$0"]
+        return out - (1 << 32) if out & (1 << 31) else out
+
+    doubled = [0, 1, 2, 3, 4, 6, 8, 12]
+    gen = torch.Generator().manual_seed(0)
+    for words in (2, 4):
+        asm = S._dp4a_block_asm(words)
+        for trial in range(40):
+            codes = torch.randint(0, 16, (words * 8,), generator=gen).tolist()
+            if trial == 0:
+                codes = (list(range(16)) * 2)[: words * 8]
+            acts = torch.randint(-12, 13, (words * 8,), generator=gen).tolist()
+            packed = [sum(codes[8 * i + j] << (4 * j) for j in range(8)) for i in range(words)]
+            a_words = [sum((acts[4 * i + j] & 255) << (8 * j) for j in range(4))
+                       for i in range(2 * words)]
+            want = sum((-1 if c & 8 else 1) * doubled[c & 7] * a for c, a in zip(codes, acts))
+            got = run(asm, packed + a_words + [S.E2M1_DOUBLED_LOW, int(S.E2M1_DOUBLED_HIGH)])
+            assert got == want, (words, codes, acts)
+
+
+def test_one_row_product_switch_takes_the_linear_through_dp4a():
+    """``ONE_ROW_PRODUCT``: a one-row linear through the DP4A product (within one rounding of
+    the exact product), more rows through the tensor cores as before."""
+    from kbbq_pl.kernels import skinny as S
+
+    needs_kernels()
+    fmt, k, n = "nvfp4", 64, 24
+    t = make_transform("random", k, 16, seed=2)
+    x, q = decode_operands(fmt, 3, n, k, seed=9)
+    calls = []
+    real = S.skinny_matmul
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("a_scales") is not None)
+        return real(*args, **kwargs)
+
+    with mock.patch.object(S, "ONE_ROW_PRODUCT", S.PRODUCT_DP4A), \
+            mock.patch.object(S, "skinny_matmul", spy):
+        for rows in (1, 3):
+            y = K.linear_w4a4(x[:rows], q.qdata, q.scale, q.global_scale, fmt, t)
+            assert_within_one_bf16_rounding(y, exact_product(x[:rows], q, fmt, t))
+    assert calls == [True, False]
 
 
 def test_decode_gemm_split_k_is_deterministic_and_leaves_counters_at_zero():
@@ -583,6 +779,11 @@ def test_gpu_fast_paths_match_the_exact_product(fmt):
                                                    if m >= 1024 else ()):
             y = K.linear_w4a4(x.to(device), *qd, fmt, t, path=path, prefill_product=product)
             assert_within_one_bf16_rounding(y, ref)
+        if m == 1:  # the opt-in one-row DP4A product: its PTX on the device
+            from kbbq_pl.kernels import skinny as S
+
+            with mock.patch.object(S, "ONE_ROW_PRODUCT", S.PRODUCT_DP4A):
+                assert_within_one_bf16_rounding(K.linear_w4a4(x.to(device), *qd, fmt, t), ref)
         values, _ = K.quantize_activation_values(x.to(device), t, fmt, dtype=torch.bfloat16)
         want, _ = reference_values(x, t.cpu(), fmt, dtype=torch.bfloat16)
         mismatch = float((values.cpu().view(torch.int16) != want.view(torch.int16))
@@ -625,6 +826,24 @@ for (d, kind, values, a_type), (rows, cols, depth) in zip(
     assert not any(op.startswith(("LDG", "LDS", "LDL", "ST", "ATOM", "RED"))
                    for op in before), before
     print(d, found["per_element"])
+# the one-row DP4A product: byte permutes and integer dot products, 16-byte loads, no spills
+for d, kind in ((16, tk.SCALE_E4M3), (32, tk.SCALE_E8M0)):
+    for config in S._DP4A_CONFIGS:
+        constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
+                         HAS_BIAS=True, VALUES=S.VALUES_FP32, EXPLICIT_BF16=False, EVEN_K=True,
+                         DEPENDENT=True, **config.kwargs)
+        compiled = G.compile_kernel(S._skinny_kernel, dict(G.SKINNY_SIGNATURE, a_ptr="*i8"),
+                                    constants, target, num_warps=config.num_warps,
+                                    num_stages=config.num_stages, enable_fp_fusion=True)
+        per_thread = config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_K"] / (32 * config.num_warps)
+        found = G.analyse(compiled, per_thread)
+        ops = [op for _, op, _ in G.sass_ops(compiled.asm["cubin"])]
+        loop = G.main_loop(G.sass_ops(compiled.asm["cubin"]))
+        assert loop.count("IDP.4A.S8.S8") == per_thread // 2 and "PRMT" in loop, found
+        assert found["stack"] == 0 and found["ldg128"] > 0, found
+        assert float(found["per_element"]) <= 3.2, found
+        assert ops.count("ACQBULK") == 1, ops
+        print(d, "dp4a", found["per_element"])
 # the activation kernel before it lets it launch (launch_dependents: PREEXIT in SASS)
 constants = dict(D=16, SCALE_KIND=tk.SCALE_E4M3, ROUNDING=0, GAIN=1.0, HAS_T=True, STATIC=True,
                  AMAX_ONLY=False, PRODUCT=tk.PRODUCT_FMA_CHAIN, WRITE_CODES=False,
@@ -644,5 +863,7 @@ def test_decode_gemm_compiles_for_hopper_without_a_gpu():
     (NVFP4) and at a 64-row tile (MXFP4): Hopper's wgmma, 16-byte loads of the codes, no
     spills, at most 5 SASS per weight in its loop (3.3 to 4.9 seen with Triton 3.6 and 3.9),
     every division correctly rounded; launched as a programmatic dependent, it only prefetches
-    before it waits for the activation kernel, which lets it launch."""
+    before it waits for the activation kernel, which lets it launch.  The one-row DP4A
+    product's tiles: two ``dp4a`` (``IDP.4A``) per four weights in the loop, byte permutes,
+    16-byte loads, no spills, at most 3.2 SASS per weight (2.2 to 3.0 seen with Triton 3.6)."""
     run_compile_check(DECODE_COMPILE_CHECK)

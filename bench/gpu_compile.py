@@ -196,14 +196,17 @@ def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> l
     rows = []
     outputs = ([(False, False, "*bf16", True)] if not values else
                [(True, True, None, True), (True, False, "*bf16", True),
-                (True, False, "*bf16", False)])
+                (True, False, "*bf16", False), (True, False, "*i8", True)])
     for fmt, d, kind in FORMATS:
         for out_values, word_order, dtype, has_t in outputs:
             signature = dict(ACT_SIGNATURE)
             if out_values:
                 signature["values_ptr"] = dtype or ("*fp16" if fmt == "nvfp4" else "*bf16")
-            runs = [(config, tk.PRODUCT_FMA_CHAIN) for config in act_configs(d, explore)]
-            if has_t and not explore:
+            if dtype == "*i8":  # the DP4A product's operand: 2q, FP32 block scales; one row
+                signature["scales_ptr"] = "*fp32"
+            runs = [(config, tk.PRODUCT_FMA_CHAIN) for config in act_configs(d, explore)
+                    if dtype != "*i8" or config.kwargs["BLOCK_M"] <= 16]
+            if has_t and not explore and dtype != "*i8":
                 runs += [(FMA_DOT_TILES[d], tk.PRODUCT_FMA_DOT),
                          (FMA_DOT_TILES[d], tk.PRODUCT_TF32X3)]
             for config, product in runs:
@@ -220,7 +223,8 @@ def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> l
                 per_thread = (config.kwargs["BLOCK_M"] * config.kwargs["NB"] * d
                               / (32 * config.num_warps))
                 name = "act codes" if not out_values else (
-                    "act values word-order" if word_order else "act values bf16")
+                    "act values word-order" if word_order else
+                    "act values int8 (DP4A)" if dtype == "*i8" else "act values bf16")
                 name += "" if has_t else ", no transform"
                 name += {tk.PRODUCT_FMA_DOT: ", fma dot", tk.PRODUCT_TF32X3: ", tf32x3"}.get(
                     product, "")

@@ -854,6 +854,15 @@ compiled = G.compile_kernel(tk._quantize_activations_kernel,
                             dict(G.ACT_SIGNATURE, values_ptr="*fp16"), constants, target,
                             num_warps=warps, enable_fp_fusion=True)
 assert [op for _, op, _ in G.sass_ops(compiled.asm["cubin"])].count("PREEXIT") == 1
+# and its int8 output (2q, FP32 block scales: the DP4A product's operand), MX's one-row tile
+constants.update(D=32, SCALE_KIND=tk.SCALE_E8M0, STATIC=False, WORD_ORDER=False,
+                 **tk.FEW_ROWS_TILES[32])
+warps = constants.pop("num_warps")
+compiled = G.compile_kernel(tk._quantize_activations_kernel,
+                            dict(G.ACT_SIGNATURE, values_ptr="*i8", scales_ptr="*fp32"),
+                            constants, target, num_warps=warps, enable_fp_fusion=True)
+assert G.analyse(compiled, 32)["stack"] == 0
+assert [op for _, op, _ in G.sass_ops(compiled.asm["cubin"])].count("PREEXIT") == 1
 print("ok")
 """
 

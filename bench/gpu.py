@@ -1682,6 +1682,19 @@ def model_section(run: Run) -> None:
                      f"against the default path, over max |logit|, and each path's prefill "
                      f"logits against the bf16 model's: {fp8_logits})",
                      f"{fp8_prefill:.3g}", [fp8_prefill], TARGETS["model_prefill"])
+        if 1 in prompts:  # batch-1 decoding with the opt-in one-row DP4A product
+            from kbbq_pl.kernels import skinny
+
+            def dp4a_decode(model=model) -> float:
+                with mock.patch.object(skinny, "ONE_ROW_PRODUCT", skinny.PRODUCT_DP4A):
+                    tps, _ = decode_tokens_per_second(model, prompts[1], shapes["decode_tokens"],
+                                                      cuda)
+                return tps / base[1][0]
+
+            dp4a_ratio = attempt(run, f"one-row DP4A {name}", dp4a_decode, math.nan)
+            run.goal(f"model {name}: decode batch 1 x bf16, one-row DP4A product (opt-in)",
+                     f"{dp4a_ratio:.3g}", [dp4a_ratio], TARGETS["model_decode_1"])
+            run.add("model_dp4a", fmt=name, decode_b1_x=dp4a_ratio)
         progress(f"{name} timed")
         profile_steps(run, model, prompts[min(prompts)], batch, name)
         linear_diff, kernel_logits, emulated = kernel_and_emulation(model, probe.to(device))

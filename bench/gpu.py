@@ -571,7 +571,8 @@ def gemm_section(run: Run) -> None:
                             target=target, dynamic_speedup=dynamic,
                             kept_decoded_speedup=kept_decoded,
                             independent_speedup=independent, dp4a_speedup=one_row,
-                            dp4a_within_one_rounding=one_row_ok == "yes",
+                            dp4a_within_one_rounding=(one_row_ok == "yes" if m == 1
+                                                      else None),
                             product_ms=t_product * 1e3,
                             copy_fraction=copy_fraction, within_one_rounding=ok)
             print(f"  [{time.perf_counter() - run.start:.0f} s] {k}->{n} M={m} done", flush=True)

@@ -655,6 +655,9 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
         if pinned["PRODUCT"] == PRODUCT_DP4A and pinned["BLOCK_M"] != 1:
             raise ValueError(f"the DP4A product takes one row a tile, got BLOCK_M = "
                              f"{pinned['BLOCK_M']}")
+        if pinned["PRODUCT"] == PRODUCT_DP4A and pinned["BLOCK_K"] % d:
+            raise ValueError(f"the DP4A product's tiles span whole blocks of {d}, got "
+                             f"BLOCK_K = {pinned['BLOCK_K']}")
         if pinned["PRODUCT"] == PRODUCT_DOT and pinned["BLOCK_K"] % WORD_ORDER_CHUNK:
             raise ValueError(f"the decode GEMM's tensor-core tiles span whole chunks of "
                              f"{WORD_ORDER_CHUNK}, got BLOCK_K = {pinned['BLOCK_K']}")

@@ -38,7 +38,8 @@ def stubbed_launches(stack: ExitStack) -> None:
     from kbbq_pl import kernels as K
     from kbbq_pl.kernels import skinny, triton_kernels
 
-    for module, name in ((skinny, "_skinny_tuned"), (skinny, "_skinny_kernel"),
+    for module, name in ((skinny, "_skinny_tuned"), (skinny, "_skinny_dp4a_tuned"),
+                         (skinny, "_skinny_kernel"),
                          (triton_kernels, "_quantize_activations_kernel"),
                          (triton_kernels, "_quantize_activations_tuned")):
         stack.enter_context(mock.patch.object(module, name, _NoLaunch()))

@@ -19,7 +19,10 @@ rows (16 up to 16 rows, 32 to 128 above: :func:`_configs`):
   fp16 ``q * s * 2^-14`` for NVFP4, bf16 ``q * 2^(e - shift)`` for MX; the epilogue puts back
   ``2^14`` or ``2^shift`` with the per-tensor scales, the MX ``no_clip`` gain and the bias;
 * the product runs on tensor cores with the weights as the wide operand (``W [BLOCK_N, K]``
-  times ``A^T [K, 16]``), or (``PRODUCT_FMA``, one row only) as FP32 fused multiply-adds;
+  times ``A^T [K, 16]``), or (``PRODUCT_FMA``, one row only) as FP32 fused multiply-adds, or
+  (``PRODUCT_DP4A``, one row, opt-in: :data:`ONE_ROW_PRODUCT`) as exact integer dot products
+  of ``2q_w`` and ``2q_a`` per block (:func:`_dp4a_block_asm`), then one FP32 multiply-add a
+  block by the two block scales;
 * K is split across programs so that the grid fills the GPU (132 SMs at N = 4096); each split
   writes an FP32 partial and the last program of a (row, column) tile to finish (an atomic counter,
   reset by that program, so the kernel can be replayed in a CUDA graph) sums the partials in
@@ -141,9 +144,10 @@ def _dp4a_block_asm(words: int) -> str:
     (operands: the words, then two words of int8 activations per word (its elements 0-3 and
     4-7), then the byte table's two halves).  Per word: ``prmt`` (byte permute, PTX's default
     mode) takes the low four nibbles as selectors, each picking ``2|q|`` from the table by its
-    three low bits, while its high bit (the code's sign) makes the byte the sign of the picked
-    one, 0: the positive codes' ``2q``, the negative ones zero; the same on the word with every
-    sign flipped gives the negative codes' ``2|q|``; ``dp4a`` (four int8 products summed into
+    three low bits, while a set high bit (a negative code's sign) replaces the byte by the
+    picked byte's sign bit repeated, which is 0: the positive codes' ``2q``, zeros for the
+    negative ones; the same on the word with every sign flipped gives the negative codes'
+    ``2|q|`` and zeros for the positive ones; ``dp4a`` (four int8 products summed into
     an int32) takes each against the activations' ``2q`` bytes, and the block's sum is the
     positive part less the negative part: exact integers."""
     lines = ["{", ".reg .b32 w, n, p, t, u;", "mov.b32 t, 0;", "mov.b32 u, 0;"]

@@ -634,15 +634,20 @@ def test_gpu_bench_tiny_run(capsys):
                 "decode-step activation kernel nvfp4: time of 'fma dot, 4 warps'",
                 "model nvfp4: decode batch 2", "model nvfp4: prefill",
                 "rows from which prefill beats decode, nvfp4", "peers: skipped",
-                "model nvfp4 compiled: decode batch 1 x bf16 compiled"):
+                "model nvfp4 compiled: decode batch 1 x bf16 compiled",
+                "model nvfp4: decode batch 1 x bf16, one-row DP4A product (opt-in)"):
         assert row in summary, row
+    assert "; one-row DP4A " in summary  # the linear at M = 1 with the opt-in product
+    assert "| x bf16, one-row DP4A | DP4A within one |" in out
     # a goal missed (every speed goal, on the CPU) says by how much
     assert "| 0.35 | 0/1; worst " in summary and "x from the target |" in summary
     assert "FAILED" not in summary
     # the opt-in tune section: a tile and its K splits against the autotuned launch
     module.main(["--tiny", "--formats", "nvfp4", "--sections", "tune"])
-    summary = capsys.readouterr().out.split("## summary")[1]
+    out = capsys.readouterr().out
+    summary = out.split("## summary")[1]
     assert "tune 128->32 nvfp4: best tile (copy fraction; x autotuned)" in summary
+    assert "| 128->32 | nvfp4 | DP4A autotuned | auto |" in out
     assert "FAILED" not in summary
     # MX's opt-in FP8 prefill product: checked and timed in the gemm and rows sections
     module.main(["--tiny", "--formats", "mxfp4", "--sections", "check,gemm,rows"])

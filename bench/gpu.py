@@ -774,7 +774,7 @@ TUNE_DP4A_TILES = ((1, 32, 128, 4, 4), (1, 32, 128, 4, 6), (1, 64, 128, 8, 4),
                    (1, 64, 512, 4, 3), (1, 64, 256, 4, 4))
 """The one-row DP4A product's tiles the ``tune`` section times (its autotuned ones and
 neighbours; ``/tmp`` compile of each on Triton 3.6 for sm_90: 2.1 to 3.0 SASS a weight, no
-spills, 32 to 109 registers; the smallest without a barrier in its loop)."""
+spills, 32 to 106 registers; the smallest without a barrier in its loop)."""
 
 
 def tune_section(run: Run) -> None:

@@ -137,6 +137,7 @@ E2M1_DOUBLED_LOW = 0x03020100
 the byte table the DP4A product permutes (``prmt``) codes through; the high half,
 ``0x0C080604``, holds 4 to 7 (2, 3, 4, 6)."""
 E2M1_DOUBLED_HIGH: tl.constexpr = tl.constexpr(0x0C080604)
+TABLE_COPIES: tl.constexpr = tl.constexpr(256)
 
 
 def _dp4a_block_asm(words: int) -> str:
@@ -195,8 +196,9 @@ def _dp4a_block_sums(words, a_blocks, b_mask, table_low, BLOCK_N: tl.constexpr,
     """``sum 2q_w 2q_a`` over each block (int32 ``[BLOCK_N, NB]``, exact) of the codes ``words``
     (int32 ``[BLOCK_N, NB * D / 8]``) against the int8 activations at ``a_blocks`` (int32
     pointers ``[NB]``, each at its block's first four), by :func:`_dp4a_block_asm` on GPUs.
-    ``table_low`` (:data:`E2M1_DOUBLED_LOW`) comes from memory: given as a constant, ptxas
-    re-creates it before each ``prmt`` (compile reports: 15% more instructions)."""
+    ``table_low`` (:data:`E2M1_DOUBLED_LOW`, ``[BLOCK_N, 1]``) comes from memory: given as a
+    constant, ptxas re-creates it before each ``prmt`` (compile reports: 15% more
+    instructions)."""
     if D == 16:
         w0, w1 = tl.split(tl.reshape(words, [BLOCK_N, NB, 2]))
         a0 = tl.load(a_blocks, mask=b_mask, other=0)[None, :]
@@ -369,7 +371,10 @@ def _skinny_kernel(
         s_ptrs = ws_ptr + offs_n[:, None] * stride_wsn + offs_b[None, :]
         a_words = (a_ptr + pid_m * stride_am).to(tl.pointer_type(tl.int32))
         a_scales = a_scale_ptr + pid_m * (K // D)
-        table_low = tl.load(table_ptr)
+        # one copy of the table a column: each thread loads its own, which ptxas keeps in a
+        # register (one value every thread shares went to a uniform register, copied back
+        # before each prmt: up to 87 more instructions a trip in the compile reports)
+        table_low = tl.load(table_ptr + tl.arange(0, BLOCK_N) % TABLE_COPIES)[:, None]
         for k0 in tl.range(k_lo, k_hi, BLOCK_K):
             if EVEN_K:
                 c_mask = tl.full([BLOCK_K // 8], 1, tl.int1)
@@ -494,7 +499,7 @@ def m_bucket(m: int) -> int:
 def _dp4a_configs():
     """The DP4A product's one-row tiles autotuned on GPUs (three: each costs a compile a GPU
     session pays; ``bench/gpu.py``'s ``tune`` section times more): ``bench/gpu_compile.py
-    --kernels decode_gemm`` printed no spills and 2.2 to 3.0 SASS a weight in their loops on
+    --kernels decode_gemm`` printed no spills and 2.1 to 3.0 SASS a weight in their loops on
     Triton 3.6 for sm_90 (3.3 to 4.2 for the tensor-core tiles), the small one without a
     barrier in its loop."""
     tiles = ((32, 128, 4, 4), (128, 256, 8, 3), (64, 512, 4, 3))
@@ -523,11 +528,12 @@ _tables: dict[torch.device, torch.Tensor] = {}
 
 
 def _table(device: torch.device) -> torch.Tensor:
-    """The device's copy of :data:`E2M1_DOUBLED_LOW` (int32 ``[1]``), read by the DP4A product."""
+    """The device's copies of :data:`E2M1_DOUBLED_LOW` (int32 ``[TABLE_COPIES]``), read by the
+    DP4A product."""
     table = _tables.get(device)
     if table is None:
-        table = _tables[device] = torch.tensor([E2M1_DOUBLED_LOW], dtype=torch.int32,
-                                               device=device)
+        table = _tables[device] = torch.full((TABLE_COPIES,), E2M1_DOUBLED_LOW,
+                                             dtype=torch.int32, device=device)
     return table
 
 

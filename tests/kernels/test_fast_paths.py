@@ -894,5 +894,5 @@ def test_decode_gemm_compiles_for_hopper_without_a_gpu():
     every division correctly rounded; launched as a programmatic dependent, it only prefetches
     before it waits for the activation kernel, which lets it launch.  The one-row DP4A
     product's tiles: two ``dp4a`` (``IDP.4A``) per four weights in the loop, byte permutes,
-    16-byte loads, no spills, at most 3.2 SASS per weight (2.2 to 3.0 seen with Triton 3.6)."""
+    16-byte loads, no spills, at most 3.2 SASS per weight (2.1 to 3.0 seen with Triton 3.6)."""
     run_compile_check(DECODE_COMPILE_CHECK)

@@ -801,48 +801,39 @@ def tune_section(run: Run) -> None:
                                                        dtype=skinny.activation_dtype(kind),
                                                        word_order=True)
             exact = exact_product(x, None, q, name)
-            nbytes = sets[0][0].numel() + sets[0][1].numel() + values.numel() * 2 + n * 2
+            _, a_scales, dp4a_pts, doubled = K._activation_kernel(
+                x, None, fmt_, None, "tune", None, values_dtype=torch.int8, codes=False)
+            weight_bytes = sets[0][0].numel() + sets[0][1].numel() + n * 2  # and the output
+            operands = {  # activations, their per-tensor scale and block scales, bytes moved
+                skinny.PRODUCT_DOT: (values, pts, None, weight_bytes + values.numel() * 2),
+                skinny.PRODUCT_DP4A: (doubled, dp4a_pts, a_scales,
+                                      weight_bytes + doubled.numel() + a_scales.numel() * 4)}
 
-            def timed(config, split):
-                calls = [functools.partial(skinny.skinny_matmul, values, 1, c,
-                                           s.view(torch.uint8), pts, q.global_scale,
+            def timed(product, config, split):
+                a, a_pts, block_scales, nbytes = operands[product]
+                calls = [functools.partial(skinny.skinny_matmul, a, 1, c,
+                                           s.view(torch.uint8), a_pts, q.global_scale,
                                            fmt_.block_size, kind, gain,
                                            p.shift(s.view(torch.uint8)), None, torch.bfloat16,
-                                           config=config, split_k=split)
+                                           config=config, split_k=split, a_scales=block_scales)
                          for (c, s), p in zip(sets, preps)]
                 ok, _ = within_one_rounding(calls[0](), exact)
                 seconds = seconds_per_call(run, calls)
                 return seconds, nbytes / seconds / run.copy_rate if run.copy_rate else math.nan, ok
 
-            _, a_scales, dp4a_pts, doubled = K._activation_kernel(
-                x, None, fmt_, None, "tune", None, values_dtype=torch.int8, codes=False)
-            dp4a_bytes = (sets[0][0].numel() + sets[0][1].numel() + doubled.numel()
-                          + a_scales.numel() * 4 + n * 2)
-
-            def timed_dp4a(config, split):
-                calls = [functools.partial(skinny.skinny_matmul, doubled, 1, c,
-                                           s.view(torch.uint8), dp4a_pts, q.global_scale,
-                                           fmt_.block_size, kind, gain,
-                                           p.shift(s.view(torch.uint8)), None, torch.bfloat16,
-                                           config=config, split_k=split, a_scales=a_scales)
-                         for (c, s), p in zip(sets, preps)]
-                ok, _ = within_one_rounding(calls[0](), exact)
-                seconds = seconds_per_call(run, calls)
-                return (seconds, dp4a_bytes / seconds / run.copy_rate if run.copy_rate
-                        else math.nan, ok)
-
-            tuned = timed(None, None)
+            tuned = timed(skinny.PRODUCT_DOT, None, None)
             rows.append([f"{k}->{n}", name, "autotuned", "auto", tuned[0] * 1e6, tuned[1],
                          1.0, "yes" if tuned[2] else "NO"])
             got = attempt(run, f"tune {name} DP4A autotuned",
-                          functools.partial(timed_dp4a, None, None), (math.nan, math.nan, False))
+                          functools.partial(timed, skinny.PRODUCT_DP4A, None, None),
+                          (math.nan, math.nan, False))
             rows.append([f"{k}->{n}", name, "DP4A autotuned", "auto", got[0] * 1e6, got[1],
                          tuned[0] / got[0], "yes" if got[2] else "NO"])
-            tiles = [(tile, timed, skinny.PRODUCT_DOT) for tile in TUNE_TILES]
-            tiles += [(tile, timed_dp4a, skinny.PRODUCT_DP4A) for tile in TUNE_DP4A_TILES]
+            tiles = [(tile, skinny.PRODUCT_DOT) for tile in TUNE_TILES]
+            tiles += [(tile, skinny.PRODUCT_DP4A) for tile in TUNE_DP4A_TILES]
             if not run.cuda:  # the CPU's tiny run: one tile of each product
                 tiles = [tiles[0], tiles[len(TUNE_TILES)]]
-            for (bm, bn, bk, warps, stages), call, product in tiles:
+            for (bm, bn, bk, warps, stages), product in tiles:
                 if run.left() < 10:
                     run.notes.append(f"tune: stopped at {k} -> {n} {name} for time")
                     break
@@ -853,7 +844,7 @@ def tune_section(run: Run) -> None:
                     config = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PRODUCT": product,
                               "num_warps": warps, "num_stages": stages}
                     got = attempt(run, f"tune {name} {label}",
-                                  functools.partial(call, config, split),
+                                  functools.partial(timed, product, config, split),
                                   (math.nan, math.nan, False))
                     rows.append([f"{k}->{n}", name, label, split, got[0] * 1e6, got[1],
                                  tuned[0] / got[0], "yes" if got[2] else "NO"])

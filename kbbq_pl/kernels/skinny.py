@@ -55,7 +55,15 @@ from triton.language.extra.cuda import gdc_wait
 from .exact import MX_MULTIPLIER_BIAS, NVFP4_DECODE_SHIFT, WORD_ORDER_CHUNK
 from .host import cdiv, next_power_of_2
 from .interpret import interpreting
-from .triton_kernels import SCALE_E4M3, _block_scale_values, _epilogue, _pow2, _prefetch, sm_count
+from .triton_kernels import (
+    SCALE_E4M3,
+    _block_scale_values,
+    _e2m1_values,
+    _epilogue,
+    _pow2,
+    _prefetch,
+    sm_count,
+)
 
 INTERPRET = interpreting()
 
@@ -171,22 +179,14 @@ _INTERPRET: tl.constexpr = tl.constexpr(INTERPRET)
 
 
 @triton.jit
-def _e2m1_doubled(c):
-    """``2q`` (int32) of E2M1 codes ``c`` (int32, 0..15)."""
-    magnitude = c & 7
-    e = magnitude >> 1
-    v = tl.where(e == 0, magnitude & 1, (2 + (magnitude & 1)) << tl.maximum(e - 1, 0))
-    return tl.where((c & 8) != 0, -v, v)
-
-
-@triton.jit
 def _word_dot(word, a_low, a_high):
     """The interpreter's :func:`_dp4a_block_sums` of one word: ``sum 2q_w 2q_a`` over its eight
     codes against the int8 activations of ``a_low`` (elements 0-3) and ``a_high`` (4-7)."""
     total = tl.zeros(word.shape, tl.int32)
     for j in tl.static_range(4):
-        total += _e2m1_doubled((word >> (4 * j)) & 15) * ((a_low << (24 - 8 * j)) >> 24)
-        total += _e2m1_doubled((word >> (16 + 4 * j)) & 15) * ((a_high << (24 - 8 * j)) >> 24)
+        low = (_e2m1_values((word >> (4 * j)) & 15) * 2.0).to(tl.int32)
+        high = (_e2m1_values((word >> (16 + 4 * j)) & 15) * 2.0).to(tl.int32)
+        total += low * ((a_low << (24 - 8 * j)) >> 24) + high * ((a_high << (24 - 8 * j)) >> 24)
     return total
 
 
@@ -199,6 +199,8 @@ def _dp4a_block_sums(words, a_blocks, b_mask, table_low, BLOCK_N: tl.constexpr,
     ``table_low`` (:data:`E2M1_DOUBLED_LOW`, ``[BLOCK_N, 1]``) comes from memory: given as a
     constant, ptxas re-creates it before each ``prmt`` (compile reports: 15% more
     instructions)."""
+    table = tl.full([BLOCK_N, NB], 0, tl.int32) + table_low
+    table_high = tl.full([BLOCK_N, NB], E2M1_DOUBLED_HIGH, tl.int32)
     if D == 16:
         w0, w1 = tl.split(tl.reshape(words, [BLOCK_N, NB, 2]))
         a0 = tl.load(a_blocks, mask=b_mask, other=0)[None, :]
@@ -207,11 +209,9 @@ def _dp4a_block_sums(words, a_blocks, b_mask, table_low, BLOCK_N: tl.constexpr,
         a3 = tl.load(a_blocks + 3, mask=b_mask, other=0)[None, :]
         if _INTERPRET:
             return _word_dot(w0, a0, a1) + _word_dot(w1, a2, a3)
-        high = tl.full([BLOCK_N, NB], E2M1_DOUBLED_HIGH, tl.int32)
-        low = tl.full([BLOCK_N, NB], 0, tl.int32) + table_low
         return tl.inline_asm_elementwise(_DP4A_ASM_2, "=r" + ",r" * 8,
-                                         [w0, w1, a0, a1, a2, a3, low, high], dtype=tl.int32,
-                                         is_pure=True, pack=1)
+                                         [w0, w1, a0, a1, a2, a3, table, table_high],
+                                         dtype=tl.int32, is_pure=True, pack=1)
     else:
         even, odd = tl.split(tl.reshape(words, [BLOCK_N, NB, 2, 2]))  # words 0, 2 and 1, 3
         w0, w2 = tl.split(even)
@@ -227,12 +227,10 @@ def _dp4a_block_sums(words, a_blocks, b_mask, table_low, BLOCK_N: tl.constexpr,
         if _INTERPRET:
             return (_word_dot(w0, a0, a1) + _word_dot(w1, a2, a3) + _word_dot(w2, a4, a5)
                     + _word_dot(w3, a6, a7))
-        high = tl.full([BLOCK_N, NB], E2M1_DOUBLED_HIGH, tl.int32)
-        low = tl.full([BLOCK_N, NB], 0, tl.int32) + table_low
         return tl.inline_asm_elementwise(
             _DP4A_ASM_4, "=r" + ",r" * 14,
-            [w0, w1, w2, w3, a0, a1, a2, a3, a4, a5, a6, a7, low, high], dtype=tl.int32,
-            is_pure=True, pack=1)
+            [w0, w1, w2, w3, a0, a1, a2, a3, a4, a5, a6, a7, table, table_high],
+            dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit

@@ -411,20 +411,18 @@ def _activation_tile(
             tl.store(codes_ptr + rows[None, :, None] * stride_cm + k, byte, mask=mask)
             tl.store(scales_ptr + pid_b * M + rows, _pow2(tl.reshape(exponent, [BLOCK_M])),
                      mask=row_mask)
-        if WRITE_VALUES and (values_ptr.dtype.element_ty == tl.int8):
-            # the decode GEMM's one-row product: 2q as int8 (exact), the block scales apart
-            doubled = tl.where(bad[:, :, None], 0.0, _e2m1_round(y) * 2.0).to(tl.int8)
-            k = blocks[:, None, None] * D + tl.arange(0, D)[None, None, :]
-            tl.store(values_ptr + rows[None, :, None] * stride_vm + k, doubled, mask=mask)
-            tl.store(scales_ptr + rows[None, :] * stride_sm + blocks[:, None],
-                     tl.where(bad, float("nan"), scale_value),
-                     mask=block_mask[:, None] & row_mask[None, :])
-        elif WRITE_VALUES:
+        if WRITE_VALUES:
             scale_value = tl.where(bad, float("nan"), scale_value)
-            values = _e2m1_round(y) * scale_value[:, :, None]
             k = blocks[:, None, None] * D + tl.arange(0, D)[None, None, :]
-            if WORD_ORDER:  # kbbq_pl.kernels.exact.word_order_index
-                k = (k // 128) * 128 + 32 * (k % 4) + 2 * ((k % 128) // 8) + (k % 8) // 4
+            if values_ptr.dtype.element_ty == tl.int8:
+                # the decode GEMM's one-row product: 2q (exact), the block scales apart
+                values = tl.where(bad[:, :, None], 0.0, _e2m1_round(y) * 2.0)
+                tl.store(scales_ptr + rows[None, :] * stride_sm + blocks[:, None], scale_value,
+                         mask=block_mask[:, None] & row_mask[None, :])
+            else:
+                values = _e2m1_round(y) * scale_value[:, :, None]
+                if WORD_ORDER:  # kbbq_pl.kernels.exact.word_order_index
+                    k = (k // 128) * 128 + 32 * (k % 4) + 2 * ((k % 128) // 8) + (k % 8) // 4
             v_ptrs = values_ptr + rows[None, :, None] * stride_vm + k
             tl.store(v_ptrs, values.to(values_ptr.dtype.element_ty), mask=mask)
 

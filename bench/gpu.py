@@ -34,15 +34,18 @@ the run goes on, and the summary says what failed or was skipped for time):
   the host), folding the weights per call and keeping them folded, and its kernels in a CUDA
   graph without the host read; its time over the default path's; whether it ran on FP8,
   within one rounding, and the fraction of its outputs whose bits differ from the default
-  path's.
+  path's.  Last, the decode path (M = 1, 16; no transform) fitted over the shapes as
+  ``seconds = fixed + bytes / rate`` for the GEMM alone, the linear and bf16
+  (``bench/gpu_report.py``, which reads the same from a saved ``--json``).
 * ``act``: a device-to-device copy of 8192 x 8192 bf16 (bytes read + written), the activation
   kernel's codes (exact FMA chain at its tile and at the other, the FMA dot, the tf32x3
   product; each with its code mismatch rate against the chain) and
   its bf16 values (what the prefill path runs), per byte moved against the copy.  Target 0.8.
   Beside the default (four row tiles a program, the transforms asked of L1 first): one tile a
   program, and no L1 prefetch.
-* ``tune`` (opt-in, not in the default list): the decode GEMM alone at M = 1 on K = N = 8192
-  and 4096 -> 14336 at a grid of tiles and K splits around the autotuned ones, each with its
+* ``tune`` (opt-in, not in the default list): the decode GEMM alone at M = 1 on K = N = 8192,
+  4096 x 4096, 4096 -> 14336 and 4096 -> 1024 at a grid of tiles and K splits (none, and around
+  the autotuned ones), each with its
   fraction of the copy bandwidth and against the autotuned launch (where the decode GEMM's
   bandwidth goes, and whether a tile the autotuner does not try reaches it).
 * ``act_few``: the activation kernel of a decode step (M = 1, 16; KBBQ-shaped blocks, the
@@ -58,7 +61,8 @@ the run goes on, and the summary says what failed or was skipped for time):
   logits against the default path's, and both paths' prefill logits against the bf16
   model's: equally close, or the FP8 product loses more than the compounding of one-ulp
   changes); then a ``torch.profiler`` table of one eager decode step and one prefill per
-  format (the Chrome traces beside ``--json``: where the time goes).  Targets: memory
+  format (the Chrome traces beside ``--json``: where the time goes), and its kernels by
+  launch shape (each weight shape's GEMM a row: ``bench/gpu_report.py``).  Targets: memory
   <= 0.35, decode 2.0x (batch 1) and 1.8x (batch 16), prefill 0.9x.
 * ``rows``: where the prefill path starts paying: at K = N = 8192 and 4096 -> 14336, KBBQ-shaped
   blocks, M = 64, 256, 1024, 4096, every path that can take M rows (decode; tiled up to 256;
@@ -111,12 +115,16 @@ from unittest import mock
 import torch
 from torch import nn
 
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (the tests)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_report  # noqa: E402
+
 FULL = dict(act_shape=(8192, 8192), check_k=4096, check_n=4096, check_m=(1, 16, 256, 2304),
             gemm_shapes=((8192, 8192), (4096, 4096), (4096, 6144), (4096, 14336),
                          (14336, 4096)),
             gemm_m=(1, 16, 4096), path_m=(1, 16, 64, 1024), prefill_min_m=None,
             rows_shapes=((8192, 8192), (4096, 14336)), rows_m=(64, 256, 1024, 4096),
-            tune_shapes=((8192, 8192), (4096, 14336)),
+            tune_shapes=((8192, 8192), (4096, 4096), (4096, 14336), (4096, 1024)),
             hidden=4096, intermediate=14336, heads=32, kv_heads=8, layers=8, vocab=32000,
             prefill=(4, 2048), prompt=32, decode_tokens=64, decode_batches=(1, 16),
             logits_tokens=16, rotate_bytes=150e6, replays=20)
@@ -630,6 +638,10 @@ def gemm_section(run: Run) -> None:
     if fractions:
         run.goal("M=1 decode GEMM: fraction of copy bandwidth min/median/max", spread(fractions),
                  fractions, TARGETS["copy_m1"])
+    if run.copy_rate:
+        print("\n### decode path, seconds = fixed + bytes / rate over the shapes (least "
+              "squares): what a launch costs whatever its size, and how fast it streams\n")
+        print("\n".join(gpu_report.fit_table(run.rows, run.copy_rate)), flush=True)
 
 
 def fp8_columns(run: Run, K, x, t, q, name: str, sets, preps, default_calls,
@@ -778,8 +790,11 @@ spills, 32 to 106 registers; the smallest without a barrier in its loop)."""
 
 
 def tune_section(run: Run) -> None:
-    """The decode GEMM alone at M = 1 on K = N = 8192 and 4096 -> 14336, at every tile of
-    :data:`TUNE_TILES` and at half, once and twice the K splits it would take, and the one-row
+    """The decode GEMM alone at M = 1 on K = N = 8192, 4096 x 4096, 4096 -> 14336 and 4096 ->
+    1024 (a Llama-3-8B layer's key and value projections), at every tile of
+    :data:`TUNE_TILES` with K unsplit and at half, once and twice the K splits it would take
+    (at small shapes a launch's fixed cost, the split-K reduction among it, weighs most:
+    ``bench/gpu_report.py``), and the one-row
     DP4A product (autotuned and at each of :data:`TUNE_DP4A_TILES`), against the autotuned
     launch: microseconds and the fraction of the copy bandwidth, each output within one bf16
     rounding of the exact product.  Opt-in (``--sections tune``): it compiles every
@@ -840,7 +855,7 @@ def tune_section(run: Run) -> None:
                 base = skinny.split_count(n, k, bn, bk, sms, 1, bm)
                 label = ("DP4A " if product == skinny.PRODUCT_DP4A else "") + (
                     f"{bm}x{bn}x{bk} w={warps} s={stages}")
-                for split in dict.fromkeys((max(1, base // 2), base, 2 * base)):
+                for split in dict.fromkeys((1, max(1, base // 2), base, 2 * base)):
                     config = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PRODUCT": product,
                               "num_warps": warps, "num_stages": stages}
                     got = attempt(run, f"tune {name} {label}",
@@ -1549,7 +1564,10 @@ def profile_steps(run: Run, model, prompt: torch.Tensor, batch: torch.Tensor, na
             print(prof.key_averages().table(sort_by=key, row_limit=12), flush=True)
             if run.trace_dir is not None:
                 run.trace_dir.mkdir(parents=True, exist_ok=True)
-                prof.export_chrome_trace(str(run.trace_dir / f"trace_{name}_{what}.json.gz"))
+                trace = run.trace_dir / f"trace_{name}_{what}.json.gz"
+                prof.export_chrome_trace(str(trace))
+                if run.cuda:  # the kernels by launch shape: each weight shape's GEMM a row
+                    gpu_report.report_trace(trace, 12)
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:

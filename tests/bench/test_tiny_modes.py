@@ -60,6 +60,17 @@ TABLES: dict[str, list[str]] = {
         rf"^FP\s+4\.00\s+1\.000\s+1\.000\s+{NUMBER}$",  # the FP model agrees with itself
         rf"^rtn_kbbq_nvfp4_lam0\.75\s+0(\s+{NUMBER}){{4}}$",
         rf"^rtn_wush_nvfp4\s+0(\s+{NUMBER}){{4}}$"],
+    "gpu_report.py": [
+        # the tiny record's times are 2 us (3 us for the linear) plus the bytes at 1 GB/s (bf16:
+        # 2 us plus the bytes at 2 GB/s), the copy 4 GB/s: the fit finds them back
+        r"^\| M \| format \| what \| shapes \| fixed us \| rate GB/s \| rate / copy \|",
+        rf"^\| 1 \| nvfp4 \| decode GEMM \| 2 \| 2 \| 1 \| 0\.25 \| {NUMBER} \|$",
+        rf"^\| 1 \| nvfp4 \| linear \(activations \+ GEMM\) \| 2 \| 3 \| 1 \| 0\.25 \| "
+        rf"{NUMBER} \|$",
+        rf"^\| 1 \| nvfp4 \| bf16 torch\.matmul \| 2 \| 2 \| 2 \| 0\.5 \| {NUMBER} \|$",
+        r"^\| _skinny_kernel \| 64x8x1 \| 128x1x1 \| 96 \| 42\.0 \| 2 \| 20\.0 \| 10\.00 \| "
+        r"10\.00 \| 10\.00 \| 0\.714 \|$",
+        r"^kernel time 28\.0 us in 4 launches; span 47\.0 us$"],
     "gptq.py": [
         r"^llm-compressor: skipped",
         r"^\s+wall \(s\)\s+to disk \(s\)\s+peak RSS \(MiB\)\s+mean error$",

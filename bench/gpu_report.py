@@ -1,0 +1,228 @@
+"""Where a GPU session's time went, read on any machine from what ``bench/gpu.py`` wrote.
+
+    python bench/gpu_report.py bench.json [trace_*.json.gz ...] [--top 12]
+    python bench/gpu_report.py --tiny      # a small record and trace written and read back
+
+Two readings, one per kind of file:
+
+* ``bench.json`` (``--json`` of ``bench/gpu.py``): the decode path's time at M = 1 and 16 fitted
+  over the ``gemm`` section's shapes as ``seconds = fixed + bytes / rate`` (least squares), for
+  the decode GEMM alone, the whole linear (activation kernel and GEMM, no transform) and bf16
+  ``torch.matmul`` beside them: what a launch costs whatever its size, and how fast it streams
+  once it runs, against the device copy.  A ratio to bf16 is then bounded by the two fits: at
+  small shapes by the fixed costs, at large ones by the rates;
+* a ``torch.profiler`` Chrome trace (the model section's ``trace_{format}_{decode,prefill}``):
+  the kernels (``cat == "kernel"``) summed by name *and* launch shape (grid, block, registers a
+  thread, shared memory), so that the decode GEMM of each weight shape of a layer (one grid
+  each) gets its own row: launches, total, mean, min and max microseconds, and its share of the
+  step's kernel time; then the step's kernel time, launches and wall span (an eager step's span
+  is mostly host time).  Device time only: gaps between kernels are in no row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel's name and launch shape."""
+
+    name: str
+    grid: tuple[int, ...]
+    block: tuple[int, ...]
+    registers: int | None
+    shared_bytes: int | None
+
+
+@dataclass
+class Summary:
+    """The kernels of one trace: durations (microseconds) by launch shape, and the wall span."""
+
+    durations: dict[Launch, list[float]]
+    span_us: float
+
+    @property
+    def total_us(self) -> float:
+        return sum(sum(d) for d in self.durations.values())
+
+    @property
+    def launches(self) -> int:
+        return sum(len(d) for d in self.durations.values())
+
+
+def streaming_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``seconds = fixed + bytes / rate`` over ``(bytes, seconds)`` points:
+    ``(fixed seconds, rate in bytes per second)``; NaN for both without two distinct sizes
+    (or a slope that is not positive: no rate)."""
+    if len({b for b, _ in points}) < 2:
+        return math.nan, math.nan
+    mean_b = statistics.fmean(b for b, _ in points)
+    mean_s = statistics.fmean(s for _, s in points)
+    slope = (sum((b - mean_b) * (s - mean_s) for b, s in points)
+             / sum((b - mean_b) ** 2 for b, _ in points))
+    if slope <= 0:
+        return math.nan, math.nan
+    return mean_s - slope * mean_b, 1.0 / slope
+
+
+def fit_rows(records: list[dict], copy_rate: float) -> list[list]:
+    """The ``gemm`` records of the decode path without a transform, fitted per (M, format) by
+    :func:`streaming_fit`: rows ``[M, format, what, shapes, fixed us, rate GB/s, rate / copy,
+    the fixed cost's share of the largest shape's time]`` for the decode GEMM alone (its bytes:
+    codes, scales, activations, output), the whole linear (the same bytes) and bf16
+    ``torch.matmul`` (weights, input and output in bf16)."""
+    rows = []
+    gemm = [r for r in records if r.get("section") == "gemm" and r["path"] == "decode"
+            and r["transform"] == "none"]
+    for m, name in dict.fromkeys((r["m"], r["fmt"]) for r in gemm):
+        mine = [r for r in gemm if (r["m"], r["fmt"]) == (m, name)
+                and r["copy_fraction"] == r["copy_fraction"]]
+        ours = [(r["copy_fraction"] * copy_rate * r["product_ms"] / 1e3, r) for r in mine]
+        series = (
+            ("decode GEMM", [(b, r["product_ms"] / 1e3) for b, r in ours]),
+            ("linear (activations + GEMM)", [(b, r["ours_ms"] / 1e3) for b, r in ours]),
+            ("bf16 torch.matmul", [(2.0 * r["k"] * r["n"] + 2.0 * m * (r["k"] + r["n"]),
+                                    r["bf16_ms"] / 1e3) for r in mine]))
+        for what, points in series:
+            fixed, rate = streaming_fit(points)
+            largest = max(points, default=(math.nan, math.nan))
+            rows.append([m, name, what, len(points), fixed * 1e6, rate / 1e9, rate / copy_rate,
+                         fixed / largest[1]])
+    return rows
+
+
+def fit_table(records: list[dict], copy_rate: float) -> list[str]:
+    """Markdown of :func:`fit_rows`."""
+    lines = ["| M | format | what | shapes | fixed us | rate GB/s | rate / copy | "
+             "fixed / time, largest shape |", "|---|---|---|---|---|---|---|---|"]
+    for m, name, what, shapes, fixed, rate, fraction, share in fit_rows(records, copy_rate):
+        lines.append(f"| {m} | {name} | {what} | {shapes} | {fixed:.3g} | {rate:.4g} | "
+                     f"{fraction:.3g} | {share:.3g} |")
+    return lines
+
+
+def read_trace(path: Path) -> dict:
+    """A Chrome trace as ``torch.profiler``'s ``export_chrome_trace`` writes it (gzip or not)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def summarize(trace: dict) -> Summary:
+    """The trace's complete kernel events grouped by :class:`Launch`."""
+    kernels = [e for e in trace.get("traceEvents", [])
+               if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    durations: dict[Launch, list[float]] = {}
+    for event in kernels:
+        args = event.get("args", {})
+        launch = Launch(event["name"], tuple(args.get("grid", ())), tuple(args.get("block", ())),
+                        args.get("registers per thread"), args.get("shared memory"))
+        durations.setdefault(launch, []).append(float(event["dur"]))
+    span = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
+            if kernels else 0.0)
+    return Summary(durations, span)
+
+
+def table(summary: Summary, top: int) -> list[str]:
+    """Markdown rows of the ``top`` launch shapes by total time, longest first."""
+    total = summary.total_us or 1.0
+    lines = ["| kernel | grid | block | regs | smem KiB | launches | total us | mean us | min us "
+             "| max us | share |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    ranked = sorted(summary.durations.items(), key=lambda item: -sum(item[1]))
+    for launch, durations in ranked[:top]:
+        name = launch.name if len(launch.name) <= 60 else launch.name[:57] + "..."
+        smem = "-" if launch.shared_bytes is None else f"{launch.shared_bytes / 1024:.1f}"
+        lines.append(
+            f"| {name} | {'x'.join(map(str, launch.grid)) or '-'} | "
+            f"{'x'.join(map(str, launch.block)) or '-'} | {launch.registers or '-'} | {smem} | "
+            f"{len(durations)} | {sum(durations):.1f} | {statistics.fmean(durations):.2f} | "
+            f"{min(durations):.2f} | {max(durations):.2f} | {sum(durations) / total:.3f} |")
+    return lines
+
+
+def tiny_trace(directory: Path) -> Path:
+    """A trace with two launch shapes of one kernel and one other kernel (the tiny mode's)."""
+    def kernel(name, ts, dur, grid):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
+                "args": {"grid": grid, "block": [128, 1, 1], "registers per thread": 96,
+                         "shared memory": 43008}}
+    events = [kernel("_skinny_kernel", 0.0, 6.0, [16, 8, 1]),
+              kernel("_skinny_kernel", 10.0, 10.0, [64, 8, 1]),
+              kernel("_skinny_kernel", 30.0, 10.0, [64, 8, 1]),
+              kernel("elementwise", 45.0, 2.0, [4, 1, 1]),
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 50.0}]
+    path = directory / "trace_tiny_decode.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return path
+
+
+def tiny_record(directory: Path) -> Path:
+    """A ``bench.json`` with two shapes of the decode path at M = 1 (the tiny mode's): every
+    time 2 us plus the bytes at 1 GB/s (bf16 at 2 GB/s)."""
+    copy_gb_s = 4.0
+    rows = [{"section": "copy", "gb_s": copy_gb_s}]
+    for k, n in ((64, 64), (128, 256)):
+        ours = k * n * 0.5625 + 2 * (k + n)
+        product_ms = 2e-3 + ours * 1e-6
+        rows.append({"section": "gemm", "k": k, "n": n, "m": 1, "fmt": "nvfp4",
+                     "transform": "none", "path": "decode", "product_ms": product_ms,
+                     "ours_ms": 3e-3 + ours * 1e-6,
+                     "copy_fraction": ours / (product_ms / 1e3) / (copy_gb_s * 1e9),
+                     "bf16_ms": 2e-3 + (2 * k * n + 2 * (k + n)) * 0.5e-6})
+    path = directory / "bench.json"
+    path.write_text(json.dumps({"device": "tiny", "commit": "-", "rows": rows}))
+    return path
+
+
+def report_record(path: Path) -> None:
+    """The fit table of a ``bench.json``."""
+    record = json.loads(path.read_text())
+    copy = [r["gb_s"] * 1e9 for r in record["rows"] if r.get("section") == "copy"]
+    if not copy:
+        print(f"{path}: no device copy measured, no rates to fit")
+        return
+    print(f"\n### {path.name} ({record.get('device')}, {record.get('commit')}): decode path, "
+          "seconds = fixed + bytes / rate over the gemm section's shapes\n")
+    print("\n".join(fit_table(record["rows"], copy[0])))
+
+
+def report_trace(path: Path, top: int) -> None:
+    """The launch-shape table of a trace."""
+    summary = summarize(read_trace(path))
+    print(f"\n### {path.name}: kernels by launch shape\n")
+    print("\n".join(table(summary, top)))
+    print(f"\nkernel time {summary.total_us:.1f} us in {summary.launches} launches; "
+          f"span {summary.span_us:.1f} us")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="*", type=Path,
+                        help="bench.json records (*.json) and traces (*.json.gz, trace_*.json)")
+    parser.add_argument("--top", type=int, default=12, help="launch shapes printed per trace")
+    parser.add_argument("--tiny", action="store_true",
+                        help="read a small record and trace written here")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [tiny_record(Path(tmp)), tiny_trace(Path(tmp))] if args.tiny else args.files
+        if not paths:
+            parser.error("give at least one bench.json or trace (or --tiny)")
+        for path in paths:
+            if path.name.endswith(".gz") or path.name.startswith("trace_"):
+                report_trace(path, args.top)
+            else:
+                report_record(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -67,7 +67,8 @@ the run goes on, and the summary says what failed or was skipped for time):
 * ``rows``: where the prefill path starts paying: at K = N = 8192 and 4096 -> 14336, KBBQ-shaped
   blocks, M = 64, 256, 1024, 4096, every path that can take M rows (decode; tiled up to 256;
   prefill from 256; for MX the FP8 product's kernels in a CUDA graph, without its host read)
-  against bf16, each checked within one rounding; the summary names the fewest rows from which
+  against bf16, each checked within one rounding, with its product alone (the decode GEMM; the
+  weights' decode and the product) beside it; the summary names the fewest rows from which
   prefill (and the FP8 product) beat decode on both shapes (``K.PREFILL_MIN_M`` is 1024).
 * ``peers`` (last: they take what time is left): torch's int4 weight-only kernel
   (``aten._weight_int4pack_mm``, group 32) and, when importable, GemLite 0.6's ``A16W4_NVFP``,
@@ -1084,6 +1085,8 @@ def rows_section(run: Run) -> None:
     be)."""
     from kbbq_pl import kernels as K
     from kbbq_pl.formats import get_format
+    from kbbq_pl.kernels import skinny
+    from kbbq_pl.kernels import triton_kernels as tk
 
     rows, prefill_wins, fp8_wins = [], {}, {}
     for k, n, w, w_set in gemm_weights(run, "rows", reserve=30, shapes="rows_shapes"):
@@ -1107,12 +1110,14 @@ def rows_section(run: Run) -> None:
                              for (c, s), p in zip(sets, preps)]
                     seconds[path] = seconds_per_call(run, calls)
                     ok, excess = within_one_rounding(calls[0](), ref)
+                    product = product_only(run, K, skinny, tk, x, t, name, sets, preps,
+                                           q.global_scale, path)[0]
                     rows.append([f"{k}->{n}", m, name, path, t_bf16 * 1e3,
-                                 seconds[path] * 1e3, t_bf16 / seconds[path],
+                                 seconds[path] * 1e3, t_bf16 / seconds[path], product * 1e3,
                                  "yes" if ok else f"NO ({excess:.2g})"])
                     run.add("rows", k=k, n=n, m=m, fmt=name, path=path, bf16_ms=t_bf16 * 1e3,
                             ms=seconds[path] * 1e3, speedup=t_bf16 / seconds[path],
-                            within_one_rounding=ok)
+                            product_ms=product * 1e3, within_one_rounding=ok)
                 if "prefill" in seconds and get_format(name).scale_kind == "e8m0":
                     if name not in folded:  # the weights folded once a shape
                         folded[name] = [K.prepare_weight(c, s, q.global_scale, name,
@@ -1129,9 +1134,11 @@ def rows_section(run: Run) -> None:
                         seconds["prefill"] < seconds["decode"])
         print(f"  [{time.perf_counter() - run.start:.0f} s] rows {k}->{n} done", flush=True)
         del w_set, packed, folded
-    table("linear_w4a4 by path against bf16 torch.matmul, KBBQ-shaped blocks",
-          ["K->N", "M", "format", "path", "bf16 ms", "W4A4 ms", "x bf16", "within one rounding"],
-          rows)
+    table("linear_w4a4 by path against bf16 torch.matmul, KBBQ-shaped blocks; product: the "
+          "GEMM alone on rounded activations (decode: the decode GEMM; prefill: weight decode + "
+          "product; the rest of the linear's time is its activation kernel)",
+          ["K->N", "M", "format", "path", "bf16 ms", "W4A4 ms", "x bf16", "product ms",
+           "within one rounding"], rows)
     for name, wins in prefill_wins.items():
         beaten = [m for m in sorted(wins) if all(wins[m])]
         run.line(f"rows from which prefill beats decode, {name} (PREFILL_MIN_M = "
@@ -1153,7 +1160,8 @@ def fp8_rows_row(run: Run, K, x, t, name: str, kept, ref, t_bf16: float,
     ok, excess = within_one_rounding(calls[0](), ref)
     k, n, m = x.shape[1], kept[0].shape[0], x.shape[0]
     rows.append([f"{k}->{n}", m, name, "fp8 (graph, no host read)", t_bf16 * 1e3,
-                 seconds * 1e3, t_bf16 / seconds, "yes" if ok else f"NO ({excess:.2g})"])
+                 seconds * 1e3, t_bf16 / seconds, math.nan,
+                 "yes" if ok else f"NO ({excess:.2g})"])
     run.add("rows", k=k, n=n, m=m, fmt=name, path="fp8", bf16_ms=t_bf16 * 1e3,
             ms=seconds * 1e3, speedup=t_bf16 / seconds, within_one_rounding=ok)
     return seconds

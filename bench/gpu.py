@@ -1782,7 +1782,7 @@ def compiled_section(run: Run) -> None:
 
 SECTIONS = {"check": (check_section, 20), "gemm": (gemm_section, 60), "act": (act_section, 20),
             "act_few": (act_few_section, 40), "model": (model_section, 230),
-            "rows": (rows_section, 40),
+            "rows": (rows_section, 60),
             "peers": (peers_section, 60), "compiled": (compiled_section, 150),
             "tune": (tune_section, 60)}
 """Each section and the seconds of budget it needs to start (the model section measured 198 s

@@ -36,7 +36,9 @@ the run goes on, and the summary says what failed or was skipped for time):
   within one rounding, and the fraction of its outputs whose bits differ from the default
   path's.  Last, the decode path (M = 1, 16; no transform) fitted over the shapes as
   ``seconds = fixed + bytes / rate`` for the GEMM alone, the linear and bf16
-  (``bench/gpu_report.py``, which reads the same from a saved ``--json``).
+  (``bench/gpu_report.py``, which reads the same from a saved ``--json``), and the floors
+  those fixed costs read against: an empty kernel, the decode path's kernels and bf16 at the
+  smallest shape, in a CUDA graph.
 * ``act``: a device-to-device copy of 8192 x 8192 bf16 (bytes read + written), the activation
   kernel's codes (exact FMA chain at its tile and at the other, the FMA dot, the tf32x3
   product; each with its code mismatch rate against the chain) and
@@ -643,6 +645,44 @@ def gemm_section(run: Run) -> None:
         print("\n### decode path, seconds = fixed + bytes / rate over the shapes (least "
               "squares): what a launch costs whatever its size, and how fast it streams\n")
         print("\n".join(gpu_report.fit_table(run.rows, run.copy_rate)), flush=True)
+    attempt(run, "launch floors", functools.partial(launch_floors, run), None)
+
+
+FLOOR_SHAPE = (512, 64)
+"""``K -> N`` of :func:`launch_floors`: one column tile of the decode GEMM, one K split."""
+
+
+def launch_floors(run: Run) -> None:
+    """What a launch costs on this device whatever its work, against which the fitted fixed
+    costs read: in a CUDA graph (as every timing here), one element zeroed (a kernel that does
+    nothing, in effect), the decode path's activation kernel, its GEMM and the whole linear at
+    M = 1 on the smallest shape (:data:`FLOOR_SHAPE`, NVFP4, static scale, no transform), and
+    bf16 ``torch.matmul`` at that shape; microseconds a call."""
+    from kbbq_pl import kernels as K
+    from kbbq_pl.kernels import skinny
+    from kbbq_pl.kernels import triton_kernels as tk
+
+    k, n = FLOOR_SHAPE
+    x = torch.randn(1, k, device=run.device, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=run.device, dtype=torch.bfloat16) * 0.02
+    q, sets, preps = packed_copies(run, w, "nvfp4")
+    scale = K.quantize_activation_values(x, None, "nvfp4")[1]
+    one = torch.zeros(1, device=run.device)
+    floors = {
+        "empty kernel": seconds_per_call(run, [one.zero_] * len(sets)),
+        "activation kernel": seconds_per_call(run, [functools.partial(
+            K.quantize_activation_values, x, None, "nvfp4", scale,
+            dtype=skinny.activation_dtype(tk.SCALE_E4M3), word_order=True)] * len(sets)),
+        "decode GEMM": product_only(run, K, skinny, tk, x, None, "nvfp4", sets, preps,
+                                    q.global_scale, "decode")[0],
+        "linear": seconds_per_call(run, [functools.partial(
+            K.linear_w4a4, x, c, s, q.global_scale, "nvfp4", None, scale, prepared=p)
+            for (c, s), p in zip(sets, preps)]),
+        "bf16 torch.matmul": bf16_seconds(run, x, [w] * len(sets))}
+    run.line(f"launch floors in a CUDA graph, us a call (M = 1, {k} -> {n}, nvfp4)",
+             "; ".join(f"{what} {seconds * 1e6:.3g}" for what, seconds in floors.items()))
+    run.add("floor", k=k, n=n, **{what.replace(" ", "_").replace(".", "_"): seconds * 1e6
+                                  for what, seconds in floors.items()})
 
 
 def fp8_columns(run: Run, K, x, t, q, name: str, sets, preps, default_calls,

@@ -641,6 +641,8 @@ def test_gpu_bench_tiny_run(capsys):
     assert "| x bf16, one-row DP4A | DP4A within one |" in out
     # the decode path's fixed cost and rate fitted over the shapes (one shape here: no fit)
     assert "| 1 | nvfp4 | decode GEMM | 1 | nan | nan |" in out
+    assert ("launch floors in a CUDA graph, us a call (M = 1, 512 -> 64, nvfp4) | "
+            "empty kernel ") in out
     # a goal missed (every speed goal, on the CPU) says by how much
     assert "| 0.35 | 0/1; worst " in summary and "x from the target |" in summary
     assert "FAILED" not in summary

@@ -1212,6 +1212,8 @@ def fp8_rows_row(run: Run, K, x, t, name: str, kept, ref, t_bf16: float,
 
 
 def peers_section(run: Run) -> None:
+    import triton
+
     helper = gemlite_helper(run.gemlite_autotune)
     if not run.cuda and helper is None:
         print("peers: skipped (they run on CUDA only)")
@@ -1219,6 +1221,12 @@ def peers_section(run: Run) -> None:
         return
     device = run.device
     gemlite_formats = [name for name in run.formats if name in GEMLITE_LAYERS] if helper else []
+    capability = torch.cuda.get_device_capability(device)[0] if run.cuda else None
+    for name in list(gemlite_formats):
+        if not gemlite_compiles(name, triton.__version__, capability):
+            gemlite_formats.remove(name)
+            run.notes.append(f"peers: GemLite {name} skipped: Triton {triton.__version__} cannot "
+                             f"compile its tl.dot_scaled with E4M3 scales for sm_9x (3.8 can)")
     rows, ours_rows = [], []
     best_m1: dict[str, list[float]] = {}
     for k, n, w, w_set in gemm_weights(run, "peers", reserve=40):
@@ -1341,6 +1349,20 @@ GEMLITE_LAYERS = {"nvfp4": ("A16W4_NVFP", "A4W4_NVFP_dynamic"),
 """GemLite's layers of each format: weight-only first (bf16 activations times FP4 weights,
 which on our activation kernel's values is the W4A4 product), then W4A4 with the activations
 rounded by GemLite itself (its rule, no transform: not our product)."""
+DOT_SCALED_E4M3_SM90_TRITON = (3, 8)
+"""The first Triton that compiles ``tl.dot_scaled`` with E4M3 block scales (GemLite's NVFP4
+layers) for sm_90: 3.6 and 3.7 fail in ``TritonGPUAccelerateMatmul`` (an assertion; a 64 x 64
+x 128 kernel compiled on a CPU for sm_90, 2026-11-30), 3.8 and 3.9 compile it; the E8M0 (MX)
+case compiles on all four.  The H200 run of 2026-11-30 (Triton 3.6) lost every GemLite NVFP4
+row to it."""
+
+
+def gemlite_compiles(name: str, triton_version: str, capability: int | None) -> bool:
+    """Whether GemLite's layers of format ``name`` compile with this Triton for a GPU of
+    compute capability ``capability`` (major; None: not a CUDA device):
+    :data:`DOT_SCALED_E4M3_SM90_TRITON`."""
+    release = tuple(int(part) for part in triton_version.split("+")[0].split(".")[:2])
+    return not (name == "nvfp4" and capability == 9 and release < DOT_SCALED_E4M3_SM90_TRITON)
 
 
 def gemlite_layer(helper, cls: str, codes: torch.Tensor, scales: torch.Tensor,

@@ -671,6 +671,15 @@ def test_gpu_bench_tiny_run(capsys):
     assert "within one bf16 rounding of the exact product | 5/5" in summary
 
 
+def test_gemlite_nvfp4_peers_skipped_where_triton_cannot_compile_them():
+    """GemLite's NVFP4 layers (``tl.dot_scaled`` with E4M3 scales) do not compile for sm_90
+    before Triton 3.8: the bench skips them there, with a note, instead of failing every row."""
+    compiles = gpu_bench().gemlite_compiles
+    assert not compiles("nvfp4", "3.6.0", 9) and not compiles("nvfp4", "3.7.1+git", 9)
+    assert compiles("nvfp4", "3.8.0", 9) and compiles("nvfp4", "3.6.0", 10)
+    assert compiles("mxfp4", "3.6.0", 9) and compiles("nvfp4", "3.6.0", None)
+
+
 GEMLITE_E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 
 

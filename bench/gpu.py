@@ -77,7 +77,8 @@ the run goes on, and the summary says what failed or was skipped for time):
   ``A16W4_MXFP``, ``A4W4_NVFP_dynamic`` and ``A4W4_MXFP_dynamic`` (built from our stored FP4
   weights, fed the bf16 input; its autotuning ``--gemlite-autotune``, by default its two
   default tiles: its shipped tunings cover no FP4 type, and its ``fast`` search compiles about
-  25 tiles for every shape and layer), at the same shapes and M, timed the same way; a row is
+  25 tiles for every shape and layer; its NVFP4 layers skipped on sm_9x below Triton 3.8, which
+  cannot compile them), at the same shapes and M, timed the same way; a row is
   not started with less than ``PEER_RESERVE_S`` of the budget left beyond what the sections
   after it need.  Then whether
   GemLite's kernel can replace ours: its weight-only layers fed our activation kernel's bf16

@@ -1916,8 +1916,13 @@ def main(argv: list[str] | None = None) -> None:
     where = (f"{torch.cuda.get_device_name(device)}" if cuda else
              "CPU under the Triton interpreter (tiny shapes: timings are not GPU figures)")
     print(f"{where}; torch {torch.__version__}, triton {triton.__version__}, commit {commit()}")
-    patch = (mock.patch.object(K, "PREFILL_MIN_M", shapes["prefill_min_m"])
-             if shapes["prefill_min_m"] else contextlib.nullcontext())
+    patch = contextlib.ExitStack()
+    if shapes["prefill_min_m"]:
+        patch.enter_context(mock.patch.object(K, "PREFILL_MIN_M", shapes["prefill_min_m"]))
+    if not cuda:  # a model's W4A4 layers on the kernels (the interpreter), as on a GPU
+        from kbbq_pl.quant import w4a4
+
+        patch.enter_context(mock.patch.object(w4a4, "KERNEL_DEVICE_TYPES", ("cpu",)))
     previous = signal.signal(signal.SIGTERM, stopped)  # the summary still comes
 
     def write_json() -> None:  # after every section: a hard kill loses one section at most

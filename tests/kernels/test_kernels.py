@@ -643,6 +643,15 @@ def test_gpu_bench_tiny_run(capsys):
     assert "| 1 | nvfp4 | decode GEMM | 1 | nan | nan |" in out
     assert ("launch floors in a CUDA graph, us a call (M = 1, 512 -> 64, nvfp4) | "
             "empty kernel ") in out
+    # the model's W4A4 layers run on the kernels (the interpreter), as on a GPU: MX's decode
+    # steps through the decode path, its first block's linears against the emulation
+    with mock.patch.object(K, "_decode_path", wraps=K._decode_path) as decode_path:
+        module.main(["--tiny", "--formats", "mxfp4", "--sections", "model"])
+    out = capsys.readouterr().out
+    assert decode_path.call_count > 0
+    model_row = next(line for line in out.splitlines() if line.startswith("| mxfp4 | ")
+                     and line.count("|") == 15)
+    assert float(model_row.split("|")[12]) < 1e-2, model_row
     # a goal missed (every speed goal, on the CPU) says by how much
     assert "| 0.35 | 0/1; worst " in summary and "x from the target |" in summary
     assert "FAILED" not in summary

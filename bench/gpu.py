@@ -1916,13 +1916,13 @@ def main(argv: list[str] | None = None) -> None:
     where = (f"{torch.cuda.get_device_name(device)}" if cuda else
              "CPU under the Triton interpreter (tiny shapes: timings are not GPU figures)")
     print(f"{where}; torch {torch.__version__}, triton {triton.__version__}, commit {commit()}")
-    patch = contextlib.ExitStack()
+    patches = []
     if shapes["prefill_min_m"]:
-        patch.enter_context(mock.patch.object(K, "PREFILL_MIN_M", shapes["prefill_min_m"]))
+        patches.append(mock.patch.object(K, "PREFILL_MIN_M", shapes["prefill_min_m"]))
     if not cuda:  # a model's W4A4 layers on the kernels (the interpreter), as on a GPU
         from kbbq_pl.quant import w4a4
 
-        patch.enter_context(mock.patch.object(w4a4, "KERNEL_DEVICE_TYPES", ("cpu",)))
+        patches.append(mock.patch.object(w4a4, "KERNEL_DEVICE_TYPES", ("cpu",)))
     previous = signal.signal(signal.SIGTERM, stopped)  # the summary still comes
 
     def write_json() -> None:  # after every section: a hard kill loses one section at most
@@ -1932,7 +1932,9 @@ def main(argv: list[str] | None = None) -> None:
                                                  notes=run.notes), indent=1, default=str))
 
     try:
-        with patch:
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch)
             with section(run, "device copy"):
                 copy_rate(run)
             for index, name in enumerate(sections):

@@ -64,8 +64,8 @@ the run goes on, and the summary says what failed or was skipped for time):
   model's: equally close, or the FP8 product loses more than the compounding of one-ulp
   changes); then a ``torch.profiler`` table of one eager decode step and one prefill per
   format (the Chrome traces beside ``--json``: where the time goes), and its kernels by
-  launch shape (each weight shape's GEMM a row: ``bench/gpu_report.py``).  Targets: memory
-  <= 0.35, decode 2.0x (batch 1) and 1.8x (batch 16), prefill 0.9x.
+  launch shape (``bench/gpu_report.py``: the GEMMs of different launch shapes apart).
+  Targets: memory <= 0.35, decode 2.0x (batch 1) and 1.8x (batch 16), prefill 0.9x.
 * ``rows``: where the prefill path starts paying: at K = N = 8192 and 4096 -> 14336, KBBQ-shaped
   blocks, M = 64, 256, 1024, 4096, every path that can take M rows (decode; tiled up to 256;
   prefill from 256; for MX the FP8 product's kernels in a CUDA graph, without its host read)
@@ -1151,8 +1151,9 @@ def rows_section(run: Run) -> None:
                              for (c, s), p in zip(sets, preps)]
                     seconds[path] = seconds_per_call(run, calls)
                     ok, excess = within_one_rounding(calls[0](), ref)
-                    product = product_only(run, K, skinny, tk, x, t, name, sets, preps,
-                                           q.global_scale, path)[0]
+                    product = attempt(run, f"rows {path} product", functools.partial(
+                        product_only, run, K, skinny, tk, x, t, name, sets, preps,
+                        q.global_scale, path), (math.nan, math.nan))[0]
                     rows.append([f"{k}->{n}", m, name, path, t_bf16 * 1e3,
                                  seconds[path] * 1e3, t_bf16 / seconds[path], product * 1e3,
                                  "yes" if ok else f"NO ({excess:.2g})"])
@@ -1637,7 +1638,7 @@ def profile_steps(run: Run, model, prompt: torch.Tensor, batch: torch.Tensor, na
                 run.trace_dir.mkdir(parents=True, exist_ok=True)
                 trace = run.trace_dir / f"trace_{name}_{what}.json.gz"
                 prof.export_chrome_trace(str(trace))
-                if run.cuda:  # the kernels by launch shape: each weight shape's GEMM a row
+                if run.cuda:  # the kernels by launch shape (GEMMs launched alike share a row)
                     gpu_report.report_trace(trace, 12)
 
 

@@ -13,10 +13,11 @@ Two readings, one per kind of file:
   small shapes by the fixed costs, at large ones by the rates;
 * a ``torch.profiler`` Chrome trace (the model section's ``trace_{format}_{decode,prefill}``):
   the kernels (``cat == "kernel"``) summed by name *and* launch shape (grid, block, registers a
-  thread, shared memory), so that the decode GEMM of each weight shape of a layer (one grid
-  each) gets its own row: launches, total, mean, min and max microseconds, and its share of the
-  step's kernel time; then the step's kernel time, launches and wall span (an eager step's span
-  is mostly host time).  Device time only: gaps between kernels are in no row.
+  thread, shared memory), so that decode GEMMs of different launch shapes get their own rows
+  (weight shapes launched alike share one: in the Llama of ``bench/gpu.py``, q / o and down):
+  launches, total, mean, min and max microseconds, and its share of the step's kernel time;
+  then the step's kernel time, launches and wall span (an eager step's span is mostly host
+  time).  Device time only: gaps between kernels are in no row.
 """
 
 from __future__ import annotations

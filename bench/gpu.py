@@ -102,6 +102,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -119,9 +120,21 @@ from unittest import mock
 import torch
 from torch import nn
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (the tests)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_report  # noqa: E402
+
+def _gpu_report():
+    """``bench/gpu_report.py``, loaded by its path: the tests load this module by path, and
+    ``bench/`` (whose scripts' names are generic: ``formats``, ``quantize``) stays off their
+    ``sys.path``."""
+    if "gpu_report" not in sys.modules:
+        path = Path(__file__).with_name("gpu_report.py")
+        spec = importlib.util.spec_from_file_location("gpu_report", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["gpu_report"] = module  # its dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules["gpu_report"]
+
+
+gpu_report = _gpu_report()
 
 FULL = dict(act_shape=(8192, 8192), check_k=4096, check_n=4096, check_m=(1, 16, 256, 2304),
             gemm_shapes=((8192, 8192), (4096, 4096), (4096, 6144), (4096, 14336),

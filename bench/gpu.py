@@ -71,7 +71,8 @@ the run goes on, and the summary says what failed or was skipped for time):
   prefill from 256; for MX the FP8 product's kernels in a CUDA graph, without its host read)
   against bf16, each checked within one rounding, with its product alone (the decode GEMM; the
   weights' decode and the product) beside it; the summary names the fewest rows from which
-  prefill (and the FP8 product) beat decode on both shapes (``K.PREFILL_MIN_M`` is 1024).
+  prefill (and the FP8 product) beat decode on both shapes (``K.PREFILL_MIN_M``: 1024 for
+  NVFP4, 256 for MX).
 * ``peers`` (last: they take what time is left): torch's int4 weight-only kernel
   (``aten._weight_int4pack_mm``, group 32) and, when importable, GemLite 0.6's ``A16W4_NVFP``,
   ``A16W4_MXFP``, ``A4W4_NVFP_dynamic`` and ``A4W4_MXFP_dynamic`` (built from our stored FP4
@@ -406,7 +407,7 @@ def check_section(run: Run) -> None:
         for m in run.shapes["path_m"]:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             ref = exact_product(x, t, q, name)
-            chosen = K.choose_path(m)
+            chosen = K.choose_path(m, name)
             more = [("prefill", "triton"), ("decode", "auto")]
             if get_format(name).scale_kind == "e8m0":
                 more.append(("prefill", "fp8"))
@@ -544,7 +545,7 @@ def gemm_section(run: Run) -> None:
                                                              exact_product(x, t, q, name, scale))
                     t_ours = seconds[scales[0] is None]
                     dynamic = t_bf16 / seconds[True] if len(scales) > 1 else float("nan")
-                    path = K.choose_path(m)
+                    path = K.choose_path(m, name)
                     kept_decoded = float("nan")
                     if path == "prefill":  # the opt-in: weights held decoded, no decode a call
                         decoded = [K.prepare_weight(c, s, q.global_scale, name, scales[0],
@@ -1197,7 +1198,8 @@ def rows_section(run: Run) -> None:
     for name, wins in prefill_wins.items():
         beaten = [m for m in sorted(wins) if all(wins[m])]
         run.line(f"rows from which prefill beats decode, {name} (PREFILL_MIN_M = "
-                 f"{K.PREFILL_MIN_M})", beaten[0] if beaten else f"none up to {max(wins)}")
+                 f"{K.PREFILL_MIN_M[get_format(name).scale_kind]})",
+                 beaten[0] if beaten else f"none up to {max(wins)}")
     for name, wins in fp8_wins.items():
         beaten = [m for m in sorted(wins) if all(wins[m])]
         run.line(f"rows from which the FP8 product (graph, no host read) beats decode, {name}",
@@ -1932,7 +1934,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{where}; torch {torch.__version__}, triton {triton.__version__}, commit {commit()}")
     patches = []
     if shapes["prefill_min_m"]:
-        patches.append(mock.patch.object(K, "PREFILL_MIN_M", shapes["prefill_min_m"]))
+        patches.append(mock.patch.dict(K.PREFILL_MIN_M, dict.fromkeys(K.PREFILL_MIN_M,
+                                                                     shapes["prefill_min_m"])))
     if not cuda:  # a model's W4A4 layers on the kernels (the interpreter), as on a GPU
         from kbbq_pl.quant import w4a4
 

@@ -24,12 +24,12 @@ out_dtype=torch.bfloat16) -> [M, N]``
 act_global_scale=None, bias=None, *, prepared=None, path=None, prefill_product="auto") -> y``
     ``Q(W T^-1) Q(T x) + b`` for ``x [..., K]`` (zero-padded when its last dimension falls
     short of the weights' padded ``K`` by less than a block), ``y [..., N]`` in ``x``'s dtype;
-    ``act_global_scale`` None is the dynamic NVFP4 scale.  The path follows the rows ``M``
-    (:func:`choose_path`): ``decode`` below :data:`PREFILL_MIN_M` (the activations' values, then
-    the decode GEMM of :mod:`kbbq_pl.kernels.skinny` on the weights as stored), ``prefill`` from
-    it on (bf16 values and decoded weights, one cuBLAS or Triton product); ``tiled``
-    (``quantize_activations`` then ``w4a4_matmul``) where the decode GEMM cannot decode the
-    weights exactly, or when asked for.
+    ``act_global_scale`` None is the dynamic NVFP4 scale.  The path follows the rows ``M`` and
+    the format (:func:`choose_path`): ``decode`` below :data:`PREFILL_MIN_M` (the activations'
+    values, then the decode GEMM of :mod:`kbbq_pl.kernels.skinny` on the weights as stored),
+    ``prefill`` from it on (bf16 values and decoded weights, one cuBLAS or Triton product);
+    ``tiled`` (``quantize_activations`` then ``w4a4_matmul``) where the decode GEMM cannot
+    decode the weights exactly, or when asked for.
 ``quantize_activation_values(x, transform, fmt, global_scale=None, *, dtype=bf16,
 word_order=False) -> (values, pts)``
     The rounded activations as their values ``q * s`` (exact in bf16, and in fp16 for NVFP4),
@@ -403,17 +403,21 @@ def prepare_weight(codes: Tensor, scales: Tensor, global_scale: Tensor | float |
                            fold=fold if folds else None)
 
 
-PREFILL_MIN_M = 1024
-"""From this many rows on :func:`linear_w4a4` takes the prefill path (weights decoded to bf16
-once per call or kept, one matrix product); below, the decode path (:mod:`.skinny`)."""
+PREFILL_MIN_M = {"e4m3": 1024, "e8m0": 256}
+"""From this many rows on, by the format's scale kind (NVFP4's ``e4m3``, MX's ``e8m0``),
+:func:`linear_w4a4` takes the prefill path (weights decoded to bf16 once per call or kept, one
+matrix product); below, the decode path (:mod:`.skinny`).  Where ``bench/gpu.py``'s ``rows``
+section found prefill the faster on an H200 at both of its shapes: from 1,024 rows for NVFP4,
+from 256 for MX (whose decode GEMM stages its bf16 operand through shared memory; at 256 rows
+the prefill path took 0.55 to 0.63 of its time)."""
 PATHS = ("decode", "tiled", "prefill")
 PREFILL_PRODUCTS = ("auto", "cublas", "triton", "fp8")
 
 
-def choose_path(m: int) -> str:
-    """The path :func:`linear_w4a4` takes for ``m`` rows: ``prefill`` from
-    :data:`PREFILL_MIN_M` on, ``decode`` below."""
-    return "prefill" if m >= PREFILL_MIN_M else "decode"
+def choose_path(m: int, fmt: str | Format) -> str:
+    """The path :func:`linear_w4a4` takes for ``m`` rows of ``fmt``: ``prefill`` from its
+    scale kind's :data:`PREFILL_MIN_M` on, ``decode`` below."""
+    return "prefill" if m >= PREFILL_MIN_M[fp4_format(fmt).scale_kind] else "decode"
 
 
 def _decode_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | None,
@@ -557,14 +561,15 @@ def linear_w4a4(
 ) -> Tensor:
     """``Q(W T^-1) Q(T x) + b`` on the kernels: ``x [..., K]`` to ``[..., N]`` in ``x``'s dtype.
 
-    The path follows the number of rows ``M`` (:func:`choose_path`; ``path`` forces one):
+    The path follows the number of rows ``M`` and the format (:func:`choose_path`; ``path``
+    forces one):
 
-    * ``decode`` (``M <`` :data:`PREFILL_MIN_M`): the activations rounded to their values in
-      word order, then the decode GEMM of :mod:`kbbq_pl.kernels.skinny` on the weights as
-      stored (16-row tiles up to 16 rows, 32 to 128 above);
+    * ``decode`` (``M <`` :data:`PREFILL_MIN_M`: 1024 NVFP4, 256 MX): the activations rounded
+      to their values in word order, then the decode GEMM of :mod:`kbbq_pl.kernels.skinny` on
+      the weights as stored (16-row tiles up to 16 rows, 32 to 128 above);
     * ``tiled``: :func:`quantize_activations` then :func:`w4a4_matmul` (what the decode path
       falls back to where an MX weight's exponents span too many binades to decode exactly);
-    * ``prefill`` (``M >= 1024``): the activations rounded to bf16 values, the weights decoded
+    * ``prefill`` (from there on): the activations rounded to bf16 values, the weights decoded
       to bf16 (per call, or kept by :func:`prepare_weight`), one product.  ``prefill_product``
       ``cublas`` hands it to ``torch.addmm`` with the per-tensor scales in its FP32 ``alpha``
       (where they are known on the host: MX, static NVFP4, a bf16 output), else an FP32
@@ -586,7 +591,7 @@ def linear_w4a4(
     x2 = pad_input(x, k, fmt.block_size, "linear_w4a4").reshape(-1, k)
     out_dtype = x.dtype if x.dtype in _OUT_DTYPES else torch.float32
     m = x2.shape[0]
-    path = path or choose_path(m)
+    path = path or choose_path(m, fmt)
     if path not in PATHS:
         raise ValueError(f"linear_w4a4: path must be one of {PATHS}, got {path!r}")
     if prefill_product not in PREFILL_PRODUCTS:

@@ -689,8 +689,11 @@ def test_a_wider_bias_is_rounded_once_with_the_sum(fmt):
 
 def test_paths_by_rows_and_errors():
     needs_kernels()
-    assert [K.choose_path(m) for m in (1, 16, 17, 1023, 1024)] == [
+    assert [K.choose_path(m, "nvfp4") for m in (1, 16, 17, 1023, 1024)] == [
         "decode", "decode", "decode", "decode", "prefill"]
+    assert [K.choose_path(m, fmt) for m, fmt in ((255, "mxfp4"), (256, "mxfp4_even"),
+                                                 (256, "nvfp4"))] == [
+        "decode", "prefill", "decode"]
     x, q = decode_operands("nvfp4", 17, 8, 32)
     with pytest.raises(ValueError, match="path must be one of"):
         K.linear_w4a4(x, q.qdata, q.scale, q.global_scale, "nvfp4", path="fast")
@@ -740,11 +743,12 @@ def test_w4a4_layer_dispatches_by_rows_and_keeps_its_prepared_weight():
         real = K.linear_w4a4
 
         def spy(*args, **kwargs):
-            calls.append(K.choose_path(args[0].reshape(-1, args[0].shape[-1]).shape[0]))
+            calls.append(K.choose_path(args[0].reshape(-1, args[0].shape[-1]).shape[0],
+                                       args[4]))
             return real(*args, **kwargs)
 
         with mock.patch.object(w4a4, "KERNEL_DEVICE_TYPES", ("cpu",)), \
-                mock.patch.object(K, "PREFILL_MIN_M", 32), \
+                mock.patch.dict(K.PREFILL_MIN_M, e4m3=32, e8m0=32), \
                 mock.patch.object(K, "linear_w4a4", spy):
             few = layer(x[:2])
             many = layer(x)

@@ -256,7 +256,7 @@ def test_layers_take_the_fp8_product_when_asked():
     x = torch.randn(40, 256, dtype=torch.bfloat16)
     outputs = {}
     with torch.no_grad(), mock.patch.object(w4a4, "KERNEL_DEVICE_TYPES", ("cpu",)), \
-            mock.patch.object(K, "PREFILL_MIN_M", 32):
+            mock.patch.dict(K.PREFILL_MIN_M, e4m3=32, e8m0=32):
         for product, keep in (("auto", False), ("fp8", False), ("fp8", True)):
             with mock.patch.object(w4a4, "PREFILL_PRODUCT", product), \
                     mock.patch.object(w4a4, "KEEP_DECODED_WEIGHTS", keep), \

@@ -207,7 +207,7 @@ def test_compiled_linears_run_the_kernels_to_the_eager_bits(monkeypatch):
     if kernels is None or not kernels.available(torch.device("cpu")):
         pytest.skip("kbbq_pl.kernels is absent, or does not run on the CPU (TRITON_INTERPRET=1)")
     monkeypatch.setattr(w4a4, "KERNEL_DEVICE_TYPES", ("cpu",))
-    monkeypatch.setattr(kernels, "PREFILL_MIN_M", 8)
+    monkeypatch.setitem(kernels.PREFILL_MIN_M, "e4m3", 8)
     model = TwoLinears("nvfp4", act_scale="static", act_global_scale=torch.tensor(0.004))
     few, many = torch.randn(1, 3, 64).bfloat16(), torch.randn(2, 6, 64).bfloat16()
     with torch.no_grad():

@@ -67,8 +67,8 @@ the run goes on, and the summary says what failed or was skipped for time):
   launch shape (``bench/gpu_report.py``: the GEMMs of different launch shapes apart).
   Targets: memory <= 0.35, decode 2.0x (batch 1) and 1.8x (batch 16), prefill 0.9x.
 * ``rows``: where the prefill path starts paying: at K = N = 8192 and 4096 -> 14336, KBBQ-shaped
-  blocks, M = 64, 256, 1024, 4096, every path that can take M rows (decode; tiled up to 256;
-  prefill from 256; for MX the FP8 product's kernels in a CUDA graph, without its host read)
+  blocks, M = 64, 128, 256, 1024, 4096, every path that can take M rows (decode; tiled up to
+  256; prefill; for MX the FP8 product's kernels in a CUDA graph, without its host read)
   against bf16, each checked within one rounding, with its product alone (the decode GEMM; the
   weights' decode and the product) beside it; the summary names the fewest rows from which
   prefill (and the FP8 product) beat decode on both shapes (``K.PREFILL_MIN_M``: 1024 for
@@ -141,7 +141,7 @@ FULL = dict(act_shape=(8192, 8192), check_k=4096, check_n=4096, check_m=(1, 16, 
             gemm_shapes=((8192, 8192), (4096, 4096), (4096, 6144), (4096, 14336),
                          (14336, 4096)),
             gemm_m=(1, 16, 4096), path_m=(1, 16, 64, 1024), prefill_min_m=None,
-            rows_shapes=((8192, 8192), (4096, 14336)), rows_m=(64, 256, 1024, 4096),
+            rows_shapes=((8192, 8192), (4096, 14336)), rows_m=(64, 128, 256, 1024, 4096),
             tune_shapes=((8192, 8192), (4096, 4096), (4096, 14336), (4096, 1024)),
             hidden=4096, intermediate=14336, heads=32, kv_heads=8, layers=8, vocab=32000,
             prefill=(4, 2048), prompt=32, decode_tokens=64, decode_batches=(1, 16),
@@ -1133,7 +1133,7 @@ def copy_rate(run: Run) -> None:
 def rows_section(run: Run) -> None:
     """Where the prefill path starts paying: ``linear_w4a4`` on each path that can take ``M``
     rows (decode: the decode GEMM, any M; tiled: the GEMM of both packed operands, up to 256;
-    prefill: weights decoded + cuBLAS, from 256 on) against bf16, KBBQ-shaped blocks, at the
+    prefill: weights decoded + cuBLAS, any M) against bf16, KBBQ-shaped blocks, at the
     shapes of ``rows_shapes``; for MX beside prefill the FP8 product's kernels in a CUDA graph
     (no host read, the weights kept folded); the summary gives the fewest rows from which
     prefill (and the FP8 product) beat decode on every shape (what ``K.PREFILL_MIN_M`` should
@@ -1147,7 +1147,7 @@ def rows_section(run: Run) -> None:
     for k, n, w, w_set in gemm_weights(run, "rows", reserve=30, shapes="rows_shapes"):
         packed = {name: packed_copies(run, w, name) for name in run.formats}
         folded: dict[str, list] = {}
-        small, large = min(run.shapes["rows_m"]), max(run.shapes["rows_m"])
+        small = min(run.shapes["rows_m"])
         for m in run.shapes["rows_m"]:
             x = torch.randn(m, k, device=run.device, dtype=torch.bfloat16)
             t_bf16 = bf16_seconds(run, x, w_set)
@@ -1157,8 +1157,7 @@ def rows_section(run: Run) -> None:
                 ref = exact_product(x, t, q, name)
                 seconds = {}
                 for path in ("decode", "tiled", "prefill"):
-                    if (path == "tiled" and m > max(small, 256)) or (
-                            path == "prefill" and m < min(large, 256)):
+                    if path == "tiled" and m > max(small, 256):
                         continue
                     calls = [functools.partial(K.linear_w4a4, x, c, s, q.global_scale, name, t,
                                                prepared=p, path=path)

@@ -201,12 +201,12 @@ def _dp4a_block_sums(words, a_blocks, b_mask, table_low, BLOCK_N: tl.constexpr,
     instructions)."""
     table = tl.full([BLOCK_N, NB], 0, tl.int32) + table_low
     table_high = tl.full([BLOCK_N, NB], E2M1_DOUBLED_HIGH, tl.int32)
+    a0 = tl.load(a_blocks, mask=b_mask, other=0)[None, :]
+    a1 = tl.load(a_blocks + 1, mask=b_mask, other=0)[None, :]
+    a2 = tl.load(a_blocks + 2, mask=b_mask, other=0)[None, :]
+    a3 = tl.load(a_blocks + 3, mask=b_mask, other=0)[None, :]
     if D == 16:
         w0, w1 = tl.split(tl.reshape(words, [BLOCK_N, NB, 2]))
-        a0 = tl.load(a_blocks, mask=b_mask, other=0)[None, :]
-        a1 = tl.load(a_blocks + 1, mask=b_mask, other=0)[None, :]
-        a2 = tl.load(a_blocks + 2, mask=b_mask, other=0)[None, :]
-        a3 = tl.load(a_blocks + 3, mask=b_mask, other=0)[None, :]
         if _INTERPRET:
             return _word_dot(w0, a0, a1) + _word_dot(w1, a2, a3)
         return tl.inline_asm_elementwise(_DP4A_ASM_2, "=r" + ",r" * 8,
@@ -216,10 +216,6 @@ def _dp4a_block_sums(words, a_blocks, b_mask, table_low, BLOCK_N: tl.constexpr,
         even, odd = tl.split(tl.reshape(words, [BLOCK_N, NB, 2, 2]))  # words 0, 2 and 1, 3
         w0, w2 = tl.split(even)
         w1, w3 = tl.split(odd)
-        a0 = tl.load(a_blocks, mask=b_mask, other=0)[None, :]
-        a1 = tl.load(a_blocks + 1, mask=b_mask, other=0)[None, :]
-        a2 = tl.load(a_blocks + 2, mask=b_mask, other=0)[None, :]
-        a3 = tl.load(a_blocks + 3, mask=b_mask, other=0)[None, :]
         a4 = tl.load(a_blocks + 4, mask=b_mask, other=0)[None, :]
         a5 = tl.load(a_blocks + 5, mask=b_mask, other=0)[None, :]
         a6 = tl.load(a_blocks + 6, mask=b_mask, other=0)[None, :]
@@ -506,8 +502,15 @@ def _dp4a_configs():
             for block_n, block_k, warps, stages in tiles]
 
 
+def _tile_shapes(configs) -> tuple[tuple[int, int, int], ...]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K)`` of each config."""
+    return tuple((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"])
+                 for c in configs)
+
+
 _CONFIGS = _configs()
 _DP4A_CONFIGS = _dp4a_configs()
+_DP4A_TILES = _tile_shapes(_DP4A_CONFIGS)
 _KEY = ["N", "K", "m_bucket", "D", "SCALE_KIND", "VALUES", "HAS_BIAS"]
 _skinny_tuned = triton.autotune(configs=_CONFIGS, key=_KEY,
                                 prune_configs_by={"early_config_prune": _prune_configs})(
@@ -604,17 +607,12 @@ def _grid(n: int, k: int, m: int, sms: int, split_k: int | None, cfg: dict
 
 @functools.lru_cache(maxsize=4096)
 def _partial_rows(n: int, k: int, m: int, sms: int, split_k: int | None,
-                  tiles: tuple[tuple[int, int, int], ...] | str | None) -> int:
+                  tiles: tuple[tuple[int, int, int], ...] | None) -> int:
     """Rows of FP32 split-K partials (``[splits x row tiles x BLOCK_M, N]``) the largest of
-    the candidate tiles (``(BLOCK_M, BLOCK_N, BLOCK_K)``; None: the autotuned ones for ``m``;
-    ``"dp4a"``: the DP4A product's)
+    the candidate tiles (``(BLOCK_M, BLOCK_N, BLOCK_K)``; None: the autotuned ones for ``m``)
     needs; worked out once per shape, not per call (a decode step is latency)."""
     if tiles is None:
-        tiles = tuple((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"])
-                      for c in _prune_configs(_CONFIGS, {"m_bucket": m_bucket(m)}))
-    elif tiles == "dp4a":
-        tiles = tuple((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"])
-                      for c in _DP4A_CONFIGS)
+        tiles = _tile_shapes(_prune_configs(_CONFIGS, {"m_bucket": m_bucket(m)}))
     splits = [(_splits(n, k, m, sms, split_k, bm, bn, bk), bm) for bm, bn, bk in tiles]
     return max([split * cdiv(m, bm) * bm for split, bm in splits if split > 1],
                default=1)
@@ -651,7 +649,7 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
     interpreter_config = INTERPRETER_DP4A_CONFIG if dp4a else INTERPRETER_CONFIG
     pinned = dict(config or interpreter_config) if config is not None or INTERPRET else None
     tiles = (((pinned["BLOCK_M"], pinned["BLOCK_N"], pinned["BLOCK_K"]),) if pinned
-             else "dp4a" if dp4a else None)
+             else _DP4A_TILES if dp4a else None)
     partial = torch.empty(_partial_rows(n, k, m, sms, split_k, tiles), n, dtype=torch.float32,
                           device=device)
     args = [a_values, w_codes, w_scales, out, partial, _counter(device),

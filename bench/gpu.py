@@ -1036,19 +1036,27 @@ def act_section(run: Run) -> None:
                      list(found.values()), TARGETS["act"])
 
 
-FEW_ROWS_VARIANTS = (("chain", None, None, True), ("chain, no L1 prefetch", None, None, False),
-                     ("fma dot, 2 warps", 1, {"BLOCK_M": 16, "num_warps": 2}, True),
-                     ("fma dot, 4 warps", 1, {"BLOCK_M": 16, "num_warps": 4}, True))
+FEW_ROWS_VARIANTS = (
+    ("from memory", None, None, True),
+    ("from memory, one row a program", None, lambda tk, d: dict(tk.FEW_ROWS_TILES[d], BLOCK_M=1),
+     True),
+    ("registers, L1 prefetch", None, lambda tk, d: tk.REGISTER_FEW_ROWS_TILES[d], True),
+    ("registers, no L1 prefetch", None, lambda tk, d: tk.REGISTER_FEW_ROWS_TILES[d], False),
+    ("fma dot, 4 warps", 1, lambda tk, d: {"BLOCK_M": 16, "NB": 64 // d, "num_warps": 4}, True))
 """The decode step's activation kernels ``act_few`` times: (label, product (None: the chain),
-tile (None: the default; the FMA dot takes 64 elements of blocks a program; with one warp
-its MX kernel spills on Triton 3.6, with two or four it does not), L1 prefetch)."""
+the tile of ``triton_kernels`` ``tk`` for block size ``d`` (None: the default,
+``FEW_ROWS_TILES``: one output of a block a lane, the operands loaded column by column; the
+tile before it held a block row a thread, the chain in registers; the FMA dot takes 64 elements
+of blocks a program, its MX kernel spills on Triton 3.6 with one warp, not with four), L1
+prefetch of the transforms (the register tiles))."""
 
 
 def act_few_section(run: Run) -> None:
     """The activation kernel of a decode step (M = 1 and 16 rows) with KBBQ-shaped blocks, as
     the decode path runs it (word-ordered values for the decode GEMM; NVFP4 with a static
-    scale): the FMA chain (the default) with and without asking L1 for each program's
-    transforms first, and Triton's FMA dot (its operands staged in shared memory, the
+    scale): the FMA chain from memory, one output a lane (the default), the chain in
+    registers, a block row a thread (the tile before it), with and without asking L1 for each
+    program's transforms first, and Triton's FMA dot (its operands staged in shared memory, the
     transforms loaded in one go), at every K of the GEMM shapes: microseconds a call in a CUDA
     graph cycling through copies of the transforms (they come from memory, as in a model, where
     every layer has its own), and whether each variant's codes are the default's."""
@@ -1073,7 +1081,7 @@ def act_few_section(run: Run) -> None:
                 x = torch.randn(m, k, device=run.device, dtype=torch.bfloat16)
                 default = tk.quantize_activations(x, first, d, kind, rounding, gain, gs)[0]
                 for label, product, tile, prefetch in FEW_ROWS_VARIANTS:
-                    config = None if tile is None else dict(tile, NB=64 // d)
+                    config = None if tile is None else dict(tile(tk, d))
                     options = dict(config=config, product=product, prefetch_transform=prefetch)
                     calls = [functools.partial(
                         tk.quantize_activations, x, t, d, kind, rounding, gain, gs,
@@ -1089,13 +1097,13 @@ def act_few_section(run: Run) -> None:
                             same_codes=same)
     table("activation kernel of a decode step, KBBQ-shaped blocks, word-ordered values (the "
           "decode path), in a CUDA graph over copies of the transforms: microseconds a call, "
-          "and whether the codes are the default's (the chain with the L1 prefetch)",
+          "and whether the codes are the default's (the chain from memory)",
           ["format", "K", "M", "variant", "us", "same codes"], rows)
     for name in run.formats:
         for label, *_ in FEW_ROWS_VARIANTS[1:]:
             gains = [other[4] / chain[4] for chain in rows for other in rows
                      if chain[0] == other[0] == name and chain[1:3] == other[1:3]
-                     and chain[3] == "chain" and other[3] == label]
+                     and chain[3] == FEW_ROWS_VARIANTS[0][0] and other[3] == label]
             if gains:
                 run.line(f"decode-step activation kernel {name}: time of '{label}' / the "
                          "default's, min/median/max", spread(gains))

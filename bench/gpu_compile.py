@@ -173,13 +173,17 @@ def _row(kernel: str, config: str, compiled, per_thread: float, start: float) ->
 
 
 def act_configs(d: int, explore: bool):
-    """The activation kernel's tiles for block size ``d``: the two it runs (``ACT_TILES``, and
-    ``FEW_ROWS_TILES`` up to 16 rows), or (``explore``) the candidates it can autotune over."""
+    """The activation kernel's tiles for block size ``d``: those it runs (``ACT_TILES``, and
+    ``FEW_ROWS_TILES`` up to 16 rows, at one row too), or (``explore``) the candidates it can
+    autotune over and the decode step's register tile it replaced."""
     if explore:
-        return tk._prune_act_configs(tk._act_configs(), {"D": d})
+        return tk._prune_act_configs(tk._act_configs(), {"D": d}) + [
+            triton.Config({k: v for k, v in tk.REGISTER_FEW_ROWS_TILES[d].items()
+                           if k != "num_warps"}, num_warps=1)]
     return [triton.Config({k: v for k, v in tile.items() if k != "num_warps"},
                           num_warps=tile["num_warps"])
-            for tile in (tk.ACT_TILES[d], tk.FEW_ROWS_TILES[d])]
+            for tile in (tk.ACT_TILES[d], tk.FEW_ROWS_TILES[d], tk.few_rows_tile(
+                tk.FEW_ROWS_TILES[d], 1))]
 
 
 FMA_DOT_TILES = {16: triton.Config({"BLOCK_M": 64, "NB": 4}, num_warps=4),
@@ -228,8 +232,9 @@ def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> l
                 name += "" if has_t else ", no transform"
                 name += {tk.PRODUCT_FMA_DOT: ", fma dot", tk.PRODUCT_TF32X3: ", tf32x3"}.get(
                     product, "")
+                memory = ", from memory" if config.kwargs.get("FROM_MEMORY") else ""
                 rows.append(_row(f"{name} {fmt}", f"BM={config.kwargs['BLOCK_M']} "
-                                 f"NB={config.kwargs['NB']} w={config.num_warps}", compiled,
+                                 f"NB={config.kwargs['NB']} w={config.num_warps}{memory}", compiled,
                                  per_thread, start))
     return rows
 

@@ -272,6 +272,34 @@ def _transformed_blocks(x4, t_ptr, rows, blocks, n_blocks, D: tl.constexpr, NB: 
 
 
 @triton.jit
+def _transformed_from_memory(x_ptr, t_ptr, rows, blocks, M, n_blocks, stride_xm,
+                             D: tl.constexpr, NB: tl.constexpr, BLOCK_M: tl.constexpr,
+                             HAS_T: tl.constexpr):
+    """``h = T_b x_b`` in FP32 for ``NB`` blocks of ``BLOCK_M`` rows, ``[NB, BLOCK_M, D]``, its
+    operands loaded from memory column by column: for ``j`` in increasing order,
+    ``h = fma(x_j, T[:, j], h)`` (the chain of :func:`_transformed_blocks`, the same bits),
+    ``x_j`` loaded for every lane and column ``j`` of ``T`` spread over the lanes, one output
+    of a block a lane.  A decode step's tile: no load waits for the chain, so the ``2 D``
+    loads are in flight at once and a thread runs ``D`` multiply-adds a row, where a thread
+    holding a whole block row runs ``D^2`` of them, each column waiting for its load."""
+    offs = tl.arange(0, D)[None, None, :]
+    r3 = rows[None, :, None]
+    b3 = blocks[:, None, None]
+    inside = (r3 < M) & (b3 < n_blocks)
+    x_block = x_ptr + r3 * stride_xm + b3 * D
+    if HAS_T:
+        # column j of T_b at t[b, j, :] (transform_columns); a masked block's x is 0
+        t_col = t_ptr + tl.minimum(b3, n_blocks - 1) * (D * D) + offs
+        h = tl.zeros([NB, BLOCK_M, D], tl.float32)
+        for j in tl.static_range(D):
+            xj = tl.load(x_block + j, mask=inside, other=0.0).to(tl.float32)
+            h = tl.fma(xj, tl.load(t_col + j * D), h)
+    else:
+        h = tl.load(x_block + offs, mask=inside, other=0.0).to(tl.float32)
+    return h
+
+
+@triton.jit
 def _quantize_activations_kernel(
     x_ptr, t_ptr, codes_ptr, scales_ptr, global_ptr, amax_ptr, pts_ptr, values_ptr, inexact_ptr,
     M, n_blocks, stride_xm, stride_cm, stride_sm, stride_vm, m_bucket,
@@ -282,6 +310,7 @@ def _quantize_activations_kernel(
     WORD_ORDER: tl.constexpr = False, PARTS_FIRST: tl.constexpr = False,
     LAUNCH_DEPENDENTS: tl.constexpr = False, WRITE_E4M3: tl.constexpr = False,
     TILES: tl.constexpr = 1, PREFETCH_T: tl.constexpr = False,
+    FROM_MEMORY: tl.constexpr = False,
 ):
     """``TILES`` tiles of ``BLOCK_M`` rows by ``NB`` blocks, one after the other: transform,
     block amax, scales, E2M1 codes, packing.  ``AMAX_ONLY`` (the first pass of dynamic NVFP4)
@@ -312,45 +341,58 @@ def _quantize_activations_kernel(
         gdc_launch_dependents()
     pid_b = tl.program_id(1)
     blocks = pid_b * NB + tl.arange(0, NB)
-    if HAS_T and PRODUCT == 0 and PREFETCH_T:  # PRODUCT_FMA_CHAIN
-        # every 128-byte line of the program's transforms asked for at once: the chain then
-        # finds each column in L1 instead of waiting for one line of memory after another
-        lines = tl.arange(0, NB * D * D // 32)
-        block = tl.minimum(pid_b * NB + lines // (D * D // 32), n_blocks - 1)
-        _prefetch(t_ptr + block * (D * D) + (lines % (D * D // 32)) * 32, 1)
-    first = tl.program_id(0) * TILES
-    last = tl.minimum(first + TILES, tl.cdiv(M, BLOCK_M))
-    x4 = _load_blocks(x_ptr, first, M, n_blocks, blocks, stride_xm, D, BLOCK_M, PARTS_FIRST)
-    for tile in range(first, last):
-        x_tile = x4
-        if TILES > 1:  # the next tile's loads in flight while this one is computed
-            x4 = _load_blocks(x_ptr, tile + 1, tl.minimum(M, last * BLOCK_M), n_blocks, blocks,
-                              stride_xm, D, BLOCK_M, PARTS_FIRST)
+    if FROM_MEMORY:  # a decode step's few rows: one tile a program
+        tl.static_assert((TILES == 1) & (PRODUCT == 0))
+        pid_m = tl.program_id(0)
+        h = _transformed_from_memory(x_ptr, t_ptr, pid_m * BLOCK_M + tl.arange(0, BLOCK_M),
+                                     blocks, M, n_blocks, stride_xm, D, NB, BLOCK_M, HAS_T)
         _activation_tile(
-            x_tile, t_ptr, codes_ptr, scales_ptr, global_ptr, amax_ptr, pts_ptr, values_ptr,
-            inexact_ptr, M, n_blocks, stride_cm, stride_sm, stride_vm, tile, pid_b,
-            D, SCALE_KIND, ROUNDING, GAIN, HAS_T, STATIC, AMAX_ONLY, PRODUCT, BLOCK_M, NB,
-            WRITE_CODES, WRITE_VALUES, WORD_ORDER, PARTS_FIRST, WRITE_E4M3)
+            h, codes_ptr, scales_ptr, global_ptr, amax_ptr, pts_ptr, values_ptr,
+            inexact_ptr, M, n_blocks, stride_cm, stride_sm, stride_vm, pid_m, pid_b,
+            D, SCALE_KIND, ROUNDING, GAIN, STATIC, AMAX_ONLY, BLOCK_M, NB,
+            WRITE_CODES, WRITE_VALUES, WORD_ORDER, WRITE_E4M3)
+    else:
+        if HAS_T and PRODUCT == 0 and PREFETCH_T:  # PRODUCT_FMA_CHAIN
+            # every 128-byte line of the program's transforms asked for at once: the chain
+            # then finds each column in L1 instead of waiting for one line of memory after
+            # another
+            lines = tl.arange(0, NB * D * D // 32)
+            block = tl.minimum(pid_b * NB + lines // (D * D // 32), n_blocks - 1)
+            _prefetch(t_ptr + block * (D * D) + (lines % (D * D // 32)) * 32, 1)
+        first = tl.program_id(0) * TILES
+        last = tl.minimum(first + TILES, tl.cdiv(M, BLOCK_M))
+        x4 = _load_blocks(x_ptr, first, M, n_blocks, blocks, stride_xm, D, BLOCK_M,
+                          PARTS_FIRST)
+        for tile in range(first, last):
+            x_tile = x4
+            if TILES > 1:  # the next tile's loads in flight while this one is computed
+                x4 = _load_blocks(x_ptr, tile + 1, tl.minimum(M, last * BLOCK_M), n_blocks,
+                                  blocks, stride_xm, D, BLOCK_M, PARTS_FIRST)
+            h = _transformed_blocks(x_tile, t_ptr, tile * BLOCK_M + tl.arange(0, BLOCK_M),
+                                    blocks, n_blocks, D, NB, BLOCK_M, HAS_T, PRODUCT,
+                                    PARTS_FIRST)
+            _activation_tile(
+                h, codes_ptr, scales_ptr, global_ptr, amax_ptr, pts_ptr, values_ptr,
+                inexact_ptr, M, n_blocks, stride_cm, stride_sm, stride_vm, tile, pid_b,
+                D, SCALE_KIND, ROUNDING, GAIN, STATIC, AMAX_ONLY, BLOCK_M, NB,
+                WRITE_CODES, WRITE_VALUES, WORD_ORDER, WRITE_E4M3)
 
 
 @triton.jit
 def _activation_tile(
-    x4, t_ptr, codes_ptr, scales_ptr, global_ptr, amax_ptr, pts_ptr, values_ptr, inexact_ptr,
+    h, codes_ptr, scales_ptr, global_ptr, amax_ptr, pts_ptr, values_ptr, inexact_ptr,
     M, n_blocks, stride_cm, stride_sm, stride_vm, pid_m, pid_b,
     D: tl.constexpr, SCALE_KIND: tl.constexpr, ROUNDING: tl.constexpr, GAIN: tl.constexpr,
-    HAS_T: tl.constexpr, STATIC: tl.constexpr, AMAX_ONLY: tl.constexpr,
-    PRODUCT: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
+    STATIC: tl.constexpr, AMAX_ONLY: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
     WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr, WORD_ORDER: tl.constexpr,
-    PARTS_FIRST: tl.constexpr, WRITE_E4M3: tl.constexpr,
+    WRITE_E4M3: tl.constexpr,
 ):
-    """Row tile ``pid_m`` of block tile ``pid_b``, its activations ``x4`` loaded
-    (:func:`_load_blocks`): :func:`_quantize_activations_kernel`."""
+    """Row tile ``pid_m`` of block tile ``pid_b``, its transformed activations ``h [NB,
+    BLOCK_M, D]`` in FP32: :func:`_quantize_activations_kernel`."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     blocks = pid_b * NB + tl.arange(0, NB)
     row_mask = rows < M
     block_mask = blocks < n_blocks
-    h = _transformed_blocks(x4, t_ptr, rows, blocks, n_blocks, D, NB, BLOCK_M, HAS_T, PRODUCT,
-                            PARTS_FIRST)
     if WRITE_CODES or AMAX_ONLY:  # non-finite elements count as zeros (codes and amax)
         finite = tl.abs(h) < float("inf")
         h = tl.where(finite, h, 0.0)
@@ -448,11 +490,28 @@ Up to four row tiles a program (:func:`tiles_per_program`), the next one's activ
 while one is computed (``TILES``: one tile a program ran at 0.11 to 0.19 of a device copy on an
 H200, its memory idle while the chain ran; the same bits either way)."""
 FEW_ROWS = 16
-"""Up to this many rows (a decode step) the activation kernel runs :data:`FEW_ROWS_TILES`:
-16 rows of one block (NVFP4) or two (MX) per one-warp program, ``K / d`` or ``K / 2d``
-programs."""
-FEW_ROWS_TILES = {16: {"BLOCK_M": 16, "NB": 1, "num_warps": 1},
-                  32: {"BLOCK_M": 16, "NB": 2, "num_warps": 1}}
+"""Up to this many rows (a decode step) the activation kernel runs :data:`FEW_ROWS_TILES`."""
+FEW_ROWS_TILES = {16: {"BLOCK_M": 4, "NB": 2, "num_warps": 1, "FROM_MEMORY": True},
+                  32: {"BLOCK_M": 4, "NB": 1, "num_warps": 1, "FROM_MEMORY": True}}
+"""A decode step's tile: one warp a program, one output of a block a lane (two NVFP4 blocks or
+one MX block a program: ``K / 32`` programs), ``T``'s columns and ``x`` loaded from memory
+column by column (:func:`_transformed_from_memory`), up to ``BLOCK_M`` rows (the rows' next
+power of two below it).  The tile it replaced (16 rows of one block row a thread, the chain in
+registers: :data:`REGISTER_FEW_ROWS_TILES`) ran ``D^2`` multiply-adds a thread, its column
+loads in turn behind them; the same bits either way."""
+REGISTER_FEW_ROWS_TILES = {16: {"BLOCK_M": 16, "NB": 1, "num_warps": 1},
+                           32: {"BLOCK_M": 16, "NB": 2, "num_warps": 1}}
+INTERPRETER_FEW_ROWS_CONFIG = {"BLOCK_M": 4, "NB": 8, "FROM_MEMORY": True}
+""":data:`FEW_ROWS_TILES` under the interpreter (more blocks a program: fewer programs to
+interpret)."""
+
+
+def few_rows_tile(tile: dict, m: int) -> dict:
+    """``tile`` (:data:`FEW_ROWS_TILES`) for ``m`` rows: ``BLOCK_M`` no taller than the rows'
+    next power of two (a one-row decode step computes no masked rows)."""
+    if not tile.get("FROM_MEMORY"):
+        return tile
+    return dict(tile, BLOCK_M=min(tile["BLOCK_M"], next_power_of_2(max(m, 1))))
 
 
 def _prune_act_configs(configs, named_args, **kwargs):
@@ -593,8 +652,10 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
 
     if e4m3:  # a program holds whole chunks of 128
         config = INTERPRETER_E4M3_CONFIG if INTERPRET else E4M3_TILE
+    elif config is None and m <= FEW_ROWS:
+        config = INTERPRETER_FEW_ROWS_CONFIG if INTERPRET else FEW_ROWS_TILES[d]
     elif config is None and not INTERPRET:
-        config = (FEW_ROWS_TILES if m <= FEW_ROWS else ACT_TILES)[d]
+        config = ACT_TILES[d]
         if config.get("TILES", 1) > 1:
             config = dict(config, TILES=tiles_per_program(
                 cdiv(m, config["BLOCK_M"]) * cdiv(n_blocks, config["NB"]), config["TILES"],
@@ -605,7 +666,7 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     def launch(amax_only: bool) -> None:
         passes = dict(AMAX_ONLY=amax_only, LAUNCH_DEPENDENTS=launch_dependents and not amax_only)
         if config is not None or INTERPRET:
-            cfg = dict(config or INTERPRETER_ACT_CONFIG)
+            cfg = few_rows_tile(dict(config or INTERPRETER_ACT_CONFIG), m)
             warps = cfg.pop("num_warps", 4)
             grid = (cdiv(cdiv(m, cfg["BLOCK_M"]), cfg.get("TILES", 1)), cdiv(n_blocks, cfg["NB"]))
             _quantize_activations_kernel[grid](*args, **meta, **passes, **cfg, num_warps=warps,

@@ -280,8 +280,9 @@ def _transformed_from_memory(x_ptr, t_ptr, rows, blocks, M, n_blocks, stride_xm,
     ``h = fma(x_j, T[:, j], h)`` (the chain of :func:`_transformed_blocks`, the same bits),
     ``x_j`` loaded for every lane and column ``j`` of ``T`` spread over the lanes, one output
     of a block a lane.  A decode step's tile: no load waits for the chain, so the ``2 D``
-    loads are in flight at once and a thread runs ``D`` multiply-adds a row, where a thread
-    holding a whole block row runs ``D^2`` of them, each column waiting for its load."""
+    loads can be in flight at once and a thread runs ``D`` multiply-adds a row, where the
+    register tile's thread runs ``D^2`` (MX) or ``D^2 / 2`` (NVFP4: half a block row) of them,
+    each column waiting for its load."""
     offs = tl.arange(0, D)[None, None, :]
     r3 = rows[None, :, None]
     b3 = blocks[:, None, None]
@@ -495,10 +496,11 @@ FEW_ROWS_TILES = {16: {"BLOCK_M": 4, "NB": 2, "num_warps": 1, "FROM_MEMORY": Tru
                   32: {"BLOCK_M": 4, "NB": 1, "num_warps": 1, "FROM_MEMORY": True}}
 """A decode step's tile: one warp a program, one output of a block a lane (two NVFP4 blocks or
 one MX block a program: ``K / 32`` programs), ``T``'s columns and ``x`` loaded from memory
-column by column (:func:`_transformed_from_memory`), up to ``BLOCK_M`` rows (the rows' next
-power of two below it).  The tile it replaced (16 rows of one block row a thread, the chain in
-registers: :data:`REGISTER_FEW_ROWS_TILES`) ran ``D^2`` multiply-adds a thread, its column
-loads in turn behind them; the same bits either way."""
+column by column (:func:`_transformed_from_memory`), as many rows as their next power of two,
+at most ``BLOCK_M``.  The tile it replaced (16 rows a program, the chain in registers:
+:data:`REGISTER_FEW_ROWS_TILES`, still what a product other than the FMA chain runs) ran
+``D^2`` (MX) or ``D^2 / 2`` (NVFP4) multiply-adds a thread, its column loads in turn behind
+them; the same bits either way."""
 REGISTER_FEW_ROWS_TILES = {16: {"BLOCK_M": 16, "NB": 1, "num_warps": 1},
                            32: {"BLOCK_M": 16, "NB": 2, "num_warps": 1}}
 INTERPRETER_FEW_ROWS_CONFIG = {"BLOCK_M": 4, "NB": 8, "FROM_MEMORY": True}
@@ -596,7 +598,8 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     ``scales``: FP32 ``[M, K/128]``, strides ``(1, M)``; the inexact chunks added to the
     counter), as :func:`fold_e4m3` folds the codes.  ``prefetch_transform`` (None or True: on
     compiled GPUs, the interpreter runs no PTX) asks L1 for each program's transforms first
-    (benchmarks turn it off).
+    (benchmarks turn it off); the decode-step tile (``FROM_MEMORY``) has nothing to prefetch
+    and ignores it.
     """
     if product is None:
         product = PRODUCT_FMA_CHAIN
@@ -652,8 +655,10 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
 
     if e4m3:  # a program holds whole chunks of 128
         config = INTERPRETER_E4M3_CONFIG if INTERPRET else E4M3_TILE
-    elif config is None and m <= FEW_ROWS:
+    elif config is None and m <= FEW_ROWS and product == PRODUCT_FMA_CHAIN:
         config = INTERPRETER_FEW_ROWS_CONFIG if INTERPRET else FEW_ROWS_TILES[d]
+    elif config is None and m <= FEW_ROWS and not INTERPRET:
+        config = REGISTER_FEW_ROWS_TILES[d]
     elif config is None and not INTERPRET:
         config = ACT_TILES[d]
         if config.get("TILES", 1) > 1:

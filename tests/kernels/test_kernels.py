@@ -240,13 +240,14 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("m", [1, 5])
 def test_decode_step_tile_gives_the_register_tiles_bits(fmt, m):
     """Up to 16 rows the activation kernel loads ``x_j`` and column ``j`` of ``T`` from memory,
-    one output of a block a lane (``FROM_MEMORY``): its codes, scales and values (word order,
-    and the DP4A product's 2q with FP32 block scales) are the bits of the tile that holds a
-    block row a thread, and the reference's; the first block's chain rounds differently in
-    any other order, nine blocks leave a partial block tile, five rows a partial row tile, an
-    infinity makes a non-finite block, a dynamic NVFP4 scale runs both passes."""
+    one output of a block a lane (``FROM_MEMORY``, the GPU's tile): its codes, scales and
+    values (word order, and the DP4A product's 2q with FP32 block scales) are the bits of the
+    register tile (``REGISTER_FEW_ROWS_TILES``), of the interpreter's default tile and of the
+    reference (with a transform, where the interpreter rounds ``tl.fma`` once); the first
+    block's chain rounds differently in any other order, nine blocks leave a partial block
+    tile, five rows a partial row tile, an infinity makes a non-finite block, a dynamic NVFP4
+    scale runs both passes."""
     needs_kernels()
-    needs_exact_chain()
     from kbbq_pl.kernels import triton_kernels as tk
 
     d = block(fmt)
@@ -262,14 +263,20 @@ def test_decode_step_tile_gives_the_register_tiles_bits(fmt, m):
     t[0, 1::2, :3] = torch.tensor([2.0**24, 1.0, -2.0**24])
     registers = dict(tk.REGISTER_FEW_ROWS_TILES[d])
     registers.pop("num_warps")
+    decode = dict(tk.FEW_ROWS_TILES[d])  # as a GPU runs it (the interpreter's default: 8 blocks)
+    decode.pop("num_warps")
+    assert decode["FROM_MEMORY"]
     for transform in (t, None):
-        got = K.quantize_activations(x, transform, fmt)
-        assert_same_quantization(got, K.reference_quantize_activations(x, transform, fmt),
-                                 f"{fmt} m={m} transform={transform is not None}")
-        assert_same_quantization(got, K.quantize_activations(x, transform, fmt,
-                                                             config=registers), "registers")
+        got = K.quantize_activations(x, transform, fmt, config=decode)
+        if transform is None or interpreter_rounds_fma_once():
+            assert_same_quantization(got, K.reference_quantize_activations(x, transform, fmt),
+                                     f"{fmt} m={m} transform={transform is not None}")
+        for config in (registers, None):
+            assert_same_quantization(got, K.quantize_activations(x, transform, fmt,
+                                                                 config=config), str(config))
         for word_order in (False, True):
-            values = K.quantize_activation_values(x, transform, fmt, word_order=word_order)[0]
+            values = K.quantize_activation_values(x, transform, fmt, word_order=word_order,
+                                                  config=decode)[0]
             want = K.quantize_activation_values(x, transform, fmt, word_order=word_order,
                                                 config=registers)[0]
             if word_order:  # a partial chunk's unused slots hold nothing
@@ -282,20 +289,28 @@ def test_decode_step_tile_gives_the_register_tiles_bits(fmt, m):
         gs = torch.tensor(0.01) if fmt == "nvfp4" else None
         doubled = [tk.quantize_activations(x[:, :8 * d], t[:8], d, kind, rounding, gain, gs,
                                            values_dtype=torch.int8, codes=False, config=config)
-                   for config in (None, registers)]
+                   for config in (decode, registers)]
         assert torch.equal(doubled[0][3], doubled[1][3])
         assert same_values(doubled[0][1], doubled[1][1])
 
 
 def test_decode_step_tile_rows():
     """A decode step's tile is as tall as the rows' next power of two up to its ``BLOCK_M``:
-    one row computes no masked rows; other tiles are left as they are."""
+    one row computes no masked rows; other tiles are left as they are, and a product other
+    than the FMA chain runs on one of them."""
     needs_kernels()
     from kbbq_pl.kernels.triton_kernels import FEW_ROWS_TILES, few_rows_tile
 
     tile = FEW_ROWS_TILES[32]
     assert [few_rows_tile(tile, m)["BLOCK_M"] for m in (1, 2, 3, 16)] == [1, 2, 4, 4]
     assert few_rows_tile({"BLOCK_M": 16, "NB": 2}, 1) == {"BLOCK_M": 16, "NB": 2}
+    # a product other than the chain keeps a tile it runs on (the decode-step tile is the chain)
+    from kbbq_pl.kernels import triton_kernels as tk
+
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    got = tk.quantize_activations(x, make_transform("random", 64, 32), 32, tk.SCALE_E8M0, 0, 1.0,
+                                  None, product=tk.PRODUCT_FMA_DOT)
+    assert got[0].shape == (3, 32) and got[1].shape == (3, 2)
 
 
 def ties_rows(d: int) -> torch.Tensor:
@@ -702,6 +717,14 @@ for d, kind, values in ((16, tk.SCALE_E4M3, "*fp16"), (32, tk.SCALE_E8M0, "*bf16
         if name == "memory":  # one output a lane: a chain of d multiply-adds
             assert len(re.findall(r"fma\\.rn\\.f32", compiled.asm["ptx"])) == d, d
     assert sizes["memory"] * (1.5 if d == 16 else 4) < sizes["registers"], sizes
+    tile = dict(tk.FEW_ROWS_TILES[d])  # up to 16 rows: the shipped tile, 4 rows a program
+    warps = tile.pop("num_warps")
+    for codes in (False, True):
+        constants.update(tile, WRITE_CODES=codes, WRITE_VALUES=not codes, WORD_ORDER=not codes)
+        compiled = G.compile_kernel(tk._quantize_activations_kernel,
+                                    dict(G.ACT_SIGNATURE, values_ptr=values), constants, target,
+                                    num_warps=warps, enable_fp_fusion=True)
+        assert G.resources(compiled.asm["cubin"])["stack"] == 0, (d, tile, "spills")
     print(d, sizes, file=sys.stderr)
 print("ok")
 """
@@ -709,9 +732,9 @@ print("ok")
 
 def test_decode_step_tile_compiles_to_a_short_program():
     """The decode step's activation kernel at one row, compiled for sm_90: one chain of ``d``
-    FP32 multiply-adds a lane, no spills, well under the instructions of the tile that held a
-    block row a thread (SASS instructions, Triton 3.6: 352 against 632 for NVFP4, 360 against
-    1,992 for MX; 3.9: 344 against 728 for NVFP4)."""
+    FP32 multiply-adds a lane, no spills (nor at its four rows, codes or values), well under
+    the instructions of the register tile (SASS instructions, Triton 3.6: 352 against 632 for
+    NVFP4, 360 against 1,992 for MX; 3.9: 344 against 728 and 360 against 2,232)."""
     run_compile_check(DECODE_STEP_COMPILE_CHECK)
 
 

@@ -16,7 +16,8 @@ Triton compiles for any NVIDIA target on a CPU-only machine (its wheel ships ``p
   ``cp.async`` in PTX;
 * ``wgmma`` (Hopper's ``HGMMA``/``QGMMA``) and ``mma_sync`` (``HMMA``) instructions;
   ``loop_smem``: shared-memory stores / loads in the main loop (a decoded operand that goes
-  through shared memory on its way to the tensor cores shows as stores there);
+  through shared memory on its way to the tensor cores shows as stores there), ``loop_bar``
+  its block-wide barriers (``BAR``);
 * in PTX, ``fma`` (``fma.rn.f32``: the per-block transform is a chain of them, the order
   :mod:`kbbq_pl.kernels.reference` assumes), ``div_rn`` against ``div_approx`` (every division
   must be correctly rounded) and ``ftz`` (nothing may flush subnormals).
@@ -160,6 +161,7 @@ def analyse(compiled, per_thread: float) -> dict:
         wgmma=sum(op.startswith(("HGMMA", "QGMMA")) for _, op, _ in ops),
         mma_sync=sum(op.startswith("HMMA") for _, op, _ in ops),
         loop_smem=f"{kinds.count('STS')}/{kinds.count('LDSM') + kinds.count('LDS')}",
+        loop_bar=kinds.count("BAR"),
         fma=count(r"fma\.rn\.f32", ptx), div_rn=count(r"div\.rn\.f32", ptx),
         div_approx=count(r"div\.(?:full|approx)", ptx), ftz=count(r"\.ftz", ptx))
 
@@ -283,7 +285,7 @@ def skinny_rows(target: GPUTarget, explore: bool = False) -> list[dict]:
             k = config.kwargs
             constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
                              HAS_BIAS=True, VALUES=values, EXPLICIT_BF16=False, EVEN_K=True,
-                             DEPENDENT=True, **k)  # launched as a dependent on sm_90
+                             DEPENDENT=True, SHIFTED=False, **k)  # as on sm_90, MX shift 0
             a_type = ("*i8" if k["PRODUCT"] == skinny.PRODUCT_DP4A
                       else "*fp16" if values == skinny.VALUES_FP16 else "*bf16")
             signature = dict(SKINNY_SIGNATURE, a_ptr=a_type)
@@ -383,7 +385,7 @@ def gemm_rows(target: GPUTarget, small: bool, configs, decoded: bool = False) ->
 KERNELS = ("act", "act_values", "decode_gemm", "weight_decode", "fold", "gemm_small",
            "gemm_large", "gemm_decoded")
 HEADER = ("kernel", "config", "regs", "stack", "smem", "loop_sass", "per_element", "ldg128",
-          "ldg_narrow", "ptx_v4", "wgmma", "mma_sync", "loop_smem", "fma", "div_rn",
+          "ldg_narrow", "ptx_v4", "wgmma", "mma_sync", "loop_smem", "loop_bar", "fma", "div_rn",
           "div_approx", "ftz", "seconds")
 
 
@@ -433,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
           "register spills; per_element: SASS of the main loop per operand element a thread "
           "handles in one trip; ldg128 / ldg_narrow: 16-byte / narrower global loads "
           "(LDG, LDGSTS) in SASS; ptx_v4: ld.global.v4 + 16-byte cp.async in PTX; "
-          "loop_smem: STS / LDS+LDSM in the loop")
+          "loop_smem: STS / LDS+LDSM in the loop; loop_bar: BAR in the loop")
     print("| " + " | ".join(HEADER) + " |")
     print("|" + "---|" * len(HEADER))
     for row in rows:

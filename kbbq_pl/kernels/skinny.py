@@ -295,13 +295,16 @@ def _skinny_kernel(
     D: tl.constexpr, SCALE_KIND: tl.constexpr, GAIN2: tl.constexpr, HAS_GLOBAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, VALUES: tl.constexpr, EXPLICIT_BF16: tl.constexpr,
     PRODUCT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DEPENDENT: tl.constexpr = False,
+    EVEN_K: tl.constexpr, SHIFTED: tl.constexpr, DEPENDENT: tl.constexpr = False,
 ):
     """``out [M, N] = A W^T`` for word-ordered activation values ``A [M, >=K]`` and packed weights
     ``W`` (codes ``[N, K/2]``, scale bytes ``[N, K/D]``); program (column tile, K split, row
     tile).  ``PRODUCT_DP4A`` (one row a tile) reads ``A`` as int8 ``2q`` in the natural order
     and the FP32 block scales ``[M, K/D]`` at ``a_scale_ptr`` instead, ``table_ptr`` holding
-    :data:`E2M1_DOUBLED_LOW`."""
+    :data:`E2M1_DOUBLED_LOW`.  ``SHIFTED``: the MX decode ``shift`` is not 0 (else the loop's
+    multipliers take the constant 0: with a runtime shift in the tensor-core loop, Triton 3.6
+    (not 3.9) staged the decoded MX weights through shared memory on their way to the tensor
+    cores, with two barriers a shift)."""
     # consecutive programs take ROW_GROUP row tiles down one column tile before the next
     # column, so a column tile's weights are read once per group and the group's activations
     # stay in L2 (the grouping of Triton's matmul tutorial)
@@ -344,7 +347,7 @@ def _skinny_kernel(
                 b_mask = k0 // D + offs_b < K // D
             s = tl.load(s_ptrs + k0 // D, mask=n_mask[:, None] & b_mask[None, :], other=0,
                         eviction_policy="evict_first")  # one scale byte per block, contiguous
-            mult = _block_multipliers(s, shift, SCALE_KIND, VALUES)[:, :, None]
+            mult = _block_multipliers(s, shift if SHIFTED else 0, SCALE_KIND, VALUES)[:, :, None]
             a_ptrs = a_base + k0
             if EVEN_K:
                 p_mask = tl.full([BLOCK_K // 4], 1, tl.int1)
@@ -383,7 +386,7 @@ def _skinny_kernel(
             sums = _dp4a_block_sums(words, a_words + k0 // 4 + (D // 4) * offs_b, b_mask,
                                     table_low, BLOCK_N, NB, D)
             a_s = tl.load(a_scales + k0 // D + offs_b, mask=b_mask, other=0.0)
-            w_s = _dp4a_weight_scales(s, shift, SCALE_KIND)
+            w_s = _dp4a_weight_scales(s, shift if SHIFTED else 0, SCALE_KIND)
             blocks += sums.to(tl.float32) * (w_s * a_s[None, :])
         acc = tl.sum(blocks, axis=1)
     else:  # PRODUCT_FMA, one row: FP32 values, no conversion before the multiply-adds
@@ -400,7 +403,7 @@ def _skinny_kernel(
             packed = tl.load(w_ptrs + k0 // 2, mask=w_mask, other=0,
                              eviction_policy="evict_first").to(tl.int32)
             s = tl.load(s_ptrs + k0 // D, mask=w_mask, other=0, eviction_policy="evict_first")
-            mult = _block_multipliers(s, shift, SCALE_KIND, 0)
+            mult = _block_multipliers(s, shift if SHIFTED else 0, SCALE_KIND, 0)
             w_low = _nibble_values(packed & 15, mult, 0)
             w_high = _nibble_values(packed >> 4, mult, 0)
             k = k0 + 2 * offs_j  # word_order_index of elements 2j and 2j + 1 (+ 32)
@@ -642,7 +645,8 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
     dependent = dependent_launch(device)
     meta = dict(D=d, SCALE_KIND=scale_kind, GAIN2=gain * gain, HAS_GLOBAL=has_global,
                 HAS_BIAS=bias is not None, VALUES=values_kind(scale_kind),
-                EXPLICIT_BF16=INTERPRET and out_dtype == torch.bfloat16, DEPENDENT=dependent)
+                EXPLICIT_BF16=INTERPRET and out_dtype == torch.bfloat16, DEPENDENT=dependent,
+                SHIFTED=shift != 0)
     if dependent:
         meta["launch_pdl"] = True
     sms = sm_count(device)

@@ -831,7 +831,7 @@ for (d, kind, values, a_type), (rows, cols, depth) in zip(
     constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
                      HAS_BIAS=True, VALUES=values, EXPLICIT_BF16=False, EVEN_K=True,
                      BLOCK_M=rows, BLOCK_N=cols, BLOCK_K=depth, PRODUCT=S.PRODUCT_DOT,
-                     DEPENDENT=True)  # as it launches on sm_90
+                     DEPENDENT=True, SHIFTED=False)  # as it launches on sm_90
     compiled = G.compile_kernel(S._skinny_kernel, dict(G.SKINNY_SIGNATURE, a_ptr=a_type),
                                 constants, target, num_warps=4, num_stages=3,
                                 enable_fp_fusion=True)
@@ -850,12 +850,27 @@ for (d, kind, values, a_type), (rows, cols, depth) in zip(
     assert not any(op.startswith(("LDG", "LDS", "LDL", "ST", "ATOM", "RED"))
                    for op in before), before
     print(d, found["per_element"])
+# a decode step's tile, both formats (MX's decode shift 0): the decoded weights reach the
+# tensor cores in registers, no shared-memory stores and at most two barriers in the loop
+for d, kind, values, a_type in ((16, tk.SCALE_E4M3, S.VALUES_FP16, "*fp16"),
+                                (32, tk.SCALE_E8M0, S.VALUES_BF16, "*bf16")):
+    constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
+                     HAS_BIAS=True, VALUES=values, EXPLICIT_BF16=False, EVEN_K=True,
+                     BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, PRODUCT=S.PRODUCT_DOT, DEPENDENT=True,
+                     SHIFTED=False)
+    compiled = G.compile_kernel(S._skinny_kernel, dict(G.SKINNY_SIGNATURE, a_ptr=a_type),
+                                constants, target, num_warps=4, num_stages=3,
+                                enable_fp_fusion=True)
+    loop = G.main_loop(G.sass_ops(compiled.asm["cubin"]))
+    stores = sum(op.startswith("STS") for op in loop)
+    barriers = sum(op.startswith("BAR") for op in loop)
+    assert stores == 0 and barriers <= 2, (d, stores, barriers)
 # the one-row DP4A product: byte permutes and integer dot products, 16-byte loads, no spills
 for d, kind in ((16, tk.SCALE_E4M3), (32, tk.SCALE_E8M0)):
     for config in S._DP4A_CONFIGS:
         constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
                          HAS_BIAS=True, VALUES=S.VALUES_FP32, EXPLICIT_BF16=False, EVEN_K=True,
-                         DEPENDENT=True, **config.kwargs)
+                         DEPENDENT=True, SHIFTED=False, **config.kwargs)
         compiled = G.compile_kernel(S._skinny_kernel, dict(G.SKINNY_SIGNATURE, a_ptr="*i8"),
                                     constants, target, num_warps=config.num_warps,
                                     num_stages=config.num_stages, enable_fp_fusion=True)
@@ -896,7 +911,10 @@ def test_decode_gemm_compiles_for_hopper_without_a_gpu():
     (NVFP4) and at a 64-row tile (MXFP4): Hopper's wgmma, 16-byte loads of the codes, no
     spills, at most 5 SASS per weight in its loop (3.3 to 4.9 seen with Triton 3.6 and 3.9),
     every division correctly rounded; launched as a programmatic dependent, it only prefetches
-    before it waits for the activation kernel, which lets it launch.  The one-row DP4A
+    before it waits for the activation kernel, which lets it launch; at a decode step's tile
+    the decoded weights of both formats reach the tensor cores in registers (with a runtime
+    MX shift in the loop, Triton 3.6 staged them through shared memory: 16 stores and 9
+    barriers a step instead of 0 and 2).  The one-row DP4A
     product's tiles: two ``dp4a`` (``IDP.4A``) per four weights in the loop, byte permutes,
     16-byte loads, no spills, at most 3.2 SASS per weight (2.1 to 3.0 seen with Triton 3.6)."""
     run_compile_check(DECODE_COMPILE_CHECK)

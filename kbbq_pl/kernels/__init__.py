@@ -408,8 +408,9 @@ PREFILL_MIN_M = {"e4m3": 1024, "e8m0": 256}
 :func:`linear_w4a4` takes the prefill path (weights decoded to bf16 once per call or kept, one
 matrix product); below, the decode path (:mod:`.skinny`).  Where ``bench/gpu.py``'s ``rows``
 section found prefill the faster on an H200 at both of its shapes: from 1,024 rows for NVFP4,
-from 256 for MX (whose decode GEMM stages its bf16 operand through shared memory; at 256 rows
-the prefill path took 0.55 to 0.63 of its time)."""
+from 256 for MX (at 256 rows the prefill path took 0.55 to 0.63 of the decode path's time,
+when MX's decode GEMM still staged its bf16 operand through shared memory; ``rows``
+re-measures it)."""
 PATHS = ("decode", "tiled", "prefill")
 PREFILL_PRODUCTS = ("auto", "cublas", "triton", "fp8")
 

@@ -304,7 +304,7 @@ def _skinny_kernel(
     :data:`E2M1_DOUBLED_LOW`.  ``SHIFTED``: the MX decode ``shift`` is not 0 (else the loop's
     multipliers take the constant 0: with a runtime shift in the tensor-core loop, Triton 3.6
     (not 3.9) staged the decoded MX weights through shared memory on their way to the tensor
-    cores, with two barriers a shift)."""
+    cores, 9 barriers a step instead of 2 at 16 x 64 x 256)."""
     # consecutive programs take ROW_GROUP row tiles down one column tile before the next
     # column, so a column tile's weights are read once per group and the group's activations
     # stay in L2 (the grouping of Triton's matmul tutorial)
@@ -514,7 +514,7 @@ def _tile_shapes(configs) -> tuple[tuple[int, int, int], ...]:
 _CONFIGS = _configs()
 _DP4A_CONFIGS = _dp4a_configs()
 _DP4A_TILES = _tile_shapes(_DP4A_CONFIGS)
-_KEY = ["N", "K", "m_bucket", "D", "SCALE_KIND", "VALUES", "HAS_BIAS"]
+_KEY = ["N", "K", "m_bucket", "D", "SCALE_KIND", "VALUES", "HAS_BIAS", "SHIFTED"]
 _skinny_tuned = triton.autotune(configs=_CONFIGS, key=_KEY,
                                 prune_configs_by={"early_config_prune": _prune_configs})(
     triton.heuristics({"EVEN_K": _even_k})(_skinny_kernel))

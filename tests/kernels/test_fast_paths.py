@@ -914,7 +914,7 @@ def test_decode_gemm_compiles_for_hopper_without_a_gpu():
     before it waits for the activation kernel, which lets it launch; at a decode step's tile
     the decoded weights of both formats reach the tensor cores in registers (with a runtime
     MX shift in the loop, Triton 3.6 staged them through shared memory: 16 stores and 9
-    barriers a step instead of 0 and 2).  The one-row DP4A
+    barriers a step instead of 0 and 2; 3.9 did not, so only 3.6 tells).  The one-row DP4A
     product's tiles: two ``dp4a`` (``IDP.4A``) per four weights in the loop, byte permutes,
     16-byte loads, no spills, at most 3.2 SASS per weight (2.1 to 3.0 seen with Triton 3.6)."""
     run_compile_check(DECODE_COMPILE_CHECK)

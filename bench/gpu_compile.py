@@ -174,18 +174,21 @@ def _row(kernel: str, config: str, compiled, per_thread: float, start: float) ->
                 **analyse(compiled, per_thread))
 
 
+def _tile_config(tile: dict) -> triton.Config:
+    """A tile of ``triton_kernels`` (its ``num_warps`` among its keys) as a Triton config."""
+    return triton.Config({k: v for k, v in tile.items() if k != "num_warps"},
+                         num_warps=tile["num_warps"])
+
+
 def act_configs(d: int, explore: bool):
     """The activation kernel's tiles for block size ``d``: those it runs (``ACT_TILES``, and
     ``FEW_ROWS_TILES`` up to 16 rows, at one row too), or (``explore``) the candidates it can
     autotune over and the decode step's register tile it replaced."""
     if explore:
         return tk._prune_act_configs(tk._act_configs(), {"D": d}) + [
-            triton.Config({k: v for k, v in tk.REGISTER_FEW_ROWS_TILES[d].items()
-                           if k != "num_warps"}, num_warps=1)]
-    return [triton.Config({k: v for k, v in tile.items() if k != "num_warps"},
-                          num_warps=tile["num_warps"])
-            for tile in (tk.ACT_TILES[d], tk.FEW_ROWS_TILES[d], tk.few_rows_tile(
-                tk.FEW_ROWS_TILES[d], 1))]
+            _tile_config(tk.REGISTER_FEW_ROWS_TILES[d])]
+    return [_tile_config(tile) for tile in (tk.ACT_TILES[d], tk.FEW_ROWS_TILES[d],
+                                            tk.few_rows_tile(tk.FEW_ROWS_TILES[d], 1))]
 
 
 FMA_DOT_TILES = {16: triton.Config({"BLOCK_M": 64, "NB": 4}, num_warps=4),

@@ -319,6 +319,7 @@ def _skinny_kernel(
     k_split = tl.cdiv(tl.cdiv(K, splits), BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
+    decode_shift = shift if SHIFTED else 0  # the loops' MX shift: a constant where it is 0
     if DEPENDENT:  # launched while the activation kernel runs: its weights first, then wait
         _prefetch_slice(w_ptr, ws_ptr, offs_n, n_mask, k_lo, k_hi, K, stride_wn, stride_wsn,
                         D)
@@ -347,7 +348,7 @@ def _skinny_kernel(
                 b_mask = k0 // D + offs_b < K // D
             s = tl.load(s_ptrs + k0 // D, mask=n_mask[:, None] & b_mask[None, :], other=0,
                         eviction_policy="evict_first")  # one scale byte per block, contiguous
-            mult = _block_multipliers(s, shift if SHIFTED else 0, SCALE_KIND, VALUES)[:, :, None]
+            mult = _block_multipliers(s, decode_shift, SCALE_KIND, VALUES)[:, :, None]
             a_ptrs = a_base + k0
             if EVEN_K:
                 p_mask = tl.full([BLOCK_K // 4], 1, tl.int1)
@@ -386,7 +387,7 @@ def _skinny_kernel(
             sums = _dp4a_block_sums(words, a_words + k0 // 4 + (D // 4) * offs_b, b_mask,
                                     table_low, BLOCK_N, NB, D)
             a_s = tl.load(a_scales + k0 // D + offs_b, mask=b_mask, other=0.0)
-            w_s = _dp4a_weight_scales(s, shift if SHIFTED else 0, SCALE_KIND)
+            w_s = _dp4a_weight_scales(s, decode_shift, SCALE_KIND)
             blocks += sums.to(tl.float32) * (w_s * a_s[None, :])
         acc = tl.sum(blocks, axis=1)
     else:  # PRODUCT_FMA, one row: FP32 values, no conversion before the multiply-adds
@@ -403,7 +404,7 @@ def _skinny_kernel(
             packed = tl.load(w_ptrs + k0 // 2, mask=w_mask, other=0,
                              eviction_policy="evict_first").to(tl.int32)
             s = tl.load(s_ptrs + k0 // D, mask=w_mask, other=0, eviction_policy="evict_first")
-            mult = _block_multipliers(s, shift if SHIFTED else 0, SCALE_KIND, 0)
+            mult = _block_multipliers(s, decode_shift, SCALE_KIND, 0)
             w_low = _nibble_values(packed & 15, mult, 0)
             w_high = _nibble_values(packed >> 4, mult, 0)
             k = k0 + 2 * offs_j  # word_order_index of elements 2j and 2j + 1 (+ 32)

@@ -17,9 +17,8 @@ Where it runs:
 * on CUDA, when the project's Triton kernels are present and run there
   (``kbbq_pl.kernels.available(device)``), through ``kbbq_pl.kernels.linear_w4a4``, which
   takes the decode path below 1,024 rows (NVFP4; 256 MX) and the prefill path from there on
-  (the weight's
-  prepared form, ``kbbq_pl.kernels.prepare_weight``, is made at its first product on a device
-  and kept with it);
+  (the weight's prepared form, ``kbbq_pl.kernels.prepare_weight``, is made at its first
+  product on a device and kept with it);
   (a gradient to the input or bias goes through the operator below, whose backward is the
   emulation's straight-through one);
 * everywhere else, exact emulation: the padded input is upcast to FP32 and transformed there,

@@ -230,7 +230,6 @@ def test_row_tiles_taken_in_turn_give_the_same_values(fmt):
             assert torch.equal(got[0], one[0]), (tiles, word_order)
 
 
-
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit, NaN where NaN."""
     return torch.equal(bits(a), bits(b))
@@ -261,10 +260,8 @@ def test_decode_step_tile_gives_the_register_tiles_bits(fmt, m):
     t[0] = 0.0
     t[0, 0, 0] = 6.0
     t[0, 1::2, :3] = torch.tensor([2.0**24, 1.0, -2.0**24])
-    registers = dict(tk.REGISTER_FEW_ROWS_TILES[d])
-    registers.pop("num_warps")
-    decode = dict(tk.FEW_ROWS_TILES[d])  # as a GPU runs it (the interpreter's default: 8 blocks)
-    decode.pop("num_warps")
+    registers = tk.REGISTER_FEW_ROWS_TILES[d]
+    decode = tk.FEW_ROWS_TILES[d]  # as a GPU runs it (the interpreter's default: 8 blocks)
     assert decode["FROM_MEMORY"]
     for transform in (t, None):
         got = K.quantize_activations(x, transform, fmt, config=decode)
@@ -299,14 +296,12 @@ def test_decode_step_tile_rows():
     one row computes no masked rows; other tiles are left as they are, and a product other
     than the FMA chain runs on one of them."""
     needs_kernels()
-    from kbbq_pl.kernels.triton_kernels import FEW_ROWS_TILES, few_rows_tile
-
-    tile = FEW_ROWS_TILES[32]
-    assert [few_rows_tile(tile, m)["BLOCK_M"] for m in (1, 2, 3, 16)] == [1, 2, 4, 4]
-    assert few_rows_tile({"BLOCK_M": 16, "NB": 2}, 1) == {"BLOCK_M": 16, "NB": 2}
-    # a product other than the chain keeps a tile it runs on (the decode-step tile is the chain)
     from kbbq_pl.kernels import triton_kernels as tk
 
+    tile = tk.FEW_ROWS_TILES[32]
+    assert [tk.few_rows_tile(tile, m)["BLOCK_M"] for m in (1, 2, 3, 16)] == [1, 2, 4, 4]
+    assert tk.few_rows_tile({"BLOCK_M": 16, "NB": 2}, 1) == {"BLOCK_M": 16, "NB": 2}
+    # a product other than the chain keeps a tile it runs on (the decode-step tile is the chain)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     got = tk.quantize_activations(x, make_transform("random", 64, 32), 32, tk.SCALE_E8M0, 0, 1.0,
                                   None, product=tk.PRODUCT_FMA_DOT)

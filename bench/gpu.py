@@ -55,9 +55,11 @@ the run goes on, and the summary says what failed or was skipped for time):
   transforms, and Triton's FMA dot (transforms loaded in one go through shared memory), at
   every K of the GEMM shapes, in microseconds, each variant's codes against the chain's.
 * ``model``: a random-init Llama (hidden 4096, 8 layers, intermediate 14336) in bf16 and with
-  every decoder linear a ``W4A4Weight`` (random per-block transforms; NVFP4's activation
-  scales static, calibrated on one prefill sequence, as every recipe ships them):
-  weight memory, batch-1 and batch-16 greedy decoding (CUDA graphs), prefill of 4 x 2048, the
+  every decoder linear a ``W4A4Weight`` (random per-block transforms, each layer its own;
+  NVFP4's activation scales static, calibrated on one prefill sequence, as every recipe ships
+  them; q/k/v and gate/up grouped as ``from_pretrained`` groups them, two launches a group):
+  weight memory, batch-1 and batch-16 greedy decoding (CUDA graphs; batch 1 again with every
+  linear launched on its own, the grouping's gain), prefill of 4 x 2048, the
   first block's linears on the kernels against the emulation on the same GPU, and each path's
   logits against bf16's; for MX the prefill again with ``PREFILL_PRODUCT = "fp8"`` (its
   logits against the default path's, and both paths' prefill logits against the bf16
@@ -1504,15 +1506,18 @@ def llama(shapes: dict, device) -> nn.Module:
     return LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
 
 
-def quantize_for_kernels(model: nn.Module, fmt: str, calibration: torch.Tensor) -> nn.Module:
+def quantize_for_kernels(model: nn.Module, fmt: str, calibration: torch.Tensor):
     """Every linear of the decoder layers quantized the library's way: its weight replaced by a
-    :class:`~kbbq_pl.quant.w4a4.W4A4Weight` (``Q(W T^-1)`` with one random matrix per block,
-    the cost of KBBQ's transforms) that computes ``F.linear`` on the kernels where they run
-    (``lm_head`` and embeddings stay bf16).  NVFP4 gets static activation scales, as every
+    :class:`~kbbq_pl.quant.w4a4.W4A4Weight` (``Q(W T^-1)`` with its own random matrix per
+    block, the cost of KBBQ's transforms) that computes ``F.linear`` on the kernels where they
+    run (``lm_head`` and embeddings stay bf16).  NVFP4 gets static activation scales, as every
     recipe ships: ``amax(T x) / (448 * 6)`` of each linear's inputs over one forward of the
-    token ids ``calibration`` (MX has none)."""
+    token ids ``calibration`` (MX has none).  The sibling linears (q/k/v, gate/up) are grouped
+    as ``from_pretrained`` groups them (:func:`kbbq_pl.quant.siblings.group_sibling_linears`);
+    returns those hooks."""
     from kbbq_pl.formats import get_format
     from kbbq_pl.quant.layers import w4a4_weight
+    from kbbq_pl.quant.siblings import group_sibling_linears
     from kbbq_pl.quant.stats import act_scales_from_amax, kept_inputs, transformed_amax
 
     fmt_ = get_format(fmt)
@@ -1525,7 +1530,7 @@ def quantize_for_kernels(model: nn.Module, fmt: str, calibration: torch.Tensor) 
                     key = f"model.layers.{index}.{name}"
                     linears[key] = child
                     transforms[key] = kbbq_blocks(child.in_features, d, child.weight.device,
-                                                  seed=index)
+                                                  seed=len(transforms))
     scales: dict[str, torch.Tensor] = {}
     if fmt_.global_scale:  # the pipeline's calibration of static scales
         device = calibration.device
@@ -1539,7 +1544,7 @@ def quantize_for_kernels(model: nn.Module, fmt: str, calibration: torch.Tensor) 
                              act_scale="static" if static else "dynamic",
                              act_global_scale=scales.get(key), name=key)
         child.weight = nn.Parameter(weight, requires_grad=False)
-    return model
+    return group_sibling_linears(model)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -1698,19 +1703,19 @@ def logits_to_bf16(logits: torch.Tensor, base: torch.Tensor) -> str:
 
 
 def quantized_models(run: Run, section: str, state: dict, calibration: torch.Tensor):
-    """``(format, model)``: the Llama of ``state`` quantized by :func:`quantize_for_kernels`
-    to each of the run's formats in turn, while a minute of the budget is left (one at a time:
-    the caller drops each before the next)."""
+    """``(format, model, sibling hooks)``: the Llama of ``state`` quantized by
+    :func:`quantize_for_kernels` to each of the run's formats in turn, while a minute of the
+    budget is left (one at a time: the caller drops each before the next)."""
     for name in run.formats:
         if run.left() < 60:
             run.notes.append(f"{section}: {name} skipped for time")
             return
         model = llama(run.shapes, run.device)
         model.load_state_dict(state)
-        quantize_for_kernels(model, name, calibration)
+        hooks = quantize_for_kernels(model, name, calibration)
         if run.cuda:
             torch.cuda.empty_cache()
-        yield name, model
+        yield name, model, hooks
         del model
 
 
@@ -1760,7 +1765,7 @@ def model_section(run: Run) -> None:
     progress(f"row {rows[-1]}")
     state = {k: v.clone() for k, v in reference.state_dict().items()}
     del reference
-    for name, model in quantized_models(run, "model", state, batch[:1]):
+    for name, model, hooks in quantized_models(run, "model", state, batch[:1]):
         progress(f"{name} quantized")
         memory = weight_bytes(model, linears_only=False) / base_memory
         linears = weight_bytes(model, linears_only=True) / base_linears
@@ -1800,6 +1805,24 @@ def model_section(run: Run) -> None:
             run.goal(f"model {name}: decode batch 1 x bf16, one-row DP4A product (opt-in)",
                      f"{dp4a_ratio:.3g}", [dp4a_ratio], TARGETS["model_decode_1"])
             run.add("model_dp4a", fmt=name, decode_b1_x=dp4a_ratio)
+        if 1 in prompts:  # batch-1 decoding with every linear launched on its own
+            from kbbq_pl.quant.siblings import group_sibling_linears
+
+            def siblings_alone(model=model, hooks=hooks) -> float:
+                hooks.remove()
+                try:
+                    tps, _ = decode_tokens_per_second(model, prompts[1], shapes["decode_tokens"],
+                                                      cuda)
+                finally:
+                    group_sibling_linears(model)
+                return tps / base[1][0]
+
+            alone_ratio = attempt(run, f"siblings alone {name}", siblings_alone, math.nan)
+            run.goal(f"model {name}: decode batch 1 x bf16, each linear launched on its own "
+                     f"(q/k/v and gate/up not grouped; the default groups them: "
+                     f"{got[1][0] / base[1][0]:.3g})", f"{alone_ratio:.3g}", [alone_ratio],
+                     TARGETS["model_decode_1"])
+            run.add("model_siblings_alone", fmt=name, decode_b1_x=alone_ratio)
         progress(f"{name} timed")
         profile_steps(run, model, prompts[min(prompts)], batch, name)
         linear_diff, kernel_logits, emulated = kernel_and_emulation(model, probe.to(device))
@@ -1847,7 +1870,7 @@ def compiled_section(run: Run) -> None:
     print(f"  bf16: {base:.1f} tok/s ({how})", flush=True)
     state = {k: v.clone() for k, v in reference.state_dict().items()}
     del reference
-    for name, model in quantized_models(run, "compiled", state, calibration):
+    for name, model, _ in quantized_models(run, "compiled", state, calibration):
         torch._dynamo.reset()
         got, how = decode_tokens_per_second(model, prompt, shapes["decode_tokens"], run.cuda,
                                             compiled=True)

@@ -54,8 +54,9 @@ from kbbq_pl.kernels import triton_kernels as tk  # noqa: E402
 ACT_SIGNATURE = {
     "x_ptr": "*bf16", "t_ptr": "*fp32", "codes_ptr": "*u8", "scales_ptr": "*u8",
     "global_ptr": "*fp32", "amax_ptr": "*fp32", "pts_ptr": "*fp32", "values_ptr": "*bf16",
-    "inexact_ptr": "*i32", "M": "i32", "n_blocks": "i32", "stride_xm": "i32", "stride_cm": "i32",
-    "stride_sm": "i32", "stride_vm": "i32", "m_bucket": "i32",
+    "inexact_ptr": "*i32", "t1_ptr": "*fp32", "t2_ptr": "*fp32", "global1_ptr": "*fp32",
+    "global2_ptr": "*fp32", "M": "i32", "n_blocks": "i32", "stride_xm": "i32", "stride_cm": "i32",
+    "stride_sm": "i32", "stride_vm": "i32", "stride_vg": "i32", "m_bucket": "i32",
 }
 GEMM_SIGNATURE = {
     "a_ptr": "*u8", "a_scale_ptr": "*u8", "w_ptr": "*u8", "w_scale_ptr": "*u8",
@@ -85,7 +86,8 @@ def resources(cubin: bytes) -> dict[str, int]:
 
 ALIGNED = {"stride_xm", "stride_cm", "stride_sm", "stride_vm", "n_blocks", "N", "K", "R",
            "stride_am", "stride_asm", "stride_wn", "stride_wsn", "stride_om", "stride_cr",
-           "stride_sr", "stride_or", "stride_wr", "stride_er", "stride_vr"}
+           "stride_sr", "stride_or", "stride_wr", "stride_er", "stride_vr", "N1", "N2",
+           "stride_ag", "stride_vg"}
 """Integer arguments taken as multiples of 16, as Triton specializes them at launch for the
 benchmark's shapes (K = N = 8192); pointers are 16-byte aligned too."""
 
@@ -213,17 +215,19 @@ def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> l
                 signature["values_ptr"] = dtype or ("*fp16" if fmt == "nvfp4" else "*bf16")
             if dtype == "*i8":  # the DP4A product's operand: 2q, FP32 block scales; one row
                 signature["scales_ptr"] = "*fp32"
-            runs = [(config, tk.PRODUCT_FMA_CHAIN) for config in act_configs(d, explore)
+            runs = [(config, tk.PRODUCT_FMA_CHAIN, 1) for config in act_configs(d, explore)
                     if dtype != "*i8" or config.kwargs["BLOCK_M"] <= 16]
+            if word_order and has_t and not explore:  # a decode step's siblings, one launch
+                runs.append((_tile_config(tk.FEW_ROWS_TILES[d]), tk.PRODUCT_FMA_CHAIN, 3))
             if has_t and not explore and dtype != "*i8":
-                runs += [(FMA_DOT_TILES[d], tk.PRODUCT_FMA_DOT),
-                         (FMA_DOT_TILES[d], tk.PRODUCT_TF32X3)]
-            for config, product in runs:
+                runs += [(FMA_DOT_TILES[d], tk.PRODUCT_FMA_DOT, 1),
+                         (FMA_DOT_TILES[d], tk.PRODUCT_TF32X3, 1)]
+            for config, product, groups in runs:
                 constants = dict(D=d, SCALE_KIND=kind, ROUNDING=0, GAIN=1.0, HAS_T=has_t,
                                  STATIC=False, AMAX_ONLY=False, PRODUCT=product,
                                  WRITE_CODES=not out_values, WRITE_VALUES=out_values,
                                  WORD_ORDER=word_order, PARTS_FIRST=tk.PARTS_FIRST,
-                                 LAUNCH_DEPENDENTS=word_order, PREFETCH_T=True,
+                                 LAUNCH_DEPENDENTS=word_order, PREFETCH_T=True, GROUPS=groups,
                                  **config.kwargs)
                 start = time.perf_counter()
                 compiled = compile_kernel(tk._quantize_activations_kernel, signature, constants,
@@ -237,6 +241,7 @@ def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> l
                 name += "" if has_t else ", no transform"
                 name += {tk.PRODUCT_FMA_DOT: ", fma dot", tk.PRODUCT_TF32X3: ", tf32x3"}.get(
                     product, "")
+                name += ", 3 siblings" if groups > 1 else ""
                 memory = ", from memory" if config.kwargs.get("FROM_MEMORY") else ""
                 rows.append(_row(f"{name} {fmt}", f"BM={config.kwargs['BLOCK_M']} "
                                  f"NB={config.kwargs['NB']} w={config.num_warps}{memory}", compiled,
@@ -247,9 +252,12 @@ def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> l
 SKINNY_SIGNATURE = {
     "a_ptr": "*fp16", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16", "part_ptr": "*fp32",
     "count_ptr": "*i32", "a_global_ptr": "*fp32", "w_global_ptr": "*fp32", "bias_ptr": "*bf16",
-    "a_scale_ptr": "*fp32", "table_ptr": "*i32",
+    "a_scale_ptr": "*fp32", "table_ptr": "*i32", "w1_ptr": "*u8", "w2_ptr": "*u8",
+    "ws1_ptr": "*u8", "ws2_ptr": "*u8", "w_global1_ptr": "*fp32", "w_global2_ptr": "*fp32",
+    "bias1_ptr": "*bf16", "bias2_ptr": "*bf16", "out1_ptr": "*bf16", "out2_ptr": "*bf16",
     "M": "i32", "N": "i32", "K": "i32", "shift": "i32", "stride_am": "i32", "stride_wn": "i32",
-    "stride_wsn": "i32", "stride_om": "i32", "m_bucket": "i32",
+    "stride_wsn": "i32", "stride_om": "i32", "m_bucket": "i32", "N1": "i32", "N2": "i32",
+    "stride_ag": "i32",
 }
 SKINNY_FMA_CONFIGS = ((32, 256, 4, 2), (16, 512, 4, 2))
 """One-row FP32 multiply-add tiles (BLOCK_N, BLOCK_K, warps, stages), compiled for comparison:
@@ -284,11 +292,14 @@ def skinny_rows(target: GPUTarget, explore: bool = False) -> list[dict]:
            for n, k, w, st in SKINNY_FMA_CONFIGS]
     for fmt, d, kind in FORMATS:
         values = skinny.VALUES_FP16 if kind == tk.SCALE_E4M3 else skinny.VALUES_BF16
-        for config in [*skinny_configs(explore), *fma, *skinny._DP4A_CONFIGS]:
+        configs = [(c, 1) for c in [*skinny_configs(explore), *fma, *skinny._DP4A_CONFIGS]]
+        configs.insert(1, (configs[0][0], 3))  # a decode step's first tile, 3 siblings
+        for config, groups in configs:
             k = config.kwargs
             constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
                              HAS_BIAS=True, VALUES=values, EXPLICIT_BF16=False, EVEN_K=True,
-                             DEPENDENT=True, SHIFTED=False, **k)  # as on sm_90, MX shift 0
+                             DEPENDENT=True, SHIFTED=False, GROUPS=groups,
+                             **k)  # as on sm_90, MX shift 0
             a_type = ("*i8" if k["PRODUCT"] == skinny.PRODUCT_DP4A
                       else "*fp16" if values == skinny.VALUES_FP16 else "*bf16")
             signature = dict(SKINNY_SIGNATURE, a_ptr=a_type)
@@ -299,6 +310,7 @@ def skinny_rows(target: GPUTarget, explore: bool = False) -> list[dict]:
             per_thread = k["BLOCK_N"] * k["BLOCK_K"] / (32 * config.num_warps)
             product = {skinny.PRODUCT_DOT: "dot", skinny.PRODUCT_FMA: "fma",
                        skinny.PRODUCT_DP4A: "dp4a"}[k["PRODUCT"]]
+            product += ", 3 siblings" if groups > 1 else ""
             rows.append(_row(f"decode gemm {fmt} {product}",
                              f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w={config.num_warps} "
                              f"s={config.num_stages}", compiled, per_thread, start))

@@ -49,6 +49,7 @@ from ..formats import Format, QuantizedTensor, get_format, quantize
 from ..quant.experts import unfuse_experts
 from ..quant.layers import QuantizedLinear, quantized_linears, swap_module
 from ..quant.sequential import trim_heap
+from ..quant.siblings import group_sibling_linears
 from .fileio import check_output, save_safetensors, sha256_file, write_folder
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt",
@@ -810,7 +811,8 @@ def build_quantized_model(folder: Path, metadata: dict[str, Any], tensors: dict[
                           dtype: torch.dtype | None = None) -> nn.Module:
     """The model of ``folder``'s ``config.json`` with the quantized layers of ``metadata`` and
     the checkpoint ``tensors`` loaded, in eval mode: built on the meta device and assigned the
-    stored tensors, so no dense model is made first (memory: the quantized size).  ``dtype``:
+    stored tensors, so no dense model is made first (memory: the quantized size), its sibling
+    linears grouped (:func:`~kbbq_pl.quant.siblings.group_sibling_linears`).  ``dtype``:
     the stored floating-point tensors outside the quantized codes, scales and transforms are
     cast to the dtype the architecture gives them in ``dtype``, as transformers'
     ``from_pretrained(dtype=...)`` does (None: as stored)."""
@@ -835,4 +837,5 @@ def build_quantized_model(folder: Path, metadata: dict[str, Any], tensors: dict[
     trim_heap()  # the placeholders' memory back to the system
     model.to(device)
     model.eval()
+    group_sibling_linears(model)  # q/k/v, gate/up: two launches a group on the kernels
     return model

@@ -23,7 +23,8 @@ metadata and replaces each listed linear layer of the skeleton (on the meta devi
 :class:`~kbbq_pl.quant.layers.QuantizedLinear` placeholder; the loader gathers each layer's
 stored tensors (``weight``: the packed codes, ``weight_scale``, ``weight_global_scale``,
 ``input_transform``, ``input_global_scale``) into one :class:`KbbqDeserialize` call, which
-builds its :class:`~kbbq_pl.quant.w4a4.W4A4Weight`.
+builds its :class:`~kbbq_pl.quant.w4a4.W4A4Weight`; after they load, the sibling linears
+(q/k/v, gate/up) are grouped (:func:`~kbbq_pl.quant.siblings.group_sibling_linears`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from ..formats import get_format, quantize
 from ..quant.act_scale import effective_act_scale
 from ..quant.experts import FUSED_PARAMETERS, ExpertLinears, unfuse_experts
 from ..quant.layers import QuantizedLinear, quantized_linears, swap_module
+from ..quant.siblings import group_sibling_linears
 from ..quant.w4a4 import W4A4Weight
 from .checkpoint import (
     DISK_NAMES,
@@ -258,6 +260,12 @@ class KbbqHfQuantizer(HfQuantizer):
                 raise CheckpointError(f"the checkpoint quantizes {name!r}, which "
                                       f"{type(model).__name__} does not have") from None
             swap_module(model, name, placeholder_layer(meta, name, linear))
+
+    def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+        """The sibling linears (q/k/v, gate/up) grouped: on the kernels' decode path each group
+        runs in two launches (:mod:`kbbq_pl.quant.siblings`)."""
+        group_sibling_linears(model)
+        return model
 
     def param_needs_quantization(self, model: nn.Module, param_name: str, **kwargs: Any) -> bool:
         module_name, _, tensor_name = param_name.rpartition(".")

@@ -30,6 +30,10 @@ act_global_scale=None, bias=None, *, prepared=None, path=None, prefill_product="
     ``prefill`` from it on (bf16 values and decoded weights, one cuBLAS or Triton product);
     ``tiled`` (``quantize_activations`` then ``w4a4_matmul``) where the decode GEMM cannot
     decode the weights exactly, or when asked for.
+``linear_w4a4_siblings(x, layers, fmt) -> [y, ...]``
+    ``linear_w4a4`` of layers that read the same ``x`` (q/k/v, gate/up; each a
+    :class:`SiblingLinear` of its own weights, transform, scales and bias), in two launches
+    for all of them on the decode path.
 ``quantize_activation_values(x, transform, fmt, global_scale=None, *, dtype=bf16,
 word_order=False) -> (values, pts)``
     The rounded activations as their values ``q * s`` (exact in bf16, and in fp16 for NVFP4),
@@ -82,7 +86,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import warnings
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -109,12 +114,15 @@ from .reference import (
 __all__ = [
     "MIN_TRITON",
     "PREFILL_MIN_M",
+    "MAX_SIBLINGS",
     "PreparedWeight",
+    "SiblingLinear",
     "available",
     "choose_path",
     "decode_weight",
     "fp8_product_applies",
     "linear_w4a4",
+    "linear_w4a4_siblings",
     "prepare_weight",
     "quantize_activation_values",
     "reference_activation_values",
@@ -553,6 +561,32 @@ def _fp32_product(a: Tensor, w: Tensor) -> Tensor:
     return a.float() @ w.float().T
 
 
+def _layer_operands(device: torch.device, k: int, fmt: Format, weight_codes: Tensor,
+                    weight_scales: Tensor, weight_global, transform: Tensor | None,
+                    bias: Tensor | None, prepared: PreparedWeight | None,
+                    name: str = "linear_w4a4"):
+    """One layer's checked operands for the decode and prefill paths: ``(codes, scale bytes,
+    per-tensor scale on the device, prepared weight, transform, bias)``."""
+    codes, scale_bytes = _operand(weight_codes, weight_scales, fmt.block_size, "weight", name)
+    w_global = (None if weight_global is None
+                else _device_scalar(weight_global, device, "weight_global"))
+    if prepared is None:
+        prepared = _prepare_weight(codes, scale_bytes, w_global, fmt, host_scalars=False)
+    elif prepared.shape != tuple(codes.shape) or prepared.fmt != fmt:
+        raise ValueError(f"{name}: prepared is for other weights ({prepared.shape} "
+                         f"{prepared.fmt.name})")
+    n = codes.shape[0]
+    if fmt.global_scale and w_global is None:
+        raise ValueError(f"{name}: {fmt.name} needs the weights' per-tensor scale")
+    if bias is not None and (bias.shape != (n,) or bias.device != device):
+        raise ValueError(f"{name}: bias must be [{n}] on {device}, got shape "
+                         f"{tuple(bias.shape)} on {bias.device}")
+    if bias is not None:
+        bias = bias.contiguous()
+    t = _check_transform(transform, k, fmt.block_size, device, name)
+    return codes, scale_bytes, w_global, prepared, t, bias
+
+
 def linear_w4a4(
     x: Tensor, weight_codes: Tensor, weight_scales: Tensor, weight_global: Tensor | float | None,
     fmt: str | Format, transform: Tensor | None = None,
@@ -603,24 +637,9 @@ def linear_w4a4(
         y = w4a4_matmul(codes, scales, pts, weight_codes, weight_scales, weight_global, fmt,
                         bias, out_dtype)
         return y.reshape(*lead, weight_codes.shape[0])
-    codes, scale_bytes = _operand(weight_codes, weight_scales, fmt.block_size, "weight",
-                                  "linear_w4a4")
-    w_global = (None if weight_global is None
-                else _device_scalar(weight_global, x.device, "weight_global"))
-    if prepared is None:
-        prepared = _prepare_weight(codes, scale_bytes, w_global, fmt, host_scalars=False)
-    elif prepared.shape != tuple(codes.shape) or prepared.fmt != fmt:
-        raise ValueError(f"linear_w4a4: prepared is for other weights ({prepared.shape} "
-                         f"{prepared.fmt.name})")
+    codes, scale_bytes, w_global, prepared, t, bias = _layer_operands(
+        x.device, k, fmt, weight_codes, weight_scales, weight_global, transform, bias, prepared)
     n = codes.shape[0]
-    if fmt.global_scale and w_global is None:
-        raise ValueError(f"linear_w4a4: {fmt.name} needs the weights' per-tensor scale")
-    if bias is not None and (bias.shape != (n,) or bias.device != x.device):
-        raise ValueError(f"linear_w4a4: bias must be [{n}] on {x.device}, got shape "
-                         f"{tuple(bias.shape)} on {bias.device}")
-    if bias is not None:
-        bias = bias.contiguous()
-    t = _check_transform(transform, k, fmt.block_size, x.device, "linear_w4a4")
     if path == "decode" and prepared.shift(scale_bytes) is None:  # MX exponents too far apart
         path = "tiled"
     if path == "tiled":
@@ -634,3 +653,81 @@ def linear_w4a4(
         y = _prefill_path(x2, codes, scale_bytes, w_global, prepared, t, act_global_scale, bias,
                           out_dtype, prefill_product)
     return y.reshape(*lead, n)
+
+
+class SiblingLinear(NamedTuple):
+    """One of the layers of :func:`linear_w4a4_siblings`: the arguments of
+    :func:`linear_w4a4` that are a layer's own."""
+
+    weight_codes: Tensor
+    weight_scales: Tensor
+    weight_global: Tensor | float | None = None
+    transform: Tensor | None = None
+    act_global_scale: Tensor | float | None = None
+    bias: Tensor | None = None
+    prepared: PreparedWeight | None = None
+
+
+MAX_SIBLINGS = 3
+"""The most layers :func:`linear_w4a4_siblings` launches together (q, k and v)."""
+
+
+def linear_w4a4_siblings(x: Tensor, layers: Sequence[SiblingLinear],
+                         fmt: str | Format) -> list[Tensor]:
+    """``[linear_w4a4(x, *layer, fmt) for layer in layers]`` for layers that read the same
+    input (q/k/v, gate/up), each output as that call gives it (``[..., N_g]`` in ``x``'s
+    dtype, within one rounding of the exact product of its codes), in two launches for all of
+    them where they take the decode path together: one activation launch rounds ``x`` under
+    each layer's transform and scale (each the bits of its own call), one decode GEMM streams
+    every layer's weights (:func:`kbbq_pl.kernels.skinny.skinny_matmul` with siblings), where
+    the layers would launch two (three: dynamic NVFP4) each.  A decode step's linears are
+    short (a few microseconds), so their launches are much of its time.
+
+    Together means: 2 or 3 layers (:data:`MAX_SIBLINGS`) of one ``K``, all with a transform or
+    none, a static activation scale or none, a bias or none, MX weights of one decode shift,
+    rows below :data:`PREFILL_MIN_M` (and not a one-row step with the opt-in DP4A product).
+    Otherwise each layer runs :func:`linear_w4a4` on its own."""
+    fmt = fp4_format(fmt)
+    if not layers:
+        raise ValueError("linear_w4a4_siblings: no layers")
+    layers = [SiblingLinear(*layer) for layer in layers]
+    k = layers[0].weight_codes.shape[-1] * 2
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+    def each() -> list[Tensor]:
+        return [linear_w4a4(x, layer.weight_codes, layer.weight_scales, layer.weight_global,
+                            fmt, layer.transform, layer.act_global_scale, layer.bias,
+                            prepared=layer.prepared) for layer in layers]
+
+    from . import skinny
+
+    if (not 2 <= len(layers) <= MAX_SIBLINGS or m == 0 or choose_path(m, fmt) != "decode"
+            or (m == 1 and skinny.ONE_ROW_PRODUCT == skinny.PRODUCT_DP4A)
+            or any(layer.weight_codes.shape[-1] * 2 != k for layer in layers)
+            or any(len({getattr(layer, field) is None for layer in layers}) > 1
+                   for field in ("transform", "act_global_scale", "bias"))):
+        return each()
+    lead = x.shape[:-1]
+    x2 = pad_input(x, k, fmt.block_size, "linear_w4a4_siblings").reshape(-1, k)
+    out_dtype = x.dtype if x.dtype in _OUT_DTYPES else torch.float32
+    name = "linear_w4a4_siblings"
+    operands = [_layer_operands(x.device, k, fmt, layer.weight_codes, layer.weight_scales,
+                                layer.weight_global, layer.transform, layer.bias,
+                                layer.prepared, name) for layer in layers]
+    shifts = {prepared.shift(scale_bytes) for _, scale_bytes, _, prepared, _, _ in operands}
+    if len(shifts) > 1 or None in shifts:
+        return each()
+    act_scales = [_check_activations(x2, fmt, layer.act_global_scale, name) for layer in layers]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    scale_kind, rounding, gain = _scale_meta(fmt)
+    _, _, pts, values = _backend().quantize_activations(
+        x2, [t for *_, t, _ in operands], fmt.block_size, scale_kind, rounding, gain,
+        None if act_scales[0] is None else act_scales, None,
+        values_dtype=skinny.activation_dtype(scale_kind), codes=False, word_order=True,
+        launch_dependents=skinny.dependent_launch(x2.device))
+    outs = skinny.skinny_matmul(
+        values, x2.shape[0], [op[0] for op in operands], [op[1] for op in operands], pts,
+        [op[2] for op in operands], fmt.block_size, scale_kind, gain, shifts.pop(),
+        [op[5] for op in operands], out_dtype)
+    return [y.reshape(*lead, y.shape[1]) for y in outs]

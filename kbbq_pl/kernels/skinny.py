@@ -291,11 +291,14 @@ def _block_multipliers(s, shift, SCALE_KIND: tl.constexpr, VALUES: tl.constexpr)
 @triton.jit
 def _skinny_kernel(
     a_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, a_global_ptr, w_global_ptr, bias_ptr,
-    a_scale_ptr, table_ptr, M, N, K, shift, stride_am, stride_wn, stride_wsn, stride_om, m_bucket,
+    a_scale_ptr, table_ptr, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, w_global1_ptr, w_global2_ptr,
+    bias1_ptr, bias2_ptr, out1_ptr, out2_ptr, M, N, K, shift, stride_am, stride_wn, stride_wsn,
+    stride_om, m_bucket, N1, N2, stride_ag,
     D: tl.constexpr, SCALE_KIND: tl.constexpr, GAIN2: tl.constexpr, HAS_GLOBAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, VALUES: tl.constexpr, EXPLICIT_BF16: tl.constexpr,
     PRODUCT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, SHIFTED: tl.constexpr, DEPENDENT: tl.constexpr = False,
+    GROUPS: tl.constexpr = 1,
 ):
     """``out [M, N] = A W^T`` for word-ordered activation values ``A [M, >=K]`` and packed weights
     ``W`` (codes ``[N, K/2]``, scale bytes ``[N, K/D]``); program (column tile, K split, row
@@ -304,7 +307,15 @@ def _skinny_kernel(
     :data:`E2M1_DOUBLED_LOW`.  ``SHIFTED``: the MX decode ``shift`` is not 0 (else the loop's
     multipliers take the constant 0: with a runtime shift in the tensor-core loop, Triton 3.6
     (not 3.9) staged the decoded MX weights through shared memory on their way to the tensor
-    cores, 9 barriers a step instead of 2 at 16 x 64 x 256)."""
+    cores, 9 barriers a step instead of 2 at 16 x 64 x 256).
+
+    ``GROUPS`` (2 or 3, the tensor-core product): sibling layers in one launch, each with its
+    own activations (``a_ptr + g stride_ag``, per-tensor scale ``a_global_ptr + g``) and
+    weights ``[N, K/2]``, ``[N1, K/2]``, ``[N2, K/2]`` (codes at ``w_ptr``, ``w1_ptr``,
+    ``w2_ptr``, and so the scale bytes, per-tensor scales, biases), the column tiles of one
+    after those of the one before, each output ``[M, N_g]`` on its own (``out_ptr``,
+    ``out1_ptr``, ``out2_ptr``, contiguous): every output with the bits of its layer's own
+    launch at the same tile and splits."""
     # consecutive programs take ROW_GROUP row tiles down one column tile before the next
     # column, so a column tile's weights are read once per group and the group's activations
     # stay in L2 (the grouping of Triton's matmul tutorial)
@@ -312,6 +323,34 @@ def _skinny_kernel(
                                 tl.num_programs(0), ROW_GROUP)
     pid_k = tl.program_id(1)
     splits = tl.num_programs(1)
+    tile = pid_m * tl.num_programs(0) + pid_n  # the split-K counter of this output tile
+    part_n = N  # the partials' row: every sibling's columns, one after the other
+    part_col = 0
+    if GROUPS > 1:
+        tl.static_assert((PRODUCT == 0) & (GROUPS <= 3))
+        part_n = N + N1 + N2
+        first1 = tl.cdiv(N, BLOCK_N)
+        first2 = first1 + tl.cdiv(N1, BLOCK_N)
+        g = tl.where(pid_n >= first2, 2, tl.where(pid_n >= first1, 1, 0))
+        part_col = tl.where(g == 2, N + N1, tl.where(g == 1, N, 0))
+        pid_n -= tl.where(g == 2, first2, tl.where(g == 1, first1, 0))
+        if g == 2:
+            N = N2
+            w_ptr = w2_ptr
+            ws_ptr = ws2_ptr
+            w_global_ptr = w_global2_ptr
+            bias_ptr = bias2_ptr
+            out_ptr = out2_ptr
+        elif g == 1:
+            N = N1
+            w_ptr = w1_ptr
+            ws_ptr = ws1_ptr
+            w_global_ptr = w_global1_ptr
+            bias_ptr = bias1_ptr
+            out_ptr = out1_ptr
+        stride_om = N
+        a_ptr += g * stride_ag
+        a_global_ptr += g
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -422,12 +461,12 @@ def _skinny_kernel(
                          out_ptr, stride_om, SCALE_KIND, GAIN2, HAS_GLOBAL, HAS_BIAS,
                          EXPLICIT_BF16, PRODUCT)
     else:
-        part = part_ptr + offs_m[:, None] * N + offs_n[None, :]
-        split_stride = tl.num_programs(2) * BLOCK_M * N  # partials [splits, row tiles * BLOCK_M, N]
+        part = part_ptr + offs_m[:, None] * part_n + (part_col + offs_n)[None, :]
+        # partials [splits, row tiles * BLOCK_M, N (all siblings')]
+        split_stride = tl.num_programs(2) * BLOCK_M * part_n
         mask = m_mask[:, None] & n_mask[None, :]
         tl.store(part + pid_k * split_stride, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is stored before the counter moves
-        tile = pid_m * tl.num_programs(0) + pid_n
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
         if arrived == splits - 1:
             total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -515,7 +554,8 @@ def _tile_shapes(configs) -> tuple[tuple[int, int, int], ...]:
 _CONFIGS = _configs()
 _DP4A_CONFIGS = _dp4a_configs()
 _DP4A_TILES = _tile_shapes(_DP4A_CONFIGS)
-_KEY = ["N", "K", "m_bucket", "D", "SCALE_KIND", "VALUES", "HAS_BIAS", "SHIFTED"]
+_KEY = ["N", "K", "m_bucket", "D", "SCALE_KIND", "VALUES", "HAS_BIAS", "SHIFTED", "N1", "N2",
+        "GROUPS"]
 _skinny_tuned = triton.autotune(configs=_CONFIGS, key=_KEY,
                                 prune_configs_by={"early_config_prune": _prune_configs})(
     triton.heuristics({"EVEN_K": _even_k})(_skinny_kernel))
@@ -590,34 +630,40 @@ def activation_dtype(scale_kind: int) -> torch.dtype:
             VALUES_FP32: torch.float32}[values_kind(scale_kind)]
 
 
+def _column_tiles(ns: tuple[int, ...], block_n: int) -> int:
+    """Column tiles of one launch over the siblings' outputs ``ns`` (each its own tiles)."""
+    return sum(cdiv(n, block_n) for n in ns)
+
+
 @functools.lru_cache(maxsize=4096)
-def _splits(n: int, k: int, m: int, sms: int, split_k: int | None, block_m: int, block_n: int,
-            block_k: int) -> int:
-    """The K splits of one tile shape (``split_k`` as asked, else :func:`split_count`); 1 where
-    the output tiles outnumber the split-K counters."""
-    split = split_k or split_count(n, k, block_n, block_k, sms, m, block_m)
-    if cdiv(n, block_n) * cdiv(m, block_m) > _COUNTERS:
+def _splits(ns: tuple[int, ...], k: int, m: int, sms: int, split_k: int | None, block_m: int,
+            block_n: int, block_k: int) -> int:
+    """The K splits of one tile shape (``split_k`` as asked, else :func:`split_count` of the
+    launch's column tiles); 1 where the output tiles outnumber the split-K counters."""
+    columns = _column_tiles(ns, block_n) * block_n
+    split = split_k or split_count(columns, k, block_n, block_k, sms, m, block_m)
+    if _column_tiles(ns, block_n) * cdiv(m, block_m) > _COUNTERS:
         split = 1
     return max(1, min(split, cdiv(k, block_k)))
 
 
-def _grid(n: int, k: int, m: int, sms: int, split_k: int | None, cfg: dict
+def _grid(ns: tuple[int, ...], k: int, m: int, sms: int, split_k: int | None, cfg: dict
           ) -> tuple[int, int, int]:
     """(column tiles, K splits, row tiles) of a launch with the tile ``cfg``."""
-    return (cdiv(n, cfg["BLOCK_N"]),
-            _splits(n, k, m, sms, split_k, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]),
+    return (_column_tiles(ns, cfg["BLOCK_N"]),
+            _splits(ns, k, m, sms, split_k, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]),
             cdiv(m, cfg["BLOCK_M"]))
 
 
 @functools.lru_cache(maxsize=4096)
-def _partial_rows(n: int, k: int, m: int, sms: int, split_k: int | None,
+def _partial_rows(ns: tuple[int, ...], k: int, m: int, sms: int, split_k: int | None,
                   tiles: tuple[tuple[int, int, int], ...] | None) -> int:
     """Rows of FP32 split-K partials (``[splits x row tiles x BLOCK_M, N]``) the largest of
     the candidate tiles (``(BLOCK_M, BLOCK_N, BLOCK_K)``; None: the autotuned ones for ``m``)
     needs; worked out once per shape, not per call (a decode step is latency)."""
     if tiles is None:
         tiles = _tile_shapes(_prune_configs(_CONFIGS, {"m_bucket": m_bucket(m)}))
-    splits = [(_splits(n, k, m, sms, split_k, bm, bn, bk), bm) for bm, bn, bk in tiles]
+    splits = [(_splits(ns, k, m, sms, split_k, bm, bn, bk), bm) for bm, bn, bk in tiles]
     return max([split * cdiv(m, bm) * bm for split, bm in splits if split > 1],
                default=1)
 
@@ -630,7 +676,15 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
     checked by :mod:`kbbq_pl.kernels`.  ``config`` pins the tile, ``split_k`` the splits.
     With ``a_scales`` (FP32 ``[M, K/d]``) the product is ``PRODUCT_DP4A``: ``a_values`` are then
     the int8 ``2q`` of the activations in the natural order (``quantize_activations`` with an
-    int8 ``values_dtype``), one row a tile."""
+    int8 ``values_dtype``), one row a tile.
+
+    Sibling layers in one launch (the tensor-core product): ``w_codes``, ``w_scales``,
+    ``w_global`` and ``bias`` lists of 2 or 3 (contiguous weights of one ``K``, all with a
+    bias or none, one decode ``shift``), ``a_values [G, M, >=K]`` and ``a_global`` (NVFP4)
+    ``[G]`` from the siblings' activation launch; returns the list of outputs."""
+    groups = len(w_codes) if isinstance(w_codes, (list, tuple)) else 1
+    if groups == 1:
+        w_codes, w_scales, w_global, bias = [w_codes], [w_scales], [w_global], [bias]
     dp4a = a_scales is not None
     if dp4a != (a_values.dtype == torch.int8):
         raise ValueError("the DP4A product takes int8 activations (2q) with their FP32 block "
@@ -638,16 +692,25 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
                          f"{'no' if a_scales is None else 'FP32'} scales")
     if config is not None and (config["PRODUCT"] == PRODUCT_DP4A) != dp4a:
         raise ValueError(f"the tile {config} does not take {a_values.dtype} activations")
-    n, k = w_codes.shape[0], w_codes.shape[1] * 2
-    device = w_codes.device
-    out = torch.empty(m, n, dtype=out_dtype, device=device)
+    if groups > 1 and (dp4a or groups > 3 or a_values.shape[0] != groups
+                       or len({b is None for b in bias}) > 1
+                       or len({c.shape[1] for c in w_codes}) > 1
+                       or not all(c.is_contiguous() and s.is_contiguous()
+                                  for c, s in zip(w_codes, w_scales))):
+        raise ValueError("sibling decode GEMMs take 2 or 3 contiguous weights of one K, their "
+                         "activations [G, M, K] (tensor cores), all with a bias or none")
+    ns = tuple(c.shape[0] for c in w_codes)
+    k = w_codes[0].shape[1] * 2
+    device = w_codes[0].device
+    outs = [torch.empty(m, n, dtype=out_dtype, device=device) for n in ns]
     has_global = scale_kind == SCALE_E4M3
-    dummy = out
+    has_bias = bias[0] is not None
+    dummy = outs[0]
     dependent = dependent_launch(device)
     meta = dict(D=d, SCALE_KIND=scale_kind, GAIN2=gain * gain, HAS_GLOBAL=has_global,
-                HAS_BIAS=bias is not None, VALUES=values_kind(scale_kind),
+                HAS_BIAS=has_bias, VALUES=values_kind(scale_kind),
                 EXPLICIT_BF16=INTERPRET and out_dtype == torch.bfloat16, DEPENDENT=dependent,
-                SHIFTED=shift != 0)
+                SHIFTED=shift != 0, GROUPS=groups)
     if dependent:
         meta["launch_pdl"] = True
     sms = sm_count(device)
@@ -655,13 +718,24 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
     pinned = dict(config or interpreter_config) if config is not None or INTERPRET else None
     tiles = (((pinned["BLOCK_M"], pinned["BLOCK_N"], pinned["BLOCK_K"]),) if pinned
              else _DP4A_TILES if dp4a else None)
-    partial = torch.empty(_partial_rows(n, k, m, sms, split_k, tiles), n, dtype=torch.float32,
-                          device=device)
-    args = [a_values, w_codes, w_scales, out, partial, _counter(device),
-            a_global if has_global else dummy, w_global if has_global else dummy,
-            bias if bias is not None else dummy, a_scales if dp4a else dummy,
-            _table(device) if dp4a else dummy, m, n, k, shift, a_values.stride(0),
-            w_codes.stride(0), w_scales.stride(0), out.stride(0), m_bucket(m)]
+    partial = torch.empty(_partial_rows(ns, k, m, sms, split_k, tiles), sum(ns),
+                          dtype=torch.float32, device=device)
+
+    def sibling(values: list, i: int):  # sibling i's tensor (the first's where it has none)
+        return values[min(i, groups - 1)]
+
+    w_globals = w_global if has_global else [dummy] * groups
+    biases = bias if has_bias else [dummy] * groups
+    args = [a_values, w_codes[0], w_scales[0], outs[0], partial, _counter(device),
+            a_global if has_global else dummy, w_globals[0], biases[0],
+            a_scales if dp4a else dummy, _table(device) if dp4a else dummy,
+            sibling(w_codes, 1), sibling(w_codes, 2), sibling(w_scales, 1),
+            sibling(w_scales, 2), sibling(w_globals, 1), sibling(w_globals, 2),
+            sibling(biases, 1), sibling(biases, 2), sibling(outs, 1), sibling(outs, 2),
+            m, ns[0], k, shift, a_values.stride(-2), w_codes[0].stride(0),
+            w_scales[0].stride(0), outs[0].stride(0), m_bucket(m),
+            ns[1] if groups > 1 else 0, ns[2] if groups > 2 else 0,
+            a_values.stride(0) if groups > 1 else 0]
     if pinned:
         if pinned["PRODUCT"] == PRODUCT_DP4A and pinned["BLOCK_M"] != 1:
             raise ValueError(f"the DP4A product takes one row a tile, got BLOCK_M = "
@@ -674,13 +748,13 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
                              f"{WORD_ORDER_CHUNK}, got BLOCK_K = {pinned['BLOCK_K']}")
         warps = pinned.pop("num_warps", 4)
         stages = pinned.pop("num_stages", 2)
-        _skinny_kernel[_grid(n, k, m, sms, split_k, pinned)](
+        _skinny_kernel[_grid(ns, k, m, sms, split_k, pinned)](
             *args, **meta, **pinned, EVEN_K=k % pinned["BLOCK_K"] == 0, num_warps=warps,
             num_stages=stages)
     else:
         tuned = _skinny_dp4a_tuned if dp4a else _skinny_tuned
-        tuned[functools.partial(_grid, n, k, m, sms, split_k)](*args, **meta)
-    return out
+        tuned[functools.partial(_grid, ns, k, m, sms, split_k)](*args, **meta)
+    return outs if groups > 1 else outs[0]
 
 
 __all__ = ["FEW_ROWS", "MX_MULTIPLIER_BIAS", "NVFP4_DECODE_SHIFT", "ONE_ROW_PRODUCT",

@@ -303,7 +303,8 @@ def _transformed_from_memory(x_ptr, t_ptr, rows, blocks, M, n_blocks, stride_xm,
 @triton.jit
 def _quantize_activations_kernel(
     x_ptr, t_ptr, codes_ptr, scales_ptr, global_ptr, amax_ptr, pts_ptr, values_ptr, inexact_ptr,
-    M, n_blocks, stride_xm, stride_cm, stride_sm, stride_vm, m_bucket,
+    t1_ptr, t2_ptr, global1_ptr, global2_ptr,
+    M, n_blocks, stride_xm, stride_cm, stride_sm, stride_vm, stride_vg, m_bucket,
     D: tl.constexpr, SCALE_KIND: tl.constexpr, ROUNDING: tl.constexpr, GAIN: tl.constexpr,
     HAS_T: tl.constexpr, STATIC: tl.constexpr, AMAX_ONLY: tl.constexpr,
     PRODUCT: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
@@ -311,7 +312,7 @@ def _quantize_activations_kernel(
     WORD_ORDER: tl.constexpr = False, PARTS_FIRST: tl.constexpr = False,
     LAUNCH_DEPENDENTS: tl.constexpr = False, WRITE_E4M3: tl.constexpr = False,
     TILES: tl.constexpr = 1, PREFETCH_T: tl.constexpr = False,
-    FROM_MEMORY: tl.constexpr = False,
+    FROM_MEMORY: tl.constexpr = False, GROUPS: tl.constexpr = 1,
 ):
     """``TILES`` tiles of ``BLOCK_M`` rows by ``NB`` blocks, one after the other: transform,
     block amax, scales, E2M1 codes, packing.  ``AMAX_ONLY`` (the first pass of dynamic NVFP4)
@@ -337,9 +338,29 @@ def _quantize_activations_kernel(
     in flight while the chain runs (with one load, one chain and one store per program, the
     memory waited for the chain).  ``PREFETCH_T`` (compiled GPUs) asks L1 for the program's
     transforms before the first tile.  Every row is computed as with one tile a program: the
-    same bits."""
+    same bits.
+
+    ``GROUPS`` (2 or 3: sibling layers that read the same input, q/k/v or gate/up): program
+    ``g`` of the third grid axis rounds ``x`` for sibling ``g``, its transform at ``t_ptr``,
+    ``t1_ptr`` or ``t2_ptr`` and its static scale at ``global_ptr``, ``global1_ptr`` or
+    ``global2_ptr``, into ``values_ptr + g stride_vg`` (values only), its amax and per-tensor
+    scale at ``amax_ptr + g`` and ``pts_ptr + g``: one launch for the siblings, each with
+    the bits of its own."""
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
+    if GROUPS > 1:
+        tl.static_assert((WRITE_VALUES == 1) & (WRITE_CODES == 0) & (WRITE_E4M3 == 0)
+                         & (GROUPS <= 3))
+        g = tl.program_id(2)
+        if g == 1:
+            t_ptr = t1_ptr
+            global_ptr = global1_ptr
+        elif g == 2:
+            t_ptr = t2_ptr
+            global_ptr = global2_ptr
+        values_ptr += g * stride_vg
+        amax_ptr += g
+        pts_ptr += g
     pid_b = tl.program_id(1)
     blocks = pid_b * NB + tl.arange(0, NB)
     if FROM_MEMORY:  # a decode step's few rows: one tile a program
@@ -527,7 +548,8 @@ def _prune_act_configs(configs, named_args, **kwargs):
 _quantize_activations_tuned = triton.autotune(
     configs=_act_configs(),
     key=["n_blocks", "m_bucket", "D", "HAS_T", "AMAX_ONLY", "SCALE_KIND", "PRODUCT",
-         "WRITE_CODES", "WRITE_VALUES", "WORD_ORDER", "PARTS_FIRST", "LAUNCH_DEPENDENTS"],
+         "WRITE_CODES", "WRITE_VALUES", "WORD_ORDER", "PARTS_FIRST", "LAUNCH_DEPENDENTS",
+         "GROUPS"],
     prune_configs_by={"early_config_prune": _prune_act_configs},
 )(_quantize_activations_kernel)
 
@@ -600,6 +622,11 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     compiled GPUs, the interpreter runs no PTX) asks L1 for each program's transforms first
     (benchmarks turn it off); the decode-step tile (``FROM_MEMORY``) has nothing to prefetch
     and ignores it.
+
+    A list of 2 or 3 transforms (all tensors or all None; ``global_scale`` then a list of as
+    many static scales, or None) rounds ``x`` once for each, in one launch (values only): the
+    values ``[G, M, K]`` and the per-tensor scales ``[G]``, each sibling's the bits of its
+    own call.
     """
     if product is None:
         product = PRODUCT_FMA_CHAIN
@@ -607,16 +634,27 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     n_blocks = k // d
     device = x.device
     nvfp4 = scale_kind == SCALE_E4M3
+    groups = len(transform) if isinstance(transform, (list, tuple)) else 1
+    transforms = list(transform) if groups > 1 else [transform]
+    scales_in = (list(global_scale) if groups > 1 and global_scale is not None
+                 else [global_scale])
+    if groups > 1 and (codes or values_dtype in (None, torch.int8) or e4m3_inexact is not None
+                       or len({t is None for t in transforms}) > 1
+                       or (global_scale is not None and len(scales_in) != groups)):
+        raise ValueError("sibling activations come as values alone, one transform (all or none "
+                         "of them None) and one static scale (or none) each")
+    transform, global_scale = transforms[0], scales_in[0]
     static = global_scale is not None
     # Nothing is filled on the device unless a kernel reads it first (a fill is one more
     # launch, one more node of a CUDA graph, per linear): the per-tensor scale is written by
     # the kernel's first program (an empty input, no program, keeps 1, as formats.quantize
     # does); the amax only accumulates for dynamic NVFP4, else it is an unread placeholder.
     pts = None
+    lead = (groups,) if groups > 1 else ()
     if nvfp4:
-        pts = (torch.empty((), dtype=torch.float32, device=device) if m and n_blocks
-               else torch.ones((), dtype=torch.float32, device=device))
-    amax = (torch.zeros(1, dtype=torch.float32, device=device) if nvfp4 and not static
+        pts = (torch.empty(lead, dtype=torch.float32, device=device) if m and n_blocks
+               else torch.ones(lead, dtype=torch.float32, device=device))
+    amax = (torch.zeros(groups, dtype=torch.float32, device=device) if nvfp4 and not static
             else torch.empty(1, dtype=torch.float32, device=device))
     dummy = amax
     e4m3 = e4m3_inexact is not None
@@ -631,7 +669,7 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     values = None
     if values_dtype is not None:
         width = -(-k // 128) * 128 if word_order else k  # a partial chunk keeps its slots
-        values = torch.empty(m, width, dtype=values_dtype, device=device)
+        values = torch.empty(*lead, m, width, dtype=values_dtype, device=device)
     doubled = values_dtype == torch.int8  # 2q and the FP32 block scales
     if doubled:
         if codes or word_order or e4m3:
@@ -641,17 +679,20 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
                 HAS_T=transform is not None, STATIC=static, PRODUCT=product,
                 WRITE_CODES=codes, WRITE_VALUES=values is not None, WORD_ORDER=word_order,
                 PARTS_FIRST=PARTS_FIRST, WRITE_E4M3=e4m3,
-                PREFETCH_T=not INTERPRET and prefetch_transform is not False)
+                PREFETCH_T=not INTERPRET and prefetch_transform is not False, GROUPS=groups)
     codes_arg = codes_out if codes or e4m3 else dummy
     scales_arg = scales_out if codes or e4m3 or doubled else dummy
-    args = [x, transform_columns(transform) if transform is not None else dummy, codes_arg,
-            scales_arg,
-            global_scale if static else dummy, amax, pts if nvfp4 else dummy,
+    columns = [transform_columns(t) if t is not None else dummy for t in transforms]
+    statics = scales_in if static else [dummy] * groups
+    columns += columns[-1:] * (3 - groups)  # the unused siblings' pointers: any tensor's
+    statics += statics[-1:] * (3 - groups)
+    args = [x, columns[0], codes_arg, scales_arg, statics[0], amax, pts if nvfp4 else dummy,
             values if values is not None else dummy, e4m3_inexact if e4m3 else dummy,
+            columns[1], columns[2], statics[1], statics[2],
             m, n_blocks, x.stride(0), codes_arg.stride(0) if codes or e4m3 else 0,
             scales_arg.stride(0) if codes or doubled else 0,
-            values.stride(0) if values is not None else 0,
-            _m_bucket(m)]
+            values.stride(-2) if values is not None else 0,
+            values.stride(0) if groups > 1 else 0, _m_bucket(m)]
 
     if e4m3:  # a program holds whole chunks of 128
         config = INTERPRETER_E4M3_CONFIG if INTERPRET else E4M3_TILE
@@ -673,13 +714,14 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
         if config is not None or INTERPRET:
             cfg = few_rows_tile(dict(config or INTERPRETER_ACT_CONFIG), m)
             warps = cfg.pop("num_warps", 4)
-            grid = (cdiv(cdiv(m, cfg["BLOCK_M"]), cfg.get("TILES", 1)), cdiv(n_blocks, cfg["NB"]))
+            grid = (cdiv(cdiv(m, cfg["BLOCK_M"]), cfg.get("TILES", 1)), cdiv(n_blocks, cfg["NB"]),
+                    groups)
             _quantize_activations_kernel[grid](*args, **meta, **passes, **cfg, num_warps=warps,
                                                enable_fp_fusion=True)
         else:
             def grid(meta):
                 return (cdiv(cdiv(m, meta["BLOCK_M"]), meta.get("TILES", 1)),
-                        cdiv(n_blocks, meta["NB"]))
+                        cdiv(n_blocks, meta["NB"]), groups)
             _quantize_activations_tuned[grid](*args, **meta, **passes, enable_fp_fusion=True)
 
     if nvfp4 and not static:

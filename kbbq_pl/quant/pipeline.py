@@ -70,6 +70,7 @@ from .modules import (
 from .report import QuantizationReport, chosen_lambda, layer_report, peak_memory_mb
 from .rtn.quantizer import RTN
 from .sequential import Batches, BlockResidency, SequentialRunner, held_in, trim_heap
+from .siblings import group_sibling_linears
 from .stats import act_scales_from_amax, kept_inputs, transformed_amax
 from .w4a4 import cache_decoded_weights
 from .weight_quantizer import Block, LayerPlan, WeightQuantizer
@@ -182,6 +183,8 @@ def quantize_model(
     compute_dtype: torch.dtype | None = None,
 ) -> QuantizationReport:
     """Quantize ``model`` in place with ``config`` (module docstring); returns the report.
+    The quantized sibling linears (q/k/v, gate/up) are grouped
+    (:func:`~kbbq_pl.quant.siblings.group_sibling_linears`).
 
     ``batches`` are the model's keyword inputs (a list or a DataLoader).  ``collectives``: the
     data-parallel operations of several processes (:class:`~kbbq_pl.quant.collectives.
@@ -266,6 +269,7 @@ def quantize_model(
         for module in model.modules():
             module.training = modes.get(module, True)
     quantizer.finish(report)
+    group_sibling_linears(model)  # q/k/v, gate/up: two launches a group on the kernels
     report.seconds.update(timing)
     report.seconds["total"] = time.perf_counter() - start
     report.model.update(peak_memory_mb(runner.device))

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -353,6 +354,10 @@ def w4a4_linear(x: Tensor, weight: W4A4Weight, bias: Tensor | None = None, *,
         if torch.is_grad_enabled() and (x.requires_grad or bias is not None
                                         and bias.requires_grad):
             return compiled_linear(x, weight, bias)  # the kernels' forward, its backward
+        if sibling_scopes.stack and not dynamic and not x.is_inference():
+            y = sibling_scopes.stack[-1].output(x, weight, bias)
+            if y is not None:
+                return y
         kernels = _kernels()
         assert kernels is not None
         return kernels.linear_w4a4(x, weight.qdata, weight.scale, weight.global_scale,
@@ -360,6 +365,17 @@ def w4a4_linear(x: Tensor, weight: W4A4Weight, bias: Tensor | None = None, *,
                                    prepared=_prepared_weight(kernels, weight, scale),
                                    prefill_product=PREFILL_PRODUCT)
     return _emulated_linear(x, weight, bias, scale)
+
+
+class _SiblingScopes(threading.local):
+    """Per thread, the parent modules running now whose sibling linears run together
+    (:mod:`kbbq_pl.quant.siblings` pushes and pops them on ``stack``), innermost last."""
+
+    def __init__(self) -> None:
+        self.stack: list = []
+
+
+sibling_scopes = _SiblingScopes()
 
 
 PREFILL_PRODUCT = "auto"

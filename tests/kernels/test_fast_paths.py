@@ -303,7 +303,7 @@ def test_decode_gemm_autotuned_launch_under_the_interpreter():
     tried = []
 
     def bench(self, *args, config, **meta):
-        tried.append((args[11], config.kwargs["BLOCK_M"]))  # (M, tile)
+        tried.append((args[self.arg_names.index("M")], config.kwargs["BLOCK_M"]))  # (M, tile)
         return [float(config.kwargs["BLOCK_M"])] * 3
 
     one_sm_per = type("Properties", (), {"multi_processor_count": 4})()
@@ -850,21 +850,28 @@ for (d, kind, values, a_type), (rows, cols, depth) in zip(
     assert not any(op.startswith(("LDG", "LDS", "LDL", "ST", "ATOM", "RED"))
                    for op in before), before
     print(d, found["per_element"])
-# a decode step's tile, both formats (MX's decode shift 0): the decoded weights reach the
-# tensor cores in registers, no shared-memory stores and at most two barriers in the loop
+# a decode step's tile, both formats (MX's decode shift 0), one layer or three siblings: the
+# decoded weights reach the tensor cores in registers, no shared-memory stores and at most two
+# barriers in the loop, 16-byte weight loads; the siblings' loop as long as one layer's
 for d, kind, values, a_type in ((16, tk.SCALE_E4M3, S.VALUES_FP16, "*fp16"),
                                 (32, tk.SCALE_E8M0, S.VALUES_BF16, "*bf16")):
-    constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
-                     HAS_BIAS=True, VALUES=values, EXPLICIT_BF16=False, EVEN_K=True,
-                     BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, PRODUCT=S.PRODUCT_DOT, DEPENDENT=True,
-                     SHIFTED=False)
-    compiled = G.compile_kernel(S._skinny_kernel, dict(G.SKINNY_SIGNATURE, a_ptr=a_type),
-                                constants, target, num_warps=4, num_stages=3,
-                                enable_fp_fusion=True)
-    loop = G.main_loop(G.sass_ops(compiled.asm["cubin"]))
-    stores = sum(op.startswith("STS") for op in loop)
-    barriers = sum(op.startswith("BAR") for op in loop)
-    assert stores == 0 and barriers <= 2, (d, stores, barriers)
+    loops = []
+    for groups in (1, 3):
+        constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
+                         HAS_BIAS=True, VALUES=values, EXPLICIT_BF16=False, EVEN_K=True,
+                         BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, PRODUCT=S.PRODUCT_DOT,
+                         DEPENDENT=True, SHIFTED=False, GROUPS=groups)
+        compiled = G.compile_kernel(S._skinny_kernel, dict(G.SKINNY_SIGNATURE, a_ptr=a_type),
+                                    constants, target, num_warps=4, num_stages=3,
+                                    enable_fp_fusion=True)
+        found = G.analyse(compiled, 64 * 256 / 128)
+        loop = G.main_loop(G.sass_ops(compiled.asm["cubin"]))
+        stores = sum(op.startswith("STS") for op in loop)
+        barriers = sum(op.startswith("BAR") for op in loop)
+        assert stores == 0 and barriers <= 2, (d, groups, stores, barriers)
+        assert found["stack"] == 0 and found["ldg128"] > 0, found
+        loops.append(len(loop))
+    assert loops[1] <= loops[0] + 16, (d, loops)
 # the one-row DP4A product: byte permutes and integer dot products, 16-byte loads, no spills
 for d, kind in ((16, tk.SCALE_E4M3), (32, tk.SCALE_E8M0)):
     for config in S._DP4A_CONFIGS:
@@ -893,6 +900,13 @@ compiled = G.compile_kernel(tk._quantize_activations_kernel,
                             dict(G.ACT_SIGNATURE, values_ptr="*fp16"), constants, target,
                             num_warps=warps, enable_fp_fusion=True)
 assert [op for _, op, _ in G.sass_ops(compiled.asm["cubin"])].count("PREEXIT") == 1
+# and for three siblings in one launch: no spills, as long as one layer's but the pointers
+sass = len(G.sass_ops(compiled.asm["cubin"]))
+compiled = G.compile_kernel(tk._quantize_activations_kernel,
+                            dict(G.ACT_SIGNATURE, values_ptr="*fp16"), dict(constants, GROUPS=3),
+                            target, num_warps=warps, enable_fp_fusion=True)
+assert G.analyse(compiled, 16)["stack"] == 0
+assert len(G.sass_ops(compiled.asm["cubin"])) <= sass + 32, sass
 # and its int8 output (2q, FP32 block scales: the DP4A product's operand), MX's one-row tile
 constants.update(D=32, SCALE_KIND=tk.SCALE_E8M0, STATIC=False, WORD_ORDER=False,
                  **tk.FEW_ROWS_TILES[32])

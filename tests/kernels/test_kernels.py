@@ -761,7 +761,8 @@ def test_gpu_bench_tiny_run(capsys):
                 "model nvfp4: decode batch 2", "model nvfp4: prefill",
                 "rows from which prefill beats decode, nvfp4", "peers: skipped",
                 "model nvfp4 compiled: decode batch 1 x bf16 compiled",
-                "model nvfp4: decode batch 1 x bf16, one-row DP4A product (opt-in)"):
+                "model nvfp4: decode batch 1 x bf16, one-row DP4A product (opt-in)",
+                "model nvfp4: decode batch 1 x bf16, each linear launched on its own"):
         assert row in summary, row
     assert "; one-row DP4A " in summary  # the linear at M = 1 with the opt-in product
     assert "| x bf16, one-row DP4A | DP4A within one |" in out
@@ -770,11 +771,13 @@ def test_gpu_bench_tiny_run(capsys):
     assert ("launch floors in a CUDA graph, us a call (M = 1, 512 -> 64, nvfp4) | "
             "empty kernel ") in out
     # the model's W4A4 layers run on the kernels (the interpreter), as on a GPU: MX's decode
-    # steps through the decode path, its first block's linears against the emulation
-    with mock.patch.object(K, "_decode_path", wraps=K._decode_path) as decode_path:
+    # steps through the decode path (q/k/v and gate/up grouped), its first block's linears
+    # against the emulation
+    with mock.patch.object(K, "_decode_path", wraps=K._decode_path) as decode_path, \
+            mock.patch.object(K, "linear_w4a4_siblings", wraps=K.linear_w4a4_siblings) as grouped:
         module.main(["--tiny", "--formats", "mxfp4", "--sections", "model"])
     out = capsys.readouterr().out
-    assert decode_path.call_count > 0
+    assert decode_path.call_count > 0 and grouped.call_count > 0
     model_row = next(line for line in out.splitlines() if line.startswith("| mxfp4 | ")
                      and line.count("|") == 15)
     assert float(model_row.split("|")[12]) < 1e-2, model_row

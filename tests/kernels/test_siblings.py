@@ -1,0 +1,265 @@
+"""Sibling linears (q/k/v, gate/up) in one pair of launches (issue 45): kbbq_pl.kernels.
+linear_w4a4_siblings and the model hooks of kbbq_pl.quant.siblings, under Triton's interpreter
+on the CPU (tests/conftest.py).  Each sibling's output must be the bits of its own call (the
+interpreter's pinned tile, one K split at these sizes), from one activation launch and one
+decode GEMM for all of them; anything the grouped launch does not take runs each layer alone."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from test_kernels import make_transform
+from tiny_models import tiny_model
+from torch import nn
+
+from kbbq_pl import formats as F
+from kbbq_pl import kernels as K
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CPU = torch.device("cpu")
+
+
+def needs_kernels():
+    if not K.available(CPU):
+        pytest.skip("kbbq_pl.kernels do not run on the CPU here (TRITON_INTERPRET=1 unset)")
+
+
+def siblings(fmt: str, widths: tuple[int, ...], k: int, static: bool, seed: int = 0,
+             transforms: bool = True) -> list[K.SiblingLinear]:
+    """Layers of ``widths`` outputs over ``K`` inputs, each with its own transform (so each
+    rounds the shared input its own way), per-tensor scales, static activation scale and bias."""
+    gen = torch.Generator().manual_seed(seed)
+    d = F.get_format(fmt).block_size
+    layers = []
+    for i, n in enumerate(widths):
+        q = F.quantize(torch.randn(n, k, generator=gen) * (0.5 + i), fmt)
+        t = make_transform("random", k, d, seed=seed + i) if transforms else None
+        scale = torch.tensor(0.003 * (1 + 0.37 * i)) if static else None  # no ratio of 2^n
+        bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+        layers.append(K.SiblingLinear(q.qdata, q.scale, q.global_scale, t, scale, bias))
+    return layers
+
+
+class Counted:
+    """Wraps ``module.name`` and counts its calls."""
+
+    def __init__(self, module, name: str):
+        self.real, self.calls = getattr(module, name), 0
+        self.patch = mock.patch.object(module, name, self)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.real(*args, **kwargs)
+
+
+def assert_each_layers_bits(x, layers, fmt, outputs):
+    for i, (layer, y) in enumerate(zip(layers, outputs)):
+        alone = K.linear_w4a4(x, layer.weight_codes, layer.weight_scales, layer.weight_global,
+                              fmt, layer.transform, layer.act_global_scale, layer.bias)
+        assert y.shape == alone.shape and y.dtype == alone.dtype, i
+        assert torch.equal(y.view(torch.int16), alone.view(torch.int16)), f"sibling {i}"
+
+
+@pytest.mark.parametrize("fmt, static", [("nvfp4", True), ("nvfp4", False), ("mxfp4", False)])
+def test_siblings_run_in_two_launches_with_each_layers_bits(fmt, static):
+    """Two and three siblings of different widths, a padded input of 1 and 6 rows: one
+    activation launch (two passes for dynamic NVFP4) and one decode GEMM give every sibling
+    the bits of its own call."""
+    needs_kernels()
+    from kbbq_pl.kernels import skinny as S
+    from kbbq_pl.kernels import triton_kernels as tk
+
+    k = 256
+    for widths, rows in (((48, 16, 40), 1), ((32, 24), 6)):
+        layers = siblings(fmt, widths, k, static, seed=len(widths))
+        x = (torch.randn(rows, k - 7) * 2).to(torch.bfloat16)
+        act, gemm = Counted(tk, "quantize_activations"), Counted(S, "skinny_matmul")
+        with act.patch, gemm.patch:
+            outputs = K.linear_w4a4_siblings(x, layers, fmt)
+        assert (act.calls, gemm.calls) == (1, 1)
+        assert [tuple(y.shape) for y in outputs] == [(rows, n) for n in widths]
+        assert_each_layers_bits(x, layers, fmt, outputs)
+
+
+def test_siblings_that_cannot_launch_together_run_alone():
+    """A transform on one sibling only, a static scale on one only, MX weights of different
+    decode shifts, rows on the prefill path, one layer or four: each layer its own call, the
+    same outputs."""
+    needs_kernels()
+    k = 64
+    x = torch.randn(2, k).to(torch.bfloat16)
+    nv = siblings("nvfp4", (16, 32), k, static=True)
+    mx = siblings("mxfp4", (16, 32), k, static=False)
+    far = F.quantize(torch.randn(16, k) * 2.0**6, "mxfp4")  # block scales above 2: shift > 0
+    assert K.prepare_weight(far.qdata, far.scale, None, "mxfp4").shift(far.scale) > 0
+    cases = {
+        "one transform": ("nvfp4", [nv[0], nv[1]._replace(transform=None)], x),
+        "one static scale": ("nvfp4", [nv[0], nv[1]._replace(act_global_scale=None)], x),
+        "two shifts": ("mxfp4", [mx[0], mx[1]._replace(weight_codes=far.qdata,
+                                                        weight_scales=far.scale,
+                                                        bias=mx[1].bias[:16])], x),
+        "prefill rows": ("mxfp4", mx, torch.randn(300, k).to(torch.bfloat16)),
+        "one layer": ("mxfp4", mx[:1], x),
+        "four layers": ("mxfp4", mx + mx, x),
+    }
+    for case, (fmt, layers, rows) in cases.items():
+        alone = Counted(K, "linear_w4a4")
+        with alone.patch:
+            outputs = K.linear_w4a4_siblings(rows, layers, fmt)
+        assert alone.calls == len(layers), case
+        assert_each_layers_bits(rows, layers, fmt, outputs)
+    with pytest.raises(ValueError, match="no layers"):
+        K.linear_w4a4_siblings(x, [], "mxfp4")
+
+
+def quantized_llama(fmt: str) -> nn.Module:
+    """The tiny Llama with every decoder linear a W4A4 weight of its own random block
+    transform (static NVFP4 activation scales: the recipes' default)."""
+    from kbbq_pl.quant.layers import w4a4_weight
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    d = F.get_format(fmt).block_size
+    linears = [(n, m) for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and ".layers." in n]
+    for i, (name, module) in enumerate(linears):
+        t = make_transform("random", module.in_features, d, seed=i)
+        static = F.get_format(fmt).global_scale
+        weight = w4a4_weight(module, fmt, t, act_scale="static" if static else "dynamic",
+                             act_global_scale=torch.tensor(0.004 * (1 + 0.37 * (i % 3))) if static
+                             else None, name=name)
+        module.weight = nn.Parameter(weight, requires_grad=False)
+    return model
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_hooked_llama_runs_q_k_v_and_gate_up_together(fmt):
+    """With :func:`group_sibling_linears`, a decode step of the tiny Llama on the kernels (the
+    CPU standing in for CUDA) runs q/k/v and gate/up as one grouped call each (o and down
+    alone): 8 products for 2 layers instead of 14, the same logits; a second call hooks
+    nothing more; removed, every layer runs alone again."""
+    needs_kernels()
+    from kbbq_pl.quant import w4a4
+    from kbbq_pl.quant.siblings import group_sibling_linears
+
+    model = quantized_llama(fmt)
+    ids = torch.randint(0, 256, (1, 3), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), mock.patch.object(w4a4, "KERNEL_DEVICE_TYPES", ("cpu",)):
+        alone_calls = Counted(K, "linear_w4a4")
+        with alone_calls.patch:
+            alone = model(ids).logits
+        assert alone_calls.calls == 14
+        hooks = group_sibling_linears(model)
+        assert group_sibling_linears(model).groups == []  # already hooked
+        assert sorted(g[-1].rpartition(".")[2] for g in hooks.groups) == [
+            "up_proj", "up_proj", "v_proj", "v_proj"]
+        each, grouped = Counted(K, "linear_w4a4"), Counted(K, "linear_w4a4_siblings")
+        with each.patch, grouped.patch:
+            together = model(ids).logits
+        assert (each.calls, grouped.calls) == (4, 4)
+        assert torch.equal(together, alone)
+        assert w4a4.sibling_scopes.stack == []
+        hooks.remove()
+        each = Counted(K, "linear_w4a4")
+        with each.patch:
+            assert torch.equal(model(ids).logits, alone)
+        assert each.calls == 14
+
+
+class _Attention(nn.Module):
+    """q, k, v reading one input, which ``between`` may change in place after q's call."""
+
+    def __init__(self, layers: dict[str, nn.Linear], between=None):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = layers["q"], layers["k"], layers["v"]
+        self.between = between
+
+    def forward(self, x):
+        q = self.q_proj(x)
+        if self.between is not None:
+            self.between(x)
+        return q, self.k_proj(x), self.v_proj(x)
+
+
+def mx_linears() -> dict[str, nn.Linear]:
+    """q, k, v: MX layers with their own random transforms, of one decode shift (0), so that
+    they launch together."""
+    from kbbq_pl.quant.layers import w4a4_weight
+
+    torch.manual_seed(0)
+    layers = {}
+    for i, name in enumerate("qkv"):
+        linear = nn.Linear(64, 32).to(torch.bfloat16)
+        with torch.no_grad():
+            linear.weight.mul_(0.05)  # W T^-1 of a random T: block scales below 2
+        weight = w4a4_weight(linear, "mxfp4", make_transform("random", 64, 32, seed=i),
+                             act_scale="dynamic", name=f"{name}_proj")
+        assert K.prepare_weight(weight.qdata, weight.scale, None, "mxfp4").shift(
+            weight.scale) == 0
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        layers[name] = linear
+    return layers
+
+
+def test_a_copy_groups_its_own_layers():
+    """The hooks name the siblings by attribute: a deep copy of a hooked module groups its own
+    layers, and a model saved whole (``torch.save``) loads with its hooks."""
+    needs_kernels()
+    import copy
+    import io
+
+    from kbbq_pl.quant import w4a4
+    from kbbq_pl.quant.siblings import group_sibling_linears
+
+    attention = _Attention(mx_linears())
+    group_sibling_linears(attention)
+    twin = copy.deepcopy(attention)
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    with torch.no_grad(), mock.patch.object(w4a4, "KERNEL_DEVICE_TYPES", ("cpu",)):
+        want = attention(x)
+        grouped, alone = Counted(K, "linear_w4a4_siblings"), Counted(K, "linear_w4a4")
+        with grouped.patch, alone.patch:
+            got = twin(x)
+        assert (grouped.calls, alone.calls) == (1, 0)
+        for y, ref in zip(got, want):
+            assert torch.equal(y, ref)
+        buffer = io.BytesIO()
+        torch.save(attention, buffer)
+        buffer.seek(0)
+        again = torch.load(buffer, weights_only=False)
+        grouped = Counted(K, "linear_w4a4_siblings")
+        with grouped.patch:
+            again(x)
+        assert grouped.calls == 1
+
+
+def test_a_kept_output_serves_only_the_unchanged_input():
+    """An output computed with the first sibling's serves its own call only for the same
+    tensor, unchanged since (its version counter): an input changed in place between the
+    calls is multiplied anew; an error inside the parent leaves no scope behind."""
+    needs_kernels()
+    from kbbq_pl.quant import w4a4
+    from kbbq_pl.quant.siblings import group_sibling_linears
+
+    layers = mx_linears()
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    with torch.no_grad(), mock.patch.object(w4a4, "KERNEL_DEVICE_TYPES", ("cpu",)):
+        want = [layers[name](x * 2 if name != "q" else x) for name in "qkv"]
+        attention = _Attention(layers, lambda h: h.mul_(2))
+        group_sibling_linears(attention)
+        grouped, alone = Counted(K, "linear_w4a4_siblings"), Counted(K, "linear_w4a4")
+        with grouped.patch, alone.patch:
+            got = attention(x.clone())
+        assert (grouped.calls, alone.calls) == (2, 0)  # q's, then k's anew (v's kept with it)
+        for name, y, ref in zip("qkv", got, want):
+            assert torch.equal(y.view(torch.int16), ref.view(torch.int16)), name
+
+        def fail(h):
+            raise RuntimeError("inside the parent")
+
+        attention.between = fail
+        with pytest.raises(RuntimeError, match="inside the parent"):
+            attention(x)
+        assert w4a4.sibling_scopes.stack == []

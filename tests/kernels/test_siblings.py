@@ -263,3 +263,41 @@ def test_a_kept_output_serves_only_the_unchanged_input():
         with pytest.raises(RuntimeError, match="inside the parent"):
             attention(x)
         assert w4a4.sibling_scopes.stack == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_siblings_match_the_exact_product(fmt):
+    """On a CUDA device, q/k/v of a Llama-8B layer (4096 -> 4096, 1024, 1024) at 1 and 16 rows:
+    each grouped output within one bf16 rounding of the exact product of its layer's codes
+    (the grouped launch may split K otherwise than each layer's own), and a CUDA graph of the
+    grouped call replays its bits."""
+    from test_kernels import assert_within_one_bf16_rounding
+
+    device = torch.device("cuda")
+    if not K.available(device):
+        pytest.skip("kbbq_pl.kernels do not run on CUDA here")
+    layers = siblings(fmt, (4096, 1024, 1024), 4096, static=F.get_format(fmt).global_scale)
+    on_device = [K.SiblingLinear(*(f.to(device) if isinstance(f, torch.Tensor) else f
+                                   for f in layer)) for layer in layers]
+    for rows in (1, 16):
+        x = torch.randn(rows, 4096, generator=torch.Generator().manual_seed(rows))
+        x = x.to(torch.bfloat16)
+        outputs = K.linear_w4a4_siblings(x.to(device), on_device, fmt)
+        for layer, y in zip(layers, outputs):
+            ref = K.reference_linear_w4a4(x.float(), layer.weight_codes, layer.weight_scales,
+                                          layer.weight_global, fmt, layer.transform,
+                                          layer.act_global_scale, layer.bias.float())
+            assert_within_one_bf16_rounding(y.cpu(), ref.double())
+    x = x.to(device)  # prepared weights: no host reads (MX's shift) inside the capture
+    on_device = [layer._replace(prepared=K.prepare_weight(
+        layer.weight_codes, layer.weight_scales, layer.weight_global, fmt,
+        layer.act_global_scale)) for layer in on_device]
+    eager = K.linear_w4a4_siblings(x, on_device, fmt)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = K.linear_w4a4_siblings(x, on_device, fmt)
+    graph.replay()
+    torch.cuda.synchronize()
+    for y, want in zip(captured, eager):
+        assert torch.equal(y, want)

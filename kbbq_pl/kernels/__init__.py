@@ -684,9 +684,12 @@ def linear_w4a4_siblings(x: Tensor, layers: Sequence[SiblingLinear],
     short (a few microseconds), so their launches are much of its time.
 
     Together means: 2 or 3 layers (:data:`MAX_SIBLINGS`) of one ``K``, all with a transform or
-    none, a static activation scale or none, a bias or none, MX weights of one decode shift,
-    rows below :data:`PREFILL_MIN_M` (and not a one-row step with the opt-in DP4A product).
-    Otherwise each layer runs :func:`linear_w4a4` on its own."""
+    none, a static activation scale or none, a bias (of one dtype) or none, MX weights of one
+    decode shift, rows below :data:`PREFILL_MIN_M` (and not a one-row step with the opt-in DP4A
+    product).  Otherwise each layer runs :func:`linear_w4a4` on its own.  The grouped decode
+    GEMM chooses its tile and K splits for all the siblings' columns together: where they are
+    a layer's own (as in the CPU tests), its output has that call's bits; else it is within
+    the same one rounding of the exact product."""
     fmt = fp4_format(fmt)
     if not layers:
         raise ValueError("linear_w4a4_siblings: no layers")
@@ -705,7 +708,8 @@ def linear_w4a4_siblings(x: Tensor, layers: Sequence[SiblingLinear],
             or (m == 1 and skinny.ONE_ROW_PRODUCT == skinny.PRODUCT_DP4A)
             or any(layer.weight_codes.shape[-1] * 2 != k for layer in layers)
             or any(len({getattr(layer, field) is None for layer in layers}) > 1
-                   for field in ("transform", "act_global_scale", "bias"))):
+                   for field in ("transform", "act_global_scale", "bias"))
+            or len({layer.bias.dtype for layer in layers if layer.bias is not None}) > 1):
         return each()
     lead = x.shape[:-1]
     x2 = pad_input(x, k, fmt.block_size, "linear_w4a4_siblings").reshape(-1, k)

@@ -10,12 +10,20 @@ sibling's product (``F.linear`` of a :class:`~kbbq_pl.quant.w4a4.W4A4Weight` on 
 decode path) computes every sibling's output in two launches
 (:func:`kbbq_pl.kernels.linear_w4a4_siblings`) and keeps the others' until their own calls
 ask for them with the same input (the same tensor, unchanged since: its version counter) and
-the same bias.  Each output is what the layer's own call would give.  Anything else (a
-prefill, the emulation on a CPU, a gradient, ``torch.compile``, an inference-mode input, whose
-changes no version counter tells) runs each layer on its own, as without the hooks.
+the same bias.  Each output is what the layer's own call would give: within the same one
+rounding of the exact product of its codes, and the same bits where the grouped launch takes
+the layer's own tile and K splits (it chooses them for all the siblings' columns together, so
+on a GPU it may not).  Anything else (a prefill, the emulation on a CPU, a gradient,
+``torch.compile``, an inference-mode input, whose changes no version counter tells) runs each
+layer on its own, as without the hooks; so does, from then on, a group whose outputs were
+computed together but not all asked for with that input (cross-attention's keys and values
+read the encoder's states).  A write the version counter does not see (through ``.data``, a
+kernel's or DLPack's) between two siblings' calls would go unnoticed, as it would by any
+cache keyed on it.
 
-``from_pretrained`` of a kbbq-pl folder groups the siblings it loads; call
-:func:`group_sibling_linears` on a model quantized in memory.
+The loaders (``from_pretrained`` through transformers, :func:`kbbq_pl.from_pretrained`) and
+:func:`kbbq_pl.quantize_model` group the siblings of the models they return; call
+:func:`group_sibling_linears` on any other (torchao's ``quantize_``, a model built by hand).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from .w4a4 import W4A4Weight
 class _Kept:
     """A sibling's output computed with the first sibling's, waiting for its own call."""
 
+    group: int  # the group's index in its parent's hooks
     source: weakref.ref[Tensor]  # the input (not kept alive)
     version: int
     bias: Tensor | None
@@ -44,20 +53,27 @@ class _Kept:
 
 @dataclass
 class _Scope:
-    """One run of a parent module: its sibling groups and the outputs kept for their calls."""
+    """One run of a parent module: its sibling groups (by index) and the outputs kept for
+    their calls."""
 
     owner: nn.Module
-    groups: list[list[nn.Module]]
+    groups: dict[int, list[nn.Module]]
     kept: dict[int, _Kept] = field(default_factory=dict)  # by id of the sibling's weight
+    unserved: set[int] = field(default_factory=set)  # groups whose kept output was not asked
 
     def output(self, x: Tensor, weight: W4A4Weight, bias: Tensor | None) -> Tensor | None:
         """``F.linear(x, weight, bias)`` if ``weight`` is a sibling's here and the siblings
-        run together (from the outputs kept or computed now), else None."""
+        run together (from the outputs kept or computed now), else None.  A kept output that
+        does not serve the call (another input: cross-attention's keys and values) is
+        dropped and this layer runs alone."""
         kept = self.kept.pop(id(weight), None)
-        if (kept is not None and kept.source() is x and kept.version == x._version
-                and kept.bias is bias):
-            return kept.output
-        group = next((g for g in self.groups if any(m.weight is weight for m in g)), None)
+        if kept is not None:
+            if kept.source() is x and kept.version == x._version and kept.bias is bias:
+                return kept.output
+            self.unserved.add(kept.group)
+            return None
+        index, group = next(((i, g) for i, g in self.groups.items()
+                             if any(m.weight is weight for m in g)), (None, None))
         if group is None or any(m.weight is weight and m.bias is not bias for m in group):
             return None
         weights = [m.weight for m in group]
@@ -78,7 +94,8 @@ class _Scope:
             if module.weight is weight:
                 mine = y
             else:
-                self.kept[id(module.weight)] = _Kept(weakref.ref(x), x._version, module.bias, y)
+                self.kept[id(module.weight)] = _Kept(index, weakref.ref(x), x._version,
+                                                     module.bias, y)
         return mine
 
 
@@ -118,7 +135,8 @@ def group_sibling_linears(model: nn.Module) -> SiblingHooks:
     :func:`~kbbq_pl.quant.modules.fused_groups`) so that, on the kernels' decode path, the
     siblings run in two launches together (module docstring).  A parent already hooked is
     left as it is.  The hooks name the siblings by attribute (a deep copy of the model groups
-    its own layers; the hooks pickle).  Returns the hooks (their groups, and ``remove()``)."""
+    its own layers; the hooks pickle).  Returns the hooks (the groups hooked, and
+    ``remove()``)."""
     names = [name for name, module in model.named_modules()
              if isinstance(getattr(module, "weight", None), Tensor) and module.weight.dim() == 2]
     by_parent: dict[str, list[list[str]]] = {}
@@ -129,32 +147,41 @@ def group_sibling_linears(model: nn.Module) -> SiblingHooks:
         parent = model.get_submodule(parent_name) if parent_name else model
         if parent.__dict__.get(_HOOKED):
             continue
-        leaves = tuple(tuple(name.rpartition(".")[2] for name in group) for group in groups)
+        parent_hooks = _ParentHooks(tuple(tuple(name.rpartition(".")[2] for name in group)
+                                          for group in groups))
         parent.__dict__[_HOOKED] = True
         hooks._hooked.append((parent, [
-            parent.register_forward_pre_hook(_EnterParent(leaves)),
-            parent.register_forward_hook(_LeaveParent(), always_call=True)]))
+            parent.register_forward_pre_hook(parent_hooks.enter),
+            parent.register_forward_hook(parent_hooks.leave, always_call=True)]))
         hooks.groups += groups
     return hooks
 
 
-class _EnterParent:
-    """Forward pre-hook: the parent's sibling groups (attribute names) become the innermost
-    scope while it runs (not while ``torch.compile`` traces it)."""
+class _ParentHooks:
+    """A parent's hooks.  Before its forward, its sibling groups (attribute names) become the
+    innermost scope (not while ``torch.compile`` traces it); after (an error too), the scope
+    ends, and a group whose outputs were computed together but not all asked for (siblings
+    reading different inputs: cross-attention) runs alone from then on."""
 
     def __init__(self, groups: tuple[tuple[str, ...], ...]) -> None:
         self.groups = groups
+        self.alone: set[int] = set()
 
-    def __call__(self, module: nn.Module, args: tuple) -> None:
-        if not torch.compiler.is_compiling():
-            w4a4.sibling_scopes.stack.append(_Scope(module, [
-                [getattr(module, name) for name in group] for group in self.groups]))
+    def enter(self, module: nn.Module, args: tuple) -> None:
+        if torch.compiler.is_compiling():
+            return
+        groups = {}
+        for index, names in enumerate(self.groups):
+            group = [getattr(module, name, None) for name in names]
+            if index not in self.alone and all(
+                    isinstance(getattr(m, "weight", None), Tensor) for m in group):
+                groups[index] = group
+        w4a4.sibling_scopes.stack.append(_Scope(module, groups))
 
-
-class _LeaveParent:
-    """Forward hook (also after an error): the parent's scope ends."""
-
-    def __call__(self, module: nn.Module, args: tuple, output: object) -> None:
+    def leave(self, module: nn.Module, args: tuple, output: object) -> None:
+        if torch.compiler.is_compiling():
+            return
         stack = w4a4.sibling_scopes.stack
         if stack and stack[-1].owner is module:
-            stack.pop()
+            scope = stack.pop()
+            self.alone.update(scope.unserved, (kept.group for kept in scope.kept.values()))

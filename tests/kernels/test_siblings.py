@@ -86,8 +86,8 @@ def test_siblings_run_in_two_launches_with_each_layers_bits(fmt, static):
 
 def test_siblings_that_cannot_launch_together_run_alone():
     """A transform on one sibling only, a static scale on one only, MX weights of different
-    decode shifts, rows on the prefill path, one layer or four: each layer its own call, the
-    same outputs."""
+    decode shifts, biases of two dtypes (one kernel pointer type), rows on the prefill path,
+    one layer or four: each layer its own call, the same outputs."""
     needs_kernels()
     k = 64
     x = torch.randn(2, k).to(torch.bfloat16)
@@ -101,6 +101,7 @@ def test_siblings_that_cannot_launch_together_run_alone():
         "two shifts": ("mxfp4", [mx[0], mx[1]._replace(weight_codes=far.qdata,
                                                         weight_scales=far.scale,
                                                         bias=mx[1].bias[:16])], x),
+        "bias dtypes": ("nvfp4", [nv[0], nv[1]._replace(bias=nv[1].bias.float())], x),
         "prefill rows": ("mxfp4", mx, torch.randn(300, k).to(torch.bfloat16)),
         "one layer": ("mxfp4", mx[:1], x),
         "four layers": ("mxfp4", mx + mx, x),
@@ -113,6 +114,36 @@ def test_siblings_that_cannot_launch_together_run_alone():
         assert_each_layers_bits(rows, layers, fmt, outputs)
     with pytest.raises(ValueError, match="no layers"):
         K.linear_w4a4_siblings(x, [], "mxfp4")
+
+
+def test_split_siblings_sum_each_partial_in_order():
+    """Three siblings with K split in two: each output tile's partials (in one buffer for all
+    the siblings) summed in split order, the bits of each layer's own launch at the same
+    splits, every split-K counter left at zero.  (The interpreter runs a column tile's
+    programs one after another, so siblings' partials written over each other would pass
+    here: the GPU test below, splitting K at 4096, would not.)"""
+    needs_kernels()
+    from kbbq_pl.kernels import skinny as S
+    from kbbq_pl.kernels import triton_kernels as tk
+
+    fmt, k, rows = "nvfp4", 1024, 3
+    layers = siblings(fmt, (16, 12, 9), k, static=False, seed=5)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    kind, rounding, gain = K._scale_meta(F.get_format(fmt))
+    _, _, pts, values = tk.quantize_activations(
+        x, [layer.transform for layer in layers], 16, kind, rounding, gain, None,
+        values_dtype=S.activation_dtype(kind), codes=False, word_order=True)
+    codes = [layer.weight_codes for layer in layers]
+    scales = [layer.weight_scales.view(torch.uint8) for layer in layers]
+    w_global = [layer.weight_global for layer in layers]
+    biases = [layer.bias for layer in layers]
+    grouped = S.skinny_matmul(values, rows, codes, scales, pts, w_global, 16, kind, gain, 0,
+                              biases, torch.float32, split_k=2)
+    for g, y in enumerate(grouped):
+        alone = S.skinny_matmul(values[g], rows, codes[g], scales[g], pts[g], w_global[g], 16,
+                                kind, gain, 0, biases[g], torch.float32, split_k=2)
+        assert torch.equal(y, alone), g
+    assert int(S._counter(CPU).abs().sum()) == 0
 
 
 def quantized_llama(fmt: str) -> nn.Module:
@@ -235,10 +266,41 @@ def test_a_copy_groups_its_own_layers():
         assert grouped.calls == 1
 
 
+class _CrossAttention(_Attention):
+    """q reads the decoder's input, k and v the encoder's states (another tensor)."""
+
+    def forward(self, x, states):
+        return self.q_proj(x), self.k_proj(states), self.v_proj(states)
+
+
+def test_siblings_reading_different_inputs_run_alone():
+    """Cross-attention's keys and values read another tensor than the queries: their kept
+    outputs serve nothing, so they run alone (not the group again), and from the next call
+    on the group runs alone, at no cost of its own."""
+    needs_kernels()
+    from kbbq_pl.quant import w4a4
+    from kbbq_pl.quant.siblings import group_sibling_linears
+
+    layers = mx_linears()
+    x, states = torch.randn(1, 64).to(torch.bfloat16), torch.randn(5, 64).to(torch.bfloat16)
+    attention = _CrossAttention(layers)
+    with torch.no_grad(), mock.patch.object(w4a4, "KERNEL_DEVICE_TYPES", ("cpu",)):
+        want = [layers["q"](x), layers["k"](states), layers["v"](states)]
+        group_sibling_linears(attention)
+        for call, counts in enumerate(((1, 2), (0, 3))):
+            grouped, alone = Counted(K, "linear_w4a4_siblings"), Counted(K, "linear_w4a4")
+            with grouped.patch, alone.patch:
+                got = attention(x, states)
+            assert (grouped.calls, alone.calls) == counts, call
+            for y, ref in zip(got, want):
+                assert torch.equal(y, ref)
+
+
 def test_a_kept_output_serves_only_the_unchanged_input():
     """An output computed with the first sibling's serves its own call only for the same
-    tensor, unchanged since (its version counter): an input changed in place between the
-    calls is multiplied anew; an error inside the parent leaves no scope behind."""
+    tensor, unchanged since (its version counter): after an input changed in place between
+    the calls, the others are multiplied anew, alone; an error inside the parent leaves no
+    scope behind."""
     needs_kernels()
     from kbbq_pl.quant import w4a4
     from kbbq_pl.quant.siblings import group_sibling_linears
@@ -252,7 +314,7 @@ def test_a_kept_output_serves_only_the_unchanged_input():
         grouped, alone = Counted(K, "linear_w4a4_siblings"), Counted(K, "linear_w4a4")
         with grouped.patch, alone.patch:
             got = attention(x.clone())
-        assert (grouped.calls, alone.calls) == (2, 0)  # q's, then k's anew (v's kept with it)
+        assert (grouped.calls, alone.calls) == (1, 2)  # q's; then k and v alone, anew
         for name, y, ref in zip("qkv", got, want):
             assert torch.equal(y.view(torch.int16), ref.view(torch.int16)), name
 

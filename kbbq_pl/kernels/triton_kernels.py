@@ -704,8 +704,8 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
         config = ACT_TILES[d]
         if config.get("TILES", 1) > 1:
             config = dict(config, TILES=tiles_per_program(
-                cdiv(m, config["BLOCK_M"]) * cdiv(n_blocks, config["NB"]), config["TILES"],
-                sm_count(device)))
+                cdiv(m, config["BLOCK_M"]) * cdiv(n_blocks, config["NB"]) * groups,
+                config["TILES"], sm_count(device)))
     elif config == "autotune":
         config = None
 

@@ -427,6 +427,25 @@ def check_section(run: Run) -> None:
                 rows.append([name, m, path, product, "yes" if ok else "NO", excess])
                 run.add("check", kind="product", fmt=name, m=m, path=path, product=product,
                         within_one_rounding=ok, excess=excess)
+        # q/k/v-like siblings (N, N/4, N/4), each its own transform, in one launch pair
+        siblings = [(q, t)] + [(quantized(torch.randn(n // 4, k, device=device) * 0.02, name),
+                                kbbq_blocks(k, d, device, seed=3 + i)) for i in range(2)]
+        layers = [K.SiblingLinear(s.qdata, s.scale, s.global_scale, st,
+                                  prepared=K.prepare_weight(s.qdata, s.scale, s.global_scale,
+                                                            name)) for s, st in siblings]
+        for m in run.shapes["path_m"]:
+            if K.choose_path(m, name) != "decode":
+                continue
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            outputs = K.linear_w4a4_siblings(x, layers, name)
+            fits = [within_one_rounding(y, exact_product(x, st, s, name))
+                    for y, (s, st) in zip(outputs, siblings)]
+            ok, excess = all(f[0] for f in fits), max(f[1] for f in fits)
+            paths_all += 1
+            paths_ok += ok
+            rows.append([name, m, "decode, 3 siblings", "-", "yes" if ok else "NO", excess])
+            run.add("check", kind="product", fmt=name, m=m, path="decode, 3 siblings",
+                    product="-", within_one_rounding=ok, excess=excess)
     table(f"linear_w4a4 against the exact product of the same codes, K = {k}, N = {n}",
           ["format", "M", "path", "prefill product", "within one bf16 rounding",
            "worst excess / max|ref|"], rows)

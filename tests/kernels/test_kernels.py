@@ -756,7 +756,7 @@ def test_gpu_bench_tiny_run(capsys):
     out = capsys.readouterr().out
     summary = out[out.index("## summary"):]
     for row in ("bit for bit the CPU reference | 1/1", "within one bf16 rounding of the exact "
-                "product | 5/5", "linear M=1 nvfp4", "activation nvfp4 16x16 blocks, exact",
+                "product | 7/7", "linear M=1 nvfp4", "activation nvfp4 16x16 blocks, exact",
                 "decode-step activation kernel nvfp4: time of 'fma dot, 4 warps'",
                 "model nvfp4: decode batch 2", "model nvfp4: prefill",
                 "rows from which prefill beats decode, nvfp4", "peers: skipped",
@@ -795,7 +795,7 @@ def test_gpu_bench_tiny_run(capsys):
     module.main(["--tiny", "--formats", "mxfp4", "--sections", "check,gemm,rows"])
     out = capsys.readouterr().out
     summary = out[out.index("## summary"):]
-    assert "within one bf16 rounding of the exact product | 6/6" in summary
+    assert "within one bf16 rounding of the exact product | 8/8" in summary
     assert "mxfp4 on FP8 tensor cores (opt-in, eager): x bf16" in summary
     assert "rows from which the FP8 product (graph, no host read) beats decode" in summary
     assert "| fp8 (graph, no host read) |" in out
@@ -806,7 +806,7 @@ def test_gpu_bench_tiny_run(capsys):
     out = capsys.readouterr().out
     summary = out[out.index("## summary"):]
     assert "MX on FP8 tensor cores: FAILED (RuntimeError: no FP8 here)" in summary
-    assert "within one bf16 rounding of the exact product | 5/5" in summary
+    assert "within one bf16 rounding of the exact product | 7/7" in summary
 
 
 def test_gemlite_nvfp4_peers_skipped_where_triton_cannot_compile_them():

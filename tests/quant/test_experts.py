@@ -243,14 +243,17 @@ def test_moe_experts_run_the_kernels_under_the_interpreter(monkeypatch):
     ids = IDS[:1, :6]
     with torch.no_grad():
         emulated = model(ids).logits
-        rows = []
-        linear_w4a4 = K.linear_w4a4
+        rows, grouped = [], []
+        linear_w4a4, siblings = K.linear_w4a4, K.linear_w4a4_siblings
         monkeypatch.setattr(w4a4, "KERNEL_DEVICE_TYPES", ("cpu",))
         monkeypatch.setattr(K, "linear_w4a4", lambda x, *args, **kwargs: (
             rows.append(x.numel() // x.shape[-1]), linear_w4a4(x, *args, **kwargs))[1])
+        monkeypatch.setattr(K, "linear_w4a4_siblings", lambda x, layers, fmt: (
+            grouped.append(len(layers)), siblings(x, layers, fmt))[1])
         assert torch.equal(model(ids).logits, emulated)
-    # per block: 4 attention layers on 6 tokens, each token's 2 experts (up and down)
-    assert sum(rows) == 2 * (4 * 6 + 6 * 2 * 2) and min(rows) < 6
+    # per block: q/k/v together and o on 6 tokens, each token's 2 experts (up and down)
+    assert grouped == [3, 3]
+    assert sum(rows) == 2 * (6 + 6 * 2 * 2) and min(rows) < 6
 
 
 @pytest.mark.gpu

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from . import w4a4
+from .layers import QuantizedLinear
 from .modules import fused_groups
 from .w4a4 import W4A4Weight
 
@@ -131,14 +132,15 @@ _HOOKED = "_kbbq_sibling_hooks"
 
 
 def group_sibling_linears(model: nn.Module) -> SiblingHooks:
-    """Hook every module of ``model`` that holds sibling linears (q/k/v, gate/up:
+    """Hook every module of ``model`` that holds quantized sibling linears (q/k/v, gate/up:
     :func:`~kbbq_pl.quant.modules.fused_groups`) so that, on the kernels' decode path, the
     siblings run in two launches together (module docstring).  A parent already hooked is
     left as it is.  The hooks name the siblings by attribute (a deep copy of the model groups
     its own layers; the hooks pickle).  Returns the hooks (the groups hooked, and
     ``remove()``)."""
-    names = [name for name, module in model.named_modules()
-             if isinstance(getattr(module, "weight", None), Tensor) and module.weight.dim() == 2]
+    names = [name for name, module in model.named_modules()  # the quantized linears only
+             if isinstance(module, QuantizedLinear)
+             or isinstance(getattr(module, "weight", None), W4A4Weight)]
     by_parent: dict[str, list[list[str]]] = {}
     for group in fused_groups(names):
         by_parent.setdefault(group[0].rpartition(".")[0], []).append(group)

@@ -92,7 +92,9 @@ the run goes on, and the summary says what failed or was skipped for time):
 
 * ``compiled`` (after the peers): the model section's batch-1 decoding with every step
   through ``torch.compile`` on both sides (a W4A4 linear is one custom operator to the
-  compiler), replayed from a CUDA graph.  Target 2.0x, as eager.
+  compiler; q/k/v and gate/up one operator each, by the sibling pass the loaders install),
+  replayed from a CUDA graph; then again with each linear its own operator (the pass off:
+  the grouping's gain).  Target 2.0x, as eager.
 
 ``--tiny`` runs every section's logic on tiny shapes on the CPU under Triton's interpreter
 (timings meaningless; of the peers only the GemLite-on-ours rows, where a test stands in for
@@ -1889,16 +1891,27 @@ def compiled_section(run: Run) -> None:
     print(f"  bf16: {base:.1f} tok/s ({how})", flush=True)
     state = {k: v.clone() for k, v in reference.state_dict().items()}
     del reference
+    from torch._inductor import config
+
     for name, model, _ in quantized_models(run, "compiled", state, calibration):
-        torch._dynamo.reset()
-        got, how = decode_tokens_per_second(model, prompt, shapes["decode_tokens"], run.cuda,
-                                            compiled=True)
-        ratio = got / base
-        rows.append([name, got, ratio, how])
-        print(f"  {name}: {got:.1f} tok/s ({how})", flush=True)
-        run.add("compiled", fmt=name, decode_b1_x=ratio, how=how)
-        run.goal(f"model {name} compiled: decode batch 1 x bf16 compiled", f"{ratio:.3g}",
-                 [ratio], TARGETS["model_decode_1"])
+        # as loaded (Inductor's post-grad pass runs q/k/v and gate/up as one operator each),
+        # then with every linear its own operator (the pass off), while time is left
+        for label, compile_pass in ((name, config.post_grad_custom_post_pass),
+                                    (f"{name}, each linear on its own", None)):
+            if label != name and run.left() < 60:
+                run.notes.append(f"compiled: {label} skipped for time")
+                continue
+            torch._dynamo.reset()
+            with config.patch(post_grad_custom_post_pass=compile_pass):
+                got, how = attempt(run, f"compiled {label}", functools.partial(
+                    decode_tokens_per_second, model, prompt, shapes["decode_tokens"],
+                    run.cuda, compiled=True), (math.nan, "failed"))
+            ratio = got / base
+            rows.append([label, got, ratio, how])
+            print(f"  {label}: {got:.1f} tok/s ({how})", flush=True)
+            run.add("compiled", fmt=name, grouped=label == name, decode_b1_x=ratio, how=how)
+            run.goal(f"model {label} compiled: decode batch 1 x bf16 compiled", f"{ratio:.3g}",
+                     [ratio], TARGETS["model_decode_1"])
         del model
     table(f"whole model under torch.compile: random Llama, hidden {shapes['hidden']}, "
           f"{shapes['layers']} layers, batch-1 decode", ["model", "tok/s", "x bf16", "run"],

@@ -13,13 +13,18 @@ ask for them with the same input (the same tensor, unchanged since: its version 
 the same bias.  Each output is what the layer's own call would give: within the same one
 rounding of the exact product of its codes, and the same bits where the grouped launch takes
 the layer's own tile and K splits (it chooses them for all the siblings' columns together, so
-on a GPU it may not).  Anything else (a prefill, the emulation on a CPU, a gradient,
-``torch.compile``, an inference-mode input, whose changes no version counter tells) runs each
-layer on its own, as without the hooks; so does, from then on, a group whose outputs were
+on a GPU it may not).  Anything else (a prefill, the emulation on a CPU, a gradient, an
+inference-mode input, whose changes no version counter tells) runs each layer on its own, as
+without the hooks; so does, from then on, a group whose outputs were
 computed together but not all asked for with that input (cross-attention's keys and values
 read the encoder's states).  A write the version counter does not see (through ``.data``, a
 kernel's or DLPack's) between two siblings' calls would go unnoticed, as it would by any
 cache keyed on it.
+
+Under ``torch.compile`` the hooks stand aside: each linear reaches the graph as one
+``kbbq_pl::w4a4_linear`` operator, and :func:`merge_sibling_linears`, Inductor's post-grad pass
+(:class:`SiblingLinearPass`, installed by :func:`group_sibling_linears`), puts one
+``kbbq_pl::w4a4_linear_siblings`` operator in place of the siblings' that read one input node.
 
 The loaders (``from_pretrained`` through transformers, :func:`kbbq_pl.from_pretrained`) and
 :func:`kbbq_pl.quantize_model` group the siblings of the models they return; call
@@ -28,11 +33,13 @@ The loaders (``from_pretrained`` through transformers, :func:`kbbq_pl.from_pretr
 
 from __future__ import annotations
 
+import operator
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.utils.hooks import RemovableHandle
 
 from . import w4a4
@@ -77,19 +84,9 @@ class _Scope:
                              if any(m.weight is weight for m in g)), (None, None))
         if group is None or any(m.weight is weight and m.bias is not bias for m in group):
             return None
-        weights = [m.weight for m in group]
-        if not all(_runs_with(x, w, weight) for w in weights):
+        outputs = w4a4.grouped_linears(x, [m.weight for m in group], [m.bias for m in group])
+        if outputs is None:
             return None
-        kernels = w4a4._kernels()
-        assert kernels is not None  # uses_kernels said so
-        rows = x.numel() // x.shape[-1]
-        if kernels.choose_path(rows, weight.fmt) != "decode":
-            return None
-        scales = [w.act_global_scale if w.act_scale == "static" else None for w in weights]
-        layers = [kernels.SiblingLinear(w.qdata, w.scale, w.global_scale, w.transform, scale,
-                                        m.bias, w4a4._prepared_weight(kernels, w, scale))
-                  for w, scale, m in zip(weights, scales, group)]
-        outputs = kernels.linear_w4a4_siblings(x, layers, weight.fmt)
         mine = None
         for module, y in zip(group, outputs):
             if module.weight is weight:
@@ -98,16 +95,6 @@ class _Scope:
                 self.kept[id(module.weight)] = _Kept(index, weakref.ref(x), x._version,
                                                      module.bias, y)
         return mine
-
-
-def _runs_with(x: Tensor, weight: object, first: W4A4Weight) -> bool:
-    """Whether sibling ``weight`` runs on the kernels for ``x`` in the first's format and
-    width, its static activation scale (if any) calibrated."""
-    return (isinstance(weight, W4A4Weight) and weight.fmt == first.fmt
-            and weight.last_dim == first.last_dim
-            and x.shape[-1] in (weight.in_features, weight.last_dim)
-            and weight.qdata.device == x.device and w4a4.uses_kernels(x, weight)
-            and (weight.act_scale != "static" or weight.act_global_scale is not None))
 
 
 class SiblingHooks:
@@ -136,7 +123,8 @@ def group_sibling_linears(model: nn.Module) -> SiblingHooks:
     :func:`~kbbq_pl.quant.modules.fused_groups`) so that, on the kernels' decode path, the
     siblings run in two launches together (module docstring).  A parent already hooked is
     left as it is.  The hooks name the siblings by attribute (a deep copy of the model groups
-    its own layers; the hooks pickle).  Returns the hooks (the groups hooked, and
+    its own layers; the hooks pickle).  Where it hooks any, it installs the compiler's pass
+    too (:func:`install_compile_pass`).  Returns the hooks (the groups hooked, and
     ``remove()``)."""
     names = [name for name, module in model.named_modules()  # the quantized linears only
              if isinstance(module, QuantizedLinear)
@@ -156,6 +144,8 @@ def group_sibling_linears(model: nn.Module) -> SiblingHooks:
             parent.register_forward_pre_hook(parent_hooks.enter),
             parent.register_forward_hook(parent_hooks.leave, always_call=True)]))
         hooks.groups += groups
+    if hooks.groups:
+        install_compile_pass()
     return hooks
 
 
@@ -187,3 +177,87 @@ class _ParentHooks:
         if stack and stack[-1].owner is module:
             scope = stack.pop()
             self.alone.update(scope.unserved, (kept.group for kept in scope.kept.values()))
+
+
+# ---------------------------------------------------------------------- under torch.compile
+
+
+def merge_sibling_linears(graph: torch.fx.Graph) -> int:
+    """Inductor's post-grad graph with each run of sibling ``kbbq_pl::w4a4_linear`` calls (2 or
+    3 reading the same input node in one format, width and kind of transform, static scale and
+    bias) replaced by one ``kbbq_pl::w4a4_linear_siblings`` call, placed before the first of
+    them; a call whose operands the graph computes only after the first stays on its own.  The
+    compiled form of the eager hooks: each output is its layer's (:func:`w4a4.grouped_linears`).
+    Returns the number of calls made.  Nothing changes without ``kbbq_pl.kernels``."""
+    single = torch.ops.kbbq_pl.w4a4_linear.default
+    candidates: dict[tuple, list[torch.fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is single:
+            candidates.setdefault(_sibling_key(node), []).append(node)
+    kernels = w4a4._kernels() if any(len(nodes) > 1 for nodes in candidates.values()) else None
+    if kernels is None:
+        return 0
+    made = 0
+    for nodes in candidates.values():
+        while len(nodes) > 1:
+            order = {node: i for i, node in enumerate(graph.nodes)}  # with the calls made so far
+            first, group, rest = nodes[0], [nodes[0]], []
+            for node in nodes[1:]:
+                if len(group) < kernels.MAX_SIBLINGS and all(
+                        order[n] < order[first] for n in node.all_input_nodes):
+                    group.append(node)
+                else:
+                    rest.append(node)
+            if len(group) > 1:
+                _replace_with_one_call(graph, group)
+                made += 1
+            nodes = rest
+    return made
+
+
+def _sibling_key(node: torch.fx.Node) -> tuple:
+    """What sibling calls must share to run as one: the input node, the format's fields and
+    the padded width (``kbbq_pl::w4a4_linear``'s arguments 7 to 12), whether each has a
+    transform, a static activation scale and a bias (of which dtype)."""
+    x, _, _, _, transform, _, bias, *fields = node.args
+    bias_val = None if bias is None else bias.meta.get("val")
+    return (x, *fields[:6], transform is None, fields[7] == "static",
+            None if bias is None else getattr(bias_val, "dtype", "bias"))
+
+
+def _replace_with_one_call(graph: torch.fx.Graph, group: list[torch.fx.Node]) -> None:
+    columns = list(zip(*(node.args for node in group)))
+    x, fmt_fields, last_dim = group[0].args[0], group[0].args[7:12], group[0].args[12]
+    args = (x, *(list(columns[i]) for i in range(1, 7)), *fmt_fields, last_dim,
+            list(columns[13]), list(columns[14]), list(columns[15]))
+    with graph.inserting_before(group[0]):
+        call = graph.call_function(torch.ops.kbbq_pl.w4a4_linear_siblings.default, args)
+        call.meta["val"] = [node.meta.get("val") for node in group]
+        for i, node in enumerate(group):
+            item = graph.call_function(operator.getitem, (call, i))
+            item.meta.update(node.meta)
+            node.replace_all_uses_with(item)
+    for node in group:
+        graph.erase_node(node)
+
+
+class SiblingLinearPass(CustomGraphPass):
+    """:func:`merge_sibling_linears` as Inductor's ``post_grad_custom_post_pass`` (its
+    ``uuid`` keys the compile cache on this file and the operators')."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        merge_sibling_linears(graph)
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__, w4a4.__file__))
+
+
+def install_compile_pass() -> bool:
+    """Make :class:`SiblingLinearPass` Inductor's ``post_grad_custom_post_pass`` (a global
+    setting, as torchao's concat-linear passes set it) unless another pass holds it: call
+    :func:`merge_sibling_linears` from that one.  Returns whether the pass is installed."""
+    from torch._inductor import config
+
+    if config.post_grad_custom_post_pass is None:
+        config.post_grad_custom_post_pass = SiblingLinearPass()
+    return isinstance(config.post_grad_custom_post_pass, SiblingLinearPass)

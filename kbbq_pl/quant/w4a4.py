@@ -31,7 +31,8 @@ each weight's decoded FP32 copy (4 bytes per weight element) until the block end
 
 Under ``torch.compile`` (and ``torch.export``) the product is one custom operator,
 ``torch.ops.kbbq_pl.w4a4_linear`` (:func:`compiled_linear`), that runs the above eagerly, with
-or without a gradient.
+or without a gradient; Inductor's pass of :mod:`kbbq_pl.quant.siblings` replaces siblings'
+operators on one input by ``torch.ops.kbbq_pl.w4a4_linear_siblings`` (:func:`grouped_linears`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import contextlib
 import importlib
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -367,6 +368,39 @@ def w4a4_linear(x: Tensor, weight: W4A4Weight, bias: Tensor | None = None, *,
     return _emulated_linear(x, weight, bias, scale)
 
 
+def grouped_linears(x: Tensor, weights: Sequence[W4A4Weight],
+                    biases: Sequence[Tensor | None]) -> list[Tensor] | None:
+    """``[F.linear(x, w, b) for w, b in zip(weights, biases)]`` for sibling layers reading one
+    input (q/k/v, gate/up), computed together by :func:`kbbq_pl.kernels.linear_w4a4_siblings`
+    where they all run on the kernels in one format and width and ``x``'s rows take the decode
+    path; else None (each then runs :func:`w4a4_linear` on its own).  No gradient: the eager
+    hooks (:mod:`kbbq_pl.quant.siblings`) and the compiled operator call it outside autograd."""
+    first = weights[0]
+    if not all(_runs_with(x, w, first) for w in weights):
+        return None
+    kernels = _kernels()
+    assert kernels is not None  # uses_kernels said so
+    if kernels.choose_path(x.numel() // x.shape[-1], first.fmt) != "decode":
+        return None
+    layers = []
+    for weight, bias in zip(weights, biases):
+        scale = weight.act_global_scale if weight.act_scale == "static" else None
+        layers.append(kernels.SiblingLinear(weight.qdata, weight.scale, weight.global_scale,
+                                            weight.transform, scale, bias,
+                                            _prepared_weight(kernels, weight, scale)))
+    return kernels.linear_w4a4_siblings(x, layers, first.fmt)
+
+
+def _runs_with(x: Tensor, weight: object, first: W4A4Weight) -> bool:
+    """Whether sibling ``weight`` runs on the kernels for ``x`` in the first's format and
+    width, its static activation scale (if any) calibrated."""
+    return (isinstance(weight, W4A4Weight) and weight.fmt == first.fmt
+            and weight.last_dim == first.last_dim
+            and x.shape[-1] in (weight.in_features, weight.last_dim)
+            and weight.qdata.device == x.device and uses_kernels(x, weight)
+            and (weight.act_scale != "static" or weight.act_global_scale is not None))
+
+
 class _SiblingScopes(threading.local):
     """Per thread, the parent modules running now whose sibling linears run together
     (:mod:`kbbq_pl.quant.siblings` pushes and pops them on ``stack``), innermost last."""
@@ -512,6 +546,35 @@ def _w4a4_linear_backward(ctx, grad: Tensor):
 
 _w4a4_linear_op.register_autograd(_w4a4_linear_backward,
                                   setup_context=_w4a4_linear_setup_context)
+
+
+@torch.library.custom_op(
+    "kbbq_pl::w4a4_linear_siblings", mutates_args=(),
+    schema="(Tensor x, Tensor[] qdata, Tensor[] scale, Tensor?[] global_scale, "
+           "Tensor?[] transform, Tensor?[] act_global_scale, Tensor?[] bias, str fmt_name, "
+           "int block_size, str scale_kind, bool has_global_scale, str e8m0_rounding, "
+           "int last_dim, int[] in_features, str[] act_scale, str[] layer_name) -> Tensor[]")
+def _w4a4_linear_siblings_op(x, qdata, scale, global_scale, transform, act_global_scale, bias,
+                             fmt_name, block_size, scale_kind, has_global_scale, e8m0_rounding,
+                             last_dim, in_features, act_scale, layer_name):
+    """Sibling ``kbbq_pl::w4a4_linear`` calls on one input as one operator: what the compiler
+    pass of :mod:`kbbq_pl.quant.siblings` puts in their place, after autograd (so no backward
+    of its own).  Each output is its layer's operator's (:func:`grouped_linears`)."""
+    fmt = _block_fp4(fmt_name, block_size, scale_kind, has_global_scale, e8m0_rounding)
+    weights = [W4A4Weight(q, s, fmt, x.dtype, last_dim, n, kind, g, t, a, name)
+               for q, s, n, kind, g, t, a, name in zip(qdata, scale, in_features, act_scale,
+                                                       global_scale, transform,
+                                                       act_global_scale, layer_name)]
+    with torch.no_grad():
+        outputs = grouped_linears(x, weights, bias)
+        if outputs is None:
+            outputs = [w4a4_linear(x, w, b) for w, b in zip(weights, bias)]
+    return outputs
+
+
+@_w4a4_linear_siblings_op.register_fake
+def _w4a4_linear_siblings_fake(x, qdata, *args):
+    return [x.new_empty((*x.shape[:-1], q.shape[0])) for q in qdata]
 
 
 # ---------------------------------------------------------------------- the trainable weight

@@ -761,6 +761,7 @@ def test_gpu_bench_tiny_run(capsys):
                 "model nvfp4: decode batch 2", "model nvfp4: prefill",
                 "rows from which prefill beats decode, nvfp4", "peers: skipped",
                 "model nvfp4 compiled: decode batch 1 x bf16 compiled",
+                "model nvfp4, each linear on its own compiled: decode batch 1 x bf16 compiled",
                 "model nvfp4: decode batch 1 x bf16, one-row DP4A product (opt-in)",
                 "model nvfp4: decode batch 1 x bf16, each linear launched on its own"):
         assert row in summary, row
@@ -781,6 +782,23 @@ def test_gpu_bench_tiny_run(capsys):
     model_row = next(line for line in out.splitlines() if line.startswith("| mxfp4 | ")
                      and line.count("|") == 15)
     assert float(model_row.split("|")[12]) < 1e-2, model_row
+    # compiled, the sibling pass runs q/k/v and gate/up as one operator each (then, the pass
+    # off, each linear alone)
+    from kbbq_pl.quant import siblings
+
+    made = []
+
+    def merge(graph):
+        made.append(real_merge(graph))
+        return made[-1]
+
+    real_merge = siblings.merge_sibling_linears
+    with mock.patch.object(siblings, "merge_sibling_linears", merge), \
+            mock.patch.object(K, "linear_w4a4_siblings", wraps=K.linear_w4a4_siblings) as grouped:
+        module.main(["--tiny", "--formats", "mxfp4", "--sections", "compiled"])
+    compiled_out = capsys.readouterr().out
+    assert 2 in made and grouped.call_count > 0, made
+    assert "| mxfp4, each linear on its own | " in compiled_out
     # a goal missed (every speed goal, on the CPU) says by how much
     assert "| 0.35 | 0/1; worst " in summary and "x from the target |" in summary
     assert "FAILED" not in summary

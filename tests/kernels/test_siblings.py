@@ -214,19 +214,19 @@ class _Attention(nn.Module):
         return q, self.k_proj(x), self.v_proj(x)
 
 
-def mx_linears() -> dict[str, nn.Linear]:
-    """q, k, v: MX layers with their own random transforms, of one decode shift (0), so that
-    they launch together."""
+def mx_linears(names: str = "qkv", plain: str = "", out: int = 32) -> dict[str, nn.Linear]:
+    """q, k, v: MX layers with their own random transforms (none for those in ``plain``), of
+    one decode shift (0), so that they launch together."""
     from kbbq_pl.quant.layers import w4a4_weight
 
     torch.manual_seed(0)
     layers = {}
-    for i, name in enumerate("qkv"):
-        linear = nn.Linear(64, 32).to(torch.bfloat16)
+    for i, name in enumerate(names):
+        linear = nn.Linear(64, out).to(torch.bfloat16)
         with torch.no_grad():
             linear.weight.mul_(0.05)  # W T^-1 of a random T: block scales below 2
-        weight = w4a4_weight(linear, "mxfp4", make_transform("random", 64, 32, seed=i),
-                             act_scale="dynamic", name=f"{name}_proj")
+        t = None if name in plain else make_transform("random", 64, 32, seed=i)
+        weight = w4a4_weight(linear, "mxfp4", t, act_scale="dynamic", name=f"{name}_proj")
         assert K.prepare_weight(weight.qdata, weight.scale, None, "mxfp4").shift(
             weight.scale) == 0
         linear.weight = nn.Parameter(weight, requires_grad=False)
@@ -325,6 +325,156 @@ def test_a_kept_output_serves_only_the_unchanged_input():
         with pytest.raises(RuntimeError, match="inside the parent"):
             attention(x)
         assert w4a4.sibling_scopes.stack == []
+
+
+def compiled_with_the_pass(module: nn.Module, counts: list) -> nn.Module:
+    """``module`` compiled to ATen graphs run as they are (no Inductor: its fusions of the
+    other operations round their own way) after :func:`merge_sibling_linears`; ``counts``
+    gets, per graph, the grouped calls made and the single operators left."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from kbbq_pl.quant.siblings import merge_sibling_linears
+
+    def forward_compiler(gm, example_inputs):
+        made = merge_sibling_linears(gm.graph)
+        gm.recompile()
+        single = torch.ops.kbbq_pl.w4a4_linear.default
+        counts.append((made, sum(n.target is single for n in gm.graph.nodes)))
+        return gm
+
+    torch._dynamo.reset()
+    return torch.compile(module, backend=aot_autograd(fw_compiler=forward_compiler),
+                         fullgraph=True)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_compiled_llama_runs_q_k_v_and_gate_up_as_one_operator(fmt):
+    """Under ``torch.compile`` the hooks stand aside; the post-grad pass puts one
+    ``kbbq_pl::w4a4_linear_siblings`` in place of q/k/v's and gate/up's operators: 4 grouped
+    calls and 4 single ones for 2 layers, the eager logits bit for bit."""
+    needs_kernels()
+    from kbbq_pl.quant import w4a4
+
+    model = quantized_llama(fmt)
+    ids = torch.randint(0, 256, (1, 3), generator=torch.Generator().manual_seed(1))
+    counts: list = []
+    with torch.no_grad(), mock.patch.object(w4a4, "KERNEL_DEVICE_TYPES", ("cpu",)):
+        eager = model(ids).logits
+        compiled = compiled_with_the_pass(model, counts)
+        each, grouped = Counted(K, "linear_w4a4"), Counted(K, "linear_w4a4_siblings")
+        with each.patch, grouped.patch:
+            logits = compiled(ids).logits
+    assert counts == [(4, 4)]
+    assert (each.calls, grouped.calls) == (4, 4)
+    assert torch.equal(logits, eager)
+
+
+class _Readers(nn.Module):
+    """Layers reading one input; ``late`` takes a bias the graph computes after the first
+    layer's call."""
+
+    def __init__(self, layers: dict[str, nn.Linear], late: str = ""):
+        super().__init__()
+        self.layers, self.late = nn.ModuleDict(layers), late
+
+    def forward(self, x):
+        return [torch.nn.functional.linear(x, layer.weight, layer.bias * 2)
+                if name in self.late else layer(x) for name, layer in self.layers.items()]
+
+
+@pytest.mark.parametrize("names, plain, late, made_left, calls", [
+    ("qkvg", "", "", (1, 1), (1, 1)),  # at most 3 together
+    ("qkv", "k", "", (1, 1), (1, 1)),  # k without a transform: not k's siblings
+    ("qkv", "", "v", (1, 1), (1, 1)),  # v's bias computed after q's call: alone
+    ("qk", "", "", (1, 0), (1, 0)),
+    ("qkv", "qkv", "", (1, 0), (1, 0)),  # none with a transform: together
+])
+def test_the_pass_groups_only_what_can_run_as_one_call(names, plain, late, made_left, calls):
+    needs_kernels()
+    from kbbq_pl.quant import w4a4
+
+    layers = mx_linears(names, plain)
+    readers = _Readers(layers, late)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    counts: list = []
+    with torch.no_grad(), mock.patch.object(w4a4, "KERNEL_DEVICE_TYPES", ("cpu",)):
+        want = readers(x)
+        compiled = compiled_with_the_pass(readers, counts)
+        grouped, alone = Counted(K, "linear_w4a4_siblings"), Counted(K, "linear_w4a4")
+        with grouped.patch, alone.patch:
+            got = compiled(x)
+    assert counts == [made_left]
+    assert (grouped.calls, alone.calls) == calls
+    for name, y, ref in zip(names, got, want):
+        assert torch.equal(y.view(torch.int16), ref.view(torch.int16)), name
+
+
+class _Chain(nn.Module):
+    """a and b read the input; c and d read a's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.ModuleDict(mx_linears("ab", out=64)), \
+            nn.ModuleDict(mx_linears("cd"))
+
+    def forward(self, x):
+        a, b = (layer(x) for layer in self.first.values())
+        return [b, *(layer(a) for layer in self.second.values())]
+
+
+def test_siblings_reading_a_grouped_output_run_as_one_call_too():
+    needs_kernels()
+    from kbbq_pl.quant import w4a4
+
+    chain = _Chain()
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    counts: list = []
+    with torch.no_grad(), mock.patch.object(w4a4, "KERNEL_DEVICE_TYPES", ("cpu",)):
+        want = chain(x)
+        grouped = Counted(K, "linear_w4a4_siblings")
+        with grouped.patch:
+            got = compiled_with_the_pass(chain, counts)(x)
+    assert counts == [(2, 0)] and grouped.calls == 2
+    for y, ref in zip(got, want):
+        assert torch.equal(y.view(torch.int16), ref.view(torch.int16))
+
+
+def test_inductor_runs_the_pass_the_hooks_install():
+    """:func:`group_sibling_linears` (what the loaders call) makes the pass Inductor's
+    post-grad pass unless another holds it; a model compiled by Inductor then runs its
+    siblings as one call each, to the logits of Inductor without the pass."""
+    needs_kernels()
+    from torch._inductor import config
+
+    from kbbq_pl.quant import w4a4
+    from kbbq_pl.quant.siblings import (
+        SiblingLinearPass,
+        group_sibling_linears,
+        install_compile_pass,
+    )
+
+    def other(graph):
+        pass
+
+    with config.patch(post_grad_custom_post_pass=other):
+        assert not install_compile_pass() and config.post_grad_custom_post_pass is other
+    model = quantized_llama("nvfp4")
+    ids = torch.randint(0, 256, (1, 3), generator=torch.Generator().manual_seed(1))
+    logits, calls = [], []
+    with torch.no_grad(), mock.patch.object(w4a4, "KERNEL_DEVICE_TYPES", ("cpu",)), \
+            config.patch(post_grad_custom_post_pass=None, fx_graph_cache=False):
+        for hooked in (False, True):
+            if hooked:
+                group_sibling_linears(model)
+                assert isinstance(config.post_grad_custom_post_pass, SiblingLinearPass)
+            torch._dynamo.reset()
+            compiled = torch.compile(model, fullgraph=True)
+            each, grouped = Counted(K, "linear_w4a4"), Counted(K, "linear_w4a4_siblings")
+            with each.patch, grouped.patch:
+                logits.append(compiled(ids).logits)
+            calls.append((each.calls, grouped.calls))
+    assert calls == [(14, 0), (4, 4)]
+    assert torch.equal(*logits)
 
 
 @pytest.mark.gpu

@@ -34,8 +34,10 @@ The loaders (``from_pretrained`` through transformers, :func:`kbbq_pl.from_pretr
 from __future__ import annotations
 
 import operator
+import warnings
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -159,6 +161,12 @@ class _ParentHooks:
         self.groups = groups
         self.alone: set[int] = set()
 
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled with its model (``torch.load`` of a whole model): the compiler's pass too,
+        as :func:`group_sibling_linears` installs it."""
+        self.__dict__.update(state)
+        install_compile_pass()
+
     def enter(self, module: nn.Module, args: tuple) -> None:
         if torch.compiler.is_compiling():
             return
@@ -186,7 +194,8 @@ def merge_sibling_linears(graph: torch.fx.Graph) -> int:
     """Inductor's post-grad graph with each run of sibling ``kbbq_pl::w4a4_linear`` calls (2 or
     3 reading the same input node in one format, width and kind of transform, static scale and
     bias) replaced by one ``kbbq_pl::w4a4_linear_siblings`` call, placed before the first of
-    them; a call whose operands the graph computes only after the first stays on its own.  The
+    them; a call whose operands the graph computes only after the first waits for the next
+    group (with the calls after it) or runs alone.  The
     compiled form of the eager hooks: each output is its layer's (:func:`w4a4.grouped_linears`).
     Returns the number of calls made.  Nothing changes without ``kbbq_pl.kernels``."""
     single = torch.ops.kbbq_pl.w4a4_linear.default
@@ -249,7 +258,8 @@ class SiblingLinearPass(CustomGraphPass):
         merge_sibling_linears(graph)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__, w4a4.__file__))
+        kernels = Path(__file__).parents[1] / "kernels" / "__init__.py"  # MAX_SIBLINGS
+        return get_hash_for_files((__file__, w4a4.__file__, str(kernels)))
 
 
 def install_compile_pass() -> bool:
@@ -260,4 +270,9 @@ def install_compile_pass() -> bool:
 
     if config.post_grad_custom_post_pass is None:
         config.post_grad_custom_post_pass = SiblingLinearPass()
-    return isinstance(config.post_grad_custom_post_pass, SiblingLinearPass)
+    if isinstance(config.post_grad_custom_post_pass, SiblingLinearPass):
+        return True
+    warnings.warn("torch._inductor.config.post_grad_custom_post_pass holds another pass: under "
+                  "torch.compile each W4A4 linear runs alone unless that pass calls "
+                  "kbbq_pl.quant.siblings.merge_sibling_linears(graph)", stacklevel=2)
+    return False

@@ -236,13 +236,16 @@ def mx_linears(names: str = "qkv", plain: str = "", out: int = 32) -> dict[str, 
 
 def test_a_copy_groups_its_own_layers():
     """The hooks name the siblings by attribute: a deep copy of a hooked module groups its own
-    layers, and a model saved whole (``torch.save``) loads with its hooks."""
+    layers, and a model saved whole (``torch.save``) loads with its hooks and the compiler's
+    pass."""
     needs_kernels()
     import copy
     import io
 
+    from torch._inductor import config
+
     from kbbq_pl.quant import w4a4
-    from kbbq_pl.quant.siblings import group_sibling_linears
+    from kbbq_pl.quant.siblings import SiblingLinearPass, group_sibling_linears
 
     attention = _Attention(mx_linears())
     group_sibling_linears(attention)
@@ -259,7 +262,9 @@ def test_a_copy_groups_its_own_layers():
         buffer = io.BytesIO()
         torch.save(attention, buffer)
         buffer.seek(0)
-        again = torch.load(buffer, weights_only=False)
+        with config.patch(post_grad_custom_post_pass=None):  # a new process: the pass too
+            again = torch.load(buffer, weights_only=False)
+            assert isinstance(config.post_grad_custom_post_pass, SiblingLinearPass)
         grouped = Counted(K, "linear_w4a4_siblings")
         with grouped.patch:
             again(x)
@@ -456,7 +461,8 @@ def test_inductor_runs_the_pass_the_hooks_install():
     def other(graph):
         pass
 
-    with config.patch(post_grad_custom_post_pass=other):
+    with config.patch(post_grad_custom_post_pass=other), \
+            pytest.warns(UserWarning, match="merge_sibling_linears"):
         assert not install_compile_pass() and config.post_grad_custom_post_pass is other
     model = quantized_llama("nvfp4")
     ids = torch.randint(0, 256, (1, 3), generator=torch.Generator().manual_seed(1))

@@ -59,7 +59,8 @@ the run goes on, and the summary says what failed or was skipped for time):
   NVFP4's activation scales static, calibrated on one prefill sequence, as every recipe ships
   them; q/k/v and gate/up grouped as ``from_pretrained`` groups them, two launches a group):
   weight memory, batch-1 and batch-16 greedy decoding (CUDA graphs; batch 1 again with every
-  linear launched on its own, the grouping's gain), prefill of 4 x 2048, the
+  linear launched on its own, the grouping's gain, and both models without a CUDA graph, as
+  plain ``generate`` decodes: the host's time per launch counts), prefill of 4 x 2048, the
   first block's linears on the kernels against the emulation on the same GPU, and each path's
   logits against bf16's; for MX the prefill again with ``PREFILL_PRODUCT = "fp8"`` (its
   logits against the default path's, and both paths' prefill logits against the bf16
@@ -1774,6 +1775,9 @@ def model_section(run: Run) -> None:
     progress("bf16 model built")
     base = measure(reference)
     base_prefill = prefill(reference)  # what the FP8 product's logits are held against
+    if 1 in prompts:  # plain generate's decoding: no CUDA graph, each launch from the host
+        base_eager, _ = decode_tokens_per_second(reference, prompts[1], shapes["decode_tokens"],
+                                                 False)
     header = ["model", "weights x bf16", "linears x bf16"]
     for b in prompts:
         header += [f"decode b{b} tok/s", f"decode b{b} x bf16"]
@@ -1844,6 +1848,17 @@ def model_section(run: Run) -> None:
                      f"{got[1][0] / base[1][0]:.3g})", f"{alone_ratio:.3g}", [alone_ratio],
                      TARGETS["model_decode_1"])
             run.add("model_siblings_alone", fmt=name, decode_b1_x=alone_ratio)
+
+            def eager_decode(model=model) -> float:
+                tps, _ = decode_tokens_per_second(model, prompts[1], shapes["decode_tokens"],
+                                                  False)
+                return tps / base_eager
+
+            eager_ratio = attempt(run, f"eager decode {name}", eager_decode, math.nan)
+            run.line(f"model {name}: decode batch 1 x bf16, both without a CUDA graph (as plain "
+                     f"generate decodes: host time counts; bf16 {base_eager:.1f} tok/s)",
+                     f"{eager_ratio:.3g}", "", "")
+            run.add("model_eager", fmt=name, decode_b1_x=eager_ratio, bf16_tok_s=base_eager)
         progress(f"{name} timed")
         profile_steps(run, model, prompts[min(prompts)], batch, name)
         linear_diff, kernel_logits, emulated = kernel_and_emulation(model, probe.to(device))

@@ -10,6 +10,12 @@ KBBQ-shaped per-block transforms, on K x K weights.  The Triton kernels are repl
 that launch nothing, so Triton's own launcher (on a GPU, about as much again per launch) is not
 in the figure; a CUDA graph (or ``torch.compile`` with CUDA graphs) removes all of it.  The
 table: the median and the fastest of five rounds of ``--reps`` calls, microseconds per call.
+
+Then the siblings of one Llama attention (q, k, v: K -> K, K/4, K/4, each its own transform)
+at one row: each layer's ``linear_w4a4``, one ``linear_w4a4_siblings``, and the three
+``nn.Linear`` calls of a module as it ran before the grouping and hooked by
+``group_sibling_linears`` (what a loaded model runs: the hooks, the first call computing all,
+the others served), microseconds for the three.
 """
 
 from __future__ import annotations
@@ -94,6 +100,77 @@ def main(argv: list[str] | None = None) -> None:
 
                 median, fastest = host_us(call, reps)
                 print(f"{fmt:8s} {rows:5d} {median:10.1f} {fastest:11.1f}", flush=True)
+        print(f"\nq, k, v ({k} -> {k}, {k // 4}, {k // 4}) at one row, microseconds for the "
+              "three\n")
+        print(f"{'format':8s} {'how':34s} {'median us':>10s} {'fastest us':>11s}")
+        for fmt in ("nvfp4", "mxfp4"):
+            for how, call in sibling_calls(fmt, k, stack):
+                median, fastest = host_us(call, reps)
+                print(f"{fmt:8s} {how:34s} {median:10.1f} {fastest:11.1f}", flush=True)
+
+
+class _Attention(torch.nn.Module):
+    """q, k, v reading one input."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = layers
+
+    def forward(self, x):
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+
+def sibling_calls(fmt: str, k: int, stack: ExitStack):
+    """(how, call) for q, k, v of ``fmt`` at one row: each alone, grouped, a hooked module."""
+    from kbbq_pl import formats as F
+    from kbbq_pl import kernels as K
+    from kbbq_pl.quant import w4a4
+    from kbbq_pl.quant.layers import w4a4_weight
+    from kbbq_pl.quant.siblings import group_sibling_linears
+
+    stack.enter_context(mock.patch.object(w4a4, "KERNEL_DEVICE_TYPES", ("cpu",)))
+    stack.enter_context(mock.patch.object(K, "available", lambda device: True))
+    d = F.get_format(fmt).block_size
+    static = F.get_format(fmt).global_scale
+    linears = []
+    for i, n in enumerate((k, k // 4, k // 4)):
+        linear = torch.nn.Linear(k, n, bias=False).to(torch.bfloat16)
+        with torch.no_grad():
+            linear.weight.mul_(0.05)
+        weight = w4a4_weight(linear, fmt, torch.randn(k // d, d, d),
+                             act_scale="static" if static else "dynamic",
+                             act_global_scale=torch.tensor(0.01 * (1 + i)) if static else None)
+        linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+        linears.append(linear)
+    weights = [linear.weight for linear in linears]
+    scales = [w.act_global_scale for w in weights]
+    prepared = [w4a4._prepared_weight(K, w, s) for w, s in zip(weights, scales)]
+    layers = [K.SiblingLinear(w.qdata, w.scale, w.global_scale, w.transform, s, None, p)
+              for w, s, p in zip(weights, scales, prepared)]
+    x = torch.randn(1, k, dtype=torch.bfloat16)
+    attention, unhooked = _Attention(linears), _Attention(linears)
+    group_sibling_linears(attention)
+
+    def alone():
+        for layer in layers:
+            K.linear_w4a4(x, layer.weight_codes, layer.weight_scales, layer.weight_global, fmt,
+                          layer.transform, layer.act_global_scale, prepared=layer.prepared,
+                          path="decode")
+
+    def grouped():
+        K.linear_w4a4_siblings(x, layers, fmt)
+
+    def hooked():
+        with torch.no_grad():
+            attention(x)
+
+    def not_hooked():
+        with torch.no_grad():
+            unhooked(x)
+
+    return [("each layer's linear_w4a4", alone), ("linear_w4a4_siblings", grouped),
+            ("module, 3 nn.Linear calls", not_hooked),
+            ("module hooked, 3 nn.Linear calls", hooked)]
 
 
 if __name__ == "__main__":

@@ -80,7 +80,10 @@ TABLES: dict[str, list[str]] = {
     "host_time.py": [
         r"^format\s+rows\s+median us\s+fastest us$",
         *(rf"^{fmt}\s+{rows}\s+{NUMBER}\s+{NUMBER}$" for fmt in ("nvfp4", "mxfp4")
-          for rows in (1, 16))],
+          for rows in (1, 16)),
+        *(rf"^{fmt}\s+{how}\s+{NUMBER}\s+{NUMBER}$" for fmt in ("nvfp4", "mxfp4")
+          for how in ("each layer's linear_w4a4", "linear_w4a4_siblings",
+                      r"module, 3 nn\.Linear calls", r"module hooked, 3 nn\.Linear calls"))],
     "kernel_budget.py": [
         r"^\| K->N \| M \| format \| path \| W4A4 MB \| bf16 MB \| GFLOP \|",
         *(rf"^\| 8192->8192 \| 1 \| {fmt} \| decode( \| {NUMBER}){{4}} \| (?:{NUMBER}|-)"

@@ -195,9 +195,9 @@ def merge_sibling_linears(graph: torch.fx.Graph) -> int:
     3 reading the same input node in one format, width and kind of transform, static scale and
     bias) replaced by one ``kbbq_pl::w4a4_linear_siblings`` call, placed before the first of
     them; a call whose operands the graph computes only after the first waits for the next
-    group (with the calls after it) or runs alone.  The
-    compiled form of the eager hooks: each output is its layer's (:func:`w4a4.grouped_linears`).
-    Returns the number of calls made.  Nothing changes without ``kbbq_pl.kernels``."""
+    group (with the calls after it) or runs alone.  The compiled form of the eager hooks: each
+    output is its layer's (:func:`w4a4.grouped_linears`).  Returns the number of calls made.
+    Nothing changes without ``kbbq_pl.kernels``."""
     single = torch.ops.kbbq_pl.w4a4_linear.default
     candidates: dict[tuple, list[torch.fx.Node]] = {}
     for node in graph.nodes:

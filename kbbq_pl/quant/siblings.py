@@ -206,10 +206,10 @@ def merge_sibling_linears(graph: torch.fx.Graph) -> int:
     kernels = w4a4._kernels() if any(len(nodes) > 1 for nodes in candidates.values()) else None
     if kernels is None:
         return 0
+    order: dict[torch.fx.Node, float] = {node: i for i, node in enumerate(graph.nodes)}
     made = 0
     for nodes in candidates.values():
         while len(nodes) > 1:
-            order = {node: i for i, node in enumerate(graph.nodes)}  # with the calls made so far
             first, group, rest = nodes[0], [nodes[0]], []
             for node in nodes[1:]:
                 if len(group) < kernels.MAX_SIBLINGS and all(
@@ -218,7 +218,8 @@ def merge_sibling_linears(graph: torch.fx.Graph) -> int:
                 else:
                     rest.append(node)
             if len(group) > 1:
-                _replace_with_one_call(graph, group)
+                for node in _replace_with_one_call(graph, group):
+                    order[node] = order[first] - 0.5  # just before the first, after its inputs
                 made += 1
             nodes = rest
     return made
@@ -234,7 +235,10 @@ def _sibling_key(node: torch.fx.Node) -> tuple:
             None if bias is None else getattr(bias_val, "dtype", "bias"))
 
 
-def _replace_with_one_call(graph: torch.fx.Graph, group: list[torch.fx.Node]) -> None:
+def _replace_with_one_call(graph: torch.fx.Graph,
+                           group: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The grouped call and its items in place of ``group``'s calls (returned: the new
+    nodes, inserted before the first)."""
     columns = list(zip(*(node.args for node in group)))
     x, fmt_fields, last_dim = group[0].args[0], group[0].args[7:12], group[0].args[12]
     args = (x, *(list(columns[i]) for i in range(1, 7)), *fmt_fields, last_dim,
@@ -242,12 +246,15 @@ def _replace_with_one_call(graph: torch.fx.Graph, group: list[torch.fx.Node]) ->
     with graph.inserting_before(group[0]):
         call = graph.call_function(torch.ops.kbbq_pl.w4a4_linear_siblings.default, args)
         call.meta["val"] = [node.meta.get("val") for node in group]
+        made = [call]
         for i, node in enumerate(group):
             item = graph.call_function(operator.getitem, (call, i))
             item.meta.update(node.meta)
             node.replace_all_uses_with(item)
+            made.append(item)
     for node in group:
         graph.erase_node(node)
+    return made
 
 
 class SiblingLinearPass(CustomGraphPass):

@@ -1,21 +1,25 @@
-"""Host time of one eager W4A4 linear on the kernels' decode path, its launches stubbed (CPU).
+"""Host time of an eager W4A4 linear on the decode path: Triton's Python in, CUDA's launch out.
 
     python bench/host_time.py [--k 4096] [--reps 2000]
     python bench/host_time.py --tiny      # K = 256, a few calls
 
-What an eager decode step pays in Python for each linear before the GPU runs anything:
-``kbbq_pl.kernels.linear_w4a4``'s checks, its prepared weight, allocations, grids and the
-autotuners' keys, at M = 1 and 16, for NVFP4 (static activation scale) and MXFP4, each with
-KBBQ-shaped per-block transforms, on K x K weights.  The Triton kernels are replaced by stubs
-that launch nothing, so Triton's own launcher (on a GPU, about as much again per launch) is not
-in the figure; a CUDA graph (or ``torch.compile`` with CUDA graphs) removes all of it.  The
-table: the median and the fastest of five rounds of ``--reps`` calls, microseconds per call.
+What an eager decode step pays on the host for each linear before the GPU runs anything:
+``kbbq_pl.kernels.linear_w4a4``'s checks, its prepared weight, allocations, grids, and Triton's
+binding of the two launches, at M = 1 and 16, for NVFP4 (static activation scale) and MXFP4,
+each with KBBQ-shaped per-block transforms, on K x K weights.  The kernels are compiled for
+sm_90 on this CPU and their launches recorded instead of run (``bench/_no_gpu.py``), so the
+figure is everything but CUDA's own launch call (a few microseconds each on a GPU host); a CUDA
+graph (or ``torch.compile`` with CUDA graphs) removes all of it.  Each row is timed as shipped
+(``launch``: ``direct``, Triton's compiled kernel launched again without binding its arguments:
+:mod:`kbbq_pl.kernels.launch`) and with every launch through Triton (``through Triton``), in
+alternating rounds.  The table: the median and the fastest of the rounds of ``--reps`` calls,
+microseconds per call.
 
 Then the siblings of one Llama attention (q, k, v: K -> K, K/4, K/4, each its own transform)
 at one row: each layer's ``linear_w4a4``, one ``linear_w4a4_siblings``, and the three
 ``nn.Linear`` calls of a module as it ran before the grouping and hooked by
 ``group_sibling_linears`` (what a loaded model runs: the hooks, the first call computing all,
-the others served), microseconds for the three.
+the others served), microseconds for the three, launched directly.
 """
 
 from __future__ import annotations
@@ -24,49 +28,32 @@ import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from unittest import mock
 
-os.environ.pop("TRITON_INTERPRET", None)  # the launchers as a GPU runs them (stubbed below)
+os.environ.pop("TRITON_INTERPRET", None)  # the kernels compiled, as a GPU runs them
 
 import torch  # noqa: E402
+from _no_gpu import no_gpu_launches  # noqa: E402
+
+ROUNDS = 5
 
 
-class _NoLaunch:
-    """A kernel whose launch does nothing: ``kernel[grid](*args, **meta)``."""
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
-def stubbed_launches(stack: ExitStack) -> None:
-    """The decode path's kernels stubbed, and the device checks told it is a GPU's."""
-    from kbbq_pl import kernels as K
-    from kbbq_pl.kernels import skinny, triton_kernels
-
-    for module, name in ((skinny, "_skinny_tuned"), (skinny, "_skinny_dp4a_tuned"),
-                         (skinny, "_skinny_kernel"),
-                         (triton_kernels, "_quantize_activations_kernel"),
-                         (triton_kernels, "_quantize_activations_tuned")):
-        stack.enter_context(mock.patch.object(module, name, _NoLaunch()))
-    stack.enter_context(mock.patch.object(K, "_require", lambda *args: None))
-    for module in (skinny, triton_kernels):
-        stack.enter_context(mock.patch.object(module, "INTERPRET", False))
-    props = type("Properties", (), {"multi_processor_count": 132})()
-    stack.enter_context(mock.patch("torch.cuda.get_device_properties", lambda device: props))
-
-
-def host_us(call, reps: int, rounds: int = 5) -> tuple[float, float]:
-    """(median, fastest) microseconds per call over ``rounds`` rounds of ``reps`` calls."""
-    for _ in range(min(reps, 20)):
-        call()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(reps):
+def host_us(calls: dict[str, Callable[[], object]], reps: int) -> dict[str, tuple[float, float]]:
+    """Per name, (median, fastest) microseconds per call over :data:`ROUNDS` rounds of ``reps``
+    calls, the calls' rounds alternating (the machine's drift shared)."""
+    for call in calls.values():
+        for _ in range(min(reps, 20)):
             call()
-        times.append((time.perf_counter() - start) / reps * 1e6)
-    return statistics.median(times), min(times)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(ROUNDS):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            for _ in range(reps):
+                call()
+            times[name].append((time.perf_counter() - start) / reps * 1e6)
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,13 +65,14 @@ def main(argv: list[str] | None = None) -> None:
     k, reps = (256, 20) if args.tiny else (args.k, args.reps)
     from kbbq_pl import formats as F
     from kbbq_pl import kernels as K
+    from kbbq_pl.kernels import launch
 
     torch.manual_seed(0)
-    print(f"host time of kbbq_pl.kernels.linear_w4a4 (decode path, launches stubbed), "
-          f"{k} x {k}, torch {torch.__version__}\n")
-    print(f"{'format':8s} {'rows':>5s} {'median us':>10s} {'fastest us':>11s}")
+    print(f"host time of kbbq_pl.kernels.linear_w4a4 (decode path, kernels compiled for sm_90, "
+          f"CUDA's launch not run), {k} x {k}, torch {torch.__version__}\n")
+    print(f"{'format':8s} {'rows':>5s} {'launch':15s} {'median us':>10s} {'fastest us':>11s}")
     with ExitStack() as stack:
-        stubbed_launches(stack)
+        stack.enter_context(no_gpu_launches())
         for fmt in ("nvfp4", "mxfp4"):
             q = F.quantize(torch.randn(k, k) * 0.02, fmt)
             d = F.get_format(fmt).block_size
@@ -98,14 +86,20 @@ def main(argv: list[str] | None = None) -> None:
                     K.linear_w4a4(x, q.qdata, q.scale, q.global_scale, fmt, transform, scale,
                                   prepared=prepared, path="decode")
 
-                median, fastest = host_us(call, reps)
-                print(f"{fmt:8s} {rows:5d} {median:10.1f} {fastest:11.1f}", flush=True)
+                def through_triton(call=call):
+                    with mock.patch.object(launch, "DIRECT", False):
+                        call()
+
+                figures = host_us({"direct": call, "through Triton": through_triton}, reps)
+                for how, (median, fastest) in figures.items():
+                    print(f"{fmt:8s} {rows:5d} {how:15s} {median:10.1f} {fastest:11.1f}",
+                          flush=True)
         print(f"\nq, k, v ({k} -> {k}, {k // 4}, {k // 4}) at one row, microseconds for the "
               "three\n")
         print(f"{'format':8s} {'how':34s} {'median us':>10s} {'fastest us':>11s}")
         for fmt in ("nvfp4", "mxfp4"):
-            for how, call in sibling_calls(fmt, k, stack):
-                median, fastest = host_us(call, reps)
+            figures = host_us(dict(sibling_calls(fmt, k, stack)), reps)
+            for how, (median, fastest) in figures.items():
                 print(f"{fmt:8s} {how:34s} {median:10.1f} {fastest:11.1f}", flush=True)
 
 

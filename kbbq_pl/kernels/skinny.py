@@ -55,6 +55,7 @@ from triton.language.extra.cuda import gdc_wait
 from .exact import MX_MULTIPLIER_BIAS, NVFP4_DECODE_SHIFT, WORD_ORDER_CHUNK
 from .host import cdiv, next_power_of_2
 from .interpret import interpreting
+from .launch import launch
 from .triton_kernels import (
     SCALE_E4M3,
     _block_scale_values,
@@ -748,12 +749,12 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
                              f"{WORD_ORDER_CHUNK}, got BLOCK_K = {pinned['BLOCK_K']}")
         warps = pinned.pop("num_warps", 4)
         stages = pinned.pop("num_stages", 2)
-        _skinny_kernel[_grid(ns, k, m, sms, split_k, pinned)](
-            *args, **meta, **pinned, EVEN_K=k % pinned["BLOCK_K"] == 0, num_warps=warps,
-            num_stages=stages)
+        launch(_skinny_kernel, _grid(ns, k, m, sms, split_k, pinned), args,
+               dict(meta, **pinned, EVEN_K=k % pinned["BLOCK_K"] == 0, num_warps=warps,
+                    num_stages=stages))
     else:
-        tuned = _skinny_dp4a_tuned if dp4a else _skinny_tuned
-        tuned[functools.partial(_grid, ns, k, m, sms, split_k)](*args, **meta)
+        launch(_skinny_dp4a_tuned if dp4a else _skinny_tuned,
+               functools.partial(_grid, ns, k, m, sms, split_k), args, meta)
     return outs if groups > 1 else outs[0]
 
 

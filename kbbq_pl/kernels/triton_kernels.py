@@ -26,6 +26,7 @@ from ..formats.rounding import NVFP4_MIN_GLOBAL_SCALE, NVFP4_SCALE_DIVISOR
 from .exact import FP8_FLOOR, FP8_HEADROOM
 from .host import cdiv, next_power_of_2, triton_version
 from .interpret import interpreting
+from .launch import launch
 
 _PTS_DIVISOR = tl.constexpr(NVFP4_SCALE_DIVISOR)  # NVFP4's per-tensor scale: amax / (448 * 6)
 _MIN_PTS = tl.constexpr(NVFP4_MIN_GLOBAL_SCALE)
@@ -599,6 +600,12 @@ def _m_bucket(m: int) -> int:
     return min(next_power_of_2(max(m, 1)), 8192)
 
 
+def _act_grid(m: int, n_blocks: int, groups: int, tile: dict) -> tuple[int, int, int]:
+    """(row tiles / tiles a program, block tiles, siblings) of an activation launch."""
+    return (cdiv(cdiv(m, tile["BLOCK_M"]), tile.get("TILES", 1)), cdiv(n_blocks, tile["NB"]),
+            groups)
+
+
 def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, gain: float,
                          global_scale, config: dict | None = None, product: int | None = None,
                          values_dtype: torch.dtype | None = None, codes: bool = True,
@@ -709,24 +716,20 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     elif config == "autotune":
         config = None
 
-    def launch(amax_only: bool) -> None:
+    def launch_pass(amax_only: bool) -> None:
         passes = dict(AMAX_ONLY=amax_only, LAUNCH_DEPENDENTS=launch_dependents and not amax_only)
         if config is not None or INTERPRET:
             cfg = few_rows_tile(dict(config or INTERPRETER_ACT_CONFIG), m)
             warps = cfg.pop("num_warps", 4)
-            grid = (cdiv(cdiv(m, cfg["BLOCK_M"]), cfg.get("TILES", 1)), cdiv(n_blocks, cfg["NB"]),
-                    groups)
-            _quantize_activations_kernel[grid](*args, **meta, **passes, **cfg, num_warps=warps,
-                                               enable_fp_fusion=True)
+            launch(_quantize_activations_kernel, _act_grid(m, n_blocks, groups, cfg), args,
+                   dict(meta, **passes, **cfg, num_warps=warps, enable_fp_fusion=True))
         else:
-            def grid(meta):
-                return (cdiv(cdiv(m, meta["BLOCK_M"]), meta.get("TILES", 1)),
-                        cdiv(n_blocks, meta["NB"]), groups)
-            _quantize_activations_tuned[grid](*args, **meta, **passes, enable_fp_fusion=True)
+            launch(_quantize_activations_tuned, functools.partial(_act_grid, m, n_blocks, groups),
+                   args, dict(meta, **passes, enable_fp_fusion=True))
 
     if nvfp4 and not static:
-        launch(True)
-    launch(False)
+        launch_pass(True)
+    launch_pass(False)
     if e4m3:
         return codes_out.view(torch.float8_e4m3fn), scales_out.t(), None, None
     return codes_out, scales_out, pts, values

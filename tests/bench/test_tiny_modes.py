@@ -78,9 +78,9 @@ TABLES: dict[str, list[str]] = {
         rf"^kbbq-pl GPTQ-KBBQ\s+{NUMBER}\s+{NUMBER}\s+\d+\s*$",  # no error: not identity
         r"^\s+GPTQ-KBBQ / GPTQ \(kbbq-pl\)\s+wall "],
     "host_time.py": [
-        r"^format\s+rows\s+median us\s+fastest us$",
-        *(rf"^{fmt}\s+{rows}\s+{NUMBER}\s+{NUMBER}$" for fmt in ("nvfp4", "mxfp4")
-          for rows in (1, 16)),
+        r"^format\s+rows\s+launch\s+median us\s+fastest us$",
+        *(rf"^{fmt}\s+{rows}\s+{how}\s+{NUMBER}\s+{NUMBER}$" for fmt in ("nvfp4", "mxfp4")
+          for rows in (1, 16) for how in ("direct", "through Triton")),
         *(rf"^{fmt}\s+{how}\s+{NUMBER}\s+{NUMBER}$" for fmt in ("nvfp4", "mxfp4")
           for how in ("each layer's linear_w4a4", "linear_w4a4_siblings",
                       r"module, 3 nn\.Linear calls", r"module hooked, 3 nn\.Linear calls"))],

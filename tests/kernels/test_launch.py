@@ -1,0 +1,91 @@
+"""Direct launches (``kbbq_pl.kernels.launch``): a launch Triton has made once is made again
+with the compiled kernel and the arguments Triton passed it, and only where Triton would
+specialize the same way.  Checked with the kernels compiled for sm_90 on the CPU and their
+launches recorded (``bench/_no_gpu.py``), in a process without Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+from test_kernels import run_compile_check
+
+LAUNCH_CHECK = """
+import sys
+sys.path.insert(0, {bench!r})
+import torch
+from triton.runtime.jit import JITFunction
+from _no_gpu import no_gpu_launches
+from kbbq_pl import formats as F
+from kbbq_pl import kernels as K
+from kbbq_pl.kernels import launch as L
+
+through_triton = []
+run = JITFunction.run
+def counted(self, *args, **kwargs):
+    kernel = run(self, *args, **kwargs)
+    through_triton.append(kernel)
+    return kernel
+JITFunction.run = counted
+
+def same(first, again):
+    # each launch: the kernel, the grid, and every argument Triton bound (a tensor made
+    # afresh by the call: the same dtype, shape and strides; one held across calls: itself)
+    assert len(first) == len(again) > 0, (len(first), len(again))
+    for (name, grid, args), (name2, grid2, args2) in zip(first, again):
+        assert (name, grid, len(args)) == (name2, grid2, len(args2)), (name, name2, grid, grid2)
+        for i, (a, b) in enumerate(zip(args, args2)):
+            if isinstance(a, torch.Tensor):
+                assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride()), (name, i)
+            else:
+                assert type(a) is type(b) and a == b, (name, i, a, b)
+
+torch.manual_seed(0)
+k = 512
+with no_gpu_launches() as launches:
+    for fmt, rows in (("nvfp4", 1), ("mxfp4", 3)):
+        d = F.get_format(fmt).block_size
+        layers = []
+        for n in (256, 128):
+            q = F.quantize(torch.randn(n, k) * 0.02, fmt)
+            scale = torch.tensor(0.01) if fmt == "nvfp4" else None
+            layers.append(K.SiblingLinear(q.qdata, q.scale, q.global_scale,
+                                          torch.randn(k // d, d, d), scale, None,
+                                          K.prepare_weight(q.qdata, q.scale, q.global_scale,
+                                                           fmt, scale)))
+        x = torch.randn(rows, k, dtype=torch.bfloat16)
+        one = layers[0]
+
+        def alone(x):
+            return K.linear_w4a4(x, *one[:3], fmt, *one[3:6], prepared=one.prepared)
+
+        for call in (lambda: alone(x),
+                     lambda: K.linear_w4a4_siblings(x, layers, fmt)):
+            start = len(launches)
+            call()
+            first, compiled = launches[start:], len(through_triton)
+            call()
+            same(first, launches[start + len(first):])
+            assert len(through_triton) == compiled, "launched through Triton again"
+        # an input Triton specializes otherwise (2 bytes off 16): its own compiled kernel,
+        # while the GEMM after it (aligned values) is launched directly
+        wide = torch.randn(rows, k + 8, dtype=torch.bfloat16)
+        before = len(through_triton)
+        for view in (wide[:, 1:k + 1], wide[:, 1:k + 1]):
+            alone(view)
+        misaligned = through_triton[before:]
+        assert len(misaligned) == 1, len(misaligned)
+        assert misaligned[0].name == "_quantize_activations_kernel"
+        aligned = [kernel for kernel in through_triton[:before]
+                   if kernel.name == "_quantize_activations_kernel"]
+        assert all(misaligned[0] is not kernel for kernel in aligned)
+    assert len(L._launches) == 10, len(L._launches)
+print("ok")
+"""
+
+
+def test_direct_launches_repeat_tritons_launch_and_only_where_it_would():
+    """A decode-path linear and a sibling group (NVFP4 at one row, MX at three, KBBQ blocks):
+    called again, both kernels are launched directly (Triton binds nothing) with the grids and
+    every argument Triton passed the first time; an input 2 bytes off 16 gets the activation
+    kernel Triton compiles for it (a kernel of its own), the GEMM after it launched directly."""
+    pytest.importorskip("triton")
+    run_compile_check(LAUNCH_CHECK)

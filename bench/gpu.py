@@ -40,8 +40,8 @@ the run goes on, and the summary says what failed or was skipped for time):
   those fixed costs read against: an empty kernel, the decode path's kernels and bf16 at the
   smallest shape, in a CUDA graph.
 * ``act``: a device-to-device copy of 8192 x 8192 bf16 (bytes read + written), the activation
-  kernel's codes (exact FMA chain at its tile and at the other, the FMA dot, the tf32x3
-  product; each with its code mismatch rate against the chain) and
+  kernel's codes (exact FMA chain at its tile and at the other, and the FMA dot; each with
+  its code mismatch rate against the chain) and
   its bf16 values (what the prefill path runs), per byte moved against the copy.  Target 0.8.
   Beside the default (four row tiles a program, the transforms asked of L1 first): one tile a
   program, and no L1 prefetch.
@@ -1007,8 +1007,7 @@ def act_section(run: Run) -> None:
             # the other products of T x, beside the default FMA chain at its tile: the chain
             # at the other tile (one row a thread or two), Triton's FMA dot (the same chain,
             # operands through shared memory: the default before the register chain) at the
-            # tile it ran at (64 rows by 64 elements) and three TF32 tensor-core products (not
-            # bit-identical)
+            # tile it ran at (64 rows by 64 elements)
             default = tk.ACT_TILES[d]
             others = [(tk.PRODUCT_FMA_CHAIN, "fma chain, one tile a program",
                        {**default, "TILES": 1}, True),
@@ -1018,14 +1017,10 @@ def act_section(run: Run) -> None:
             others += [(tk.PRODUCT_FMA_CHAIN, f"fma chain {rows_}x1",
                         {**default, "BLOCK_M": rows_}, True)
                        for rows_ in (128, 256) if rows_ != default["BLOCK_M"]]
-            # the tensor-core product at the FMA dot's tile: at the chain's (256 rows, one
-            # block) it spills on Triton 3.6 (10 KB a thread for MX), which the H200 run of
-            # 2026-11-30 timed (0.0023 of a copy)
             dot_tile = {"BLOCK_M": 64, "NB": 64 // d, "num_warps": 4}
             others += [(tk.PRODUCT_FMA_DOT, "fma dot", dot_tile, True),
                        (tk.PRODUCT_FMA_DOT, "fma dot, four tiles a program",
-                        {**dot_tile, "TILES": 4}, True),
-                       (tk.PRODUCT_TF32X3, "tf32x3", dot_tile, True)]
+                        {**dot_tile, "TILES": 4}, True)]
             for product, product_label, tile, prefetch in (
                     others if transform is not None else ()):
                 gs = None if not fmt_.global_scale else torch.tensor(0.01, device=device)

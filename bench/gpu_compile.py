@@ -24,8 +24,8 @@ Triton compiles for any NVIDIA target on a CPU-only machine (its wheel ships ``p
 
 Kernels: the activation kernel writing codes (``act``) or values (``act_values``: fp16/bf16 in
 word order for the decode GEMM, bf16 for the prefill product), the decode GEMM (``decode_gemm``,
-its autotuned tiles, 16 rows high and 32 to 128 for more rows, and the FP32-FMA one-row
-variant), the prefill path's weight decode
+its autotuned tiles, 16 rows high and 32 to 128 for more rows, and the one-row DP4A
+product's), the prefill path's weight decode
 (``weight_decode``) and product on decoded operands (``gemm_decoded``), and the tiled GEMM
 (``gemm_small``, ``gemm_large``).  ``--explore`` compiles candidate tiles instead of the ones
 that run.  It times nothing.
@@ -196,8 +196,7 @@ def act_configs(d: int, explore: bool):
 FMA_DOT_TILES = {16: triton.Config({"BLOCK_M": 64, "NB": 4}, num_warps=4),
                  32: triton.Config({"BLOCK_M": 64, "NB": 2}, num_warps=4)}
 """The tile the FMA-dot product ran at before the register chain replaced it (compiled beside
-it for comparison, with the tensor-core ``tf32x3`` product at the same tile; both stay
-selectable for benchmarks)."""
+it for comparison; it stays selectable for benchmarks)."""
 
 
 def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> list[dict]:
@@ -220,8 +219,7 @@ def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> l
             if word_order and has_t and not explore:  # a decode step's siblings, one launch
                 runs.append((_tile_config(tk.FEW_ROWS_TILES[d]), tk.PRODUCT_FMA_CHAIN, 3))
             if has_t and not explore and dtype != "*i8":
-                runs += [(FMA_DOT_TILES[d], tk.PRODUCT_FMA_DOT, 1),
-                         (FMA_DOT_TILES[d], tk.PRODUCT_TF32X3, 1)]
+                runs.append((FMA_DOT_TILES[d], tk.PRODUCT_FMA_DOT, 1))
             for config, product, groups in runs:
                 constants = dict(D=d, SCALE_KIND=kind, ROUNDING=0, GAIN=1.0, HAS_T=has_t,
                                  STATIC=False, AMAX_ONLY=False, PRODUCT=product,
@@ -239,8 +237,7 @@ def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> l
                     "act values word-order" if word_order else
                     "act values int8 (DP4A)" if dtype == "*i8" else "act values bf16")
                 name += "" if has_t else ", no transform"
-                name += {tk.PRODUCT_FMA_DOT: ", fma dot", tk.PRODUCT_TF32X3: ", tf32x3"}.get(
-                    product, "")
+                name += ", fma dot" if product == tk.PRODUCT_FMA_DOT else ""
                 name += ", 3 siblings" if groups > 1 else ""
                 memory = ", from memory" if config.kwargs.get("FROM_MEMORY") else ""
                 rows.append(_row(f"{name} {fmt}", f"BM={config.kwargs['BLOCK_M']} "
@@ -259,10 +256,6 @@ SKINNY_SIGNATURE = {
     "stride_wsn": "i32", "stride_om": "i32", "m_bucket": "i32", "N1": "i32", "N2": "i32",
     "stride_ag": "i32",
 }
-SKINNY_FMA_CONFIGS = ((32, 256, 4, 2), (16, 512, 4, 2))
-"""One-row FP32 multiply-add tiles (BLOCK_N, BLOCK_K, warps, stages), compiled for comparison:
-no autotuned configuration (their loops run about twice the instructions per weight)."""
-
 
 def skinny_configs(explore: bool):
     """The decode GEMM's autotuned tiles, or (``explore``) a wider grid to choose them from."""
@@ -287,12 +280,9 @@ def skinny_rows(target: GPUTarget, explore: bool = False) -> list[dict]:
     from kbbq_pl.kernels import skinny
 
     rows = []
-    fma = [triton.Config({"BLOCK_M": 1, "BLOCK_N": n, "BLOCK_K": k,
-                          "PRODUCT": skinny.PRODUCT_FMA}, num_warps=w, num_stages=st)
-           for n, k, w, st in SKINNY_FMA_CONFIGS]
     for fmt, d, kind in FORMATS:
         values = skinny.VALUES_FP16 if kind == tk.SCALE_E4M3 else skinny.VALUES_BF16
-        configs = [(c, 1) for c in [*skinny_configs(explore), *fma, *skinny._DP4A_CONFIGS]]
+        configs = [(c, 1) for c in [*skinny_configs(explore), *skinny._DP4A_CONFIGS]]
         configs.insert(1, (configs[0][0], 3))  # a decode step's first tile, 3 siblings
         for config, groups in configs:
             k = config.kwargs
@@ -308,8 +298,7 @@ def skinny_rows(target: GPUTarget, explore: bool = False) -> list[dict]:
                                       num_warps=config.num_warps, num_stages=config.num_stages,
                                       enable_fp_fusion=True)
             per_thread = k["BLOCK_N"] * k["BLOCK_K"] / (32 * config.num_warps)
-            product = {skinny.PRODUCT_DOT: "dot", skinny.PRODUCT_FMA: "fma",
-                       skinny.PRODUCT_DP4A: "dp4a"}[k["PRODUCT"]]
+            product = {skinny.PRODUCT_DOT: "dot", skinny.PRODUCT_DP4A: "dp4a"}[k["PRODUCT"]]
             product += ", 3 siblings" if groups > 1 else ""
             rows.append(_row(f"decode gemm {fmt} {product}",
                              f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w={config.num_warps} "

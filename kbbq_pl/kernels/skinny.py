@@ -19,7 +19,7 @@ rows (16 up to 16 rows, 32 to 128 above: :func:`_configs`):
   fp16 ``q * s * 2^-14`` for NVFP4, bf16 ``q * 2^(e - shift)`` for MX; the epilogue puts back
   ``2^14`` or ``2^shift`` with the per-tensor scales, the MX ``no_clip`` gain and the bias;
 * the product runs on tensor cores with the weights as the wide operand (``W [BLOCK_N, K]``
-  times ``A^T [K, 16]``), or (``PRODUCT_FMA``, one row only) as FP32 fused multiply-adds, or
+  times ``A^T [K, 16]``), or
   (``PRODUCT_DP4A``, one row, opt-in: :data:`ONE_ROW_PRODUCT`) as exact integer dot products
   of ``2q_w`` and ``2q_a`` per block (:func:`_dp4a_block_asm`), then one FP32 multiply-add a
   block by the two block scales;
@@ -69,7 +69,6 @@ from .triton_kernels import (
 INTERPRET = interpreting()
 
 PRODUCT_DOT = 0
-PRODUCT_FMA = 1
 PRODUCT_DP4A = 2
 ONE_ROW_PRODUCT = PRODUCT_DOT
 """The product of a one-row decode GEMM (a batch-1 decode step) in :func:`kbbq_pl.kernels.
@@ -93,22 +92,6 @@ PREFETCH_K: tl.constexpr = tl.constexpr(1024)
 """Elements of its K slice a dependently launched program asks L2 for before it waits."""
 _COUNTERS = 1 << 14
 """Output tiles a device's split-K counters cover (beyond them K is not split)."""
-
-
-@triton.jit
-def _nibble_values(c, mult, VALUES: tl.constexpr):
-    """E2M1 codes ``c`` (int32, 0..15) decoded and multiplied by ``mult`` (same shape): fp16
-    ``q * 2^-14 * mult``, bf16 ``q * 2^-126 * mult`` or FP32 ``q * 2^-126 * mult`` (the bits of
-    :func:`kbbq_pl.kernels.exact.e2m1_half_bits`)."""
-    if VALUES == 0:  # VALUES_FP32
-        bits = ((c & 8) << 28) | ((c & 7) << 22)
-        return bits.to(tl.float32, bitcast=True) * mult
-    elif VALUES == 1:  # VALUES_FP16
-        bits = (((c & 8) << 12) | ((c & 7) << 9)).to(tl.int16)
-        return bits.to(tl.float16, bitcast=True) * mult
-    else:
-        bits = (((c & 8) << 12) | ((c & 7) << 6)).to(tl.int16)
-        return bits.to(tl.bfloat16, bitcast=True) * mult
 
 
 @triton.jit
@@ -399,7 +382,7 @@ def _skinny_kernel(
             acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 4, 2, VALUES, BLOCK_N, BLOCK_K)
             acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 8, 1, VALUES, BLOCK_N, BLOCK_K)
             acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 12, 0, VALUES, BLOCK_N, BLOCK_K)
-    elif PRODUCT == 2:  # PRODUCT_DP4A, one row: exact integer sums per block, then FP32
+    else:  # PRODUCT_DP4A, one row: exact integer sums per block, then FP32
         NB: tl.constexpr = BLOCK_K // D
         blocks = tl.zeros([BLOCK_N, NB], tl.float32)
         offs_c = tl.arange(0, BLOCK_K // 8)
@@ -430,29 +413,6 @@ def _skinny_kernel(
             w_s = _dp4a_weight_scales(s, decode_shift, SCALE_KIND)
             blocks += sums.to(tl.float32) * (w_s * a_s[None, :])
         acc = tl.sum(blocks, axis=1)
-    else:  # PRODUCT_FMA, one row: FP32 values, no conversion before the multiply-adds
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        offs_j = tl.arange(0, BLOCK_K // 2)  # byte j of a tile row: elements 2j, 2j + 1
-        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_j[None, :]
-        s_ptrs = ws_ptr + offs_n[:, None] * stride_wsn + (offs_j // (D // 2))[None, :]
-        for k0 in tl.range(k_lo, k_hi, BLOCK_K):
-            if EVEN_K:
-                k_mask = tl.full([BLOCK_K // 2], 1, tl.int1)
-            else:
-                k_mask = k0 // 2 + offs_j < K // 2
-            w_mask = n_mask[:, None] & k_mask[None, :]
-            packed = tl.load(w_ptrs + k0 // 2, mask=w_mask, other=0,
-                             eviction_policy="evict_first").to(tl.int32)
-            s = tl.load(s_ptrs + k0 // D, mask=w_mask, other=0, eviction_policy="evict_first")
-            mult = _block_multipliers(s, decode_shift, SCALE_KIND, 0)
-            w_low = _nibble_values(packed & 15, mult, 0)
-            w_high = _nibble_values(packed >> 4, mult, 0)
-            k = k0 + 2 * offs_j  # word_order_index of elements 2j and 2j + 1 (+ 32)
-            a_low = (k // 128) * 128 + 32 * (k % 4) + 2 * ((k % 128) // 8) + (k % 8) // 4
-            a_row = a_ptr + pid_m * stride_am  # BLOCK_M = 1
-            a_lo = tl.load(a_row + a_low, mask=k_mask, other=0.0).to(tl.float32)
-            a_hi = tl.load(a_row + a_low + 32, mask=k_mask, other=0.0).to(tl.float32)
-            acc += tl.sum(w_low * a_lo[None, :] + w_high * a_hi[None, :], axis=1)
     if PRODUCT == 0:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     else:

@@ -49,7 +49,6 @@ SCALE_E4M3 = 0
 SCALE_E8M0 = 1
 PRODUCT_FMA_CHAIN = 0
 PRODUCT_FMA_DOT = 1
-PRODUCT_TF32X3 = 2
 ROUNDING_CODES = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3, "no_clip": 0}
 
 
@@ -241,8 +240,7 @@ def _transformed_blocks(x4, t_ptr, rows, blocks, n_blocks, D: tl.constexpr, NB: 
     :func:`kbbq_pl.kernels.reference.reference_transform`, ``x_j`` picked from the thread's
     registers and column ``j`` of ``T`` loaded once for all the thread's rows of the block;
     ``PRODUCT_FMA_DOT`` (Triton's FP32 FMA dot: the same chain, operands staged in shared
-    memory) and ``PRODUCT_TF32X3`` (tensor cores, three TF32 products: faster, not
-    bit-identical) are kept for benchmarks."""
+    memory) is kept for benchmarks."""
     part, b4, r4 = _block_parts(rows, blocks, D, PARTS_FIRST)
     h4 = x4.to(tl.float32)
     if HAS_T and PRODUCT == 0:  # PRODUCT_FMA_CHAIN
@@ -265,10 +263,7 @@ def _transformed_blocks(x4, t_ptr, rows, blocks, n_blocks, D: tl.constexpr, NB: 
         t_t = tl.load(t_ptr + tl.minimum(blocks, n_blocks - 1)[:, None, None] * (D * D)
                       + offs_d[None, :, None] * D + offs_d[None, None, :])  # [NB, j, i]
         acc = tl.zeros([NB, BLOCK_M, D], tl.float32)
-        if PRODUCT == 1:  # PRODUCT_FMA_DOT
-            h = tl.dot(h, t_t, acc, input_precision="ieee")
-        else:
-            h = tl.dot(h, t_t, acc, input_precision="tf32x3")
+        h = tl.dot(h, t_t, acc, input_precision="ieee")  # PRODUCT_FMA_DOT
     return h
 
 
@@ -619,7 +614,7 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     natural order) gives ``2q`` as the values and the FP32 block scales ``[M, K/d]`` as the
     scales (the decode GEMM's DP4A product).  Dynamic NVFP4 runs
     the kernel twice (see :func:`kbbq_pl.kernels.quantize_activations`).  ``product``
-    overrides how ``T x`` is multiplied (benchmarks: ``PRODUCT_TF32X3``).
+    overrides how ``T x`` is multiplied (benchmarks: ``PRODUCT_FMA_DOT``).
     ``launch_dependents``: the last launch lets the next kernel start early (the decode GEMM
     launched as its programmatic dependent: :func:`kbbq_pl.kernels.skinny.dependent_launch`).
     ``e4m3_inexact`` (MX, ``K`` a multiple of 128; an int32 ``[1]`` counter): instead of the

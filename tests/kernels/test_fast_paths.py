@@ -256,22 +256,19 @@ def test_decode_gemm_matches_the_exact_product(fmt, m, split):
     assert_within_one_bf16_rounding(y16, ref)
 
 
-def test_decode_gemm_fma_product_and_tiles():
+def test_decode_gemm_tiles():
     needs_kernels()
     from kbbq_pl.kernels import skinny as S
 
     for fmt in ("nvfp4", "mxfp4"):
         x, q = decode_operands(fmt, 1, 24, 256, seed=5)
         ref = exact_product(x, q, fmt)
-        fma = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 128, "PRODUCT": S.PRODUCT_FMA}
-        assert gemm_error(skinny(x, q, fmt, config=fma, split_k=2), ref) <= 1e-5
         wide = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "PRODUCT": S.PRODUCT_DOT}
         assert gemm_error(skinny(x, q, fmt, config=wide), ref) <= 1e-5
         x, q = decode_operands(fmt, 45, 24, 256, seed=6)  # the row tiles of more rows
         ref = exact_product(x, q, fmt)
         tall = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 128, "PRODUCT": S.PRODUCT_DOT}
         assert gemm_error(skinny(x, q, fmt, config=tall, split_k=2), ref) <= 1e-5
-        assert gemm_error(skinny(x[:3], q, fmt, config=fma), exact_product(x[:3], q, fmt)) <= 1e-5
 
 
 def test_decode_gemm_many_row_tiles():

@@ -7,7 +7,8 @@
 ships ``ptxas``); each compiled kernel's launcher records ``(kernel name, grid, arguments)``
 instead of calling CUDA; Triton's autotuner takes the first of its candidates without timing
 them; kbbq-pl's kernels take CPU tensors as a CUDA device's (132 SMs).  Needs a process without
-``TRITON_INTERPRET`` (the kernels must be compiled ones)."""
+``TRITON_INTERPRET`` (the kernels must be compiled ones) on a machine without CUDA: Triton's
+kernel caches of device 0 and the autotuners' choices made inside stay after it."""
 
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ def no_gpu_launches() -> Iterator[list[Launch]]:
 
     if triton_kernels.INTERPRET:
         raise RuntimeError("no_gpu_launches compiles the kernels: unset TRITON_INTERPRET")
+    if torch.cuda.is_available():
+        raise RuntimeError("no_gpu_launches stands in for a GPU on a machine without one")
     launches: list[Launch] = []
 
     def init_handles(kernel: CompiledKernel) -> None:
@@ -68,7 +71,8 @@ def no_gpu_launches() -> Iterator[list[Launch]]:
         stack.enter_context(mock.patch.object(K, "_require", lambda *args: None))
         stack.enter_context(mock.patch("torch.cuda.get_device_properties",
                                        lambda device: props))
-        stack.enter_context(mock.patch.dict(launch._launches, clear=True))
+        for cache in (launch._launches, skinny._counters, skinny._tables):
+            stack.enter_context(mock.patch.dict(cache, clear=True))
         # the active driver as set, not as Triton would make it (none on a CPU-only machine)
         stack.enter_context(mock.patch.object(driver, "_active", _Sm90Driver()))
         triton_kernels.sm_count.cache_clear()
@@ -76,5 +80,3 @@ def no_gpu_launches() -> Iterator[list[Launch]]:
             yield launches
         finally:
             triton_kernels.sm_count.cache_clear()
-            skinny._counters.clear()
-            skinny._tables.clear()

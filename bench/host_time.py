@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     from kbbq_pl.kernels import launch
 
     torch.manual_seed(0)
+    torch.set_num_threads(1)  # host time is one thread's; no wait on another's spin
     print(f"host time of kbbq_pl.kernels.linear_w4a4 (decode path, kernels compiled for sm_90, "
           f"CUDA's launch not run), {k} x {k}, torch {torch.__version__}\n")
     print(f"{'format':8s} {'rows':>5s} {'launch':15s} {'median us':>10s} {'fastest us':>11s}")
@@ -87,8 +88,11 @@ def main(argv: list[str] | None = None) -> None:
                                   prepared=prepared, path="decode")
 
                 def through_triton(call=call):
-                    with mock.patch.object(launch, "DIRECT", False):
+                    launch.DIRECT = False
+                    try:
                         call()
+                    finally:
+                        launch.DIRECT = True
 
                 figures = host_us({"direct": call, "through Triton": through_triton}, reps)
                 for how, (median, fastest) in figures.items():
@@ -101,6 +105,74 @@ def main(argv: list[str] | None = None) -> None:
             figures = host_us(dict(sibling_calls(fmt, k, stack)), reps)
             for how, (median, fastest) in figures.items():
                 print(f"{fmt:8s} {how:34s} {median:10.1f} {fastest:11.1f}", flush=True)
+        model_rows(stack, steps=5 if args.tiny else 50)
+
+
+MODEL = dict(hidden=64, intermediate=128, heads=4, kv_heads=2, layers=2, vocab=256)
+"""The Llama of :func:`model_rows`: ``bench/gpu.py``'s, with arithmetic too small to count on a
+CPU, so that a bf16 step's time is its host time too."""
+
+
+def model_rows(stack: ExitStack, steps: int) -> None:
+    """Host milliseconds of an eager batch-1 decode step (a static KV cache, no CUDA graph:
+    ``bench/gpu.py``'s decoding, every launch from the host) of a small Llama
+    (:data:`MODEL`; the same positions each round), bf16 against W4A4 with KBBQ-shaped
+    blocks (``bench/gpu.py``'s quantization), grouped as loaded and each linear on its own,
+    launched directly and through Triton: on a GPU whose kernels take less than this, the
+    step's ratio to bf16."""
+    import gpu
+
+    from kbbq_pl import kernels as K
+    from kbbq_pl.kernels import launch
+    from kbbq_pl.quant import w4a4
+    from kbbq_pl.quant.siblings import group_sibling_linears
+
+    stack.enter_context(mock.patch.object(w4a4, "KERNEL_DEVICE_TYPES", ("cpu",)))
+    stack.enter_context(mock.patch.object(K, "available", lambda device: True))
+    torch.manual_seed(0)
+    prompt = torch.randint(0, MODEL["vocab"], (1, 8))
+
+    def step_ms(model) -> float:
+        from transformers import StaticCache
+
+        # room for every step: transformers may write each after the last filled slot
+        cache = StaticCache(config=model.config,
+                            max_cache_len=prompt.shape[1] + (ROUNDS + 1) * steps + 16)
+        with torch.no_grad():
+            out = model(input_ids=prompt, past_key_values=cache, use_cache=True,
+                        cache_position=torch.arange(prompt.shape[1]))
+            ids = out.logits[:, -1:].argmax(-1)
+
+            def step(position: int) -> None:
+                model(input_ids=ids, past_key_values=cache, use_cache=True,
+                      cache_position=torch.tensor([position]))
+
+            step(prompt.shape[1])  # warm-up: the one-row kernels compiled
+            times = []
+            for _ in range(ROUNDS):
+                start = time.perf_counter()
+                for position in range(prompt.shape[1], prompt.shape[1] + steps):
+                    step(position)
+                times.append((time.perf_counter() - start) / steps * 1e3)
+        return statistics.median(times)
+
+    base = step_ms(gpu.llama(MODEL, "cpu"))
+    print(f"\nan eager batch-1 decode step of a Llama ({MODEL['layers']} layers, hidden "
+          f"{MODEL['hidden']}), host ms (median of {ROUNDS} rounds of {steps} steps)\n")
+    print(f"{'model':8s} {'linears':14s} {'launch':15s} {'step ms':>8s} {'x bf16 time':>12s}")
+    print(f"{'bf16':8s} {'-':14s} {'-':15s} {base:8.2f} {1.0:12.2f}")
+    for fmt in ("nvfp4", "mxfp4"):
+        model = gpu.llama(MODEL, "cpu")
+        hooks = gpu.quantize_for_kernels(model, fmt, prompt)
+        for linears in ("grouped", "each alone"):
+            if linears == "each alone":
+                hooks.remove()
+            for how, direct in (("direct", True), ("through Triton", False)):
+                with mock.patch.object(launch, "DIRECT", direct):
+                    ms = step_ms(model)
+                print(f"{fmt:8s} {linears:14s} {how:15s} {ms:8.2f} {ms / base:12.2f}",
+                      flush=True)
+        group_sibling_linears(model)
 
 
 class _Attention(torch.nn.Module):

@@ -83,7 +83,11 @@ TABLES: dict[str, list[str]] = {
           for rows in (1, 16) for how in ("direct", "through Triton")),
         *(rf"^{fmt}\s+{how}\s+{NUMBER}\s+{NUMBER}$" for fmt in ("nvfp4", "mxfp4")
           for how in ("each layer's linear_w4a4", "linear_w4a4_siblings",
-                      r"module, 3 nn\.Linear calls", r"module hooked, 3 nn\.Linear calls"))],
+                      r"module, 3 nn\.Linear calls", r"module hooked, 3 nn\.Linear calls")),
+        r"^model\s+linears\s+launch\s+step ms\s+x bf16 time$",
+        rf"^bf16\s+-\s+-\s+{NUMBER}\s+1\.00$",
+        *(rf"^{fmt}\s+{linears}\s+{how}\s+{NUMBER}\s+{NUMBER}$" for fmt in ("nvfp4", "mxfp4")
+          for linears in ("grouped", "each alone") for how in ("direct", "through Triton"))],
     "kernel_budget.py": [
         r"^\| K->N \| M \| format \| path \| W4A4 MB \| bf16 MB \| GFLOP \|",
         *(rf"^\| 8192->8192 \| 1 \| {fmt} \| decode( \| {NUMBER}){{4}} \| (?:{NUMBER}|-)"

@@ -78,6 +78,38 @@ with no_gpu_launches() as launches:
                    if kernel.name == "_quantize_activations_kernel"]
         assert all(misaligned[0] is not kernel for kernel in aligned)
     assert len(L._launches) == 10, len(L._launches)
+
+    # another launch of the same autotuned GEMM between Triton's first launch of a key and
+    # the entry made of it (a second thread while the first compiles), with timings that
+    # choose 32 x 64 x 256 up to 32 rows and 64 x 128 x 128 above: the entry keeps the first
+    # launch's kernel, grid and constants
+    from unittest import mock
+    from triton.runtime.autotuner import Autotuner
+
+    def bench(self, *args, config, **kwargs):
+        tall = args[self.arg_names.index("M")] > 32
+        tile = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"])
+        return [1.0 if tile == ((64, 128, 128) if tall else (32, 64, 256)) else 2.0] * 3
+
+    def gemm(rows):
+        start = len(launches)
+        alone(torch.randn(rows, k, dtype=torch.bfloat16))
+        return [launch for launch in launches[start:] if launch[0] == "_skinny_kernel"]
+
+    direct, raced = L._direct, []
+
+    def racing(compiled, grid, args):
+        if compiled.name == "_skinny_kernel" and not raced:
+            raced.append(None)  # the racing launch's own entry is made plainly
+            raced[0] = gemm(63)
+        return direct(compiled, grid, args)
+
+    with mock.patch.object(Autotuner, "_bench", bench):
+        gemm(64)
+        with mock.patch.object(L, "_direct", racing):
+            first = gemm(20)[:1]  # then the racing launch's
+        assert raced[0][0][1] != first[0][1], "the racing launch ran the same grid"
+        same(first, gemm(20))
 print("ok")
 """
 
@@ -86,6 +118,8 @@ def test_direct_launches_repeat_tritons_launch_and_only_where_it_would():
     """A decode-path linear and a sibling group (NVFP4 at one row, MX at three, KBBQ blocks):
     called again, both kernels are launched directly (Triton binds nothing) with the grids and
     every argument Triton passed the first time; an input 2 bytes off 16 gets the activation
-    kernel Triton compiles for it (a kernel of its own), the GEMM after it launched directly."""
+    kernel Triton compiles for it (a kernel of its own), the GEMM after it launched directly;
+    another launch of the autotuned GEMM (another tile) between Triton's first launch and the
+    entry made of it leaves the entry the first launch's."""
     pytest.importorskip("triton")
     run_compile_check(LAUNCH_CHECK)

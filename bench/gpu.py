@@ -14,7 +14,10 @@ the run goes on, and the summary says what failed or was skipped for time):
   and MXFP4 with random 16 x 16 / 32 x 32 blocks at M = 1, 16, 256 and 2,304 (row tiles taken
   in turn by each program, the last group short); every path of
   ``linear_w4a4`` (decode M = 1, 16, 64; at M = 1024 prefill through cuBLAS and Triton, and
-  decode) within one bf16 rounding of the float64 product of the same codes.
+  decode) within one bf16 rounding of the float64 product of the same codes; then the decode
+  path with its GEMM launched as a programmatic dependent, and launched directly after
+  Triton's first launch (``kbbq_pl.kernels.launch``), each the same bits as without, eagerly
+  and in a CUDA graph (else turned off for the rest of the run).
 * ``gemm``: ``linear_w4a4`` as a layer runs it (activation kernel + product, no transform and
   KBBQ-shaped random blocks; NVFP4 with a static activation scale, as every recipe ships, and
   beside it the dynamic scale's ratio: one launch more) against bf16 ``torch.matmul`` at
@@ -457,6 +460,69 @@ def check_section(run: Run) -> None:
     run.line("every path within one bf16 rounding of the exact product",
              f"{paths_ok}/{paths_all}", "all", "yes" if paths_ok == paths_all else "NO")
     dependent_launch_check(run)
+    direct_launch_check(run)
+
+
+def direct_launch_check(run: Run) -> None:
+    """The decode path launched directly (:mod:`kbbq_pl.kernels.launch`, as shipped) against
+    through Triton every launch: the same bits, eagerly and replayed from a CUDA graph (M = 1,
+    16, 64; a linear and three siblings; every format, random blocks).  Where it fails, the
+    rest of the run launches through Triton (noted)."""
+    from kbbq_pl import kernels as K
+    from kbbq_pl.formats import get_format
+    from kbbq_pl.kernels import launch
+
+    if not run.cuda:
+        run.notes.append("direct launch: not under the interpreter (every launch is Triton's)")
+        return
+    k, n, same, every = run.shapes["check_k"], run.shapes["check_n"], 0, 0
+    through_triton = mock.patch.object(launch, "DIRECT", False)
+    try:
+        for name in run.formats:
+            d = get_format(name).block_size
+            layers = []
+            for i, rows in enumerate((n, n // 4, n // 4)):
+                q = quantized(torch.randn(rows, k, device=run.device) * 0.02, name)
+                layers.append(K.SiblingLinear(
+                    q.qdata, q.scale, q.global_scale, kbbq_blocks(k, d, run.device, seed=5 + i),
+                    prepared=K.prepare_weight(q.qdata, q.scale, q.global_scale, name)))
+            for m in (1, 16, 64):
+                x = torch.randn(m, k, device=run.device, dtype=torch.bfloat16)
+
+                def call(x=x, layers=layers, name=name):
+                    one = layers[0]
+                    return [K.linear_w4a4(x, *one[:3], name, *one[3:6], prepared=one.prepared,
+                                          path="decode"),
+                            *K.linear_w4a4_siblings(x, layers, name)]
+
+                with through_triton:
+                    plain = call()
+                call()  # the entries made
+                eager = call()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    captured = call()
+                x.normal_()  # fresh rows, replayed and through Triton
+                graph.replay()
+                with through_triton:
+                    fresh = call()
+                torch.cuda.synchronize()
+                for got, want in ((eager, plain), (captured, fresh)):
+                    every += len(want)
+                    same += sum(int(torch.equal(a, b)) for a, b in zip(got, want))
+    except Exception as error:
+        launch.DIRECT = False
+        run.notes.append(f"direct launch: FAILED ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0][:120]}); the run goes on through Triton")
+        run.line("decode path launched directly: the same bits as through Triton", "failed",
+                 "all", "NO")
+        return
+    if same < every:
+        launch.DIRECT = False
+        run.notes.append("direct launch: results differ from Triton's; the run goes on "
+                         "through Triton")
+    run.line("decode path launched directly: the same bits as through Triton (eager, graph)",
+             f"{same}/{every}", "all", "yes" if same == every else "NO")
 
 
 def dependent_launch_check(run: Run) -> None:

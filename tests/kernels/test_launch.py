@@ -5,6 +5,8 @@ launches recorded (``bench/_no_gpu.py``), in a process without Triton's interpre
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 from test_kernels import run_compile_check
 
@@ -123,3 +125,46 @@ def test_direct_launches_repeat_tritons_launch_and_only_where_it_would():
     entry made of it leaves the entry the first launch's."""
     pytest.importorskip("triton")
     run_compile_check(LAUNCH_CHECK)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_direct_launches_give_tritons_bits(fmt):
+    """On a GPU: a decode-path linear and three siblings at 1, 16 and 64 rows, launched
+    directly (after their first launch) and in a CUDA graph, give the bits of the same calls
+    launched through Triton every time."""
+    import torch
+    from test_fast_paths import decode_operands, needs_kernels
+    from test_kernels import block, make_transform
+
+    from kbbq_pl import kernels as K
+    from kbbq_pl.kernels import launch
+
+    device = torch.device("cuda")
+    needs_kernels(device)
+    d, k = block(fmt), 1024
+    layers = []
+    for i, n in enumerate((512, 128, 128)):
+        _, q = decode_operands(fmt, 1, n, k, seed=i)
+        operands = [v.to(device) if v is not None else None
+                    for v in (q.qdata, q.scale, q.global_scale)]
+        layers.append(K.SiblingLinear(*operands, make_transform("random", k, d, i).to(device),
+                                      prepared=K.prepare_weight(*operands, fmt)))
+    for m in (1, 16, 64):
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+
+        def call(x=x):
+            one = layers[0]
+            return [K.linear_w4a4(x, *one[:3], fmt, *one[3:6], prepared=one.prepared),
+                    *K.linear_w4a4_siblings(x, layers, fmt)]
+
+        with mock.patch.object(launch, "DIRECT", False):
+            want = call()
+        call()
+        assert all(torch.equal(a, b) for a, b in zip(call(), want)), (fmt, m, "eager")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = call()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(captured, want)), (fmt, m, "graph")

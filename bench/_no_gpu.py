@@ -1,7 +1,7 @@
 """Triton's host path without a GPU: kernels compiled for sm_90, their launches recorded, not run.
 
 ``bench/host_time.py`` times an eager decode-path linear this way, and the tests of
-:mod:`kbbq_pl.kernels.launch` compare what it launches with what Triton launches.  Inside
+:mod:`kbbq_pl.kernels.direct_launch` compare what it launches with what Triton launches.  Inside
 :func:`no_gpu_launches` Triton's driver is one that names an sm_90 GPU (device 0, stream 0), so
 ``kernel[grid](...)`` binds, specializes and compiles as it would on an H100 (Triton's wheel
 ships ``ptxas``); each compiled kernel's launcher records ``(kernel name, grid, arguments)``
@@ -48,7 +48,7 @@ class _Sm90Driver:
 def no_gpu_launches() -> Iterator[list[Launch]]:
     """The launches made inside, in order (module docstring)."""
     from kbbq_pl import kernels as K
-    from kbbq_pl.kernels import launch, skinny, triton_kernels
+    from kbbq_pl.kernels import direct_launch, skinny, triton_kernels
 
     if triton_kernels.INTERPRET:
         raise RuntimeError("no_gpu_launches compiles the kernels: unset TRITON_INTERPRET")
@@ -71,7 +71,7 @@ def no_gpu_launches() -> Iterator[list[Launch]]:
         stack.enter_context(mock.patch.object(K, "_require", lambda *args: None))
         stack.enter_context(mock.patch("torch.cuda.get_device_properties",
                                        lambda device: props))
-        for cache in (launch._launches, skinny._counters, skinny._tables):
+        for cache in (direct_launch._launches, skinny._counters, skinny._tables):
             stack.enter_context(mock.patch.dict(cache, clear=True))
         # the active driver as set, not as Triton would make it (none on a CPU-only machine)
         stack.enter_context(mock.patch.object(driver, "_active", _Sm90Driver()))

@@ -16,7 +16,7 @@ the run goes on, and the summary says what failed or was skipped for time):
   ``linear_w4a4`` (decode M = 1, 16, 64; at M = 1024 prefill through cuBLAS and Triton, and
   decode) within one bf16 rounding of the float64 product of the same codes; then the decode
   path with its GEMM launched as a programmatic dependent, and launched directly after
-  Triton's first launch (``kbbq_pl.kernels.launch``), each the same bits as without, eagerly
+  Triton's first launch (``kbbq_pl.kernels.direct_launch``), each the same bits as without, eagerly
   and in a CUDA graph (else turned off for the rest of the run).
 * ``gemm``: ``linear_w4a4`` as a layer runs it (activation kernel + product, no transform and
   KBBQ-shaped random blocks; NVFP4 with a static activation scale, as every recipe ships, and
@@ -464,19 +464,19 @@ def check_section(run: Run) -> None:
 
 
 def direct_launch_check(run: Run) -> None:
-    """The decode path launched directly (:mod:`kbbq_pl.kernels.launch`, as shipped) against
+    """The decode path launched directly (:mod:`kbbq_pl.kernels.direct_launch`, as shipped) against
     through Triton every launch: the same bits, eagerly and replayed from a CUDA graph (M = 1,
     16, 64; a linear and three siblings; every format, random blocks).  Where it fails, the
     rest of the run launches through Triton (noted)."""
     from kbbq_pl import kernels as K
     from kbbq_pl.formats import get_format
-    from kbbq_pl.kernels import launch
+    from kbbq_pl.kernels import direct_launch
 
     if not run.cuda:
         run.notes.append("direct launch: not under the interpreter (every launch is Triton's)")
         return
     k, n, same, every = run.shapes["check_k"], run.shapes["check_n"], 0, 0
-    through_triton = mock.patch.object(launch, "DIRECT", False)
+    through_triton = mock.patch.object(direct_launch, "DIRECT", False)
     try:
         for name in run.formats:
             d = get_format(name).block_size
@@ -511,14 +511,14 @@ def direct_launch_check(run: Run) -> None:
                     every += len(want)
                     same += sum(int(torch.equal(a, b)) for a, b in zip(got, want))
     except Exception as error:
-        launch.DIRECT = False
+        direct_launch.DIRECT = False
         run.notes.append(f"direct launch: FAILED ({type(error).__name__}: "
                          f"{str(error).splitlines()[0][:120]}); the run goes on through Triton")
         run.line("decode path launched directly: the same bits as through Triton", "failed",
                  "all", "NO")
         return
     if same < every:
-        launch.DIRECT = False
+        direct_launch.DIRECT = False
         run.notes.append("direct launch: results differ from Triton's; the run goes on "
                          "through Triton")
     run.line("decode path launched directly: the same bits as through Triton (eager, graph)",

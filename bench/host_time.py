@@ -11,7 +11,7 @@ sm_90 on this CPU and their launches recorded instead of run (``bench/_no_gpu.py
 figure is everything but CUDA's own launch call (a few microseconds each on a GPU host); a CUDA
 graph (or ``torch.compile`` with CUDA graphs) removes all of it.  Each row is timed as shipped
 (``launch``: ``direct``, Triton's compiled kernel launched again without binding its arguments:
-:mod:`kbbq_pl.kernels.launch`) and with every launch through Triton (``through Triton``), in
+:mod:`kbbq_pl.kernels.direct_launch`) and with every launch through Triton (``through Triton``), in
 alternating rounds.  The table: the median and the fastest of the rounds of ``--reps`` calls,
 microseconds per call.
 
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     k, reps = (256, 20) if args.tiny else (args.k, args.reps)
     from kbbq_pl import formats as F
     from kbbq_pl import kernels as K
-    from kbbq_pl.kernels import launch
+    from kbbq_pl.kernels import direct_launch
 
     torch.manual_seed(0)
     torch.set_num_threads(1)  # host time is one thread's; no wait on another's spin
@@ -92,11 +92,11 @@ def main(argv: list[str] | None = None) -> None:
                                   prepared=prepared, path="decode")
 
                 def through_triton(call=call):
-                    launch.DIRECT = False
+                    direct_launch.DIRECT = False
                     try:
                         call()
                     finally:
-                        launch.DIRECT = True
+                        direct_launch.DIRECT = True
 
                 figures = host_us({"direct": call, "through Triton": through_triton}, reps)
                 for how, (median, fastest) in figures.items():
@@ -127,7 +127,7 @@ def model_rows(stack: ExitStack, steps: int) -> None:
     import gpu
 
     from kbbq_pl import kernels as K
-    from kbbq_pl.kernels import launch
+    from kbbq_pl.kernels import direct_launch
     from kbbq_pl.quant import w4a4
     from kbbq_pl.quant.siblings import group_sibling_linears
 
@@ -172,7 +172,7 @@ def model_rows(stack: ExitStack, steps: int) -> None:
             if linears == "each alone":
                 hooks.remove()
             for how, direct in (("direct", True), ("through Triton", False)):
-                with mock.patch.object(launch, "DIRECT", direct):
+                with mock.patch.object(direct_launch, "DIRECT", direct):
                     ms = step_ms(model)
                 print(f"{fmt:8s} {linears:14s} {how:15s} {ms:8.2f} {ms / base:12.2f}",
                       flush=True)

@@ -52,10 +52,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from .direct_launch import launch
 from .exact import MX_MULTIPLIER_BIAS, NVFP4_DECODE_SHIFT, WORD_ORDER_CHUNK
 from .host import cdiv, next_power_of_2
 from .interpret import interpreting
-from .launch import launch
 from .triton_kernels import (
     SCALE_E4M3,
     _block_scale_values,

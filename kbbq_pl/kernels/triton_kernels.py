@@ -23,10 +23,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from ..formats.rounding import NVFP4_MIN_GLOBAL_SCALE, NVFP4_SCALE_DIVISOR
+from .direct_launch import launch
 from .exact import FP8_FLOOR, FP8_HEADROOM
 from .host import cdiv, next_power_of_2, triton_version
 from .interpret import interpreting
-from .launch import launch
 
 _PTS_DIVISOR = tl.constexpr(NVFP4_SCALE_DIVISOR)  # NVFP4's per-tensor scale: amax / (448 * 6)
 _MIN_PTS = tl.constexpr(NVFP4_MIN_GLOBAL_SCALE)

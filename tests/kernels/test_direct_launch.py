@@ -1,4 +1,4 @@
-"""Direct launches (``kbbq_pl.kernels.launch``): a launch Triton has made once is made again
+"""Direct launches (``kbbq_pl.kernels.direct_launch``): a launch Triton has made once is made again
 with the compiled kernel and the arguments Triton passed it, and only where Triton would
 specialize the same way.  Checked with the kernels compiled for sm_90 on the CPU and their
 launches recorded (``bench/_no_gpu.py``), in a process without Triton's interpreter."""
@@ -18,7 +18,7 @@ from triton.runtime.jit import JITFunction
 from _no_gpu import no_gpu_launches
 from kbbq_pl import formats as F
 from kbbq_pl import kernels as K
-from kbbq_pl.kernels import launch as L
+from kbbq_pl.kernels import direct_launch as L
 
 through_triton = []
 run = JITFunction.run
@@ -138,7 +138,7 @@ def test_gpu_direct_launches_give_tritons_bits(fmt):
     from test_kernels import block, make_transform
 
     from kbbq_pl import kernels as K
-    from kbbq_pl.kernels import launch
+    from kbbq_pl.kernels import direct_launch
 
     device = torch.device("cuda")
     needs_kernels(device)
@@ -158,7 +158,7 @@ def test_gpu_direct_launches_give_tritons_bits(fmt):
             return [K.linear_w4a4(x, *one[:3], fmt, *one[3:6], prepared=one.prepared),
                     *K.linear_w4a4_siblings(x, layers, fmt)]
 
-        with mock.patch.object(launch, "DIRECT", False):
+        with mock.patch.object(direct_launch, "DIRECT", False):
             want = call()
         call()
         assert all(torch.equal(a, b) for a, b in zip(call(), want)), (fmt, m, "eager")

@@ -17,7 +17,12 @@ the run goes on, and the summary says what failed or was skipped for time):
   decode) within one bf16 rounding of the float64 product of the same codes; then the decode
   path with its GEMM launched as a programmatic dependent, and launched directly after
   Triton's first launch (``kbbq_pl.kernels.direct_launch``), each the same bits as without, eagerly
-  and in a CUDA graph (else turned off for the rest of the run).
+  and in a CUDA graph (else turned off for the rest of the run).  The checks are the first to
+  run what no GPU has run yet, so they run in a child process (:func:`check_in_child`): a
+  fault there (an illegal address, a launch that never ends) cannot leave this process's CUDA
+  context unusable for the sections after; a step that faults with a switch (the sibling
+  launches, the dependent launch, the direct launches) is turned off for the run and the
+  checks run again without it.
 * ``gemm``: ``linear_w4a4`` as a layer runs it (activation kernel + product, no transform and
   KBBQ-shaped random blocks; NVFP4 with a static activation scale, as every recipe ships, and
   beside it the dynamic scale's ratio: one launch more) against bf16 ``torch.matmul`` at
@@ -119,6 +124,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Iterator
@@ -186,6 +192,8 @@ class Run:
     failed: set[str] = field(default_factory=set)  # opt-in rows that raised: not tried again
     gemlite_autotune: str = "default"  # GemLite's autotuning: "default" (2 tiles), "fast", "max"
     reserved_s: float = 0.0  # the needs of the sections after the running one (peers leave it)
+    progress: Path | None = None  # the check's child process: where it names its step
+    off: frozenset[str] = frozenset()  # the check's child: the SWITCHES not to check (--off)
 
     @property
     def cuda(self) -> bool:
@@ -199,6 +207,15 @@ class Run:
 
     def line(self, what: str, measured, target="", met="") -> None:
         self.summary.append([what, measured, target, met])
+
+    def step(self, name: str) -> None:
+        """The check's child begins step ``name`` (:func:`check_in_child`): the device's work so
+        far finished first (a fault there is raised now, under the step that launched it)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        if self.progress is not None:
+            self.progress.write_text(name)
+            print(f"(check step: {name})", flush=True)
 
     def goal(self, what: str, measured, values: list[float], target: float,
              higher: bool = True) -> None:
@@ -379,12 +396,27 @@ def within_one_rounding(y: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float
 
 
 def check_section(run: Run) -> None:
+    """The checks (:func:`run_checks`), in a child process (:func:`check_in_child`) unless this
+    is that child."""
+    if run.progress is not None:
+        run_checks(run)
+        return
+    check_in_child(run, [sys.executable, "-u", str(Path(__file__).resolve()), "--sections",
+                         "check", "--formats", ",".join(run.formats),
+                         *([] if run.cuda else ["--tiny"])])
+
+
+def run_checks(run: Run) -> None:
+    """The ``check`` section, in steps (:meth:`Run.step`): ``codes``, ``paths`` and
+    ``siblings`` (each format), ``dependent``, ``direct``; a step among :data:`SWITCHES` in
+    ``run.off`` is left out."""
     from kbbq_pl import kernels as K
     from kbbq_pl.formats import get_format
 
     device, k, n = run.device, run.shapes["check_k"], run.shapes["check_n"]
     codes_ok = codes_all = paths_ok = paths_all = 0
     rows = []
+    run.step("codes")
     for name in run.formats:
         d = get_format(name).block_size
         t = kbbq_blocks(k, d, device, seed=1)
@@ -407,6 +439,7 @@ def check_section(run: Run) -> None:
           ["format", "M", "code/scale bytes differing", "of", "values differing"], rows)
     rows = []
     for name in run.formats:
+        run.step("paths")
         d = get_format(name).block_size
         t = kbbq_blocks(k, d, device, seed=2)
         w = torch.randn(n, k, device=device) * 0.02
@@ -433,7 +466,9 @@ def check_section(run: Run) -> None:
                 rows.append([name, m, path, product, "yes" if ok else "NO", excess])
                 run.add("check", kind="product", fmt=name, m=m, path=path, product=product,
                         within_one_rounding=ok, excess=excess)
-        # q/k/v-like siblings (N, N/4, N/4), each its own transform, in one launch pair
+        if "siblings" in run.off:
+            continue
+        run.step("siblings")  # q/k/v-like (N, N/4, N/4), each its own transform, one launch pair
         siblings = [(q, t)] + [(quantized(torch.randn(n // 4, k, device=device) * 0.02, name),
                                 kbbq_blocks(k, d, device, seed=3 + i)) for i in range(2)]
         layers = [K.SiblingLinear(s.qdata, s.scale, s.global_scale, st,
@@ -459,8 +494,11 @@ def check_section(run: Run) -> None:
              f"{codes_ok}/{codes_all}", "all", "yes" if codes_ok == codes_all else "NO")
     run.line("every path within one bf16 rounding of the exact product",
              f"{paths_ok}/{paths_all}", "all", "yes" if paths_ok == paths_all else "NO")
-    dependent_launch_check(run)
-    direct_launch_check(run)
+    for step, check in (("dependent", dependent_launch_check), ("direct", direct_launch_check)):
+        if step not in run.off:
+            run.step(step)
+            check(run)
+    run.step("done")
 
 
 def direct_launch_check(run: Run) -> None:
@@ -576,6 +614,72 @@ def dependent_launch_check(run: Run) -> None:
                          "without it")
     run.line("decode path with dependent launch: the same bits as without (eager, graph)",
              f"{same}/{every}", "all", "yes" if same == every else "NO")
+
+
+SWITCHES = {
+    "siblings": ("kbbq_pl.kernels", "MAX_SIBLINGS", 1, "sibling linears launched together"),
+    "dependent": ("kbbq_pl.kernels.skinny", "DEPENDENT_LAUNCH", False,
+                  "the decode GEMM launched as a programmatic dependent"),
+    "direct": ("kbbq_pl.kernels.direct_launch", "DIRECT", False, "direct launches"),
+}
+"""The check steps that a switch turns off for the rest of the run: step -> (module, attribute,
+its value when off, what it turns off)."""
+CHECK_CHILD_S = 240.0
+"""The most seconds the check's child process may take (a launch that never ends, too)."""
+
+
+def switched_off() -> list[str]:
+    """The :data:`SWITCHES` that are off in this process."""
+    return [step for step, (module, attribute, off, _) in SWITCHES.items()
+            if getattr(importlib.import_module(module), attribute) == off]
+
+
+def switch_off(step: str) -> None:
+    """Turn off what check step ``step`` checks, for the rest of this process."""
+    module, attribute, off, _ = SWITCHES[step]
+    setattr(importlib.import_module(module), attribute, off)
+
+
+def check_in_child(run: Run, command: list[str]) -> None:
+    """The checks run by ``command`` (this script, in a child process) and merged into ``run``:
+    they are the first to run the kernels and launch paths that no GPU has run yet, and a fault
+    there (an illegal address) leaves the CUDA context of its process unusable, so that every
+    later section would fail too.  The child names each step as it begins
+    (:meth:`Run.step`).  Where it exits with an error, or gives no answer within
+    :data:`CHECK_CHILD_S` (a launch that never ends), in a step of :data:`SWITCHES`, that switch
+    is turned off and the checks run again without it; in another step (the kernels
+    themselves) the failure is noted and the run goes on.  What the child turned off (a launch
+    path whose bits differ) is turned off here as well."""
+    off: list[str] = []
+    while True:
+        with tempfile.TemporaryDirectory() as folder:
+            result, progress = Path(folder) / "check.json", Path(folder) / "step"
+            limit = max(1.0, min(CHECK_CHILD_S, run.left()))
+            try:
+                code = subprocess.run([*command, "--budget-s", f"{run.left():.0f}", "--json",
+                                       str(result), "--check-child", str(progress),
+                                       "--off", ",".join(off)], timeout=limit).returncode
+            except subprocess.TimeoutExpired:
+                code = None
+            step = progress.read_text() if progress.exists() else "start"
+            found = json.loads(result.read_text()) if code == 0 else None
+        if found is not None:
+            break
+        how = f"exit code {code}" if code is not None else f"no answer in {limit:.0f} s"
+        if step in SWITCHES and step not in off:
+            off.append(step)
+            run.notes.append(f"check: its child process stopped in step {step!r} ({how}); "
+                             f"{SWITCHES[step][3]} off for the run, the checks again without")
+            continue
+        run.notes.append(f"check: its child process stopped in step {step!r} ({how}); the "
+                         "run goes on")
+        run.line("checks (a child process)", f"stopped in {step!r}", "all", "NO")
+        return
+    run.rows += found["rows"]
+    run.summary += found["summary"]
+    run.notes += found["notes"]
+    for step in dict.fromkeys(off + found["off"]):
+        switch_off(step)
 
 
 # --------------------------------------------------------------------------- GEMM
@@ -2046,6 +2150,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiny", "--dry-run", dest="tiny", action="store_true",
                         help="tiny shapes on the CPU under the Triton interpreter (timings "
                              "meaningless): checks the script's logic")
+    parser.add_argument("--check-child", type=Path, metavar="PATH",
+                        help="run as the check section's child process, naming each step in "
+                             "PATH (the section starts it: check_in_child)")
+    parser.add_argument("--off", default="",
+                        help=f"with --check-child: comma-separated, of {', '.join(SWITCHES)}: "
+                             "turned off, not checked")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not args.tiny:
@@ -2062,10 +2172,16 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}")
+    off = [step for step in args.off.split(",") if step]
+    if set(off) - set(SWITCHES):
+        parser.error(f"unknown switches {sorted(set(off) - set(SWITCHES))}")
     shapes = TINY if args.tiny else FULL
     run = Run(shapes, device, args.formats.split(","), args.budget_s,
               trace_dir=args.json.parent if args.json else None,
-              gemlite_autotune=args.gemlite_autotune)
+              gemlite_autotune=args.gemlite_autotune, progress=args.check_child,
+              off=frozenset(off))
+    for step in off:
+        switch_off(step)
     import triton
 
     where = (f"{torch.cuda.get_device_name(device)}" if cuda else
@@ -2085,12 +2201,16 @@ def main(argv: list[str] | None = None) -> None:
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(dict(device=where, commit=commit(), rows=run.rows,
-                                                 notes=run.notes), indent=1, default=str))
+                                                 summary=run.summary, notes=run.notes,
+                                                 off=switched_off()), indent=1, default=str))
 
     try:
         with contextlib.ExitStack() as stack:
             for patch in patches:
                 stack.enter_context(patch)
+            if args.check_child:  # an error stops this process: the parent names the step
+                run_checks(run)
+                return
             with section(run, "device copy"):
                 copy_rate(run)
             for index, name in enumerate(sections):
@@ -2104,7 +2224,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         signal.signal(signal.SIGTERM, previous)
         write_json()
-        print_summary(run, where)
+        if not args.check_child:  # the parent's summary holds the child's lines
+            print_summary(run, where)
 
 
 def print_summary(run: Run, where: str) -> None:

@@ -21,8 +21,8 @@ the run goes on, and the summary says what failed or was skipped for time):
   run what no GPU has run yet, so they run in a child process (:func:`check_in_child`): a
   fault there (an illegal address, a launch that never ends) cannot leave this process's CUDA
   context unusable for the sections after; a step that faults with a switch (the sibling
-  launches, the dependent launch, the direct launches) is turned off for the run and the
-  checks run again without it.
+  launches, the opt-in DP4A product, which the check runs at one row, the dependent launch,
+  the direct launches) is turned off for the run and the checks run again without it.
 * ``gemm``: ``linear_w4a4`` as a layer runs it (activation kernel + product, no transform and
   KBBQ-shaped random blocks; NVFP4 with a static activation scale, as every recipe ships, and
   beside it the dynamic scale's ratio: one launch more) against bf16 ``torch.matmul`` at
@@ -193,7 +193,7 @@ class Run:
     gemlite_autotune: str = "default"  # GemLite's autotuning: "default" (2 tiles), "fast", "max"
     reserved_s: float = 0.0  # the needs of the sections after the running one (peers leave it)
     progress: Path | None = None  # the check's child process: where it names its step
-    off: frozenset[str] = frozenset()  # the check's child: the SWITCHES not to check (--off)
+    off: frozenset[str] = frozenset()  # the SWITCHES turned off: not checked, not run
 
     @property
     def cuda(self) -> bool:
@@ -259,10 +259,11 @@ def section(run: Run, name: str, needs_s: float = 0.0):
         run.notes.append(f"{name}: {time.perf_counter() - began:.0f} s")
 
 
-def attempt(run: Run, what: str, call, fallback):
+def attempt(run: Run, what: str, call, fallback, step: str | None = None):
     """``call()``, or ``fallback`` where it raises (printed, noted, and not tried again this
-    run): an opt-in row (the FP8 product) must not cost its section the other rows."""
-    if what in run.failed:
+    run) or where its check ``step`` is off (:data:`SWITCHES`): an opt-in row (the FP8
+    product) must not cost its section the other rows."""
+    if what in run.failed or step in run.off:
         return fallback
     try:
         return call()
@@ -408,8 +409,8 @@ def check_section(run: Run) -> None:
 
 def run_checks(run: Run) -> None:
     """The ``check`` section, in steps (:meth:`Run.step`): ``codes``, ``paths`` and
-    ``siblings`` (each format), ``dependent``, ``direct``; a step among :data:`SWITCHES` in
-    ``run.off`` is left out."""
+    ``siblings`` (each format), ``dp4a``, ``dependent``, ``direct``; a step among
+    :data:`SWITCHES` in ``run.off`` is left out."""
     from kbbq_pl import kernels as K
     from kbbq_pl.formats import get_format
 
@@ -494,11 +495,32 @@ def run_checks(run: Run) -> None:
              f"{codes_ok}/{codes_all}", "all", "yes" if codes_ok == codes_all else "NO")
     run.line("every path within one bf16 rounding of the exact product",
              f"{paths_ok}/{paths_all}", "all", "yes" if paths_ok == paths_all else "NO")
-    for step, check in (("dependent", dependent_launch_check), ("direct", direct_launch_check)):
+    for step, check in (("dp4a", dp4a_check), ("dependent", dependent_launch_check),
+                        ("direct", direct_launch_check)):
         if step not in run.off:
             run.step(step)
             check(run)
     run.step("done")
+
+
+def dp4a_check(run: Run) -> None:
+    """The decode path at one row with the opt-in DP4A product (the ``gemm``, ``model`` and
+    ``tune`` sections time it) within one bf16 rounding of the exact product, every format,
+    random blocks."""
+    from kbbq_pl import kernels as K
+    from kbbq_pl.formats import get_format
+    from kbbq_pl.kernels import skinny
+
+    k, n, ok = run.shapes["check_k"], run.shapes["check_n"], 0
+    for name in run.formats:
+        t = kbbq_blocks(k, get_format(name).block_size, run.device, seed=4)
+        q = quantized(torch.randn(n, k, device=run.device) * 0.02, name)
+        x = torch.randn(1, k, device=run.device, dtype=torch.bfloat16)
+        with mock.patch.object(skinny, "ONE_ROW_PRODUCT", skinny.PRODUCT_DP4A):
+            y = K.linear_w4a4(x, q.qdata, q.scale, q.global_scale, name, t, path="decode")
+        ok += within_one_rounding(y, exact_product(x, t, q, name))[0]
+    run.line("one-row DP4A product (opt-in) within one bf16 rounding of the exact product",
+             f"{ok}/{len(run.formats)}", "all", "yes" if ok == len(run.formats) else "NO")
 
 
 def direct_launch_check(run: Run) -> None:
@@ -618,26 +640,31 @@ def dependent_launch_check(run: Run) -> None:
 
 SWITCHES = {
     "siblings": ("kbbq_pl.kernels", "MAX_SIBLINGS", 1, "sibling linears launched together"),
+    "dp4a": (None, None, None, "the one-row DP4A product's rows (opt-in)"),
     "dependent": ("kbbq_pl.kernels.skinny", "DEPENDENT_LAUNCH", False,
                   "the decode GEMM launched as a programmatic dependent"),
     "direct": ("kbbq_pl.kernels.direct_launch", "DIRECT", False, "direct launches"),
 }
-"""The check steps that a switch turns off for the rest of the run: step -> (module, attribute,
-its value when off, what it turns off)."""
+"""The check steps that can be turned off for the rest of the run (``Run.off``, and a module's
+switch where there is one): step -> (module, attribute, its value when off, what it turns
+off)."""
 CHECK_CHILD_S = 240.0
 """The most seconds the check's child process may take (a launch that never ends, too)."""
 
 
-def switched_off() -> list[str]:
-    """The :data:`SWITCHES` that are off in this process."""
+def switched_off(run: Run) -> list[str]:
+    """The :data:`SWITCHES` that are off in this run."""
     return [step for step, (module, attribute, off, _) in SWITCHES.items()
-            if getattr(importlib.import_module(module), attribute) == off]
+            if step in run.off or module is not None
+            and getattr(importlib.import_module(module), attribute) == off]
 
 
-def switch_off(step: str) -> None:
-    """Turn off what check step ``step`` checks, for the rest of this process."""
+def switch_off(run: Run, step: str) -> None:
+    """Turn off what check step ``step`` checks, for the rest of the run."""
     module, attribute, off, _ = SWITCHES[step]
-    setattr(importlib.import_module(module), attribute, off)
+    run.off |= {step}
+    if module is not None:
+        setattr(importlib.import_module(module), attribute, off)
 
 
 def check_in_child(run: Run, command: list[str]) -> None:
@@ -679,7 +706,7 @@ def check_in_child(run: Run, command: list[str]) -> None:
     run.summary += found["summary"]
     run.notes += found["notes"]
     for step in dict.fromkeys(off + found["off"]):
-        switch_off(step)
+        switch_off(run, step)
 
 
 # --------------------------------------------------------------------------- GEMM
@@ -761,7 +788,7 @@ def gemm_section(run: Run) -> None:
                             run, f"one-row DP4A {name}",
                             functools.partial(dp4a_linear, run, own_calls,
                                               exact_product(x, t, q, name, scales[0]), t_bf16),
-                            (float("nan"), "FAILED"))
+                            (float("nan"), "FAILED"), step="dp4a")
                         if one_row == one_row:
                             ratios.setdefault((m, name, "one-row DP4A"), []).append(one_row)
                     independent = float("nan")
@@ -1066,13 +1093,15 @@ def tune_section(run: Run) -> None:
                                                        dtype=skinny.activation_dtype(kind),
                                                        word_order=True)
             exact = exact_product(x, None, q, name)
-            _, a_scales, dp4a_pts, doubled = K._activation_kernel(
-                x, None, fmt_, None, "tune", None, values_dtype=torch.int8, codes=False)
             weight_bytes = sets[0][0].numel() + sets[0][1].numel() + n * 2  # and the output
             operands = {  # activations, their per-tensor scale and block scales, bytes moved
-                skinny.PRODUCT_DOT: (values, pts, None, weight_bytes + values.numel() * 2),
-                skinny.PRODUCT_DP4A: (doubled, dp4a_pts, a_scales,
-                                      weight_bytes + doubled.numel() + a_scales.numel() * 4)}
+                skinny.PRODUCT_DOT: (values, pts, None, weight_bytes + values.numel() * 2)}
+            if "dp4a" not in run.off:
+                _, a_scales, dp4a_pts, doubled = K._activation_kernel(
+                    x, None, fmt_, None, "tune", None, values_dtype=torch.int8, codes=False)
+                operands[skinny.PRODUCT_DP4A] = (
+                    doubled, dp4a_pts, a_scales,
+                    weight_bytes + doubled.numel() + a_scales.numel() * 4)
 
             def timed(product, config, split):
                 a, a_pts, block_scales, nbytes = operands[product]
@@ -1091,13 +1120,14 @@ def tune_section(run: Run) -> None:
                          1.0, "yes" if tuned[2] else "NO"])
             got = attempt(run, f"tune {name} DP4A autotuned",
                           functools.partial(timed, skinny.PRODUCT_DP4A, None, None),
-                          (math.nan, math.nan, False))
+                          (math.nan, math.nan, False), step="dp4a")
             rows.append([f"{k}->{n}", name, "DP4A autotuned", "auto", got[0] * 1e6, got[1],
                          tuned[0] / got[0], "yes" if got[2] else "NO"])
             tiles = [(tile, skinny.PRODUCT_DOT) for tile in TUNE_TILES]
-            tiles += [(tile, skinny.PRODUCT_DP4A) for tile in TUNE_DP4A_TILES]
+            tiles += [(tile, skinny.PRODUCT_DP4A) for tile in TUNE_DP4A_TILES
+                      if "dp4a" not in run.off]
             if not run.cuda:  # the CPU's tiny run: one tile of each product
-                tiles = [tiles[0], tiles[len(TUNE_TILES)]]
+                tiles = tiles[:1] + tiles[len(TUNE_TILES):len(TUNE_TILES) + 1]
             for (bm, bn, bk, warps, stages), product in tiles:
                 if run.left() < 10:
                     run.notes.append(f"tune: stopped at {k} -> {n} {name} for time")
@@ -1991,7 +2021,8 @@ def model_section(run: Run) -> None:
                                                       cuda)
                 return tps / base[1][0]
 
-            dp4a_ratio = attempt(run, f"one-row DP4A {name}", dp4a_decode, math.nan)
+            dp4a_ratio = attempt(run, f"one-row DP4A {name}", dp4a_decode, math.nan,
+                                 step="dp4a")
             run.goal(f"model {name}: decode batch 1 x bf16, one-row DP4A product (opt-in)",
                      f"{dp4a_ratio:.3g}", [dp4a_ratio], TARGETS["model_decode_1"])
             run.add("model_dp4a", fmt=name, decode_b1_x=dp4a_ratio)
@@ -2178,10 +2209,9 @@ def main(argv: list[str] | None = None) -> None:
     shapes = TINY if args.tiny else FULL
     run = Run(shapes, device, args.formats.split(","), args.budget_s,
               trace_dir=args.json.parent if args.json else None,
-              gemlite_autotune=args.gemlite_autotune, progress=args.check_child,
-              off=frozenset(off))
+              gemlite_autotune=args.gemlite_autotune, progress=args.check_child)
     for step in off:
-        switch_off(step)
+        switch_off(run, step)
     import triton
 
     where = (f"{torch.cuda.get_device_name(device)}" if cuda else
@@ -2202,7 +2232,8 @@ def main(argv: list[str] | None = None) -> None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(dict(device=where, commit=commit(), rows=run.rows,
                                                  summary=run.summary, notes=run.notes,
-                                                 off=switched_off()), indent=1, default=str))
+                                                 off=switched_off(run)), indent=1,
+                                            default=str))
 
     try:
         with contextlib.ExitStack() as stack:

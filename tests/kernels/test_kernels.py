@@ -755,7 +755,8 @@ def test_gpu_bench_tiny_run(capsys, tmp_path):
     out = capsys.readouterr().out
     summary = out[out.index("## summary"):]
     for row in ("bit for bit the CPU reference | 1/1", "within one bf16 rounding of the exact "
-                "product | 7/7", "linear M=1 nvfp4", "activation nvfp4 16x16 blocks, exact",
+                "product | 7/7", "one-row DP4A product (opt-in) within one bf16 rounding of the "
+                "exact product | 1/1", "linear M=1 nvfp4", "activation nvfp4 16x16 blocks, exact",
                 "decode-step activation kernel nvfp4: time of 'fma dot, 4 warps'",
                 "model nvfp4: decode batch 2", "model nvfp4: prefill",
                 "rows from which prefill beats decode, nvfp4", "peers: skipped",
@@ -940,7 +941,7 @@ args = parser.parse_args(sys.argv[2:])
 off = [step for step in args.off.split(",") if step]
 with open(pathlib.Path(args.json).parent.parent / "runs", "a") as runs:
     runs.write(",".join(off) + ";")
-step = {"direct": "direct", "paths": "paths", "hang": "dependent"}.get(scenario)
+step = {"direct": "direct", "dp4a": "dp4a", "paths": "paths", "hang": "dependent"}.get(scenario)
 if step is not None and step not in off:
     pathlib.Path(args.check_child).write_text(step)
     if scenario == "hang":
@@ -956,6 +957,7 @@ pathlib.Path(args.json).write_text(json.dumps(dict(
 
 @pytest.mark.parametrize("scenario, stopped, now_off", [
     ("direct", "stopped in step 'direct' (exit code 3)", ["direct"]),
+    ("dp4a", "stopped in step 'dp4a' (exit code 3)", ["dp4a"]),
     ("hang", "stopped in step 'dependent' (no answer in 2 s)", ["dependent"]),
     ("paths", "stopped in step 'paths' (exit code 3); the run goes on", []),
     ("differs", None, ["siblings"]),
@@ -964,21 +966,27 @@ def test_gpu_bench_checks_in_a_child_process(tmp_path, monkeypatch, scenario, st
     """bench/gpu.py's checks run in a child process (a stand-in here), so that a fault of a kernel
     or launch path no GPU has run cannot take the rest of the run with it: a child that fails
     or hangs in a step with a switch has that switch turned off here and runs again without
-    it; a failure in the kernels themselves is noted; what the child turned off is off here;
-    its rows, summary lines and notes join the run's."""
+    it (the opt-in DP4A product: its rows are not run); a failure in the kernels themselves is
+    noted; what the child turned off is off here; its rows, summary lines and notes join the
+    run's."""
     from kbbq_pl.kernels import direct_launch, skinny
 
     module = gpu_bench()
     for path, attribute, _, _ in module.SWITCHES.values():
-        monkeypatch.setattr(importlib.import_module(path), attribute,
-                            getattr(importlib.import_module(path), attribute))
+        if path is not None:  # restored after the test
+            monkeypatch.setattr(importlib.import_module(path), attribute,
+                                getattr(importlib.import_module(path), attribute))
     monkeypatch.setattr(module, "CHECK_CHILD_S", 2.0)
     monkeypatch.setattr(module.tempfile, "tempdir", str(tmp_path))
     script = tmp_path / "child.py"
     script.write_text(CHECK_CHILD_STAND_IN)
     run = module.Run(module.TINY, torch.device("cpu"), ["nvfp4"], 100.0)
     module.check_in_child(run, [sys.executable, str(script), scenario])
-    assert module.switched_off() == now_off
+    assert module.switched_off(run) == now_off
+    tried = []
+    assert module.attempt(run, "a DP4A row", lambda: tried.append(1), "not run",
+                          step="dp4a") == ("not run" if "dp4a" in now_off else None)
+    assert tried == ([] if "dp4a" in now_off else [1])
     assert (direct_launch.DIRECT, skinny.DEPENDENT_LAUNCH, K.MAX_SIBLINGS >= 2) == tuple(
         step not in now_off for step in ("direct", "dependent", "siblings"))
     runs = (tmp_path / "runs").read_text().split(";")[:-1]

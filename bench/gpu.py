@@ -17,12 +17,13 @@ the run goes on, and the summary says what failed or was skipped for time):
   decode) within one bf16 rounding of the float64 product of the same codes; then the decode
   path with its GEMM launched as a programmatic dependent, and launched directly after
   Triton's first launch (``kbbq_pl.kernels.direct_launch``), each the same bits as without, eagerly
-  and in a CUDA graph (else turned off for the rest of the run).  The checks are the first to
-  run what no GPU has run yet, so they run in a child process (:func:`check_in_child`): a
-  fault there (an illegal address, a launch that never ends) cannot leave this process's CUDA
-  context unusable for the sections after; a step that faults with a switch (the sibling
-  launches, the opt-in DP4A product, which the check runs at one row, the dependent launch,
-  the direct launches) is turned off for the run and the checks run again without it.
+  and in a CUDA graph (else turned off for the rest of the run); and the opt-in one-row DP4A
+  product within one rounding.  The checks are the first to run what no GPU has run yet, so
+  they run in a child process (:func:`check_in_child`), each launch path first in its own
+  step: a fault there (an illegal address, a launch that never ends) does not leave this
+  process's CUDA context unusable for the sections after.  A launch path that faults (the
+  sibling launches, the DP4A product, the dependent launch, the direct launches) is turned off
+  for the run and the checks run again without it; a fault of the kernels themselves is noted.
 * ``gemm``: ``linear_w4a4`` as a layer runs it (activation kernel + product, no transform and
   KBBQ-shaped random blocks; NVFP4 with a static activation scale, as every recipe ships, and
   beside it the dynamic scale's ratio: one launch more) against bf16 ``torch.matmul`` at
@@ -410,7 +411,29 @@ def check_section(run: Run) -> None:
 def run_checks(run: Run) -> None:
     """The ``check`` section, in steps (:meth:`Run.step`): ``codes``, ``paths`` and
     ``siblings`` (each format), ``dp4a``, ``dependent``, ``direct``; a step among
-    :data:`SWITCHES` in ``run.off`` is left out."""
+    :data:`SWITCHES` in ``run.off`` is left out.  Each launch path runs first in its own step
+    (a fault is named by it): the steps before ``dependent`` launch without the dependent
+    launch and through Triton, ``dependent`` through Triton; ``direct`` as shipped."""
+    from kbbq_pl.kernels import direct_launch, skinny
+
+    through_triton = mock.patch.object(direct_launch, "DIRECT", False)
+    with mock.patch.object(skinny, "DEPENDENT_LAUNCH", False), through_triton:
+        product_checks(run)
+        if "dp4a" not in run.off:
+            run.step("dp4a")
+            dp4a_check(run)
+    if "dependent" not in run.off:
+        run.step("dependent")
+        with through_triton:
+            dependent_launch_check(run)
+    if "direct" not in run.off:
+        run.step("direct")
+        direct_launch_check(run)
+    run.step("done")
+
+
+def product_checks(run: Run) -> None:
+    """The steps ``codes``, ``paths`` and ``siblings`` of :func:`run_checks`."""
     from kbbq_pl import kernels as K
     from kbbq_pl.formats import get_format
 
@@ -495,12 +518,6 @@ def run_checks(run: Run) -> None:
              f"{codes_ok}/{codes_all}", "all", "yes" if codes_ok == codes_all else "NO")
     run.line("every path within one bf16 rounding of the exact product",
              f"{paths_ok}/{paths_all}", "all", "yes" if paths_ok == paths_all else "NO")
-    for step, check in (("dp4a", dp4a_check), ("dependent", dependent_launch_check),
-                        ("direct", direct_launch_check)):
-        if step not in run.off:
-            run.step(step)
-            check(run)
-    run.step("done")
 
 
 def dp4a_check(run: Run) -> None:
@@ -512,13 +529,20 @@ def dp4a_check(run: Run) -> None:
     from kbbq_pl.kernels import skinny
 
     k, n, ok = run.shapes["check_k"], run.shapes["check_n"], 0
-    for name in run.formats:
-        t = kbbq_blocks(k, get_format(name).block_size, run.device, seed=4)
-        q = quantized(torch.randn(n, k, device=run.device) * 0.02, name)
-        x = torch.randn(1, k, device=run.device, dtype=torch.bfloat16)
-        with mock.patch.object(skinny, "ONE_ROW_PRODUCT", skinny.PRODUCT_DP4A):
-            y = K.linear_w4a4(x, q.qdata, q.scale, q.global_scale, name, t, path="decode")
-        ok += within_one_rounding(y, exact_product(x, t, q, name))[0]
+    try:
+        for name in run.formats:
+            t = kbbq_blocks(k, get_format(name).block_size, run.device, seed=4)
+            q = quantized(torch.randn(n, k, device=run.device) * 0.02, name)
+            x = torch.randn(1, k, device=run.device, dtype=torch.bfloat16)
+            with mock.patch.object(skinny, "ONE_ROW_PRODUCT", skinny.PRODUCT_DP4A):
+                y = K.linear_w4a4(x, q.qdata, q.scale, q.global_scale, name, t, path="decode")
+            ok += within_one_rounding(y, exact_product(x, t, q, name))[0]
+    except Exception as error:
+        switch_off(run, "dp4a")
+        run.notes.append(f"one-row DP4A: FAILED ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0][:120]}); its rows are not run")
+        run.line("one-row DP4A product (opt-in): checked", "failed", "all", "NO")
+        return
     run.line("one-row DP4A product (opt-in) within one bf16 rounding of the exact product",
              f"{ok}/{len(run.formats)}", "all", "yes" if ok == len(run.formats) else "NO")
 
@@ -648,8 +672,9 @@ SWITCHES = {
 """The check steps that can be turned off for the rest of the run (``Run.off``, and a module's
 switch where there is one): step -> (module, attribute, its value when off, what it turns
 off)."""
-CHECK_CHILD_S = 240.0
-"""The most seconds the check's child process may take (a launch that never ends, too)."""
+CHECK_STEP_S = 150.0
+"""The most seconds a step of the check's child process may take: past them it is taken for a
+launch that never ends."""
 
 
 def switched_off(run: Run) -> list[str]:
@@ -672,41 +697,75 @@ def check_in_child(run: Run, command: list[str]) -> None:
     they are the first to run the kernels and launch paths that no GPU has run yet, and a fault
     there (an illegal address) leaves the CUDA context of its process unusable, so that every
     later section would fail too.  The child names each step as it begins
-    (:meth:`Run.step`).  Where it exits with an error, or gives no answer within
-    :data:`CHECK_CHILD_S` (a launch that never ends), in a step of :data:`SWITCHES`, that switch
-    is turned off and the checks run again without it; in another step (the kernels
-    themselves) the failure is noted and the run goes on.  What the child turned off (a launch
-    path whose bits differ) is turned off here as well."""
+    (:meth:`Run.step`; :func:`run_checks` runs each launch path first in its own step).  Where
+    it exits with an error, or stays in one step longer than :data:`CHECK_STEP_S` (a launch that
+    never ends), in a step of :data:`SWITCHES`, that switch is turned off for the run and the
+    checks run again without it; in another step (the kernels themselves) the failure is noted
+    and the run goes on; a child that never began a step (no second CUDA context on this GPU,
+    say) is replaced by the checks in this process.  What the child turned off (a launch path
+    whose bits differ) and the opt-in rows that failed there are off here too; a failed
+    child's notes (its last, its rows and summary too) join the run's."""
     off: list[str] = []
     while True:
         with tempfile.TemporaryDirectory() as folder:
             result, progress = Path(folder) / "check.json", Path(folder) / "step"
-            limit = max(1.0, min(CHECK_CHILD_S, run.left()))
-            try:
-                code = subprocess.run([*command, "--budget-s", f"{run.left():.0f}", "--json",
-                                       str(result), "--check-child", str(progress),
-                                       "--off", ",".join(off)], timeout=limit).returncode
-            except subprocess.TimeoutExpired:
-                code = None
-            step = progress.read_text() if progress.exists() else "start"
-            found = json.loads(result.read_text()) if code == 0 else None
-        if found is not None:
+            code, step, how = watch_child(run, [
+                *command, "--budget-s", f"{run.left():.0f}", "--json", str(result),
+                "--check-child", str(progress), "--off", ",".join(off)], progress)
+            found = json.loads(result.read_text()) if result.exists() else None
+        if code == 0 and found is not None:
             break
-        how = f"exit code {code}" if code is not None else f"no answer in {limit:.0f} s"
-        if step in SWITCHES and step not in off:
-            off.append(step)
-            run.notes.append(f"check: its child process stopped in step {step!r} ({how}); "
-                             f"{SWITCHES[step][3]} off for the run, the checks again without")
-            continue
-        run.notes.append(f"check: its child process stopped in step {step!r} ({how}); the "
-                         "run goes on")
-        run.line("checks (a child process)", f"stopped in {step!r}", "all", "NO")
-        return
+        if step == "start" and isinstance(code, int):
+            run.notes.append(f"check: its child process began no step ({how}); the checks "
+                             "run in this process")
+            run_checks(run)
+            return
+        rerun = step in SWITCHES and step not in off and run.left() > 20  # time to run again
+        if found is not None:
+            run.notes += found["notes"]
+            if not rerun:
+                run.rows += found["rows"]
+                run.summary += found["summary"]
+                run.failed |= set(found["failed"])
+        if not rerun:
+            run.notes.append(f"check: its child process stopped in step {step!r} ({how}); the "
+                             "run goes on")
+            run.line("checks (a child process)", f"stopped in {step!r}", "all", "NO")
+            return
+        off.append(step)
+        switch_off(run, step)
+        run.notes.append(f"check: its child process stopped in step {step!r} ({how}); "
+                         f"{SWITCHES[step][3]} off for the run, the checks again without")
     run.rows += found["rows"]
     run.summary += found["summary"]
     run.notes += found["notes"]
-    for step in dict.fromkeys(off + found["off"]):
+    run.failed |= set(found["failed"])
+    for step in found["off"]:
         switch_off(run, step)
+
+
+def watch_child(run: Run, command: list[str], progress: Path) -> tuple[int | str | None, str, str]:
+    """Run ``command`` until it exits, stays in one step (``progress``) longer than
+    :data:`CHECK_STEP_S`, or outlasts the run's budget: ``(exit code, else None for a step
+    that never ended or "time", the step it was in or "start", how it ended)``."""
+    process = subprocess.Popen(command)
+    step, since = "start", time.perf_counter()
+    try:
+        while process.poll() is None:
+            now = progress.read_text() if progress.exists() else "start"
+            if now != step:
+                step, since = now, time.perf_counter()
+            if time.perf_counter() - since > CHECK_STEP_S:
+                return None, step, f"no end in {CHECK_STEP_S:.0f} s"
+            if run.left() <= 0:
+                return "time", step, "out of the run's time"
+            time.sleep(0.1)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    step = progress.read_text() if progress.exists() else "start"
+    return process.returncode, step, f"exit code {process.returncode}"
 
 
 # --------------------------------------------------------------------------- GEMM
@@ -2232,7 +2291,8 @@ def main(argv: list[str] | None = None) -> None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(dict(device=where, commit=commit(), rows=run.rows,
                                                  summary=run.summary, notes=run.notes,
-                                                 off=switched_off(run)), indent=1,
+                                                 off=switched_off(run),
+                                                 failed=sorted(run.failed)), indent=1,
                                             default=str))
 
     try:

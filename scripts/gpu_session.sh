@@ -17,10 +17,11 @@
 # row the issue asks for, prints the short summary table last and leaves the full log in
 # $OUT/bench_gpu.txt, every row in $OUT/bench.json and the model section's profiler traces in
 # $OUT/trace_*.json.gz.  A failing section prints its traceback and the run goes on (the
-# checks run first, in a child process: a kernel fault there turns its switch off instead of
-# ending the run); a section that would not fit the budget is skipped and says so (the `act`,
-# `rows` and `peers` sections come last: a second call takes what the first skipped, e.g. BENCH_ARGS="--sections
-# act,rows,tune" (tune, opt-in, stops cleanly for time); send it at once: the machine
+# checks run first, in a child process: a launch path that faults there is turned off for the
+# run, and no fault there ends the run); a section that would not fit the budget is skipped
+# and says so (the `act`, `rows` and `peers` sections come last: a second call takes what the
+# first skipped, e.g. BENCH_ARGS="--sections act,rows,tune" (tune, opt-in, stops cleanly for
+# time); send it at once: the machine
 # goes back after 30 s idle, and a fresh one starts only with 4 minutes of device time left, so
 # read `status` for budget_left_s after the first call and give the second CALL_S = its
 # timeout_s, e.g. CALL_S=230 and timeout_s 230; call give_back after it).  The limits follow

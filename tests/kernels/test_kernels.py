@@ -941,34 +941,42 @@ args = parser.parse_args(sys.argv[2:])
 off = [step for step in args.off.split(",") if step]
 with open(pathlib.Path(args.json).parent.parent / "runs", "a") as runs:
     runs.write(",".join(off) + ";")
-step = {"direct": "direct", "dp4a": "dp4a", "paths": "paths", "hang": "dependent"}.get(scenario)
+record = dict(rows=[dict(section="check", kind="stand-in")], notes=["child note"],
+              summary=[["child row", "1/1", "all", "yes"]], off=off, failed=[])
+step = {"direct": "direct", "dp4a": "dp4a", "paths": "paths", "hang": "dependent",
+        "slow": "dp4a"}.get(scenario)
+if scenario == "start":
+    sys.exit(1)
 if step is not None and step not in off:
     pathlib.Path(args.check_child).write_text(step)
-    if scenario == "hang":
+    pathlib.Path(args.json).write_text(json.dumps(record))  # what a failed child leaves
+    if scenario in ("hang", "slow"):
         time.sleep(60)
     sys.exit(3)
 pathlib.Path(args.check_child).write_text("done")
-turned = ["siblings"] if scenario == "differs" else []
-pathlib.Path(args.json).write_text(json.dumps(dict(
-    rows=[dict(section="check", kind="stand-in")], summary=[["child row", "1/1", "all", "yes"]],
-    notes=["child note"], off=off + turned)))
+if scenario == "differs":  # the child turned a switch off, an opt-in row failed there
+    record.update(off=off + ["siblings"], failed=["MX on FP8 tensor cores"])
+pathlib.Path(args.json).write_text(json.dumps(record))
 """
 
 
 @pytest.mark.parametrize("scenario, stopped, now_off", [
-    ("direct", "stopped in step 'direct' (exit code 3)", ["direct"]),
-    ("dp4a", "stopped in step 'dp4a' (exit code 3)", ["dp4a"]),
-    ("hang", "stopped in step 'dependent' (no answer in 2 s)", ["dependent"]),
+    ("direct", "stopped in step 'direct' (exit code 3); direct launches off", ["direct"]),
+    ("dp4a", "stopped in step 'dp4a' (exit code 3); the one-row DP4A", ["dp4a"]),
+    ("hang", "stopped in step 'dependent' (no end in 2 s); the decode GEMM", ["dependent"]),
     ("paths", "stopped in step 'paths' (exit code 3); the run goes on", []),
+    ("slow", "stopped in step 'dp4a' (out of the run's time); the run goes on", []),
     ("differs", None, ["siblings"]),
+    ("start", "began no step (exit code 1); the checks run in this process", []),
 ])
 def test_gpu_bench_checks_in_a_child_process(tmp_path, monkeypatch, scenario, stopped, now_off):
     """bench/gpu.py's checks run in a child process (a stand-in here), so that a fault of a kernel
     or launch path no GPU has run cannot take the rest of the run with it: a child that fails
-    or hangs in a step with a switch has that switch turned off here and runs again without
-    it (the opt-in DP4A product: its rows are not run); a failure in the kernels themselves is
-    noted; what the child turned off is off here; its rows, summary lines and notes join the
-    run's."""
+    or stays in a step with a switch has that switch turned off here and runs again without it
+    (the opt-in DP4A product: its rows are not run); a failure in the kernels themselves, or
+    the run's time running out, is noted, with what the child found before; what the child
+    turned off, and the opt-in rows that failed there, are off here; its rows, summary lines
+    and notes join the run's; a child that began no step is replaced by the checks here."""
     from kbbq_pl.kernels import direct_launch, skinny
 
     module = gpu_bench()
@@ -976,30 +984,75 @@ def test_gpu_bench_checks_in_a_child_process(tmp_path, monkeypatch, scenario, st
         if path is not None:  # restored after the test
             monkeypatch.setattr(importlib.import_module(path), attribute,
                                 getattr(importlib.import_module(path), attribute))
-    monkeypatch.setattr(module, "CHECK_CHILD_S", 2.0)
+    monkeypatch.setattr(module, "CHECK_STEP_S", 30.0 if scenario == "slow" else 2.0)
     monkeypatch.setattr(module.tempfile, "tempdir", str(tmp_path))
+    here = []
+    monkeypatch.setattr(module, "run_checks", here.append)
     script = tmp_path / "child.py"
     script.write_text(CHECK_CHILD_STAND_IN)
-    run = module.Run(module.TINY, torch.device("cpu"), ["nvfp4"], 100.0)
+    run = module.Run(module.TINY, torch.device("cpu"), ["nvfp4"],
+                     3.0 if scenario == "slow" else 100.0)
     module.check_in_child(run, [sys.executable, str(script), scenario])
     assert module.switched_off(run) == now_off
+    assert (direct_launch.DIRECT, skinny.DEPENDENT_LAUNCH, K.MAX_SIBLINGS >= 2) == tuple(
+        step not in now_off for step in ("direct", "dependent", "siblings"))
     tried = []
     assert module.attempt(run, "a DP4A row", lambda: tried.append(1), "not run",
                           step="dp4a") == ("not run" if "dp4a" in now_off else None)
     assert tried == ([] if "dp4a" in now_off else [1])
-    assert (direct_launch.DIRECT, skinny.DEPENDENT_LAUNCH, K.MAX_SIBLINGS >= 2) == tuple(
-        step not in now_off for step in ("direct", "dependent", "siblings"))
+    assert stopped is None or any(stopped in note for note in run.notes), run.notes
+    assert here == ([run] if scenario == "start" else [])
     runs = (tmp_path / "runs").read_text().split(";")[:-1]
-    if scenario == "paths":
-        assert runs == [""] and run.summary == [["checks (a child process)",
-                                                 "stopped in 'paths'", "all", "NO"]]
-        assert run.rows == [] and stopped in run.notes[0]
+    assert runs == (["", now_off[0]] if stopped and now_off else [""])
+    if scenario == "start":
+        assert run.rows == [] and run.summary == []
         return
-    assert runs == ([""] if stopped is None else ["", now_off[0]])
     assert run.rows == [dict(section="check", kind="stand-in")]
-    assert run.summary == [["child row", "1/1", "all", "yes"]]
-    assert run.notes[-1] == "child note" and len(run.notes) == 1 + (stopped is not None)
-    assert stopped is None or stopped in run.notes[0]
+    assert "child note" in run.notes
+    assert run.failed == ({"MX on FP8 tensor cores"} if scenario == "differs" else set())
+    if now_off or scenario == "differs":
+        assert run.summary == [["child row", "1/1", "all", "yes"]]
+    else:  # noted, with what the child found before
+        step = stopped.split("'")[1]
+        assert run.summary == [["child row", "1/1", "all", "yes"],
+                               ["checks (a child process)", f"stopped in {step!r}", "all", "NO"]]
+
+
+def test_gpu_bench_check_steps_run_each_launch_path_first_alone(tmp_path, monkeypatch, capsys):
+    """The check's child (here in this process) runs the products with neither the dependent
+    nor the direct launch (a fault of either is named by its own step), leaves out a step
+    turned off (--off) and reports it off; a step's fault in the device's earlier work is
+    raised before the step is named."""
+    from kbbq_pl.kernels import direct_launch, skinny
+
+    module = gpu_bench()
+    monkeypatch.setattr(skinny, "DEPENDENT_LAUNCH", True)
+    monkeypatch.setattr(direct_launch, "DIRECT", True)
+    launches = []
+
+    def checked(y, ref):
+        launches.append((skinny.DEPENDENT_LAUNCH, direct_launch.DIRECT))
+        return within(y, ref)
+
+    within = module.within_one_rounding
+    monkeypatch.setattr(module, "within_one_rounding", checked)
+    record, progress = tmp_path / "check.json", tmp_path / "step"
+    module.main(["--tiny", "--formats", "nvfp4", "--check-child", str(progress), "--off",
+                 "dependent", "--json", str(record)])
+    out = capsys.readouterr().out
+    found = json.loads(record.read_text())
+    assert found["off"] == ["dependent"] and progress.read_text() == "done"
+    steps = [line[len("(check step: "):-1] for line in out.splitlines()
+             if line.startswith("(check step: ")]
+    assert steps == ["codes", "paths", "siblings", "dp4a", "direct", "done"], steps
+    # 5 paths, 2 x 3 siblings, 1 DP4A: none with the dependent or the direct launch
+    assert len(launches) == 12 and set(launches) == {(False, False)}, launches
+    assert direct_launch.DIRECT  # as shipped after the checks
+    run = module.Run(module.TINY, torch.device("cuda"), ["nvfp4"], 100.0, progress=progress)
+    with mock.patch.object(torch.cuda, "synchronize", side_effect=RuntimeError("fault")), \
+            pytest.raises(RuntimeError, match="fault"):
+        run.step("next")
+    assert progress.read_text() == "done"
 
 
 def test_gpu_bench_summary_survives_the_time_limit(tmp_path):

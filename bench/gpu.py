@@ -1177,11 +1177,12 @@ def tune_section(run: Run) -> None:
             tuned = timed(skinny.PRODUCT_DOT, None, None)
             rows.append([f"{k}->{n}", name, "autotuned", "auto", tuned[0] * 1e6, tuned[1],
                          1.0, "yes" if tuned[2] else "NO"])
-            got = attempt(run, f"tune {name} DP4A autotuned",
-                          functools.partial(timed, skinny.PRODUCT_DP4A, None, None),
-                          (math.nan, math.nan, False), step="dp4a")
-            rows.append([f"{k}->{n}", name, "DP4A autotuned", "auto", got[0] * 1e6, got[1],
-                         tuned[0] / got[0], "yes" if got[2] else "NO"])
+            if "dp4a" not in run.off:
+                got = attempt(run, f"tune {name} DP4A autotuned",
+                              functools.partial(timed, skinny.PRODUCT_DP4A, None, None),
+                              (math.nan, math.nan, False))
+                rows.append([f"{k}->{n}", name, "DP4A autotuned", "auto", got[0] * 1e6,
+                             got[1], tuned[0] / got[0], "yes" if got[2] else "NO"])
             tiles = [(tile, skinny.PRODUCT_DOT) for tile in TUNE_TILES]
             tiles += [(tile, skinny.PRODUCT_DP4A) for tile in TUNE_DP4A_TILES
                       if "dp4a" not in run.off]

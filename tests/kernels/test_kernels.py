@@ -1055,6 +1055,20 @@ def test_gpu_bench_check_steps_run_each_launch_path_first_alone(tmp_path, monkey
     assert progress.read_text() == "done"
 
 
+def test_gpu_bench_runs_no_dp4a_row_once_its_check_is_off(capsys):
+    """With the ``dp4a`` check step off (its child faulted there), the tune section times no
+    DP4A tile and compiles no int8 activations; the other tiles are still timed."""
+    needs_kernels()
+    module = gpu_bench()
+    with mock.patch.object(K, "_activation_kernel", wraps=K._activation_kernel) as activations:
+        module.main(["--tiny", "--formats", "nvfp4", "--sections", "tune", "--off", "dp4a"])
+    out = capsys.readouterr().out
+    assert "| 128->32 | nvfp4 | autotuned | auto |" in out and "DP4A" not in out.split(
+        "## tune")[1].split("## summary")[0]
+    assert all(call.kwargs.get("values_dtype") != torch.int8
+               for call in activations.call_args_list)
+
+
 def test_gpu_bench_summary_survives_the_time_limit(tmp_path):
     """SIGTERM (the device call's ``timeout``) mid-section: the run still writes its JSON and
     prints the summary, naming the section the limit stopped."""

@@ -398,11 +398,7 @@ def within_one_rounding(y: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float
 
 
 def check_section(run: Run) -> None:
-    """The checks (:func:`run_checks`), in a child process (:func:`check_in_child`) unless this
-    is that child."""
-    if run.progress is not None:
-        run_checks(run)
-        return
+    """The checks (:func:`run_checks`), in a child process (:func:`check_in_child`)."""
     check_in_child(run, [sys.executable, "-u", str(Path(__file__).resolve()), "--sections",
                          "check", "--formats", ",".join(run.formats),
                          *([] if run.cuda else ["--tiny"])])
@@ -721,12 +717,10 @@ def check_in_child(run: Run, command: list[str]) -> None:
             run_checks(run)
             return
         rerun = step in SWITCHES and step not in off and run.left() > 20  # time to run again
-        if found is not None:
+        if found is not None and rerun:
             run.notes += found["notes"]
-            if not rerun:
-                run.rows += found["rows"]
-                run.summary += found["summary"]
-                run.failed |= set(found["failed"])
+        elif found is not None:
+            merge_child(run, found)
         if not rerun:
             run.notes.append(f"check: its child process stopped in step {step!r} ({how}); the "
                              "run goes on")
@@ -736,12 +730,18 @@ def check_in_child(run: Run, command: list[str]) -> None:
         switch_off(run, step)
         run.notes.append(f"check: its child process stopped in step {step!r} ({how}); "
                          f"{SWITCHES[step][3]} off for the run, the checks again without")
+    merge_child(run, found)
+    for step in found["off"]:
+        switch_off(run, step)
+
+
+def merge_child(run: Run, found: dict) -> None:
+    """The check child's JSON (rows, summary lines, notes, opt-in rows that failed) into
+    ``run``."""
     run.rows += found["rows"]
     run.summary += found["summary"]
     run.notes += found["notes"]
     run.failed |= set(found["failed"])
-    for step in found["off"]:
-        switch_off(run, step)
 
 
 def watch_child(run: Run, command: list[str], progress: Path) -> tuple[int | str | None, str, str]:
@@ -2245,8 +2245,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="run as the check section's child process, naming each step in "
                              "PATH (the section starts it: check_in_child)")
     parser.add_argument("--off", default="",
-                        help=f"with --check-child: comma-separated, of {', '.join(SWITCHES)}: "
-                             "turned off, not checked")
+                        help=f"comma-separated, of {', '.join(SWITCHES)}: turned off for the "
+                             "run, not checked")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not args.tiny:

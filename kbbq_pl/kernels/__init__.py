@@ -95,7 +95,7 @@ from torch import Tensor
 from torch.torch_version import TorchVersion
 
 from ..formats import Format
-from .exact import FP8_CHUNK
+from .exact import FP8_CHUNK, word_order_index
 from .host import triton_version as _triton_version
 from .interpret import interpreting as _interpreting
 from .prepared import PreparedWeight
@@ -353,7 +353,8 @@ def quantize_activation_values(
     NVFP4, in fp16 (:mod:`kbbq_pl.kernels.exact`), so they say the same as the codes and scales,
     in one pass that writes 2 bytes an element.  ``word_order`` orders each chunk of 128 as
     :func:`~kbbq_pl.kernels.exact.word_order_index` says (the decode GEMM's order; ``K`` padded
-    to a multiple of 128).  A non-finite input block gives NaN values."""
+    with zeros to a multiple of 128, as :func:`~kbbq_pl.kernels.exact.word_order` pads).  A
+    non-finite input block gives NaN values."""
     fmt = fp4_format(fmt)
     name = "quantize_activation_values"
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -363,6 +364,10 @@ def quantize_activation_values(
     _, _, pts, values = _activation_kernel(x, transform, fmt, global_scale, name, config,
                                            values_dtype=dtype, codes=False,
                                            word_order=word_order)
+    k = x.shape[-1]
+    if values.shape[-1] > k:  # the slots of a partial chunk that no element lands in: the
+        # decode GEMM never reads them (it masks K), so the kernel leaves them unwritten
+        values[..., word_order_index(torch.arange(k, values.shape[-1], device=values.device))] = 0
     return values, pts
 
 

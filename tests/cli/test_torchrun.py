@@ -50,23 +50,30 @@ def _args(llama_dir: Path, recipe: str, out: Path, *extra: str) -> list[str]:
             "--data.seq_len", "32", "--data.batch_size", "2", "--output_dir", str(out), *extra]
 
 
-@pytest.mark.parametrize("recipe", ["rtn_kbbq_nvfp4_lam0.75", "i_mxfp4", "rtn_kbbq_nvfp4_auto"])
+MODES = {"two": (), "two-streamed": ("--stream",)}
+
+
+@pytest.mark.parametrize("recipe, modes", [
+    ("rtn_kbbq_nvfp4_lam0.75", ["two", "two-streamed"]),  # the default recipe: both pipelines
+    ("i_mxfp4", ["two"]),
+    ("rtn_kbbq_nvfp4_auto", ["two-streamed"]),
+])
 def test_two_processes_write_the_one_process_checkpoint_bit_for_bit(llama_dir, tmp_path,
-                                                                    recipe):
+                                                                    recipe, modes):
     assert main(_args(llama_dir, recipe, tmp_path / "one")) == 0
-    for mode, extra in (("two", ()), ("two-streamed", ("--stream",))):
-        result = _torchrun(_args(llama_dir, recipe, tmp_path / mode, *extra))
+    for mode in modes:
+        result = _torchrun(_args(llama_dir, recipe, tmp_path / mode, *MODES[mode]))
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.count("done in") == 1  # rank 0 alone reports and writes
         one, two = read_tensors(tmp_path / "one"), read_tensors(tmp_path / mode)
         assert one.keys() == two.keys()
         assert all(torch.equal(one[k], two[k]) for k in one), mode
-    report = (tmp_path / "two" / "report.md").read_text()
+    report = (tmp_path / modes[0] / "report.md").read_text()
     assert "| processes | 2 |" in report
     # the report's output SNRs are measured on every rank's kept tokens, one process's sample
     snrs = [{row["name"]: row["output_snr_db"] for row in
              json.loads((tmp_path / run / "report.json").read_text())["layers"]}
-            for run in ("one", "two")]
+            for run in ("one", modes[0])]
     assert snrs[1] == pytest.approx(snrs[0], rel=1e-5)
 
 

@@ -34,15 +34,17 @@ def _run(mode: str, source: Path, out: Path, cap_mb: float) -> tuple[int, dict]:
 def test_a_model_larger_than_the_cap_quantizes_streamed_and_matches(tmp_path, one_thread):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    source = tmp_path / "llama-48"
-    config = LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=48,
+    source = tmp_path / "llama-32"
+    config = LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=32,
                          num_attention_heads=8, num_key_value_heads=2, vocab_size=512,
                          tie_word_embeddings=True, max_position_embeddings=256)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(
         source, max_shard_size="64MB")
     weights_mb = sum(p.stat().st_size for p in source.glob("*.safetensors")) / 2**20
-    cap_mb = 0.5 * weights_mb  # half the bf16 weights on disk, a quarter of them in float32
+    # half the bf16 weights on disk (86 MiB), a quarter of them in float32; streamed, the run
+    # grew by 54 to 55 MiB with 24, 32 or 48 blocks (2026-12-01)
+    cap_mb = 0.5 * weights_mb
 
     code, streamed = _run("streamed", source, tmp_path / "streamed", cap_mb)
     assert code == 0 and not streamed["capped"], streamed

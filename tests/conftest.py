@@ -21,6 +21,54 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _patch_the_language_once_a_launch() -> None:
+    """Triton's interpreter (3.6 to 3.9) patches ``triton.language`` for the interpreter when a
+    launch begins (``GridExecutor.__call__``, undone when it ends) and again on every call of
+    a ``@triton.jit`` helper inside it (``InterpretedFunction.__call__``): a scan of the
+    language's modules, about 1 ms a call, that inside a launch changes nothing (the builtins
+    are wrapped already, the other attributes set to the same functions) and whose undo record
+    it drops.  The kernels call their helpers in every loop step of every program, so that
+    scan was about 30% of the interpreted kernel tests' time.  Here a helper's call inside a
+    launch skips it when the launch has patched the language modules the helper sees; anything
+    else (a launch, a helper seeing other modules, a Triton without these names) runs as
+    Triton does."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    scope_type = getattr(interpreter, "_LangPatchScope", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    if patch_lang is None or scope_type is None or executor is None:
+        return
+    launch = executor.__call__
+    patched: list[set[int]] = []  # per running launch, the language modules patched
+
+    def launch_patching_once(self, *args, **kwargs):
+        patched.append(set())
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    def patch_lang_once(fn):
+        langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        if patched and langs <= patched[-1]:
+            return scope_type()  # nothing to undo
+        if patched:
+            patched[-1] |= langs
+        return patch_lang(fn)
+
+    executor.__call__ = launch_patching_once
+    interpreter._patch_lang = patch_lang_once
+
+
+_patch_the_language_once_a_launch()
+
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 # The tests mirror the package (tests/formats/, tests/quant/, ...) with no __init__.py files, so

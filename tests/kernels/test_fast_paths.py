@@ -869,6 +869,48 @@ for d, kind, values, a_type in ((16, tk.SCALE_E4M3, S.VALUES_FP16, "*fp16"),
         assert found["stack"] == 0 and found["ldg128"] > 0, found
         loops.append(len(loop))
     assert loops[1] <= loops[0] + 16, (d, loops)
+# the activation kernel before it lets it launch (launch_dependents: PREEXIT in SASS)
+constants = dict(D=16, SCALE_KIND=tk.SCALE_E4M3, ROUNDING=0, GAIN=1.0, HAS_T=True, STATIC=True,
+                 AMAX_ONLY=False, PRODUCT=tk.PRODUCT_FMA_CHAIN, WRITE_CODES=False,
+                 WRITE_VALUES=True, WORD_ORDER=True, PARTS_FIRST=tk.PARTS_FIRST,
+                 LAUNCH_DEPENDENTS=True, **tk.FEW_ROWS_TILES[16])
+warps = constants.pop("num_warps")
+compiled = G.compile_kernel(tk._quantize_activations_kernel,
+                            dict(G.ACT_SIGNATURE, values_ptr="*fp16"), constants, target,
+                            num_warps=warps, enable_fp_fusion=True)
+assert [op for _, op, _ in G.sass_ops(compiled.asm["cubin"])].count("PREEXIT") == 1
+# and for three siblings in one launch: no spills, as long as one layer's but the pointers
+sass = len(G.sass_ops(compiled.asm["cubin"]))
+compiled = G.compile_kernel(tk._quantize_activations_kernel,
+                            dict(G.ACT_SIGNATURE, values_ptr="*fp16"), dict(constants, GROUPS=3),
+                            target, num_warps=warps, enable_fp_fusion=True)
+assert G.analyse(compiled, 16)["stack"] == 0
+assert len(G.sass_ops(compiled.asm["cubin"])) <= sass + 32, sass
+print("ok")
+"""
+
+
+def test_decode_gemm_compiles_for_hopper_without_a_gpu():
+    """The decode GEMM compiled for sm_90 (its PTX multiply included), at a decode step's tile
+    (NVFP4) and at a 64-row tile (MXFP4): Hopper's wgmma, 16-byte loads of the codes, no
+    spills, at most 5 SASS per weight in its loop (3.3 to 4.9 seen with Triton 3.6 and 3.9),
+    every division correctly rounded; launched as a programmatic dependent, it only prefetches
+    before it waits for the activation kernel, which lets it launch; at a decode step's tile
+    the decoded weights of both formats reach the tensor cores in registers (with a runtime
+    MX shift in the loop, Triton 3.6 staged them through shared memory: 16 stores and 9
+    barriers a step instead of 0 and 2; 3.9 did not, so only 3.6 tells)."""
+    run_compile_check(DECODE_COMPILE_CHECK)
+
+
+DP4A_COMPILE_CHECK = """
+import sys
+sys.path.insert(0, {bench!r})
+import triton
+from triton.backends.compiler import GPUTarget
+import gpu_compile as G
+from kbbq_pl.kernels import skinny as S, triton_kernels as tk
+
+target = GPUTarget("cuda", 90, 32)
 # the one-row DP4A product: byte permutes and integer dot products, 16-byte loads, no spills
 for d, kind in ((16, tk.SCALE_E4M3), (32, tk.SCALE_E8M0)):
     for config in S._DP4A_CONFIGS:
@@ -887,26 +929,12 @@ for d, kind in ((16, tk.SCALE_E4M3), (32, tk.SCALE_E8M0)):
         assert float(found["per_element"]) <= 3.2, found
         assert ops.count("ACQBULK") == 1, ops
         print(d, "dp4a", found["per_element"])
-# the activation kernel before it lets it launch (launch_dependents: PREEXIT in SASS)
-constants = dict(D=16, SCALE_KIND=tk.SCALE_E4M3, ROUNDING=0, GAIN=1.0, HAS_T=True, STATIC=True,
-                 AMAX_ONLY=False, PRODUCT=tk.PRODUCT_FMA_CHAIN, WRITE_CODES=False,
-                 WRITE_VALUES=True, WORD_ORDER=True, PARTS_FIRST=tk.PARTS_FIRST,
-                 LAUNCH_DEPENDENTS=True, **tk.FEW_ROWS_TILES[16])
-warps = constants.pop("num_warps")
-compiled = G.compile_kernel(tk._quantize_activations_kernel,
-                            dict(G.ACT_SIGNATURE, values_ptr="*fp16"), constants, target,
-                            num_warps=warps, enable_fp_fusion=True)
-assert [op for _, op, _ in G.sass_ops(compiled.asm["cubin"])].count("PREEXIT") == 1
-# and for three siblings in one launch: no spills, as long as one layer's but the pointers
-sass = len(G.sass_ops(compiled.asm["cubin"]))
-compiled = G.compile_kernel(tk._quantize_activations_kernel,
-                            dict(G.ACT_SIGNATURE, values_ptr="*fp16"), dict(constants, GROUPS=3),
-                            target, num_warps=warps, enable_fp_fusion=True)
-assert G.analyse(compiled, 16)["stack"] == 0
-assert len(G.sass_ops(compiled.asm["cubin"])) <= sass + 32, sass
-# and its int8 output (2q, FP32 block scales: the DP4A product's operand), MX's one-row tile
-constants.update(D=32, SCALE_KIND=tk.SCALE_E8M0, STATIC=False, WORD_ORDER=False,
-                 **tk.FEW_ROWS_TILES[32])
+# the activation kernel's int8 output (2q, FP32 block scales: the product's operand), MX's
+# one-row tile, launching the product as a dependent
+constants = dict(D=32, SCALE_KIND=tk.SCALE_E8M0, ROUNDING=0, GAIN=1.0, HAS_T=True,
+                 STATIC=False, AMAX_ONLY=False, PRODUCT=tk.PRODUCT_FMA_CHAIN,
+                 WRITE_CODES=False, WRITE_VALUES=True, WORD_ORDER=False,
+                 PARTS_FIRST=tk.PARTS_FIRST, LAUNCH_DEPENDENTS=True, **tk.FEW_ROWS_TILES[32])
 warps = constants.pop("num_warps")
 compiled = G.compile_kernel(tk._quantize_activations_kernel,
                             dict(G.ACT_SIGNATURE, values_ptr="*i8", scales_ptr="*fp32"),
@@ -917,15 +945,11 @@ print("ok")
 """
 
 
-def test_decode_gemm_compiles_for_hopper_without_a_gpu():
-    """The decode GEMM compiled for sm_90 (its PTX multiply included), at a decode step's tile
-    (NVFP4) and at a 64-row tile (MXFP4): Hopper's wgmma, 16-byte loads of the codes, no
-    spills, at most 5 SASS per weight in its loop (3.3 to 4.9 seen with Triton 3.6 and 3.9),
-    every division correctly rounded; launched as a programmatic dependent, it only prefetches
-    before it waits for the activation kernel, which lets it launch; at a decode step's tile
-    the decoded weights of both formats reach the tensor cores in registers (with a runtime
-    MX shift in the loop, Triton 3.6 staged them through shared memory: 16 stores and 9
-    barriers a step instead of 0 and 2; 3.9 did not, so only 3.6 tells).  The one-row DP4A
-    product's tiles: two ``dp4a`` (``IDP.4A``) per four weights in the loop, byte permutes,
-    16-byte loads, no spills, at most 3.2 SASS per weight (2.1 to 3.0 seen with Triton 3.6)."""
-    run_compile_check(DECODE_COMPILE_CHECK)
+@pytest.mark.slow  # an opt-in product (ONE_ROW_PRODUCT), half of the decode GEMM's compile
+# checks' time; scripts/gpu_session.sh image-check runs it before a GPU session
+def test_dp4a_product_compiles_for_hopper_without_a_gpu():
+    """The one-row DP4A product's tiles compiled for sm_90: two ``dp4a`` (``IDP.4A``) per four
+    weights in the loop, byte permutes, 16-byte loads, no spills, at most 3.2 SASS per weight
+    (2.1 to 3.0 seen with Triton 3.6), launched as a dependent; the activation kernel's
+    int8 output beside it, without spills, letting it launch."""
+    run_compile_check(DP4A_COMPILE_CHECK)

@@ -813,7 +813,7 @@ def test_gpu_fast_paths_match_the_exact_product(fmt):
     assert math.isfinite(float(y.float().abs().max()))
 
 
-DECODE_COMPILE_CHECK = """
+SM90_COMPILE = """
 import sys
 sys.path.insert(0, {bench!r})
 import triton
@@ -822,6 +822,10 @@ import gpu_compile as G
 from kbbq_pl.kernels import skinny as S, triton_kernels as tk
 
 target = GPUTarget("cuda", 90, 32)
+"""
+"""The compile checks' first lines: the bench's compile helpers, the kernels, sm_90."""
+
+DECODE_COMPILE_CHECK = SM90_COMPILE + """
 for (d, kind, values, a_type), (rows, cols, depth) in zip(
         ((16, tk.SCALE_E4M3, S.VALUES_FP16, "*fp16"), (32, tk.SCALE_E8M0, S.VALUES_BF16, "*bf16")),
         ((16, 64, 256), (64, 128, 128))):  # a decode step's tile; one of more rows'
@@ -902,15 +906,7 @@ def test_decode_gemm_compiles_for_hopper_without_a_gpu():
     run_compile_check(DECODE_COMPILE_CHECK)
 
 
-DP4A_COMPILE_CHECK = """
-import sys
-sys.path.insert(0, {bench!r})
-import triton
-from triton.backends.compiler import GPUTarget
-import gpu_compile as G
-from kbbq_pl.kernels import skinny as S, triton_kernels as tk
-
-target = GPUTarget("cuda", 90, 32)
+DP4A_COMPILE_CHECK = SM90_COMPILE + """
 # the one-row DP4A product: byte permutes and integer dot products, 16-byte loads, no spills
 for d, kind in ((16, tk.SCALE_E4M3), (32, tk.SCALE_E8M0)):
     for config in S._DP4A_CONFIGS:

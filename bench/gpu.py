@@ -76,7 +76,9 @@ the run goes on, and the summary says what failed or was skipped for time):
   model's: equally close, or the FP8 product loses more than the compounding of one-ulp
   changes); then a ``torch.profiler`` table of one eager decode step and one prefill per
   format (the Chrome traces beside ``--json``: where the time goes), and its kernels by
-  launch shape (``bench/gpu_report.py``: the GEMMs of different launch shapes apart).
+  launch shape (``bench/gpu_report.py``: the GEMMs of different launch shapes apart) and by
+  the module whose forward launched them (each module's forward a span in the trace; the
+  decode step's shares in the summary: what a fusion would remove).
   Targets: memory <= 0.35, decode 2.0x (batch 1) and 1.8x (batch 16), prefill 0.9x.
 * ``rows``: where the prefill path starts paying: at K = N = 8192 and 4096 -> 14336, KBBQ-shaped
   blocks, M = 64, 128, 256, 1024, 4096, every path that can take M rows (decode; tiled up to
@@ -1911,11 +1913,52 @@ def decode_tokens_per_second(model, prompt: torch.Tensor, tokens: int, use_graph
     return batch * (tokens - 1) / seconds, how
 
 
+def module_label(module: nn.Module) -> str:
+    """A module's name in the profiler's spans: its class, ``Linear W4A4`` for a linear whose
+    weight is a :class:`~kbbq_pl.quant.w4a4.W4A4Weight` (the bf16 head stays ``Linear``)."""
+    from kbbq_pl.quant.w4a4 import W4A4Weight
+
+    name = type(module).__name__
+    return f"{name} W4A4" if isinstance(getattr(module, "weight", None), W4A4Weight) else name
+
+
+@contextlib.contextmanager
+def module_spans(model: nn.Module):
+    """Every module's forward inside ``model`` a ``torch.profiler`` span named by
+    :func:`module_label`, so that a trace tells which module launched each kernel
+    (``gpu_report.by_module``); the hooks come off on leaving.  Yields the set of the spans'
+    names, filled as they open."""
+    from torch.profiler import record_function
+
+    open_spans: dict[int, list] = {}
+    labels: set[str] = set()
+
+    def enter(module, args):
+        labels.add(module_label(module))
+        span = record_function(module_label(module))
+        span.__enter__()
+        open_spans.setdefault(id(module), []).append(span)
+
+    def leave(module, args, output):
+        open_spans[id(module)].pop().__exit__(None, None, None)
+
+    handles = [h for module in model.modules()
+               for h in (module.register_forward_pre_hook(enter),
+                         module.register_forward_hook(leave, always_call=True))]
+    try:
+        yield labels
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def profile_steps(run: Run, model, prompt: torch.Tensor, batch: torch.Tensor, name: str) -> None:
     """Where the time of one eager decode step (after ``prompt``) and one prefill of ``batch``
     goes: ``torch.profiler``'s operators and kernels, the 12 longest on the device (on the CPU:
     the host), printed; the Chrome traces written beside the JSON when there is one
-    (``trace_<format>_decode.json.gz``, ``trace_<format>_prefill.json.gz``)."""
+    (``trace_<format>_decode.json.gz``, ``trace_<format>_prefill.json.gz``), each module's
+    forward a span in them (:func:`module_spans`), and the decode step's kernel time by module
+    in the summary."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.cuda else [])
@@ -1929,7 +1972,7 @@ def profile_steps(run: Run, model, prompt: torch.Tensor, batch: torch.Tensor, na
             call()  # warm: autotuning and prepared weights stay out of the trace
             if run.cuda:
                 torch.cuda.synchronize()
-            with profile(activities=activities) as prof:
+            with profile(activities=activities) as prof, module_spans(model) as spans:
                 call()
                 if run.cuda:
                     torch.cuda.synchronize()
@@ -1937,13 +1980,20 @@ def profile_steps(run: Run, model, prompt: torch.Tensor, batch: torch.Tensor, na
             rows = (f"batch {prompt.shape[0]}" if what == "decode"
                     else "x".join(map(str, batch.shape)))
             print(f"\n### torch.profiler: {name}, one {what} ({rows}), by {key}\n")
-            print(prof.key_averages().table(sort_by=key, row_limit=12), flush=True)
+            operators = prof.key_averages()  # the operators and kernels, not the spans
+            operators[:] = [e for e in operators if e.key not in spans]
+            print(operators.table(sort_by=key, row_limit=12), flush=True)
             if run.trace_dir is not None:
                 run.trace_dir.mkdir(parents=True, exist_ok=True)
                 trace = run.trace_dir / f"trace_{name}_{what}.json.gz"
                 prof.export_chrome_trace(str(trace))
                 if run.cuda:  # the kernels by launch shape (GEMMs launched alike share a row)
                     gpu_report.report_trace(trace, 12)
+                    modules = gpu_report.by_module(gpu_report.read_trace(trace))
+                    if what == "decode" and modules:
+                        run.line(f"model {name}: one eager decode step ({rows}), kernel time "
+                                 "by module (share, launches)",
+                                 gpu_report.module_shares(modules), "", "")
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:

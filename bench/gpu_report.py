@@ -17,7 +17,11 @@ Two readings, one per kind of file:
   (weight shapes launched alike share one: in the Llama of ``bench/gpu.py``, q / o and down):
   launches, total, mean, min and max microseconds, and its share of the step's kernel time;
   then the step's kernel time, launches and wall span (an eager step's span is mostly host
-  time).  Device time only: gaps between kernels are in no row.
+  time).  Device time only: gaps between kernels are in no row.  Where the trace holds the
+  spans ``bench/gpu.py`` opens around each module's forward (``module_spans``), the same
+  kernels again by the innermost module whose forward launched them (``LlamaRMSNorm``,
+  ``Linear W4A4``, ``LlamaAttention`` for its own operators: rotary, cache, attention): which
+  of the model's own kernels a fusion would remove.
 """
 
 from __future__ import annotations
@@ -133,6 +137,70 @@ def summarize(trace: dict) -> Summary:
     return Summary(durations, span)
 
 
+SPAN = "user_annotation"
+"""The category of a ``torch.profiler.record_function`` span in a Chrome trace."""
+LAUNCHES = ("cuda_runtime", "cuda_driver")
+"""The categories of the host's launch calls (``cudaLaunchKernel``, ``cuLaunchKernelEx``:
+Triton's), each with the ``correlation`` of the kernel it launched."""
+NO_MODULE = "(no module)"
+NO_LAUNCH = "(launch not in the trace)"
+
+
+def launching_modules(trace: dict) -> list[tuple[dict, str]]:
+    """Each kernel event of the trace with the innermost span around its launch: the launch
+    call (the host event of the same ``correlation``) placed in the shortest span of its host
+    thread that holds it; :data:`NO_MODULE` outside every span, :data:`NO_LAUNCH` where the
+    trace has no launch call for the kernel.  Empty when the trace has no span."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    spans: dict[tuple, list[dict]] = {}
+    for event in events:
+        if event.get("cat") == SPAN:
+            spans.setdefault((event.get("pid"), event.get("tid")), []).append(event)
+    if not spans:
+        return []
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in LAUNCHES and "correlation" in e.get("args", {})}
+    found = []
+    for kernel in (e for e in events if e.get("cat") == "kernel"):
+        launch = launches.get(kernel.get("args", {}).get("correlation"))
+        if launch is None:
+            found.append((kernel, NO_LAUNCH))
+            continue
+        around = [s for s in spans.get((launch.get("pid"), launch.get("tid")), [])
+                  if s["ts"] <= launch["ts"] <= s["ts"] + s["dur"]]
+        found.append((kernel, min(around, key=lambda s: s["dur"])["name"] if around
+                       else NO_MODULE))
+    return found
+
+
+def by_module(trace: dict) -> dict[str, list[float]]:
+    """The trace's kernel durations by the module that launched them
+    (:func:`launching_modules`)."""
+    durations: dict[str, list[float]] = {}
+    for kernel, name in launching_modules(trace):
+        durations.setdefault(name, []).append(float(kernel["dur"]))
+    return durations
+
+
+def module_table(durations: dict[str, list[float]]) -> list[str]:
+    """Markdown rows of :func:`by_module`, the longest total first."""
+    total = sum(sum(d) for d in durations.values()) or 1.0
+    lines = ["| module | launches | total us | mean us | share |", "|---|---|---|---|---|"]
+    for name, times in sorted(durations.items(), key=lambda item: -sum(item[1])):
+        lines.append(f"| {name} | {len(times)} | {sum(times):.1f} | "
+                     f"{statistics.fmean(times):.2f} | {sum(times) / total:.3f} |")
+    return lines
+
+
+def module_shares(durations: dict[str, list[float]], top: int = 4) -> str:
+    """One line of the ``top`` modules' shares of the kernel time and launches, the longest
+    first (``Linear W4A4 52% (112), LlamaRMSNorm 17% (136), ...``)."""
+    total = sum(sum(d) for d in durations.values()) or 1.0
+    ranked = sorted(durations.items(), key=lambda item: -sum(item[1]))
+    return ", ".join(f"{name} {100 * sum(times) / total:.0f}% ({len(times)})"
+                     for name, times in ranked[:top])
+
+
 def table(summary: Summary, top: int) -> list[str]:
     """Markdown rows of the ``top`` launch shapes by total time, longest first."""
     total = summary.total_us or 1.0
@@ -152,14 +220,34 @@ def table(summary: Summary, top: int) -> list[str]:
 
 def tiny_trace(directory: Path) -> Path:
     """A trace with two launch shapes of one kernel and one other kernel (the tiny mode's)."""
-    def kernel(name, ts, dur, grid):
-        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
-                "args": {"grid": grid, "block": [128, 1, 1], "registers per thread": 96,
-                         "shared memory": 43008}}
-    events = [kernel("_skinny_kernel", 0.0, 6.0, [16, 8, 1]),
-              kernel("_skinny_kernel", 10.0, 10.0, [64, 8, 1]),
-              kernel("_skinny_kernel", 30.0, 10.0, [64, 8, 1]),
-              kernel("elementwise", 45.0, 2.0, [4, 1, 1]),
+    def kernel(name, ts, dur, grid, correlation):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": 0,
+                "tid": 7, "args": {"grid": grid, "block": [128, 1, 1],
+                                   "registers per thread": 96, "shared memory": 43008,
+                                   "correlation": correlation}}
+
+    def host(cat, name, ts, dur, correlation=None):
+        args = {} if correlation is None else {"correlation": correlation}
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1,
+                "args": args}
+    # a decoder layer's span holds a norm's and a linear's: three GEMMs launched by the
+    # linear, one kernel by the norm, one by the layer itself, one outside every span and one
+    # whose launch the trace lacks
+    events = [kernel("_skinny_kernel", 0.0, 6.0, [16, 8, 1], 1),
+              kernel("_skinny_kernel", 10.0, 10.0, [64, 8, 1], 2),
+              kernel("_skinny_kernel", 30.0, 10.0, [64, 8, 1], 3),
+              kernel("elementwise", 45.0, 2.0, [4, 1, 1], 4),
+              kernel("elementwise", 60.0, 1.0, [4, 1, 1], 5),
+              kernel("elementwise", 65.0, 1.0, [4, 1, 1], 6),
+              kernel("elementwise", 70.0, 1.0, [4, 1, 1], 7),
+              host(SPAN, "LlamaDecoderLayer", -10.0, 40.0),
+              host(SPAN, "LlamaRMSNorm", -9.0, 3.0), host(SPAN, "Linear W4A4", -5.0, 20.0),
+              host("cuda_runtime", "cudaLaunchKernel", -8.0, 1.0, 4),
+              host("cuda_driver", "cuLaunchKernelEx", -4.0, 1.0, 1),
+              host("cuda_driver", "cuLaunchKernelEx", 0.0, 1.0, 2),
+              host("cuda_driver", "cuLaunchKernelEx", 10.0, 1.0, 3),
+              host("cuda_runtime", "cudaLaunchKernel", 20.0, 1.0, 6),
+              host("cuda_runtime", "cudaLaunchKernel", 40.0, 1.0, 5),
               {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 50.0}]
     path = directory / "trace_tiny_decode.json.gz"
     with gzip.open(path, "wt") as f:
@@ -199,11 +287,16 @@ def report_record(path: Path) -> None:
 
 def report_trace(path: Path, top: int) -> None:
     """The launch-shape table of a trace."""
-    summary = summarize(read_trace(path))
+    trace = read_trace(path)
+    summary = summarize(trace)
     print(f"\n### {path.name}: kernels by launch shape\n")
     print("\n".join(table(summary, top)))
     print(f"\nkernel time {summary.total_us:.1f} us in {summary.launches} launches; "
           f"span {summary.span_us:.1f} us")
+    modules = by_module(trace)
+    if modules:
+        print(f"\n### {path.name}: kernels by the module that launched them\n")
+        print("\n".join(module_table(modules)))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -750,6 +750,50 @@ def gpu_bench():
     return module
 
 
+def test_gpu_bench_traces_name_the_module_that_launched_each_kernel(tmp_path):
+    """The model section's traces hold a span for each module's forward (``module_spans``), and
+    ``gpu_report`` places each kernel in the innermost span around its launch.  A CPU trace has
+    no kernels: each operator of a real one stands here for a kernel it launched (a launch call
+    at its start, the kernel correlated to it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    module = gpu_bench()
+    model = module.llama(module.TINY, "cpu")
+    ids = torch.randint(0, module.TINY["vocab"], (1, 5), generator=torch.Generator().manual_seed(0))
+    module.quantize_for_kernels(model, "nvfp4", ids)
+
+    def hooks() -> int:
+        return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+    before = hooks()
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof, \
+            module.module_spans(model):
+        model(input_ids=ids, use_cache=False)
+    assert hooks() == before  # the spans' hooks came off
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    events = trace["traceEvents"]
+    operators = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+    for i, op in enumerate(operators):
+        events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel",
+                       "ts": op["ts"], "dur": 0.0, "pid": op["pid"], "tid": op["tid"],
+                       "args": {"correlation": i}})
+        events.append({"ph": "X", "cat": "kernel", "name": op["name"], "ts": 0.0, "dur": 1.0,
+                       "args": {"correlation": i}})
+    found: dict[str, set[str]] = {}  # the modules of each operator
+    launched: dict[str, set[str]] = {}  # the operators of each module
+    for kernel, name in module.gpu_report.launching_modules(trace):
+        found.setdefault(kernel["name"], set()).add(name)
+        launched.setdefault(name, set()).add(kernel["name"])
+    assert found["aten::rsqrt"] == found["aten::pow"] == {"LlamaRMSNorm"}
+    assert launched["LlamaDecoderLayer"] == {"aten::add"}  # its own: the residual sums
+    assert "aten::linear" in launched["Linear"]  # the bf16 head, a span of its own
+    assert "Linear W4A4" in launched
+    assert module.gpu_report.NO_MODULE not in launched
+    shares = module.gpu_report.module_shares(module.gpu_report.by_module(trace))
+    assert shares.startswith("Linear W4A4 ")  # the emulated product's operators, most of all
+
+
 @pytest.mark.slow  # 140 s on 2 cores; run before each GPU session (gpu_session.sh image-check)
 def test_gpu_bench_tiny_run(capsys, tmp_path):
     """bench/gpu.py's every section on tiny shapes under the interpreter, its summary last, no

@@ -75,7 +75,8 @@ the run goes on, and the summary says what failed or was skipped for time):
   logits against the default path's, and both paths' prefill logits against the bf16
   model's: equally close, or the FP8 product loses more than the compounding of one-ulp
   changes); then a ``torch.profiler`` table of one eager decode step and one prefill per
-  format (the Chrome traces beside ``--json``: where the time goes), and its kernels by
+  format and of the bf16 model (the Chrome traces beside ``--json``: where the time goes),
+  and its kernels by
   launch shape (``bench/gpu_report.py``: the GEMMs of different launch shapes apart) and by
   the module whose forward launched them (each module's forward a span in the trace; the
   decode step's shares in the summary: what a fusion would remove).
@@ -1956,9 +1957,9 @@ def profile_steps(run: Run, model, prompt: torch.Tensor, batch: torch.Tensor, na
     """Where the time of one eager decode step (after ``prompt``) and one prefill of ``batch``
     goes: ``torch.profiler``'s operators and kernels, the 12 longest on the device (on the CPU:
     the host), printed; the Chrome traces written beside the JSON when there is one
-    (``trace_<format>_decode.json.gz``, ``trace_<format>_prefill.json.gz``), each module's
-    forward a span in them (:func:`module_spans`), and the decode step's kernel time by module
-    in the summary."""
+    (``trace_<name>_decode.json.gz``, ``trace_<name>_prefill.json.gz``; ``name`` a format, or
+    ``bf16`` for the reference), each module's forward a span in them (:func:`module_spans`),
+    and the decode step's kernel time by module in the summary."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.cuda else [])
@@ -1989,11 +1990,19 @@ def profile_steps(run: Run, model, prompt: torch.Tensor, batch: torch.Tensor, na
                 prof.export_chrome_trace(str(trace))
                 if run.cuda:  # the kernels by launch shape (GEMMs launched alike share a row)
                     gpu_report.report_trace(trace, 12)
-                    modules = gpu_report.by_module(gpu_report.read_trace(trace))
-                    if what == "decode" and modules:
-                        run.line(f"model {name}: one eager decode step ({rows}), kernel time "
-                                 "by module (share, launches)",
-                                 gpu_report.module_shares(modules), "", "")
+                    if what == "decode":
+                        attempt(run, f"decode step by module {name}", functools.partial(
+                            module_line, run, trace, f"model {name}: one eager decode step "
+                            f"({rows})"), None)
+
+
+def module_line(run: Run, trace: Path, what: str) -> None:
+    """The summary's line of a profiled step's kernel time by module (``gpu_report``'s
+    ``module_shares``), where the trace has the modules' spans."""
+    modules = gpu_report.by_module(gpu_report.read_trace(trace))
+    if modules:
+        run.line(f"{what}, kernel time by module (share, launches)",
+                 gpu_report.module_shares(modules), "", "")
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -2093,6 +2102,9 @@ def model_section(run: Run) -> None:
     rows = [["bf16", 1.0, 1.0] + [v for b in prompts for v in (base[b][0], 1.0)]
             + [base[next(iter(prompts))][1], base["prefill"] * 1e3, 1.0, "-", "-", "-", "-"]]
     progress(f"row {rows[-1]}")
+    # the same modules' kernels, for the W4A4 steps' by-module tables to be read against
+    attempt(run, "profiled bf16 steps", functools.partial(
+        profile_steps, run, reference, prompts[min(prompts)], batch, "bf16"), None)
     state = {k: v.clone() for k, v in reference.state_dict().items()}
     del reference
     for name, model, hooks in quantized_models(run, "model", state, batch[:1]):

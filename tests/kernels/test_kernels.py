@@ -792,6 +792,12 @@ def test_gpu_bench_traces_name_the_module_that_launched_each_kernel(tmp_path):
     assert module.gpu_report.NO_MODULE not in launched
     shares = module.gpu_report.module_shares(module.gpu_report.by_module(trace))
     assert shares.startswith("Linear W4A4 ")  # the emulated product's operators, most of all
+    # the summary's line, from gpu_report's own small trace (a norm, a linear, a layer)
+    run = module.Run(module.TINY, torch.device("cpu"), ["nvfp4"], 60.0)
+    module.module_line(run, module.gpu_report.tiny_trace(tmp_path), "model nvfp4: one step")
+    assert run.summary == [["model nvfp4: one step, kernel time by module (share, launches)",
+                            "Linear W4A4 84% (3), LlamaRMSNorm 6% (1), (no module) 3% (1), "
+                            "LlamaDecoderLayer 3% (1)", "", ""]]
 
 
 @pytest.mark.slow  # 140 s on 2 cores; run before each GPU session (gpu_session.sh image-check)

@@ -76,10 +76,9 @@ the run goes on, and the summary says what failed or was skipped for time):
   model's: equally close, or the FP8 product loses more than the compounding of one-ulp
   changes); then a ``torch.profiler`` table of one eager decode step and one prefill per
   format and of the bf16 model (the Chrome traces beside ``--json``: where the time goes),
-  and its kernels by
-  launch shape (``bench/gpu_report.py``: the GEMMs of different launch shapes apart) and by
-  the module whose forward launched them (each module's forward a span in the trace; the
-  decode step's shares in the summary: what a fusion would remove).
+  and its kernels by launch shape (``bench/gpu_report.py``: the GEMMs of different launch
+  shapes apart) and by the module whose forward launched them (each module's forward a span
+  in the trace; the decode step's shares in the summary: what a fusion would remove).
   Targets: memory <= 0.35, decode 2.0x (batch 1) and 1.8x (batch 16), prefill 0.9x.
 * ``rows``: where the prefill path starts paying: at K = N = 8192 and 4096 -> 14336, KBBQ-shaped
   blocks, M = 64, 128, 256, 1024, 4096, every path that can take M rows (decode; tiled up to
@@ -1935,8 +1934,9 @@ def module_spans(model: nn.Module):
     labels: set[str] = set()
 
     def enter(module, args):
-        labels.add(module_label(module))
-        span = record_function(module_label(module))
+        label = module_label(module)
+        labels.add(label)
+        span = record_function(label)
         span.__enter__()
         open_spans.setdefault(id(module), []).append(span)
 

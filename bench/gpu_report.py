@@ -219,7 +219,8 @@ def table(summary: Summary, top: int) -> list[str]:
 
 
 def tiny_trace(directory: Path) -> Path:
-    """A trace with two launch shapes of one kernel and one other kernel (the tiny mode's)."""
+    """A trace with two launch shapes of one kernel and one other kernel, their launch calls and
+    the spans of a decoder layer, a norm and a linear (the tiny mode's)."""
     def kernel(name, ts, dur, grid, correlation):
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": 0,
                 "tid": 7, "args": {"grid": grid, "block": [128, 1, 1],
@@ -286,7 +287,7 @@ def report_record(path: Path) -> None:
 
 
 def report_trace(path: Path, top: int) -> None:
-    """The launch-shape table of a trace."""
+    """The launch-shape table of a trace, then its by-module table where it has the spans."""
     trace = read_trace(path)
     summary = summarize(trace)
     print(f"\n### {path.name}: kernels by launch shape\n")

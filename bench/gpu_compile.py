@@ -1,6 +1,7 @@
 """Compile the W4A4 Triton kernels for a GPU without one: registers, spills, loads, instruction mix.
 
-    python bench/gpu_compile.py [--arch 90] [--kernels act,act_values,decode_gemm,...] [--explore]
+    python bench/gpu_compile.py [--arch 90] [--kernels act,act_values,decode_gemm,...]
+                                [--explore | --tune]
 
 Triton compiles for any NVIDIA target on a CPU-only machine (its wheel ships ``ptxas`` and
 ``cuobjdump``), so the questions that cost no device time are answered here, one row per
@@ -25,7 +26,8 @@ Triton compiles for any NVIDIA target on a CPU-only machine (its wheel ships ``p
 Kernels: the activation kernel writing codes (``act``) or values (``act_values``: fp16/bf16 in
 word order for the decode GEMM, bf16 for the prefill product), the decode GEMM (``decode_gemm``,
 its autotuned tiles, 16 rows high and 32 to 128 for more rows, and the one-row DP4A
-product's), the prefill path's weight decode
+product's; ``--tune``: the tiles ``bench/gpu.py``'s ``tune`` section times), the prefill
+path's weight decode
 (``weight_decode``) and product on decoded operands (``gemm_decoded``), and the tiled GEMM
 (``gemm_small``, ``gemm_large``).  ``--explore`` compiles candidate tiles instead of the ones
 that run.  It times nothing.
@@ -276,14 +278,31 @@ def skinny_configs(explore: bool):
             for m, n, k, w, st in few + more]
 
 
-def skinny_rows(target: GPUTarget, explore: bool = False) -> list[dict]:
+def tune_configs():
+    """The decode GEMM's tiles that ``bench/gpu.py``'s ``tune`` section times (``TUNE_TILES``,
+    ``TUNE_DP4A_TILES``)."""
+    import gpu  # bench/gpu.py, beside this script
+
+    from kbbq_pl.kernels import skinny
+
+    tiles = ([(tile, skinny.PRODUCT_DOT) for tile in gpu.TUNE_TILES]
+             + [(tile, skinny.PRODUCT_DP4A) for tile in gpu.TUNE_DP4A_TILES])
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "PRODUCT": product},
+                          num_warps=w, num_stages=st)
+            for (m, n, k, w, st), product in tiles]
+
+
+def skinny_rows(target: GPUTarget, explore: bool = False, tune: bool = False) -> list[dict]:
     from kbbq_pl.kernels import skinny
 
     rows = []
     for fmt, d, kind in FORMATS:
         values = skinny.VALUES_FP16 if kind == tk.SCALE_E4M3 else skinny.VALUES_BF16
-        configs = [(c, 1) for c in [*skinny_configs(explore), *skinny._DP4A_CONFIGS]]
-        configs.insert(1, (configs[0][0], 3))  # a decode step's first tile, 3 siblings
+        if tune:
+            configs = [(c, 1) for c in tune_configs()]
+        else:
+            configs = [(c, 1) for c in [*skinny_configs(explore), *skinny._DP4A_CONFIGS]]
+            configs.insert(1, (configs[0][0], 3))  # a decode step's first tile, 3 siblings
         for config, groups in configs:
             k = config.kwargs
             constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
@@ -412,6 +431,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--explore", action="store_true",
                         help="candidate tiles: the decode GEMM on a wider grid than it autotunes "
                              "over, the activation kernel on those it can autotune over")
+    parser.add_argument("--tune", action="store_true",
+                        help="the decode GEMM at the tiles bench/gpu.py's tune section times")
     args = parser.parse_args(argv)
     target = GPUTarget("cuda", args.arch, 32)
     rows: list[dict] = []
@@ -424,7 +445,7 @@ def main(argv: list[str] | None = None) -> None:
     if "act_values" in wanted:
         rows += activation_rows(target, args.explore, values=True)
     if "decode_gemm" in wanted:
-        rows += skinny_rows(target, args.explore)
+        rows += skinny_rows(target, args.explore, args.tune)
     if "weight_decode" in wanted:
         rows += decode_rows(target)
     if "fold" in wanted:

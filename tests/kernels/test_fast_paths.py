@@ -890,6 +890,12 @@ compiled = G.compile_kernel(tk._quantize_activations_kernel,
                             target, num_warps=warps, enable_fp_fusion=True)
 assert G.analyse(compiled, 16)["stack"] == 0
 assert len(G.sass_ops(compiled.asm["cubin"])) <= sass + 32, sass
+# --tune compiles the tiles bench/gpu.py's tune section times, both products
+import gpu
+tiles = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps,
+          c.num_stages, c.kwargs["PRODUCT"]) for c in G.tune_configs()]
+assert tiles == ([t + (S.PRODUCT_DOT,) for t in gpu.TUNE_TILES]
+                 + [t + (S.PRODUCT_DP4A,) for t in gpu.TUNE_DP4A_TILES]), tiles
 print("ok")
 """
 

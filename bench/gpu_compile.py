@@ -428,11 +428,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90")
     parser.add_argument("--kernels", default=",".join(KERNELS),
                         help=f"comma-separated, of {', '.join(KERNELS)}")
-    parser.add_argument("--explore", action="store_true",
-                        help="candidate tiles: the decode GEMM on a wider grid than it autotunes "
-                             "over, the activation kernel on those it can autotune over")
-    parser.add_argument("--tune", action="store_true",
-                        help="the decode GEMM at the tiles bench/gpu.py's tune section times")
+    tiles = parser.add_mutually_exclusive_group()
+    tiles.add_argument("--explore", action="store_true",
+                       help="candidate tiles: the decode GEMM on a wider grid than it autotunes "
+                            "over, the activation kernel on those it can autotune over")
+    tiles.add_argument("--tune", action="store_true",
+                       help="the decode GEMM at the tiles bench/gpu.py's tune section times")
     args = parser.parse_args(argv)
     target = GPUTarget("cuda", args.arch, 32)
     rows: list[dict] = []

@@ -6,10 +6,12 @@
 
 Quantizes ``--model`` with ``--recipe`` in this process (``--calibration-tokens`` of its
 calibration source), then runs the likelihood tasks through lm-eval (:func:`run_benchmarks`,
-``HFLM``) on the FP model and on the quantized one in three settings: as ``kbbq-pl eval`` and
-``kbbq-pl compare`` run it (compiled rounding kernels, decoded weights cached for the whole
-evaluation), with eager kernels (``KBBQ_PL_COMPILE=0``), and without the decoded-weight cache
-(every forward decodes every weight from its FP4 codes).  Prints seconds, requests per second
+``HFLM``) on the FP model and on the quantized one in three settings: compiled rounding kernels
+(``KBBQ_PL_COMPILE=1``; ``kbbq-pl eval`` and ``compare`` compile a kernel once it has run for
+``kbbq_pl.formats.dispatch.COMPILE_AFTER_S`` eagerly) with the decoded weights cached for the
+whole evaluation, as those commands cache them; eager kernels (``KBBQ_PL_COMPILE=0``); and
+compiled kernels without the decoded-weight cache (every forward decodes every weight from its
+FP4 codes).  Prints seconds, requests per second
 and the time as a ratio to the FP model's, and checks that the three quantized settings return
 the same log-likelihoods bit for bit (the settings change the speed, never a result).
 ``--tiny`` only checks that the script runs (tests/bench/test_tiny_modes.py): a tiny random
@@ -80,7 +82,7 @@ def main() -> None:
                         help=f"a tiny random Llama, {TINY}, eager kernels, in seconds")
     args = parser.parse_args()
     if not args.tiny:
-        return measure(args, compiled="auto")
+        return measure(args, compiled="1")
     vars(args).update(TINY)
     _tiny.eager()
     with tempfile.TemporaryDirectory(prefix="kbbq-eval-requests-") as tmp:
@@ -102,7 +104,7 @@ def measure(args: argparse.Namespace, compiled: str) -> None:
     quantize_model(quantized, batches, config, progress=False)
     runs = {
         "FP": timed_run(model, tokenizer, args, compile_mode=compiled, cache=True),
-        "W4A4, as kbbq-pl eval (compiled, cached)":
+        "W4A4, compiled kernels (cached)":
             timed_run(quantized, tokenizer, args, compile_mode=compiled, cache=True),
         "W4A4, eager kernels (cached)":
             timed_run(quantized, tokenizer, args, compile_mode="0", cache=True),
@@ -117,7 +119,7 @@ def measure(args: argparse.Namespace, compiled: str) -> None:
     for name, (seconds, requests, _, scores) in runs.items():
         print(f"{name:<44}{seconds:8.1f}{requests:10d}{requests / seconds:8.2f}"
               f"{seconds / fp_seconds:11.2f}  {scores}")
-    reference = runs["W4A4, as kbbq-pl eval (compiled, cached)"][2]
+    reference = runs["W4A4, compiled kernels (cached)"][2]
     same = all(run[2] == reference for name, run in runs.items() if name.startswith("W4A4"))
     print(f"quantized log-likelihoods identical across the three W4A4 settings: {same}")
 

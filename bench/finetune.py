@@ -19,7 +19,6 @@ only checks that the script runs (tests/bench/test_tiny_modes.py), with eager ke
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -140,14 +139,13 @@ def main(argv: list[str] | None = None) -> None:
         from kbbq_pl.formats import set_compile
 
         set_compile(args.compile)
-    from kbbq_pl.formats import compile_enabled
+    from kbbq_pl.formats import compile_rule
 
     device = torch.device("cuda" if cuda else "cpu")
     where = torch.cuda.get_device_name(device) if cuda else (
         f"CPU ({torch.get_num_threads()} threads): not a GPU figure")
-    print(f"{where}, torch {torch.__version__}, precision {args.precision}, compiled rounding "
-          f"kernels: {compile_enabled(device)} (mode "
-          f"{args.compile or os.environ.get('KBBQ_PL_COMPILE', 'auto')})")
+    print(f"{where}, torch {torch.__version__}, precision {args.precision}, rounding kernels: "
+          f"{compile_rule(device)}")
     print(f"random Llama: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x "
           f"{args.seq}; {args.warmup} warm-up + {args.steps} timed steps\n")
     full = run(args, quantized=False)

@@ -55,11 +55,11 @@ def main() -> None:
                           *TINY_QUANTIZE, *args.extra]
             model = "tiny random BERT"
         cache = work / "inductor-cache"
-        for name in args.runs.split(","):
+        for i, name in enumerate(args.runs.split(",")):
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1"}
             if name == "eager":
                 env["KBBQ_PL_COMPILE"] = "0"
-            wall, report = run(args.extra, env, work / name)
+            wall, report = run(args.extra, env, work / f"{i}-{name}")
             rows.append((name, wall, report["seconds"], report["model"]["fidelity_mean_cosine"]))
     stages = ["calibration", "fit_transforms", "activation_scales", "quantize", "total"]
     print(f"threads per process: {os.cpu_count()} cores; {model}, default recipe")

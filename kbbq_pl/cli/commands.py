@@ -29,7 +29,7 @@ def _formats_demo(args: argparse.Namespace) -> int:
         "fp8_e4m3", "nvfp4", "mxfp4", "mxfp4_no_clip", "mxfp4_rceil", "int8", "int4",
     ]
     print(f"kbbq-pl formats: {args.size}x{args.size} tensors, seed {args.seed}, "
-          f"compiled kernels: {F.compile_enabled(gaussian.device)}")
+          f"rounding kernels: {F.compile_rule(gaussian.device)}")
     print(f"{'format':<15}{'bits/elem':>10}{'sigma2 pred':>12}{'sigma2 gauss':>13}"
           f"{'SNR gauss dB':>13}{'SNR t3 dB':>11}{'ms':>8}")
     for name in names:

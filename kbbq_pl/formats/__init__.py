@@ -7,7 +7,7 @@ scales, per-tensor scale), ``dequantize(q)`` the values it represents, and
 :mod:`kbbq_pl.formats.rounding` for the rounding conventions.
 """
 
-from .dispatch import compile_enabled, set_compile
+from .dispatch import compile_enabled, compile_rule, set_compile
 from .noise import measure_sigma2, sigma2_fmt
 from .qtensor import (
     DeferredChecks,
@@ -40,6 +40,7 @@ __all__ = [
     "QuantizedTensor",
     "block_dequant_scale",
     "compile_enabled",
+    "compile_rule",
     "deferred_checks",
     "dequantize",
     "fake_quantize",

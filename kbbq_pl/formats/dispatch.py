@@ -4,9 +4,10 @@
 over the data (a C++ loop on CPU, a Triton kernel on CUDA); eager PyTorch makes about ten.  The
 compiled and eager kernels are the same Python functions and agree bit for bit (tested).
 
-``KBBQ_PL_COMPILE`` chooses: ``auto`` (default: compile on the CPU where a C++ compiler is
-found, eager on CUDA), ``1`` (always) or ``0`` (never).  :func:`set_compile` changes it at run
-time.  If a compilation fails, kbbq-pl warns once and stays eager.
+``KBBQ_PL_COMPILE`` chooses: ``auto`` (default: on the CPU where a C++ compiler is found, a
+kernel is compiled once its eager calls have taken :data:`COMPILE_AFTER_S` in the process;
+eager on CUDA), ``1`` (always) or ``0`` (never).  :func:`set_compile` changes it at run time.
+If a compilation fails, kbbq-pl warns once and stays eager.
 
 On CUDA ``auto`` stays eager: the eager kernels give the CPU's bits for every format and dtype
 on a GPU, the compiled E2M1 kernels (NVFP4, MXFP4) have not been shown to.  The W4A4 activation
@@ -21,6 +22,7 @@ import shutil
 import types
 import warnings
 from collections.abc import Callable
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -31,6 +33,16 @@ from .._compat import tracing
 _mode = os.environ.get("KBBQ_PL_COMPILE", "auto").strip().lower()
 _broken = False
 _cache: dict[tuple, Callable[..., Any]] = {}
+_eager_s: dict[tuple, float] = {}
+_ALWAYS = ("1", "on", "true")
+
+COMPILE_AFTER_S = 2.0
+"""Under ``auto``, the seconds a kernel (one set of static options) runs eagerly in a process
+before it is compiled.  Compiling a kernel costs 1.5 to 9 s on a 2-core CPU (less where
+Inductor's cache holds it) and then saves most of each call's time, so a kernel compiles once
+it has run about as long as its compilation costs (the ski-rental rule: never more than twice
+the better of the two choices made in hindsight): a one-off quantization of a small model
+stays eager, an evaluation or a fine-tuning run compiles within its first seconds."""
 
 
 def set_compile(mode: bool | str) -> None:
@@ -56,9 +68,18 @@ def compile_enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` run compiled under the current mode."""
     if _broken or _mode in ("0", "off", "false") or tracing():
         return False
-    if _mode in ("1", "on", "true"):
+    if _mode in _ALWAYS:
         return True
     return _backend_available(device.type)
+
+
+def compile_rule(device: torch.device) -> str:
+    """How kernels on ``device`` run under the current mode, in words (for reports)."""
+    if not compile_enabled(device):
+        return "eager"
+    if _mode in _ALWAYS:
+        return "compiled"
+    return f"compiled once a kernel has run {COMPILE_AFTER_S:g} s eagerly"
 
 
 _SIMD_BITS = {"AVX512": 512, "AVX2": 256}
@@ -112,6 +133,11 @@ def run_kernel(
         return kernel(groups, *args, **static)
     key = (kernel.__name__, groups.device.type, tuple(sorted(static.items())))
     compiled = _cache.get(key)
+    if compiled is None and _mode not in _ALWAYS and _eager_s.get(key, 0.0) < COMPILE_AFTER_S:
+        start = perf_counter()  # the CPU runs the kernel before it returns
+        result = kernel(groups, *args, **static)
+        _eager_s[key] = _eager_s.get(key, 0.0) + perf_counter() - start
+        return result
     if compiled is None:
         compiled = torch.compile(_specialize(kernel, static), dynamic=False, fullgraph=True,
                                  options=_inductor_options(groups.device.type))

@@ -44,7 +44,7 @@ TABLES: dict[str, list[str]] = {
     "eval_requests.py": [
         r"^run\s+s\s+requests\s+req/s\s+x FP time\s+scores$",
         *(rf"^{re.escape(run)}\s+{NUMBER}\s+8\s+{NUMBER}\s+{NUMBER}\s+\{{'arc_easy': "
-          for run in ("FP", "W4A4, as kbbq-pl eval (compiled, cached)",
+          for run in ("FP", "W4A4, compiled kernels (cached)",
                       "W4A4, eager kernels (cached)", "W4A4, no decoded-weight cache (compiled)")),
         r"^quantized log-likelihoods identical across the three W4A4 settings: True$"],
     "finetune.py": [

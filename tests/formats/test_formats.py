@@ -305,6 +305,50 @@ def test_compiled_kernels_match_eager_bit_for_bit(name):
         assert torch.equal(bits(qe.scale), bits(qc.scale))
 
 
+def test_auto_compiles_a_kernel_once_its_eager_calls_have_taken_compile_after_s(monkeypatch):
+    """``auto`` on the CPU: each kernel (one set of static options) runs eagerly until its calls
+    have taken ``COMPILE_AFTER_S`` in the process, then compiled; ``1`` compiles at once, ``0``
+    never; the values are the same throughout.  The clock and ``torch.compile`` are stand-ins
+    (each eager call takes 0.5 s; the compiled kernel is the Python one): this checks the rule,
+    the bits of real compiled kernels are checked above."""
+    seconds = iter(0.5 * i for i in range(1000))
+    compiled = []
+
+    def compile_stand_in(fn, **options):
+        compiled.append(fn.__name__)
+        return fn
+
+    monkeypatch.setattr(F.dispatch, "perf_counter", lambda: next(seconds))
+    monkeypatch.setattr(F.dispatch, "_cache", {})
+    monkeypatch.setattr(F.dispatch, "_eager_s", {})
+    monkeypatch.setattr(F.dispatch, "_backend_available", lambda device_type: True)
+    monkeypatch.setattr(F.dispatch.torch, "compile", compile_stand_in)
+    monkeypatch.setattr(F.dispatch, "COMPILE_AFTER_S", 2.0)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    expected = F.fake_quantize(x, "nvfp4")
+    F.set_compile("auto")
+    try:
+        values, compiled_after = [], []
+        for _ in range(6):
+            values.append(F.fake_quantize(x, "nvfp4"))
+            compiled_after.append(len(compiled))
+        fake_compiled = list(compiled)
+        F.quantize(x, "nvfp4")  # another kernel: its own account, still eager
+        codes_compiled = list(compiled)
+        F.set_compile(True)
+        F.quantize(x, "mxfp4")  # "1": compiled at its first call
+        always = list(compiled)
+        F.set_compile("0")
+        F.quantize(x, "nvfp4", global_scale=1.0)
+    finally:
+        F.set_compile("0")
+    assert compiled_after == [0, 0, 0, 0, 1, 1]  # four calls of 0.5 s, compiled at the fifth
+    assert fake_compiled == codes_compiled
+    assert len(always) == 2 and compiled == always
+    for v in values:
+        assert torch.equal(bits(v), bits(expected))
+
+
 def test_compiled_decode_does_not_recompile_per_shape():
     """Weights of many shapes decoded with compiled kernels (GPTQ's column blocks, a model's
     layers): the per-block scales follow the number of blocks, so one graph serves them all.

@@ -36,13 +36,14 @@ _cache: dict[tuple, Callable[..., Any]] = {}
 _eager_s: dict[tuple, float] = {}
 _ALWAYS = ("1", "on", "true")
 
-COMPILE_AFTER_S = 2.0
+COMPILE_AFTER_S = 10.0
 """Under ``auto``, the seconds a kernel (one set of static options) runs eagerly in a process
-before it is compiled.  Compiling a kernel costs 1.5 to 9 s on a 2-core CPU (less where
-Inductor's cache holds it) and then saves most of each call's time, so a kernel compiles once
-it has run about as long as its compilation costs (the ski-rental rule: never more than twice
-the better of the two choices made in hindsight): a one-off quantization of a small model
-stays eager, an evaluation or a fine-tuning run compiles within its first seconds."""
+before it is compiled.  On a 2-core CPU a process's first compilation costs about 4 s where
+Inductor's cache holds the kernel and 19 s where it does not (later ones 0.2 to 4 s), and a
+compiled kernel then saves most of each call's time; so a kernel compiles once it has run
+about as long as a compilation costs (the ski-rental rule: a few times the better of the two
+choices made in hindsight at worst, whatever the run's length).  A quantization or an
+evaluation of a small model stays eager, a long evaluation or fine-tuning run compiles."""
 
 
 def set_compile(mode: bool | str) -> None:

@@ -66,7 +66,8 @@ def _backend_available(device_type: str) -> bool:
 
 
 def compile_enabled(device: torch.device) -> bool:
-    """Whether kernels on ``device`` run compiled under the current mode."""
+    """Whether kernels on ``device`` may run compiled under the current mode (under ``auto``,
+    once they have run :data:`COMPILE_AFTER_S` eagerly: :func:`compile_rule` says which)."""
     if _broken or _mode in ("0", "off", "false") or tracing():
         return False
     if _mode in _ALWAYS:

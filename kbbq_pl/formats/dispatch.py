@@ -35,6 +35,7 @@ _broken = False
 _cache: dict[tuple, Callable[..., Any]] = {}
 _eager_s: dict[tuple, float] = {}
 _ALWAYS = ("1", "on", "true")
+_NEVER = ("0", "off", "false")
 
 COMPILE_AFTER_S = 10.0
 """Under ``auto``, the seconds a kernel (one set of static options) runs eagerly in a process
@@ -68,7 +69,7 @@ def _backend_available(device_type: str) -> bool:
 def compile_enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` may run compiled under the current mode (under ``auto``,
     once they have run :data:`COMPILE_AFTER_S` eagerly: :func:`compile_rule` says which)."""
-    if _broken or _mode in ("0", "off", "false") or tracing():
+    if _broken or _mode in _NEVER or tracing():
         return False
     if _mode in _ALWAYS:
         return True

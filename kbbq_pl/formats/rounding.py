@@ -427,13 +427,35 @@ def _e2m1_values(device: torch.device) -> Tensor:
     return torch.cat((magnitude, torch.copysign(magnitude, torch.full_like(magnitude, -1.0))))
 
 
+_BYTE_VALUES: dict[torch.device, Tensor] = {}
+
+
+def _e2m1_byte_values(device: torch.device) -> Tensor:
+    """``[256]`` int64: the FP32 values of the two codes of each packed byte, low nibble first
+    (:func:`pack_nibbles`'s order), side by side in one 8-byte word; made once a device
+    eagerly, in the graph when traced."""
+    table = None if tracing() else _BYTE_VALUES.get(device)
+    if table is None:
+        values = _e2m1_values(device)
+        byte = torch.arange(256, device=device)
+        pairs = torch.stack((values[byte & 0x0F], values[byte >> 4]), dim=-1)
+        table = pairs.view(torch.int64).reshape(256)
+        if not tracing():
+            _BYTE_VALUES[device] = table
+    return table
+
+
 def e2m1_decode_groups(packed: Tensor, multiplier: Tensor, *, no_clip: bool,
                        out_dtype: torch.dtype) -> Tensor:
     """The values of packed E2M1 groups ``packed [G, B/2]`` with their FP32 scale multipliers
     ``multiplier [G]`` (``pts * s``, ``2^e`` or an FP32 scale): ``[G, B]`` in ``out_dtype``.
     MX ``no_clip`` blocks are divided by 0.75 (their scale maps amax into [3, 6))."""
-    codes = unpack_nibbles(packed)
-    values = torch.take(_e2m1_values(codes.device), codes.long()) * multiplier.unsqueeze(-1)
+    # one 8-byte lookup a byte (both its codes' values), not one a code after unpacking the
+    # nibbles: on a CPU 2x or more faster eagerly
+    words = torch.index_select(_e2m1_byte_values(packed.device), 0,
+                               packed.reshape(-1).to(torch.int32))
+    values = words.view(torch.float32).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    values.mul_(multiplier.unsqueeze(-1))
     if no_clip:
         values = div_rn(values, 0.75)
     return values.to(out_dtype)

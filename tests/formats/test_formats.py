@@ -233,18 +233,18 @@ def test_e2m1_encode_search_is_the_arithmetic_bit_for_bit():
 
 
 def test_e2m1_decode_table_is_the_arithmetic_bit_for_bit():
-    """Decoding by table lookup gives every code's sign and magnitude (code 8 is -0) exactly
-    as sign times :func:`e2m1_code_magnitude` times the group's multiplier."""
+    """Decoding by table lookup gives both codes of every byte their sign and magnitude (code 8
+    is -0) exactly as sign times :func:`e2m1_code_magnitude` times the group's multiplier."""
     from kbbq_pl.formats.rounding import e2m1_code_magnitude, e2m1_decode_groups
 
-    codes = torch.arange(16, dtype=torch.uint8).repeat(3, 1)
-    multiplier = torch.tensor([1.0, 0.375, 2.0**-9])
-    values = e2m1_decode_groups(F.pack_nibbles(codes), multiplier, no_clip=False,
-                                out_dtype=torch.float32)
+    packed = torch.arange(256, dtype=torch.uint8).reshape(32, 8)  # every byte, 16 codes a group
+    multiplier = torch.tensor([1.0, 0.375, 2.0**-9, 448.0 * 6]).repeat(8)
+    values = e2m1_decode_groups(packed, multiplier, no_clip=False, out_dtype=torch.float32)
+    codes = F.unpack_nibbles(packed)
     magnitude = e2m1_code_magnitude(codes & 0x7)
     expected = torch.where((codes & 0x8) > 0, -magnitude, magnitude) * multiplier[:, None]
     assert torch.equal(values.view(torch.int32), expected.view(torch.int32))
-    assert torch.signbit(values[:, 8]).all() and (values[:, 8] == 0).all()
+    assert torch.signbit(values[codes == 8]).all() and (values[codes == 8] == 0).all()
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])

@@ -418,9 +418,8 @@ def int4_unpack(packed: Tensor) -> Tensor:
 
 
 def _e2m1_values(device: torch.device) -> Tensor:
-    """The FP32 value of every 4-bit E2M1 code (sign in bit 3; code 8 is -0): decoding is one
-    table lookup, several times faster on a CPU than the arithmetic of
-    :func:`e2m1_code_magnitude` and bit for bit the same."""
+    """The FP32 value of every 4-bit E2M1 code (sign in bit 3; code 8 is -0), bit for bit the
+    arithmetic of :func:`e2m1_code_magnitude`: the entries of the decode's byte table."""
     magnitude = e2m1_code_magnitude(torch.arange(8, device=device))
     # copysign, not negation: compiled for CUDA, Triton negates as 0 - x, which made code 8 +0
     # (seen on an H100, 2026-11-26)
@@ -434,13 +433,14 @@ def _e2m1_byte_values(device: torch.device) -> Tensor:
     """``[256]`` int64: the FP32 values of the two codes of each packed byte, low nibble first
     (:func:`pack_nibbles`'s order), side by side in one 8-byte word; made once a device
     eagerly, in the graph when traced."""
-    table = None if tracing() else _BYTE_VALUES.get(device)
+    traced = tracing()
+    table = None if traced else _BYTE_VALUES.get(device)
     if table is None:
         values = _e2m1_values(device)
         byte = torch.arange(256, device=device)
         pairs = torch.stack((values[byte & 0x0F], values[byte >> 4]), dim=-1)
         table = pairs.view(torch.int64).reshape(256)
-        if not tracing():
+        if not traced:
             _BYTE_VALUES[device] = table
     return table
 

@@ -42,11 +42,12 @@ from ..formats import get_format, quantize
 from ..quant.act_scale import effective_act_scale
 from ..quant.experts import FUSED_PARAMETERS, ExpertLinears, unfuse_experts
 from ..quant.layers import QuantizedLinear, quantized_linears, swap_module
-from ..quant.siblings import group_sibling_linears
+from ..quant.siblings import group_sibling_linears, ungroup_sibling_linears
 from ..quant.w4a4 import W4A4Weight
 from .checkpoint import (
     DISK_NAMES,
     FORMAT_VERSION,
+    LOADER,
     QUANT_METHOD,
     CheckpointError,
     check_layer_tensors,
@@ -166,6 +167,16 @@ def _target(model: nn.Module, name: str) -> Tensor:
         return model.get_buffer(name)
 
 
+def _forget_loader(model: nn.Module) -> None:
+    """``model``'s config names no :data:`~kbbq_pl.io.checkpoint.LOADER` any more: what
+    ``save_pretrained`` writes does not hold the loader's file (it writes the config only)."""
+    auto_map = without_loader(getattr(model.config, "auto_map", None))
+    if auto_map:
+        model.config.auto_map = auto_map
+    elif hasattr(model.config, "auto_map"):
+        del model.config.auto_map
+
+
 class KbbqDeserialize(ConversionOps):
     """The load operation of :class:`KbbqHfQuantizer`: one call per parameter named ``weight``
     with the tensors stored beside it.  A quantized layer's (``weight``: its packed codes,
@@ -246,12 +257,7 @@ class KbbqHfQuantizer(HfQuantizer):
         layers = self.quantization_config.layers = {
             rename[name]: meta for name, meta in layers.items() if name in rename}
         if not model.is_remote_code():  # loaded after import kbbq_pl, not through the loader
-            # save_pretrained writes the config, not the loader's file: name no loader there
-            auto_map = without_loader(getattr(model.config, "auto_map", None))
-            if auto_map:
-                model.config.auto_map = auto_map
-            elif hasattr(model.config, "auto_map"):
-                del model.config.auto_map
+            _forget_loader(model)
         unfuse_experts(model, [*layers, *_in_model(model, list(stored)).values()])
         for name, meta in layers.items():
             try:
@@ -298,6 +304,29 @@ class KbbqHfQuantizer(HfQuantizer):
             del state[f"{name}.weight"]
             state.update(disk_names(layer_tensors(name, layer), [name]))
         return state, {}
+
+    def _dequantize(self, model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+        """``model.dequantize()``: every quantized linear becomes an ``nn.Linear`` holding the
+        weight it multiplies its input by, ``Q(W T^-1) T`` in ``dtype``
+        (:func:`~kbbq_pl.io.compressed_tensors.dense_model`): the weight-only model, whose
+        activations are no longer rounded, a plain transformers model that ``save_pretrained``
+        writes for any reader.  Models with quantized experts are refused (transformers' fused
+        experts would not read them back)."""
+        from .compressed_tensors import dense_model
+
+        experts = [name for name, module in model.named_modules()
+                   if isinstance(module, ExpertLinears)]
+        if experts:
+            raise NotImplementedError(
+                f"dequantize() does not rebuild quantized experts ({experts[0]!r} and "
+                f"{len(experts) - 1} more); kbbq_pl.io.compressed_tensors.dense_model(model) "
+                "gives a dense model to run, not to save")
+        ungroup_sibling_linears(model)
+        _forget_loader(model)  # a plain model: its folder needs no kbbq-pl
+        for obj in (model, model.config):  # loaded by the loader: transformers' own classes
+            if type(obj).__module__.rpartition(".")[2] == LOADER:
+                obj.__class__ = type(obj).__mro__[1]  # (the loader's subclass them, renamed)
+        return dense_model(model, dtype)
 
     def is_serializable(self, **kwargs: Any) -> bool:
         return True

@@ -151,6 +151,19 @@ def group_sibling_linears(model: nn.Module) -> SiblingHooks:
     return hooks
 
 
+def ungroup_sibling_linears(model: nn.Module) -> None:
+    """Take off every hook :func:`group_sibling_linears` put on ``model`` (also those of a copy
+    or an unpickled model, whose :class:`SiblingHooks` the caller does not hold)."""
+    for module in model.modules():
+        if not module.__dict__.pop(_HOOKED, None):
+            continue
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for key in [k for k, hook in hooks.items()
+                        if isinstance(getattr(hook, "__self__", None), _ParentHooks)]:
+                del hooks[key]
+                module._forward_hooks_always_called.pop(key, None)
+
+
 class _ParentHooks:
     """A parent's hooks.  Before its forward, its sibling groups (attribute names) become the
     innermost scope (not while ``torch.compile`` traces it); after (an error too), the scope

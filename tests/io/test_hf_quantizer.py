@@ -219,6 +219,58 @@ def test_save_pretrained_writes_a_folder_that_loads_again(tiny_chat_quantized, t
                            logits)
 
 
+REMOTE_DEQUANTIZE = """
+import sys
+
+from transformers import AutoModelForCausalLM
+
+folder, out = sys.argv[1:]
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+model.dequantize().save_pretrained(out)
+"""
+
+
+def test_dequantize_gives_the_weight_only_model_as_a_plain_transformers_model(
+        tiny_chat_quantized, tmp_path):
+    """``model.dequantize()``, transformers' way back to a dense model: every quantized linear
+    an ``nn.Linear`` holding ``Q(W T^-1) T`` (kbbq-pl's weight-only model, logits bit for bit),
+    no hooks of kbbq-pl left; saved, a folder that names no quantization and no loader and
+    loads into transformers' own class, also from a model the folder's loader built
+    (``trust_remote_code=True``)."""
+    from transformers import LlamaForCausalLM
+
+    from kbbq_pl.io.compressed_tensors import dense_model
+
+    model = causal_lm(tiny_chat_quantized)
+    dense = model.dequantize()
+    assert not quantized_linears(dense) and not dense.is_quantized
+    assert not [name for name, module in dense.named_modules()
+                if module._forward_pre_hooks or module._forward_hooks]
+    with torch.no_grad():
+        logits = dense(input_ids=probe()).logits
+        assert torch.equal(logits, dense_model(kbbq_pl.from_pretrained(tiny_chat_quantized))(
+            input_ids=probe()).logits)
+    dense.save_pretrained(tmp_path / "dense")
+    without_kbbq_pl(tmp_path, sys.executable, "-c", REMOTE_DEQUANTIZE, str(tiny_chat_quantized),
+                    str(tmp_path / "remote"))
+    for folder in (tmp_path / "dense", tmp_path / "remote"):
+        config = json.loads((folder / "config.json").read_text())
+        assert "quantization_config" not in config and "auto_map" not in config, folder.name
+        assert not (folder / "kbbq_pl_loader.py").exists()
+        plain = LlamaForCausalLM.from_pretrained(folder)  # random weights would not match
+        with torch.no_grad():
+            assert torch.equal(plain(input_ids=probe()).logits, logits), folder.name
+
+
+def test_dequantize_refuses_quantized_experts_by_name(tmp_path):
+    model = tiny_model("qwen3_moe")
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+    quantize_model(model, [{"input_ids": ids}], QuantizationConfig(), progress=False)
+    loaded = causal_lm(save_quantized(model, tmp_path / "moe"))
+    with pytest.raises(NotImplementedError, match=r"experts \('model.layers.0.mlp.experts' and 1"):
+        loaded.dequantize()
+
+
 # --- where nothing imports kbbq_pl: trust_remote_code -----------------------------------
 
 REMOTE_LOAD = """

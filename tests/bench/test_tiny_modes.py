@@ -32,6 +32,10 @@ W4A4_METHODS = ["I", "HAAR", "RTN-WUSH", "RTN-KBBQ", "GPTQ", "MR-GPTQ", "GPTQ-WU
                 "GPTQ (dynamic scales)", "RTN-KBBQ (auto)", "GPTQ-KBBQ (auto)"]
 
 TABLES: dict[str, list[str]] = {
+    "batch_composition.py": [
+        r"^model\s+KL alone\s+KL batched\s+KL alone\|\|batched\s+argmax\s+greedy differ$",
+        rf"^full precision\s+0\.0000\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+\d of 4$",
+        rf"^rtn_kbbq_nvfp4_lam0\.75(\s+{NUMBER}){{4}}\s+\d of 4$"],
     "calibration_budget.py": [
         r"^recipe\s+seed\s+KL@512\s+KL@1024\s+x1024/512\s+PPL@512\s+PPL@1024\s+s@512\s+s@1024$",
         *(rf"^{re.escape(label)}\s+0(\s+{NUMBER}){{7}}$" for label in (

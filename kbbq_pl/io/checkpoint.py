@@ -139,33 +139,47 @@ def checkpoint_contents(
     held in another dtype than it computed in.  :func:`save_quantized` and
     :func:`kbbq_pl.io.compressed_tensors.save_compressed_tensors` both write from it."""
     tensors: dict[str, Tensor] = {}
-    tied: dict[str, str] = {}
-    seen: dict[tuple, str] = {}
     if prefix:
         tensors, layers, tied = checkpoint_contents(model, dtype=dtype)
         return ({f"{prefix}.{k}": v for k, v in tensors.items()},
                 {f"{prefix}.{k}": v for k, v in layers.items()},
                 {f"{prefix}.{k}": f"{prefix}.{v}" for k, v in tied.items()})
     layers = quantized_linears(model)
-    layer_params = {f"{n}.{p}" for n in layers for p in ("weight", "bias", "transform",
-                                                          "act_global_scale",
-                                                          "weight_global_scale")}
+    layer_params = _layer_params(layers)
+    tied = tied_names(model)
     for name, tensor in model.state_dict(keep_vars=True).items():
-        if name in layer_params or tensor is None:
+        if name in layer_params or name in tied or tensor is None:
             continue
         tensor = tensor.detach()
-        key = (tensor.data_ptr(), tensor.shape, tensor.dtype) if tensor.numel() else None
-        if key is not None and key in seen:
-            tied[name] = seen[key]
-            continue
-        if key is not None:
-            seen[key] = name
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
         tensors[name] = tensor.contiguous().cpu()
     for name, layer in layers.items():
         tensors.update({key: value.cpu() for key, value in layer_tensors(name, layer).items()})
     return tensors, {name: layer_metadata(layer) for name, layer in layers.items()}, tied
+
+
+def _layer_params(layers: Iterable[str]) -> set[str]:
+    """The state-dict names of the quantized ``layers``' own tensors."""
+    return {f"{n}.{p}" for n in layers for p in ("weight", "bias", "transform",
+                                                  "act_global_scale", "weight_global_scale")}
+
+
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """The tensors of ``model``'s state (the quantized layers' own aside) that are another
+    one's, stored once: alias -> the first name holding it."""
+    skip = _layer_params(quantized_linears(model))
+    tied: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name in skip or tensor is None or not tensor.numel():
+            continue
+        key = (tensor.data_ptr(), tensor.shape, tensor.dtype)
+        if key in seen:
+            tied[name] = seen[key]
+        else:
+            seen[key] = name
+    return tied
 
 
 def layer_tensors(name: str, layer: QuantizedLinear) -> dict[str, Tensor]:

@@ -90,6 +90,7 @@ from ..transforms.fit import hadamard, transform_inputs
 from .checkpoint import (
     CONFIG_NAME,
     PROCESSOR_FILES,
+    QUANT_METHOD,
     TOKENIZER_FILES,
     WEIGHTS_NAME,
     CheckpointError,
@@ -1220,9 +1221,16 @@ def _tied_names(model: nn.Module, tensors: Mapping[str, Tensor]) -> dict[str, st
 def dense_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
     """``model`` with every :class:`~kbbq_pl.quant.layers.QuantizedLinear` replaced by an
     ``nn.Linear`` holding its :func:`effective_weight` (weight-only: activations unquantized),
-    in the layer's stored dtype or ``dtype``."""
+    in the layer's stored dtype or ``dtype``; the siblings' hooks and transformers' quantizer
+    (``hf_quantizer``, ``config.quantization_config``) taken off with them."""
     from ..quant.layers import swap_module
+    from ..quant.siblings import ungroup_sibling_linears
 
+    ungroup_sibling_linears(model)
+    quantizer = getattr(model, "hf_quantizer", None)
+    if getattr(getattr(quantizer, "quantization_config", None), "quant_method", None) == \
+            QUANT_METHOD:
+        quantizer.remove_quantization_config(model)
     tensors, layers, _ = checkpoint_contents(model)
     for name, meta in layers.items():
         codes = stored_weight(tensors, name, meta)

@@ -42,7 +42,8 @@ from ..formats import get_format, quantize
 from ..quant.act_scale import effective_act_scale
 from ..quant.experts import FUSED_PARAMETERS, ExpertLinears, unfuse_experts
 from ..quant.layers import QuantizedLinear, quantized_linears, swap_module
-from ..quant.siblings import group_sibling_linears, ungroup_sibling_linears
+from ..quant.pipeline import ON_QUANTIZED
+from ..quant.siblings import group_sibling_linears
 from ..quant.w4a4 import W4A4Weight
 from .checkpoint import (
     DISK_NAMES,
@@ -54,9 +55,12 @@ from .checkpoint import (
     check_version,
     disk_names,
     header_tensors,
+    layer_metadata,
     layer_tensors,
     memory_names,
+    quantization_block,
     stored_weight,
+    tied_names,
     without_loader,
 )
 
@@ -74,6 +78,37 @@ def register() -> None:
     AUTO_QUANTIZER_MAPPING.pop(QUANT_METHOD, None)
     register_quantization_config(QUANT_METHOD)(KbbqHfConfig)
     register_quantizer(QUANT_METHOD)(KbbqHfQuantizer)
+    if _attach_after_quantizing not in ON_QUANTIZED:
+        ON_QUANTIZED.append(_attach_after_quantizing)
+
+
+def attach_quantizer(model: nn.Module, recipe: dict[str, Any] | None = None) -> None:
+    """Give a transformers ``model`` that kbbq-pl quantized or read (:func:`kbbq_pl.
+    quantize_model`, :func:`kbbq_pl.from_pretrained`) what ``from_pretrained`` gives a model
+    it loads with the ``kbbq`` method: ``hf_quantizer``, ``config.quantization_config`` (of
+    ``recipe``, as :func:`~kbbq_pl.io.checkpoint.quantization_block` writes it) and
+    ``is_quantized``.  Its ``save_pretrained`` then writes a folder that loads again, and
+    ``dequantize()`` gives the weight-only model.  Nothing happens to other modules, to a model
+    without quantized layers or one whose layers are not in memory (streamed to disk)."""
+    from transformers import PreTrainedModel
+
+    layers = quantized_linears(model)
+    if (not isinstance(model, PreTrainedModel) or not layers
+            or any(layer.weight.is_meta for layer in layers.values())):
+        return
+    block = quantization_block({name: layer_metadata(layer) for name, layer in layers.items()},
+                               tied_names(model), recipe)
+    del block["quant_method"]
+    config = KbbqHfConfig(**block)
+    model.hf_quantizer = KbbqHfQuantizer(config)
+    model.is_quantized = True
+    model.quantization_method = QUANT_METHOD
+    model.config.quantization_config = config
+    _forget_loader(model)  # transformers' own classes: save_pretrained writes no loader
+
+
+def _attach_after_quantizing(model: nn.Module, recipe: Any) -> None:
+    attach_quantizer(model, recipe.to_dict())
 
 
 class KbbqHfConfig(QuantizationConfigMixin):
@@ -321,7 +356,8 @@ class KbbqHfQuantizer(HfQuantizer):
                 f"dequantize() does not rebuild quantized experts ({experts[0]!r} and "
                 f"{len(experts) - 1} more); kbbq_pl.io.compressed_tensors.dense_model(model) "
                 "gives a dense model to run, not to save")
-        ungroup_sibling_linears(model)
+        if isinstance(dtype, str):  # a config's dtype, as config.json names it
+            dtype = getattr(torch, dtype)
         _forget_loader(model)  # a plain model: its folder needs no kbbq-pl
         for obj in (model, model.config):  # loaded by the loader: transformers' own classes
             if type(obj).__module__.rpartition(".")[2] == LOADER:
@@ -343,4 +379,5 @@ class KbbqHfQuantizer(HfQuantizer):
         return True
 
 
-__all__ = ["KbbqDeserialize", "KbbqHfConfig", "KbbqHfQuantizer", "placeholder_layer", "register"]
+__all__ = ["KbbqDeserialize", "KbbqHfConfig", "KbbqHfQuantizer", "attach_quantizer",
+           "placeholder_layer", "register"]

@@ -35,6 +35,7 @@ from .checkpoint import (
     read_tensors,
 )
 from .compressed_tensors import dense_model, is_compressed_tensors_folder, read_compressed_tensors
+from .hf_quantizer import attach_quantizer
 
 MINILM = "minilm"
 SMOLLM2 = "smollm2"
@@ -117,7 +118,9 @@ def parse_device(device: str | torch.device) -> torch.device:
 
 def from_pretrained(folder: str | Path, device: str | torch.device = "cpu",
                     dtype: torch.dtype | None = None) -> nn.Module:
-    """The quantized model saved in ``folder``, in eval mode: a kbbq-pl checkpoint written by
+    """The quantized model saved in ``folder``, in eval mode, as transformers loads it (its
+    ``save_pretrained`` and ``dequantize`` work: :func:`~kbbq_pl.io.hf_quantizer.
+    attach_quantizer`): a kbbq-pl checkpoint written by
     :func:`~kbbq_pl.io.checkpoint.save_quantized` (or by transformers' ``save_pretrained`` of
     one it loaded), or a compressed-tensors NVFP4 / MXFP4 folder (llm-compressor's output,
     :func:`kbbq_pl.io.compressed_tensors.save_compressed_tensors`), read by
@@ -125,13 +128,14 @@ def from_pretrained(folder: str | Path, device: str | torch.device = "cpu",
     layers outside the quantized ones, as transformers' ``from_pretrained(dtype=...)`` gives it
     (None: as stored); quantized layers compute from their stored codes either way."""
     folder = Path(folder)
-    if not (folder / CONFIG_NAME).is_file():
-        if is_compressed_tensors_folder(folder):
-            metadata, tensors = read_compressed_tensors(folder)
-            return build_quantized_model(folder, metadata, tensors, device, dtype)
-    metadata = read_metadata(folder)
-    return build_quantized_model(folder, metadata, memory_names(read_tensors(folder), metadata),
-                                 device, dtype)
+    if not (folder / CONFIG_NAME).is_file() and is_compressed_tensors_folder(folder):
+        metadata, tensors = read_compressed_tensors(folder)
+    else:
+        metadata = read_metadata(folder)
+        tensors = memory_names(read_tensors(folder), metadata)
+    model = build_quantized_model(folder, metadata, tensors, device, dtype)
+    attach_quantizer(model, metadata.get("recipe"))
+    return model
 
 
 CHECKPOINT_REPORTS = ("recipe.yaml", "report.json", "report.md")

@@ -39,7 +39,7 @@ import math
 import time
 import weakref
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -166,6 +166,13 @@ def untie_targeted_weights(model: nn.Module, modules: Mapping[str, nn.Module]) -
             part.tie_word_embeddings = False
 
 
+ON_QUANTIZED: list[Callable[[nn.Module, QuantizationConfig], None]] = []
+"""Called, in order, with each model :func:`quantize_model` quantized and its recipe: where the
+edges plug in (``import kbbq_pl`` adds transformers' quantizer to a transformers model, so that
+its ``save_pretrained`` and ``dequantize`` work as on a model transformers loaded:
+:func:`kbbq_pl.io.hf_quantizer.attach_quantizer`)."""
+
+
 @torch.no_grad()
 def quantize_model(
     model: nn.Module,
@@ -270,6 +277,8 @@ def quantize_model(
             module.training = modes.get(module, True)
     quantizer.finish(report)
     group_sibling_linears(model)  # q/k/v, gate/up: two launches a group on the kernels
+    for hook in ON_QUANTIZED:
+        hook(model, config)
     report.seconds.update(timing)
     report.seconds["total"] = time.perf_counter() - start
     report.model.update(peak_memory_mb(runner.device))

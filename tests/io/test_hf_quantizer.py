@@ -219,6 +219,37 @@ def test_save_pretrained_writes_a_folder_that_loads_again(tiny_chat_quantized, t
                            logits)
 
 
+@pytest.mark.parametrize("made_by", ["quantize_model", "kbbq_pl.from_pretrained"])
+def test_save_pretrained_of_a_model_kbbq_pl_made_writes_the_folder_save_quantized_would(
+        tiny_chat_folder, tiny_chat_quantized, tmp_path, made_by):
+    """What transformers users do after quantizing (as after llm-compressor's ``oneshot``):
+    ``save_pretrained``.  A model from ``quantize_model`` or ``kbbq_pl.from_pretrained``
+    carries transformers' quantizer, as one ``from_pretrained`` loaded: its folder's
+    ``quantization_config`` is the one ``save_quantized`` writes (no loader named, none
+    copied), both loaders read it back bit for bit, and ``dequantize()`` works."""
+    from kbbq_pl.io.data import CalibrationDataModule
+    from kbbq_pl.io.models import load_model
+
+    if made_by == "quantize_model":  # as tiny_chat_quantized was made
+        model, tokenizer = load_model(tiny_chat_folder)
+        batches = CalibrationDataModule("mixed", tokenizer, n_tokens=256,
+                                        seq_len=64).calibration_dataloader()
+        quantize_model(model, list(batches), QuantizationConfig(), progress=False)
+    else:
+        model = kbbq_pl.from_pretrained(tiny_chat_quantized)
+    model.save_pretrained(tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    written = json.loads((tiny_chat_quantized / "config.json").read_text())
+    assert config["quantization_config"] == written["quantization_config"]
+    assert "auto_map" not in config and not (tmp_path / "saved" / "kbbq_pl_loader.py").exists()
+    with torch.no_grad():
+        logits = model(input_ids=probe()).logits
+        for again in (causal_lm(tmp_path / "saved"), kbbq_pl.from_pretrained(tmp_path / "saved")):
+            same_layers(again, model)
+            assert torch.equal(again(input_ids=probe()).logits, logits)
+    assert not quantized_linears(model.dequantize())
+
+
 REMOTE_DEQUANTIZE = """
 import sys
 
@@ -246,10 +277,11 @@ def test_dequantize_gives_the_weight_only_model_as_a_plain_transformers_model(
     assert not quantized_linears(dense) and not dense.is_quantized
     assert not [name for name, module in dense.named_modules()
                 if module._forward_pre_hooks or module._forward_hooks]
+    reference = dense_model(kbbq_pl.from_pretrained(tiny_chat_quantized))  # the same, by hand
+    assert not reference.is_quantized and "quantization_config" not in reference.config.to_dict()
     with torch.no_grad():
         logits = dense(input_ids=probe()).logits
-        assert torch.equal(logits, dense_model(kbbq_pl.from_pretrained(tiny_chat_quantized))(
-            input_ids=probe()).logits)
+        assert torch.equal(logits, reference(input_ids=probe()).logits)
     dense.save_pretrained(tmp_path / "dense")
     without_kbbq_pl(tmp_path, sys.executable, "-c", REMOTE_DEQUANTIZE, str(tiny_chat_quantized),
                     str(tmp_path / "remote"))

@@ -12,8 +12,10 @@ returns the model :func:`kbbq_pl.from_pretrained` returns: the same quantized la
 the same logits bit for bit, with ``dtype`` (the layers outside the quantized ones; the codes,
 transforms and scales are used as stored) and ``device_map`` (one device: ``"cpu"``, where the
 product is kbbq-pl's exact emulation, or ``"cuda"``, where it runs on ``kbbq_pl.kernels``).
-``generate``, ``pipeline`` and ``transformers serve`` load it the same way, and
-``save_pretrained`` writes a folder that loads again.  Where nothing imports kbbq_pl (lm-eval's
+``generate``, ``pipeline`` and ``transformers serve`` load it the same way,
+``save_pretrained`` writes a folder that loads again and ``dequantize()`` gives the dense
+weight-only model; :func:`attach_quantizer` gives the models :func:`kbbq_pl.quantize_model` and
+:func:`kbbq_pl.from_pretrained` return the same.  Where nothing imports kbbq_pl (lm-eval's
 ``lm_eval`` command), ``from_pretrained(folder, trust_remote_code=True)`` imports the folder's
 ``kbbq_pl_loader.py`` (:func:`kbbq_pl.io.checkpoint.remote_code_loader`), which imports it.
 

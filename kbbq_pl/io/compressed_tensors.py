@@ -90,7 +90,6 @@ from ..transforms.fit import hadamard, transform_inputs
 from .checkpoint import (
     CONFIG_NAME,
     PROCESSOR_FILES,
-    QUANT_METHOD,
     TOKENIZER_FILES,
     WEIGHTS_NAME,
     CheckpointError,
@@ -1227,10 +1226,8 @@ def dense_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module
     from ..quant.siblings import ungroup_sibling_linears
 
     ungroup_sibling_linears(model)
-    quantizer = getattr(model, "hf_quantizer", None)
-    if getattr(getattr(quantizer, "quantization_config", None), "quant_method", None) == \
-            QUANT_METHOD:
-        quantizer.remove_quantization_config(model)
+    if getattr(model, "hf_quantizer", None) is not None:  # kbbq's, as the layers are
+        model.hf_quantizer.remove_quantization_config(model)
     tensors, layers, _ = checkpoint_contents(model)
     for name, meta in layers.items():
         codes = stored_weight(tensors, name, meta)

@@ -8,7 +8,8 @@ rename):
   quantized layer's metadata), by which transformers loads the folder once kbbq-pl is imported
   (:mod:`kbbq_pl.io.hf_quantizer`), and an ``auto_map`` naming :data:`LOADER`'s classes, by
   which transformers loads it with ``trust_remote_code=True`` where nothing imports kbbq-pl
-  (lm-eval's ``lm_eval`` command); and the tokenizer's files when given;
+  (lm-eval's ``lm_eval`` command); the tokenizer's files when given; and the source's
+  processor files and sentence-transformers modules (:data:`SENTENCE_TRANSFORMERS_FILES`);
 * ``kbbq_pl_loader.py`` (:func:`remote_code_loader`): those classes, transformers' own config
   and model classes under their own names, in a module that imports kbbq-pl;
 * ``model.safetensors`` (a model streamed from disk: one shard per block, with
@@ -58,6 +59,12 @@ PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json",
                    "video_preprocessor_config.json")
 """An image-text model's processor files (its image processor's settings), which a server
 needs beside the tokenizer."""
+SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json",
+                               "config_sentence_transformers.json")
+"""A sentence-transformers model's files: its modules after the transformer (pooling,
+normalization, a dense head, each in the folder ``modules.json`` names) and its sequence
+length, by which ``SentenceTransformer(folder)`` and servers of embedding models (vLLM) pool
+and normalize the quantized model as they did the source."""
 CONFIG_NAME = "quantization_config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -317,9 +324,11 @@ def write_checkpoint_files(staging: Path, model: nn.Module, shards: ShardWriter,
     full-precision tensors were written in; the processor files of ``source_dir``, the folder
     it was read from), ``quantization_config.json`` and the ``extra_files``."""
     write_hf_files(staging, model, tokenizer, dtype)
-    for name in PROCESSOR_FILES if source_dir is not None else ():
-        if (Path(source_dir) / name).is_file() and not (staging / name).exists():
-            shutil.copyfile(Path(source_dir) / name, staging / name)
+    if source_dir is not None:
+        for name in PROCESSOR_FILES:
+            if (Path(source_dir) / name).is_file() and not (staging / name).exists():
+                shutil.copyfile(Path(source_dir) / name, staging / name)
+        copy_sentence_transformers_files(Path(source_dir), staging)
     hf_config = staging / "config.json"
     if hf_config.is_file():
         document = json.loads(hf_config.read_text())
@@ -350,6 +359,31 @@ def write_checkpoint_files(staging: Path, model: nn.Module, shards: ShardWriter,
     (staging / CONFIG_NAME).write_text(json.dumps(metadata, indent=2) + "\n")
     for file_name, text in (extra_files or {}).items():
         (staging / file_name).write_text(text)
+
+
+def copy_sentence_transformers_files(source: Path, target: Path) -> None:
+    """Copy :data:`SENTENCE_TRANSFORMERS_FILES` and the folders of the modules that
+    ``modules.json`` lists from ``source`` into ``target``, for a sentence-transformers model
+    whose transformer is the folder itself (module path ``""``, as every model since
+    sentence-transformers 2 stores it); nothing for any other folder."""
+    try:
+        modules = json.loads((source / "modules.json").read_text())
+        paths = [str(module.get("path", "")) for module in modules]
+    except (OSError, ValueError, TypeError, AttributeError):
+        return  # not a sentence-transformers folder (or not one that can be read)
+    if "" not in paths:  # the transformer in a folder of its own: the source's weights
+        return
+    root = source.resolve()
+    for path in filter(None, paths):
+        folder = (source / path).resolve()
+        if not folder.is_relative_to(root) or folder == root:
+            raise CheckpointError(f"{source / 'modules.json'}: module path {path!r} is not a "
+                                  "folder inside the model folder")
+        if folder.is_dir():
+            shutil.copytree(folder, target / path, dirs_exist_ok=True)
+    for name in SENTENCE_TRANSFORMERS_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, target / name)
 
 
 def quantization_block(layers: dict[str, dict[str, Any]], tied: dict[str, str],

@@ -94,6 +94,7 @@ from .checkpoint import (
     WEIGHTS_NAME,
     CheckpointError,
     checkpoint_contents,
+    copy_sentence_transformers_files,
     declared_dtype,
     drop_loader,
     empty_model,
@@ -127,7 +128,8 @@ HF_SIDE_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json
                  "chat_template.jinja", "chat_template.json", "generation_config.json",
                  *PROCESSOR_FILES)
 """Files copied from a kbbq-pl folder into its export: the tokenizer, generation config and
-an image-text model's processor."""
+an image-text model's processor (and a sentence-transformers model's modules:
+:func:`~kbbq_pl.io.checkpoint.copy_sentence_transformers_files`)."""
 
 
 class ExportError(ValueError):
@@ -750,6 +752,7 @@ def export_folder(in_dir: str | Path, out_dir: str | Path,
         for name in ("config.json", *HF_SIDE_FILES):
             if (source / name).is_file():
                 shutil.copy2(source / name, staging / name)
+        copy_sentence_transformers_files(source, staging)
         drop_loader(staging / "config.json")  # its readers do not need kbbq-pl
         hf_config = json.loads((staging / "config.json").read_text())
         if not hf_config.get("architectures") and metadata.get("model_class"):

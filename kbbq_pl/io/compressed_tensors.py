@@ -84,7 +84,6 @@ from ..quant.experts import (
     has_plain_experts,
     unfuse_experts,
 )
-from ..quant.layers import quantized_linears
 from ..quant.modules import fused_groups, in_out_features, is_linear, is_transposed
 from ..transforms.fit import hadamard, transform_inputs
 from .checkpoint import (
@@ -94,6 +93,7 @@ from .checkpoint import (
     WEIGHTS_NAME,
     CheckpointError,
     checkpoint_contents,
+    checkpoint_layers,
     copy_sentence_transformers_files,
     declared_dtype,
     drop_loader,
@@ -789,7 +789,7 @@ def save_compressed_tensors(
     """Write the quantized ``model`` as a compressed-tensors folder (module docstring) through
     the tensors :func:`kbbq_pl.io.checkpoint.save_quantized` writes."""
     require_compressed_tensors()
-    if not quantized_linears(model):
+    if not checkpoint_layers(model):
         raise ValueError("the model has no quantized layers to save")
     skeleton = _skeleton(model.config, is_causal_model(model))
 

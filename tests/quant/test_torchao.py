@@ -108,6 +108,40 @@ def test_state_dict_reloads_into_a_fresh_model(tmp_path):
         assert torch.equal(fresh(input_ids=probe).logits, model(input_ids=probe).logits)
 
 
+def test_save_quantized_writes_a_folder_that_loads_as_the_quantize_model_one(tmp_path):
+    """A model ``quantize_`` converted saves with ``kbbq_pl.save_quantized`` (and as
+    compressed-tensors): its layers stay ``nn.Linear``, the folder holds what ``quantize_model``'s
+    model would write (the padded down projection too), and loads in kbbq-pl and transformers
+    with the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    import kbbq_pl
+    from kbbq_pl.io.checkpoint import read_metadata
+    from kbbq_pl.io.compressed_tensors import save_compressed_tensors
+
+    recipe = QuantizationConfig(format=FormatConfig("nvfp4", "static"),
+                                transform=TransformConfig("kbbq", 0.75))
+    model = tiny_model("llama", intermediate_size=172)
+    reference = copy.deepcopy(model)
+    quantize_model(reference, calibration(), recipe, progress=False)
+    torchao_quantize(model, calibration(), recipe)
+    kbbq_pl.save_quantized(model, tmp_path / "torchao")
+    kbbq_pl.save_quantized(reference, tmp_path / "reference")
+    assert type(model.model.layers[0].mlp.down_proj) is nn.Linear
+    assert (read_metadata(tmp_path / "torchao")["layers"]
+            == read_metadata(tmp_path / "reference")["layers"])
+    probe = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(input_ids=probe).logits
+        for loaded in (kbbq_pl.from_pretrained(tmp_path / "torchao"),
+                       AutoModelForCausalLM.from_pretrained(tmp_path / "torchao")):
+            assert len(quantized_linears(loaded)) == 14
+            assert torch.equal(loaded(input_ids=probe).logits, logits)
+    pytest.importorskip("compressed_tensors")
+    save_compressed_tensors(model, tmp_path / "served")
+    assert (tmp_path / "served" / "model.safetensors").is_file()
+
+
 def test_steps_and_recipes_are_checked():
     with pytest.raises(ValueError, match="step must be 'prepare' or 'convert'"):
         KBBQConfig(step="prepare_for_loading")

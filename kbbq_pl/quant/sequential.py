@@ -451,6 +451,13 @@ class SequentialRunner:
         batches = list(batches)
         if not batches:
             raise ValueError("the calibration set is empty: no batches")
+        for index, batch in enumerate(batches):
+            if not isinstance(batch, Mapping):
+                raise TypeError(
+                    f"calibration batch {index} is a {type(batch).__name__}"
+                    f"{f' of shape {tuple(batch.shape)}' if isinstance(batch, Tensor) else ''}: "
+                    "batches are dicts of the model's keyword inputs, such as "
+                    "{'input_ids': ids, 'attention_mask': mask}")
         _log_padding(batches)
         self.split, batches = split_calibration(batches, holdout, seed, shard)
         self.model = model

@@ -251,6 +251,11 @@ def test_bad_calibration_input():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="calibration set is empty"):
         quantize_model(model, [], QuantizationConfig(), progress=False)
+    ids = torch.randint(0, 256, (2, 16))
+    with pytest.raises(TypeError, match=r"calibration batch 1 is a Tensor of shape \(2, 16\): "
+                                        "batches are dicts of the model's keyword inputs"):
+        quantize_model(model, [{"input_ids": ids}, ids], QuantizationConfig(), progress=False)
+    assert not quantized_linears(model)  # refused before anything changed
     with pytest.raises(ValueError, match="W4A4 needs a block FP4 format"):
         QuantizationConfig(format=FormatConfig("fp8_e4m3"))
     with pytest.raises(ValueError, match="no linear layer"):

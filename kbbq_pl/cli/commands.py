@@ -160,9 +160,13 @@ def _reference_model(args: argparse.Namespace) -> str:
 def _eval(args: argparse.Namespace) -> int:
     """Score a local causal LM: perplexity and KL to a reference on a text file (``ppl``,
     ``kl``), lm-eval benchmarks (the rest); write the metrics as JSON."""
+    from transformers import AutoConfig
+
+    from kbbq_pl.cli.compare import FIDELITY
     from kbbq_pl.eval.evaluation import default_window
     from kbbq_pl.eval.lm_metrics import lm_metrics
     from kbbq_pl.eval.tasks import check_data, run_benchmarks
+    from kbbq_pl.io.checkpoint import is_causal_lm_config
     from kbbq_pl.io.fileio import check_output, write_output_json
     from kbbq_pl.io.models import load_model, parse_device, resolve_model_path
     from kbbq_pl.quant.w4a4 import cache_decoded_weights
@@ -175,11 +179,19 @@ def _eval(args: argparse.Namespace) -> int:
     # every path is checked before a model is loaded or lm-eval imported: the output first
     if args.out:
         check_output(args.out, overwrite=args.overwrite, kind="file")
+    source = resolve_model_path(args.model)
+    config = AutoConfig.from_pretrained(source)
+    if config.architectures and not is_causal_lm_config(config):
+        raise ValueError(
+            f"{args.model} holds a {config.architectures[0]}, not a "
+            "causal language model: eval scores next tokens (ppl, kl, benchmarks); a sentence "
+            "encoder's fidelity (mean cosine of its embeddings to the source's) is in the "
+            "report.json kbbq-pl quantize wrote, and kbbq-pl compare --model SOURCE --tasks "
+            f"{FIDELITY} measures it for every method")
     check_data(benchmarks, args.data_dir,
                args.mmlu_subjects.split(",") if args.mmlu_subjects else None,
                option="--data-dir")
     text = _scored_text(args, tasks)
-    source = resolve_model_path(args.model)
     if args.out:
         check_output(args.out, overwrite=args.overwrite, sources=[source], kind="file")
     model, tokenizer = load_model(args.model, causal=True, device=device)

@@ -391,6 +391,9 @@ def test_bad_arguments_and_internal_errors_are_one_line(capsys, monkeypatch):
     assert "'tpu' is not a device: use cpu, cuda or cuda:N" in one_line_error(capsys, "eval")
     assert main(["eval", "--model", "minilm", "--device", "mps"]) == 2
     assert "kbbq-pl runs on cpu or cuda" in one_line_error(capsys, "eval")
+    assert main(["eval", "--model", "minilm"]) == 2  # an encoder, before the data are checked
+    assert ("minilm holds a BertModel, not a causal language model" in
+            (error := one_line_error(capsys, "eval")) and "--tasks fidelity" in error)
 
     import kbbq_pl.cli.commands as cli
 

@@ -592,6 +592,15 @@ def auto_class(config: Any, causal: bool) -> Any:
     return AutoModelForImageTextToText if is_multimodal_config(config) else AutoModelForCausalLM
 
 
+def source_class(config: Any, causal: bool) -> Any:
+    """The class that builds the model of a full-precision folder's ``config``: a causal LM
+    (:func:`auto_class`), else the class its ``architectures`` names where transformers has
+    it (a classification, token-classification, question-answering or masked-LM head on an
+    encoder, kept whole), else the bare model."""
+    named = None if causal else transformers_class((config.architectures or [None])[0], config)
+    return named or auto_class(config, causal)
+
+
 def transformers_class(name: str | None, config: Any) -> type | None:
     """transformers' model class ``name`` where it exists and builds models of ``config``
     (a checkpoint's ``model_class``); None otherwise."""
@@ -832,18 +841,17 @@ def load_tensors(model: nn.Module, tensors: dict[str, Tensor], metadata: dict[st
 def empty_model(config: Any, causal: bool, dtype: torch.dtype = torch.float32,
                 model_class: str | None = None) -> nn.Module:
     """The architecture of a HuggingFace ``config`` (the transformers class named
-    ``model_class`` where it builds this config, such as a classification head; else a
-    causal-LM head or the bare model, :func:`auto_class`) with its parameters on the meta
+    ``model_class`` where it builds this config, such as a classification head; else
+    :func:`source_class`) with its parameters on the meta
     device (no memory, no initialization; loading assigns them) and its buffers (rotary
     frequencies) computed as the model computes them."""
     from accelerate import init_empty_weights
+    from transformers import PreTrainedModel
 
-    named = transformers_class(model_class, config)
+    cls = transformers_class(model_class, config) or source_class(config, causal)
+    build = cls._from_config if issubclass(cls, PreTrainedModel) else cls.from_config
     with init_empty_weights(include_buffers=False):
-        if named is not None:
-            model = named._from_config(config, dtype=dtype)
-        else:
-            model = auto_class(config, causal).from_config(config, dtype=dtype)
+        model = build(config, dtype=dtype)
     model.tie_weights()  # not all architectures tie their embeddings when built empty (Gemma 3)
     return model
 

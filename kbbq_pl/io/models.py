@@ -25,7 +25,6 @@ from .checkpoint import (
     FORMAT_TAG,
     TOKENIZER_FILES,
     CheckpointError,
-    auto_class,
     block_metadata,
     build_quantized_model,
     config_block,
@@ -33,6 +32,7 @@ from .checkpoint import (
     memory_names,
     read_metadata,
     read_tensors,
+    source_class,
 )
 from .compressed_tensors import dense_model, is_compressed_tensors_folder, read_compressed_tensors
 from .hf_quantizer import attach_quantizer
@@ -249,7 +249,7 @@ def load_model(
     else:
         config = AutoConfig.from_pretrained(folder)
         causal = is_causal_lm_config(config) if causal is None else causal
-        model = auto_class(config, causal).from_pretrained(
+        model = source_class(config, causal).from_pretrained(
             folder, dtype="auto" if dtype is None else dtype)
         model.to(device)
     model.eval()

@@ -189,12 +189,14 @@ class LayersConfig:
 
     Attributes:
         targets: module-name regular expressions of the layers to quantize (default: every
-            linear layer but the LM head, embeddings, BERT's pooler, Mamba's ``dt_proj`` and
-            sparse attention's scoring layers; see :mod:`kbbq_pl.quant.modules`).  Routers of
+            linear layer but the LM head and any other task head, embeddings, BERT's pooler,
+            Mamba's ``dt_proj`` and sparse attention's scoring layers; see
+            :mod:`kbbq_pl.quant.modules`).  Routers of
             mixture-of-experts layers and linear layers with their own forward are never
             quantized.
         ignore: module-name regular expressions of layers to leave in full precision (a
-            pattern that matches no linear layer is named in a warning).  Both also read
+            pattern that matches no linear layer is named in a warning; given, it replaces
+            the default list and the task-head rule).  Both also read
             compressed-tensors' ``re:<pattern>`` spelling.
     """
 

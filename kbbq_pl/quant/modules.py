@@ -3,8 +3,9 @@
 A *targeted linear* is an ``nn.Linear`` or a transformers ``Conv1D`` (GPT-2, whose weight is
 stored transposed, ``[in, out]``) whose qualified name matches one of the ``targets`` regular
 expressions and none of the ``ignore`` ones (``re.search``).  By default every linear layer is
-a target except the LM head, embeddings and BERT's pooler, which are not part of the
-transformer blocks (llm-compressor ignores ``lm_head`` likewise), and Mamba's time-step
+a target except the LM head (and any other task head: :func:`task_head_linears`), embeddings
+and BERT's pooler, which are not part of the transformer blocks (llm-compressor ignores
+``lm_head`` likewise), and Mamba's time-step
 projection ``dt_proj`` (Mamba, Falcon-Mamba, Jamba), whose weight the mixer reads directly
 instead of calling the layer (vLLM leaves it unquantized too).  Sparse attention's key and
 scoring layers stay in full precision too, as vLLM builds them: the lightning indexer's key
@@ -144,6 +145,16 @@ def find_linears(
             + (f" (and {len(linears) - 6} more)" if len(linears) > 6 else "")
         )
     return found
+
+
+def task_head_linears(model: nn.Module, names: Iterable[str]) -> list[str]:
+    """The names among ``names`` outside ``model``'s base model (transformers'
+    ``base_model``, the encoder or decoder a task class puts its head on): the task head, such
+    as ``classifier`` (sequence and token classification, cross-encoders), ``score`` (reward
+    models), ``qa_outputs`` or a masked-LM head, and the LM head; none for a bare model."""
+    base = getattr(model, "base_model", model)
+    prefix = next((name for name, module in model.named_modules() if module is base), "")
+    return [name for name in names if prefix and not name.startswith(f"{prefix}.")]
 
 
 def modality_encoders(model: nn.Module) -> list[str]:

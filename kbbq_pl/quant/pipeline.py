@@ -65,6 +65,7 @@ from .modules import (
     linear_weight,
     linear_weight_count,
     modality_encoders,
+    task_head_linears,
     weights_outside_linears,
 )
 from .report import QuantizationReport, chosen_lambda, layer_report, peak_memory_mb
@@ -106,6 +107,11 @@ def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[st
     unfuse_experts(model)
     modules = find_linears(model, config.layers.targets, config.layers.ignore)
     skipped: dict[str, str] = {}
+    if config.layers.ignore is None:  # the default ignore: a task head, as the LM head
+        for name in task_head_linears(model, list(modules)):
+            del modules[name]
+            skipped[name] = (f"the task head of {type(model).__name__} (outside its base "
+                             "model): kept in full precision, as the LM head")
     encoders = {encoder: f"{encoder}." for encoder in modality_encoders(model)}
     for encoder, lead in encoders.items():
         inside = [name for name in modules if name == encoder or name.startswith(lead)]

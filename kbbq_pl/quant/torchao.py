@@ -130,7 +130,10 @@ class KBBQConfig(AOBaseConfig):
 
     def filter_fn(self, module: nn.Module, fqn: str) -> bool:
         """torchao's ``filter_fn``: the ``nn.Linear`` layers ``quantize_model`` would quantize
-        (``layers`` patterns; unaligned widths unless ``format.unaligned: skip``)."""
+        (``layers`` patterns; unaligned widths unless ``format.unaligned: skip``).  It sees one
+        module and its name, not the model: a task head other than ``lm_head`` (a
+        classifier's ``classifier``, which ``quantize_model`` leaves) is selected unless
+        ``layers.ignore`` names it."""
         if not isinstance(module, nn.Linear) or isinstance(module.weight, QuantizedTensor):
             return False
         recipe = self.config

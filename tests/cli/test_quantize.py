@@ -133,6 +133,37 @@ def test_a_sentence_transformers_model_keeps_its_pooling_and_normalization(tmp_p
         assert (served / name).read_bytes() == (out / name).read_bytes(), name
 
 
+def test_an_encoder_with_a_task_head_keeps_its_head_in_full_precision(tmp_path):
+    """A cross-encoder or classifier (``BertForSequenceClassification``) is quantized whole:
+    its encoder in FP4, its ``classifier`` kept as it was (the report says why), and its folder
+    loads as that class (it used to load as a bare ``BertModel``, and the head came back
+    randomly initialized)."""
+    from transformers import AutoModelForSequenceClassification
+
+    encoder, tokenizer = load_model("minilm")
+    source, out = tmp_path / "classifier", tmp_path / "quantized"
+    head = AutoModelForSequenceClassification.from_pretrained(encoder.name_or_path, num_labels=3)
+    with torch.no_grad():
+        head.classifier.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(0))
+    head.save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    assert main(["quantize", "--model", str(source), "--output_dir", str(out),
+                 "--data.init_args.n_tokens", "512"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert "task head of BertForSequenceClassification" in report["skipped"]["classifier"]
+    assert len(report["layers"]) == 36
+    batch = tokenizer(["a short sentence to classify", "and another"], padding=True,
+                      return_tensors="pt")
+    with torch.no_grad():
+        logits = from_pretrained(out)(**batch).logits
+        for loaded in (from_pretrained(out),
+                       AutoModelForSequenceClassification.from_pretrained(out)):
+            assert type(loaded) is type(head)
+            assert torch.equal(loaded.classifier.weight, head.classifier.weight)
+            assert torch.equal(loaded(**batch).logits, logits)
+        assert torch.nn.functional.cosine_similarity(logits, head(**batch).logits).min() > 0.9
+
+
 def test_a_sentence_transformers_module_outside_the_model_folder_is_refused(tmp_path):
     from kbbq_pl.io.checkpoint import copy_sentence_transformers_files
 

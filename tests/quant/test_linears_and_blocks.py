@@ -35,6 +35,21 @@ def test_find_linears_targets_ignore_and_errors(minilm):
     assert not is_targeted("model.layers.0.mamba.dt_proj") and is_targeted("mamba.x_proj")
 
 
+def test_a_task_head_is_what_lies_outside_the_base_model(minilm):
+    from tiny_models import tiny_config
+    from transformers import LlamaForSequenceClassification, LlamaModel
+
+    from kbbq_pl.quant.modules import task_head_linears
+
+    assert task_head_linears(minilm[0], find_linears(minilm[0])) == []  # a bare encoder
+    causal = tiny_model("llama")
+    assert task_head_linears(causal, find_linears(causal, ignore=[])) == ["lm_head"]
+    reward = LlamaForSequenceClassification(tiny_config("llama", num_labels=1))
+    assert task_head_linears(reward, find_linears(reward)) == ["score"]
+    bare = LlamaModel(tiny_config("llama"))
+    assert task_head_linears(bare, find_linears(bare)) == []
+
+
 def test_llm_compressor_regex_patterns_and_an_ignore_that_matches_nothing(minilm, caplog):
     """compressed-tensors' "re:" spelling of a regular expression is read as one; an ignore
     pattern that leaves nothing out (a typo, another model's names) is named in a warning."""

@@ -33,5 +33,5 @@ def recipe_path(name: str) -> Path:
         return Path(str(files(__name__).joinpath(f"{stem}.yaml")))
     close = difflib.get_close_matches(stem, known, n=3, cutoff=0.6)
     hint = f"did you mean {' or '.join(close)}? " if close else ""
-    raise FileNotFoundError(f"--config {name}: no such file and no packaged recipe of that name; "
+    raise FileNotFoundError(f"recipe {name!r}: no such file and no packaged recipe of that name; "
                             f"{hint}`kbbq-pl recipes` lists the {len(known)} packaged recipes")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any, Literal
 
 from ..formats import Format, get_format
@@ -295,6 +296,24 @@ class QuantizationConfig:
             else:
                 out[name] = text
         return out
+
+    @classmethod
+    def from_recipe(cls, name: str | Path) -> QuantizationConfig:
+        """The recipe of a packaged recipe (``"rtn_kbbq_nvfp4_lam0.75"``; ``kbbq-pl recipes``
+        lists them) or of a recipe file as ``kbbq-pl quantize --config`` reads it: its
+        ``recipe`` block (:meth:`from_dict`).  A name that is neither is an error suggesting
+        the closest packaged names."""
+        import yaml
+
+        from kbbq_pl.recipes import recipe_path
+
+        path = Path(name) if Path(name).is_file() else recipe_path(str(name))
+        document = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        block = document.get("recipe") if isinstance(document, Mapping) else None
+        if not isinstance(block, Mapping):
+            raise ValueError(f"{path}: a recipe file holds its recipe under 'recipe:' "
+                             "(as the packaged recipes do), found none")
+        return cls.from_dict(block)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> QuantizationConfig:

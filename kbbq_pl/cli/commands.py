@@ -160,13 +160,11 @@ def _reference_model(args: argparse.Namespace) -> str:
 def _eval(args: argparse.Namespace) -> int:
     """Score a local causal LM: perplexity and KL to a reference on a text file (``ppl``,
     ``kl``), lm-eval benchmarks (the rest); write the metrics as JSON."""
-    from transformers import AutoConfig
-
     from kbbq_pl.cli.compare import FIDELITY
     from kbbq_pl.eval.evaluation import default_window
     from kbbq_pl.eval.lm_metrics import lm_metrics
     from kbbq_pl.eval.tasks import check_data, run_benchmarks
-    from kbbq_pl.io.checkpoint import is_causal_lm_config
+    from kbbq_pl.io.checkpoint import is_causal_lm_config, model_config
     from kbbq_pl.io.fileio import check_output, write_output_json
     from kbbq_pl.io.models import load_model, parse_device, resolve_model_path
     from kbbq_pl.quant.w4a4 import cache_decoded_weights
@@ -180,7 +178,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.out:
         check_output(args.out, overwrite=args.overwrite, kind="file")
     source = resolve_model_path(args.model)
-    config = AutoConfig.from_pretrained(source)
+    config = model_config(source, args.trust_remote_code)
     if config.architectures and not is_causal_lm_config(config):
         raise ValueError(
             f"{args.model} holds a {config.architectures[0]}, not a "
@@ -194,7 +192,8 @@ def _eval(args: argparse.Namespace) -> int:
     text = _scored_text(args, tasks)
     if args.out:
         check_output(args.out, overwrite=args.overwrite, sources=[source], kind="file")
-    model, tokenizer = load_model(args.model, causal=True, device=device)
+    model, tokenizer = load_model(args.model, causal=True, device=device,
+                                  trust_remote_code=args.trust_remote_code)
     if tokenizer is None:
         raise ValueError(f"{args.model}: no tokenizer in the model folder")
     start = time.perf_counter()
@@ -203,8 +202,9 @@ def _eval(args: argparse.Namespace) -> int:
         reference = None
         if "kl" in tasks:
             reference_name = _reference_model(args)
-            reference, reference_tokenizer = load_model(reference_name, causal=True,
-                                                        device=device)
+            reference, reference_tokenizer = load_model(
+                reference_name, causal=True, device=device,
+                trust_remote_code=args.trust_remote_code)
             if reference_tokenizer is not None and \
                     reference_tokenizer.get_vocab() != tokenizer.get_vocab():
                 raise ValueError(f"--tasks kl: the tokenizer of {reference_name} differs from "
@@ -402,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--model", required=True,
                           help="local HF causal-LM folder, 'smollm2', or a kbbq-pl quantized one")
+    evaluate.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true",
+                          help="run the model folder's own code (config.json's auto_map), "
+                               "as transformers' trust_remote_code=True")
     evaluate.add_argument("--tasks", default="mmlu,gsm8k,hellaswag,winogrande",
                           help="comma-separated, from ppl,kl (on --text) and "
                                "mmlu,gsm8k,hellaswag,winogrande,mbpp,arc_easy,arc_challenge,"

@@ -73,6 +73,12 @@ def _parser(prog: str) -> ArgumentParser:
                         help="a local HuggingFace model folder, or a named model: 'minilm' "
                              "(all-MiniLM-L6-v2, the [minilm] extra) or 'smollm2' "
                              "(SmolLM2-135M-Instruct, the [smollm2] extra)")
+    parser.add_argument("--trust_remote_code", "--trust-remote-code",
+                        action=ActionYesNo(no_prefix="no-"), default=False,
+                        help="run the model folder's own code (its config.json's auto_map) "
+                             "for a model transformers does not hold, as transformers' "
+                             "from_pretrained(trust_remote_code=True); the checkpoint holds "
+                             "that code")
     parser.add_subclass_arguments(
         CalibrationDataModule, "data", skip={"tokenizer"}, required=False,
         default=lazy_instance(CalibrationDataModule, source=MIXED, n_tokens=4096,
@@ -196,7 +202,7 @@ def _prepare(args, recipe: str, device: torch.device | None = None
         device = torch.device("cpu")
     source, out = _source_and_output(args, recipe)
     model, tokenizer = load_model(args.model, DTYPES.get(args.dtype), device=device,
-                                  quantized="refuse")
+                                  quantized="refuse", trust_remote_code=args.trust_remote_code)
     detach_from_files(model)
     batches = calibration_batches(args.data, model, tokenizer, device, args.model)
     return model, tokenizer, batches, source, out
@@ -320,9 +326,9 @@ def _quantize_streamed(args, parser: ArgumentParser, config, start: float,
     recipe: QuantizationConfig = args.recipe
     source, out = _source_and_output(args, recipe.label)
     refuse_quantized(args.model, quantized_folder_kind(source))
-    tokenizer = load_tokenizer(source)
+    tokenizer = load_tokenizer(source, trust_remote_code=args.trust_remote_code)
     metadata = {"config": recipe.to_dict(), "model": recorded_model(args.model)}
-    left = _left_to_eval(source, out)
+    left = _left_to_eval(source, out, args.trust_remote_code)
     tokens: dict[str, int] = {}
 
     def batches(model: nn.Module) -> list:
@@ -341,7 +347,8 @@ def _quantize_streamed(args, parser: ArgumentParser, config, start: float,
                                  tokenizer=tokenizer, recipe=metadata, extra_files=reports,
                                  overwrite=args.overwrite, collectives=launch.collectives,
                                  shard=launch.shard, dtype=DTYPES.get(args.dtype),
-                                 compute_dtype=COMPUTE_DTYPE)
+                                 compute_dtype=COMPUTE_DTYPE,
+                                 trust_remote_code=args.trust_remote_code)
     if not launch.writes:
         return 0
     print(report_markdown(report))
@@ -350,14 +357,12 @@ def _quantize_streamed(args, parser: ArgumentParser, config, start: float,
     return 0
 
 
-def _left_to_eval(source: Path, out: Path) -> str:
+def _left_to_eval(source: Path, out: Path, trust_remote_code: bool) -> str:
     """What a streamed run does not measure (the model is never whole in memory), and the
     command that measures it."""
-    from transformers import AutoConfig
+    from ..io.checkpoint import is_causal_lm_config, model_config
 
-    from ..io.checkpoint import is_causal_lm_config
-
-    if is_causal_lm_config(AutoConfig.from_pretrained(source)):
+    if is_causal_lm_config(model_config(source, trust_remote_code)):
         return (f"not measured when streaming; perplexity and KL to {source}: "
                 f"kbbq-pl eval --model {out} --tasks ppl,kl")
     return ("not measured when streaming (the embedding fidelity needs the whole model in "

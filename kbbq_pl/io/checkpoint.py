@@ -39,6 +39,7 @@ import json
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -357,10 +358,11 @@ def write_checkpoint_files(staging: Path, model: nn.Module, shards: ShardWriter,
             # as save_pretrained writes it: from_pretrained(dtype="auto") reads it here
             document["dtype"] = str(written).removeprefix("torch.")
         document["quantization_config"] = quantization_block(shards.layers, shards.tied, recipe)
-        # transformers' classes compute this checkpoint, not a source's own code (whose files
-        # the folder does not hold): the loader's entries replace its auto_map
-        document.pop("auto_map", None)
-        loader = remote_code_loader(model)
+        loader = None if is_source_code(model) else remote_code_loader(model)
+        if not is_source_code(model):
+            # transformers' classes compute this checkpoint, not a source's own code (whose
+            # files the folder does not hold): the loader's entries replace its auto_map
+            document.pop("auto_map", None)
         if loader is not None:
             document["auto_map"], source = loader
             (staging / f"{LOADER}.py").write_text(source)
@@ -447,6 +449,29 @@ def config_block(folder: str | Path) -> dict[str, Any] | None:
     return block if isinstance(block, dict) and block.get("quant_method") == QUANT_METHOD else None
 
 
+def model_config(folder: str | Path, trust_remote_code: bool = False) -> Any:
+    """The transformers config of the model folder ``folder``; for a folder of its own code
+    (``auto_map``) read without ``trust_remote_code``, an error saying how to allow it."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except ValueError as error:
+        if trust_remote_code or "trust_remote_code" not in str(error):
+            raise
+        raise ValueError(f"{folder} holds its own model code (config.json's auto_map), which "
+                         "runs only when allowed: pass --trust_remote_code (kbbq-pl "
+                         "quantize, eval), trust_remote_code=True in Python") from None
+
+
+def is_source_code(model: nn.Module) -> bool:
+    """Whether ``model``'s class is its folder's own code (loaded with
+    ``trust_remote_code=True``; not transformers' class, nor :data:`LOADER`'s): a checkpoint
+    of it holds that code and names it in ``auto_map``, as ``save_pretrained`` writes it."""
+    module = type(model).__module__
+    return module.startswith("transformers_modules.") and module.rpartition(".")[2] != LOADER
+
+
 def remote_code_loader(model: nn.Module) -> tuple[dict[str, str], str] | None:
     """What loads a checkpoint of ``model`` through transformers' ``trust_remote_code=True``
     where nothing imports kbbq-pl (``lm_eval --model hf --model_args
@@ -524,6 +549,10 @@ def write_hf_files(folder: Path, model: nn.Module, tokenizer: Any = None,
     if config is not None:
         if not getattr(config, "architectures", None):  # as PreTrainedModel.save_pretrained
             config.architectures = [type(model).__name__]
+        if is_source_code(model):  # its modeling files, as PreTrainedModel.save_pretrained
+            from transformers.dynamic_module_utils import custom_object_save
+
+            custom_object_save(model, folder, config=config)
         held = getattr(config, "dtype", None)
         if dtype is not None:
             config.dtype = dtype
@@ -662,13 +691,14 @@ def block_metadata(folder: Path, block: dict[str, Any]) -> dict[str, Any]:
     ``folder``'s ``config.json`` alone (a folder written by transformers' ``save_pretrained``
     of a model it loaded with kbbq-pl's quantizer: no ``quantization_config.json``, so no file
     sizes or SHA-256 to check)."""
-    from transformers import AutoConfig
-
     source = folder / "config.json"
     check_version(block.get("version"), source)
     if not isinstance(block.get("layers"), dict):
         raise CheckpointError(f"{source}: quantization_config has no layers")
-    config = AutoConfig.from_pretrained(folder)
+    # read as JSON: the config of a model of the folder's own code needs no code run here
+    document = json.loads(source.read_text())
+    config = SimpleNamespace(architectures=document.get("architectures"),
+                             model_type=document.get("model_type"))
     return {"format": FORMAT_TAG, "version": block["version"],
             "model_class": (config.architectures or [""])[0],
             "causal_lm": is_causal_lm_config(config), "recipe": {},
@@ -839,19 +869,22 @@ def load_tensors(model: nn.Module, tensors: dict[str, Tensor], metadata: dict[st
 
 
 def empty_model(config: Any, causal: bool, dtype: torch.dtype = torch.float32,
-                model_class: str | None = None) -> nn.Module:
+                model_class: str | None = None, trust_remote_code: bool = False) -> nn.Module:
     """The architecture of a HuggingFace ``config`` (the transformers class named
     ``model_class`` where it builds this config, such as a classification head; else
     :func:`source_class`) with its parameters on the meta
     device (no memory, no initialization; loading assigns them) and its buffers (rotary
-    frequencies) computed as the model computes them."""
+    frequencies) computed as the model computes them; ``trust_remote_code``: a config whose
+    ``auto_map`` names the folder's own classes builds them."""
     from accelerate import init_empty_weights
     from transformers import PreTrainedModel
 
     cls = transformers_class(model_class, config) or source_class(config, causal)
-    build = cls._from_config if issubclass(cls, PreTrainedModel) else cls.from_config
     with init_empty_weights(include_buffers=False):
-        model = build(config, dtype=dtype)
+        if issubclass(cls, PreTrainedModel):
+            model = cls._from_config(config, dtype=dtype)
+        else:
+            model = cls.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.tie_weights()  # not all architectures tie their embeddings when built empty (Gemma 3)
     return model
 
@@ -884,21 +917,22 @@ def missing_tensors(source: str | Path, names: list[str]) -> CheckpointError:
 
 def build_quantized_model(folder: Path, metadata: dict[str, Any], tensors: dict[str, Tensor],
                           device: str | torch.device = "cpu",
-                          dtype: torch.dtype | None = None) -> nn.Module:
+                          dtype: torch.dtype | None = None,
+                          trust_remote_code: bool = False) -> nn.Module:
     """The model of ``folder``'s ``config.json`` with the quantized layers of ``metadata`` and
     the checkpoint ``tensors`` loaded, in eval mode: built on the meta device and assigned the
     stored tensors, so no dense model is made first (memory: the quantized size), its sibling
     linears grouped (:func:`~kbbq_pl.quant.siblings.group_sibling_linears`).  ``dtype``:
     the stored floating-point tensors outside the quantized codes, scales and transforms are
     cast to the dtype the architecture gives them in ``dtype``, as transformers'
-    ``from_pretrained(dtype=...)`` does (None: as stored)."""
-    from transformers import AutoConfig
-
+    ``from_pretrained(dtype=...)`` does (None: as stored).  ``trust_remote_code``: a model
+    whose folder holds its own code (``auto_map``) is built from it, as transformers builds
+    it."""
     check_layer_tensors(metadata["layers"], tensors)
-    config = AutoConfig.from_pretrained(folder)
+    config = model_config(folder, trust_remote_code)
     declared = declared_dtype(config)
     model = empty_model(config, metadata["causal_lm"], dtype or torch.float32,
-                        metadata.get("model_class"))
+                        metadata.get("model_class"), trust_remote_code)
     if dtype is None and declared is not None:
         model.config.dtype = declared  # building set the dtype it was built in
     read_generation_config(model, folder)

@@ -30,6 +30,7 @@ from .checkpoint import (
     config_block,
     is_causal_lm_config,
     memory_names,
+    model_config,
     read_metadata,
     read_tensors,
     source_class,
@@ -117,7 +118,8 @@ def parse_device(device: str | torch.device) -> torch.device:
 
 
 def from_pretrained(folder: str | Path, device: str | torch.device = "cpu",
-                    dtype: torch.dtype | None = None) -> nn.Module:
+                    dtype: torch.dtype | None = None, *,
+                    trust_remote_code: bool = False) -> nn.Module:
     """The quantized model saved in ``folder``, in eval mode, as transformers loads it (its
     ``save_pretrained`` and ``dequantize`` work: :func:`~kbbq_pl.io.hf_quantizer.
     attach_quantizer`): a kbbq-pl checkpoint written by
@@ -126,14 +128,16 @@ def from_pretrained(folder: str | Path, device: str | torch.device = "cpu",
     :func:`kbbq_pl.io.compressed_tensors.save_compressed_tensors`), read by
     :func:`kbbq_pl.io.compressed_tensors.read_compressed_tensors`.  ``dtype``: that of the
     layers outside the quantized ones, as transformers' ``from_pretrained(dtype=...)`` gives it
-    (None: as stored); quantized layers compute from their stored codes either way."""
+    (None: as stored); quantized layers compute from their stored codes either way.
+    ``trust_remote_code``: a model of a folder's own code (``auto_map``) is built from it, as
+    in transformers."""
     folder = Path(folder)
     if not (folder / CONFIG_NAME).is_file() and is_compressed_tensors_folder(folder):
         metadata, tensors = read_compressed_tensors(folder)
     else:
         metadata = read_metadata(folder)
         tensors = memory_names(read_tensors(folder), metadata)
-    model = build_quantized_model(folder, metadata, tensors, device, dtype)
+    model = build_quantized_model(folder, metadata, tensors, device, dtype, trust_remote_code)
     attach_quantizer(model, metadata.get("recipe"))
     return model
 
@@ -221,6 +225,7 @@ def load_model(
     device: str | torch.device = "cpu",
     quantized: Literal["load", "refuse"] = "load",
     dequantize: bool = False,
+    trust_remote_code: bool = False,
 ) -> tuple[nn.Module, Any]:
     """A model on ``device`` and its tokenizer (None when the folder has none), in eval mode.
 
@@ -230,8 +235,9 @@ def load_model(
     weights (:func:`kbbq_pl.io.compressed_tensors.dense_model`, e.g. for the noise law); with
     ``quantized="refuse"`` it is a ValueError saying what it is (quantizing it again would
     round rounded weights).  ``causal=True`` asks for a causal LM (an error for a quantized
-    encoder).  ``dtype`` None keeps the dtype the weights are stored in."""
-    from transformers import AutoConfig
+    encoder).  ``dtype`` None keeps the dtype the weights are stored in.
+    ``trust_remote_code``: run the folder's own code (``auto_map``) for its config, model and
+    tokenizer, as transformers' ``from_pretrained(trust_remote_code=True)``."""
 
     folder = resolve_model_path(path)
     device = parse_device(device)
@@ -243,17 +249,18 @@ def load_model(
         if causal and metadata is not None and not metadata.get("causal_lm"):
             raise ValueError(f"{path}: a quantized {metadata.get('model_class')}, not a causal "
                              "language model")
-        model = from_pretrained(folder, device=device)
+        model = from_pretrained(folder, device=device, trust_remote_code=trust_remote_code)
         if dequantize:
             dense_model(model)
     else:
-        config = AutoConfig.from_pretrained(folder)
+        config = model_config(folder, trust_remote_code)
         causal = is_causal_lm_config(config) if causal is None else causal
         model = source_class(config, causal).from_pretrained(
-            folder, dtype="auto" if dtype is None else dtype)
+            folder, dtype="auto" if dtype is None else dtype,
+            **({"trust_remote_code": True} if trust_remote_code else {}))
         model.to(device)
     model.eval()
-    return model, load_tokenizer(folder)
+    return model, load_tokenizer(folder, trust_remote_code=trust_remote_code)
 
 
 def max_context(model: nn.Module) -> int | None:
@@ -287,7 +294,7 @@ def detach_from_files(model: nn.Module) -> None:
                 tensor.data = tensor.data.clone()
 
 
-def load_tokenizer(folder: str | Path) -> Any:
+def load_tokenizer(folder: str | Path, *, trust_remote_code: bool = False) -> Any:
     """The tokenizer saved in ``folder``, or None when it has none."""
     from transformers import AutoTokenizer
 
@@ -296,6 +303,6 @@ def load_tokenizer(folder: str | Path) -> Any:
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         return None
     try:
-        return AutoTokenizer.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError):
         return None

@@ -48,6 +48,7 @@ from .checkpoint import (
     header_tensors,
     is_causal_lm_config,
     missing_tensors,
+    model_config,
     read_generation_config,
     weight_files,
     write_checkpoint_files,
@@ -366,16 +367,15 @@ def stored_dtype(folder: str | Path, config: Any) -> torch.dtype:
 
 
 def model_skeleton(folder: str | Path, *, causal: bool | None = None,
-                   dtype: torch.dtype | None = torch.float32
+                   dtype: torch.dtype | None = torch.float32, trust_remote_code: bool = False
                    ) -> tuple[nn.Module, SafetensorsSource]:
     """The model of ``folder``'s ``config.json`` in eval mode, with the parameters of its blocks
     on the meta device (no memory) and everything else (embeddings, final norm, head, buffers)
     read from its checkpoint, in ``dtype`` (None: as stored, :func:`stored_dtype`) as
     :func:`kbbq_pl.io.models.load_model` loads it; and the checkpoint, for
-    :class:`StreamedBlocks`."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(folder)
+    :class:`StreamedBlocks`.  ``trust_remote_code``: a model of the folder's own code
+    (``auto_map``) is built from it."""
+    config = model_config(folder, trust_remote_code)
     method = quantization_method(config)
     if method is not None:
         raise CheckpointError(
@@ -383,7 +383,8 @@ def model_skeleton(folder: str | Path, *, causal: bool | None = None,
             "reads full-precision weights; quantize it in memory (--no-stream), where "
             "transformers dequantizes it, or quantize its full-precision checkpoint")
     dtype = stored_dtype(folder, config) if dtype is None else dtype
-    model = empty_model(config, is_causal_lm_config(config) if causal is None else causal, dtype)
+    model = empty_model(config, is_causal_lm_config(config) if causal is None else causal, dtype,
+                        trust_remote_code=trust_remote_code)
     read_generation_config(model, folder)
     source = SafetensorsSource(folder, model)
     blocks_name, _ = find_blocks(model)
@@ -459,6 +460,7 @@ def quantize_checkpoint(
     shard: bool = False,
     dtype: torch.dtype | None = torch.float32,
     compute_dtype: torch.dtype | None = None,
+    trust_remote_code: bool = False,
 ) -> QuantizationReport:
     """Quantize the model of ``source_dir`` with ``config`` block by block from disk into the
     checkpoint folder ``out_dir`` (module docstring); returns the report.
@@ -470,11 +472,13 @@ def quantize_checkpoint(
     :func:`~kbbq_pl.quant.pipeline.quantize_model` takes them (every rank reads the blocks,
     rank 0 alone writes).  ``dtype``: the dtype the model is held in (None: as stored),
     ``compute_dtype``: what it computes in and writes its full-precision tensors in (None: as
-    held), as ``kbbq-pl quantize`` holds and computes an in-memory model.  ``source_dir`` is
-    only read."""
+    held), as ``kbbq-pl quantize`` holds and computes an in-memory model.
+    ``trust_remote_code``: a model of the folder's own code is built from it (and the
+    checkpoint holds that code).  ``source_dir`` is only read."""
     collectives = collectives or Collectives()
     out = check_output(out_dir, overwrite=overwrite, sources=[source_dir])
-    model, source = model_skeleton(source_dir, causal=causal, dtype=dtype)
+    model, source = model_skeleton(source_dir, causal=causal, dtype=dtype,
+                                   trust_remote_code=trust_remote_code)
     log.info("%s: streaming %d MiB of weights from %s", type(model).__name__,
              source.total_bytes >> 20, source_dir)
     calibration = batches(model) if callable(batches) else list(batches)

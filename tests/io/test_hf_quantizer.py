@@ -602,6 +602,85 @@ def test_a_model_with_another_head_reloads_as_itself_and_names_no_source_code(tm
             assert torch.equal(loaded(input_ids=ids).logits, expected)
 
 
+CUSTOM_CONFIG = """from transformers import LlamaConfig
+
+
+class TinyCustomConfig(LlamaConfig):
+    model_type = "kbbq_tiny_custom"
+"""
+CUSTOM_MODELING = """from transformers import LlamaForCausalLM
+
+from .configuration_tiny_custom import TinyCustomConfig
+
+
+class TinyCustomForCausalLM(LlamaForCausalLM):
+    config_class = TinyCustomConfig
+"""
+
+
+def custom_code_folder(folder: Path) -> Path:
+    """A tiny causal LM of a model type transformers does not know, whose folder holds its
+    code (``auto_map``), as models published before transformers supports them do."""
+    from transformers import LlamaForCausalLM
+
+    folder.mkdir(parents=True)
+    (folder / "configuration_tiny_custom.py").write_text(CUSTOM_CONFIG)
+    (folder / "modeling_tiny_custom.py").write_text(CUSTOM_MODELING)
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_config("llama")).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="kbbq_tiny_custom", architectures=["TinyCustomForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_tiny_custom.TinyCustomConfig",
+                            "AutoModelForCausalLM": "modeling_tiny_custom.TinyCustomForCausalLM"})
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_model_of_its_folder_s_own_code_quantizes_saves_and_reloads_with_it(tmp_path,
+                                                                              capsys):
+    """``trust_remote_code``: quantized in Python or by ``kbbq-pl quantize
+    --trust_remote_code`` (streamed too), the checkpoint holds the source's code and names it
+    in ``auto_map`` (no kbbq-pl loader), and transformers and kbbq-pl build that code's class
+    from it with the same logits; without the flag, one line says how to allow it."""
+    from transformers import AutoModelForCausalLM
+
+    from kbbq_pl.cli.commands import main
+
+    source = custom_code_folder(tmp_path / "source")
+    model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True).eval()
+    ids = probe(256)
+    quantize_model(model, [{"input_ids": ids}], QuantizationConfig(), progress=False)
+    folder = save_quantized(model, tmp_path / "q")
+    assert json.loads((folder / "config.json").read_text())["auto_map"] == {
+        "AutoConfig": "configuration_tiny_custom.TinyCustomConfig",
+        "AutoModelForCausalLM": "modeling_tiny_custom.TinyCustomForCausalLM"}
+    assert (folder / "modeling_tiny_custom.py").read_text() == CUSTOM_MODELING
+    assert not (folder / "kbbq_pl_loader.py").exists()
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        for loaded in (kbbq_pl.from_pretrained(folder, trust_remote_code=True),
+                       causal_lm(folder, trust_remote_code=True)):
+            assert type(loaded).__name__ == "TinyCustomForCausalLM"
+            assert torch.equal(loaded(input_ids=ids).logits, expected)
+
+    quick = ["--model", str(source), "--data.init_args.source", "random",
+             "--data.init_args.n_tokens", "256", "--data.init_args.seq_len", "64"]
+    capsys.readouterr()
+    assert main(["quantize", *quick, "--output_dir", str(tmp_path / "refused")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "holds its own model code" in error
+    assert "--trust_remote_code" in error and not (tmp_path / "refused").exists()
+    outputs = {}
+    for stream in ("--no-stream", "--stream"):
+        outputs[stream] = tmp_path / stream.strip("-")
+        assert main(["quantize", *quick, "--trust-remote-code", stream,
+                     "--output_dir", str(outputs[stream])]) == 0
+    with torch.no_grad():
+        logits = [kbbq_pl.from_pretrained(out, trust_remote_code=True)(input_ids=ids).logits
+                  for out in outputs.values()]
+    assert torch.equal(*logits)
+
+
 # --- generate and pipeline ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -169,6 +169,10 @@ def test_a_packaged_recipe_or_recipe_file_by_name(tmp_path):
                        (str(recipes / "i_nvfp4.yaml"), recipes / "i_nvfp4.yaml")):
         expected = parser.instantiate(parser.parse_args(["--config", str(path)])).recipe
         assert QuantizationConfig.from_recipe(name) == expected == KBBQ(name).config
+    assert KBBQConfig("rtn_kbbq_nvfp4_lam0.5", step="prepare").config == \
+        QuantizationConfig.from_recipe("rtn_kbbq_nvfp4_lam0.5")
+    with pytest.raises(ValueError, match="KBBQConfig quantizes each layer on its own"):
+        KBBQConfig("gptq_kbbq_mxfp4", step="prepare")  # a recipe torchao's path cannot run
     assert QuantizationConfig.from_recipe("gptq_kbbq_mxfp4").weights.quantizer == "gptq"
     callback_parser = ArgumentParser(exit_on_error=False)
     callback_parser.add_class_arguments(KBBQ, "kbbq")

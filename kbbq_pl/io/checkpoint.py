@@ -269,19 +269,23 @@ def save_quantized(
 
     ``extra_files`` maps file names to text written beside (e.g. reports).  ``source_dir`` is
     the folder the model was loaded from: an output equal to it, inside it or containing it is
-    refused, and its processor files (:data:`PROCESSOR_FILES`) are copied.  An existing
-    ``out_dir`` is an error unless ``overwrite``, and even then only a folder kbbq-pl wrote is
-    replaced (:func:`kbbq_pl.io.fileio.check_output`).
+    refused, and its processor files (:data:`PROCESSOR_FILES`) and sentence-transformers
+    modules are copied (without it, those of the local folder the model's ``name_or_path``
+    names, if any).  An existing ``out_dir`` is an error unless ``overwrite``, and even then
+    only a folder kbbq-pl wrote is replaced (:func:`kbbq_pl.io.fileio.check_output`).
     """
     check_output(out_dir, overwrite=overwrite, sources=[source_dir])
     if not checkpoint_layers(model):
         raise ValueError("the model has no quantized layers to save")
+    loaded_from = getattr(model, "name_or_path", None)
+    side_files = source_dir or (loaded_from if loaded_from and Path(loaded_from).is_dir()
+                                else None)
 
     def write(staging: Path) -> None:
         shards = ShardWriter(staging)
         shards.add(checkpoint_contents(model, dtype=dtype))
         write_checkpoint_files(staging, model, shards, tokenizer=tokenizer, recipe=recipe,
-                               extra_files=extra_files, dtype=dtype, source_dir=source_dir)
+                               extra_files=extra_files, dtype=dtype, source_dir=side_files)
 
     return write_folder(out_dir, write, kind="checkpoint", overwrite=overwrite,
                         sources=[source_dir])

@@ -14,7 +14,7 @@ import yaml
 from tiny_models import tiny_model
 
 from kbbq_pl.cli.commands import main
-from kbbq_pl.io.checkpoint import CheckpointError
+from kbbq_pl.io.checkpoint import CheckpointError, save_quantized
 from kbbq_pl.io.data import token_blocks
 from kbbq_pl.io.models import from_pretrained, load_model
 from kbbq_pl.quant import (
@@ -129,8 +129,14 @@ def test_a_sentence_transformers_model_keeps_its_pooling_and_normalization(tmp_p
     pooled = (hidden * mask).sum(1) / mask.sum(1)
     torch.testing.assert_close(embeddings, torch.nn.functional.normalize(pooled, dim=-1))
     assert main(["export", "--format", "compressed-tensors", str(out), str(served)]) == 0
+    # from Python (the README's way): the modules of the folder the model was loaded from
+    model, tokenizer = load_model("minilm")
+    quantize_model(model, [tokenizer(sentences, return_tensors="pt", padding=True)],
+                   QuantizationConfig(), progress=False)
+    saved = save_quantized(model, tmp_path / "python")
     for name in ("modules.json", "sentence_bert_config.json", "1_Pooling/config.json"):
         assert (served / name).read_bytes() == (out / name).read_bytes(), name
+        assert (saved / name).read_bytes() == (out / name).read_bytes(), name
 
 
 def test_an_encoder_with_a_task_head_keeps_its_head_in_full_precision(tmp_path):

@@ -69,6 +69,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="decode with a static KV cache, whose steps transformers compiles "
                              "on a GPU (torch.compile with CUDA graphs: faster tokens after a "
                              "slower first answer); on the CPU only the static cache")
+    parser.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true",
+                        help="run the model folder's own code (config.json's auto_map), as "
+                             "transformers' trust_remote_code=True")
     parser.add_argument("--no-weight-cache", action="store_true",
                         help="on the CPU, decode each quantized weight in every call instead of "
                              "keeping its decoded FP32 copy (4 bytes per weight; about twice "
@@ -88,13 +91,12 @@ def weight_cache(device: torch.device, disabled: bool) -> contextlib.AbstractCon
 # ---------------------------------------------------------------------- checks
 
 
-def chat_model_folder(path: str | Path) -> tuple[Path, str]:
+def chat_model_folder(path: str | Path, trust_remote_code: bool = False) -> tuple[Path, str]:
     """The folder of a causal LM with a tokenizer that transformers can load once kbbq-pl is
-    imported, and what it holds in words; a one-line error otherwise (FileNotFoundError for a
-    missing folder, ValueError for the rest)."""
-    from transformers import AutoConfig
-
-    from ..io.checkpoint import is_causal_lm_config
+    imported (``trust_remote_code``: running the folder's own code), and what it holds in
+    words; a one-line error otherwise (FileNotFoundError for a missing folder, ValueError for
+    the rest)."""
+    from ..io.checkpoint import is_causal_lm_config, model_config
     from ..io.models import (
         load_tokenizer,
         quantized_checkpoint,
@@ -110,12 +112,12 @@ def chat_model_folder(path: str | Path) -> tuple[Path, str]:
             f"{path} is a kbbq-pl checkpoint of format {metadata.get('version', 1)}, which "
             "transformers cannot load; convert it once with: python -c \"import kbbq_pl; "
             f"kbbq_pl.upgrade_checkpoint('{path}', 'NEW_FOLDER')\"")
-    config = AutoConfig.from_pretrained(folder)
+    config = model_config(folder, trust_remote_code)
     if not is_causal_lm_config(config):
         name = (config.architectures or [config.model_type])[0]
         raise ValueError(f"{path} holds a {name}, not a causal language model: there is "
                          "nothing to chat with")
-    if load_tokenizer(folder) is None:
+    if load_tokenizer(folder, trust_remote_code=trust_remote_code) is None:
         raise ValueError(f"{path} has no tokenizer: save the model's tokenizer into it")
     return folder, kind or "full precision"
 
@@ -130,18 +132,17 @@ def model_device(device: str | None) -> torch.device:
     return parse_device(device)
 
 
-def folder_dtype(folder: Path, kind: str, dtype: torch.dtype | str) -> torch.dtype | str:
+def folder_dtype(folder: Path, kind: str, dtype: torch.dtype | str,
+                 trust_remote_code: bool = False) -> torch.dtype | str:
     """The dtype to load ``folder`` in for ``--dtype`` (:func:`model_dtype`): ``auto`` loads a
     compressed-tensors folder that declares float32 (a float32 kbbq-pl folder exported) in
     bfloat16, as vLLM does, since transformers decompresses its FP4 layers to bfloat16 beside
     float32 ones, which cannot multiply."""
-    from transformers import AutoConfig
-
-    from ..io.checkpoint import declared_dtype
+    from ..io.checkpoint import declared_dtype, model_config
     from ..io.models import COMPRESSED_TENSORS_KIND
 
     if dtype == "auto" and kind == COMPRESSED_TENSORS_KIND and declared_dtype(
-            AutoConfig.from_pretrained(folder)) == torch.float32:
+            model_config(folder, trust_remote_code)) == torch.float32:
         return torch.bfloat16
     return dtype
 
@@ -169,10 +170,10 @@ def check_port(host: str, port: int) -> None:
                                        "pass another --port") from None
 
 
-def _has_chat_template(folder: Path) -> bool:
+def _has_chat_template(folder: Path, trust_remote_code: bool) -> bool:
     from ..io.models import load_tokenizer
 
-    tokenizer = load_tokenizer(folder)
+    tokenizer = load_tokenizer(folder, trust_remote_code=trust_remote_code)
     return bool(tokenizer is not None and tokenizer.chat_template)
 
 
@@ -198,9 +199,9 @@ def _stop(signum: int, frame: Any) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     """``kbbq-pl serve``: transformers' server pinned to the model of ``args.folder``."""
     _require_serving()
-    folder, kind = chat_model_folder(args.folder)
+    folder, kind = chat_model_folder(args.folder, args.trust_remote_code)
     device = model_device(args.device)
-    dtype = folder_dtype(folder, kind, model_dtype(args.dtype))
+    dtype = folder_dtype(folder, kind, model_dtype(args.dtype), args.trust_remote_code)
     check_port(args.host, args.port)
     from transformers.cli.serve import Serve
 
@@ -208,7 +209,7 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"kbbq-pl serve: loading {name} ({kind}) on {device}; then serving it at "
           f"http://{args.host}:{args.port}/v1 as model {name!r} (/v1/chat/completions, "
           "/v1/completions, /v1/models, /health); stop with SIGTERM or Ctrl-C", flush=True)
-    if not _has_chat_template(folder):
+    if not _has_chat_template(folder, args.trust_remote_code):
         print(f"kbbq-pl serve: warning: the tokenizer of {name} has no chat template: "
               "/v1/chat/completions will fail, /v1/completions works", file=sys.stderr,
               flush=True)
@@ -219,7 +220,7 @@ def run_serve(args: argparse.Namespace) -> int:
         # KeyboardInterrupt
         with weight_cache(device, args.no_weight_cache):
             Serve(force_model=name, host=args.host, port=args.port, device=str(device),
-                  compile=args.compile,
+                  compile=args.compile, trust_remote_code=args.trust_remote_code,
                   dtype=dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
                   log_level=args.log_level)
     except (_Stop, KeyboardInterrupt):
@@ -233,18 +234,20 @@ def run_serve(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- chat
 
 
-def load_chat_model(folder: Path, device: torch.device, dtype: torch.dtype | str
-                    ) -> tuple[Any, Any]:
+def load_chat_model(folder: Path, device: torch.device, dtype: torch.dtype | str,
+                    trust_remote_code: bool = False) -> tuple[Any, Any]:
     """The causal LM of ``folder`` through transformers' ``from_pretrained`` (kbbq-pl's
     quantizer is registered when :mod:`kbbq_pl` is imported) on ``device``, in eval mode, and
-    its tokenizer."""
-    from transformers import AutoConfig, AutoTokenizer
+    its tokenizer (``trust_remote_code``: running the folder's own code)."""
+    from transformers import AutoTokenizer
 
-    from ..io.checkpoint import auto_class
+    from ..io.checkpoint import auto_class, model_config
 
-    loader = auto_class(AutoConfig.from_pretrained(folder), causal=True)
-    model = loader.from_pretrained(folder, dtype=dtype, device_map=str(device))
-    return model.eval(), AutoTokenizer.from_pretrained(folder)
+    loader = auto_class(model_config(folder, trust_remote_code), causal=True)
+    model = loader.from_pretrained(folder, dtype=dtype, device_map=str(device),
+                                   trust_remote_code=trust_remote_code)
+    return model.eval(), AutoTokenizer.from_pretrained(folder,
+                                                       trust_remote_code=trust_remote_code)
 
 
 def chat_inputs(tokenizer: Any, messages: list[dict[str, str]]) -> dict[str, torch.Tensor]:
@@ -279,11 +282,11 @@ def run_chat(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    folder, kind = chat_model_folder(args.folder)
+    folder, kind = chat_model_folder(args.folder, args.trust_remote_code)
     device = model_device(args.device)
-    dtype = folder_dtype(folder, kind, model_dtype(args.dtype))
+    dtype = folder_dtype(folder, kind, model_dtype(args.dtype), args.trust_remote_code)
     with _quiet_progress():
-        model, tokenizer = load_chat_model(folder, device, dtype)
+        model, tokenizer = load_chat_model(folder, device, dtype, args.trust_remote_code)
     print(f"kbbq-pl chat: {folder} ({kind}) on {device}", file=sys.stderr, flush=True)
     if not tokenizer.chat_template:
         print("kbbq-pl chat: the tokenizer has no chat template: each message is continued as "

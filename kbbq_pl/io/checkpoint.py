@@ -465,7 +465,8 @@ def model_config(folder: str | Path, trust_remote_code: bool = False) -> Any:
             raise
         raise ValueError(f"{folder} holds its own model code (config.json's auto_map), which "
                          "runs only when allowed: pass --trust_remote_code (kbbq-pl "
-                         "quantize, eval), trust_remote_code=True in Python") from None
+                         "quantize, eval, chat, serve), trust_remote_code=True in "
+                         "Python") from None
 
 
 def is_source_code(model: nn.Module) -> bool:

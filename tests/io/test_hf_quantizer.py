@@ -618,16 +618,18 @@ class TinyCustomForCausalLM(LlamaForCausalLM):
 """
 
 
-def custom_code_folder(folder: Path) -> Path:
+def custom_code_folder(folder: Path, tokenizer_folder: Path) -> Path:
     """A tiny causal LM of a model type transformers does not know, whose folder holds its
-    code (``auto_map``), as models published before transformers supports them do."""
-    from transformers import LlamaForCausalLM
+    code (``auto_map``), as models published before transformers supports them do (with the
+    tokenizer of ``tokenizer_folder``)."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
 
     folder.mkdir(parents=True)
+    AutoTokenizer.from_pretrained(tokenizer_folder).save_pretrained(folder)
     (folder / "configuration_tiny_custom.py").write_text(CUSTOM_CONFIG)
     (folder / "modeling_tiny_custom.py").write_text(CUSTOM_MODELING)
     torch.manual_seed(0)
-    LlamaForCausalLM(tiny_config("llama")).save_pretrained(folder)
+    LlamaForCausalLM(tiny_config("llama", vocab_size=512)).save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
     config.update(model_type="kbbq_tiny_custom", architectures=["TinyCustomForCausalLM"],
                   auto_map={"AutoConfig": "configuration_tiny_custom.TinyCustomConfig",
@@ -636,19 +638,20 @@ def custom_code_folder(folder: Path) -> Path:
     return folder
 
 
-def test_a_model_of_its_folder_s_own_code_quantizes_saves_and_reloads_with_it(tmp_path,
-                                                                              capsys):
+def test_a_model_of_its_folder_s_own_code_quantizes_saves_and_reloads_with_it(
+        tmp_path, capsys, tiny_chat_folder):
     """``trust_remote_code``: quantized in Python or by ``kbbq-pl quantize
     --trust_remote_code`` (streamed too), the checkpoint holds the source's code and names it
     in ``auto_map`` (no kbbq-pl loader), and transformers and kbbq-pl build that code's class
-    from it with the same logits; without the flag, one line says how to allow it."""
+    from it with the same logits; ``kbbq-pl chat`` answers from it; without the flag, one line
+    says how to allow it."""
     from transformers import AutoModelForCausalLM
 
     from kbbq_pl.cli.commands import main
 
-    source = custom_code_folder(tmp_path / "source")
+    source = custom_code_folder(tmp_path / "source", tiny_chat_folder)
     model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True).eval()
-    ids = probe(256)
+    ids = probe()
     quantize_model(model, [{"input_ids": ids}], QuantizationConfig(), progress=False)
     folder = save_quantized(model, tmp_path / "q")
     assert json.loads((folder / "config.json").read_text())["auto_map"] == {
@@ -679,6 +682,10 @@ def test_a_model_of_its_folder_s_own_code_quantizes_saves_and_reloads_with_it(tm
         logits = [kbbq_pl.from_pretrained(out, trust_remote_code=True)(input_ids=ids).logits
                   for out in outputs.values()]
     assert torch.equal(*logits)
+    chat = ["chat", str(outputs["--no-stream"]), "--prompt", "Hello", "--max-new-tokens", "4"]
+    capsys.readouterr()
+    assert main(chat) == 2 and "--trust_remote_code" in capsys.readouterr().err
+    assert main([*chat, "--trust-remote-code"]) == 0 and capsys.readouterr().out.strip()
 
 
 # --- generate and pipeline ----------------------------------------------------------------

@@ -7,10 +7,12 @@ exit code 2 (1 for an unexpected exception); ``--debug`` shows the traceback ins
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -174,22 +176,28 @@ def _eval(args: argparse.Namespace) -> int:
     benchmarks = [t for t in tasks if t not in LM_METRICS]
     if args.fewshot_as_multiturn and not args.apply_chat_template:
         raise ValueError("--fewshot-as-multiturn true needs --apply-chat-template")
+    def require_causal(architectures: list[str] | None) -> None:
+        config = SimpleNamespace(architectures=architectures, model_type=None)
+        if architectures and not is_causal_lm_config(config):
+            raise ValueError(
+                f"{args.model} holds a {architectures[0]}, not a causal language model: eval "
+                "scores next tokens (ppl, kl, benchmarks); a sentence encoder's fidelity (mean "
+                "cosine of its embeddings to the source's) is in the report.json kbbq-pl "
+                f"quantize wrote, and kbbq-pl compare --model SOURCE --tasks {FIDELITY} "
+                "measures it for every method")
+
     # every path is checked before a model is loaded or lm-eval imported: the output first
     if args.out:
         check_output(args.out, overwrite=args.overwrite, kind="file")
-    source = resolve_model_path(args.model)
-    config = model_config(source, args.trust_remote_code)
-    if config.architectures and not is_causal_lm_config(config):
-        raise ValueError(
-            f"{args.model} holds a {config.architectures[0]}, not a "
-            "causal language model: eval scores next tokens (ppl, kl, benchmarks); a sentence "
-            "encoder's fidelity (mean cosine of its embeddings to the source's) is in the "
-            "report.json kbbq-pl quantize wrote, and kbbq-pl compare --model SOURCE --tasks "
-            f"{FIDELITY} measures it for every method")
+    local = Path(args.model) / "config.json"  # a local folder's kind, read as JSON, comes first
+    if local.is_file():
+        require_causal(json.loads(local.read_text()).get("architectures"))
     check_data(benchmarks, args.data_dir,
                args.mmlu_subjects.split(",") if args.mmlu_subjects else None,
                option="--data-dir")
     text = _scored_text(args, tasks)
+    source = resolve_model_path(args.model)  # a named model may be converted (SmolLM2)
+    require_causal(model_config(source, args.trust_remote_code).architectures)
     if args.out:
         check_output(args.out, overwrite=args.overwrite, sources=[source], kind="file")
     model, tokenizer = load_model(args.model, causal=True, device=device,

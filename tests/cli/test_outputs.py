@@ -391,9 +391,12 @@ def test_bad_arguments_and_internal_errors_are_one_line(capsys, monkeypatch):
     assert "'tpu' is not a device: use cpu, cuda or cuda:N" in one_line_error(capsys, "eval")
     assert main(["eval", "--model", "minilm", "--device", "mps"]) == 2
     assert "kbbq-pl runs on cpu or cuda" in one_line_error(capsys, "eval")
-    assert main(["eval", "--model", "minilm"]) == 2  # an encoder, before the data are checked
-    assert ("minilm holds a BertModel, not a causal language model" in
+    encoder = str(load_model("minilm")[0].name_or_path)  # a local folder: before the data
+    assert main(["eval", "--model", encoder]) == 2
+    assert ("holds a BertModel, not a causal language model" in
             (error := one_line_error(capsys, "eval")) and "--tasks fidelity" in error)
+    assert main(["eval", "--model", "minilm", "--tasks", "ppl"]) == 2  # a name: once resolved
+    assert "minilm holds a BertModel" in one_line_error(capsys, "eval")
 
     import kbbq_pl.cli.commands as cli
 

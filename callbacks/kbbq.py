@@ -164,12 +164,11 @@ class KBBQ(Callback):
             - class_path: kbbq_pl.callbacks.KBBQ
               init_args:
                 config: {format: {name: nvfp4}, transform: {name: kbbq, lam: 0.75}}
-                # or a packaged recipe: config: gptq_kbbq_nvfp4
 
     Args:
         config: the recipe (:class:`~kbbq_pl.quant.config.QuantizationConfig`, whose groups
-            describe each field), or a packaged recipe's name or a recipe file
-            (:meth:`~kbbq_pl.quant.config.QuantizationConfig.from_recipe`); default: RTN-KBBQ
+            describe each field; a packaged one or a recipe file:
+            :meth:`~kbbq_pl.quant.config.QuantizationConfig.from_recipe`); default: RTN-KBBQ
             NVFP4, lambda 0.75.
         calibration: calibration batches (a dataloader, a ``CalibrationDataModule`` or a list of
             dicts); default: the trainer's datamodule.
@@ -188,7 +187,7 @@ class KBBQ(Callback):
 
     def __init__(
         self,
-        config: QuantizationConfig | str = DEFAULT_RECIPE,
+        config: QuantizationConfig = DEFAULT_RECIPE,
         *,
         calibration: Any = None,
         model_attr: str | None = "model",
@@ -196,11 +195,9 @@ class KBBQ(Callback):
         trainable: bool | None = None,
         offload: bool = False,
     ) -> None:
-        if isinstance(config, str):
-            config = QuantizationConfig.from_recipe(config)
         if not isinstance(config, QuantizationConfig):
-            raise TypeError(f"KBBQ takes a QuantizationConfig (the recipe) or a recipe's name "
-                            f"or file, got {config!r}")
+            raise TypeError(f"KBBQ takes a QuantizationConfig (the recipe; a packaged one: "
+                            f"QuantizationConfig.from_recipe(NAME)), got {config!r}")
         self.config = config
         self.calibration = calibration
         self.model_attr = model_attr

@@ -79,8 +79,8 @@ class KBBQConfig(AOBaseConfig):
     """A KBBQ-family W4A4 recipe for ``torchao.quantization.quantize_`` (module docstring).
 
     Args:
-        config: the recipe, a :class:`~kbbq_pl.quant.config.QuantizationConfig` or a packaged
-            recipe's name or a recipe file (:meth:`~kbbq_pl.quant.config.QuantizationConfig.
+        config: the recipe, a :class:`~kbbq_pl.quant.config.QuantizationConfig` (a packaged
+            one or a recipe file: :meth:`~kbbq_pl.quant.config.QuantizationConfig.
             from_recipe`; default: the default recipe).  torchao quantizes each layer on its
             own with RTN and a fixed lambda: GPTQ, ``transform.lam: auto``,
             ``weights.scale_search: mse``, ``weights.propagate: quantized`` and
@@ -92,7 +92,7 @@ class KBBQConfig(AOBaseConfig):
         step: ``prepare`` (attach observers) or ``convert`` (fit and quantize); keyword-only.
     """
 
-    config: QuantizationConfig | str = field(default_factory=QuantizationConfig)
+    config: QuantizationConfig = field(default_factory=QuantizationConfig)
     step: QuantizationStep | str = field(kw_only=True)
     # the layers filter_fn selected, by name (and their names by id), and the NVFP4
     # per-tensor scales their fused siblings share (_fused_global_scale)
@@ -109,11 +109,9 @@ class KBBQConfig(AOBaseConfig):
                              "(a saved state dict loads with model.load_state_dict(state, "
                              "assign=True))")
         self.step = QuantizationStep(step.lower())
-        if isinstance(self.config, str):
-            self.config = QuantizationConfig.from_recipe(self.config)
         if not isinstance(self.config, QuantizationConfig):
-            raise TypeError(f"KBBQConfig takes a QuantizationConfig or a recipe's name or "
-                            f"file, got {self.config!r}")
+            raise TypeError(f"KBBQConfig takes a QuantizationConfig (a packaged one: "
+                            f"QuantizationConfig.from_recipe(NAME)), got {self.config!r}")
         recipe = self.config
         if recipe.auto:
             raise ValueError("lam='auto' selects each layer's brake on held-out calibration "

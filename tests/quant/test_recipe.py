@@ -159,30 +159,24 @@ def test_defaults_and_python_spelling():
 
 
 def test_a_packaged_recipe_or_recipe_file_by_name(tmp_path):
-    """``QuantizationConfig.from_recipe`` reads what ``kbbq-pl quantize --config`` reads; the
-    ``KBBQ`` callback takes a recipe's name in Python and as LightningCLI builds it from its
-    signature (``config: rtn_kbbq_mxfp4_lam0.25`` in the trainer's YAML)."""
+    """``QuantizationConfig.from_recipe`` reads what ``kbbq-pl quantize --config`` reads (a
+    packaged recipe's name or a recipe file), for the ``KBBQ`` callback and torchao's
+    ``KBBQConfig`` in Python."""
     parser = _parser("kbbq-pl quantize")
     recipes = ROOT / "recipes"
     for name, path in (("gptq_kbbq_mxfp4", recipes / "gptq_kbbq_mxfp4.yaml"),
                        ("rtn_kbbq_nvfp4_lam0.5.yaml", recipes / "rtn_kbbq_nvfp4_lam0.5.yaml"),
                        (str(recipes / "i_nvfp4.yaml"), recipes / "i_nvfp4.yaml")):
         expected = parser.instantiate(parser.parse_args(["--config", str(path)])).recipe
-        assert QuantizationConfig.from_recipe(name) == expected == KBBQ(name).config
-    assert KBBQConfig("rtn_kbbq_nvfp4_lam0.5", step="prepare").config == \
-        QuantizationConfig.from_recipe("rtn_kbbq_nvfp4_lam0.5")
-    with pytest.raises(ValueError, match="KBBQConfig quantizes each layer on its own"):
-        KBBQConfig("gptq_kbbq_mxfp4", step="prepare")  # a recipe torchao's path cannot run
-    assert QuantizationConfig.from_recipe("gptq_kbbq_mxfp4").weights.quantizer == "gptq"
-    callback_parser = ArgumentParser(exit_on_error=False)
-    callback_parser.add_class_arguments(KBBQ, "kbbq")
-    built = callback_parser.instantiate(callback_parser.parse_args(
-        ["--kbbq.config", "rtn_kbbq_mxfp4_lam0.25"])).kbbq
-    assert built.config == QuantizationConfig.from_recipe("rtn_kbbq_mxfp4_lam0.25")
-    assert (built.config.format.name, built.config.transform.lam) == ("mxfp4", 0.25)
+        assert QuantizationConfig.from_recipe(name) == expected
+    recipe = QuantizationConfig.from_recipe("rtn_kbbq_mxfp4_lam0.25")
+    assert (recipe.format.name, recipe.transform.lam) == ("mxfp4", 0.25)
+    assert KBBQ(recipe).config == KBBQConfig(recipe, step="prepare").config == recipe
+    with pytest.raises(TypeError, match=r"QuantizationConfig.from_recipe\(NAME\)"):
+        KBBQ("rtn_kbbq_mxfp4_lam0.25")  # type: ignore[arg-type]
     with pytest.raises(FileNotFoundError, match=r"recipe 'rtn_kbbq_nvfp4_lam0.57': no such "
                                                 r"file .* did you mean .*rtn_kbbq_nvfp4_lam0.75"):
-        KBBQ("rtn_kbbq_nvfp4_lam0.57")
+        QuantizationConfig.from_recipe("rtn_kbbq_nvfp4_lam0.57")
     no_recipe = tmp_path / "model_only.yaml"
     no_recipe.write_text("model: minilm\n")
     with pytest.raises(ValueError, match="holds its recipe under 'recipe:'"):

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import torch
 
 from kbbq_pl.cli.serve import add_parsers as add_serve_parsers
+from kbbq_pl.cli.serve import add_trust_remote_code
 from kbbq_pl.io.fileio import written_summary
 
 
@@ -279,7 +280,7 @@ def _compare(args: argparse.Namespace) -> int:
                                                  ("text_key", args.calibration_text_key))
                    if value is not None}
     tasks = ([t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks
-             else default_tasks(args.model))
+             else default_tasks(args.model, args.trust_remote_code))
     lams = [float(lam) for lam in args.lams.split(",") if lam.strip()] if args.lams else []
     # every path is checked before a model is loaded or lm-eval imported
     check_data([t for t in tasks if t not in (*LM_METRICS, FIDELITY)], args.data_dir,
@@ -291,6 +292,7 @@ def _compare(args: argparse.Namespace) -> int:
         data_dir=args.data_dir, calibration=calibration, lams=lams, batch_size=args.batch_size,
         cache_dir=args.cache_dir, device=args.device, resume=args.resume,
         overwrite=args.overwrite, progress=not args.no_progress, save_closest=args.save_closest,
+        trust_remote_code=args.trust_remote_code,
     )
     print((out / "compare.md").read_text(encoding="utf-8"))
     print(written_summary(out))
@@ -307,6 +309,7 @@ def _law(args: argparse.Namespace) -> int:
         seq_len=args.seq_len, rows=args.rows, seed=args.seed, batch_size=args.batch_size,
         block_size=args.block_size, targets=args.targets, ignore=args.ignore,
         progress=not args.no_progress, overwrite=args.overwrite, device=args.device,
+        trust_remote_code=args.trust_remote_code,
     )
     print(f"{'format':<12}{'records':>8}{'slope/dec':>10}{'intercept':>10}{'median r':>9}"
           f"{'RMS r':>7}{'C_fmt':>7}")
@@ -410,9 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--model", required=True,
                           help="local HF causal-LM folder, 'smollm2', or a kbbq-pl quantized one")
-    evaluate.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true",
-                          help="run the model folder's own code (config.json's auto_map), "
-                               "as transformers' trust_remote_code=True")
+    add_trust_remote_code(evaluate)
     evaluate.add_argument("--tasks", default="mmlu,gsm8k,hellaswag,winogrande",
                           help="comma-separated, from ppl,kl (on --text) and "
                                "mmlu,gsm8k,hellaswag,winogrande,mbpp,arc_easy,arc_challenge,"
@@ -454,6 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "closest model (--save-closest)")
     compare.add_argument("--model", required=True,
                          help="local full-precision model folder, 'minilm' or 'smollm2'")
+    add_trust_remote_code(compare)
     compare.add_argument("--recipes", default="",
                          help="comma-separated packaged recipe names or YAML files (default: "
                               "the paper's nine methods in each of --formats)")
@@ -499,6 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     law.add_argument("--model", required=True,
                      help="local model folder (full precision or kbbq-pl quantized), or a "
                           "named model: 'minilm' or 'smollm2'")
+    add_trust_remote_code(law)
     law.add_argument("--data", required=True,
                      help="calibration text: a .txt/.jsonl file, hf:<dataset>, or 'random' "
                           "(the paper's random-token corpus)")

@@ -52,14 +52,12 @@ FIDELITY = "fidelity"
 FP_ROW = "fp"
 
 
-def default_tasks(model_name: str) -> list[str]:
+def default_tasks(model_name: str, trust_remote_code: bool = False) -> list[str]:
     """``ppl,kl`` for a causal LM, ``fidelity`` for any other model (an encoder)."""
-    from transformers import AutoConfig
-
-    from ..io.checkpoint import is_causal_lm_config
+    from ..io.checkpoint import is_causal_lm_config, model_config
     from ..io.models import resolve_model_path
 
-    config = AutoConfig.from_pretrained(resolve_model_path(model_name))
+    config = model_config(resolve_model_path(model_name), trust_remote_code)
     return list(LM_TASKS) if is_causal_lm_config(config) else [FIDELITY]
 
 
@@ -243,15 +241,15 @@ def run_compare(
     calibration: dict[str, Any] | None = None, lams: Sequence[float] = (),
     batch_size: int = 4, cache_dir: str | Path | None = None, device: str = "cpu",
     resume: bool = False, overwrite: bool = False, progress: bool = True,
-    save_closest: str | Path | None = None,
+    save_closest: str | Path | None = None, trust_remote_code: bool = False,
 ) -> tuple[Path, list[dict[str, Any]]]:
     """Quantize ``model_name`` with every recipe (with ``lams``, every fixed-lambda KBBQ recipe
     once per lambda), score each (and the FP model), and write the table; with
     ``save_closest``, write the model closest to full precision there; see the module
     documentation.  ``tasks`` default to :func:`default_tasks`; ``text`` to
     :func:`kbbq_pl.eval.lm_metrics.default_text` of ``data_dir``; it, the benchmark data and the
-    output folders are checked before anything is loaded.  Returns the output folder and the
-    rows."""
+    output folders are checked before anything is loaded; ``trust_remote_code`` runs a folder's
+    own model code.  Returns the output folder and the rows."""
     from tqdm.auto import tqdm
 
     from ..eval.evaluation import default_window
@@ -263,7 +261,7 @@ def run_compare(
     from .quantize import calibration_batches, settle_data
 
     device_ = parse_device(device)
-    tasks = list(tasks) if tasks else default_tasks(model_name)
+    tasks = list(tasks) if tasks else default_tasks(model_name, trust_remote_code)
     text = default_text(data_dir) if text is None else Path(text)
     if any(t in LM_TASKS for t in tasks) and not text.is_file():
         raise FileNotFoundError(f"--tasks ppl/kl score the text file {text}, which does not "
@@ -287,7 +285,8 @@ def run_compare(
         save_closest, overwrite=overwrite, sources=[source])
     out = open_resumable_folder(output_dir, kind="compare", resume=resume, overwrite=overwrite,
                                 sources=[source])
-    model, tokenizer = load_model(model_name, device=device_, quantized="refuse")
+    model, tokenizer = load_model(model_name, device=device_, quantized="refuse",
+                                  trust_remote_code=trust_remote_code)
     scores_tokens = bool(benchmarks) or any(t in LM_TASKS for t in tasks)
     if scores_tokens and not is_causal_model(model):
         raise ValueError(f"{model_name} is not a causal language model: ppl, kl and the "

@@ -58,6 +58,13 @@ def add_parsers(sub: Any) -> None:
     chat.set_defaults(run=run_chat)
 
 
+def add_trust_remote_code(parser: argparse.ArgumentParser) -> None:
+    """``--trust_remote_code`` (``--trust-remote-code``) of every command that loads a model."""
+    parser.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true",
+                        help="run the model folder's own code (config.json's auto_map), as "
+                             "transformers' trust_remote_code=True")
+
+
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None,
                         help="cpu, cuda or cuda:N (default: cuda when there is one, else cpu)")
@@ -69,9 +76,7 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="decode with a static KV cache, whose steps transformers compiles "
                              "on a GPU (torch.compile with CUDA graphs: faster tokens after a "
                              "slower first answer); on the CPU only the static cache")
-    parser.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true",
-                        help="run the model folder's own code (config.json's auto_map), as "
-                             "transformers' trust_remote_code=True")
+    add_trust_remote_code(parser)
     parser.add_argument("--no-weight-cache", action="store_true",
                         help="on the CPU, decode each quantized weight in every call instead of "
                              "keeping its decoded FP32 copy (4 bytes per weight; about twice "

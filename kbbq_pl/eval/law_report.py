@@ -402,13 +402,14 @@ def run_law(
     progress: bool = True,
     overwrite: bool = False,
     device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
 ) -> tuple[dict[str, Path], dict[str, Any]]:
     """Load ``model`` (a local folder or ``"minilm"``), cut ``tokens`` calibration tokens from
     ``data`` (a .txt/.jsonl file, ``hf:<dataset>`` or ``random``), measure the law and write the
     report into the folder ``out`` (checked first: :func:`kbbq_pl.io.fileio.check_output`).  The
     model runs on ``device``.  A quantized folder (kbbq-pl's or compressed-tensors') is measured
-    with its dequantized weights as the full-precision operands.  Returns the paths and the
-    summary."""
+    with its dequantized weights as the full-precision operands; ``trust_remote_code`` runs a
+    folder's own model code.  Returns the paths and the summary."""
     from ..io.data import token_blocks
     from ..io.models import check_context, load_model, parse_device, resolve_model_path
 
@@ -423,7 +424,8 @@ def run_law(
     sources = [resolve_model_path(model)]
     check_output(out, overwrite=overwrite, sources=sources)
     # a quantized folder (kbbq-pl's or compressed-tensors'): the law of its dequantized weights
-    loaded, tokenizer = load_model(model, device=device, dequantize=True)
+    loaded, tokenizer = load_model(model, device=device, dequantize=True,
+                                   trust_remote_code=trust_remote_code)
     check_context(loaded, seq_len, "a --seq-len")
     vocab = getattr(loaded.config.get_text_config(), "vocab_size", None)
     ids = token_blocks(data, tokenizer, n_tokens=tokens, seq_len=seq_len, seed=seed,

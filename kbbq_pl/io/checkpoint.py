@@ -464,9 +464,8 @@ def model_config(folder: str | Path, trust_remote_code: bool = False) -> Any:
         if trust_remote_code or "trust_remote_code" not in str(error):
             raise
         raise ValueError(f"{folder} holds its own model code (config.json's auto_map), which "
-                         "runs only when allowed: pass --trust_remote_code (kbbq-pl "
-                         "quantize, eval, chat, serve), trust_remote_code=True in "
-                         "Python") from None
+                         "runs only when allowed: pass --trust_remote_code (kbbq-pl), "
+                         "trust_remote_code=True (Python)") from None
 
 
 def is_source_code(model: nn.Module) -> bool:

@@ -643,8 +643,8 @@ def test_a_model_of_its_folder_s_own_code_quantizes_saves_and_reloads_with_it(
     """``trust_remote_code``: quantized in Python or by ``kbbq-pl quantize
     --trust_remote_code`` (streamed too), the checkpoint holds the source's code and names it
     in ``auto_map`` (no kbbq-pl loader), and transformers and kbbq-pl build that code's class
-    from it with the same logits; ``kbbq-pl chat`` answers from it; without the flag, one line
-    says how to allow it."""
+    from it with the same logits; ``kbbq-pl chat``, ``compare`` and ``law`` run it; without the
+    flag, one line says how to allow it."""
     from transformers import AutoModelForCausalLM
 
     from kbbq_pl.cli.commands import main
@@ -686,6 +686,14 @@ def test_a_model_of_its_folder_s_own_code_quantizes_saves_and_reloads_with_it(
     capsys.readouterr()
     assert main(chat) == 2 and "--trust_remote_code" in capsys.readouterr().err
     assert main([*chat, "--trust-remote-code"]) == 0 and capsys.readouterr().out.strip()
+    compare = ["compare", "--model", str(source), "--recipes", "i_nvfp4", "--tasks", "fidelity",
+               "--calibration-source", "random", "--calibration-tokens", "128", "--no-progress",
+               "--trust-remote-code", "--output_dir", str(tmp_path / "compare")]
+    assert main(compare) == 0 and (tmp_path / "compare" / "compare.md").is_file()
+    law = ["law", "--model", str(source), "--data", "random", "--tokens", "128", "--seq-len",
+           "32", "--formats", "nvfp4", "--no-progress", "--trust-remote-code", "--out",
+           str(tmp_path / "law")]
+    assert main(law) == 0 and (tmp_path / "law" / "law.json").is_file()
 
 
 # --- generate and pipeline ----------------------------------------------------------------

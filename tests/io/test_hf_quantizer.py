@@ -395,14 +395,43 @@ def test_dequantize_gives_the_weight_only_model_as_a_plain_transformers_model(
             assert torch.equal(plain(input_ids=probe()).logits, logits), folder.name
 
 
-def test_dequantize_refuses_quantized_experts_by_name(tmp_path):
-    model = tiny_model("qwen3_moe")
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "llama4_text"])
+def test_dequantize_fuses_quantized_experts_again(arch, tmp_path):
+    """``dequantize()`` of a mixture-of-experts model: the experts, unfused to be quantized,
+    are transformers' fused experts module again (gated or not, biases, transposed layouts,
+    Llama 4's scored experts), each expert holding its ``Q(W T^-1) T``; the logits are those
+    of the dense model with the experts unfused, and ``save_pretrained`` writes a plain
+    checkpoint that transformers loads with the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from kbbq_pl.io.compressed_tensors import dense_model
+    from kbbq_pl.quant.experts import ExpertLinears, fused_weights, per_expert
+
+    model = tiny_model(arch)
+    fresh = {name: type(module) for name, module in model.named_modules()}
     ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
     quantize_model(model, [{"input_ids": ids}], QuantizationConfig(), progress=False)
-    loaded = causal_lm(save_quantized(model, tmp_path / "moe"))
-    with pytest.raises(NotImplementedError, match=r"experts \('model.layers.0.mlp.experts' and 1"):
-        loaded.dequantize()
+    folder = save_quantized(model, tmp_path / "moe")
+    reference = dense_model(kbbq_pl.from_pretrained(folder))  # its experts stay unfused
+    unfused = {n: m for n, m in reference.named_modules() if isinstance(m, ExpertLinears)}
+    assert unfused
 
+    dense = causal_lm(folder).dequantize()
+    assert {name: type(module) for name, module in dense.named_modules()} == fresh
+    for name, experts in unfused.items():
+        fused = dense.get_submodule(name)
+        for e, (up, _, down, _) in enumerate(per_expert(fused_weights(fused), experts.has_gate,
+                                                         experts.is_transposed)):
+            assert torch.equal(up, experts.expert(e).up.weight)
+            assert torch.equal(down, experts.expert(e).down_proj.weight)
+    with torch.no_grad():
+        logits = dense(input_ids=ids).logits
+        torch.testing.assert_close(logits, reference(input_ids=ids).logits)
+    dense.save_pretrained(tmp_path / "dense")
+    assert "quantization_config" not in json.loads((tmp_path / "dense" / "config.json").read_text())
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "dense")
+    with torch.no_grad():
+        assert torch.equal(plain(input_ids=ids).logits, logits)
 
 
 # --- by HuggingFace Hub id -----------------------------------------------------------------

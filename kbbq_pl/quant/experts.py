@@ -156,6 +156,11 @@ class ExpertLinears(nn.Module):
                 bias = torch.stack([layer.bias for layer in layers])
                 setattr(fused, f"{name}_bias", nn.Parameter(
                     bias, requires_grad=layers[0].bias.requires_grad))
+        unfilled = [n for n, t in (*fused.named_parameters(), *fused.named_buffers())
+                    if t.is_meta and n not in self.fused_parameters]
+        if unfilled:
+            raise NotImplementedError(f"{type(fused).__name__} holds {unfilled[0]!r} beside its "
+                                      "experts' weights, which the linear layers do not keep")
         return fused
 
     def expert(self, index: int) -> Expert:

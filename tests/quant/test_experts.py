@@ -16,6 +16,7 @@ from kbbq_pl.quant.experts import (
     ExpertLinears,
     ScoredExpertLinears,
     calibrating_every_expert,
+    fuse_experts,
     fused_experts,
     moe_routers,
     unfuse_experts,
@@ -37,6 +38,34 @@ def moe_model(arch: str) -> nn.Module:
             param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
     return model
 
+
+
+@pytest.mark.parametrize("arch", [*MOE, "llama4_text"])
+def test_fused_again_the_experts_are_the_module_they_were(arch):
+    """``fuse_experts`` undoes ``unfuse_experts``: the same class, every parameter and flag
+    bit for bit, the same logits; a parameter the linear layers do not keep is refused by
+    name."""
+    model = moe_model(arch)
+    names = list(fused_experts(model))
+    again = copy.deepcopy(model)
+    unfuse_experts(again)
+    assert fuse_experts(again) == names and len(names) == 2
+    assert {n: type(m) for n, m in again.named_modules()} == {
+        n: type(m) for n, m in model.named_modules()}
+    state = model.state_dict()
+    assert all(torch.equal(value, state[key]) for key, value in again.state_dict().items())
+    assert again.state_dict().keys() == state.keys()
+    for name in names:
+        flags = {k: v for k, v in vars(model.get_submodule(name)).items()
+                 if isinstance(v, (bool, int, float))}
+        assert flags == {k: v for k, v in vars(again.get_submodule(name)).items() if k in flags}
+    with torch.no_grad():
+        assert torch.equal(again(IDS).logits, model(IDS).logits)
+
+    model.get_submodule(names[0]).register_parameter("scale", nn.Parameter(torch.ones(3)))
+    unfuse_experts(model)
+    with pytest.raises(NotImplementedError, match="holds 'scale' beside its experts' weights"):
+        fuse_experts(model)
 
 @pytest.mark.parametrize("arch", MOE)
 def test_unfused_experts_compute_the_fused_eager_forward(arch):

@@ -21,7 +21,8 @@ and the previous default (``--no-stream --dtype float32``), in one run.
 3. Prints one table: the model's size, blocks, the peak RSS of each process (``VmHWM``: not
    ``ru_maxrss``, which a subprocess inherits from this large parent) and its time (the
    command, imports excluded), whether the default streamed, whether the three checkpoints hold
-   the same tensors bit for bit; and the fixed cost: the default command's peak on a one-block
+   the same values bit for bit (the default's full-precision tensors in the source's bf16);
+   and the fixed cost: the default command's peak on a one-block
    Llama of hidden size 64 (the imported libraries and what the command holds whatever the
    model), with each row's default peak less that cost, over the model's bytes.
 4. Then (``--processes``) runs ``kbbq-pl quantize --stream`` on the smallest model with one
@@ -101,12 +102,15 @@ def save_model(folder: Path, blocks: int, args: argparse.Namespace, fixed_cost: 
 
 
 def tensor_digest(folder: Path) -> str:
+    """The checkpoint's tensors' names and values (floating ones as float32, which holds each
+    stored dtype exactly: a bf16 source's checkpoint and the float32 run's have the same)."""
     from kbbq_pl.io.checkpoint import read_tensors
 
     digest = hashlib.sha256()
     for name, tensor in sorted(read_tensors(folder).items()):
         digest.update(name.encode())
-        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+        values = tensor.float() if tensor.is_floating_point() else tensor
+        digest.update(values.contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 

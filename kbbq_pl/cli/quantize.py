@@ -306,7 +306,7 @@ def _quantize_in_memory(args, parser: ArgumentParser, config, start: float,
     report.seconds["command"] = time.perf_counter() - start
     config.eval_sentences = report.model["fidelity_samples"]  # what was used, not asked
     save_quantized(model, out, tokenizer=tokenizer, recipe=metadata, source_dir=source,
-                   overwrite=args.overwrite, dtype=COMPUTE_DTYPE,
+                   overwrite=args.overwrite,
                    extra_files={"recipe.yaml": parser.dump(config), **report_files(report)})
     print(report_markdown(report))
     print(f"\n{written_summary(out)}\ndone in {time.perf_counter() - start:.1f} s")

@@ -265,8 +265,9 @@ def save_quantized(
     dtype: torch.dtype | None = None,
 ) -> Path:
     """Write the quantized ``model`` to ``out_dir`` (see the module docstring); returns the
-    resolved folder.  ``dtype``: the dtype of its full-precision tensors on disk (None: as
-    held; ``kbbq-pl quantize``: float32, what the model computed in).
+    resolved folder.  ``dtype``: the dtype of its full-precision tensors on disk (None, as
+    ``kbbq-pl quantize`` writes them: as held, the source's dtype unless ``--dtype`` converted
+    it).
 
     ``extra_files`` maps file names to text written beside (e.g. reports).  ``source_dir`` is
     the folder the model was loaded from: an output equal to it, inside it or containing it is

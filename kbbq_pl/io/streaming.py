@@ -470,9 +470,9 @@ def quantize_checkpoint(
     ``quantization_config.json``; ``extra_files(report)`` names files written beside (reports);
     ``collectives`` and ``shard``: several processes, as
     :func:`~kbbq_pl.quant.pipeline.quantize_model` takes them (every rank reads the blocks,
-    rank 0 alone writes).  ``dtype``: the dtype the model is held in (None: as stored),
-    ``compute_dtype``: what it computes in and writes its full-precision tensors in (None: as
-    held), as ``kbbq-pl quantize`` holds and computes an in-memory model.
+    rank 0 alone writes).  ``dtype``: the dtype the model is held in (None: as stored), in
+    which its full-precision tensors are written; ``compute_dtype``: what each block computes
+    in (None: as held), as ``kbbq-pl quantize`` holds, computes and writes an in-memory model.
     ``trust_remote_code``: a model of the folder's own code is built from it (and the
     checkpoint holds that code).  ``source_dir`` is only read."""
     collectives = collectives or Collectives()
@@ -485,7 +485,7 @@ def quantize_checkpoint(
 
     def run(shards: ShardWriter | None) -> QuantizationReport:
         report = quantize_model(model, calibration, config, device=device,
-                                residency=StreamedBlocks(source, shards, compute_dtype),
+                                residency=StreamedBlocks(source, shards),
                                 collectives=collectives, shard=shard,
                                 progress=progress and collectives.rank == 0,
                                 compute_dtype=compute_dtype)
@@ -501,10 +501,10 @@ def quantize_checkpoint(
         nonlocal report
         shards = ShardWriter(staging)
         report = run(shards)
-        shards.add(checkpoint_contents(model, dtype=compute_dtype))
+        shards.add(checkpoint_contents(model))
         write_checkpoint_files(staging, model, shards, tokenizer=tokenizer, recipe=recipe,
                                extra_files=extra_files(report) if extra_files else None,
-                               dtype=compute_dtype, source_dir=source_dir)
+                               source_dir=source_dir)
 
     write_folder(out, write, kind="checkpoint", overwrite=overwrite, sources=[source_dir])
     assert report is not None

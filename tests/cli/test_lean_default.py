@@ -1,7 +1,8 @@
 """``kbbq-pl quantize`` holds a model in the dtype it is stored in and computes each block in
-float32 (issue 48): the checkpoint and the report's figures are those of the model upcast to
-float32 as a whole (``--no-stream --dtype float32``, the default before), bit for bit; a model
-too large for the memory available streams by itself."""
+float32 (issue 48): the checkpoint's values and the report's figures are those of the model
+upcast to float32 as a whole (``--no-stream --dtype float32``, the default before), bit for bit,
+its full-precision tensors written in the source's dtype; a model too large for the memory
+available streams by itself."""
 
 from __future__ import annotations
 
@@ -44,14 +45,29 @@ def _quantize(source: Path, out: Path, recipe: str, *flags: str) -> dict:
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_the_default_writes_the_float32_runs_checkpoint_and_figures(bf16_llama, tmp_path,
                                                                     recipe):
+    """The same values as the float32 run's checkpoint: the quantized layers' tensors bit for
+    bit, the rest (embeddings, norms) in the source's bf16, which holds them exactly; its
+    ``config.json`` says bfloat16, as the source's does."""
     lean = _quantize(bf16_llama, tmp_path / "lean", recipe)
     upcast = _quantize(bf16_llama, tmp_path / "upcast", recipe, "--no-stream", "--dtype",
                        "float32")
     tensors = [read_tensors(tmp_path / name) for name in ("lean", "upcast")]
     assert tensors[0].keys() == tensors[1].keys()
-    assert all(torch.equal(tensors[0][k], tensors[1][k]) for k in tensors[0])
-    for name in ("config.json", "quantization_config.json"):
-        assert (tmp_path / "lean" / name).read_bytes() == (tmp_path / "upcast" / name).read_bytes()
+    layers = json.loads((tmp_path / "lean" / "quantization_config.json").read_text())["layers"]
+    for key, value in tensors[0].items():
+        if key.rpartition(".")[0] in layers:
+            assert value.dtype == tensors[1][key].dtype and torch.equal(value, tensors[1][key])
+        else:
+            assert value.dtype == torch.bfloat16 and tensors[1][key].dtype == torch.float32
+            assert torch.equal(value.float(), tensors[1][key]), key
+    metadata = [json.loads((tmp_path / name / "quantization_config.json").read_text())
+                for name in ("lean", "upcast")]
+    assert metadata[0].pop("files") != metadata[1].pop("files")  # sizes and SHA-256
+    assert metadata[0] == metadata[1]
+    configs = [json.loads((tmp_path / name / "config.json").read_text())
+               for name in ("lean", "upcast")]
+    assert (configs[0].pop("dtype"), configs[1].pop("dtype")) == ("bfloat16", "float32")
+    assert configs[0] == configs[1]
     assert lean["layers"] == upcast["layers"]  # kappas, SNRs, ceilings, lambdas
     assert lean.get("autobrake") == upcast.get("autobrake")
     figures = [{k: v for k, v in r["model"].items() if k not in VARYING} for r in (lean, upcast)]

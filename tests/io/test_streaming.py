@@ -358,8 +358,8 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(sharded_llama, tmp_path, str
 
 def test_a_streamed_folder_declares_its_dtype_and_keeps_the_generation_config(tmp_path):
     """Held as stored and computed in float32 (``kbbq-pl quantize --stream``'s default), the
-    streamed checkpoint's tensors are float32 and its config.json says so, as the in-memory
-    one does; the source's generation config is kept."""
+    streamed checkpoint's full-precision tensors are in the source's bf16 and its config.json
+    says so, as the in-memory one does; the source's generation config is kept."""
     source = tmp_path / "src"
     model = tiny_model("llama", num_hidden_layers=2)
     model.generation_config.update(eos_token_id=[2, 7], temperature=0.3, do_sample=True)
@@ -367,7 +367,7 @@ def test_a_streamed_folder_declares_its_dtype_and_keeps_the_generation_config(tm
     quantize_checkpoint(source, tmp_path / "streamed", QuantizationConfig(), _batches(),
                         progress=False, dtype=None, compute_dtype=torch.float32)
     folder = tmp_path / "streamed"
-    assert json.loads((folder / "config.json").read_text())["dtype"] == "float32"
-    assert read_tensors(folder)["model.embed_tokens.weight"].dtype == torch.float32
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    assert read_tensors(folder)["model.embed_tokens.weight"].dtype == torch.bfloat16
     generation = json.loads((folder / "generation_config.json").read_text())
     assert (generation["eos_token_id"], generation["temperature"]) == ([2, 7], 0.3)

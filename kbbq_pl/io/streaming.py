@@ -413,14 +413,12 @@ class StreamedBlocks:
     """A :class:`~kbbq_pl.quant.sequential.BlockResidency` for a model whose blocks are on
     disk: each block is read from ``source`` onto the runner's device for its step; after it,
     its tensors go to ``shards`` as the next shard (not on a rank that does not write:
-    ``shards`` None; full-precision tensors in ``dtype``, None: as held) and the block is
-    replaced by a :class:`ReleasedBlock` (its memory freed)."""
+    ``shards`` None; full-precision tensors as held) and the block is replaced by a
+    :class:`ReleasedBlock` (its memory freed)."""
 
-    def __init__(self, source: SafetensorsSource, shards: ShardWriter | None,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(self, source: SafetensorsSource, shards: ShardWriter | None) -> None:
         self.source = source
         self.shards = shards
-        self.dtype = dtype
 
     def load(self, step: BlockStep) -> None:
         experts = {f"{step.name}.{name}": module for name, module in step.module.named_modules()
@@ -438,8 +436,7 @@ class StreamedBlocks:
 
     def unload(self, step: BlockStep, done: bool) -> None:
         if done and self.shards is not None:
-            self.shards.add(checkpoint_contents(step.module, prefix=step.name,
-                                                dtype=self.dtype))
+            self.shards.add(checkpoint_contents(step.module, prefix=step.name))
         step.runner.blocks[step.index] = ReleasedBlock(step.name)  # the pipeline trims the heap
 
 

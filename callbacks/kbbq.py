@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from torch import Tensor, nn
@@ -163,12 +164,12 @@ class KBBQ(Callback):
           callbacks:
             - class_path: kbbq_pl.callbacks.KBBQ
               init_args:
-                config: {format: {name: nvfp4}, transform: {name: kbbq, lam: 0.75}}
+                config: gptq_kbbq_nvfp4   # or the fields: {format: {name: mxfp4}, ...}
 
     Args:
-        config: the recipe (:class:`~kbbq_pl.quant.config.QuantizationConfig`, whose groups
-            describe each field; a packaged one or a recipe file:
-            :meth:`~kbbq_pl.quant.config.QuantizationConfig.from_recipe`); default: RTN-KBBQ
+        config: the recipe: a :class:`~kbbq_pl.quant.config.QuantizationConfig` (whose
+            groups describe each field), or a packaged recipe's name or a recipe file, read by
+            :meth:`~kbbq_pl.quant.config.QuantizationConfig.from_recipe`; default: RTN-KBBQ
             NVFP4, lambda 0.75.
         calibration: calibration batches (a dataloader, a ``CalibrationDataModule`` or a list of
             dicts); default: the trainer's datamodule.
@@ -187,7 +188,7 @@ class KBBQ(Callback):
 
     def __init__(
         self,
-        config: QuantizationConfig = DEFAULT_RECIPE,
+        config: QuantizationConfig | str | Path = DEFAULT_RECIPE,
         *,
         calibration: Any = None,
         model_attr: str | None = "model",
@@ -195,9 +196,11 @@ class KBBQ(Callback):
         trainable: bool | None = None,
         offload: bool = False,
     ) -> None:
+        if isinstance(config, (str, Path)):
+            config = QuantizationConfig.from_recipe(config)
         if not isinstance(config, QuantizationConfig):
-            raise TypeError(f"KBBQ takes a QuantizationConfig (the recipe; a packaged one: "
-                            f"QuantizationConfig.from_recipe(NAME)), got {config!r}")
+            raise TypeError(f"KBBQ takes a recipe: a QuantizationConfig, or a packaged recipe's "
+                            f"name or a recipe file, got {config!r}")
         self.config = config
         self.calibration = calibration
         self.model_attr = model_attr

@@ -450,8 +450,9 @@ def test_recipes_are_listed_with_what_each_does(capsys):
 
 def test_every_recipe_option_has_a_description(capsys):
     """``kbbq-pl quantize -h`` describes every leaf field of the recipe (``--recipe.GROUP.FIELD``),
-    and so does the ``KBBQ`` callback's help in a LightningCLI-style parser, from the one place
-    fields are described (the docstrings of ``QuantizationConfig``'s groups)."""
+    and so does the ``KBBQ`` callback's recipe help in a LightningCLI-style parser
+    (``--quantizer.config.help``: its recipe is a ``QuantizationConfig`` or a recipe's name), from
+    the one place fields are described (the docstrings of ``QuantizationConfig``'s groups)."""
     import dataclasses
     import re
 
@@ -470,7 +471,10 @@ def test_every_recipe_option_has_a_description(capsys):
     cli_help = capsys.readouterr().out
     parser = ArgumentParser()
     parser.add_class_arguments(KBBQ, "quantizer")
-    callback_help = parser.format_help()
+    assert "--quantizer.config.help" in parser.format_help()  # the recipe or its name
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantizer.config.help"])
+    callback_help = capsys.readouterr().out
     for prefix, text in (("--recipe", cli_help), ("--quantizer.config", callback_help)):
         for name, description in descriptions.items():
             assert description, name

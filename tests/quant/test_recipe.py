@@ -173,7 +173,7 @@ def test_a_packaged_recipe_or_recipe_file_by_name(tmp_path):
     assert (recipe.format.name, recipe.transform.lam) == ("mxfp4", 0.25)
     assert KBBQ(recipe).config == KBBQConfig(recipe, step="prepare").config == recipe
     with pytest.raises(TypeError, match=r"QuantizationConfig.from_recipe\(NAME\)"):
-        KBBQ("rtn_kbbq_mxfp4_lam0.25")  # type: ignore[arg-type]
+        KBBQConfig("rtn_kbbq_mxfp4_lam0.25", step="prepare")  # type: ignore[arg-type]
     with pytest.raises(FileNotFoundError, match=r"recipe 'rtn_kbbq_nvfp4_lam0.57': no such "
                                                 r"file .* did you mean .*rtn_kbbq_nvfp4_lam0.75"):
         QuantizationConfig.from_recipe("rtn_kbbq_nvfp4_lam0.57")
@@ -181,6 +181,42 @@ def test_a_packaged_recipe_or_recipe_file_by_name(tmp_path):
     no_recipe.write_text("model: minilm\n")
     with pytest.raises(ValueError, match="holds its recipe under 'recipe:'"):
         QuantizationConfig.from_recipe(no_recipe)
+
+
+def test_the_callback_takes_a_recipe_by_name_in_python_and_in_a_lightningcli_yaml(tmp_path):
+    """``KBBQ(config=...)`` takes the recipe, or a packaged recipe's name or a recipe file as
+    ``kbbq-pl quantize --config`` does: in Python and in a LightningCLI config, where the
+    recipe's fields as a mapping work as before."""
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.cli import LightningCLI
+
+    recipes = ROOT / "recipes"
+    gptq_mx = QuantizationConfig.from_recipe("gptq_kbbq_mxfp4")
+    assert gptq_mx != QuantizationConfig()
+    assert KBBQ("gptq_kbbq_mxfp4").config == KBBQ(recipes / "gptq_kbbq_mxfp4.yaml").config == \
+        KBBQ(str(recipes / "gptq_kbbq_mxfp4.yaml")).config == gptq_mx
+    with pytest.raises(TypeError, match=r"KBBQ takes a recipe: a QuantizationConfig, or a "
+                                        r"packaged recipe's name or a recipe file, got 4"):
+        KBBQ(4)  # type: ignore[arg-type]
+    with pytest.raises(FileNotFoundError, match=r"did you mean .*gptq_kbbq_mxfp4"):
+        KBBQ("gptq_kbbq_mxfp5")
+
+    def callback(config: Any) -> KBBQ:
+        settings = tmp_path / "fit.yaml"
+        settings.write_text(yaml.safe_dump({"trainer": {
+            "logger": False, "enable_checkpointing": False, "callbacks": [
+                {"class_path": "kbbq_pl.callbacks.KBBQ",
+                 "init_args": {"config": config, "calibrate_only": True}}]}}))
+        cli = LightningCLI(LightningModule, run=False, save_config_callback=None,
+                           args=["--config", str(settings)])
+        found = [c for c in cli.trainer.callbacks if isinstance(c, KBBQ)]
+        assert len(found) == 1 and found[0].calibrate_only
+        return found[0]
+
+    assert callback("gptq_kbbq_mxfp4").config == gptq_mx
+    assert callback(str(recipes / "gptq_kbbq_mxfp4.yaml")).config == gptq_mx
+    assert callback({"format": {"name": "mxfp4"}, "weights": {"quantizer": "gptq"}}).config == \
+        gptq_mx
 
 
 def test_unknown_and_removed_fields_are_one_line():

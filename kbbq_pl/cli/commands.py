@@ -501,7 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "named model: 'minilm' or 'smollm2'")
     add_trust_remote_code(law)
     law.add_argument("--data", required=True,
-                     help="calibration text: a .txt/.jsonl file, hf:<dataset>, or 'random' "
+                     help="calibration text: a .txt, .jsonl, .json, .parquet, .csv or .arrow "
+                          "file, hf:<dataset>, or 'random' "
                           "(the paper's random-token corpus)")
     law.add_argument("--formats", default="fp8_e4m3,nvfp4,mxfp4",
                      help="comma-separated format names")

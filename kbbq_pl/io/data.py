@@ -4,7 +4,8 @@
 wraps it for Lightning.  Sources:
 
 * a local ``.txt`` file (one text stream) or ``.jsonl`` file (the ``text_key`` field of each
-  line, joined by newlines);
+  line, joined by newlines); a ``.json``, ``.parquet``, ``.csv`` or ``.arrow`` file is read by
+  ``datasets``' loader of that format (its ``text_key`` column);
 * ``"hf:<path>[:<config>][:<split>]"`` or a ``datasets.Dataset`` (its ``text_key`` column);
   in both, a field holding a conversation (a list of ``{"role", "content"}`` messages, as in
   ultrachat's ``messages``) is rendered by the tokenizer's chat template (:func:`is_chat`);
@@ -43,6 +44,8 @@ except ImportError:  # pragma: no cover - lightning is a dependency
 log = logging.getLogger(__name__)
 
 RANDOM = "random"
+# local files read by datasets' packaged loader of their format (a JSON array or JSON lines)
+DATASET_FILES = {".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 MIXED = "mixed"
 
 
@@ -65,17 +68,24 @@ def _jsonl_fields(path: Path, text_key: str) -> list[Any]:
 
 
 def _dataset_fields(source: Any, text_key: str) -> list[Any]:
-    """The ``text_key`` column of a dataset, or of ``"hf:<path>[:<config>][:<split>]"``."""
-    if isinstance(source, str):
-        import datasets
+    """The ``text_key`` column of a dataset, of ``"hf:<path>[:<config>][:<split>]"`` or of a
+    local file of one of :data:`DATASET_FILES`' formats."""
+    import datasets
 
+    dataset = source
+    if isinstance(source, Path):
+        dataset = datasets.load_dataset(DATASET_FILES[source.suffix], data_files=str(source),
+                                        split="train")
+    elif isinstance(source, str):
         parts = source[len("hf:"):].split(":")
         path, config = parts[0], (parts[1] or None) if len(parts) > 1 else None
         split = parts[2] if len(parts) > 2 else "train"
-        source = datasets.load_dataset(path, config, split=split)
-    if text_key not in source.column_names:
-        raise ValueError(f"dataset has no {text_key!r} column (columns: {source.column_names})")
-    return list(source[text_key])
+        dataset = datasets.load_dataset(path, config, split=split)
+    if text_key not in dataset.column_names:
+        name = f"{str(source)!r}" if isinstance(source, (str, Path)) else "dataset"
+        raise ValueError(f"calibration source {name} has no {text_key!r} column (columns: "
+                         f"{dataset.column_names}); pass text_key=")
+    return list(dataset[text_key])
 
 
 def is_chat(value: Any) -> bool:
@@ -115,7 +125,8 @@ class Records(NamedTuple):
 
 def source_records(source: Any, text_key: str = "text", tokenizer: Any = None) -> Records:
     """The records of a text source: a text file's non-empty lines, a ``.jsonl`` file's or a
-    dataset's ``text_key`` fields (``"hf:..."`` or a ``datasets.Dataset``), or the shipped
+    dataset's ``text_key`` fields (a ``.json``, ``.parquet``, ``.csv`` or ``.arrow`` file,
+    ``"hf:..."`` or a ``datasets.Dataset``), or the shipped
     corpus (``"mixed"``); a conversation field rendered by the tokenizer's chat template."""
     if isinstance(source, (str, Path)) and not str(source).startswith("hf:"):
         if str(source) == MIXED:
@@ -126,11 +137,14 @@ def source_records(source: Any, text_key: str = "text", tokenizer: Any = None) -
         if not path.is_file():
             raise FileNotFoundError(f"calibration source {str(source)!r} is not a file, "
                                     "'mixed', 'random' or 'hf:<dataset>'")
-        if path.suffix != ".jsonl":
+        if path.suffix == ".jsonl":
+            fields = _jsonl_fields(path, text_key)
+        elif path.suffix in DATASET_FILES:
+            fields = _dataset_fields(path, text_key)
+        else:
             text = path.read_text(encoding="utf-8")
             lines = [line.strip() for line in text.splitlines() if line.strip()]
             return Records(lines, text, [False] * len(lines))
-        fields = _jsonl_fields(path, text_key)
     else:
         fields = _dataset_fields(source, text_key)
     texts = [_as_text(value, tokenizer, source, index) for index, value in enumerate(fields)]

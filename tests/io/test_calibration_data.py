@@ -44,6 +44,40 @@ def test_token_blocks_random_text_jsonl_and_errors(minilm, tmp_path):
     assert token_blocks("random", None, n_tokens=64, seq_len=32, vocab_size=50).max() < 50
 
 
+def test_dataset_files_are_read_by_their_format(minilm, tmp_path):
+    """A ``.json`` (an array or JSON lines), ``.parquet``, ``.csv`` or ``.arrow`` file is read by
+    datasets' loader of its format: the records and token blocks of the same ``.jsonl`` file
+    (before, each was read as plain text: JSON syntax calibrated on, parquet undecodable)."""
+    import datasets
+    import pyarrow as pa
+
+    from kbbq_pl.io.data import source_records
+
+    _, tokenizer = minilm
+    rows = [{"id": i, "text": f"record {i}, the quick brown fox: \"{i * 7}\" ."} for i in range(90)]
+    dataset = datasets.Dataset.from_list(rows)
+    jsonl = tmp_path / "corpus.jsonl"
+    jsonl.write_text("\n".join(json.dumps(row) for row in rows))
+    (tmp_path / "array.json").write_text(json.dumps(rows))
+    (tmp_path / "lines.json").write_text(jsonl.read_text())
+    dataset.to_parquet(tmp_path / "corpus.parquet")
+    dataset.to_csv(tmp_path / "corpus.csv", index=False)
+    table = pa.Table.from_pylist(rows)
+    with pa.ipc.new_stream(tmp_path / "corpus.arrow", table.schema) as writer:
+        writer.write_table(table)
+
+    expected = source_records(jsonl)
+    assert expected.texts == [row["text"] for row in rows]
+    blocks = token_blocks(jsonl, tokenizer, n_tokens=512, seq_len=64, seed=1)
+    for name in ("array.json", "lines.json", "corpus.parquet", "corpus.csv", "corpus.arrow"):
+        assert source_records(tmp_path / name) == expected, name
+        assert torch.equal(token_blocks(str(tmp_path / name), tokenizer, n_tokens=512,
+                                        seq_len=64, seed=1), blocks), name
+    with pytest.raises(ValueError, match=r"calibration source '.*corpus.parquet' has no 'body' "
+                                         r"column \(columns: \['id', 'text'\]\)"):
+        source_records(tmp_path / "corpus.parquet", "body")
+
+
 def test_datamodule_batches(minilm):
     _, tokenizer = minilm
     dm = CalibrationDataModule("random", tokenizer, n_tokens=512, seq_len=64, batch_size=3)

@@ -68,8 +68,9 @@ def _jsonl_fields(path: Path, text_key: str) -> list[Any]:
 
 
 def _dataset_fields(source: Any, text_key: str) -> list[Any]:
-    """The ``text_key`` column of a dataset, of ``"hf:<path>[:<config>][:<split>]"`` or of a
-    local file of one of :data:`DATASET_FILES`' formats."""
+    """The ``text_key`` column of a dataset, of ``"hf:<path>[:<config>][:<split>]"`` (the split
+    as ``datasets`` reads it, a slice too: ``train[:512]``) or of a local file of one of
+    :data:`DATASET_FILES`' formats."""
     import datasets
 
     dataset = source
@@ -77,7 +78,7 @@ def _dataset_fields(source: Any, text_key: str) -> list[Any]:
         dataset = datasets.load_dataset(DATASET_FILES[source.suffix], data_files=str(source),
                                         split="train")
     elif isinstance(source, str):
-        parts = source[len("hf:"):].split(":")
+        parts = source[len("hf:"):].split(":", 2)  # a split may slice: train[:512]
         path, config = parts[0], (parts[1] or None) if len(parts) > 1 else None
         split = parts[2] if len(parts) > 2 else "train"
         dataset = datasets.load_dataset(path, config, split=split)

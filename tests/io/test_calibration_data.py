@@ -47,7 +47,8 @@ def test_token_blocks_random_text_jsonl_and_errors(minilm, tmp_path):
 def test_dataset_files_are_read_by_their_format(minilm, tmp_path):
     """A ``.json`` (an array or JSON lines), ``.parquet``, ``.csv`` or ``.arrow`` file is read by
     datasets' loader of its format: the records and token blocks of the same ``.jsonl`` file
-    (before, each was read as plain text: JSON syntax calibrated on, parquet undecodable)."""
+    (before, each was read as plain text: JSON syntax calibrated on, parquet undecodable);
+    ``hf:`` takes a sliced split."""
     import datasets
     import pyarrow as pa
 
@@ -73,6 +74,13 @@ def test_dataset_files_are_read_by_their_format(minilm, tmp_path):
         assert source_records(tmp_path / name) == expected, name
         assert torch.equal(token_blocks(str(tmp_path / name), tokenizer, n_tokens=512,
                                         seq_len=64, seed=1), blocks), name
+    # hf:<path>[:<config>][:<split>], the split sliced as datasets reads it (a local folder
+    # of data files stands for a Hub dataset here)
+    folder = tmp_path / "dataset"
+    folder.mkdir()
+    dataset.to_parquet(folder / "train.parquet")
+    assert source_records(f"hf:{folder}") == expected
+    assert source_records(f"hf:{folder}::train[10:20]").texts == expected.texts[10:20]
     with pytest.raises(ValueError, match=r"calibration source '.*corpus.parquet' has no 'body' "
                                          r"column \(columns: \['id', 'text'\]\)"):
         source_records(tmp_path / "corpus.parquet", "body")

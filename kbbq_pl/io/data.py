@@ -82,6 +82,9 @@ def _dataset_fields(source: Any, text_key: str) -> list[Any]:
         path, config = parts[0], (parts[1] or None) if len(parts) > 1 else None
         split = parts[2] if len(parts) > 2 else "train"
         dataset = datasets.load_dataset(path, config, split=split)
+    if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+        raise ValueError(f"calibration source is a DatasetDict of the splits {list(dataset)}: "
+                         f"pass one split, e.g. dataset[{next(iter(dataset), 'train')!r}]")
     if text_key not in dataset.column_names:
         name = f"{str(source)!r}" if isinstance(source, (str, Path)) else "dataset"
         raise ValueError(f"calibration source {name} has no {text_key!r} column (columns: "

@@ -4,8 +4,9 @@
 wraps it for Lightning.  Sources:
 
 * a local ``.txt`` file (one text stream) or ``.jsonl`` file (the ``text_key`` field of each
-  line, joined by newlines); a ``.json``, ``.parquet``, ``.csv`` or ``.arrow`` file is read by
-  ``datasets``' loader of that format (its ``text_key`` column);
+  line, joined by newlines); a ``.json``, ``.parquet``, ``.csv`` or ``.arrow`` file (JSON lines
+  and CSV also compressed: ``.jsonl.gz``) is read by ``datasets``' loader of that format (its
+  ``text_key`` column);
 * ``"hf:<path>[:<config>][:<split>]"`` or a ``datasets.Dataset`` (its ``text_key`` column);
   in both, a field holding a conversation (a list of ``{"role", "content"}`` messages, as in
   ultrachat's ``messages``) is rendered by the tokenizer's chat template (:func:`is_chat`);
@@ -44,8 +45,10 @@ except ImportError:  # pragma: no cover - lightning is a dependency
 log = logging.getLogger(__name__)
 
 RANDOM = "random"
-# local files read by datasets' packaged loader of their format (a JSON array or JSON lines)
+# local files read by datasets' packaged loader of their format (a JSON array or JSON lines),
+# compressed too (datasets decompresses by the extension: c4-train.00001-of-01024.json.gz)
 DATASET_FILES = {".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 MIXED = "mixed"
 
 
@@ -67,6 +70,16 @@ def _jsonl_fields(path: Path, text_key: str) -> list[Any]:
     return fields
 
 
+def data_file_format(path: Path) -> str | None:
+    """The ``datasets`` loader of a local data file (:data:`DATASET_FILES`; JSON lines and CSV
+    also compressed), or None for a text or ``.jsonl`` file."""
+    suffixes = [suffix.lower() for suffix in path.suffixes]
+    if len(suffixes) > 1 and suffixes[-1] in COMPRESSED and suffixes[-2] in (".json", ".jsonl",
+                                                                             ".csv"):
+        return "csv" if suffixes[-2] == ".csv" else "json"
+    return DATASET_FILES.get(suffixes[-1]) if suffixes else None
+
+
 def _dataset_fields(source: Any, text_key: str) -> list[Any]:
     """The ``text_key`` column of a dataset, of ``"hf:<path>[:<config>][:<split>]"`` (the split
     as ``datasets`` reads it, a slice too: ``train[:512]``) or of a local file of one of
@@ -75,7 +88,7 @@ def _dataset_fields(source: Any, text_key: str) -> list[Any]:
 
     dataset = source
     if isinstance(source, Path):
-        dataset = datasets.load_dataset(DATASET_FILES[source.suffix], data_files=str(source),
+        dataset = datasets.load_dataset(data_file_format(source), data_files=str(source),
                                         split="train")
     elif isinstance(source, str):
         parts = source[len("hf:"):].split(":", 2)  # a split may slice: train[:512]
@@ -143,10 +156,17 @@ def source_records(source: Any, text_key: str = "text", tokenizer: Any = None) -
                                     "'mixed', 'random' or 'hf:<dataset>'")
         if path.suffix == ".jsonl":
             fields = _jsonl_fields(path, text_key)
-        elif path.suffix in DATASET_FILES:
+        elif data_file_format(path):
             fields = _dataset_fields(path, text_key)
         else:
-            text = path.read_text(encoding="utf-8")
+            try:
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(
+                    f"calibration source {str(source)!r} is not UTF-8 text (byte "
+                    f"{error.start}); a data file is read by its extension: .jsonl, "
+                    f"{', '.join(DATASET_FILES)} (JSON lines and CSV also "
+                    f"{'/'.join(COMPRESSED)})") from None
             lines = [line.strip() for line in text.splitlines() if line.strip()]
             return Records(lines, text, [False] * len(lines))
     else:

@@ -45,10 +45,12 @@ def test_token_blocks_random_text_jsonl_and_errors(minilm, tmp_path):
 
 
 def test_dataset_files_are_read_by_their_format(minilm, tmp_path):
-    """A ``.json`` (an array or JSON lines), ``.parquet``, ``.csv`` or ``.arrow`` file is read by
-    datasets' loader of its format: the records and token blocks of the same ``.jsonl`` file
-    (before, each was read as plain text: JSON syntax calibrated on, parquet undecodable);
-    ``hf:`` takes a sliced split."""
+    """A ``.json`` (an array or JSON lines), ``.parquet``, ``.csv`` or ``.arrow`` file (JSON lines
+    and CSV also compressed) is read by datasets' loader of its format: the records and token
+    blocks of the same ``.jsonl`` file (before, each was read as plain text: JSON syntax
+    calibrated on, parquet undecodable); ``hf:`` takes a sliced split."""
+    import gzip
+
     import datasets
     import pyarrow as pa
 
@@ -63,6 +65,10 @@ def test_dataset_files_are_read_by_their_format(minilm, tmp_path):
     (tmp_path / "lines.json").write_text(jsonl.read_text())
     dataset.to_parquet(tmp_path / "corpus.parquet")
     dataset.to_csv(tmp_path / "corpus.csv", index=False)
+    with gzip.open(tmp_path / "corpus.jsonl.gz", "wt") as compressed:  # as c4's shards
+        compressed.write(jsonl.read_text())
+    with gzip.open(tmp_path / "corpus.csv.gz", "wb") as compressed:
+        dataset.to_csv(compressed, index=False)
     table = pa.Table.from_pylist(rows)
     with pa.ipc.new_stream(tmp_path / "corpus.arrow", table.schema) as writer:
         writer.write_table(table)
@@ -70,7 +76,8 @@ def test_dataset_files_are_read_by_their_format(minilm, tmp_path):
     expected = source_records(jsonl)
     assert expected.texts == [row["text"] for row in rows]
     blocks = token_blocks(jsonl, tokenizer, n_tokens=512, seq_len=64, seed=1)
-    for name in ("array.json", "lines.json", "corpus.parquet", "corpus.csv", "corpus.arrow"):
+    for name in ("array.json", "lines.json", "corpus.parquet", "corpus.csv", "corpus.arrow",
+                 "corpus.jsonl.gz", "corpus.csv.gz"):
         assert source_records(tmp_path / name) == expected, name
         assert torch.equal(token_blocks(str(tmp_path / name), tokenizer, n_tokens=512,
                                         seq_len=64, seed=1), blocks), name
@@ -84,6 +91,11 @@ def test_dataset_files_are_read_by_their_format(minilm, tmp_path):
     with pytest.raises(ValueError, match=r"a DatasetDict of the splits \['train'\]: pass one "
                                          r"split, e.g. dataset\['train'\]"):
         source_records(datasets.DatasetDict(train=dataset))
+    with gzip.open(tmp_path / "corpus.txt.gz", "wt") as compressed:
+        compressed.write("a plain text, compressed")
+    with pytest.raises(ValueError, match=r"'.*corpus.txt.gz' is not UTF-8 text \(byte 1\); a "
+                                         r"data file is read by its extension: .jsonl, .json"):
+        source_records(tmp_path / "corpus.txt.gz")
     with pytest.raises(ValueError, match=r"calibration source '.*corpus.parquet' has no 'body' "
                                          r"column \(columns: \['id', 'text'\]\)"):
         source_records(tmp_path / "corpus.parquet", "body")

@@ -7,9 +7,10 @@ wraps it for Lightning.  Sources:
   line, joined by newlines); a ``.json``, ``.parquet``, ``.csv`` or ``.arrow`` file (JSON lines
   and CSV also compressed: ``.jsonl.gz``) is read by ``datasets``' loader of that format (its
   ``text_key`` column);
-* ``"hf:<path>[:<config>][:<split>]"`` or a ``datasets.Dataset`` (its ``text_key`` column);
-  in both, a field holding a conversation (a list of ``{"role", "content"}`` messages, as in
-  ultrachat's ``messages``) is rendered by the tokenizer's chat template (:func:`is_chat`);
+* ``"hf:<path>[:<config>][:<split>]"`` or a ``datasets.Dataset`` (its ``text_key`` column), or
+  a Python list of records (texts, or dicts holding ``text_key``); in each, a field holding a
+  conversation (a list of ``{"role", "content"}`` messages, as in ultrachat's ``messages``) is
+  rendered by the tokenizer's chat template (:func:`is_chat`);
 * ``"mixed"`` (the default): the mixed-domain corpus shipped with kbbq-pl (prose from
   WikiText-2 valid, math from GSM8K train, code from MBPP train tasks; about 480 KB, see
   ``kbbq_pl/resources/CALIBRATION_CORPUS.md``), the paper's default kind of calibration data;
@@ -30,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -98,11 +100,37 @@ def _dataset_fields(source: Any, text_key: str) -> list[Any]:
     if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         raise ValueError(f"calibration source is a DatasetDict of the splits {list(dataset)}: "
                          f"pass one split, e.g. dataset[{next(iter(dataset), 'train')!r}]")
+    if not hasattr(dataset, "column_names"):
+        raise TypeError(f"calibration source {source_name(source)}: pass a file, "
+                        "'mixed', 'random', 'hf:<dataset>', a datasets.Dataset or a list of "
+                        "records (texts, conversations or dicts)")
     if text_key not in dataset.column_names:
-        name = f"{str(source)!r}" if isinstance(source, (str, Path)) else "dataset"
-        raise ValueError(f"calibration source {name} has no {text_key!r} column (columns: "
-                         f"{dataset.column_names}); pass text_key=")
+        raise ValueError(f"calibration source {source_name(source)} has no {text_key!r} "
+                         f"column (columns: {dataset.column_names}); pass text_key=")
     return list(dataset[text_key])
+
+
+def source_name(source: Any) -> str:
+    """A calibration source as an error message names it: a path or name quoted, else its type
+    (and size), never the records themselves."""
+    if isinstance(source, (str, Path)):
+        return repr(str(source))
+    kind = type(source).__name__
+    size = f" of {len(source)} records" if hasattr(source, "__len__") else ""
+    return f"{'an' if kind[0].lower() in 'aeiou' else 'a'} {kind}{size}"
+
+
+def _list_fields(records: list | tuple, text_key: str) -> list[Any]:
+    """A Python list's records: each a text, a conversation, or a dict holding ``text_key``."""
+    fields = []
+    for index, record in enumerate(records):
+        if isinstance(record, Mapping):
+            if text_key not in record:
+                raise ValueError(f"calibration record {index}: no {text_key!r} field (fields: "
+                                 f"{sorted(record)}); pass text_key=")
+            record = record[text_key]
+        fields.append(record)
+    return fields
 
 
 def is_chat(value: Any) -> bool:
@@ -112,7 +140,7 @@ def is_chat(value: Any) -> bool:
             and all(isinstance(m, dict) and "role" in m and "content" in m for m in value))
 
 
-def _as_text(value: Any, tokenizer: Any, source: Any, index: int) -> str:
+def _as_text(value: Any, tokenizer: Any, source: str, index: int) -> str:
     """A record's field as the text the model reads: a string as it is, a conversation
     rendered by the tokenizer's chat template (what an instruct model is served), as
     llm-compressor's examples calibrate instruct models."""
@@ -121,12 +149,12 @@ def _as_text(value: Any, tokenizer: Any, source: Any, index: int) -> str:
     if is_chat(value):
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             name = getattr(tokenizer, "name_or_path", None) or "the model's"
-            raise ValueError(f"calibration source {str(source)!r}, record {index}: a "
+            raise ValueError(f"calibration source {source}, record {index}: a "
                              f"conversation, but tokenizer {name!r} has no chat template to "
                              "render it with")
         return tokenizer.apply_chat_template(value, tokenize=False)
     if isinstance(value, (list, dict)):
-        raise ValueError(f"calibration source {str(source)!r}, record {index}: the field is "
+        raise ValueError(f"calibration source {source}, record {index}: the field is "
                          f"a {type(value).__name__}, neither text nor a conversation (a list of "
                          "dicts with 'role' and 'content')")
     return str(value)
@@ -143,8 +171,9 @@ class Records(NamedTuple):
 def source_records(source: Any, text_key: str = "text", tokenizer: Any = None) -> Records:
     """The records of a text source: a text file's non-empty lines, a ``.jsonl`` file's or a
     dataset's ``text_key`` fields (a ``.json``, ``.parquet``, ``.csv`` or ``.arrow`` file,
-    ``"hf:..."`` or a ``datasets.Dataset``), or the shipped
-    corpus (``"mixed"``); a conversation field rendered by the tokenizer's chat template."""
+    ``"hf:..."`` or a ``datasets.Dataset``), a list's records (texts, conversations, or dicts
+    holding ``text_key``), or the shipped corpus (``"mixed"``); a conversation field rendered
+    by the tokenizer's chat template."""
     if isinstance(source, (str, Path)) and not str(source).startswith("hf:"):
         if str(source) == MIXED:
             from ..resources import calibration_corpus
@@ -169,9 +198,12 @@ def source_records(source: Any, text_key: str = "text", tokenizer: Any = None) -
                     f"{'/'.join(COMPRESSED)})") from None
             lines = [line.strip() for line in text.splitlines() if line.strip()]
             return Records(lines, text, [False] * len(lines))
+    elif isinstance(source, (list, tuple)):
+        fields = _list_fields(source, text_key)
     else:
         fields = _dataset_fields(source, text_key)
-    texts = [_as_text(value, tokenizer, source, index) for index, value in enumerate(fields)]
+    name = source_name(source)
+    texts = [_as_text(value, tokenizer, name, index) for index, value in enumerate(fields)]
     return Records(texts, "\n".join(texts), [is_chat(value) for value in fields])
 
 
@@ -232,23 +264,23 @@ def token_blocks(
         chosen = list(stream)
     else:
         if tokenizer is None:
-            raise ValueError(f"calibration source {source!r} is text: it needs a tokenizer (a "
-                             "model without one calibrates on source 'random')")
+            raise ValueError(f"calibration source {source_name(source)} is text: it needs a "
+                             "tokenizer (a model without one calibrates on source 'random')")
         text = source_records(source, text_key, tokenizer).stream
         ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False,
                         verbose=False)["input_ids"]
         available = len(ids) // body
         if available < n_blocks:
             raise ValueError(
-                f"calibration source {source!r} has {len(ids)} tokens: {available} blocks of "
-                f"{body}, fewer than the {n_blocks} needed for n_tokens={n_tokens}"
+                f"calibration source {source_name(source)} has {len(ids)} tokens: {available} "
+                f"blocks of {body}, fewer than the {n_blocks} needed for n_tokens={n_tokens}"
             )
         generator = torch.Generator().manual_seed(seed)
         picks = torch.randperm(available, generator=generator)[:n_blocks].sort().values
         flat = torch.tensor(ids[: available * body], dtype=torch.long).reshape(available, body)
         chosen = list(flat[picks])
     if not chosen:
-        raise ValueError(f"calibration source {source!r} gave no tokens")
+        raise ValueError(f"calibration source {source_name(source)} gave no tokens")
     blocks = torch.stack(chosen)
     if specials:
         rows = len(blocks)
@@ -276,7 +308,8 @@ def token_records(
         raise ValueError(f"need n_tokens >= 1 and max_len >= 2, got {n_tokens} and {max_len}")
     if tokenizer is None or (isinstance(source, str) and source == RANDOM):
         raise ValueError(f"calibration on whole records needs text and a tokenizer, got source "
-                         f"{source!r}{'' if tokenizer is not None else ' without a tokenizer'}")
+                         f"{source_name(source)}"
+                         f"{'' if tokenizer is not None else ' without a tokenizer'}")
     records = source_records(source, text_key, tokenizer)
     order = torch.randperm(len(records.texts), generator=torch.Generator().manual_seed(seed))
     chosen: list[Tensor] = []
@@ -290,8 +323,8 @@ def token_records(
         total += len(ids)
         if total >= n_tokens:
             return chosen
-    raise ValueError(f"calibration source {source!r} has {len(records.texts)} records of {total} "
-                     f"tokens, fewer than n_tokens={n_tokens}")
+    raise ValueError(f"calibration source {source_name(source)} has {len(records.texts)} "
+                     f"records of {total} tokens, fewer than n_tokens={n_tokens}")
 
 
 def batches_by_length(sequences: list[Tensor], batch_size: int) -> list[dict[str, Tensor]]:

@@ -101,6 +101,33 @@ def test_dataset_files_are_read_by_their_format(minilm, tmp_path):
         source_records(tmp_path / "corpus.parquet", "body")
 
 
+def test_a_python_list_of_records(minilm, tmp_path):
+    """A list of texts, or of dicts holding ``text_key``, is a source of those records, as the
+    same ``.jsonl`` file; an error names the list by its size, not by its records."""
+    from kbbq_pl.io.data import source_records
+
+    _, tokenizer = minilm
+    texts = [f"record {i}: the quick brown fox jumps over the lazy dog ." for i in range(90)]
+    jsonl = tmp_path / "corpus.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"body": text}) for text in texts))
+    expected = source_records(jsonl, "body")
+    assert source_records(texts) == source_records([{"body": t} for t in texts], "body") == \
+        expected
+    blocks = token_blocks(jsonl, tokenizer, n_tokens=512, seq_len=64, seed=1, text_key="body")
+    assert torch.equal(token_blocks(texts, tokenizer, n_tokens=512, seq_len=64, seed=1), blocks)
+    module = CalibrationDataModule(texts, tokenizer, n_tokens=512, seq_len=64, seed=1)
+    assert torch.equal(torch.cat([b["input_ids"] for b in module.calibration_dataloader()]),
+                       blocks)
+    with pytest.raises(ValueError, match=r"^calibration source a list of 90 records has \d+ "
+                                         r"tokens: \d+ blocks"):
+        token_blocks(texts, tokenizer, n_tokens=10**6, seq_len=64)
+    with pytest.raises(ValueError, match=r"calibration record 1: no 'text' field \(fields: "
+                                         r"\['body'\]\); pass text_key="):
+        source_records([{"text": "a"}, {"body": "b"}])
+    with pytest.raises(TypeError, match=r"calibration source an int: pass a file, 'mixed', "):
+        source_records(4)
+
+
 def test_datamodule_batches(minilm):
     _, tokenizer = minilm
     dm = CalibrationDataModule("random", tokenizer, n_tokens=512, seq_len=64, batch_size=3)

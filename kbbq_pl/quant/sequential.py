@@ -458,6 +458,15 @@ class SequentialRunner:
                     f"{f' of shape {tuple(batch.shape)}' if isinstance(batch, Tensor) else ''}: "
                     "batches are dicts of the model's keyword inputs, such as "
                     "{'input_ids': ids, 'attention_mask': mask}")
+            for key in ("input_ids", "attention_mask"):
+                value = batch.get(key)
+                if isinstance(value, (list, tuple)):
+                    raise TypeError(f"calibration batch {index}: {key!r} is a "
+                                    f"{type(value).__name__}; batches hold tensors (a tokenizer's "
+                                    "return_tensors='pt')")
+                if isinstance(value, Tensor) and not value.numel():
+                    raise ValueError(f"calibration batch {index}: {key!r} is empty (shape "
+                                     f"{tuple(value.shape)})")
         _log_padding(batches)
         self.split, batches = split_calibration(batches, holdout, seed, shard)
         self.model = model

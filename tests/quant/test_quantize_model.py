@@ -255,6 +255,14 @@ def test_bad_calibration_input():
     with pytest.raises(TypeError, match=r"calibration batch 1 is a Tensor of shape \(2, 16\): "
                                         "batches are dicts of the model's keyword inputs"):
         quantize_model(model, [{"input_ids": ids}, ids], QuantizationConfig(), progress=False)
+    # a tokenizer's lists (no return_tensors='pt'), a batch without tokens
+    with pytest.raises(TypeError, match=r"calibration batch 0: 'input_ids' is a list; batches "
+                                        r"hold tensors \(a tokenizer's return_tensors='pt'\)"):
+        quantize_model(model, [{"input_ids": ids.tolist()}], QuantizationConfig(), progress=False)
+    with pytest.raises(ValueError, match=r"calibration batch 1: 'input_ids' is empty \(shape "
+                                         r"\(0, 16\)\)"):
+        quantize_model(model, [{"input_ids": ids}, {"input_ids": ids[:0]}], QuantizationConfig(),
+                       progress=False)
     assert not quantized_linears(model)  # refused before anything changed
     with pytest.raises(ValueError, match="W4A4 needs a block FP4 format"):
         QuantizationConfig(format=FormatConfig("fp8_e4m3"))

@@ -196,12 +196,7 @@ class KBBQ(Callback):
         trainable: bool | None = None,
         offload: bool = False,
     ) -> None:
-        if isinstance(config, (str, Path)):
-            config = QuantizationConfig.from_recipe(config)
-        if not isinstance(config, QuantizationConfig):
-            raise TypeError(f"KBBQ takes a recipe: a QuantizationConfig, or a packaged recipe's "
-                            f"name or a recipe file, got {config!r}")
-        self.config = config
+        self.config = QuantizationConfig.given(config, "KBBQ")
         self.calibration = calibration
         self.model_attr = model_attr
         self.calibrate_only = calibrate_only

@@ -316,6 +316,18 @@ class QuantizationConfig:
         return cls.from_dict(block)
 
     @classmethod
+    def given(cls, recipe: QuantizationConfig | str | Path, taker: str) -> QuantizationConfig:
+        """The recipe a ``config=`` argument names: a :class:`QuantizationConfig` as it is, a
+        packaged recipe's name or a recipe file read by :meth:`from_recipe`; anything else is
+        a TypeError naming ``taker``."""
+        if isinstance(recipe, (str, Path)):
+            return cls.from_recipe(recipe)
+        if not isinstance(recipe, cls):
+            raise TypeError(f"{taker} takes a recipe: a QuantizationConfig, or a packaged "
+                            f"recipe's name or a recipe file, got {recipe!r}")
+        return recipe
+
+    @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> QuantizationConfig:
         """The recipe of :meth:`to_dict`'s nested dictionary; an unknown field is an error
         naming it (a removed one, with what to do instead)."""

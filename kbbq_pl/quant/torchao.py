@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -79,12 +80,11 @@ class KBBQConfig(AOBaseConfig):
     """A KBBQ-family W4A4 recipe for ``torchao.quantization.quantize_`` (module docstring).
 
     Args:
-        config: the recipe, a :class:`~kbbq_pl.quant.config.QuantizationConfig` (a packaged
-            one or a recipe file: :meth:`~kbbq_pl.quant.config.QuantizationConfig.
-            from_recipe`; default: the default recipe).  torchao quantizes each layer on its
-            own with RTN and a fixed lambda: GPTQ, ``transform.lam: auto``,
-            ``weights.scale_search: mse``, ``weights.propagate: quantized`` and
-            ``transform.fold_o_proj`` run only through
+        config: the recipe: a :class:`~kbbq_pl.quant.config.QuantizationConfig`, or a
+            packaged recipe's name or a recipe file (default: the default recipe).  torchao
+            quantizes each layer on its own with RTN and a fixed lambda: GPTQ,
+            ``transform.lam: auto``, ``weights.scale_search: mse``,
+            ``weights.propagate: quantized`` and ``transform.fold_o_proj`` run only through
             :func:`kbbq_pl.quant.pipeline.quantize_model`.  ``layers`` and
             ``format.unaligned: skip`` act through :meth:`filter_fn`.  ``prepare`` and
             ``convert`` must agree on ``format.name`` and ``format.act_scale`` (they decide
@@ -92,7 +92,7 @@ class KBBQConfig(AOBaseConfig):
         step: ``prepare`` (attach observers) or ``convert`` (fit and quantize); keyword-only.
     """
 
-    config: QuantizationConfig = field(default_factory=QuantizationConfig)
+    config: QuantizationConfig | str | Path = field(default_factory=QuantizationConfig)
     step: QuantizationStep | str = field(kw_only=True)
     # the layers filter_fn selected, by name (and their names by id), and the NVFP4
     # per-tensor scales their fused siblings share (_fused_global_scale)
@@ -109,10 +109,7 @@ class KBBQConfig(AOBaseConfig):
                              "(a saved state dict loads with model.load_state_dict(state, "
                              "assign=True))")
         self.step = QuantizationStep(step.lower())
-        if not isinstance(self.config, QuantizationConfig):
-            raise TypeError(f"KBBQConfig takes a QuantizationConfig (a packaged one: "
-                            f"QuantizationConfig.from_recipe(NAME)), got {self.config!r}")
-        recipe = self.config
+        self.config = recipe = QuantizationConfig.given(self.config, "KBBQConfig")
         if recipe.auto:
             raise ValueError("lam='auto' selects each layer's brake on held-out calibration "
                              "sequences; run it with kbbq_pl.quantize_model")

@@ -172,8 +172,10 @@ def test_a_packaged_recipe_or_recipe_file_by_name(tmp_path):
     recipe = QuantizationConfig.from_recipe("rtn_kbbq_mxfp4_lam0.25")
     assert (recipe.format.name, recipe.transform.lam) == ("mxfp4", 0.25)
     assert KBBQ(recipe).config == KBBQConfig(recipe, step="prepare").config == recipe
-    with pytest.raises(TypeError, match=r"QuantizationConfig.from_recipe\(NAME\)"):
-        KBBQConfig("rtn_kbbq_mxfp4_lam0.25", step="prepare")  # type: ignore[arg-type]
+    assert KBBQConfig("rtn_kbbq_mxfp4_lam0.25", step="prepare").config == recipe
+    with pytest.raises(TypeError, match=r"KBBQConfig takes a recipe: a QuantizationConfig, or a "
+                                        r"packaged recipe's name or a recipe file, got 4"):
+        KBBQConfig(4, step="prepare")  # type: ignore[arg-type]
     with pytest.raises(FileNotFoundError, match=r"recipe 'rtn_kbbq_nvfp4_lam0.57': no such "
                                                 r"file .* did you mean .*rtn_kbbq_nvfp4_lam0.75"):
         QuantizationConfig.from_recipe("rtn_kbbq_nvfp4_lam0.57")

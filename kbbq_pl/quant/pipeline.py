@@ -40,6 +40,7 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -183,7 +184,7 @@ its ``save_pretrained`` and ``dequantize`` work as on a model transformers loade
 def quantize_model(
     model: nn.Module,
     batches: Batches,
-    config: QuantizationConfig,
+    config: QuantizationConfig | str | Path,
     *,
     collectives: Collectives | None = None,
     shard: bool = False,
@@ -195,9 +196,9 @@ def quantize_model(
     residency: BlockResidency | None = None,
     compute_dtype: torch.dtype | None = None,
 ) -> QuantizationReport:
-    """Quantize ``model`` in place with ``config`` (module docstring); returns the report.
-    The quantized sibling linears (q/k/v, gate/up) are grouped
-    (:func:`~kbbq_pl.quant.siblings.group_sibling_linears`).
+    """Quantize ``model`` in place with ``config`` (module docstring; a packaged recipe's name
+    or a recipe file too); returns the report.  The quantized sibling linears (q/k/v,
+    gate/up) are grouped (:func:`~kbbq_pl.quant.siblings.group_sibling_linears`).
 
     ``batches`` are the model's keyword inputs (a list or a DataLoader).  ``collectives``: the
     data-parallel operations of several processes (:class:`~kbbq_pl.quant.collectives.
@@ -216,6 +217,7 @@ def quantize_model(
     docstring); None computes in the model's own dtype.
     """
     start = time.perf_counter()
+    config = QuantizationConfig.given(config, "quantize_model")
     collectives = collectives or Collectives()
     quantizer = weight_quantizer or WEIGHT_QUANTIZERS[config.weights.quantizer](
         config, trainable=trainable)

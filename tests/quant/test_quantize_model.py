@@ -263,7 +263,13 @@ def test_bad_calibration_input():
                                          r"\(0, 16\)\)"):
         quantize_model(model, [{"input_ids": ids}, {"input_ids": ids[:0]}], QuantizationConfig(),
                        progress=False)
+    with pytest.raises(TypeError, match=r"quantize_model takes a recipe: a QuantizationConfig, "
+                                        r"or a packaged recipe's name or a recipe file, got 4"):
+        quantize_model(model, [{"input_ids": ids}], 4, progress=False)  # type: ignore[arg-type]
     assert not quantized_linears(model)  # refused before anything changed
+    # a packaged recipe by name, as the callback and kbbq-pl quantize --config take it
+    report = quantize_model(model, [{"input_ids": ids}], "i_mxfp4", progress=False)
+    assert report.config == QuantizationConfig.from_recipe("i_mxfp4").to_dict()
     with pytest.raises(ValueError, match="W4A4 needs a block FP4 format"):
         QuantizationConfig(format=FormatConfig("fp8_e4m3"))
     with pytest.raises(ValueError, match="no linear layer"):

@@ -196,7 +196,7 @@ class KBBQ(Callback):
         trainable: bool | None = None,
         offload: bool = False,
     ) -> None:
-        self.config = QuantizationConfig.given(config, "KBBQ")
+        self.config = QuantizationConfig.resolve(config, "KBBQ")
         self.calibration = calibration
         self.model_attr = model_attr
         self.calibrate_only = calibrate_only

@@ -316,7 +316,7 @@ class QuantizationConfig:
         return cls.from_dict(block)
 
     @classmethod
-    def given(cls, recipe: QuantizationConfig | str | Path, taker: str) -> QuantizationConfig:
+    def resolve(cls, recipe: QuantizationConfig | str | Path, taker: str) -> QuantizationConfig:
         """The recipe a ``config=`` argument names: a :class:`QuantizationConfig` as it is, a
         packaged recipe's name or a recipe file read by :meth:`from_recipe`; anything else is
         a TypeError naming ``taker``."""

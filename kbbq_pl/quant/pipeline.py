@@ -217,7 +217,7 @@ def quantize_model(
     docstring); None computes in the model's own dtype.
     """
     start = time.perf_counter()
-    config = QuantizationConfig.given(config, "quantize_model")
+    config = QuantizationConfig.resolve(config, "quantize_model")
     collectives = collectives or Collectives()
     quantizer = weight_quantizer or WEIGHT_QUANTIZERS[config.weights.quantizer](
         config, trainable=trainable)

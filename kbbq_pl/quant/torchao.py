@@ -109,7 +109,7 @@ class KBBQConfig(AOBaseConfig):
                              "(a saved state dict loads with model.load_state_dict(state, "
                              "assign=True))")
         self.step = QuantizationStep(step.lower())
-        self.config = recipe = QuantizationConfig.given(self.config, "KBBQConfig")
+        self.config = recipe = QuantizationConfig.resolve(self.config, "KBBQConfig")
         if recipe.auto:
             raise ValueError("lam='auto' selects each layer's brake on held-out calibration "
                              "sequences; run it with kbbq_pl.quantize_model")

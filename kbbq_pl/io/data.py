@@ -180,6 +180,10 @@ def source_records(source: Any, text_key: str = "text", tokenizer: Any = None) -
 
             source, text_key = calibration_corpus(), "text"
         path = Path(source)
+        if path.is_dir():
+            raise FileNotFoundError(f"calibration source {str(source)!r} is a folder: "
+                                    f"'hf:{source}' reads its data files (datasets' "
+                                    "load_dataset), or name one file")
         if not path.is_file():
             raise FileNotFoundError(f"calibration source {str(source)!r} is not a file, "
                                     "'mixed', 'random' or 'hf:<dataset>'")

@@ -88,6 +88,8 @@ def test_dataset_files_are_read_by_their_format(minilm, tmp_path):
     dataset.to_parquet(folder / "train.parquet")
     assert source_records(f"hf:{folder}") == expected
     assert source_records(f"hf:{folder}::train[10:20]").texts == expected.texts[10:20]
+    with pytest.raises(FileNotFoundError, match=r"is a folder: 'hf:.*dataset' reads its data "):
+        source_records(folder)
     with pytest.raises(ValueError, match=r"a DatasetDict of the splits \['train'\]: pass one "
                                          r"split, e.g. dataset\['train'\]"):
         source_records(datasets.DatasetDict(train=dataset))

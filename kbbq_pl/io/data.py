@@ -207,8 +207,11 @@ def source_records(source: Any, text_key: str = "text", tokenizer: Any = None) -
     else:
         fields = _dataset_fields(source, text_key)
     name = source_name(source)
-    texts = [_as_text(value, tokenizer, name, index) for index, value in enumerate(fields)]
-    return Records(texts, "\n".join(texts), [is_chat(value) for value in fields])
+    # an empty field (null, a blank CSV cell, "") is no record, as a text file's blank lines
+    kept = [(index, value) for index, value in enumerate(fields)
+            if value is not None and not (isinstance(value, str) and not value.strip())]
+    texts = [_as_text(value, tokenizer, name, index) for index, value in kept]
+    return Records(texts, "\n".join(texts), [is_chat(value) for _, value in kept])
 
 
 def random_tokens(vocab_size: int, count: int, seed: int,

@@ -93,6 +93,12 @@ def test_dataset_files_are_read_by_their_format(minilm, tmp_path):
     with pytest.raises(ValueError, match=r"a DatasetDict of the splits \['train'\]: pass one "
                                          r"split, e.g. dataset\['train'\]"):
         source_records(datasets.DatasetDict(train=dataset))
+    # an empty field is no record (it was calibrated on as the text "None")
+    (tmp_path / "gaps.csv").write_text("id,text\n1,first\n2,\n3,third\n")
+    (tmp_path / "gaps.jsonl").write_text("\n".join(json.dumps({"text": value}) for value in (
+        "first", None, "", "  ", "third")))
+    for name in ("gaps.csv", "gaps.jsonl"):
+        assert source_records(tmp_path / name).texts == ["first", "third"], name
     with gzip.open(tmp_path / "corpus.txt.gz", "wt") as compressed:
         compressed.write("a plain text, compressed")
     with pytest.raises(ValueError, match=r"'.*corpus.txt.gz' is not UTF-8 text \(byte 1\); a "

@@ -48,7 +48,8 @@ def test_dataset_files_are_read_by_their_format(minilm, tmp_path):
     """A ``.json`` (an array or JSON lines), ``.parquet``, ``.csv`` or ``.arrow`` file (JSON lines
     and CSV also compressed) is read by datasets' loader of its format: the records and token
     blocks of the same ``.jsonl`` file (before, each was read as plain text: JSON syntax
-    calibrated on, parquet undecodable); ``hf:`` takes a sliced split."""
+    calibrated on, parquet undecodable); ``hf:`` takes a sliced split (it was cut at its
+    colon)."""
     import gzip
 
     import datasets
@@ -88,17 +89,30 @@ def test_dataset_files_are_read_by_their_format(minilm, tmp_path):
     dataset.to_parquet(folder / "train.parquet")
     assert source_records(f"hf:{folder}") == expected
     assert source_records(f"hf:{folder}::train[10:20]").texts == expected.texts[10:20]
-    with pytest.raises(FileNotFoundError, match=r"is a folder: 'hf:.*dataset' reads its data "):
-        source_records(folder)
-    with pytest.raises(ValueError, match=r"a DatasetDict of the splits \['train'\]: pass one "
-                                         r"split, e.g. dataset\['train'\]"):
-        source_records(datasets.DatasetDict(train=dataset))
-    # an empty field is no record (it was calibrated on as the text "None")
+
+
+def test_data_files_without_a_record_or_not_read_as_data(tmp_path):
+    """An empty field (null, a blank CSV cell, "") is no record, as a text file's blank line
+    (it was calibrated on as the text "None"); a folder, a DatasetDict, a file that is not
+    UTF-8 text and a missing column are one line each."""
+    import gzip
+
+    import datasets
+
+    from kbbq_pl.io.data import source_records
+
     (tmp_path / "gaps.csv").write_text("id,text\n1,first\n2,\n3,third\n")
     (tmp_path / "gaps.jsonl").write_text("\n".join(json.dumps({"text": value}) for value in (
         "first", None, "", "  ", "third")))
     for name in ("gaps.csv", "gaps.jsonl"):
         assert source_records(tmp_path / name).texts == ["first", "third"], name
+    dataset = datasets.Dataset.from_list([{"id": 1, "text": "first"}])
+    dataset.to_parquet(tmp_path / "corpus.parquet")
+    with pytest.raises(FileNotFoundError, match=r"'.*' is a folder: 'hf:.*' reads its data "):
+        source_records(tmp_path)
+    with pytest.raises(ValueError, match=r"a DatasetDict of the splits \['train'\]: pass one "
+                                         r"split, e.g. dataset\['train'\]"):
+        source_records(datasets.DatasetDict(train=dataset))
     with gzip.open(tmp_path / "corpus.txt.gz", "wt") as compressed:
         compressed.write("a plain text, compressed")
     with pytest.raises(ValueError, match=r"'.*corpus.txt.gz' is not UTF-8 text \(byte 1\); a "

@@ -390,9 +390,18 @@ class CalibrationDataModule(LightningDataModule):
         ``packing`` is kept.  A ``seq_len`` longer than the positions ``model`` reads (a
         recipe's 256 on a model of 128 positions) is cut to them, with a warning: calibration
         sequences past the model's context would be out of its range, or out of its position
-        table."""
+        table.  Without a tokenizer, text is read with the model's own, saved where the model
+        was loaded from (:func:`~kbbq_pl.io.models.model_tokenizer`), as llm-compressor
+        loads a model's processor from its path."""
         from .checkpoint import is_causal_model
-        from .models import max_context
+        from .models import max_context, model_tokenizer
+
+        if self.tokenizer is None and not (isinstance(self.source, str) and
+                                           self.source == RANDOM):
+            self.tokenizer = model_tokenizer(model)
+            if self.tokenizer is not None:
+                log.info("calibration text read with the tokenizer of %s (the model's; "
+                         "CalibrationDataModule(tokenizer=...) sets another)", model.name_or_path)
 
         longest = max_context(model)
         if longest is not None and self.seq_len > longest:
@@ -418,6 +427,11 @@ class CalibrationDataModule(LightningDataModule):
         return self.tokenizer
 
     def setup(self, stage: str | None = None) -> None:
+        """Build the blocks (or records).  Lightning's call (``stage`` given) leaves it to the
+        first dataloader: it comes before the KBBQ callback settles the data for its model
+        (:meth:`for_model`: packing, sequence length, tokenizer)."""
+        if stage is not None:
+            return
         if not self.packs:
             if self.records is None:
                 self.records = token_records(

@@ -36,7 +36,7 @@ from .checkpoint import (
 )
 from .compressed_tensors import dense_model, is_compressed_tensors_folder, read_compressed_tensors
 from .hf_quantizer import attach_quantizer
-from .hub import local_folder
+from .hub import HUB_ID, local_folder
 
 MINILM = "minilm"
 SMOLLM2 = "smollm2"
@@ -268,6 +268,23 @@ def detach_from_files(model: nn.Module) -> None:
         for tensor in [*model.parameters(), *model.buffers()]:
             if tensor.device.type == "cpu":
                 tensor.data = tensor.data.clone()
+
+
+def model_tokenizer(model: nn.Module) -> Any:
+    """The tokenizer saved with ``model``: in the folder or under the Hub id it was loaded from
+    (``name_or_path``, as transformers' ``from_pretrained`` sets it), or None (a model built
+    from its config, a folder without one, a Hub id that cannot be read)."""
+    from transformers import AutoTokenizer
+
+    name = str(getattr(model, "name_or_path", "") or "")
+    if name and Path(name).is_dir():
+        return load_tokenizer(name)
+    if HUB_ID.match(name):
+        try:  # the tokenizer's files only, from the cache the model came from
+            return AutoTokenizer.from_pretrained(name)
+        except Exception:  # noqa: BLE001 - no tokenizer, offline, unknown id: there is none
+            return None
+    return None
 
 
 def load_tokenizer(folder: str | Path, *, trust_remote_code: bool = False) -> Any:

@@ -305,6 +305,47 @@ def test_calibration_batches_settle_packing_for_the_model():
         assert (lengths == {64}) if packed else (len(lengths) > 1 and max(lengths) <= 64)
 
 
+
+def test_the_datamodule_is_read_after_the_callback_settles_it_for_the_model(tmp_path):
+    """Lightning sets the datamodule up before the callback sees the model: its blocks are built
+    after ``for_model``, so they are cut to the model's positions (they were built at the
+    datamodule's ``seq_len`` first, and kept), and a datamodule without a tokenizer reads the
+    text with the one saved with the model (it was an error)."""
+    from lightning.pytorch import LightningModule
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from kbbq_pl.io.data import token_blocks
+    from kbbq_pl.io.models import load_model
+
+    _, tokenizer = load_model("minilm")
+    folder = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32,
+                                 intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                 max_position_embeddings=32)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    read = []
+
+    class FromFolder(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = AutoModelForCausalLM.from_pretrained(folder)
+            self.model.register_forward_pre_hook(
+                lambda module, args, kwargs: read.append(kwargs["input_ids"].shape[1]),
+                with_kwargs=True)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch, labels=batch["input_ids"]).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    data = CalibrationDataModule("mixed", None, n_tokens=256, seq_len=64)
+    trainer(tmp_path, [KBBQ(calibrate_only=True)], max_steps=1,
+            enable_checkpointing=False).fit(FromFolder(), datamodule=data)
+    assert data.seq_len == 32 and set(read) == {32}, read
+    assert data.tokenizer is not None and data.tokenizer.name_or_path == str(folder)
+    assert torch.equal(data.blocks, token_blocks("mixed", tokenizer, n_tokens=256, seq_len=32))
+
 def test_moe_experts_fine_tune_through_fp4_and_reload_from_the_checkpoint(tmp_path):
     """A mixture-of-experts model: its fused experts become linear layers, quantized and
     trained like the others; the Lightning checkpoint rebuilds them."""

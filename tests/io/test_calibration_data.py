@@ -197,7 +197,7 @@ def test_whole_records_unpacked_and_grouped_by_length(minilm, tmp_path):
 def test_packing_follows_the_model_unless_set(minilm):
     """``packing=None`` (the default): whole records for an encoder, packed blocks for a causal
     LM, and for an encoder without text to read; an explicit setting is kept."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
 
     encoder, tokenizer = minilm
     causal = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
@@ -219,7 +219,12 @@ def test_packing_follows_the_model_unless_set(minilm):
     assert settled(encoder, packing=True).packing is True
     assert settled(causal, packing=False).packing is False
     assert settled(encoder, source="random").packing is True
-    assert settled(encoder, tokenizer=None).packing is True
+    # no tokenizer given: the one saved with the model reads the text; a model with none packs
+    own = settled(encoder, tokenizer=None)
+    assert own.packing is False and own.tokenizer.name_or_path == encoder.name_or_path
+    unsaved = BertModel(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                   num_attention_heads=2, intermediate_size=32))
+    assert settled(unsaved, tokenizer=None).packing is True
 
 
 def _chats(count: int) -> list[list[dict[str, str]]]:

@@ -102,7 +102,8 @@ def _boolean(text: str) -> bool:
 
 
 LM_METRICS = ("ppl", "kl")
-TEXT_HELP = ("text file of ppl/kl (default: DATA_DIR/wikitext2/test.txt if it exists, else "
+TEXT_HELP = ("text of ppl/kl: a text file, or a .jsonl, .json, .parquet or .csv file's 'text' "
+             "column (default: DATA_DIR/wikitext2/test.txt if it exists, else "
              "the first 24 KB of it shipped with kbbq-pl, about 5,800 SmolLM2 tokens: its "
              "tokens are the full file's first ones, so the default --max-tokens 2048 scores "
              "the same tokens either way); the text scored is printed first")

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from kbbq_pl.eval.tasks import BENCHMARKS, run_benchmarks
+from kbbq_pl.io.data import source_records
 from kbbq_pl.io.models import check_context, max_context
 
 __all__ = [
@@ -331,7 +332,9 @@ def _token_stream(
             raise FileNotFoundError(f"perplexity text file {str(source)!r} does not exist")
         if tokenizer is None:
             raise ValueError(f"scoring the text file {file} needs a tokenizer")
-        text = file.read_text(encoding="utf-8")
+        # a text file as written; a data file's (.jsonl, .parquet, ...) text column, records
+        # joined by newlines, as calibration reads it
+        text = source_records(file, tokenizer=tokenizer).stream
         ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False,
                         verbose=False)["input_ids"]
     elif isinstance(source, Tensor):

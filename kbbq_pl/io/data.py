@@ -98,20 +98,20 @@ def _dataset_fields(source: Any, text_key: str) -> list[Any]:
         split = parts[2] if len(parts) > 2 else "train"
         dataset = datasets.load_dataset(path, config, split=split)
     if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
-        raise ValueError(f"calibration source is a DatasetDict of the splits {list(dataset)}: "
+        raise ValueError(f"text source is a DatasetDict of the splits {list(dataset)}: "
                          f"pass one split, e.g. dataset[{next(iter(dataset), 'train')!r}]")
     if not hasattr(dataset, "column_names"):
-        raise TypeError(f"calibration source {source_name(source)}: pass a file, "
+        raise TypeError(f"text source {source_name(source)}: pass a file, "
                         "'mixed', 'random', 'hf:<dataset>', a datasets.Dataset or a list of "
                         "records (texts, conversations or dicts)")
     if text_key not in dataset.column_names:
-        raise ValueError(f"calibration source {source_name(source)} has no {text_key!r} "
+        raise ValueError(f"text source {source_name(source)} has no {text_key!r} "
                          f"column (columns: {dataset.column_names}); pass text_key=")
     return list(dataset[text_key])
 
 
 def source_name(source: Any) -> str:
-    """A calibration source as an error message names it: a path or name quoted, else its type
+    """A text source as an error message names it: a path or name quoted, else its type
     (and size), never the records themselves."""
     if isinstance(source, (str, Path)):
         return repr(str(source))
@@ -126,7 +126,7 @@ def _list_fields(records: list | tuple, text_key: str) -> list[Any]:
     for index, record in enumerate(records):
         if isinstance(record, Mapping):
             if text_key not in record:
-                raise ValueError(f"calibration record {index}: no {text_key!r} field (fields: "
+                raise ValueError(f"text record {index}: no {text_key!r} field (fields: "
                                  f"{sorted(record)}); pass text_key=")
             record = record[text_key]
         fields.append(record)
@@ -149,12 +149,12 @@ def _as_text(value: Any, tokenizer: Any, source: str, index: int) -> str:
     if is_chat(value):
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             name = getattr(tokenizer, "name_or_path", None) or "the model's"
-            raise ValueError(f"calibration source {source}, record {index}: a "
+            raise ValueError(f"text source {source}, record {index}: a "
                              f"conversation, but tokenizer {name!r} has no chat template to "
                              "render it with")
         return tokenizer.apply_chat_template(value, tokenize=False)
     if isinstance(value, (list, dict)):
-        raise ValueError(f"calibration source {source}, record {index}: the field is "
+        raise ValueError(f"text source {source}, record {index}: the field is "
                          f"a {type(value).__name__}, neither text nor a conversation (a list of "
                          "dicts with 'role' and 'content')")
     return str(value)
@@ -181,11 +181,11 @@ def source_records(source: Any, text_key: str = "text", tokenizer: Any = None) -
             source, text_key = calibration_corpus(), "text"
         path = Path(source)
         if path.is_dir():
-            raise FileNotFoundError(f"calibration source {str(source)!r} is a folder: "
+            raise FileNotFoundError(f"text source {str(source)!r} is a folder: "
                                     f"'hf:{source}' reads its data files (datasets' "
                                     "load_dataset), or name one file")
         if not path.is_file():
-            raise FileNotFoundError(f"calibration source {str(source)!r} is not a file, "
+            raise FileNotFoundError(f"text source {str(source)!r} is not a file, "
                                     "'mixed', 'random' or 'hf:<dataset>'")
         if path.suffix == ".jsonl":
             fields = _jsonl_fields(path, text_key)
@@ -196,7 +196,7 @@ def source_records(source: Any, text_key: str = "text", tokenizer: Any = None) -
                 text = path.read_text(encoding="utf-8")
             except UnicodeDecodeError as error:
                 raise ValueError(
-                    f"calibration source {str(source)!r} is not UTF-8 text (byte "
+                    f"text source {str(source)!r} is not UTF-8 text (byte "
                     f"{error.start}); a data file is read by its extension: .jsonl, "
                     f"{', '.join(DATASET_FILES)} (JSON lines and CSV also "
                     f"{'/'.join(COMPRESSED)})") from None

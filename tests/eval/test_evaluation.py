@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 import subprocess
 import sys
@@ -194,6 +195,28 @@ def test_perplexity_of_a_tiny_llama_by_hand():
     # a random-initialized model is close to uniform over its 256 tokens
     assert 128 < result["perplexity"] < 512 and 128 < windowed["perplexity"] < 512
 
+
+
+def test_a_data_file_is_scored_on_its_text_column(tmp_path):
+    """``--text`` a ``.jsonl`` or ``.parquet`` file scores its ``text`` column, records joined
+    by newlines, as calibration reads it (a ``.jsonl`` was scored as JSON syntax); a text file
+    is scored as written."""
+    import datasets
+
+    from kbbq_pl.eval.evaluation import prepare_stream
+    from kbbq_pl.io.models import load_model
+
+    _, tokenizer = load_model("minilm")
+    texts = [f"held-out record {i}: the quick brown fox jumps over the lazy dog ."
+             for i in range(20)]
+    (tmp_path / "held_out.txt").write_text("\n".join(texts))
+    (tmp_path / "held_out.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts))
+    datasets.Dataset.from_dict({"text": texts}).to_parquet(tmp_path / "held_out.parquet")
+    model = tiny_model("llama")
+    expected = prepare_stream(model, tokenizer, tmp_path / "held_out.txt", None)
+    assert expected[1:] == tokenizer("\n".join(texts), add_special_tokens=False)["input_ids"]
+    for name in ("held_out.jsonl", "held_out.parquet"):
+        assert prepare_stream(model, tokenizer, tmp_path / name, None) == expected, name
 
 # --- the held-out text kbbq-pl ships, and `kbbq-pl eval`/`compare` without the data folder -----
 

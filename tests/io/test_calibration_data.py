@@ -118,7 +118,7 @@ def test_data_files_without_a_record_or_not_read_as_data(tmp_path):
     with pytest.raises(ValueError, match=r"'.*corpus.txt.gz' is not UTF-8 text \(byte 1\); a "
                                          r"data file is read by its extension: .jsonl, .json"):
         source_records(tmp_path / "corpus.txt.gz")
-    with pytest.raises(ValueError, match=r"calibration source '.*corpus.parquet' has no 'body' "
+    with pytest.raises(ValueError, match=r"text source '.*corpus.parquet' has no 'body' "
                                          r"column \(columns: \['id', 'text'\]\)"):
         source_records(tmp_path / "corpus.parquet", "body")
 
@@ -143,10 +143,10 @@ def test_a_python_list_of_records(minilm, tmp_path):
     with pytest.raises(ValueError, match=r"^calibration source a list of 90 records has \d+ "
                                          r"tokens: \d+ blocks"):
         token_blocks(texts, tokenizer, n_tokens=10**6, seq_len=64)
-    with pytest.raises(ValueError, match=r"calibration record 1: no 'text' field \(fields: "
+    with pytest.raises(ValueError, match=r"text record 1: no 'text' field \(fields: "
                                          r"\['body'\]\); pass text_key="):
         source_records([{"text": "a"}, {"body": "b"}])
-    with pytest.raises(TypeError, match=r"calibration source an int: pass a file, 'mixed', "):
+    with pytest.raises(TypeError, match=r"text source an int: pass a file, 'mixed', "):
         source_records(4)
 
 

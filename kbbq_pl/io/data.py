@@ -54,6 +54,14 @@ COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 MIXED = "mixed"
 
 
+def _field(record: Mapping[str, Any], text_key: str, where: str) -> Any:
+    """``record``'s ``text_key`` field; an error naming ``where`` the record is without it."""
+    if text_key not in record:
+        raise ValueError(f"{where}: no {text_key!r} field (fields: {sorted(record)}); "
+                         "pass text_key=")
+    return record[text_key]
+
+
 def _jsonl_fields(path: Path, text_key: str) -> list[Any]:
     """The ``text_key`` field of each record of a ``.jsonl`` file."""
     fields = []
@@ -65,10 +73,7 @@ def _jsonl_fields(path: Path, text_key: str) -> list[Any]:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}:{number}: not valid JSON ({error})") from None
-            if text_key not in record:
-                raise ValueError(f"{path}:{number}: no {text_key!r} field "
-                                 f"(fields: {sorted(record)}); pass text_key=")
-            fields.append(record[text_key])
+            fields.append(_field(record, text_key, f"{path}:{number}"))
     return fields
 
 
@@ -122,15 +127,8 @@ def source_name(source: Any) -> str:
 
 def _list_fields(records: list | tuple, text_key: str) -> list[Any]:
     """A Python list's records: each a text, a conversation, or a dict holding ``text_key``."""
-    fields = []
-    for index, record in enumerate(records):
-        if isinstance(record, Mapping):
-            if text_key not in record:
-                raise ValueError(f"text record {index}: no {text_key!r} field (fields: "
-                                 f"{sorted(record)}); pass text_key=")
-            record = record[text_key]
-        fields.append(record)
-    return fields
+    return [_field(record, text_key, f"text record {index}") if isinstance(record, Mapping)
+            else record for index, record in enumerate(records)]
 
 
 def is_chat(value: Any) -> bool:

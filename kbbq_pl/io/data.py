@@ -23,7 +23,9 @@ instead, one per sequence, for a sentence encoder.
 Each block is ``seq_len`` tokens including the tokenizer's own special tokens (``[CLS] ...
 [SEP]`` for BERT, ``<s> ...`` for Llama).  Blocks are distinct, non-overlapping windows of the
 token stream chosen with the seed; the token budget ``n_tokens`` counts every token of every
-block (the paper's n, Table calib: 256 to 65536).
+block (the paper's n, Table calib: 256 to 65536).  A source holding more than
+:data:`CHARS_PER_TOKEN` characters a token is read in part: a seeded draw of its records
+(:func:`drawn`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ RANDOM = "random"
 DATASET_FILES = {".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 MIXED = "mixed"
+# a calibration source holding more than this many characters a token of ``n_tokens`` (in
+# English about 64 times the tokens it needs) is read in part, a seeded draw of its records
+# (source_records' max_chars), so that a large corpus is not tokenized whole
+CHARS_PER_TOKEN = 256
 
 
 def _field(record: Mapping[str, Any], text_key: str, where: str) -> Any:
@@ -87,10 +93,11 @@ def data_file_format(path: Path) -> str | None:
     return DATASET_FILES.get(suffixes[-1]) if suffixes else None
 
 
-def _dataset_fields(source: Any, text_key: str) -> list[Any]:
+def _dataset_fields(source: Any, text_key: str, max_chars: int | None = None) -> list[Any]:
     """The ``text_key`` column of a dataset, of ``"hf:<path>[:<config>][:<split>]"`` (the split
     as ``datasets`` reads it, a slice too: ``train[:512]``) or of a local file of one of
-    :data:`DATASET_FILES`' formats."""
+    :data:`DATASET_FILES`' formats.  A streaming dataset (``IterableDataset``) is read in its
+    own order until its fields hold ``max_chars`` characters (to its end without)."""
     import datasets
 
     dataset = source
@@ -109,10 +116,21 @@ def _dataset_fields(source: Any, text_key: str) -> list[Any]:
         raise TypeError(f"text source {source_name(source)}: pass a file, "
                         "'mixed', 'random', 'hf:<dataset>', a datasets.Dataset or a list of "
                         "records (texts, conversations or dicts)")
-    if text_key not in dataset.column_names:
+    # a streaming dataset may not know its columns before its first record
+    if dataset.column_names is not None and text_key not in dataset.column_names:
         raise ValueError(f"text source {source_name(source)} has no {text_key!r} "
                          f"column (columns: {dataset.column_names}); pass text_key=")
-    return list(dataset[text_key])
+    if not isinstance(dataset, datasets.IterableDataset):
+        return list(dataset[text_key])
+    fields, chars = [], 0
+    for index, row in enumerate(dataset):
+        fields.append(_field(row, text_key, f"text source {source_name(source)}, record {index}"))
+        chars += _chars(fields[-1])
+        if max_chars is not None and chars >= max_chars:
+            log.info("text source %s (streaming): its first %d records read, %d characters",
+                     source_name(source), len(fields), chars)
+            break
+    return fields
 
 
 def source_name(source: Any) -> str:
@@ -166,12 +184,37 @@ class Records(NamedTuple):
     templated: list[bool]  # the record is a rendered conversation, framed by its template
 
 
-def source_records(source: Any, text_key: str = "text", tokenizer: Any = None) -> Records:
+def _chars(value: Any) -> int:
+    """A record field's characters (a conversation's: its messages' contents)."""
+    if is_chat(value):
+        return sum(len(str(message["content"])) for message in value)
+    return len(value) if isinstance(value, str) else len(str(value))
+
+
+def drawn(sizes: list[int], max_chars: int, seed: int) -> list[int] | None:
+    """The records a calibration reads of a large source: a seeded draw of them, until they
+    hold ``max_chars`` characters, as indices in the source's order; None where the source holds
+    no more than that (all of it is read, as it stands)."""
+    if sum(sizes) <= max_chars:
+        return None
+    chosen, chars = [], 0
+    for index in torch.randperm(len(sizes), generator=torch.Generator().manual_seed(seed)).tolist():
+        chosen.append(index)
+        chars += sizes[index]
+        if chars >= max_chars:
+            break
+    return sorted(chosen)
+
+
+def source_records(source: Any, text_key: str = "text", tokenizer: Any = None, *,
+                   max_chars: int | None = None, seed: int = 0) -> Records:
     """The records of a text source: a text file's non-empty lines, a ``.jsonl`` file's or a
     dataset's ``text_key`` fields (a ``.json``, ``.parquet``, ``.csv`` or ``.arrow`` file,
     ``"hf:..."`` or a ``datasets.Dataset``), a list's records (texts, conversations, or dicts
     holding ``text_key``), or the shipped corpus (``"mixed"``); a conversation field rendered
-    by the tokenizer's chat template."""
+    by the tokenizer's chat template.  With ``max_chars``, a source holding more text is read
+    in part: the records of a seeded draw until ``max_chars`` characters (:func:`drawn`), in
+    the source's order; a streaming dataset's first records (:func:`_dataset_fields`)."""
     if isinstance(source, (str, Path)) and not str(source).startswith("hf:"):
         if str(source) == MIXED:
             from ..resources import calibration_corpus
@@ -199,17 +242,31 @@ def source_records(source: Any, text_key: str = "text", tokenizer: Any = None) -
                     f"{', '.join(DATASET_FILES)} (JSON lines and CSV also "
                     f"{'/'.join(COMPRESSED)})") from None
             lines = [line.strip() for line in text.splitlines() if line.strip()]
+            chosen = drawn([len(line) for line in lines], max_chars, seed) if max_chars else None
+            if chosen is not None:
+                _log_drawn(source, len(chosen), len(lines), max_chars, seed)
+                lines = [lines[index] for index in chosen]
+                text = "\n".join(lines)
             return Records(lines, text, [False] * len(lines))
     elif isinstance(source, (list, tuple)):
         fields = _list_fields(source, text_key)
     else:
-        fields = _dataset_fields(source, text_key)
+        fields = _dataset_fields(source, text_key, max_chars)
     name = source_name(source)
     # an empty field (null, a blank CSV cell, "") is no record, as a text file's blank lines
     kept = [(index, value) for index, value in enumerate(fields)
             if value is not None and not (isinstance(value, str) and not value.strip())]
+    chosen = drawn([_chars(value) for _, value in kept], max_chars, seed) if max_chars else None
+    if chosen is not None:
+        _log_drawn(source, len(chosen), len(kept), max_chars, seed)
+        kept = [kept[index] for index in chosen]
     texts = [_as_text(value, tokenizer, name, index) for index, value in kept]
     return Records(texts, "\n".join(texts), [is_chat(value) for _, value in kept])
+
+
+def _log_drawn(source: Any, count: int, total: int, max_chars: int, seed: int) -> None:
+    log.info("text source %s holds more than %d characters: %d of its %d records drawn "
+             "(seed %d)", source_name(source), max_chars, count, total, seed)
 
 
 def random_tokens(vocab_size: int, count: int, seed: int,
@@ -271,7 +328,8 @@ def token_blocks(
         if tokenizer is None:
             raise ValueError(f"calibration source {source_name(source)} is text: it needs a "
                              "tokenizer (a model without one calibrates on source 'random')")
-        text = source_records(source, text_key, tokenizer).stream
+        text = source_records(source, text_key, tokenizer, max_chars=CHARS_PER_TOKEN * n_tokens,
+                              seed=seed).stream
         ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False,
                         verbose=False)["input_ids"]
         available = len(ids) // body
@@ -315,7 +373,8 @@ def token_records(
         raise ValueError(f"calibration on whole records needs text and a tokenizer, got source "
                          f"{source_name(source)}"
                          f"{'' if tokenizer is not None else ' without a tokenizer'}")
-    records = source_records(source, text_key, tokenizer)
+    records = source_records(source, text_key, tokenizer, max_chars=CHARS_PER_TOKEN * n_tokens,
+                             seed=seed)
     order = torch.randperm(len(records.texts), generator=torch.Generator().manual_seed(seed))
     chosen: list[Tensor] = []
     total = 0

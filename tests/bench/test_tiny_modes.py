@@ -41,6 +41,11 @@ TABLES: dict[str, list[str]] = {
         *(rf"^{re.escape(label)}\s+0(\s+{NUMBER}){{7}}$" for label in (
             "RTN-KBBQ nvfp4, lambda 0.75", "RTN-KBBQ nvfp4, lambda auto",
             "GPTQ-KBBQ nvfp4, lambda 0.75"))],
+    "calibration_source.py": [
+        r"^source: 1240 records, \d+\.\d MB; n_tokens 64, seq_len 32$",
+        r"^calibration\s+source read\s+s\s+peak RSS GB\s+tokens$",
+        *(rf"^{mode}\s+{read}\s+{NUMBER}\s+{NUMBER}\s+64$" for mode in ("packed", "whole records")
+          for read in ("in part", "whole"))],
     "calibration_shape.py": [
         r"^format\s+calibration\s+mean\s+min\s+worst min\s+1st pct$",
         rf"^nvfp4\s+packed(\s+{NUMBER}){{4}}$",

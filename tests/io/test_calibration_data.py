@@ -3,6 +3,7 @@ their errors, and the calibration data module's batches."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -237,7 +238,6 @@ def test_conversations_are_rendered_by_the_chat_template(minilm, tmp_path):
     """A field holding a conversation (ultrachat's ``messages``) is calibrated on as the
     tokenizer's chat template renders it, in a jsonl file and in a dataset, packed or whole;
     whole records take no second framing (the template's own special tokens frame them)."""
-    import copy
 
     import datasets
 
@@ -280,3 +280,72 @@ def test_conversations_are_rendered_by_the_chat_template(minilm, tmp_path):
     with pytest.raises(ValueError, match="record 1: the field is a list, neither text nor a "
                                          "conversation"):
         token_records(odd, tokenizer, n_tokens=64, max_len=32)
+
+
+def test_a_large_source_is_read_in_part(minilm, tmp_path, monkeypatch):
+    """A source holding more than ``CHARS_PER_TOKEN`` characters a calibration token is read
+    in part, a seeded draw of its records in the source's order, the same from a text file, a
+    jsonl file, a list and a dataset, and only the drawn conversations are rendered (a 230 MB
+    jsonl was tokenized whole to take 16,384 tokens: 132 s and 17.5 GB); a streaming dataset
+    is read until it holds as much (it was read to its end, which an endless one has not); a
+    smaller source is read whole, as before."""
+    import datasets
+
+    from kbbq_pl.io import data
+    from kbbq_pl.io.data import CHARS_PER_TOKEN, source_records
+
+    _, tokenizer = minilm
+    texts = [f"record {i}: the quick brown fox jumps over the lazy dog ." for i in range(2000)]
+    size = sum(map(len, texts))
+    assert CHARS_PER_TOKEN * 64 < size / 4  # 64 tokens need a quarter of the source at most
+    (tmp_path / "corpus.txt").write_text("\n".join(texts) + "\n")
+    jsonl = tmp_path / "corpus.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"text": text}) for text in texts))
+    sources = [tmp_path / "corpus.txt", jsonl, texts, datasets.Dataset.from_list(
+        [{"text": text} for text in texts])]
+
+    drawn = source_records(jsonl, max_chars=CHARS_PER_TOKEN * 64, seed=1)
+    chars = sum(map(len, drawn.texts))
+    assert CHARS_PER_TOKEN * 64 <= chars < CHARS_PER_TOKEN * 64 + len(texts[-1])
+    indices = [texts.index(text) for text in drawn.texts]
+    assert indices == sorted(indices) and indices[-1] > len(texts) / 2  # drawn, in order
+    assert drawn.stream == "\n".join(drawn.texts)
+    assert source_records(jsonl, max_chars=CHARS_PER_TOKEN * 64, seed=2).texts != drawn.texts
+    blocks = token_blocks(jsonl, tokenizer, n_tokens=64, seq_len=32, seed=1)
+    for source in sources:
+        assert source_records(source, max_chars=CHARS_PER_TOKEN * 64, seed=1) == drawn, source
+        assert torch.equal(token_blocks(source, tokenizer, n_tokens=64, seq_len=32, seed=1),
+                           blocks), source
+    records = token_records(jsonl, tokenizer, n_tokens=64, max_len=32, seed=1)
+    assert {tokenizer.decode(ids[1:-1]) for ids in records} <= {
+        tokenizer.decode(tokenizer(text)["input_ids"][1:-1]) for text in drawn.texts}
+    # a source of no more than the budget is read whole: the text file as it stands
+    assert source_records(sources[0], max_chars=size + len(texts)) == source_records(sources[0])
+    assert source_records(sources[0]).stream.endswith("dog .\n")
+
+    rendered = []
+    chat_tokenizer = copy.deepcopy(tokenizer)
+    chat_tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    render = chat_tokenizer.apply_chat_template
+    monkeypatch.setattr(chat_tokenizer, "apply_chat_template",
+                        lambda chat, **kw: rendered.append(chat) or render(chat, **kw))
+    chats = [[{"role": "user", "content": text}] for text in texts]
+    chat_records = source_records(chats, tokenizer=chat_tokenizer,
+                                  max_chars=CHARS_PER_TOKEN * 64, seed=1)
+    assert len(rendered) == len(chat_records.texts) == len(drawn.texts)
+
+    def endless():
+        for i in range(10**6):
+            if i == 5000:
+                raise AssertionError("read past what calibration needs")
+            yield {"text": f"streamed record {i}: the quick brown fox jumps over the lazy dog ."}
+
+    stream = datasets.IterableDataset.from_generator(endless)
+    blocks = token_blocks(stream, tokenizer, n_tokens=64, seq_len=32)
+    assert blocks.shape == (2, 32)
+    first = source_records(stream, max_chars=CHARS_PER_TOKEN * 64)
+    assert first.texts[0].startswith("streamed record 0:") and \
+        sum(map(len, first.texts[:-1])) < CHARS_PER_TOKEN * 64 <= sum(map(len, first.texts))
+    monkeypatch.setattr(data, "CHARS_PER_TOKEN", 10**9)  # a budget this stream cannot fill
+    with pytest.raises(AssertionError, match="read past"):
+        token_blocks(stream, tokenizer, n_tokens=64, seq_len=32)

@@ -61,8 +61,13 @@ def w4a4_weight(
                                      act_global_scale=act_global_scale, layer_name=name)
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(nn.Linear):
     """W4A4 linear layer (see the module docstring).
+
+    An ``nn.Linear`` (as bitsandbytes' 4-bit layer is, and as torchao leaves a layer it
+    quantizes), so that what picks a model's linear layers by their class picks it too: peft's
+    ``target_modules="all-linear"``.  kbbq-pl's own selection of the layers to quantize
+    (:func:`~kbbq_pl.quant.modules.is_linear`) leaves it.
 
     Args:
         in_features, out_features: the original layer's sizes.
@@ -93,7 +98,7 @@ class QuantizedLinear(nn.Module):
         trainable: bool = False,
         name: str = "",
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate a dense weight
         self.fmt = get_format(fmt)
         self.in_features = in_features
         self.out_features = out_features
@@ -119,6 +124,10 @@ class QuantizedLinear(nn.Module):
                     weight, in_features=in_features, transform=transform, act_scale=scale_mode,
                     act_global_scale=act_global_scale, layer_name=name)
             self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def reset_parameters(self) -> None:
+        """Nothing to reset: the weight is the quantized layer's (nn.Linear's would draw a
+        random dense one over it)."""
 
     # ------------------------------------------------------------------ the activation side
 

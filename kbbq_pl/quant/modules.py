@@ -45,8 +45,13 @@ def _conv1d_type() -> type | None:
 
 
 def is_linear(module: nn.Module) -> bool:
-    """An ``nn.Linear`` or a transformers ``Conv1D``."""
+    """An ``nn.Linear`` or a transformers ``Conv1D`` to quantize: not a quantized layer
+    (:class:`~kbbq_pl.quant.layers.QuantizedLinear`, an ``nn.Linear`` too)."""
+    from .layers import QuantizedLinear
+
     conv1d = _conv1d_type()
+    if isinstance(module, QuantizedLinear):
+        return False
     return isinstance(module, nn.Linear) or (conv1d is not None and isinstance(module, conv1d))
 
 

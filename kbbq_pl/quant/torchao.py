@@ -62,7 +62,7 @@ from ..formats import QuantizedTensor, quantize
 from ..formats.padding import pad_features
 from ..transforms.fit import FITTED_TRANSFORMS, fit_transform, transform_weight
 from .config import QuantizationConfig
-from .layers import w4a4_weight
+from .layers import QuantizedLinear, w4a4_weight
 from .modules import first_input, fused_groups, is_targeted
 from .scales import fused_weight_scales
 from .stats import StatisticsCollector, act_scales_from_amax, tensor_amax
@@ -134,7 +134,8 @@ class KBBQConfig(AOBaseConfig):
         module and its name, not the model: a task head other than ``lm_head`` (a
         classifier's ``classifier``, which ``quantize_model`` leaves) is selected unless
         ``layers.ignore`` names it."""
-        if not isinstance(module, nn.Linear) or isinstance(module.weight, QuantizedTensor):
+        if (not isinstance(module, nn.Linear) or isinstance(module, QuantizedLinear)
+                or isinstance(module.weight, QuantizedTensor)):
             return False
         recipe = self.config
         if not is_targeted(fqn, recipe.layers.targets, recipe.layers.ignore):
@@ -207,8 +208,8 @@ def _prepare(module: nn.Module, ao_config: KBBQConfig) -> nn.Module:
     if not isinstance(module, nn.Linear):
         raise TypeError(f"KBBQConfig quantizes nn.Linear layers (their forward is F.linear), "
                         f"got {type(module).__name__}; use kbbq_pl.quantize_model")
-    if isinstance(module.weight, QuantizedTensor):
-        raise ValueError(f"{module}: its weight is quantized already")
+    if isinstance(module, QuantizedLinear) or isinstance(module.weight, QuantizedTensor):
+        raise ValueError(f"{module}: it is quantized already")
     previous = getattr(module, OBSERVER_ATTR, None)
     if previous is not None:
         previous.remove()

@@ -297,10 +297,12 @@ def test_transformers_trainer_fine_tunes_what_the_kbbq_callback_would(tiny_chat_
 
 def test_peft_lora_adapters_train_on_a_quantized_model_and_merge_into_its_source(
         tiny_chat_folder, tiny_chat_quantized, tmp_path):
-    """QLoRA on a kbbq-pl folder with peft: LoRA adapters on every linear train through the FP4
-    product (each adapter gets a gradient; the stored codes do not move), save and load again
-    with the same logits, and merge into the full-precision model the folder was quantized from
-    (merging into FP4 codes is refused, leaving them as they were)."""
+    """QLoRA on a kbbq-pl folder with peft: LoRA adapters on every linear (peft's
+    ``"all-linear"``, which picks ``nn.Linear`` modules: a quantized layer is one; before, it
+    picked none and peft raised) train through the FP4 product (each adapter gets a gradient;
+    the stored codes do not move), save and load again with the same logits, and merge into the
+    full-precision model the folder was quantized from (merging into FP4 codes is refused,
+    leaving them as they were)."""
     peft = pytest.importorskip("peft", reason="peft (the test extra) is not installed")
     from kbbq_pl.io.checkpoint import layer_tensors
 
@@ -312,9 +314,13 @@ def test_peft_lora_adapters_train_on_a_quantized_model_and_merge_into_its_source
 
     torch.manual_seed(0)
     model = peft.get_peft_model(causal_lm(tiny_chat_quantized), peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM"))
+        r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
     codes = stored(model)
     assert len(quantized_linears(model)) == 4 * len(targets)
+    adapted = {name.removesuffix(".base_layer") for name, module in model.named_modules()
+               if name.endswith(".base_layer")}
+    assert adapted == {name.removesuffix(".base_layer") for name in quantized_linears(model)}
+    assert {name.rsplit(".", 1)[-1] for name in adapted} == set(targets)
     rows = probe()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses = []

@@ -61,13 +61,15 @@ def w4a4_weight(
                                      act_global_scale=act_global_scale, layer_name=name)
 
 
-class QuantizedLinear(nn.Linear):
+class QuantizedLinear(nn.modules.linear.NonDynamicallyQuantizableLinear):
     """W4A4 linear layer (see the module docstring).
 
     An ``nn.Linear`` (as bitsandbytes' 4-bit layer is, and as torchao leaves a layer it
     quantizes), so that what picks a model's linear layers by their class picks it too: peft's
-    ``target_modules="all-linear"``.  kbbq-pl's own selection of the layers to quantize
-    (:func:`~kbbq_pl.quant.modules.is_linear`) leaves it.
+    ``target_modules="all-linear"``.  Of the subclass that torch's dynamic quantization and
+    torchao's ``quantize_`` (its default filter) leave, as kbbq-pl's own selection of the
+    layers to quantize does (:func:`~kbbq_pl.quant.modules.is_linear`): it is quantized
+    already.
 
     Args:
         in_features, out_features: the original layer's sizes.

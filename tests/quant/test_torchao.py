@@ -20,7 +20,7 @@ from kbbq_pl.quant import (
     TransformConfig,
     quantize_model,
 )
-from kbbq_pl.quant.layers import quantized_linears
+from kbbq_pl.quant.layers import QuantizedLinear, quantized_linears
 from kbbq_pl.quant.stats import run_calibration
 from kbbq_pl.quant.torchao import OBSERVER_ATTR, KBBQConfig
 from kbbq_pl.quant.w4a4 import W4A4Weight
@@ -184,6 +184,42 @@ def test_unprepared_layers_are_left_and_filters_follow_the_recipe():
     assert quantized == {f"model.layers.{i}.{part}" for i in range(2) for part in (
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
         "mlp.up_proj")}
+
+
+
+def test_a_quantized_model_is_not_quantized_again():
+    """``QuantizedLinear`` is an ``nn.Linear`` (peft's ``"all-linear"`` takes it) that
+    quantizers leave: ``quantize_model`` and ``KBBQConfig`` find nothing more to quantize, and
+    torchao's ``quantize_`` with another config (its default filter) quantizes only the layers
+    left in full precision (the head, here), the FP4 codes and the logits of the rest kept."""
+    from torchao.quantization import Int8WeightOnlyConfig
+    from torchao.utils import TorchAOBaseTensor
+
+    model = tiny_model("llama")
+    quantize_model(model, calibration(), QuantizationConfig(), progress=False)
+    layers = quantized_linears(model)
+    assert layers and all(isinstance(layer, nn.Linear) for layer in layers.values())
+    codes = {name: layer.weight for name, layer in layers.items()}
+    with pytest.raises(ValueError, match=r"already quantized \(14 quantized layers"):
+        quantize_model(model, calibration(), QuantizationConfig(), progress=False)
+    prepare = KBBQConfig(QuantizationConfig(), step="prepare")
+    quantize_(model, prepare, filter_fn=prepare.filter_fn)
+    assert not [name for name, m in model.named_modules() if hasattr(m, OBSERVER_ATTR)]
+    with pytest.raises(ValueError, match="it is quantized already"):
+        quantize_(model, prepare, filter_fn=lambda m, fqn: fqn.endswith("q_proj"))
+
+    # a fine-tuned layer's master weight is no QuantizedTensor: the layer is left all the same
+    master = QuantizedLinear.from_linear(nn.Linear(64, 64), "nvfp4", trainable=True)
+    assert not prepare.filter_fn(master, "model.layers.0.self_attn.q_proj")
+    with pytest.raises(ValueError, match="it is quantized already"):
+        quantize_(nn.Sequential(master), prepare, filter_fn=lambda m, fqn: fqn == "0")
+
+    model = tiny_model("llama")
+    quantize_model(model, calibration(), QuantizationConfig(), progress=False)
+    codes = {name: layer.weight for name, layer in quantized_linears(model).items()}
+    quantize_(model, Int8WeightOnlyConfig())
+    assert isinstance(model.lm_head.weight, TorchAOBaseTensor)
+    assert all(layer.weight is codes[name] for name, layer in quantized_linears(model).items())
 
 
 def documented_example() -> str:

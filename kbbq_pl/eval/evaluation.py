@@ -323,9 +323,30 @@ def rolling_windows(n_tokens: int, seq_len: int, stride: int) -> list[Window]:
         first, end = end, min(end + stride, n_tokens)
 
 
+def _leading_tokens(tokenizer: Any, text: str, count: int | None) -> list[int]:
+    """The first ``count`` tokens of ``text`` (all of them for None), as tokenizing the whole
+    text gives them, from a prefix of it: the shortest of 8, 16, 32, ... characters a token whose
+    tokens agree with those of a prefix twice as long on the first ``count`` (a tokenizer's
+    pieces depend on the text near them, not on its end), so that scoring 2,048 tokens of a file
+    of many megabytes does not tokenize all of it."""
+    def encode(part: str) -> list[int]:
+        return tokenizer(part, add_special_tokens=False, return_attention_mask=False,
+                         verbose=False)["input_ids"]
+
+    chars = 8 * count if count else len(text)
+    while chars < len(text):
+        ids = encode(text[:chars])
+        if len(ids) > count and encode(text[:2 * chars])[:count] == ids[:count]:
+            return ids[:count]
+        chars *= 2
+    return encode(text)
+
+
 def _token_stream(
     tokenizer: Any, source: str | Path | Tensor | Sequence[int], max_tokens: int | None
 ) -> list[int]:
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if isinstance(source, (str, Path)):
         file = Path(source)
         if not file.is_file():
@@ -335,19 +356,14 @@ def _token_stream(
         # a text file as written; a data file's (.jsonl, .parquet, ...) text column, records
         # joined by newlines, as calibration reads it
         text = source_records(file, tokenizer=tokenizer).stream
-        ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False,
-                        verbose=False)["input_ids"]
+        ids = _leading_tokens(tokenizer, text, max_tokens)
     elif isinstance(source, Tensor):
         if source.dim() != 1:
             raise ValueError(f"token ids must be one stream (1-D), got shape {tuple(source.shape)}")
         ids = source.tolist()
     else:
         ids = [int(i) for i in source]
-    if max_tokens is not None:
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        ids = ids[:max_tokens]
-    return list(ids)
+    return list(ids[:max_tokens])
 
 
 def _bos_id(model: nn.Module, tokenizer: Any) -> int | None:

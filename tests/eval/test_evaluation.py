@@ -218,6 +218,45 @@ def test_a_data_file_is_scored_on_its_text_column(tmp_path):
     for name in ("held_out.jsonl", "held_out.parquet"):
         assert prepare_stream(model, tokenizer, tmp_path / name, None) == expected, name
 
+
+def test_the_first_tokens_of_a_long_text_are_read_from_a_prefix(tmp_path):
+    """``ppl`` and ``kl`` score the first ``max_tokens`` of ``--text``: they are tokenized from a
+    prefix of it (a 58 MB JSON-lines file was tokenized whole to score 2,048 tokens: 27.2 s and
+    4.6 GB), and are the whole text's first tokens, for a WordPiece and a byte-level BPE
+    tokenizer with merges, at any count; without ``max_tokens`` the whole text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from kbbq_pl.eval.evaluation import prepare_stream
+    from kbbq_pl.resources import eval_text
+
+    text = eval_text().read_text(encoding="utf-8") * 40
+    file = tmp_path / "long.txt"
+    file.write_text(text, encoding="utf-8")
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.train_from_iterator(text.splitlines()[:400], trainers.BpeTrainer(
+        vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+
+    class Reading:  # the tokenizer, noting the longest text it is given
+        def __init__(self, tokenizer):
+            self.tokenizer, self.longest = tokenizer, 0
+
+        def __call__(self, part, **kwargs):
+            self.longest = max(self.longest, len(part))
+            return self.tokenizer(part, **kwargs)
+
+    model = tiny_model("llama")
+    for tokenizer in (load_model("minilm")[1], PreTrainedTokenizerFast(tokenizer_object=backend)):
+        whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for count in (1, 333, 2048, 7777):
+            reading = Reading(tokenizer)
+            ids = prepare_stream(model, reading, file, count, add_bos=False)
+            assert ids == whole[:count], (tokenizer, count)
+            assert reading.longest < len(text) / 4, (tokenizer, count)
+        assert prepare_stream(model, tokenizer, file, None, add_bos=False) == whole
+
+
 # --- the held-out text kbbq-pl ships, and `kbbq-pl eval`/`compare` without the data folder -----
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""A calibration source far larger than calibration needs: read in part against read whole.
+"""A text source far larger than what is read of it: read in part against read whole.
 
     python bench/calibration_source.py [--copies 27] [--n-tokens 16384] [--seq-len 256]
     python bench/calibration_source.py --tiny     # the WikiText-2 excerpt kbbq-pl ships
@@ -9,7 +9,10 @@ times over (27: 201,771 records, 230 MB), each record a ``text`` (question and a
 (``token_blocks``, packed, on the ``text`` field; ``token_records``, whole records, on the
 rendered conversations) with SmolLM2-135M's tokenizer and chat template: as it does now, a
 seeded draw of the records until 256 characters a token (``CHARS_PER_TOKEN``), and with that
-limit lifted (the whole file rendered and tokenized, as before 2026-12-03).  Each run is a
+limit lifted (the whole file rendered and tokenized, as before 2026-12-03); and what ``kbbq-pl
+eval --tasks ppl,kl --text`` scores of it (the first ``--n-tokens`` tokens of the ``text``
+column): tokenized from a prefix, as it does now, and the whole text tokenized and cut, as
+before 2026-12-03.  Each run is a
 process of its own, so that its peak RSS is its own.  ``--tiny`` only checks that the script
 runs (tests/bench/test_tiny_modes.py): the excerpt's lines 20 times over, kbbq-pl's byte-level
 test tokenizer, 64 tokens.
@@ -65,6 +68,11 @@ def run_one(source: str, tokenizer_dir: str, mode: str, whole: bool, n_tokens: i
     start = time.perf_counter()
     if mode == "packed":
         tokens = data.token_blocks(source, tokenizer, n_tokens=n_tokens, seq_len=seq_len).numel()
+    elif mode == "eval":
+        from kbbq_pl.eval.evaluation import _token_stream
+
+        tokens = len(_token_stream(tokenizer, source, None)[:n_tokens] if whole
+                     else _token_stream(tokenizer, source, n_tokens))
     else:
         tokens = sum(len(ids) for ids in data.token_records(
             source, tokenizer, n_tokens=n_tokens, max_len=seq_len, text_key="messages"))
@@ -102,7 +110,7 @@ def main() -> None:
         print(f"source: {records} records, {source.stat().st_size / 1e6:.1f} MB; "
               f"n_tokens {args.n_tokens}, seq_len {args.seq_len}")
         rows = []
-        for mode in ("packed", "whole records"):
+        for mode in ("packed", "whole records", "eval text"):
             for whole in (False, True):
                 child = subprocess.run(
                     [sys.executable, __file__, "--one", str(source), str(tokenizer_dir),
@@ -110,7 +118,7 @@ def main() -> None:
                     capture_output=True, text=True, check=True)
                 rows.append((mode, "whole" if whole else "in part",
                              json.loads(child.stdout.strip().splitlines()[-1])))
-    print(f"{'calibration':<15}{'source read':<13}{'s':>8}{'peak RSS GB':>13}{'tokens':>9}")
+    print(f"{'reader':<15}{'source read':<13}{'s':>8}{'peak RSS GB':>13}{'tokens':>9}")
     for mode, read, row in rows:
         print(f"{mode:<15}{read:<13}{row['s']:>8.2f}{row['peak_gb']:>13.2f}{row['tokens']:>9}")
 

@@ -29,7 +29,7 @@ from ..formats import Format, QuantizedTensor, get_format, quantize, ste_fake_qu
 from ..formats.padding import pad_features
 from ..transforms.fit import transform_weight
 from .act_scale import ActScale, effective_act_scale
-from .modules import fused_groups, linear_weight, parent_and_attr
+from .modules import Quantized, fused_groups, linear_weight, parent_and_attr
 from .scales import fused_weight_scales
 from .w4a4 import MasterWeight, W4A4Weight
 
@@ -61,7 +61,7 @@ def w4a4_weight(
                                      act_global_scale=act_global_scale, layer_name=name)
 
 
-class QuantizedLinear(nn.modules.linear.NonDynamicallyQuantizableLinear):
+class QuantizedLinear(nn.modules.linear.NonDynamicallyQuantizableLinear, Quantized):
     """W4A4 linear layer (see the module docstring).
 
     An ``nn.Linear`` (as bitsandbytes' 4-bit layer is, and as torchao leaves a layer it

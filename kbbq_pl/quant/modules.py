@@ -44,13 +44,16 @@ def _conv1d_type() -> type | None:
     return Conv1D
 
 
-def is_linear(module: nn.Module) -> bool:
-    """An ``nn.Linear`` or a transformers ``Conv1D`` to quantize: not a quantized layer
-    (:class:`~kbbq_pl.quant.layers.QuantizedLinear`, an ``nn.Linear`` too)."""
-    from .layers import QuantizedLinear
+class Quantized:
+    """The base of kbbq-pl's quantized layers (:class:`~kbbq_pl.quant.layers.QuantizedLinear`,
+    an ``nn.Linear`` too), which :func:`is_linear` leaves."""
 
+
+def is_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` or a transformers ``Conv1D`` to quantize: not a :class:`Quantized`
+    layer."""
     conv1d = _conv1d_type()
-    if isinstance(module, QuantizedLinear):
+    if isinstance(module, Quantized):
         return False
     return isinstance(module, nn.Linear) or (conv1d is not None and isinstance(module, conv1d))
 

@@ -43,8 +43,9 @@ TABLES: dict[str, list[str]] = {
             "GPTQ-KBBQ nvfp4, lambda 0.75"))],
     "calibration_source.py": [
         r"^source: 1240 records, \d+\.\d MB; n_tokens 64, seq_len 32$",
-        r"^calibration\s+source read\s+s\s+peak RSS GB\s+tokens$",
-        *(rf"^{mode}\s+{read}\s+{NUMBER}\s+{NUMBER}\s+64$" for mode in ("packed", "whole records")
+        r"^reader\s+source read\s+s\s+peak RSS GB\s+tokens$",
+        *(rf"^{mode}\s+{read}\s+{NUMBER}\s+{NUMBER}\s+64$"
+          for mode in ("packed", "whole records", "eval text")
           for read in ("in part", "whole"))],
     "calibration_shape.py": [
         r"^format\s+calibration\s+mean\s+min\s+worst min\s+1st pct$",

@@ -419,8 +419,8 @@ def _warn_if_not_optimized(trainer: Trainer, pl_module: nn.Module) -> None:
     if missing and trainer.optimizers:
         log.warning(f"KBBQ: {len(missing)} trainable quantized layers ({missing[0]}, ...) have "
                     "their master weight in no optimizer parameter group, so fit leaves them "
-                    "as quantized; select them by name or by QuantizedLinear (a quantized "
-                    "layer is not an nn.Linear) in configure_optimizers")
+                    "as quantized; include them in configure_optimizers (self.parameters(), "
+                    "or by name, or by module type: a QuantizedLinear is an nn.Linear)")
 
 
 __all__ = ["CalibrationStatistics", "KBBQ", "calibration_batches",

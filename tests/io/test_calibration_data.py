@@ -286,7 +286,7 @@ def test_a_large_source_is_read_in_part(minilm, tmp_path, monkeypatch):
     """A source holding more than ``CHARS_PER_TOKEN`` characters a calibration token is read
     in part, a seeded draw of its records in the source's order, the same from a text file, a
     jsonl file, a list and a dataset, and only the drawn conversations are rendered (a 230 MB
-    jsonl was tokenized whole to take 16,384 tokens: 132 s and 17.5 GB); a streaming dataset
+    jsonl was tokenized whole to take 16,384 tokens: 131 s and 16.7 GB); a streaming dataset
     is read until it holds as much (it was read to its end, which an endless one has not); a
     smaller source is read whole, as before."""
     import datasets

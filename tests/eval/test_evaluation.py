@@ -222,8 +222,9 @@ def test_a_data_file_is_scored_on_its_text_column(tmp_path):
 def test_the_first_tokens_of_a_long_text_are_read_from_a_prefix(tmp_path):
     """``ppl`` and ``kl`` score the first ``max_tokens`` of ``--text``: they are tokenized from a
     prefix of it (a 230 MB file was tokenized whole to score its first 16,384 tokens: 121 s and
-    16.7 GB, bench/calibration_source.py), and are the whole text's first tokens, for a WordPiece and a byte-level BPE
-    tokenizer with merges, at any count; without ``max_tokens`` the whole text."""
+    16.7 GB, bench/calibration_source.py), and are the whole text's first tokens, for a
+    WordPiece and a byte-level BPE tokenizer with merges, at any count; without
+    ``max_tokens`` the whole text."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

@@ -357,6 +357,37 @@ def test_peft_lora_adapters_train_on_a_quantized_model_and_merge_into_its_source
     with torch.no_grad():
         assert not torch.allclose(merged(input_ids=rows).logits, plain)
 
+
+def test_transformers_trainer_trains_peft_adapters_on_a_quantized_folder(tiny_chat_quantized,
+                                                                          tmp_path):
+    """QLoRA as transformers' ``Trainer`` runs it (and TRL's trainers on it): peft's
+    ``"all-linear"`` adapters on a loaded kbbq-pl folder train (the loss falls, the adapters
+    move) and the FP4 codes stay as stored."""
+    peft = pytest.importorskip("peft", reason="peft (the test extra) is not installed")
+    from transformers import Trainer, TrainingArguments
+
+    from kbbq_pl.io.checkpoint import layer_tensors
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(causal_lm(tiny_chat_quantized), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    codes = {key: value.clone() for name, layer in quantized_linears(model).items()
+             for key, value in layer_tensors(name, layer).items()}
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    rows = torch.randint(0, 512, (8, 24), generator=torch.Generator().manual_seed(2))
+    train = [{"input_ids": row, "labels": row} for row in rows]
+    trainer = Trainer(model=model, train_dataset=train, args=TrainingArguments(
+        tmp_path / "trainer", max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2,
+        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True))
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    assert all(not torch.equal(p.detach(), adapters[n]) for n, p in model.named_parameters()
+               if n in adapters and "lora_B" in n)
+    assert all(torch.equal(value, codes[key]) for name, layer in quantized_linears(model).items()
+               for key, value in layer_tensors(name, layer).items())
+
+
 REMOTE_DEQUANTIZE = """
 import sys
 

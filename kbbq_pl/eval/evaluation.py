@@ -334,12 +334,13 @@ def _leading_tokens(tokenizer: Any, text: str, count: int | None) -> list[int]:
                          verbose=False)["input_ids"]
 
     chars = 8 * count if count else len(text)
+    ids = encode(text[:chars])
     while chars < len(text):
-        ids = encode(text[:chars])
-        if len(ids) > count and encode(text[:2 * chars])[:count] == ids[:count]:
+        longer = encode(text[:2 * chars])
+        if len(ids) > count and longer[:count] == ids[:count]:
             return ids[:count]
-        chars *= 2
-    return encode(text)
+        chars, ids = 2 * chars, longer
+    return ids
 
 
 def _token_stream(

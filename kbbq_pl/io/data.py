@@ -93,11 +93,13 @@ def data_file_format(path: Path) -> str | None:
     return DATASET_FILES.get(suffixes[-1]) if suffixes else None
 
 
-def _dataset_fields(source: Any, text_key: str, max_chars: int | None = None) -> list[Any]:
+def _dataset_fields(source: Any, text_key: str,
+                    max_chars: int | None = None) -> tuple[list[Any], bool]:
     """The ``text_key`` column of a dataset, of ``"hf:<path>[:<config>][:<split>]"`` (the split
     as ``datasets`` reads it, a slice too: ``train[:512]``) or of a local file of one of
-    :data:`DATASET_FILES`' formats.  A streaming dataset (``IterableDataset``) is read in its
-    own order until its fields hold ``max_chars`` characters (to its end without)."""
+    :data:`DATASET_FILES`' formats, and whether it is a streaming dataset's
+    (``IterableDataset``), read in its own order until its fields hold ``max_chars`` characters
+    (to its end without)."""
     import datasets
 
     dataset = source
@@ -121,7 +123,7 @@ def _dataset_fields(source: Any, text_key: str, max_chars: int | None = None) ->
         raise ValueError(f"text source {source_name(source)} has no {text_key!r} "
                          f"column (columns: {dataset.column_names}); pass text_key=")
     if not isinstance(dataset, datasets.IterableDataset):
-        return list(dataset[text_key])
+        return list(dataset[text_key]), False
     fields, chars = [], 0
     for index, row in enumerate(dataset):
         fields.append(_field(row, text_key, f"text source {source_name(source)}, record {index}"))
@@ -130,7 +132,7 @@ def _dataset_fields(source: Any, text_key: str, max_chars: int | None = None) ->
             log.info("text source %s (streaming): its first %d records read, %d characters",
                      source_name(source), len(fields), chars)
             break
-    return fields
+    return fields, True
 
 
 def source_name(source: Any) -> str:
@@ -191,11 +193,11 @@ def _chars(value: Any) -> int:
     return len(value) if isinstance(value, str) else len(str(value))
 
 
-def drawn(sizes: list[int], max_chars: int, seed: int) -> list[int] | None:
-    """The records a calibration reads of a large source: a seeded draw of them, until they
-    hold ``max_chars`` characters, as indices in the source's order; None where the source holds
-    no more than that (all of it is read, as it stands)."""
-    if sum(sizes) <= max_chars:
+def drawn(sizes: list[int], max_chars: int | None, seed: int, source: Any) -> list[int] | None:
+    """The records a calibration reads of a large ``source``: a seeded draw of them, until they
+    hold ``max_chars`` characters, as indices in the source's order; None where there is no
+    limit or the source holds no more than it (all of it is read, as it stands)."""
+    if max_chars is None or sum(sizes) <= max_chars:
         return None
     chosen, chars = [], 0
     for index in torch.randperm(len(sizes), generator=torch.Generator().manual_seed(seed)).tolist():
@@ -203,6 +205,8 @@ def drawn(sizes: list[int], max_chars: int, seed: int) -> list[int] | None:
         chars += sizes[index]
         if chars >= max_chars:
             break
+    log.info("text source %s holds more than %d characters: %d of its %d records drawn "
+             "(seed %d)", source_name(source), max_chars, len(chosen), len(sizes), seed)
     return sorted(chosen)
 
 
@@ -215,6 +219,7 @@ def source_records(source: Any, text_key: str = "text", tokenizer: Any = None, *
     by the tokenizer's chat template.  With ``max_chars``, a source holding more text is read
     in part: the records of a seeded draw until ``max_chars`` characters (:func:`drawn`), in
     the source's order; a streaming dataset's first records (:func:`_dataset_fields`)."""
+    streamed = False
     if isinstance(source, (str, Path)) and not str(source).startswith("hf:"):
         if str(source) == MIXED:
             from ..resources import calibration_corpus
@@ -231,7 +236,7 @@ def source_records(source: Any, text_key: str = "text", tokenizer: Any = None, *
         if path.suffix == ".jsonl":
             fields = _jsonl_fields(path, text_key)
         elif data_file_format(path):
-            fields = _dataset_fields(path, text_key)
+            fields, _ = _dataset_fields(path, text_key)
         else:
             try:
                 text = path.read_text(encoding="utf-8")
@@ -242,31 +247,26 @@ def source_records(source: Any, text_key: str = "text", tokenizer: Any = None, *
                     f"{', '.join(DATASET_FILES)} (JSON lines and CSV also "
                     f"{'/'.join(COMPRESSED)})") from None
             lines = [line.strip() for line in text.splitlines() if line.strip()]
-            chosen = drawn([len(line) for line in lines], max_chars, seed) if max_chars else None
+            chosen = drawn([len(line) for line in lines], max_chars, seed, source)
             if chosen is not None:
-                _log_drawn(source, len(chosen), len(lines), max_chars, seed)
                 lines = [lines[index] for index in chosen]
                 text = "\n".join(lines)
             return Records(lines, text, [False] * len(lines))
     elif isinstance(source, (list, tuple)):
         fields = _list_fields(source, text_key)
     else:
-        fields = _dataset_fields(source, text_key, max_chars)
+        fields, streamed = _dataset_fields(source, text_key, max_chars)
     name = source_name(source)
     # an empty field (null, a blank CSV cell, "") is no record, as a text file's blank lines
     kept = [(index, value) for index, value in enumerate(fields)
             if value is not None and not (isinstance(value, str) and not value.strip())]
-    chosen = drawn([_chars(value) for _, value in kept], max_chars, seed) if max_chars else None
+    # a streaming dataset's first records are what it gives of itself: no draw among them
+    chosen = None if streamed else drawn([_chars(value) for _, value in kept], max_chars, seed,
+                                         source)
     if chosen is not None:
-        _log_drawn(source, len(chosen), len(kept), max_chars, seed)
         kept = [kept[index] for index in chosen]
     texts = [_as_text(value, tokenizer, name, index) for index, value in kept]
     return Records(texts, "\n".join(texts), [is_chat(value) for _, value in kept])
-
-
-def _log_drawn(source: Any, count: int, total: int, max_chars: int, seed: int) -> None:
-    log.info("text source %s holds more than %d characters: %d of its %d records drawn "
-             "(seed %d)", source_name(source), max_chars, count, total, seed)
 
 
 def random_tokens(vocab_size: int, count: int, seed: int,

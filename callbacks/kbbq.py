@@ -30,8 +30,10 @@ from torch import Tensor, nn
 
 try:
     from lightning.pytorch import Callback, LightningModule, Trainer
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 except ImportError:  # pragma: no cover - lightning is a dependency
     from pytorch_lightning import Callback, LightningModule, Trainer
+    from pytorch_lightning.strategies import FSDPStrategy, ModelParallelStrategy
 
 from kbbq_pl.formats import DeferredChecks, QuantizedTensor, deferred_checks
 from kbbq_pl.io.checkpoint import install_empty_layers, layer_metadata
@@ -210,6 +212,7 @@ class KBBQ(Callback):
     # ------------------------------------------------------------------ Lightning hooks
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        refuse_sharding_strategy(trainer.strategy)
         # Lightning restores a checkpoint (fit/validate(ckpt_path=...)) after every setup hook
         # and before strategy.setup configures optimizers and wraps the model, and it tells
         # callbacks nothing in between.  So the model is quantized at the start of
@@ -346,6 +349,22 @@ class KBBQ(Callback):
         }
 
 
+def refuse_sharding_strategy(strategy: Any) -> None:
+    """Refuse a strategy that shards the model's parameters across processes: FSDP,
+    ``ModelParallelStrategy`` (FSDP2's ``fully_shard`` or tensor parallelism in
+    ``configure_model``), DeepSpeed ZeRO-3.  KBBQ swaps its layers in after ``configure_model``
+    (outside FSDP2's sharding, so each rank would train its master weights alone), FSDP
+    flattens parameters (the stored codes are a tensor subclass) and the master weights are
+    rounded whole at the end of ``fit``."""
+    if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)) or getattr(
+            strategy, "zero_stage_3", False):
+        raise ValueError(
+            f"KBBQ: {type(strategy).__name__} shards the model's parameters across processes, "
+            "which KBBQ's quantized layers do not support: fine-tune under DDP "
+            "(strategy='ddp', each process holding the whole model), and quantize a model too "
+            "large for one device with KBBQ(offload=True) or `kbbq-pl quantize --stream`")
+
+
 def exclude_quantized_from_ddp_sync(pl_module: nn.Module) -> None:
     """Leave the stored FP4 codes out of DDP's start-up broadcast of the parameters
     (``_ddp_params_and_buffers_to_ignore``): a collective cannot carry a packed tensor subclass,
@@ -424,4 +443,4 @@ def _warn_if_not_optimized(trainer: Trainer, pl_module: nn.Module) -> None:
 
 
 __all__ = ["CalibrationStatistics", "KBBQ", "calibration_batches",
-           "exclude_quantized_from_ddp_sync", "restore_quantized"]
+           "exclude_quantized_from_ddp_sync", "refuse_sharding_strategy", "restore_quantized"]

@@ -487,3 +487,28 @@ def test_fit_resumes_from_a_checkpoint_saved_after_fit(tmp_path, module_class):
     again.fit(resumed, datamodule=datamodule(), ckpt_path=tmp_path / "after.ckpt")
     embedding = resumed.model.model.embed_tokens.weight
     assert int(again.optimizers[0].state[embedding]["step"]) == 3  # 2 restored + 1
+
+
+def test_a_strategy_that_shards_the_parameters_is_refused(tmp_path):
+    """Under FSDP2 (``ModelParallelStrategy``) the layers KBBQ swaps in after
+    ``configure_model`` were trained by each rank alone (two CPU processes ended ``fit`` with
+    different master weights): such strategies are refused before anything is quantized."""
+    import torch.distributed as dist
+    from kbbq_pl.callbacks.kbbq import refuse_sharding_strategy
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+
+    for strategy in (FSDPStrategy(), ModelParallelStrategy()):
+        with pytest.raises(ValueError, match=f"KBBQ: {type(strategy).__name__} shards the "
+                                             "model's parameters.*under DDP"):
+            refuse_sharding_strategy(strategy)
+    refuse_sharding_strategy(DDPStrategy())  # every process holds the whole model
+
+    module = TinyLM()
+    try:
+        with pytest.raises(ValueError, match="ModelParallelStrategy shards"):
+            trainer(tmp_path, [KBBQ()], strategy=ModelParallelStrategy(),
+                    max_steps=1).fit(module, datamodule=datamodule())
+    finally:  # the strategy set up a process group before the callback's setup
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert not quantized_linears(module)

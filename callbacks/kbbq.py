@@ -41,6 +41,7 @@ from kbbq_pl.quant import QuantizationConfig, QuantizationReport, quantize_model
 from kbbq_pl.quant.collectives import Collectives
 from kbbq_pl.quant.layers import (
     FusedGroup,
+    exclude_quantized_from_ddp_sync,
     freeze_layers,
     fused_trainable_groups,
     quantized_linears,
@@ -365,18 +366,6 @@ def refuse_sharding_strategy(strategy: Any) -> None:
             "large for one device with KBBQ(offload=True) or `kbbq-pl quantize --stream`")
 
 
-def exclude_quantized_from_ddp_sync(pl_module: nn.Module) -> None:
-    """Leave the stored FP4 codes out of DDP's start-up broadcast of the parameters
-    (``_ddp_params_and_buffers_to_ignore``): a collective cannot carry a packed tensor subclass,
-    and every rank already holds the same codes (quantization reduces its statistics and
-    broadcasts GPTQ's results across ranks)."""
-    names = {name for name, tensor in (*pl_module.named_parameters(), *pl_module.named_buffers())
-             if isinstance(tensor, QuantizedTensor)}
-    if names:
-        ignored = set(getattr(pl_module, "_ddp_params_and_buffers_to_ignore", ()))
-        pl_module._ddp_params_and_buffers_to_ignore = sorted(ignored | names)
-
-
 def restore_quantized(pl_module: nn.Module, checkpoint: Mapping[str, Any]) -> bool:
     """Rebuild the quantized layers a checkpoint holds, so its weights load into them (where
     the module has none, or holds them otherwise: stored codes after ``fit`` and a checkpoint
@@ -442,5 +431,5 @@ def _warn_if_not_optimized(trainer: Trainer, pl_module: nn.Module) -> None:
                     "or by name, or by module type: a QuantizedLinear is an nn.Linear)")
 
 
-__all__ = ["CalibrationStatistics", "KBBQ", "calibration_batches",
-           "exclude_quantized_from_ddp_sync", "refuse_sharding_strategy", "restore_quantized"]
+__all__ = ["CalibrationStatistics", "KBBQ", "calibration_batches", "refuse_sharding_strategy",
+           "restore_quantized"]

@@ -16,10 +16,12 @@ from .quant import (  # noqa: E402
     WeightsConfig,
     quantize_model,
 )
+from .quant.layers import exclude_quantized_from_ddp_sync  # noqa: E402
 
 _register_hf_quantizer()  # transformers' from_pretrained reads kbbq-pl checkpoints from now on
 
 __all__ = ["AutoBrakeConfig", "FormatConfig", "LayersConfig", "QuantizationConfig",
-           "TransformConfig", "WeightsConfig", "export_compressed_tensors", "from_pretrained",
+           "TransformConfig", "WeightsConfig", "exclude_quantized_from_ddp_sync",
+           "export_compressed_tensors", "from_pretrained",
            "quantize_checkpoint", "quantize_model", "save_compressed_tensors", "save_quantized",
            "upgrade_checkpoint"]

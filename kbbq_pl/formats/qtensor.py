@@ -127,6 +127,23 @@ def _empty_like(func: Any, types: Any, args: Any, kwargs: Any) -> QuantizedTenso
     return args[0]._apply_fn_to_data(lambda t: torch.empty_like(t, device=device))
 
 
+@QuantizedTensor.implements(torch.ops.aten.view.default)
+def _view(func: Any, types: Any, args: Any, kwargs: Any) -> QuantizedTensor:
+    """No view: the codes are packed (two a byte) beside their block scales.  Flattening one
+    into a buffer with other tensors is what DDP's start-up broadcast of the parameters does,
+    so a one-dimensional view's error says how to leave the codes out of it."""
+    source, shape = args[0], list(args[1])
+    layer = getattr(source, "layer_name", "")
+    hint = ("; DDP's start-up broadcast flattens every parameter: call "
+            "kbbq_pl.exclude_quantized_from_ddp_sync(model) on the module that "
+            "DistributedDataParallel wraps (a peft model too) before wrapping it"
+            if len(shape) == 1 else "")
+    raise NotImplementedError(
+        f"{layer + ': ' if layer else ''}a {source.fmt.name} QuantizedTensor of shape "
+        f"{tuple(source.shape)} on {source.device} holds packed codes and has no view of shape "
+        f"{shape}{hint}")
+
+
 @QuantizedTensor.implements(torch.ops.aten._to_copy.default)
 def _to_copy(func: Any, types: Any, args: Any, kwargs: Any) -> QuantizedTensor:
     """``.to(device)`` moves the inner tensors; ``.to(dtype)`` (``Module.to(dtype)``,

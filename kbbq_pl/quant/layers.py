@@ -348,5 +348,22 @@ def freeze_layers(layers: Mapping[str, QuantizedLinear]) -> None:
         layer.freeze()
 
 
+def exclude_quantized_from_ddp_sync(model: nn.Module) -> list[str]:
+    """Leave the stored FP4 codes out of DDP's start-up broadcast of the parameters: name them
+    in ``model._ddp_params_and_buffers_to_ignore``, torch's switch for it, relative to ``model``,
+    the module ``DistributedDataParallel`` wraps (a peft model too: call it after
+    ``get_peft_model``, before transformers' ``Trainer`` or ``DistributedDataParallel`` wraps
+    it).  A collective cannot carry a packed tensor subclass, and every rank already holds the
+    same codes (loaded from one folder, or quantized with the statistics reduced across ranks
+    and GPTQ's results broadcast); they train on no rank.  The ``KBBQ`` callback calls it.
+    Returns the names."""
+    names = {name for name, tensor in (*model.named_parameters(), *model.named_buffers())
+             if isinstance(tensor, QuantizedTensor)}
+    if names:
+        ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+        model._ddp_params_and_buffers_to_ignore = sorted(ignored | names)
+    return sorted(names)
+
+
 def _same_transform(a: Tensor | None, b: Tensor | None) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))

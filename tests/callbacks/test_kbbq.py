@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from kbbq_pl.callbacks import KBBQ, CalibrationStatistics
@@ -503,12 +505,14 @@ def test_a_strategy_that_shards_the_parameters_is_refused(tmp_path):
             refuse_sharding_strategy(strategy)
     refuse_sharding_strategy(DDPStrategy())  # every process holds the whole model
 
-    module = TinyLM()
+    module, environment = TinyLM(), os.environ.copy()
     try:
         with pytest.raises(ValueError, match="ModelParallelStrategy shards"):
             trainer(tmp_path, [KBBQ()], strategy=ModelParallelStrategy(),
                     max_steps=1).fit(module, datamodule=datamodule())
-    finally:  # the strategy set up a process group before the callback's setup
+    finally:  # the strategy set up a process group (and LOCAL_RANK, ...) before the callback
         if dist.is_initialized():
             dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environment)
     assert not quantized_linears(module)

@@ -388,6 +388,84 @@ def test_transformers_trainer_trains_peft_adapters_on_a_quantized_folder(tiny_ch
                for key, value in layer_tensors(name, layer).items())
 
 
+def test_ddp_wraps_a_peft_model_of_a_quantized_folder_once_the_codes_are_left_out(
+        tiny_chat_quantized, tmp_path):
+    """DDP's start-up broadcast flattens every parameter into one buffer, which packed codes
+    cannot join: the error names the call that leaves them out, after which DDP wraps the
+    peft model and its adapters train (one gloo process here; two under torchrun below)."""
+    peft = pytest.importorskip("peft", reason="peft (the test extra) is not installed")
+    import torch.distributed as dist
+
+    model = peft.get_peft_model(causal_lm(tiny_chat_quantized), peft.LoraConfig(
+        r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        with pytest.raises(NotImplementedError, match=r"q_proj: a nvfp4 QuantizedTensor of "
+                           r"shape .* no view of shape \[-1\]; DDP's start-up broadcast .* "
+                           r"kbbq_pl.exclude_quantized_from_ddp_sync\(model\)"):
+            torch.nn.parallel.DistributedDataParallel(model)
+        names = kbbq_pl.exclude_quantized_from_ddp_sync(model)
+        assert names == sorted(f"{name}.weight" for name in quantized_linears(model)) and \
+            all(".base_layer." in name for name in names)  # peft's own names for them
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        rows = probe()
+        ddp(input_ids=rows, labels=rows).loss.backward()
+        assert all(p.grad is not None for n, p in model.named_parameters() if "lora_B" in n)
+    finally:
+        dist.destroy_process_group()
+
+
+TRAIN_ON_TWO_RANKS = """
+import sys
+
+import peft
+import torch
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+import kbbq_pl
+
+folder, out = sys.argv[1:]
+torch.manual_seed(0)
+model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(folder), peft.LoraConfig(
+    r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+kbbq_pl.exclude_quantized_from_ddp_sync(model)
+rows = torch.randint(0, 512, (8, 24), generator=torch.Generator().manual_seed(2))
+args = TrainingArguments(out, max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2,
+                         save_strategy="no", report_to=[], use_cpu=True, ddp_backend="gloo")
+Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows]).train()
+rank = torch.distributed.get_rank()
+torch.save({n: p.detach() for n, p in model.named_parameters() if p.requires_grad},
+           f"{out}/adapters-{rank}.pt")
+"""
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+def test_transformers_trainer_trains_peft_adapters_on_two_ranks_alike(tiny_chat_quantized,
+                                                                       tmp_path):
+    """Multi-process QLoRA (``torchrun``, transformers' ``Trainer`` wrapping the peft model in
+    DDP): the two ranks end with the same adapters, moved from where they started."""
+    pytest.importorskip("peft", reason="peft (the test extra) is not installed")
+    import socket
+
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_ON_TWO_RANKS)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_addr", "127.0.0.1", "--master_port", str(port), str(script),
+         str(tiny_chat_quantized), str(tmp_path)],
+        capture_output=True, text=True, timeout=600, check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    first, second = (torch.load(tmp_path / f"adapters-{rank}.pt") for rank in (0, 1))
+    assert first.keys() == second.keys() and any("lora_B" in name for name in first)
+    assert all(torch.equal(first[name], second[name]) for name in first)
+    assert any(bool(first[name].any()) for name in first if "lora_B" in name)  # B starts at 0
+
+
 REMOTE_DEQUANTIZE = """
 import sys
 

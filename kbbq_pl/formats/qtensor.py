@@ -144,6 +144,32 @@ def _view(func: Any, types: Any, args: Any, kwargs: Any) -> QuantizedTensor:
         f"{shape}{hint}")
 
 
+_copy_same_layout = QuantizedTensor._ATEN_OP_TABLE[QuantizedTensor][torch.ops.aten.copy_.default]
+
+
+@QuantizedTensor.implements(torch.ops.aten.copy_.default)
+def _copy_(func: Any, types: Any, args: Any, kwargs: Any) -> None:
+    """Codes into codes of the same layout (torchao's copy of the inner tensors).  Codes and a
+    dense tensor do not copy into each other (``load_state_dict`` across a quantized and a
+    full-precision model): an error says which model takes which."""
+    target, source = args[0], args[1]
+    if isinstance(target, QuantizedTensor) and isinstance(source, QuantizedTensor):
+        return _copy_same_layout(func, types, args, kwargs)
+    codes = source if isinstance(source, QuantizedTensor) else target
+    dense = target if codes is source else source
+    where = (f"{codes.layer_name + ': ' if getattr(codes, 'layer_name', '') else ''}a "
+             f"{codes.fmt.name} QuantizedTensor of shape {tuple(codes.shape)} on {codes.device}")
+    if codes is source:
+        raise TypeError(f"{where} holds FP4 codes (of W T^-1 where a transform T is applied), "
+                        f"not the dense weight of shape {tuple(dense.shape)} it is copied into: "
+                        "load a quantized state dict into a quantized model "
+                        "(kbbq_pl.from_pretrained, or kbbq_pl.callbacks.restore_quantized in a "
+                        "LightningModule); model.dequantize() gives a dense model")
+    raise TypeError(f"{where} takes codes of its own layout, not a dense tensor of shape "
+                    f"{tuple(dense.shape)} and dtype {dense.dtype}: load a full-precision state "
+                    "dict into the full-precision model, then quantize it")
+
+
 @QuantizedTensor.implements(torch.ops.aten._to_copy.default)
 def _to_copy(func: Any, types: Any, args: Any, kwargs: Any) -> QuantizedTensor:
     """``.to(device)`` moves the inner tensors; ``.to(dtype)`` (``Module.to(dtype)``,

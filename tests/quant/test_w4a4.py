@@ -483,6 +483,28 @@ def test_a_quantized_model_materializes_from_the_meta_device_and_reloads():
         assert torch.equal(model(input_ids=ids).logits, expected)
 
 
+def test_codes_and_dense_weights_do_not_load_into_each_other():
+    """``load_state_dict`` across a quantized and a full-precision model of one architecture:
+    the error names the layer and which model takes which state dict (it was torchao's
+    "'Parameter' object has no attribute 'tensor_data_names'" one way, its metadata mismatch
+    printing both tensors the other), and the codes stay as they were."""
+    dense, model = tiny_model("llama"), tiny_model("llama")
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    quantize_model(model, [{"input_ids": ids}], QuantizationConfig(), progress=False)
+    codes = {name: layer.weight.qdata.clone() for name, layer in quantized_linears(model).items()}
+    with pytest.raises(RuntimeError, match=r"q_proj: a nvfp4 QuantizedTensor of shape \(64, 64\) "
+                       r"on cpu holds FP4 codes .* not the dense weight .* quantized model "
+                       r"\(kbbq_pl.from_pretrained"):
+        dense.load_state_dict(model.state_dict())
+    with pytest.raises(RuntimeError, match=r"q_proj: a nvfp4 QuantizedTensor .* takes codes of "
+                       r"its own layout, not a dense tensor of shape \(64, 64\) and dtype "
+                       r"torch.float32: .* then quantize it"):
+        model.load_state_dict(dense.state_dict())
+    assert all(torch.equal(layer.weight.qdata, codes[name])
+               for name, layer in quantized_linears(model).items())
+    model.load_state_dict(copy.deepcopy(model).state_dict())  # codes into codes: as before
+
+
 def test_a_quantized_model_cast_to_bf16_presents_and_reloads_as_bf16(tmp_path):
     """``model.to(torch.bfloat16)`` casts each quantized weight as torchao's FP4 tensors cast:
     the dtype it presents and dequantizes to, not its codes; the folder saved from it reloads

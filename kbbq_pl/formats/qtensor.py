@@ -12,7 +12,7 @@ import contextlib
 import hashlib
 import math
 from collections.abc import Iterator
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -128,7 +128,7 @@ def _empty_like(func: Any, types: Any, args: Any, kwargs: Any) -> QuantizedTenso
 
 
 @QuantizedTensor.implements(torch.ops.aten.view.default)
-def _view(func: Any, types: Any, args: Any, kwargs: Any) -> QuantizedTensor:
+def _view(func: Any, types: Any, args: Any, kwargs: Any) -> NoReturn:
     """No view: the codes are packed (two a byte) beside their block scales.  Flattening one
     into a buffer with other tensors is what DDP's start-up broadcast of the parameters does,
     so a one-dimensional view's error says how to leave the codes out of it."""

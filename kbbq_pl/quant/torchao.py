@@ -38,7 +38,9 @@ as ``quantize_model`` does.
 ``convert`` the NVFP4 layers vLLM fuses (q/k/v, gate/up) under a data-free transform share one
 per-tensor scale, as ``quantize_model`` gives them; without it torchao's default filter
 prepares every ``nn.Linear`` and each layer keeps its own.  ``convert`` converts the layers
-that were prepared and leaves the others.  Only ``nn.Linear`` layers are handled
+that were prepared and leaves the others (a model never prepared, also through
+transformers' ``TorchAoConfig``, which cannot calibrate, stays in full precision with a
+warning).  Only ``nn.Linear`` layers are handled
 (transformers' ``Conv1D``, GPT-2, multiplies with ``addmm``, not ``F.linear``: quantize it with
 ``quantize_model``); ``lam: auto`` and GPTQ
 select or compensate on the calibration set as a whole and run only through ``quantize_model``
@@ -101,6 +103,9 @@ class KBBQConfig(AOBaseConfig):
     _names: dict[int, str] = field(default_factory=dict, init=False, repr=False, compare=False)
     _fused_scales: dict[str, Tensor | None] = field(default_factory=dict, init=False,
                                                     repr=False, compare=False)
+    # convert: the layers converted so far (a layer without an observer before any is warned
+    # of: the model was likely not prepared)
+    _converted: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         step = self.step.value if isinstance(self.step, QuantizationStep) else str(self.step)
@@ -220,7 +225,13 @@ def _prepare(module: nn.Module, ao_config: KBBQConfig) -> nn.Module:
 def _convert(module: nn.Module, ao_config: KBBQConfig) -> nn.Module:
     observer: KBBQObserver | None = getattr(module, OBSERVER_ATTR, None)
     if observer is None:
-        log.info("KBBQConfig convert: %s was not prepared; left as it is", module)
+        if ao_config._converted == 0:  # a layer the filter left out comes after converted ones
+            log.warning("KBBQConfig convert: %s has no KBBQ observer (step='prepare' did not "
+                        "reach it) and stays in full precision, as every layer will if the "
+                        "model was not prepared: quantize_(model, prepare, "
+                        "filter_fn=prepare.filter_fn) with prepare = KBBQConfig(recipe, "
+                        "step='prepare'), run calibration batches, then convert", module)
+            ao_config._converted = -1  # warned once
         return module
     recipe = ao_config.config
     if (observer.format, observer.static) != (recipe.format.name, ao_config.static):
@@ -250,6 +261,7 @@ def _convert(module: nn.Module, ao_config: KBBQConfig) -> nn.Module:
                             name=name, quantized_weight=shared)
     module.weight = nn.Parameter(quantized, requires_grad=False)
     delattr(module, OBSERVER_ATTR)
+    ao_config._converted = max(ao_config._converted, 0) + 1
     return module
 
 

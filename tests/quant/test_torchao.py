@@ -169,7 +169,20 @@ def test_steps_and_recipes_are_checked():
         quantize_(model, KBBQConfig(step="prepare"), filter_fn=lambda m, fqn: fqn == "model.norm")
 
 
-def test_unprepared_layers_are_left_and_filters_follow_the_recipe():
+def test_unprepared_layers_are_left_and_filters_follow_the_recipe(caplog):
+    """``convert`` quantizes what ``prepare`` reached, silently leaving the layers its filter
+    left out; a model never prepared (also ``TorchAoConfig(KBBQConfig(...))`` in
+    ``from_pretrained``, which cannot calibrate) is left in full precision with one warning
+    (it was an info line, the model silently unquantized)."""
+    unprepared = tiny_model("llama")
+    convert = KBBQConfig(step="convert")
+    with caplog.at_level("WARNING", logger="kbbq_pl.quant.torchao"):
+        quantize_(unprepared, convert)
+    assert not any(isinstance(m.weight, W4A4Weight) for m in unprepared.modules()
+                   if isinstance(m, nn.Linear))
+    assert [r.getMessage().split(" has ")[1][:32] for r in caplog.records] == [
+        "no KBBQ observer (step='prepare'"]
+    caplog.clear()
     model = tiny_model("llama", intermediate_size=172)
     prepare = KBBQConfig(QuantizationConfig(format=FormatConfig(act_scale="dynamic",
                                                                 unaligned="skip"),
@@ -177,8 +190,10 @@ def test_unprepared_layers_are_left_and_filters_follow_the_recipe():
                          step="prepare")
     quantize_(model, prepare, filter_fn=prepare.filter_fn)
     run_calibration(model, calibration())
-    quantize_(model, KBBQConfig(QuantizationConfig(format=FormatConfig(act_scale="dynamic")),
-                                step="convert"))
+    with caplog.at_level("WARNING", logger="kbbq_pl.quant.torchao"):
+        quantize_(model, KBBQConfig(QuantizationConfig(format=FormatConfig(act_scale="dynamic")),
+                                    step="convert"))
+    assert not caplog.records  # o_proj, down_proj (padded) and the LM head left as filtered
     quantized = {name for name, m in model.named_modules()
                  if isinstance(m, nn.Linear) and isinstance(m.weight, W4A4Weight)}
     assert quantized == {f"model.layers.{i}.{part}" for i in range(2) for part in (

@@ -253,6 +253,15 @@ def memory_names(tensors: dict[str, Tensor], metadata: dict[str, Any]) -> dict[s
     return {renamed.get(key, key): value for key, value in tensors.items()}
 
 
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside ``torch.compile``'s and the data-parallel wrappers (DDP, FSDP,
+    DeepSpeed; accelerate's ``extract_model_from_parallel``), whose layer names a checkpoint
+    holds: a compiled model's are prefixed ``_orig_mod.``, which no reader has."""
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(model, keep_torch_compile=False)
+
+
 def save_quantized(
     model: nn.Module,
     out_dir: str | Path,
@@ -277,6 +286,7 @@ def save_quantized(
     only a folder kbbq-pl wrote is replaced (:func:`kbbq_pl.io.fileio.check_output`).
     """
     check_output(out_dir, overwrite=overwrite, sources=[source_dir])
+    model = unwrapped(model)
     if not checkpoint_layers(model):
         raise ValueError("the model has no quantized layers to save")
     loaded_from = getattr(model, "name_or_path", None)

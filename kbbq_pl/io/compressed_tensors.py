@@ -105,6 +105,7 @@ from .checkpoint import (
     read_metadata,
     read_tensors,
     stored_weight,
+    unwrapped,
     write_hf_files,
 )
 from .fileio import check_output, save_safetensors, write_folder
@@ -791,6 +792,7 @@ def save_compressed_tensors(
     """Write the quantized ``model`` as a compressed-tensors folder (module docstring) through
     the tensors :func:`kbbq_pl.io.checkpoint.save_quantized` writes."""
     require_compressed_tensors()
+    model = unwrapped(model)
     if not checkpoint_layers(model):
         raise ValueError("the model has no quantized layers to save")
     skeleton = _skeleton(model.config, is_causal_model(model))

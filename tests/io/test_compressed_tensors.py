@@ -163,6 +163,20 @@ def test_global_scale_reciprocal_decodes_every_code_and_scale_like_kbbq():
 
 # ------------------------------------------------------------------ export: identity, GPTQ
 
+def test_a_compiled_model_saves_under_its_own_layer_names(tmp_path):
+    """``torch.compile``'s wrapper prefixes every name with ``_orig_mod.``: both writers save
+    the model inside it, whose folders load back (a folder naming ``_orig_mod.model.layers...``
+    was written, and refused when loaded)."""
+    model = quantized_tiny(recipe("nvfp4", "identity"))
+    compiled = torch.compile(model)  # compiled lazily: nothing runs until it is called
+    assert next(iter(quantized_linears(compiled))).startswith("_orig_mod.")
+    for out in (save_quantized(compiled, tmp_path / "kbbq"),
+                save_compressed_tensors(compiled, tmp_path / "ct", strict=True)):
+        assert not [key for key in load_file(str(out / "model.safetensors"))
+                    if key.startswith("_orig_mod")]
+        assert torch.equal(logits(from_pretrained(out)), logits(model)), out.name
+
+
 @pytest.mark.parametrize("config", [
     recipe("nvfp4", "identity"), recipe("mxfp4", "identity", gptq=True),
 ], ids=["I-nvfp4", "GPTQ-mxfp4"])

@@ -77,6 +77,14 @@ class QuantizedTensor(TorchAOBaseTensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        """torchao's dispatch to the operations implemented for the class; any other is an
+        error that names the layer and what to call instead (torchao's names only the op)."""
+        if func not in cls._ATEN_OP_TABLE.get(cls, {}):
+            raise NotImplementedError(_unsupported(func, args))
+        return super().__torch_dispatch__(func, types, args, kwargs or {})
+
     def dequantize(self, output_dtype: torch.dtype | None = None) -> Tensor:
         """The represented values in ``output_dtype`` (default: the original dtype)."""
         return dequantize(self, output_dtype)
@@ -108,6 +116,19 @@ class QuantizedTensor(TorchAOBaseTensor):
             f"QuantizedTensor(fmt={self.fmt.name}, shape={tuple(self.shape)}, "
             f"orig_dtype={self.orig_dtype}, device={self.qdata.device})"
         )
+
+
+def _unsupported(func: Any, args: Any) -> str:
+    """The error of an operation a :class:`QuantizedTensor` does not run (its dispatch)."""
+    codes = next(t for t in torch.utils._pytree.tree_leaves(args)
+                 if isinstance(t, QuantizedTensor))
+    layer = getattr(codes, "layer_name", "")
+    return (f"{layer + ': ' if layer else ''}a {codes.fmt.name} {type(codes).__name__} of shape "
+            f"{tuple(codes.shape)} on {codes.device} holds packed codes and does not run "
+            f"{func} (it runs F.linear, device and dtype moves, copies): code that reads it as a "
+            "dense tensor (peft's DoRA, which reads the base layer's weight) needs "
+            ".dequantize() (the codes' values, before any transform) or model.dequantize() "
+            "(the dense weight-only model)")
 
 
 def _rebuild_quantized(cls: type[QuantizedTensor], tensors: dict[str, Tensor],

@@ -388,6 +388,19 @@ def test_transformers_trainer_trains_peft_adapters_on_a_quantized_folder(tiny_ch
                for key, value in layer_tensors(name, layer).items())
 
 
+def test_peft_dora_is_an_error_that_names_the_layer_and_why(tiny_chat_quantized):
+    """peft's DoRA reads the base layer's weight as a dense matrix, which FP4 codes are not:
+    the error names the layer, the operation and the dense alternatives (it was torchao's
+    "W4A4Weight dispatch: attempting to run unimplemented operator/function")."""
+    peft = pytest.importorskip("peft", reason="peft (the test extra) is not installed")
+    with pytest.raises(NotImplementedError, match=r"q_proj: a nvfp4 W4A4Weight of shape "
+                       r"\(\d+, \d+\) on cpu holds packed codes and does not run aten\.add"
+                       r".*peft's DoRA.*model\.dequantize\(\)"):
+        model = peft.get_peft_model(causal_lm(tiny_chat_quantized), peft.LoraConfig(
+            r=4, target_modules="all-linear", use_dora=True, task_type="CAUSAL_LM"))
+        model(input_ids=probe()).logits.sum().backward()
+
+
 def test_ddp_wraps_a_peft_model_of_a_quantized_folder_once_the_codes_are_left_out(
         tiny_chat_quantized, tmp_path):
     """DDP's start-up broadcast flattens every parameter into one buffer, which packed codes

@@ -182,7 +182,9 @@ class KBBQ(Callback):
             quantization through ``Trainer.fit``; ``Trainer.validate`` quantizes too).
         trainable: keep high-precision master weights that fine-tuning updates through
             straight-through rounding (default: during ``fit`` unless ``calibrate_only``);
-            they are rounded into stored codes at the end of ``fit``.  GPTQ's codes are
+            they are rounded into stored codes at the end of ``fit``.  A layer whose weight
+            does not require grad (frozen, as under peft's adapters, which stay in full
+            precision) stores codes and stays frozen.  GPTQ's codes are
             final: with ``weights.quantizer: gptq`` the default is False.
         offload: quantize with the model on the CPU, one block at a time on the trainer's
             device, then move the quantized model there (a model whose full-precision weights
@@ -209,6 +211,7 @@ class KBBQ(Callback):
         self._checks: DeferredChecks | None = None
         self._checks_scope: contextlib.ExitStack | None = None
         self._fused: list[FusedGroup] = []  # trainable layers sharing an NVFP4 scale
+        self._left_frozen = False  # quantized for training, every layer frozen by the user
 
     # ------------------------------------------------------------------ Lightning hooks
 
@@ -255,8 +258,8 @@ class KBBQ(Callback):
 
     def _warn_if_frozen(self, pl_module: LightningModule) -> None:
         layers = quantized_linears(pl_module).values()
-        if not self.calibrate_only and self.trainable is not False and \
-                layers and not any(layer.trainable for layer in layers):
+        if not self.calibrate_only and self.trainable is not False and not self._left_frozen \
+                and layers and not any(layer.trainable for layer in layers):
             log.warning("KBBQ: the quantized layers hold stored codes (the end of an earlier "
                         "fit, GPTQ, or a checkpoint saved after either): they stay as they are "
                         "and only the rest of the model trains")
@@ -278,6 +281,10 @@ class KBBQ(Callback):
                                      progress=trainer.is_global_zero, device=device,
                                      collectives=Collectives.lightning(trainer.strategy))
         model.to(device)
+        # weights that did not require grad (frozen by the user, as under peft's adapters)
+        # became stored codes, frozen as they were: nothing to warn of
+        self._left_frozen = trainable and not any(
+            layer.trainable for layer in quantized_linears(model).values())
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         trainer.strategy.__dict__.pop("load_optimizer_state_dict", None)  # no checkpoint

@@ -165,6 +165,18 @@ def task_head_linears(model: nn.Module, names: Iterable[str]) -> list[str]:
     return [name for name in names if prefix and not name.startswith(f"{prefix}.")]
 
 
+def adapter_linears(model: nn.Module) -> list[str]:
+    """The linear layers of peft's adapters (LoRA's ``lora_A`` and ``lora_B``, ...): those
+    inside a tuner layer's adapter modules (peft's ``BaseTunerLayer.adapter_layer_names``), not
+    its ``base_layer``.  They train in full precision beside the quantized base layer, as in
+    QLoRA."""
+    adapters = [f"{name}.{attr}." for name, module in model.named_modules()
+                for attr in getattr(module, "adapter_layer_names", ())
+                if isinstance(getattr(module, "base_layer", None), nn.Module)]
+    return [name for name, module in model.named_modules()
+            if is_linear(module) and any(f"{name}.".startswith(lead) for lead in adapters)]
+
+
 def modality_encoders(model: nn.Module) -> list[str]:
     """The parts of a multimodal model outside its language model, by qualified name (Llava
     and Gemma 3: ``model.vision_tower`` and ``model.multi_modal_projector``; Qwen2.5-VL:

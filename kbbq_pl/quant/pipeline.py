@@ -59,6 +59,7 @@ from .experts import (
 from .gptq.quantizer import GPTQ
 from .layers import QuantizedLinear, quantized_linears, swap_module
 from .modules import (
+    adapter_linears,
     check_finite,
     find_linears,
     has_own_forward,
@@ -92,7 +93,8 @@ def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[st
     quantized layers (quantizing again would round rounded weights).  Fused mixture-of-experts
     experts are first made linear layers (:func:`~kbbq_pl.quant.experts.unfuse_experts`);
     a multimodal model's vision tower and projector are left out (text calibration does not run
-    them: :func:`~kbbq_pl.quant.modules.modality_encoders`), each listed among the skipped, and
+    them: :func:`~kbbq_pl.quant.modules.modality_encoders`), each listed among the skipped, as
+    are peft adapters' layers (:func:`~kbbq_pl.quant.modules.adapter_linears`), and
     so are the routers of mixture-of-experts layers (:func:`~kbbq_pl.quant.experts.moe_routers`)
     and linear layers whose class has its own forward (:func:`~kbbq_pl.quant.modules.
     has_own_forward`);
@@ -121,6 +123,10 @@ def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[st
         skipped[encoder] = (f"outside the language model of a multimodal model ({len(inside)} "
                             "targeted linear layers): text calibration does not run it; kept "
                             "in full precision")
+    for name in adapter_linears(model):
+        if modules.pop(name, None) is not None:
+            skipped[name] = ("a peft adapter's linear layer: it trains in full precision beside "
+                             "the quantized base layer")
     for name in moe_routers(model):
         if modules.pop(name, None) is not None:
             skipped[name] = ("the router of a mixture-of-experts layer: kept in full precision, "
@@ -206,7 +212,8 @@ def quantize_model(
     the same on each (``kbbq-pl quantize`` under torchrun), and each rank calibrates on its
     contiguous share of every part, so that ``lam: auto`` scores one process's held-out tokens
     (without it each rank brought its own batches, as under a Lightning sampler).
-    ``trainable`` keeps high-precision master weights ``W T^-1`` for fine-tuning (RTN).
+    ``trainable`` keeps high-precision master weights ``W T^-1`` for fine-tuning (RTN), of the
+    layers whose weight requires grad (the others store codes, frozen as they were).
     ``weight_quantizer`` replaces the one the recipe names (built with the same ``config`` and
     ``trainable``).  ``device`` runs each block (default: where the model is);
     ``offload_device`` holds the cached activations between blocks; ``residency`` brings each
@@ -335,7 +342,8 @@ def _quantize_block(block: Block, quantizer: WeightQuantizer, keep_outputs: bool
         layer = QuantizedLinear.from_linear(
             module, config.fmt, plan.online, act_scale=config.effective_act_scale,
             act_global_scale=scales[name].to(weight.device) if static else None,
-            trainable=quantizer.trainable and plan.weight is None, name=name,
+            trainable=quantizer.trainable and plan.weight is None and weight.requires_grad,
+            name=name,
             quantized_weight=plan.weight)
         layer.to(weight.device)
         report.layers.append(layer_report(name, module, layer, plan.stats, plan.transform,

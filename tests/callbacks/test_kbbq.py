@@ -516,3 +516,49 @@ def test_a_strategy_that_shards_the_parameters_is_refused(tmp_path):
         os.environ.clear()
         os.environ.update(environment)
     assert not quantized_linears(module)
+
+
+def test_qlora_through_the_callback_quantizes_the_base_layers_and_trains_the_adapters(
+        tmp_path, caplog):
+    """A module holding a peft model (LoRA on every linear): the callback quantizes the base
+    layers, which peft froze, as stored codes that stay frozen, and leaves the adapters in full
+    precision to train (they were quantized to FP4 too, and the base layers' master weights made
+    trainable: full FP4 fine-tuning where LoRA was asked for).  The same rule holds without
+    peft: a layer whose weight does not require grad is quantized frozen."""
+    peft = pytest.importorskip("peft", reason="peft (the test extra) is not installed")
+
+    class LoRA(TinyLM):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = peft.get_peft_model(self.model, peft.LoraConfig(
+                r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+
+        def configure_optimizers(self):
+            return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+    module = LoRA()
+    adapters = {n: p.detach().clone() for n, p in module.named_parameters() if "lora_" in n}
+    kbbq = KBBQ()
+    with caplog.at_level("WARNING", logger="kbbq_pl.callbacks.kbbq"):
+        trainer(tmp_path, [kbbq], max_steps=3, enable_checkpointing=False).fit(
+            module, datamodule=datamodule())
+    layers = quantized_linears(module)
+    assert len(layers) == 14 and all(name.endswith(".base_layer") for name in layers)
+    assert all(not layer.trainable for layer in layers.values())  # codes since calibration
+    assert sum("peft adapter" in reason for reason in kbbq.report.skipped.values()) == 28
+    assert adapters.keys() == {n for n, p in module.named_parameters() if p.requires_grad}
+    assert any(not torch.equal(p.detach(), adapters[n]) for n, p in module.named_parameters()
+               if "lora_B" in n)
+    assert not caplog.records  # no "stored codes ... only the rest trains" warning
+
+    frozen, seen = TinyLM(), {}
+    frozen.model.model.layers[0].requires_grad_(False)
+
+    class Probe(Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen.update({n: layer.trainable for n, layer in quantized_linears(pl_module).items()})
+
+    trainer(tmp_path, [KBBQ(), Probe()], max_steps=1, enable_checkpointing=False).fit(
+        frozen, datamodule=datamodule())
+    assert len(seen) == 14 and {n for n, trains in seen.items() if not trains} == {
+        n for n in seen if ".layers.0." in n}

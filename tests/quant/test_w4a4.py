@@ -16,7 +16,13 @@ from torch import nn
 
 from kbbq_pl import formats as F
 from kbbq_pl import from_pretrained, save_quantized
-from kbbq_pl.quant import FormatConfig, QuantizationConfig, quantize_model, w4a4
+from kbbq_pl.quant import (
+    FormatConfig,
+    QuantizationConfig,
+    TransformConfig,
+    quantize_model,
+    w4a4,
+)
 from kbbq_pl.quant.layers import (
     QuantizedLinear,
     freeze_layers,
@@ -363,6 +369,25 @@ def test_fused_layers_train_and_freeze_under_one_per_tensor_scale():
             assert torch.equal(layer(x), trained[name]), name
     assert torch.equal(q_proj.weight.global_scale, largest)
     assert dict(q_proj.named_buffers()) == {}
+
+
+def test_frozen_layers_of_a_trainable_quantization_store_codes_fused_under_one_scale():
+    """``quantize_model(trainable=True)`` keeps master weights for the layers whose weight
+    requires grad; a frozen block stores codes, and its q/k/v and gate/up (a data-free
+    transform) share one NVFP4 per-tensor scale, as stored codes do."""
+    model = tiny_model("llama")
+    model.model.layers[0].requires_grad_(False)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    quantize_model(model, [{"input_ids": ids}], QuantizationConfig(
+        format=FormatConfig("nvfp4"), transform=TransformConfig("hadamard")), trainable=True,
+        progress=False)
+    layers = quantized_linears(model)
+    assert {n for n, layer in layers.items() if not layer.trainable} == {
+        n for n in layers if ".layers.0." in n}
+    for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+        scales = {float(layers[n].weight.global_scale) for n in layers
+                  if ".layers.0." in n and n.rsplit(".", 1)[1] in group}
+        assert len(scales) == 1, group
 
 
 def test_format1_state_dict_loads_into_a_shell():

@@ -226,9 +226,12 @@ class RTN(WeightQuantizer):
             self.folded += list(folded)
         new_values = {v_name: (weight, bias) for v_name, weight, bias in folded.values()}
         shared: dict[str, Tensor | None] = {}
-        if (config.fmt.global_scale and config.transform.name not in FITTED_TRANSFORMS
-                and not self.trainable):
-            groups = fused_groups(block.linears)
+        # stored codes (no master weight: not trainable, or a weight that does not require
+        # grad) of the layers vLLM fuses share one per-tensor scale
+        frozen = {name for name, module in block.linears.items()
+                  if not (self.trainable and linear_weight(module).requires_grad)}
+        if config.fmt.global_scale and config.transform.name not in FITTED_TRANSFORMS:
+            groups = [group for group in fused_groups(block.linears) if frozen.issuperset(group)]
             shared = fused_weight_scales(
                 {name: transform_weight(padded[name], transforms[name])
                  for group in groups for name in group}, config.fmt, groups)

@@ -342,8 +342,7 @@ def _quantize_block(block: Block, quantizer: WeightQuantizer, keep_outputs: bool
         layer = QuantizedLinear.from_linear(
             module, config.fmt, plan.online, act_scale=config.effective_act_scale,
             act_global_scale=scales[name].to(weight.device) if static else None,
-            trainable=quantizer.trainable and plan.weight is None and weight.requires_grad,
-            name=name,
+            trainable=plan.weight is None and quantizer.keeps_master(module), name=name,
             quantized_weight=plan.weight)
         layer.to(weight.device)
         report.layers.append(layer_report(name, module, layer, plan.stats, plan.transform,

@@ -21,6 +21,7 @@ from ..formats import QuantizedTensor
 from .autobrake import LambdaChoice
 from .collectives import Collectives
 from .config import QuantizationConfig
+from .modules import linear_weight
 from .report import QuantizationReport
 from .sequential import BlockStep, CalibrationSplit
 from .stats import LayerStatistics
@@ -88,6 +89,12 @@ class WeightQuantizer(ABC):
     def __init__(self, config: QuantizationConfig, *, trainable: bool = False) -> None:
         self.config = config
         self.trainable = trainable
+
+    def keeps_master(self, module: nn.Module) -> bool:
+        """Whether ``module`` becomes a trainable master weight: ``trainable``, and its weight
+        requires grad (a frozen one, as under peft's adapters, stores codes and stays
+        frozen)."""
+        return self.trainable and linear_weight(module).requires_grad
 
     @abstractmethod
     def calibrate(self, block: Block, keep_outputs: bool) -> tuple[Any, list[Tensor] | None]:

@@ -228,8 +228,7 @@ class RTN(WeightQuantizer):
         shared: dict[str, Tensor | None] = {}
         # stored codes (no master weight: not trainable, or a weight that does not require
         # grad) of the layers vLLM fuses share one per-tensor scale
-        frozen = {name for name, module in block.linears.items()
-                  if not (self.trainable and linear_weight(module).requires_grad)}
+        frozen = {name for name, module in block.linears.items() if not self.keeps_master(module)}
         if config.fmt.global_scale and config.transform.name not in FITTED_TRANSFORMS:
             groups = [group for group in fused_groups(block.linears) if frozen.issuperset(group)]
             shared = fused_weight_scales(

@@ -300,9 +300,11 @@ class KBBQ(Callback):
         share_fused_scales(self._fused)
         self._checks_scope = contextlib.ExitStack()
         self._checks = self._checks_scope.enter_context(deferred_checks())
-        if any(not layer.trainable for layer in quantized_linears(pl_module).values()):
+        if not self._left_frozen and any(
+                not layer.trainable for layer in quantized_linears(pl_module).values()):
             # stored codes (GPTQ) do not change while the rest trains: decode each once, not in
-            # every forward (4 bytes per weight element, as a trainable master weight holds)
+            # every forward (4 bytes per weight element, as a trainable master weight holds);
+            # not where the user froze the layers (QLoRA), which holds no dense copy
             self._checks_scope.enter_context(cache_decoded_weights())
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

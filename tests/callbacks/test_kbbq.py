@@ -536,12 +536,20 @@ def test_qlora_through_the_callback_quantizes_the_base_layers_and_trains_the_ada
         def configure_optimizers(self):
             return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=1e-2)
 
-    module = LoRA()
+    from kbbq_pl.quant import w4a4
+
+    module, cached = LoRA(), []
     adapters = {n: p.detach().clone() for n, p in module.named_parameters() if "lora_" in n}
     kbbq = KBBQ()
+
+    class Probe(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            cached.append(w4a4._decoded is not None)
+
     with caplog.at_level("WARNING", logger="kbbq_pl.callbacks.kbbq"):
-        trainer(tmp_path, [kbbq], max_steps=3, enable_checkpointing=False).fit(
+        trainer(tmp_path, [kbbq, Probe()], max_steps=3, enable_checkpointing=False).fit(
             module, datamodule=datamodule())
+    assert cached == [False] * 3  # decoded per call: no dense FP32 copy of the base (QLoRA)
     layers = quantized_linears(module)
     assert len(layers) == 14 and all(name.endswith(".base_layer") for name in layers)
     assert all(not layer.trainable for layer in layers.values())  # codes since calibration

@@ -81,9 +81,10 @@ class QuantizedTensor(TorchAOBaseTensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         """torchao's dispatch to the operations implemented for the class; any other is an
         error that names the layer and what to call instead (torchao's names only the op)."""
-        if func not in cls._ATEN_OP_TABLE.get(cls, {}):
+        implementation = cls._ATEN_OP_TABLE.get(cls, {}).get(func)
+        if implementation is None:
             raise NotImplementedError(_unsupported(func, args))
-        return super().__torch_dispatch__(func, types, args, kwargs or {})
+        return implementation(func, types, args, kwargs or {})
 
     def dequantize(self, output_dtype: torch.dtype | None = None) -> Tensor:
         """The represented values in ``output_dtype`` (default: the original dtype)."""
@@ -118,14 +119,20 @@ class QuantizedTensor(TorchAOBaseTensor):
         )
 
 
+def _described(codes: QuantizedTensor, kind: str | None = None) -> str:
+    """``codes`` as its errors name it: its layer (where it knows it), format, ``kind`` (default:
+    its class), shape and device."""
+    layer = getattr(codes, "layer_name", "")
+    return (f"{layer + ': ' if layer else ''}a {codes.fmt.name} {kind or type(codes).__name__} "
+            f"of shape {tuple(codes.shape)} on {codes.device}")
+
+
 def _unsupported(func: Any, args: Any) -> str:
     """The error of an operation a :class:`QuantizedTensor` does not run (its dispatch)."""
     codes = next(t for t in torch.utils._pytree.tree_leaves(args)
                  if isinstance(t, QuantizedTensor))
-    layer = getattr(codes, "layer_name", "")
-    return (f"{layer + ': ' if layer else ''}a {codes.fmt.name} {type(codes).__name__} of shape "
-            f"{tuple(codes.shape)} on {codes.device} holds packed codes and does not run "
-            f"{func} (it runs F.linear, device and dtype moves, copies): code that reads it as a "
+    return (f"{_described(codes)} holds packed codes and does not run {func} (it runs "
+            "F.linear, device and dtype moves, copies): code that reads it as a "
             "dense tensor (peft's DoRA, which reads the base layer's weight) needs "
             ".dequantize() (the codes' values, before any transform) or model.dequantize() "
             "(the dense weight-only model)")
@@ -154,15 +161,12 @@ def _view(func: Any, types: Any, args: Any, kwargs: Any) -> NoReturn:
     into a buffer with other tensors is what DDP's start-up broadcast of the parameters does,
     so a one-dimensional view's error says how to leave the codes out of it."""
     source, shape = args[0], list(args[1])
-    layer = getattr(source, "layer_name", "")
     hint = ("; DDP's start-up broadcast flattens every parameter: call "
             "kbbq_pl.exclude_quantized_from_ddp_sync(model) on the module that "
             "DistributedDataParallel wraps (a peft model too) before wrapping it"
             if len(shape) == 1 else "")
-    raise NotImplementedError(
-        f"{layer + ': ' if layer else ''}a {source.fmt.name} QuantizedTensor of shape "
-        f"{tuple(source.shape)} on {source.device} holds packed codes and has no view of shape "
-        f"{shape}{hint}")
+    raise NotImplementedError(f"{_described(source, 'QuantizedTensor')} holds packed codes and "
+                              f"has no view of shape {shape}{hint}")
 
 
 _copy_same_layout = QuantizedTensor._ATEN_OP_TABLE[QuantizedTensor][torch.ops.aten.copy_.default]
@@ -178,8 +182,7 @@ def _copy_(func: Any, types: Any, args: Any, kwargs: Any) -> None:
         return _copy_same_layout(func, types, args, kwargs)
     codes = source if isinstance(source, QuantizedTensor) else target
     dense = target if codes is source else source
-    where = (f"{codes.layer_name + ': ' if getattr(codes, 'layer_name', '') else ''}a "
-             f"{codes.fmt.name} QuantizedTensor of shape {tuple(codes.shape)} on {codes.device}")
+    where = _described(codes, "QuantizedTensor")
     if codes is source:
         raise TypeError(f"{where} holds FP4 codes (of W T^-1 where a transform T is applied), "
                         f"not the dense weight of shape {tuple(dense.shape)} it is copied into: "

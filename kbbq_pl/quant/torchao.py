@@ -103,9 +103,9 @@ class KBBQConfig(AOBaseConfig):
     _names: dict[int, str] = field(default_factory=dict, init=False, repr=False, compare=False)
     _fused_scales: dict[str, Tensor | None] = field(default_factory=dict, init=False,
                                                     repr=False, compare=False)
-    # convert: the layers converted so far (a layer without an observer before any is warned
-    # of: the model was likely not prepared)
-    _converted: int = field(default=0, init=False, repr=False, compare=False)
+    # convert: a layer without an observer before any layer converted is warned of, once (the
+    # model was likely not prepared; a layer the filter left out comes after converted ones)
+    _warn_unprepared: bool = field(default=True, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         step = self.step.value if isinstance(self.step, QuantizationStep) else str(self.step)
@@ -225,13 +225,13 @@ def _prepare(module: nn.Module, ao_config: KBBQConfig) -> nn.Module:
 def _convert(module: nn.Module, ao_config: KBBQConfig) -> nn.Module:
     observer: KBBQObserver | None = getattr(module, OBSERVER_ATTR, None)
     if observer is None:
-        if ao_config._converted == 0:  # a layer the filter left out comes after converted ones
+        if ao_config._warn_unprepared:
             log.warning("KBBQConfig convert: %s has no KBBQ observer (step='prepare' did not "
                         "reach it) and stays in full precision, as every layer will if the "
                         "model was not prepared: quantize_(model, prepare, "
                         "filter_fn=prepare.filter_fn) with prepare = KBBQConfig(recipe, "
                         "step='prepare'), run calibration batches, then convert", module)
-            ao_config._converted = -1  # warned once
+            ao_config._warn_unprepared = False
         return module
     recipe = ao_config.config
     if (observer.format, observer.static) != (recipe.format.name, ao_config.static):
@@ -261,7 +261,7 @@ def _convert(module: nn.Module, ao_config: KBBQConfig) -> nn.Module:
                             name=name, quantized_weight=shared)
     module.weight = nn.Parameter(quantized, requires_grad=False)
     delattr(module, OBSERVER_ATTR)
-    ao_config._converted = max(ao_config._converted, 0) + 1
+    ao_config._warn_unprepared = False
     return module
 
 

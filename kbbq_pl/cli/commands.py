@@ -276,7 +276,8 @@ def _compare(args: argparse.Namespace) -> int:
                else table_recipes([f.strip() for f in args.formats.split(",") if f.strip()]))
     calibration = {key: value for key, value in (("source", args.calibration_source),
                                                  ("n_tokens", args.calibration_tokens),
-                                                 ("text_key", args.calibration_text_key))
+                                                 ("text_key", args.calibration_text_key),
+                                                 ("streaming", args.calibration_streaming or None))
                    if value is not None}
     tasks = ([t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks
              else default_tasks(args.model, args.trust_remote_code))
@@ -477,12 +478,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_text_options(compare)
     compare.add_argument("--calibration-source", default=None,
                          help="override every recipe's calibration source (mixed, random, a "
-                              "file)")
+                              "file, hf:<dataset>[:<config>][:<split>])")
     compare.add_argument("--calibration-tokens", type=int, default=None,
                          help="override every recipe's calibration token budget")
     compare.add_argument("--calibration-text-key", default=None,
                          help="the calibration source's field (a jsonl or dataset's; a "
                               "conversation is rendered by the chat template)")
+    compare.add_argument("--calibration-streaming", action="store_true",
+                         help="read an hf:<dataset> calibration source as a stream: its first "
+                              "records, not the whole split downloaded")
     compare.add_argument("--batch-size", type=int, default=4)
     compare.add_argument("--cache-dir", default=None, help="converted benchmark data")
     compare.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")

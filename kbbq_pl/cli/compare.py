@@ -335,7 +335,8 @@ def run_compare(
         settings = {**common, "recipe": config.to_dict(),
                     "calibration": {"source": str(data.source), "n_tokens": data.n_tokens,
                                     "seq_len": data.seq_len, "seed": data.seed,
-                                    "packing": data.packing, "text_key": data.text_key}}
+                                    "packing": data.packing, "text_key": data.text_key,
+                                    **({"streaming": True} if data.streaming else {})}}
         row = cached(stem, settings)
         if row is None:
             begin = time.perf_counter()

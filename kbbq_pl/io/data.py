@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -107,10 +108,7 @@ def _dataset_fields(source: Any, text_key: str,
         dataset = datasets.load_dataset(data_file_format(source), data_files=str(source),
                                         split="train")
     elif isinstance(source, str):
-        parts = source[len("hf:"):].split(":", 2)  # a split may slice: train[:512]
-        path, config = parts[0], (parts[1] or None) if len(parts) > 1 else None
-        split = parts[2] if len(parts) > 2 else "train"
-        dataset = datasets.load_dataset(path, config, split=split)
+        dataset = hf_dataset(source)
     if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         raise ValueError(f"text source is a DatasetDict of the splits {list(dataset)}: "
                          f"pass one split, e.g. dataset[{next(iter(dataset), 'train')!r}]")
@@ -135,6 +133,45 @@ def _dataset_fields(source: Any, text_key: str,
     return fields, True
 
 
+HF_SLICE = re.compile(r"^(?P<split>[^\[\]]+)\[(?P<start>\d*):(?P<stop>\d*)\]$")
+"""A split sliced by records, ``train[:2048]`` or ``train[100:2148]``: what a stream reads."""
+
+
+def hf_dataset(source: str, streaming: bool = False) -> Any:
+    """The dataset ``"hf:<path>[:<config>][:<split>]"`` names (split ``train`` by default),
+    loaded by ``datasets.load_dataset``: the split whole (a slice, ``train[:512]``, is cut from
+    it after its files are downloaded), or with ``streaming`` an ``IterableDataset`` read from
+    the Hub as it is iterated, whose slice is ``skip`` and ``take`` of records (only what a
+    calibration reads is downloaded: C4's ``en`` train split is about 300 GB)."""
+    import datasets
+
+    parts = source[len("hf:"):].split(":", 2)  # a split may slice: train[:512]
+    path, config = parts[0], (parts[1] or None) if len(parts) > 1 else None
+    split = parts[2] if len(parts) > 2 else "train"
+    if not streaming:
+        try:
+            return datasets.load_dataset(path, config, split=split)
+        except datasets.exceptions.DatasetGenerationError as error:  # a data file it can't read
+            cause = error.__cause__ or error
+            raise ValueError(f"text source {source!r}: datasets could not read its split "
+                             f"{split!r} ({type(cause).__name__}: "
+                             f"{' '.join(str(cause).split())[:300]})") from error
+    sliced = HF_SLICE.match(split) if "[" in split else None
+    if "[" in split and sliced is None:
+        raise ValueError(f"text source {source!r}: a streamed split is sliced by records "
+                         f"from the start, as 'train[:2048]' or 'train[100:2148]', not "
+                         f"{split!r} (percentages and negative indices need the whole split: "
+                         "streaming=False)")
+    dataset = datasets.load_dataset(path, config, split=sliced["split"] if sliced else split,
+                                    streaming=True)
+    if sliced is not None:
+        start = int(sliced["start"] or 0)
+        dataset = dataset.skip(start) if start else dataset
+        if sliced["stop"]:
+            dataset = dataset.take(max(int(sliced["stop"]) - start, 0))
+    return dataset
+
+
 def source_name(source: Any) -> str:
     """A text source as an error message names it: a path or name quoted, else its type
     (and size), never the records themselves."""
@@ -142,7 +179,10 @@ def source_name(source: Any) -> str:
         return repr(str(source))
     kind = type(source).__name__
     size = f" of {len(source)} records" if hasattr(source, "__len__") else ""
-    return f"{'an' if kind[0].lower() in 'aeiou' else 'a'} {kind}{size}"
+    info = getattr(source, "info", None)  # a datasets dataset's name and split, where known
+    named = (f" ({info.dataset_name}, split {source.split})"
+             if getattr(info, "dataset_name", None) and getattr(source, "split", None) else "")
+    return f"{'an' if kind[0].lower() in 'aeiou' else 'a'} {kind}{named}{size}"
 
 
 def _list_fields(records: list | tuple, text_key: str) -> list[Any]:
@@ -412,7 +452,10 @@ class CalibrationDataModule(LightningDataModule):
     sentence encoder should calibrate on.  ``packing=None`` (the default) leaves it to the model
     (:meth:`for_model`, which the CLI and the KBBQ callback call): packed for a causal LM, whole
     records for any other model with text to read; packed where no model says.  ``tokenizer``
-    is a tokenizer object or a local path it loads from.
+    is a tokenizer object or a local path it loads from.  ``streaming`` reads an ``hf:`` source
+    as a stream (:func:`hf_dataset`): its first records, until they hold what the token budget
+    needs (:data:`CHARS_PER_TOKEN` characters a token), instead of a seeded draw from the whole
+    split, which is downloaded first.
     """
 
     def __init__(
@@ -426,8 +469,13 @@ class CalibrationDataModule(LightningDataModule):
         text_key: str = "text",
         vocab_size: int | None = None,
         packing: bool | None = None,
+        streaming: bool = False,
     ) -> None:
         super().__init__()
+        if streaming and not (isinstance(source, str) and source.startswith("hf:")):
+            raise ValueError(f"streaming reads an 'hf:<dataset>' source from the Hub; source "
+                             f"{source_name(source)} is read as it is (a file's records drawn "
+                             "in part): pass streaming=False")
         self.source = source
         self.tokenizer = tokenizer
         self.n_tokens = n_tokens
@@ -437,6 +485,7 @@ class CalibrationDataModule(LightningDataModule):
         self.text_key = text_key
         self.vocab_size = vocab_size
         self.packing = packing
+        self.streaming = streaming
         self.blocks: Tensor | None = None
         self.records: list[Tensor] | None = None
 
@@ -487,16 +536,16 @@ class CalibrationDataModule(LightningDataModule):
         """Build the blocks (or records).  Lightning's call (``stage`` given) leaves it to the
         first dataloader: it comes before the KBBQ callback settles the data for its model
         (:meth:`for_model`: packing, sequence length, tokenizer)."""
-        if stage is not None:
+        if stage is not None or (self.blocks if self.packs else self.records) is not None:
             return
+        source = hf_dataset(self.source, streaming=True) if self.streaming else self.source
         if not self.packs:
-            if self.records is None:
-                self.records = token_records(
-                    self.source, self._tokenizer(), n_tokens=self.n_tokens, max_len=self.seq_len,
-                    seed=self.seed, text_key=self.text_key)
-        elif self.blocks is None:
+            self.records = token_records(
+                source, self._tokenizer(), n_tokens=self.n_tokens, max_len=self.seq_len,
+                seed=self.seed, text_key=self.text_key)
+        else:
             self.blocks = token_blocks(
-                self.source, self._tokenizer(), n_tokens=self.n_tokens, seq_len=self.seq_len,
+                source, self._tokenizer(), n_tokens=self.n_tokens, seq_len=self.seq_len,
                 seed=self.seed, text_key=self.text_key, vocab_size=self.vocab_size,
             )
 

@@ -28,8 +28,8 @@ def test_table_pieces():
 
 
 def test_calibration_overrides_reach_every_recipe():
-    """--calibration-source / -tokens / -text-key override the recipe's data module (a chats
-    file's ``messages``, say)."""
+    """--calibration-source / -tokens / -text-key / -streaming override the recipe's data
+    module (a chats file's ``messages``, say; a Hub dataset read as a stream)."""
     from kbbq_pl.cli.compare import load_recipe
 
     data, _, stem = load_recipe("gptq_kbbq_nvfp4", "smollm2", {
@@ -37,6 +37,10 @@ def test_calibration_overrides_reach_every_recipe():
     assert (data.source, data.n_tokens, data.text_key, stem) == (
         "chats.jsonl", 512, "messages", "gptq_kbbq_nvfp4")
     assert load_recipe("gptq_kbbq_nvfp4", "smollm2", {})[0].text_key == "text"
+    streamed = load_recipe("gptq_kbbq_nvfp4", "smollm2", {"source": "hf:allenai/c4:en",
+                                                            "streaming": True})[0]
+    assert (streamed.source, streamed.streaming) == ("hf:allenai/c4:en", True)
+    assert load_recipe("gptq_kbbq_nvfp4", "smollm2", {})[0].streaming is False
 
 
 def test_compare_writes_the_table_and_resumes(tiny_llama2c_folder, tmp_path, capsys):

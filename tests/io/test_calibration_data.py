@@ -92,6 +92,62 @@ def test_dataset_files_are_read_by_their_format(minilm, tmp_path):
     assert source_records(f"hf:{folder}::train[10:20]").texts == expected.texts[10:20]
 
 
+def test_a_streamed_hf_source_reads_only_its_first_records(minilm, tmp_path):
+    """``CalibrationDataModule(streaming=True)`` reads an ``hf:`` source as datasets' stream:
+    its first records until the token budget's characters, its slice as records skipped and
+    taken; the split's later files are never read (a folder of two shards, the second not
+    JSON, stands for a Hub dataset too large to download: without streaming the whole split is
+    read first, and fails on it).  A slice a stream cannot cut, and streaming a source that is
+    no ``hf:`` dataset, are refused."""
+    import datasets
+
+    from kbbq_pl.io.data import CHARS_PER_TOKEN, hf_dataset, source_records
+
+    _, tokenizer = minilm
+    texts = [f"record {i}: the quick brown fox jumps over the lazy dog ." for i in range(3000)]
+    folder = tmp_path / "c4"
+    folder.mkdir()
+    (folder / "train-00000.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts))
+    (folder / "train-00001.jsonl").write_text("this shard is not read\n")
+    with pytest.raises(ValueError, match=r"text source 'hf:.*c4': datasets could not read its "
+                                         r"split 'train' \(ArrowInvalid: JSON"):
+        source_records(f"hf:{folder}")
+
+    budget = CHARS_PER_TOKEN * 64
+    stream = hf_dataset(f"hf:{folder}", streaming=True)
+    assert isinstance(stream, datasets.IterableDataset)
+    first = source_records(stream, max_chars=budget)
+    count = len(first.texts)
+    assert first.texts == texts[:count] and count < len(texts) / 4
+    assert sum(map(len, texts[:count - 1])) < budget <= sum(map(len, texts[:count]))
+    module = CalibrationDataModule(f"hf:{folder}", tokenizer, n_tokens=64, seq_len=32,
+                                   streaming=True, packing=True)
+    batches = list(module.calibration_dataloader())
+    assert torch.equal(torch.cat([batch["input_ids"] for batch in batches]),
+                       token_blocks(texts[:count], tokenizer, n_tokens=64, seq_len=32))
+
+    # a slice is records skipped and taken (datasets' take may open the next shard: one shard)
+    sliced = tmp_path / "sliced"
+    sliced.mkdir()
+    (sliced / "train.jsonl").write_text((folder / "train-00000.jsonl").read_text())
+    assert [row["text"] for row in hf_dataset(f"hf:{sliced}::train[100:103]", streaming=True)] \
+        == texts[100:103]
+    assert [row["text"] for row in hf_dataset(f"hf:{sliced}::train[:2]", streaming=True)] \
+        == texts[:2]
+    whole = CalibrationDataModule(f"hf:{sliced}::train[:40]", tokenizer, n_tokens=64,
+                                  seq_len=32, streaming=True, packing=False)
+    records = [tokenizer.decode(batch["input_ids"][0], skip_special_tokens=True)
+               for batch in whole.calibration_dataloader()]
+    assert records and all(int(text.split()[1].rstrip(":")) < 40 for text in records)
+
+    with pytest.raises(ValueError, match=r"a streamed split is sliced by records from the "
+                                         r"start, as 'train\[:2048\]' .* not 'train\[:10%\]'"):
+        hf_dataset(f"hf:{folder}::train[:10%]", streaming=True)
+    with pytest.raises(ValueError, match="streaming reads an 'hf:<dataset>' source from the "
+                                         "Hub; source 'mixed' is read as it is"):
+        CalibrationDataModule("mixed", streaming=True)
+
+
 def test_data_files_without_a_record_or_not_read_as_data(tmp_path):
     """An empty field (null, a blank CSV cell, "") is no record, as a text file's blank line
     (it was calibrated on as the text "None"); a folder, a DatasetDict, a file that is not

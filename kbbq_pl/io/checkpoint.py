@@ -374,14 +374,18 @@ def write_checkpoint_files(staging: Path, model: nn.Module, shards: ShardWriter,
             # as save_pretrained writes it: from_pretrained(dtype="auto") reads it here
             document["dtype"] = str(written).removeprefix("torch.")
         document["quantization_config"] = quantization_block(shards.layers, shards.tied, recipe)
-        if not is_source_code(model):
-            # transformers' classes compute this checkpoint, not a source's own code (whose
-            # files the folder does not hold): the loader's entries replace its auto_map
-            document.pop("auto_map", None)
-            loader = remote_code_loader(model)
-            if loader is not None:
-                document["auto_map"], source = loader
-                (staging / f"{LOADER}.py").write_text(source)
+        # transformers' classes compute this checkpoint, not a source's own code (whose files
+        # the folder does not hold): the loader's entries replace its auto_map; a source's own
+        # code (held beside) keeps its entries, the config's through the loader
+        stored_map = document.pop("auto_map", None)
+        auto_map = without_loader(stored_map) if is_source_code(model) else {}
+        loader = remote_code_loader(model)
+        if loader is not None:
+            entries, source = loader
+            auto_map.update(entries)
+            (staging / f"{LOADER}.py").write_text(source)
+        if auto_map:
+            document["auto_map"] = auto_map
         hf_config.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
     files = shards.finish()
     metadata = {
@@ -505,9 +509,29 @@ def remote_code_loader(model: nn.Module) -> tuple[dict[str, str], str] | None:
     quantization method (transformers names a missing kbbq-pl in its error), and subclasses
     the model's and its config's transformers classes under their own names: ``AutoConfig``
     imports it first (lm-eval reads the ``quantization_config`` before it builds the model),
-    then the model's auto class builds transformers' model.  None where the model's class is
-    not the one that auto class builds for its config."""
+    then the model's auto class builds transformers' model.  A model of its folder's own code
+    (:func:`is_source_code`) keeps its classes: the file imports kbbq_pl and gives ``AutoConfig``
+    the folder's own config class, as imported from the folder's module.  None where the
+    model's class is not the one its auto class builds for its config, or where its own code
+    runs with a transformers config (which a loader would register for ``trust_remote_code``
+    everywhere)."""
     config = getattr(model, "config", None)
+    if is_source_code(model):
+        config_module = type(config).__module__
+        if not config_module.startswith("transformers_modules."):
+            return None
+        config_name, module = type(config).__name__, config_module.rpartition(".")[2]
+        source = f'''"""Loads this kbbq-pl checkpoint where transformers runs a folder's own code
+(``trust_remote_code=True``, lm-eval's ``--model_args pretrained=FOLDER,trust_remote_code=True``)
+where nothing imports kbbq-pl: importing it registers the "kbbq" quantization method, which
+reads the quantized layers, before the model is built.  kbbq-pl must be installed.  The
+config class is the folder's own, from {module}.py."""
+
+import kbbq_pl  # noqa: F401
+
+from .{module} import {config_name}  # noqa: F401
+'''
+        return {"AutoConfig": f"{LOADER}.{config_name}"}, source
 
     def own(cls: type) -> type | None:  # the transformers class a (loaded) subclass extends
         return next((c for c in cls.__mro__ if c.__module__.startswith("transformers.models.")),

@@ -915,10 +915,12 @@ def custom_code_folder(folder: Path, tokenizer_folder: Path) -> Path:
 def test_a_model_of_its_folder_s_own_code_quantizes_saves_and_reloads_with_it(
         tmp_path, capsys, tiny_chat_folder):
     """``trust_remote_code``: quantized in Python or by ``kbbq-pl quantize
-    --trust_remote_code`` (streamed too), the checkpoint holds the source's code and names it
-    in ``auto_map`` (no kbbq-pl loader), and transformers and kbbq-pl build that code's class
-    from it with the same logits; ``kbbq-pl chat``, ``compare`` and ``law`` run it; without the
-    flag, one line says how to allow it."""
+    --trust_remote_code`` (streamed too), the checkpoint holds the source's code and names its
+    model class in ``auto_map``, its config class through a kbbq-pl loader that imports kbbq-pl
+    first, and transformers and kbbq-pl build that code's classes from it with the same logits,
+    where nothing imports kbbq-pl too (lm-eval's command: it read the folder as an unknown
+    quantization method); ``kbbq-pl chat``, ``compare`` and ``law`` run it; without the flag,
+    one line says how to allow it."""
     from transformers import AutoModelForCausalLM
 
     from kbbq_pl.cli.commands import main
@@ -929,16 +931,31 @@ def test_a_model_of_its_folder_s_own_code_quantizes_saves_and_reloads_with_it(
     quantize_model(model, [{"input_ids": ids}], QuantizationConfig(), progress=False)
     folder = save_quantized(model, tmp_path / "q")
     assert json.loads((folder / "config.json").read_text())["auto_map"] == {
-        "AutoConfig": "configuration_tiny_custom.TinyCustomConfig",
+        "AutoConfig": "kbbq_pl_loader.TinyCustomConfig",
         "AutoModelForCausalLM": "modeling_tiny_custom.TinyCustomForCausalLM"}
     assert (folder / "modeling_tiny_custom.py").read_text() == CUSTOM_MODELING
-    assert not (folder / "kbbq_pl_loader.py").exists()
+    assert (folder / "configuration_tiny_custom.py").read_text() == CUSTOM_CONFIG
     with torch.no_grad():
         expected = model(input_ids=ids).logits
         for loaded in (kbbq_pl.from_pretrained(folder, trust_remote_code=True),
                        causal_lm(folder, trust_remote_code=True)):
             assert type(loaded).__name__ == "TinyCustomForCausalLM"
+            assert type(loaded.config).__module__.endswith(".configuration_tiny_custom")
             assert torch.equal(loaded(input_ids=ids).logits, expected)
+    without_kbbq_pl(tmp_path, sys.executable, "-c", REMOTE_LOAD, str(folder),
+                    str(tmp_path / "again"), str(tmp_path / "out.pt"))
+    out = torch.load(tmp_path / "out.pt")
+    assert out["classes"]["model"][0].endswith(".modeling_tiny_custom.TinyCustomForCausalLM")
+    assert out["classes"]["config"][0].endswith(".configuration_tiny_custom.TinyCustomConfig")
+    assert torch.equal(out["logits"], expected)
+    with torch.no_grad():  # transformers' save_pretrained: its own code, no loader (import kbbq_pl)
+        again = kbbq_pl.from_pretrained(tmp_path / "again", trust_remote_code=True)
+        assert torch.equal(again(input_ids=ids).logits, expected)
+    saved_again = save_quantized(again, tmp_path / "saved-again")
+    assert (saved_again / "kbbq_pl_loader.py").read_text() == \
+        (folder / "kbbq_pl_loader.py").read_text()
+    assert json.loads((saved_again / "config.json").read_text())["auto_map"] == json.loads(
+        (folder / "config.json").read_text())["auto_map"]
 
     quick = ["--model", str(source), "--data.init_args.source", "random",
              "--data.init_args.n_tokens", "256", "--data.init_args.seq_len", "64"]

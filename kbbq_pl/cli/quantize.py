@@ -247,6 +247,7 @@ def _calibration_shape(args, config) -> dict[str, str]:
     config.data.init_args.packing = data.packing
     config.data.init_args.seq_len = data.seq_len
     return {"calibration_source": str(data.source),
+            "calibration_records": data.read or f"random tokens (seed {data.seed})",
             "calibration_sequences": (f"packed blocks of {data.seq_len} tokens" if data.packs
                                       else f"whole records (at most {data.seq_len} tokens)")}
 

@@ -95,12 +95,12 @@ def data_file_format(path: Path) -> str | None:
 
 
 def _dataset_fields(source: Any, text_key: str,
-                    max_chars: int | None = None) -> tuple[list[Any], bool]:
+                    max_chars: int | None = None) -> tuple[list[Any], bool | None]:
     """The ``text_key`` column of a dataset, of ``"hf:<path>[:<config>][:<split>]"`` (the split
     as ``datasets`` reads it, a slice too: ``train[:512]``) or of a local file of one of
-    :data:`DATASET_FILES`' formats, and whether it is a streaming dataset's
-    (``IterableDataset``), read in its own order until its fields hold ``max_chars`` characters
-    (to its end without)."""
+    :data:`DATASET_FILES`' formats, and, for a streaming dataset's (``IterableDataset``, read
+    in its own order until its fields hold ``max_chars`` characters, to its end without),
+    whether it was read in part (None for any other dataset)."""
     import datasets
 
     dataset = source
@@ -121,7 +121,7 @@ def _dataset_fields(source: Any, text_key: str,
         raise ValueError(f"text source {source_name(source)} has no {text_key!r} "
                          f"column (columns: {dataset.column_names}); pass text_key=")
     if not isinstance(dataset, datasets.IterableDataset):
-        return list(dataset[text_key]), False
+        return list(dataset[text_key]), None
     fields, chars = [], 0
     for index, row in enumerate(dataset):
         fields.append(_field(row, text_key, f"text source {source_name(source)}, record {index}"))
@@ -129,8 +129,8 @@ def _dataset_fields(source: Any, text_key: str,
         if max_chars is not None and chars >= max_chars:
             log.info("text source %s (streaming): its first %d records read, %d characters",
                      source_name(source), len(fields), chars)
-            break
-    return fields, True
+            return fields, True
+    return fields, False
 
 
 HF_SLICE = re.compile(r"^(?P<split>[^\[\]]+)\[(?P<start>\d*):(?P<stop>\d*)\]$")
@@ -224,6 +224,20 @@ class Records(NamedTuple):
     texts: list[str]
     stream: str  # the records as one text: a text file as written, others joined by newlines
     templated: list[bool]  # the record is a rendered conversation, framed by its template
+    read: str = ""  # which of the source's records these are (:func:`records_read`)
+
+
+def records_read(total: int, chosen: list[int] | None, seed: int, streamed: bool = False,
+                 cut: bool = False) -> str:
+    """How much of a source a calibration read, as its report says it: all ``total`` records,
+    a seeded draw of them (``chosen``), or a stream's first records (``cut``: it was read
+    until the budget, not to its end)."""
+    if streamed:
+        return f"the first {total:,} records of a stream" if cut else \
+            f"all {total:,} records of a stream"
+    if chosen is None:
+        return f"all {total:,} records"
+    return f"{len(chosen):,} of {total:,} records, a seeded draw (seed {seed})"
 
 
 def _chars(value: Any) -> int:
@@ -259,7 +273,7 @@ def source_records(source: Any, text_key: str = "text", tokenizer: Any = None, *
     by the tokenizer's chat template.  With ``max_chars``, a source holding more text is read
     in part: the records of a seeded draw until ``max_chars`` characters (:func:`drawn`), in
     the source's order; a streaming dataset's first records (:func:`_dataset_fields`)."""
-    streamed = False
+    cut = None  # a stream: whether it was read in part (None: not a stream)
     if isinstance(source, (str, Path)) and not str(source).startswith("hf:"):
         if str(source) == MIXED:
             from ..resources import calibration_corpus
@@ -288,25 +302,35 @@ def source_records(source: Any, text_key: str = "text", tokenizer: Any = None, *
                     f"{'/'.join(COMPRESSED)})") from None
             lines = [line.strip() for line in text.splitlines() if line.strip()]
             chosen = drawn([len(line) for line in lines], max_chars, seed, source)
+            read = records_read(len(lines), chosen, seed)
             if chosen is not None:
                 lines = [lines[index] for index in chosen]
                 text = "\n".join(lines)
-            return Records(lines, text, [False] * len(lines))
+            return Records(lines, text, [False] * len(lines), read)
     elif isinstance(source, (list, tuple)):
         fields = _list_fields(source, text_key)
     else:
-        fields, streamed = _dataset_fields(source, text_key, max_chars)
+        fields, cut = _dataset_fields(source, text_key, max_chars)
     name = source_name(source)
     # an empty field (null, a blank CSV cell, "") is no record, as a text file's blank lines
     kept = [(index, value) for index, value in enumerate(fields)
             if value is not None and not (isinstance(value, str) and not value.strip())]
+    sizes = [_chars(value) for _, value in kept]
     # a streaming dataset's first records are what it gives of itself: no draw among them
-    chosen = None if streamed else drawn([_chars(value) for _, value in kept], max_chars, seed,
-                                         source)
+    chosen = None if cut is not None else drawn(sizes, max_chars, seed, source)
+    read = records_read(len(kept), chosen, seed, streamed=cut is not None, cut=bool(cut))
     if chosen is not None:
         kept = [kept[index] for index in chosen]
     texts = [_as_text(value, tokenizer, name, index) for index, value in kept]
-    return Records(texts, "\n".join(texts), [is_chat(value) for _, value in kept])
+    return Records(texts, "\n".join(texts), [is_chat(value) for _, value in kept], read)
+
+
+def calibration_records(source: Any, text_key: str, tokenizer: Any, *, n_tokens: int,
+                        seed: int) -> Records:
+    """The records of ``source`` that a calibration of ``n_tokens`` tokens reads: up to
+    :data:`CHARS_PER_TOKEN` characters a token (:func:`source_records`)."""
+    return source_records(source, text_key, tokenizer, max_chars=CHARS_PER_TOKEN * n_tokens,
+                          seed=seed)
 
 
 def random_tokens(vocab_size: int, count: int, seed: int,
@@ -339,11 +363,12 @@ def token_blocks(
     seed: int = 0,
     text_key: str = "text",
     vocab_size: int | None = None,
+    records: Records | None = None,
 ) -> Tensor:
     """``[ceil(n_tokens / seq_len), seq_len]`` token ids (int64) from ``source``.
 
     ``tokenizer`` is a HuggingFace tokenizer; without one only ``"random"`` works, over
-    ``vocab_size`` ids.
+    ``vocab_size`` ids.  ``records``: the source's, read already (:func:`calibration_records`).
     """
     if n_tokens < 1 or seq_len < 2:
         raise ValueError(f"need n_tokens >= 1 and seq_len >= 2, got {n_tokens} and {seq_len}")
@@ -368,8 +393,10 @@ def token_blocks(
         if tokenizer is None:
             raise ValueError(f"calibration source {source_name(source)} is text: it needs a "
                              "tokenizer (a model without one calibrates on source 'random')")
-        text = source_records(source, text_key, tokenizer, max_chars=CHARS_PER_TOKEN * n_tokens,
-                              seed=seed).stream
+        if records is None:
+            records = calibration_records(source, text_key, tokenizer, n_tokens=n_tokens,
+                                          seed=seed)
+        text = records.stream
         ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False,
                         verbose=False)["input_ids"]
         available = len(ids) // body
@@ -401,20 +428,22 @@ def token_records(
     max_len: int,
     seed: int = 0,
     text_key: str = "text",
+    records: Records | None = None,
 ) -> list[Tensor]:
     """Whole records of ``source`` as token sequences (int64, 1-D), one record per sequence:
     a seeded draw of the records (a text file's non-empty lines, a jsonl file's or a dataset's
     ``text_key`` fields), each tokenized with the tokenizer's special tokens and cut at
     ``max_len`` tokens, until ``n_tokens`` tokens; nothing is packed or padded (what a
-    sentence encoder embeds)."""
+    sentence encoder embeds).  ``records``: the source's, read already
+    (:func:`calibration_records`)."""
     if n_tokens < 1 or max_len < 2:
         raise ValueError(f"need n_tokens >= 1 and max_len >= 2, got {n_tokens} and {max_len}")
     if tokenizer is None or (isinstance(source, str) and source == RANDOM):
         raise ValueError(f"calibration on whole records needs text and a tokenizer, got source "
                          f"{source_name(source)}"
                          f"{'' if tokenizer is not None else ' without a tokenizer'}")
-    records = source_records(source, text_key, tokenizer, max_chars=CHARS_PER_TOKEN * n_tokens,
-                             seed=seed)
+    if records is None:
+        records = calibration_records(source, text_key, tokenizer, n_tokens=n_tokens, seed=seed)
     order = torch.randperm(len(records.texts), generator=torch.Generator().manual_seed(seed))
     chosen: list[Tensor] = []
     total = 0
@@ -488,6 +517,7 @@ class CalibrationDataModule(LightningDataModule):
         self.streaming = streaming
         self.blocks: Tensor | None = None
         self.records: list[Tensor] | None = None
+        self.read: str | None = None  # which records of the source were read, once set up
 
     def for_model(self, model: Any) -> CalibrationDataModule:
         """Settle ``packing=None`` for ``model``: a causal LM is scored on running text, so it
@@ -539,15 +569,20 @@ class CalibrationDataModule(LightningDataModule):
         if stage is not None or (self.blocks if self.packs else self.records) is not None:
             return
         source = hf_dataset(self.source, streaming=True) if self.streaming else self.source
+        records = None
+        if not (isinstance(source, str) and source == RANDOM) and self._tokenizer() is not None:
+            records = calibration_records(source, self.text_key, self._tokenizer(),
+                                          n_tokens=self.n_tokens, seed=self.seed)
+            self.read = records.read
         if not self.packs:
             self.records = token_records(
                 source, self._tokenizer(), n_tokens=self.n_tokens, max_len=self.seq_len,
-                seed=self.seed, text_key=self.text_key)
+                seed=self.seed, text_key=self.text_key, records=records)
         else:
             self.blocks = token_blocks(
                 source, self._tokenizer(), n_tokens=self.n_tokens, seq_len=self.seq_len,
                 seed=self.seed, text_key=self.text_key, vocab_size=self.vocab_size,
-            )
+                records=records)
 
     def _loader(self, blocks: Tensor) -> DataLoader:
         dataset = TensorDataset(blocks, torch.ones_like(blocks))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,7 @@ def test_quantize_recipe_on_a_local_model_reloads_bit_exactly(tiny_llama_dir, tm
     assert report["config"]["format"]["name"] == "mxfp4"
     assert len(report["layers"]) == 14 and report["model"]["fidelity_mean_cosine"] > 0.5
     assert report["model"]["calibration_sequences"] == "packed blocks of 32 tokens"
+    assert report["model"]["calibration_records"] == "random tokens (seed 0)"
     assert "RTN-KBBQ" in capsys.readouterr().out
 
     # the same recipe in process gives the model that was saved, bit for bit
@@ -96,6 +98,9 @@ def test_default_main_job_on_minilm(tmp_path, capsys):
     assert 0.9 < report["model"]["fidelity_mean_cosine"] <= 1.0
     # an encoder calibrates on whole records of the corpus by default, and the recipe says so
     assert report["model"]["calibration_sequences"] == "whole records (at most 256 tokens)"
+    # 512 tokens read a draw of the corpus's records (the default budget reads them all)
+    assert re.fullmatch(r"[\d,]+ of [\d,]+ records, a seeded draw \(seed 0\)",
+                        report["model"]["calibration_records"]), report["model"]
     assert "packing: false" in (out / "recipe.yaml").read_text()
     assert len(report["layers"]) == 36
     model, tokenizer = load_model("minilm")

@@ -122,9 +122,11 @@ def test_a_streamed_hf_source_reads_only_its_first_records(minilm, tmp_path):
     assert sum(map(len, texts[:count - 1])) < budget <= sum(map(len, texts[:count]))
     module = CalibrationDataModule(f"hf:{folder}", tokenizer, n_tokens=64, seq_len=32,
                                    streaming=True, packing=True)
+    assert module.read is None
     batches = list(module.calibration_dataloader())
     assert torch.equal(torch.cat([batch["input_ids"] for batch in batches]),
                        token_blocks(texts[:count], tokenizer, n_tokens=64, seq_len=32))
+    assert module.read == f"the first {count} records of a stream"
 
     # a slice is records skipped and taken (datasets' take may open the next shard: one shard)
     sliced = tmp_path / "sliced"
@@ -366,6 +368,7 @@ def test_a_large_source_is_read_in_part(minilm, tmp_path, monkeypatch):
     indices = [texts.index(text) for text in drawn.texts]
     assert indices == sorted(indices) and indices[-1] > len(texts) / 2  # drawn, in order
     assert drawn.stream == "\n".join(drawn.texts)
+    assert drawn.read == f"{len(drawn.texts)} of 2,000 records, a seeded draw (seed 1)"
     assert source_records(jsonl, max_chars=CHARS_PER_TOKEN * 64, seed=2).texts != drawn.texts
     blocks = token_blocks(jsonl, tokenizer, n_tokens=64, seq_len=32, seed=1)
     for source in sources:
@@ -378,6 +381,7 @@ def test_a_large_source_is_read_in_part(minilm, tmp_path, monkeypatch):
     # a source of no more than the budget is read whole: the text file as it stands
     assert source_records(sources[0], max_chars=size + len(texts)) == source_records(sources[0])
     assert source_records(sources[0]).stream.endswith("dog .\n")
+    assert source_records(sources[0]).read == "all 2,000 records"
 
     rendered = []
     chat_tokenizer = copy.deepcopy(tokenizer)
@@ -402,6 +406,10 @@ def test_a_large_source_is_read_in_part(minilm, tmp_path, monkeypatch):
     first = source_records(stream, max_chars=CHARS_PER_TOKEN * 64)
     assert first.texts[0].startswith("streamed record 0:") and \
         sum(map(len, first.texts[:-1])) < CHARS_PER_TOKEN * 64 <= sum(map(len, first.texts))
+    assert first.read == f"the first {len(first.texts)} records of a stream"
+    short = datasets.IterableDataset.from_generator(lambda: ({"text": t} for t in texts[:5]))
+    assert source_records(short, max_chars=CHARS_PER_TOKEN * 64).read == \
+        "all 5 records of a stream"
     monkeypatch.setattr(data, "CHARS_PER_TOKEN", 10**9)  # a budget this stream cannot fill
     with pytest.raises(AssertionError, match="read past"):
         token_blocks(stream, tokenizer, n_tokens=64, seq_len=32)

@@ -8,14 +8,20 @@ reachable, read from the cache under ``HF_HUB_OFFLINE=1``.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 """A HuggingFace Hub model id, ``org/name``."""
-HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]
-"""What a Hub snapshot fetches: config, weights (safetensors only), tokenizer, and the model
-code of a folder that holds its own (run only with ``trust_remote_code``)."""
+HUB_FILES = ["*.json", "*.model", "*.txt", "*.jinja", "*.py", SAFE_WEIGHTS_NAME]
+"""What a Hub snapshot fetches first: config, tokenizer, the model code of a folder that holds
+its own (run only with ``trust_remote_code``), and the weights in one file or the index of
+their shards (``model.safetensors.index.json``), whose shards come next (:func:`hub_snapshot`):
+not every ``*.safetensors`` of the repository (Mistral's also hold ``consolidated.safetensors``,
+the same weights again for another reader)."""
 
 
 def local_folder(path: str | Path) -> Path:
@@ -27,11 +33,15 @@ def local_folder(path: str | Path) -> Path:
 
 
 def hub_snapshot(repo_id: str) -> Path:
-    """The HuggingFace cache's snapshot of ``repo_id`` (downloaded unless ``HF_HUB_OFFLINE``)."""
+    """The HuggingFace cache's snapshot of ``repo_id`` (downloaded unless ``HF_HUB_OFFLINE``):
+    :data:`HUB_FILES`, then the files they name (:func:`_listed_files`)."""
     from huggingface_hub import snapshot_download
 
     try:
         folder = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+        rest = _listed_files(folder)
+        if rest:
+            folder = Path(snapshot_download(repo_id, allow_patterns=rest))
     except Exception as error:  # noqa: BLE001 - offline, unknown id, no network: one message
         reason = " ".join(str(error).split())[:200] or type(error).__name__
         raise FileNotFoundError(f"{repo_id!r} is neither a local folder nor a HuggingFace Hub "
@@ -40,3 +50,19 @@ def hub_snapshot(repo_id: str) -> Path:
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{repo_id!r}: the Hub snapshot {folder} has no config.json")
     return folder
+
+
+def _listed_files(folder: Path) -> list[str]:
+    """What a snapshot's first files name, to fetch next: the weight shards of
+    ``model.safetensors.index.json`` (as transformers' ``from_pretrained`` fetches them) and the
+    folders of the sentence-transformers modules ``modules.json`` lists (a dense head's
+    weights)."""
+    patterns = []
+    index = folder / SAFE_WEIGHTS_INDEX_NAME
+    if index.is_file():
+        patterns += sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    modules = folder / "modules.json"
+    if modules.is_file():
+        patterns += [f"{module['path']}/*" for module in json.loads(modules.read_text())
+                     if isinstance(module, dict) and module.get("path")]
+    return patterns

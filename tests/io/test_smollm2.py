@@ -212,6 +212,48 @@ def test_smollm2_smoke_quantize_score_and_reload(tmp_path, smollm2_cache):
         assert torch.equal(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
+def test_a_hub_snapshot_fetches_what_the_model_reads_not_every_weight_file(monkeypatch,
+                                                                          tmp_path):
+    """A Hub model is fetched as transformers fetches it: config, tokenizer and code, then the
+    shards ``model.safetensors.index.json`` names and the folders of the sentence-transformers
+    modules ``modules.json`` lists; not the repository's other weight files (a Mistral
+    repository's ``consolidated.safetensors``, the same weights again: it was fetched too).  A
+    stand-in for the Hub filters a repository's files by huggingface_hub's own pattern
+    matching."""
+    import shutil
+
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    from kbbq_pl.io.hub import hub_snapshot
+
+    repo = tmp_path / "repo"
+    files = {"config.json": "{}", "tokenizer.json": "{}", "modeling_own.py": "",
+             "model.safetensors.index.json": json.dumps({"weight_map": {
+                 "a.weight": "model-00001-of-00002.safetensors",
+                 "b.weight": "model-00002-of-00002.safetensors"}}),
+             "model-00001-of-00002.safetensors": "", "model-00002-of-00002.safetensors": "",
+             "consolidated.safetensors": "", "original/params.bin": "",
+             "modules.json": json.dumps([{"idx": 0, "path": ""},
+                                         {"idx": 1, "path": "2_Dense"}]),
+             "2_Dense/config.json": "{}", "2_Dense/model.safetensors": ""}
+    for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    cache = tmp_path / "cache"
+
+    def snapshot_download(repo_id, allow_patterns):
+        for name in filter_repo_objects(list(files), allow_patterns=allow_patterns):
+            (cache / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(repo / name, cache / name)
+        return str(cache)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert hub_snapshot("someone/sharded") == cache
+    fetched = {str(path.relative_to(cache)) for path in cache.rglob("*") if path.is_file()}
+    assert fetched == set(files) - {"consolidated.safetensors", "original/params.bin"}
+
+
 def test_a_hub_id_loads_through_the_huggingface_cache(monkeypatch, tmp_path):
     """``--model HuggingFaceTB/SmolLM2-135M-Instruct`` is the Hub's snapshot where the Hub is
     reachable (here: a snapshot function standing in for it), and one clear line where it is

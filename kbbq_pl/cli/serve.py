@@ -3,8 +3,9 @@
 ``kbbq-pl serve FOLDER`` runs transformers' own OpenAI-compatible server (``transformers
 serve``: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``) pinned to
 the model of ``FOLDER``, which it loads through ``from_pretrained`` with kbbq-pl's quantizer
-registered (:mod:`kbbq_pl.io.hf_quantizer`); chat requests go through the tokenizer's chat
-template.  SIGTERM or Ctrl-C stops it after the requests in flight (exit code 0).
+registered (:mod:`kbbq_pl.io.hf_quantizer`; in the model's own process, :mod:`.serving`); chat
+requests go through the tokenizer's chat template.  SIGTERM or Ctrl-C stops it after the
+requests in flight (exit code 0).
 
 ``kbbq-pl chat FOLDER`` loads the model the same way and talks with it in the terminal:
 ``--prompt TEXT`` for one answer, else a conversation on standard input (one message per line,
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import signal
 import socket
 import sys
@@ -208,7 +210,7 @@ def run_serve(args: argparse.Namespace) -> int:
     device = model_device(args.device)
     dtype = folder_dtype(folder, kind, model_dtype(args.dtype), args.trust_remote_code)
     check_port(args.host, args.port)
-    from transformers.cli.serve import Serve
+    from .serving import KbbqServe
 
     name = str(folder)
     print(f"kbbq-pl serve: loading {name} ({kind}) on {device}; then serving it at "
@@ -223,15 +225,18 @@ def run_serve(args: argparse.Namespace) -> int:
         # uvicorn handles SIGTERM and Ctrl-C while it serves (finishing the requests in
         # flight), then raises the signal again: SIGTERM reaches _stop, Ctrl-C the default
         # KeyboardInterrupt
-        with weight_cache(device, args.no_weight_cache):
-            Serve(force_model=name, host=args.host, port=args.port, device=str(device),
+        KbbqServe(force_model=name, host=args.host, port=args.port, device=str(device),
                   compile=args.compile, trust_remote_code=args.trust_remote_code,
                   dtype=dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."),
-                  log_level=args.log_level)
+                  log_level=args.log_level,
+                  cache_weights=device.type == "cpu" and not args.no_weight_cache)
     except (_Stop, KeyboardInterrupt):
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
+        # the server froze the garbage collector and, stopped by a signal, did not thaw it: a
+        # process ending frozen has triton's bindings report their objects as leaked
+        gc.unfreeze()
     print("kbbq-pl serve: stopped", file=sys.stderr, flush=True)
     return 0
 

@@ -154,7 +154,8 @@ def test_compile_decodes_with_a_static_cache_and_reaches_the_server(tiny_chat_qu
                                                                    monkeypatch):
     """``--compile``: chat's answer with transformers' static cache (compiled on a GPU; on the
     CPU the cache alone) is the same greedy answer; serve hands the flag to transformers'
-    server."""
+    server, and the weight cache (on the CPU, unless ``--no-weight-cache``) to the process
+    that loads the model."""
     expected = greedy_reply(tiny_chat_quantized, MESSAGES, 12)
     from transformers.generation import utils as generation
 
@@ -171,13 +172,17 @@ def test_compile_decodes_with_a_static_cache_and_reaches_the_server(tiny_chat_qu
                  "--max-new-tokens", "12", "--device", "cpu", "--compile"]) == 0
     assert capsys.readouterr().out == expected + "\n" and caches == ["static"]
     pytest.importorskip("fastapi")
-    from transformers.cli import serve as hf_serve
+    from kbbq_pl.cli import serving
 
     served = {}
-    monkeypatch.setattr(hf_serve, "Serve", lambda **kwargs: served.update(kwargs))
+    monkeypatch.setattr(serving, "KbbqServe", lambda **kwargs: served.update(kwargs))
     assert main(["serve", str(tiny_chat_quantized), "--port", str(free_port()), "--device",
                  "cpu", "--compile"]) == 0
     assert served["compile"] is True and served["force_model"] == str(tiny_chat_quantized)
+    assert served["cache_weights"] is True  # the CPU's emulation, in the model's process
+    assert main(["serve", str(tiny_chat_quantized), "--port", str(free_port()), "--device",
+                 "cpu", "--no-weight-cache"]) == 0
+    assert served["cache_weights"] is False and served["compile"] is False
 
 
 def test_chat_keeps_the_conversation_from_standard_input(tiny_chat_quantized, capsys,
@@ -214,3 +219,31 @@ def test_chat_answers_from_the_compressed_tensors_export_of_a_float32_folder(
                  "--max-new-tokens", "4", "--device", "cpu"]) == 0
     captured = capsys.readouterr()
     assert captured.out.strip() and "compressed-tensors" in captured.err
+
+
+def test_the_model_s_process_loads_with_kbbq_pl_and_keeps_the_decoded_weights(
+        tiny_chat_quantized):
+    """transformers' server loads the model in a spawned process, which unpickles its loader:
+    kbbq-pl's loader brings kbbq-pl (the "kbbq" method) with it, keeps its setting, loads the
+    quantized layers and, on the CPU, keeps their decoded weights for the process's life."""
+    import pickle
+
+    pytest.importorskip("fastapi")
+    from transformers.utils import logging as hf_logging
+
+    from kbbq_pl.cli.serving import KbbqModelLoader
+    from kbbq_pl.quant import w4a4
+    from kbbq_pl.quant.layers import quantized_linears
+
+    loader = KbbqModelLoader(device="cpu")
+    loader.cache_weights = True
+    copy = pickle.loads(pickle.dumps(loader))  # what the spawned process receives
+    assert type(copy) is KbbqModelLoader and copy.cache_weights is True
+    assert w4a4._decoded is None
+    try:
+        model, _ = copy.load_model_and_processor(str(tiny_chat_quantized))
+        assert quantized_linears(model) and w4a4._decoded is not None
+    finally:
+        copy._cache.close()
+        hf_logging.enable_progress_bar()  # the model's process shows no loading bar
+    assert w4a4._decoded is None

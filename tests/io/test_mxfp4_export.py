@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from tiny_models import tiny_model
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Mxfp4Config
 
 from kbbq_pl.cli.commands import main
 from kbbq_pl.io.checkpoint import save_quantized
@@ -22,6 +22,9 @@ from kbbq_pl.quant import QuantizationConfig, quantize_model
 from kbbq_pl.quant.layers import quantized_linears
 
 IDS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(7))
+# the experts dequantized, as transformers holds them on a CPU without its hub kernel (5.25
+# fetches "kernels-community/gpt-oss-triton-kernels" on the CPU too, which offline it cannot)
+DEQUANTIZED = Mxfp4Config(dequantize=True)
 EXPERTS_ONLY = {"ignore": [r"lm_head$", r"self_attn\."]}
 
 
@@ -70,7 +73,7 @@ def test_gpt_oss_experts_export_in_gpt_oss_own_format(tmp_path):
         assert torch.equal(blocks[e].reshape(128, 32), codes.qdata)
         assert torch.equal(stored["model.layers.0.mlp.experts.gate_up_proj_scales"][e],
                            codes.scale.view(torch.uint8))
-    theirs = AutoModelForCausalLM.from_pretrained(out)  # the CPU: experts dequantized
+    theirs = AutoModelForCausalLM.from_pretrained(out, quantization_config=DEQUANTIZED)
     for i in (0, 1):
         fused = theirs.model.layers[i].mlp.experts
         for e in range(count):
@@ -91,7 +94,7 @@ def test_quantized_attention_is_written_dense_and_strict_refuses(tmp_path, caplo
     with caplog.at_level(logging.WARNING, logger="kbbq_pl.io.mxfp4"):
         out = export_mxfp4(folder, tmp_path / "mxfp4", weight_only=True)
     assert "written dense, dequantized" in caplog.text
-    theirs = AutoModelForCausalLM.from_pretrained(out)
+    theirs = AutoModelForCausalLM.from_pretrained(out, quantization_config=DEQUANTIZED)
     q_proj = quantized_linears(model)["model.layers.0.self_attn.q_proj"]
     assert torch.equal(theirs.model.layers[0].self_attn.q_proj.weight,
                        q_proj.weight.dequantize(torch.float32))

@@ -122,11 +122,12 @@ class ExpertLinears(nn.Module):
         self.has_gate, _, self.is_transposed = _layout(fused)
         self.act_fn = getattr(fused, "act_fn", None)
         # the fused class's gating (transformers' default: act(gate) * up on concatenated
-        # halves; gpt-oss: its clamped, interleaved SwiGLU), with the scalars it reads
+        # halves; gpt-oss: its clamped, interleaved SwiGLU), with the scalars it reads (None too:
+        # Ling's limit where a layer clips nothing)
         self._gate_function = (None if not self.has_gate else
                                getattr(type(fused), "_apply_gate", _chunked_gate))
         for key, value in vars(fused).items():
-            if not key.startswith("_") and isinstance(value, (bool, int, float)):
+            if not key.startswith("_") and (value is None or isinstance(value, (bool, int, float))):
                 self.__dict__.setdefault(key, value)
         self.fused_parameters = tuple(fused_weights(fused))
         self.every_expert = False
@@ -411,7 +412,10 @@ def moe_routers(model: nn.Module) -> list[str]:
             count = None if experts is None else declared
         if count is None:
             continue
-        count += getattr(experts, "zero_expert_num", 0) or 0
+        # LongCat-Flash's identity experts, counted on its experts (transformers 5.24) or on
+        # their MoE module (5.25)
+        count += getattr(experts, "zero_expert_num", 0) or getattr(module, "zero_expert_num",
+                                                                    0) or 0
         lead = f"{name}." if name else ""
         for child_name, child in module.named_children():
             if child is experts:

@@ -227,12 +227,12 @@ class Records(NamedTuple):
     read: str = ""  # which of the source's records these are (:func:`records_read`)
 
 
-def records_read(total: int, chosen: list[int] | None, seed: int, streamed: bool = False,
-                 cut: bool = False) -> str:
+def records_read(total: int, chosen: list[int] | None, seed: int,
+                 cut: bool | None = None) -> str:
     """How much of a source a calibration read, as its report says it: all ``total`` records,
-    a seeded draw of them (``chosen``), or a stream's first records (``cut``: it was read
-    until the budget, not to its end)."""
-    if streamed:
+    a seeded draw of them (``chosen``), or of a stream (``cut`` not None) its first records
+    (``cut``: read until the budget, not to its end)."""
+    if cut is not None:
         return f"the first {total:,} records of a stream" if cut else \
             f"all {total:,} records of a stream"
     if chosen is None:
@@ -318,7 +318,7 @@ def source_records(source: Any, text_key: str = "text", tokenizer: Any = None, *
     sizes = [_chars(value) for _, value in kept]
     # a streaming dataset's first records are what it gives of itself: no draw among them
     chosen = None if cut is not None else drawn(sizes, max_chars, seed, source)
-    read = records_read(len(kept), chosen, seed, streamed=cut is not None, cut=bool(cut))
+    read = records_read(len(kept), chosen, seed, cut)
     if chosen is not None:
         kept = [kept[index] for index in chosen]
     texts = [_as_text(value, tokenizer, name, index) for index, value in kept]

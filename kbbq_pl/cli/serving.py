@@ -36,9 +36,6 @@ class KbbqModelLoader(ModelLoader):
             self._cache.enter_context(cache_decoded_weights())
         return super().load_model_and_processor(model_id, on_progress=on_progress)
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {key: value for key, value in self.__dict__.items() if key != "_cache"}
-
 
 class KbbqServe(Serve):
     """transformers' ``Serve`` (its arguments), its model loaded by a :class:`KbbqModelLoader`

@@ -156,8 +156,8 @@ def hf_dataset(source: str, streaming: bool = False) -> Any:
             raise ValueError(f"text source {source!r}: datasets could not read its split "
                              f"{split!r} ({type(cause).__name__}: "
                              f"{' '.join(str(cause).split())[:300]})") from error
-    sliced = HF_SLICE.match(split) if "[" in split else None
-    if "[" in split and sliced is None:
+    sliced = HF_SLICE.match(split)
+    if sliced is None and "[" in split:
         raise ValueError(f"text source {source!r}: a streamed split is sliced by records "
                          f"from the start, as 'train[:2048]' or 'train[100:2148]', not "
                          f"{split!r} (percentages and negative indices need the whole split: "

@@ -36,6 +36,7 @@ _NO_BLOCK = tl.constexpr(-(1 << 20))  # below every block exponent: a chunk of n
 
 INTERPRET = interpreting()
 _TRITON_3_7 = triton_version() >= (3, 7)
+_TRITON_3_8 = (3, 8) <= triton_version() < (3, 9)
 PARTS_FIRST = _TRITON_3_7
 """Where the activation kernel puts a block's parts (:func:`_transformed_blocks`): Triton's
 coalescing ranks the dimensions of equal contiguity by index, ascending after the contiguous
@@ -496,14 +497,16 @@ def _act_configs():
             for block_m, nb, warps in ((256, 1, 4), (128, 1, 4), (512, 1, 8), (64, 2, 4))]
 
 
-ACT_TILES = {16: {"BLOCK_M": 256, "NB": 1, "TILES": 4, "num_warps": 4},
+ACT_TILES = {16: {"BLOCK_M": 128 if _TRITON_3_8 else 256, "NB": 1, "TILES": 4, "num_warps": 4},
              32: {"BLOCK_M": 128 if _TRITON_3_7 else 256, "NB": 1, "TILES": 4,
                   "num_warps": 4}}
 """The activation kernel's tile per block size, one block per program (every thread reads
 the same ``T``): of the tiles compiled by ``bench/gpu_compile.py``, the fewest SASS per
 element without spills in the values kernel: two rows a thread (each column of ``T`` loaded
-once for both), except for MX on Triton 3.7 and later, where two rows spill (3.9: 888 bytes a
-thread) and one row runs instead (on 3.6: 54 SASS an element with two rows, 60 with one).
+once for both), except where two rows spill and one row runs instead: MX on Triton 3.7 and
+later (on 3.6: 54 SASS an element with two rows, 60 with one), and NVFP4 on Triton 3.8 (the
+values kernel: 8 bytes a thread with two rows, none with one, as few SASS an element; 3.6 and
+3.9 do not spill it).
 Up to four row tiles a program (:func:`tiles_per_program`), the next one's activations loaded
 while one is computed (``TILES``: one tile a program ran at 0.11 to 0.19 of a device copy on an
 H200, its memory idle while the chain ran; the same bits either way)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -13,13 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from console_scripts import installed_command
 from tiny_models import tiny_model
 
 from kbbq_pl.cli.commands import main
 from kbbq_pl.io.checkpoint import read_tensors
 from kbbq_pl.io.models import from_pretrained
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or shutil.which("kbbq-pl")
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or installed_command("kbbq-pl")
                                 is None, reason="needs torch.distributed and the kbbq-pl script")
 
 
@@ -40,7 +40,7 @@ def _free_port() -> int:
 def _torchrun(args: list[str], processes: int = 2) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                str(processes), "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-               shutil.which("kbbq-pl"), *args]
+               installed_command("kbbq-pl"), *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=600, check=False,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 

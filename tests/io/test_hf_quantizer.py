@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from console_scripts import installed_command
 from safetensors import safe_open
 from tiny_models import tiny_config, tiny_model
 
@@ -744,7 +745,7 @@ def test_lm_eval_command_evaluates_the_folder_with_trust_remote_code(tiny_chat_q
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / "tiny_choice.yaml").write_text(TINY_TASK.format(docs=tmp_path / "docs.jsonl"))
-    command = shutil.which("lm_eval") or shutil.which("lm-eval")
+    command = installed_command("lm_eval", "lm-eval")
     assert command, "lm-eval installs its command"
     without_kbbq_pl(tmp_path, command, "--model", "hf", "--model_args",
                     f"pretrained={tiny_chat_quantized},trust_remote_code=True,dtype=float32",

@@ -1855,6 +1855,8 @@ def decode_tokens_per_second(model, prompt: torch.Tensor, tokens: int, use_graph
     default mode, one shape, no graphs of its own: the step is still captured here)."""
     from transformers import StaticCache
 
+    from kbbq_pl._compat import cache_argument
+
     device = prompt.device
     batch = prompt.shape[0]
     # room for the warm-up steps too: transformers may place each step after the cache's last
@@ -1865,8 +1867,9 @@ def decode_tokens_per_second(model, prompt: torch.Tensor, tokens: int, use_graph
     except TypeError:  # transformers 4.x
         cache = StaticCache(config=model.config, max_batch_size=batch, max_cache_len=length,
                             device=device, dtype=torch.bfloat16)
+    with_cache = {cache_argument(model): cache}
     with torch.no_grad():
-        out = model(input_ids=prompt, past_key_values=cache, use_cache=True,
+        out = model(input_ids=prompt, **with_cache, use_cache=True,
                     cache_position=torch.arange(prompt.shape[1], device=device))
     ids = out.logits[:, -1:].argmax(-1)
     position = torch.tensor([prompt.shape[1]], device=device)
@@ -1874,7 +1877,7 @@ def decode_tokens_per_second(model, prompt: torch.Tensor, tokens: int, use_graph
     forward = torch.compile(model, dynamic=False) if compiled else model
 
     def step():
-        logits = forward(input_ids=ids, past_key_values=cache, use_cache=True,
+        logits = forward(input_ids=ids, **with_cache, use_cache=True,
                          cache_position=position).logits
         ids.copy_(logits[:, -1:].argmax(-1))
         position.add_(1)
@@ -1962,12 +1965,15 @@ def profile_steps(run: Run, model, prompt: torch.Tensor, batch: torch.Tensor, na
     and the decode step's kernel time by module in the summary."""
     from torch.profiler import ProfilerActivity, profile
 
+    from kbbq_pl._compat import cache_argument
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.cuda else [])
     with torch.no_grad():
         out = model(input_ids=prompt, use_cache=True)
         ids = out.logits[:, -1:].argmax(-1)
-        cache = out.past_key_values
-        steps = {"decode": lambda: model(input_ids=ids, past_key_values=cache, use_cache=True),
+        name = cache_argument(model)
+        with_cache = {name: out[name]}  # the output's field is named as the argument
+        steps = {"decode": lambda: model(input_ids=ids, **with_cache, use_cache=True),
                  "prefill": lambda: model(input_ids=batch, use_cache=False)}
         for what, call in steps.items():
             call()  # warm: autotuning and prepared weights stay out of the trace

@@ -95,7 +95,8 @@ benchmark's shapes (K = N = 8192); pointers are 16-byte aligned too."""
 
 
 def compile_kernel(fn, signature: dict, constants: dict, target: GPUTarget, **options):
-    """``fn`` compiled for ``target`` (constexprs left out take their defaults)."""
+    """``fn`` compiled for ``target`` (constexprs left out take their defaults) with the
+    product's compile options (``triton_kernels.COMPILE_OPTIONS``) unless ``options`` says."""
     constants = dict({p.name: p.default for p in fn.params
                       if p.is_constexpr and p.has_default}, **constants)
     signature = dict(signature, **{name: "constexpr" for name in constants})
@@ -103,7 +104,7 @@ def compile_kernel(fn, signature: dict, constants: dict, target: GPUTarget, **op
              for name, kind in signature.items() if kind.startswith("*") or name in ALIGNED}
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constants,
                                        attrs=attrs)
-    return triton.compile(source, target=target, options=options)
+    return triton.compile(source, target=target, options=dict(tk.COMPILE_OPTIONS, **options))
 
 
 def count(pattern: str, text: str) -> int:

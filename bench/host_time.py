@@ -127,6 +127,7 @@ def model_rows(stack: ExitStack, steps: int) -> None:
     import gpu
 
     from kbbq_pl import kernels as K
+    from kbbq_pl._compat import cache_argument
     from kbbq_pl.kernels import direct_launch
     from kbbq_pl.quant import w4a4
     from kbbq_pl.quant.siblings import group_sibling_linears
@@ -142,13 +143,14 @@ def model_rows(stack: ExitStack, steps: int) -> None:
         # room for every step: transformers may write each after the last filled slot
         cache = StaticCache(config=model.config,
                             max_cache_len=prompt.shape[1] + (ROUNDS + 1) * steps + 16)
+        with_cache = {cache_argument(model): cache}
         with torch.no_grad():
-            out = model(input_ids=prompt, past_key_values=cache, use_cache=True,
+            out = model(input_ids=prompt, **with_cache, use_cache=True,
                         cache_position=torch.arange(prompt.shape[1]))
             ids = out.logits[:, -1:].argmax(-1)
 
             def step(position: int) -> None:
-                model(input_ids=ids, past_key_values=cache, use_cache=True,
+                model(input_ids=ids, **with_cache, use_cache=True,
                       cache_position=torch.tensor([position]))
 
             step(prompt.shape[1])  # warm-up: the one-row kernels compiled

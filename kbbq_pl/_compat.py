@@ -1,9 +1,10 @@
-"""Imports of optional or noisy dependencies, and what differs between the torch versions
-supported, kept in one place."""
+"""Imports of optional or noisy dependencies, and what differs between the torch and
+transformers versions supported, kept in one place."""
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Iterator
 
@@ -43,3 +44,14 @@ def tracing() -> bool:
     ``torch._guards.active_fake_mode`` walks the mode stack in Python)."""
     return (torch.compiler.is_compiling()
             or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None)
+
+
+CACHE_ARGUMENTS = ("cache", "past_key_values")
+"""The names transformers gives a model's (and a decoder layer's) key-value cache argument:
+``cache`` from 5.24, ``past_key_values`` before (and, deprecated, up to 5.39)."""
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name ``model``'s forward takes its key-value cache by (:data:`CACHE_ARGUMENTS`)."""
+    parameters = inspect.signature(model.forward).parameters
+    return next((name for name in CACHE_ARGUMENTS if name in parameters), CACHE_ARGUMENTS[-1])

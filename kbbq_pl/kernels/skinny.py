@@ -57,6 +57,7 @@ from .exact import MX_MULTIPLIER_BIAS, NVFP4_DECODE_SHIFT, WORD_ORDER_CHUNK
 from .host import cdiv, next_power_of_2
 from .interpret import interpreting
 from .triton_kernels import (
+    COMPILE_OPTIONS,
     SCALE_E4M3,
     _block_scale_values,
     _e2m1_values,
@@ -711,10 +712,11 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
         stages = pinned.pop("num_stages", 2)
         launch(_skinny_kernel, _grid(ns, k, m, sms, split_k, pinned), args,
                dict(meta, **pinned, EVEN_K=k % pinned["BLOCK_K"] == 0, num_warps=warps,
-                    num_stages=stages))
+                    num_stages=stages, **COMPILE_OPTIONS))
     else:
         launch(_skinny_dp4a_tuned if dp4a else _skinny_tuned,
-               functools.partial(_grid, ns, k, m, sms, split_k), args, meta)
+               functools.partial(_grid, ns, k, m, sms, split_k), args,
+               dict(meta, **COMPILE_OPTIONS))
     return outs if groups > 1 else outs[0]
 
 

@@ -35,6 +35,10 @@ _FP8_FLOOR = tl.constexpr(FP8_FLOOR)
 _NO_BLOCK = tl.constexpr(-(1 << 20))  # below every block exponent: a chunk of no counted block
 
 INTERPRET = interpreting()
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
+"""Triton's compile options of every kernel launch: FP fusion on (``a * b + c`` one FMA), as
+every kernel's bits, tests and compile reports were made; Triton 3.10 turns its default off
+(3.9 warns at each launch that leaves it unset)."""
 _TRITON_3_7 = triton_version() >= (3, 7)
 _TRITON_3_8 = (3, 8) <= triton_version() < (3, 9)
 PARTS_FIRST = _TRITON_3_7
@@ -720,10 +724,10 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
             cfg = few_rows_tile(dict(config or INTERPRETER_ACT_CONFIG), m)
             warps = cfg.pop("num_warps", 4)
             launch(_quantize_activations_kernel, _act_grid(m, n_blocks, groups, cfg), args,
-                   dict(meta, **passes, **cfg, num_warps=warps, enable_fp_fusion=True))
+                   dict(meta, **passes, **cfg, num_warps=warps, **COMPILE_OPTIONS))
         else:
             launch(_quantize_activations_tuned, functools.partial(_act_grid, m, n_blocks, groups),
-                   args, dict(meta, **passes, enable_fp_fusion=True))
+                   args, dict(meta, **passes, **COMPILE_OPTIONS))
 
     if nvfp4 and not static:
         launch_pass(True)
@@ -934,7 +938,8 @@ def decode(codes, scales, d: int, scale_kind: int):
     grid = (cdiv(rows, block_r), cdiv(k, block_k))
     _decode_kernel[grid](codes, scales, out, rows, k, codes.stride(0), scales.stride(0),
                          out.stride(0), D=d, SCALE_KIND=scale_kind, BLOCK_R=block_r,
-                         BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps)
+                         BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps,
+                         **COMPILE_OPTIONS)
     return out
 
 
@@ -972,13 +977,14 @@ def w4a4_matmul(a_codes, a_scales, a_global, w_codes, w_scales, w_global, d: int
         warps = cfg.pop("num_warps", 4)
         stages = cfg.pop("num_stages", 3)
         grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), split)
-        _w4a4_kernel[grid](*args, **meta, **cfg, num_warps=warps, num_stages=stages)
+        _w4a4_kernel[grid](*args, **meta, **cfg, num_warps=warps, num_stages=stages,
+                           **COMPILE_OPTIONS)
     else:
         kernel = _w4a4_small if small else _w4a4_large
 
         def grid(meta):
             return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), split)
-        kernel[grid](*args, **meta)
+        kernel[grid](*args, **meta, **COMPILE_OPTIONS)
     if split > 1:
         block_m, block_n = 16, 64
         grid = (cdiv(m, block_m), cdiv(n, block_n))
@@ -986,7 +992,7 @@ def w4a4_matmul(a_codes, a_scales, a_global, w_codes, w_scales, w_global, d: int
                            out.stride(0), SPLIT_K=split, GAIN2=gain * gain,
                            HAS_GLOBAL=has_global, HAS_BIAS=bias is not None,
                            EXPLICIT_BF16=meta["EXPLICIT_BF16"], BLOCK_M=block_m,
-                           BLOCK_N=block_n)
+                           BLOCK_N=block_n, **COMPILE_OPTIONS)
     return out
 
 
@@ -1016,11 +1022,12 @@ def decoded_matmul(a_values, w_values, a_global, w_global, scale_kind: int, gain
         warps = cfg.pop("num_warps", 4)
         stages = cfg.pop("num_stages", 3)
         grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), 1)
-        _w4a4_kernel[grid](*args, **meta, **cfg, num_warps=warps, num_stages=stages)
+        _w4a4_kernel[grid](*args, **meta, **cfg, num_warps=warps, num_stages=stages,
+                           **COMPILE_OPTIONS)
     else:
         def grid(meta):
             return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), 1)
-        _w4a4_large[grid](*args, **meta)
+        _w4a4_large[grid](*args, **meta, **COMPILE_OPTIONS)
     return out
 
 
@@ -1105,5 +1112,5 @@ def fold_e4m3(codes, exponents, d: int, inexact, multiplier: float = 1.0):
     _fold_e4m3_kernel[grid](words, exponent_words, values, scales, inexact, rows,
                             words.stride(0), exponent_words.stride(0), values.stride(0),
                             multiplier, D=d,
-                            BLOCK_R=block_r, num_warps=warps)
+                            BLOCK_R=block_r, num_warps=warps, **COMPILE_OPTIONS)
     return values.view(torch.float8_e4m3fn), scales.t()

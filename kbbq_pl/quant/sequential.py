@@ -43,6 +43,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from .._compat import CACHE_ARGUMENTS
 from ..formats import QuantizedTensor
 from .modules import is_linear, modality_encoders
 from .tokens import calibrating, count_tokens, token_positions, warn_unknown_padding
@@ -555,7 +556,7 @@ class SequentialRunner:
             def forward(*args: Any, **kwargs: Any) -> Tensor:
                 self._batch_in_blocks = True
                 kwargs = {k: v for k, v in kwargs.items()
-                          if k not in ("past_key_values", "use_cache")}
+                          if k not in (*CACHE_ARGUMENTS, "use_cache")}
                 call = BlockInput(tuple(args), kwargs)
                 hidden = call.hidden
                 calls[index].append(_to(call if index == 0 else call.with_hidden(None),

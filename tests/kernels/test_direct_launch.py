@@ -168,3 +168,66 @@ def test_gpu_direct_launches_give_tritons_bits(fmt):
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(captured, want)), (fmt, m, "graph")
+
+
+FUSION_CHECK = """
+import os, sys, warnings
+os.environ["TRITON_DEFAULT_FP_FUSION"] = "0"  # Triton 3.10's default: no contraction
+sys.path.insert(0, {bench!r})
+import torch
+from triton.runtime.jit import JITFunction
+from _no_gpu import no_gpu_launches
+from kbbq_pl import formats as F
+from kbbq_pl import kernels as K
+from kbbq_pl.kernels import skinny
+
+compiled = []
+run = JITFunction.run
+def kept(self, *args, **kwargs):
+    kernel = run(self, *args, **kwargs)
+    compiled.append(kernel)
+    return kernel
+JITFunction.run = kept
+
+torch.manual_seed(0)
+k, n = 256, 128
+warnings.simplefilter("error")  # Triton 3.9 warns where a launch leaves fusion to its default
+with no_gpu_launches():
+    for fmt in ("nvfp4", "mxfp4"):
+        d = F.get_format(fmt).block_size
+        q = F.quantize(torch.randn(n, k) * 0.02, fmt)
+        t = torch.randn(k // d, d, d)
+        layer = K.SiblingLinear(q.qdata, q.scale, q.global_scale, t)
+        for rows, path in ((1, None), (3, None), (3, "tiled"), (40, "tiled"), (40, "prefill")):
+            x = torch.randn(rows, k, dtype=torch.bfloat16)
+            K.linear_w4a4(x, *layer[:3], fmt, t, path=path, prefill_product="triton")
+        K.linear_w4a4_siblings(torch.randn(2, k, dtype=torch.bfloat16), [layer, layer], fmt)
+        codes, scales, pts = K.quantize_activations(torch.randn(3, k), t, fmt)
+        K.w4a4_matmul(codes, scales, pts, q.qdata, q.scale, q.global_scale, fmt, split_k=2)
+    skinny.ONE_ROW_PRODUCT = skinny.PRODUCT_DP4A
+    K.linear_w4a4(torch.randn(1, k, dtype=torch.bfloat16), *layer[:3], "mxfp4", t)
+    q = F.quantize(torch.randn(n, k) * 0.02, "mxfp4")
+    K._fold_weight(q.qdata, q.scale.view(torch.uint8), F.get_format("mxfp4"),
+                   torch.zeros(1, dtype=torch.int32))
+def product(kernel):
+    names = kernel.src.fn.arg_names
+    return {{names[i[0]]: v for i, v in kernel.src.constants.items()}}.get("PRODUCT")
+names = {{kernel.name for kernel in compiled}}
+expected = {{"_quantize_activations_kernel", "_skinny_kernel", "_w4a4_kernel", "_split_k_sum",
+             "_decode_kernel", "_fold_e4m3_kernel"}}
+assert expected <= names, sorted(expected - names)
+assert {{product(kernel) for kernel in compiled if kernel.name == "_skinny_kernel"}} == {{
+    skinny.PRODUCT_DOT, skinny.PRODUCT_DP4A}}
+unfused = sorted({{kernel.name for kernel in compiled if not kernel.metadata.enable_fp_fusion}})
+assert not unfused, unfused
+print("ok")
+"""
+
+
+def test_every_kernel_compiles_with_fp_fusion_whatever_tritons_default():
+    """Every kernel of the decode, tiled and prefill paths (siblings, split-K, the one-row
+    DP4A product, the FP8 fold) compiles with FP fusion on, as its bits and compile reports
+    were made, under Triton's default turned off (Triton 3.10's; 3.9 warns that it will
+    change, a warning that fails this check)."""
+    pytest.importorskip("triton")
+    run_compile_check(FUSION_CHECK)

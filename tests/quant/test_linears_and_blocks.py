@@ -7,6 +7,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
+from kbbq_pl._compat import CACHE_ARGUMENTS
 from kbbq_pl.io.data import token_blocks
 from kbbq_pl.io.models import load_model
 from kbbq_pl.quant.modules import cell_kind, find_linears, is_targeted, linear_weight
@@ -89,6 +90,9 @@ def test_sequential_runner_reproduces_the_model(arch, minilm):
         final = getattr(base, "norm", None) or base.ln_f
     runner = SequentialRunner(model, [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}])
     assert len(runner) == len(find_blocks(model)[1])
+    # no block replays a key-value cache (transformers names it either way)
+    assert not any(set(CACHE_ARGUMENTS) & call.kwargs.keys()
+                   for calls in runner.calls for call in calls)
     for step in runner:
         assert all(name.startswith(step.name) for name in step.linears())
         step.advance(step.run())

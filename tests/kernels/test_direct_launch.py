@@ -10,7 +10,7 @@ from unittest import mock
 import pytest
 from test_kernels import run_compile_check
 
-LAUNCH_CHECK = """
+THROUGH_TRITON = """
 import sys
 sys.path.insert(0, {bench!r})
 import torch
@@ -18,15 +18,20 @@ from triton.runtime.jit import JITFunction
 from _no_gpu import no_gpu_launches
 from kbbq_pl import formats as F
 from kbbq_pl import kernels as K
-from kbbq_pl.kernels import direct_launch as L
 
-through_triton = []
+through_triton = []  # every kernel a launch through Triton returned
 run = JITFunction.run
 def counted(self, *args, **kwargs):
     kernel = run(self, *args, **kwargs)
     through_triton.append(kernel)
     return kernel
 JITFunction.run = counted
+"""
+"""The start of a check script: the kernels compiled for sm_90 on the CPU, each launched through
+Triton kept in ``through_triton``."""
+
+LAUNCH_CHECK = THROUGH_TRITON + """
+from kbbq_pl.kernels import direct_launch as L
 
 def same(first, again):
     # each launch: the kernel, the grid, and every argument Triton bound (a tensor made
@@ -171,23 +176,10 @@ def test_gpu_direct_launches_give_tritons_bits(fmt):
 
 
 FUSION_CHECK = """
-import os, sys, warnings
+import os, warnings
 os.environ["TRITON_DEFAULT_FP_FUSION"] = "0"  # Triton 3.10's default: no contraction
-sys.path.insert(0, {bench!r})
-import torch
-from triton.runtime.jit import JITFunction
-from _no_gpu import no_gpu_launches
-from kbbq_pl import formats as F
-from kbbq_pl import kernels as K
+""" + THROUGH_TRITON + """
 from kbbq_pl.kernels import skinny
-
-compiled = []
-run = JITFunction.run
-def kept(self, *args, **kwargs):
-    kernel = run(self, *args, **kwargs)
-    compiled.append(kernel)
-    return kernel
-JITFunction.run = kept
 
 torch.manual_seed(0)
 k, n = 256, 128
@@ -209,16 +201,18 @@ with no_gpu_launches():
     q = F.quantize(torch.randn(n, k) * 0.02, "mxfp4")
     K._fold_weight(q.qdata, q.scale.view(torch.uint8), F.get_format("mxfp4"),
                    torch.zeros(1, dtype=torch.int32))
+
 def product(kernel):
     names = kernel.src.fn.arg_names
     return {{names[i[0]]: v for i, v in kernel.src.constants.items()}}.get("PRODUCT")
-names = {{kernel.name for kernel in compiled}}
+names = {{kernel.name for kernel in through_triton}}
 expected = {{"_quantize_activations_kernel", "_skinny_kernel", "_w4a4_kernel", "_split_k_sum",
              "_decode_kernel", "_fold_e4m3_kernel"}}
 assert expected <= names, sorted(expected - names)
-assert {{product(kernel) for kernel in compiled if kernel.name == "_skinny_kernel"}} == {{
+assert {{product(kernel) for kernel in through_triton if kernel.name == "_skinny_kernel"}} == {{
     skinny.PRODUCT_DOT, skinny.PRODUCT_DP4A}}
-unfused = sorted({{kernel.name for kernel in compiled if not kernel.metadata.enable_fp_fusion}})
+unfused = sorted({{kernel.name for kernel in through_triton
+                  if not kernel.metadata.enable_fp_fusion}})
 assert not unfused, unfused
 print("ok")
 """

@@ -672,7 +672,7 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
     meta = dict(D=d, SCALE_KIND=scale_kind, GAIN2=gain * gain, HAS_GLOBAL=has_global,
                 HAS_BIAS=has_bias, VALUES=values_kind(scale_kind),
                 EXPLICIT_BF16=INTERPRET and out_dtype == torch.bfloat16, DEPENDENT=dependent,
-                SHIFTED=shift != 0, GROUPS=groups)
+                SHIFTED=shift != 0, GROUPS=groups, **COMPILE_OPTIONS)
     if dependent:
         meta["launch_pdl"] = True
     sms = sm_count(device)
@@ -712,11 +712,10 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
         stages = pinned.pop("num_stages", 2)
         launch(_skinny_kernel, _grid(ns, k, m, sms, split_k, pinned), args,
                dict(meta, **pinned, EVEN_K=k % pinned["BLOCK_K"] == 0, num_warps=warps,
-                    num_stages=stages, **COMPILE_OPTIONS))
+                    num_stages=stages))
     else:
         launch(_skinny_dp4a_tuned if dp4a else _skinny_tuned,
-               functools.partial(_grid, ns, k, m, sms, split_k), args,
-               dict(meta, **COMPILE_OPTIONS))
+               functools.partial(_grid, ns, k, m, sms, split_k), args, meta)
     return outs if groups > 1 else outs[0]
 
 

@@ -688,7 +688,8 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
                 HAS_T=transform is not None, STATIC=static, PRODUCT=product,
                 WRITE_CODES=codes, WRITE_VALUES=values is not None, WORD_ORDER=word_order,
                 PARTS_FIRST=PARTS_FIRST, WRITE_E4M3=e4m3,
-                PREFETCH_T=not INTERPRET and prefetch_transform is not False, GROUPS=groups)
+                PREFETCH_T=not INTERPRET and prefetch_transform is not False, GROUPS=groups,
+                **COMPILE_OPTIONS)
     codes_arg = codes_out if codes or e4m3 else dummy
     scales_arg = scales_out if codes or e4m3 or doubled else dummy
     columns = [transform_columns(t) if t is not None else dummy for t in transforms]
@@ -724,10 +725,10 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
             cfg = few_rows_tile(dict(config or INTERPRETER_ACT_CONFIG), m)
             warps = cfg.pop("num_warps", 4)
             launch(_quantize_activations_kernel, _act_grid(m, n_blocks, groups, cfg), args,
-                   dict(meta, **passes, **cfg, num_warps=warps, **COMPILE_OPTIONS))
+                   dict(meta, **passes, **cfg, num_warps=warps))
         else:
             launch(_quantize_activations_tuned, functools.partial(_act_grid, m, n_blocks, groups),
-                   args, dict(meta, **passes, **COMPILE_OPTIONS))
+                   args, dict(meta, **passes))
 
     if nvfp4 and not static:
         launch_pass(True)
@@ -967,7 +968,7 @@ def w4a4_matmul(a_codes, a_scales, a_global, w_codes, w_scales, w_global, d: int
     meta = dict(D=d, SCALE_KIND=scale_kind, GAIN2=gain * gain, A_PACKED=small, W_PACKED=True,
                 HAS_GLOBAL=has_global, HAS_BIAS=bias is not None,
                 DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16,
-                EXPLICIT_BF16=INTERPRET and out_dtype == torch.bfloat16)
+                EXPLICIT_BF16=INTERPRET and out_dtype == torch.bfloat16, **COMPILE_OPTIONS)
     globals_ = (a_global if has_global else dummy, w_global if has_global else dummy)
     args = [a, a_s, w_codes, w_scales, *globals_, bias if bias is not None else dummy, out,
             partial, m, n, k, split, a.stride(0), a_s.stride(0), w_codes.stride(0),
@@ -977,14 +978,13 @@ def w4a4_matmul(a_codes, a_scales, a_global, w_codes, w_scales, w_global, d: int
         warps = cfg.pop("num_warps", 4)
         stages = cfg.pop("num_stages", 3)
         grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), split)
-        _w4a4_kernel[grid](*args, **meta, **cfg, num_warps=warps, num_stages=stages,
-                           **COMPILE_OPTIONS)
+        _w4a4_kernel[grid](*args, **meta, **cfg, num_warps=warps, num_stages=stages)
     else:
         kernel = _w4a4_small if small else _w4a4_large
 
         def grid(meta):
             return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), split)
-        kernel[grid](*args, **meta, **COMPILE_OPTIONS)
+        kernel[grid](*args, **meta)
     if split > 1:
         block_m, block_n = 16, 64
         grid = (cdiv(m, block_m), cdiv(n, block_n))
@@ -1012,7 +1012,7 @@ def decoded_matmul(a_values, w_values, a_global, w_global, scale_kind: int, gain
     meta = dict(D=16, SCALE_KIND=scale_kind, GAIN2=gain * gain, A_PACKED=False, W_PACKED=False,
                 HAS_GLOBAL=has_global, HAS_BIAS=bias is not None,
                 DOT_DTYPE=tl.float32 if INTERPRET else tl.bfloat16,
-                EXPLICIT_BF16=INTERPRET and out_dtype == torch.bfloat16)
+                EXPLICIT_BF16=INTERPRET and out_dtype == torch.bfloat16, **COMPILE_OPTIONS)
     args = [a_values, dummy, w_values, dummy, a_global if has_global else dummy,
             w_global if has_global else dummy, bias if bias is not None else dummy, out, out,
             m, n, k, 1, a_values.stride(0), 0, w_values.stride(0), 0, out.stride(0),
@@ -1022,12 +1022,11 @@ def decoded_matmul(a_values, w_values, a_global, w_global, scale_kind: int, gain
         warps = cfg.pop("num_warps", 4)
         stages = cfg.pop("num_stages", 3)
         grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), 1)
-        _w4a4_kernel[grid](*args, **meta, **cfg, num_warps=warps, num_stages=stages,
-                           **COMPILE_OPTIONS)
+        _w4a4_kernel[grid](*args, **meta, **cfg, num_warps=warps, num_stages=stages)
     else:
         def grid(meta):
             return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), 1)
-        _w4a4_large[grid](*args, **meta, **COMPILE_OPTIONS)
+        _w4a4_large[grid](*args, **meta)
     return out
 
 

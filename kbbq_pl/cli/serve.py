@@ -102,8 +102,9 @@ def chat_model_folder(path: str | Path, trust_remote_code: bool = False) -> tupl
     """The folder of a causal LM with a tokenizer that transformers can load once kbbq-pl is
     imported (``trust_remote_code``: running the folder's own code), and what it holds in
     words; a one-line error otherwise (FileNotFoundError for a missing folder, ValueError for
-    the rest)."""
-    from ..io.checkpoint import is_causal_lm_config, model_config
+    the rest: a kbbq-pl checkpoint's tensor files are checked against the sizes and SHA-256
+    its ``quantization_config.json`` lists, as ``kbbq_pl.from_pretrained`` checks them)."""
+    from ..io.checkpoint import is_causal_lm_config, model_config, read_metadata
     from ..io.models import (
         load_tokenizer,
         quantized_checkpoint,
@@ -119,6 +120,8 @@ def chat_model_folder(path: str | Path, trust_remote_code: bool = False) -> tupl
             f"{path} is a kbbq-pl checkpoint of format {metadata.get('version', 1)}, which "
             "transformers cannot load; convert it once with: python -c \"import kbbq_pl; "
             f"kbbq_pl.upgrade_checkpoint('{path}', 'NEW_FOLDER')\"")
+    if metadata is not None:
+        read_metadata(folder)  # a corrupted or truncated tensor file: a CheckpointError
     config = model_config(folder, trust_remote_code)
     if not is_causal_lm_config(config):
         name = (config.architectures or [config.model_type])[0]

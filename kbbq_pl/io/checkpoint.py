@@ -53,7 +53,7 @@ from ..quant.layers import QuantizedLinear, swap_module
 from ..quant.sequential import trim_heap
 from ..quant.siblings import group_sibling_linears
 from ..quant.w4a4 import W4A4Weight
-from .fileio import check_output, save_safetensors, sha256_file, write_folder
+from .fileio import MARKER_NAME, check_output, save_safetensors, sha256_file, write_folder
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt",
                    "vocab.json", "spiece.model")
@@ -278,20 +278,22 @@ def save_quantized(
     ``kbbq-pl quantize`` writes them: as held, the source's dtype unless ``--dtype`` converted
     it).
 
-    ``extra_files`` maps file names to text written beside (e.g. reports).  ``source_dir`` is
-    the folder the model was loaded from: an output equal to it, inside it or containing it is
-    refused, and its processor files (:data:`PROCESSOR_FILES`) and sentence-transformers
-    modules are copied (without it, those of the local folder the model's ``name_or_path``
-    names, if any).  An existing ``out_dir`` is an error unless ``overwrite``, and even then
-    only a folder kbbq-pl wrote is replaced (:func:`kbbq_pl.io.fileio.check_output`).
+    ``extra_files`` maps file names (plain names, none of the checkpoint's own) to text written
+    beside (e.g. reports).  ``source_dir`` is the folder the model was loaded from (without it,
+    the local folder the model's ``name_or_path`` names, if any): an output equal to it, inside
+    it or containing it is refused, and its processor files (:data:`PROCESSOR_FILES`) and
+    sentence-transformers modules are copied.  An existing ``out_dir`` is an error unless
+    ``overwrite``, and even then only a folder kbbq-pl wrote is replaced
+    (:func:`kbbq_pl.io.fileio.check_output`).
     """
-    check_output(out_dir, overwrite=overwrite, sources=[source_dir])
     model = unwrapped(model)
-    if not checkpoint_layers(model):
-        raise ValueError("the model has no quantized layers to save")
     loaded_from = getattr(model, "name_or_path", None)
     side_files = source_dir or (loaded_from if loaded_from and Path(loaded_from).is_dir()
                                 else None)
+    check_output(out_dir, overwrite=overwrite, sources=[side_files])
+    check_extra_file_names(extra_files or {})
+    if not checkpoint_layers(model):
+        raise ValueError("the model has no quantized layers to save")
 
     def write(staging: Path) -> None:
         shards = ShardWriter(staging)
@@ -300,7 +302,20 @@ def save_quantized(
                                extra_files=extra_files, dtype=dtype, source_dir=side_files)
 
     return write_folder(out_dir, write, kind="checkpoint", overwrite=overwrite,
-                        sources=[source_dir])
+                        sources=[side_files])
+
+
+def check_extra_file_names(extra_files: dict[str, str]) -> None:
+    """A ``ValueError`` unless every name of ``extra_files`` is a plain file name (no folder,
+    so nothing is written outside the checkpoint's folder)."""
+    for name in extra_files:
+        if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name \
+                or "\\" in name:
+            raise ValueError(f"extra_files: {name!r} is not a plain file name; each extra file "
+                             "is written inside the checkpoint's folder")
+        if name == MARKER_NAME:
+            raise ValueError(f"extra_files: {name!r} is a file of the checkpoint itself; name "
+                             "the extra file otherwise")
 
 
 class ShardWriter:
@@ -399,7 +414,11 @@ def write_checkpoint_files(staging: Path, model: nn.Module, shards: ShardWriter,
         "files": files,
     }
     (staging / CONFIG_NAME).write_text(json.dumps(metadata, indent=2) + "\n")
+    check_extra_file_names(extra_files or {})
     for file_name, text in (extra_files or {}).items():
+        if (staging / file_name).exists():
+            raise ValueError(f"extra_files: {file_name!r} is a file of the checkpoint itself; "
+                             "name the extra file otherwise")
         (staging / file_name).write_text(text)
 
 

@@ -34,7 +34,7 @@ WRITTEN_BY = "kbbq-pl"
 
 class OutputPathError(FileExistsError):
     """An output path kbbq-pl refuses to write (it would replace or mix with what the user
-    owns, or write into a source)."""
+    owns, or write into a source) or cannot write (a file or a read-only folder above it)."""
 
 def _umask() -> int:
     """The process's umask (reading it means setting it; it is set straight back)."""
@@ -108,6 +108,19 @@ def _file_is_ours(path: Path) -> bool:
     return isinstance(document, dict) and document.get("written_by") == WRITTEN_BY
 
 
+def _check_writable(target: Path) -> None:
+    """An :class:`OutputPathError` where ``target`` cannot be created: the nearest existing
+    folder above it is a file or is not writable (a read-only mount), said before the work
+    rather than when the finished output is moved into place."""
+    above = target.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise OutputPathError(f"cannot write {target}: {above} is a file, not a folder")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise OutputPathError(f"cannot write {target}: the folder {above} is not writable")
+
+
 def check_output(path: str | Path, *, overwrite: bool = False,
                  sources: Iterable[str | Path | None] = (),
                  kind: Literal["folder", "file"] = "folder") -> Path:
@@ -127,6 +140,7 @@ def check_output(path: str | Path, *, overwrite: bool = False,
         if _is_relative_to(source, target):
             raise OutputPathError(f"refusing to write the output {target}: it contains the "
                                   f"source {source}, which replacing it would delete")
+    _check_writable(target)
     if not target.exists() and not target.is_symlink():
         return target
     if kind == "file":

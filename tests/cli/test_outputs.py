@@ -123,6 +123,25 @@ def test_an_output_equal_to_inside_or_around_a_source_is_refused(tmp_path, relat
     assert digest(source) == {"model/config.json": hashlib.sha256(b"{}").hexdigest()}
 
 
+def test_an_output_that_cannot_be_created_is_refused_before_the_work(tmp_path, monkeypatch):
+    """A regular file above the output, or a folder above it that is not writable (a
+    read-only mount: ``os.access`` says so, even to root), is refused by the check the
+    commands make before any work, not when the finished output is moved into place."""
+    regular = tmp_path / "afile"
+    regular.write_text("precious")
+    with pytest.raises(OutputPathError, match=f"{regular} is a file, not a folder"):
+        check_output(regular / "deeper" / "out")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = fileio.os.access
+    monkeypatch.setattr(fileio.os, "access",
+                        lambda path, mode: Path(path) != locked and real_access(path, mode))
+    with pytest.raises(OutputPathError, match=f"the folder {locked} is not writable"):
+        check_output(locked / "new" / "out")
+    assert regular.read_text() == "precious" and list(locked.iterdir()) == []
+    assert check_output(tmp_path / "new" / "out") == tmp_path / "new" / "out"
+
+
 def test_a_json_output_file_is_replaced_only_when_kbbq_pl_wrote_it(tmp_path):
     mine = tmp_path / "results.json"
     mine.write_text('{"mine": 1}')
@@ -216,6 +235,39 @@ def test_save_quantized_does_not_overwrite_by_default(tmp_path):
     with pytest.raises(FileExistsError, match="pass --overwrite"):
         save_quantized(model, out)
     assert save_quantized(model, out, overwrite=True) == out
+
+
+def test_save_quantized_writes_its_extra_files_inside_its_folder_only(tmp_path):
+    """``extra_files`` names plain files: one naming a path outside (or a file of the
+    checkpoint itself) is refused, and nothing is written anywhere."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (2, 16))
+    quantize_model(model, [{"input_ids": ids}], QuantizationConfig(), progress=False)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("user data")
+    for name in ("../victim.txt", str(victim), "sub/notes.md", "..", MARKER_NAME):
+        with pytest.raises(ValueError, match="extra_files: .* plain file name|of the checkpoint"):
+            save_quantized(model, tmp_path / "q", extra_files={name: "clobbered"})
+    with pytest.raises(ValueError, match="'model.safetensors' is a file of the checkpoint"):
+        save_quantized(model, tmp_path / "q", extra_files={"model.safetensors": "junk"})
+    assert victim.read_text() == "user data"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["victim.txt"]
+    out = save_quantized(model, tmp_path / "q", extra_files={"notes.md": "mine"})
+    assert (out / "notes.md").read_text() == "mine"
+
+
+def test_save_quantized_refuses_the_folder_the_model_was_loaded_from(tiny_llama_dir):
+    """Without ``source_dir``, the folder the model's ``name_or_path`` names is the source:
+    writing inside it is refused as ``kbbq-pl quantize`` refuses it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    quantize_model(model, [{"input_ids": torch.randint(0, 256, (2, 16))}], QuantizationConfig(),
+                   progress=False)
+    before = digest(tiny_llama_dir)
+    with pytest.raises(OutputPathError, match="inside the source"):
+        save_quantized(model, tiny_llama_dir / "q")
+    assert digest(tiny_llama_dir) == before
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027])

@@ -203,6 +203,25 @@ def test_chat_refuses_bad_options_in_one_line(tiny_chat_quantized, capsys):
     assert "--dtype 'int8'" in one_line_error(capsys, "chat")
 
 
+@pytest.mark.parametrize("command", ["chat", "serve"])
+def test_a_corrupted_checkpoint_is_refused_before_loading(tiny_chat_quantized, tmp_path, capsys,
+                                                          command):
+    """One byte of a stored tensor changed (the file still loads: its header is intact):
+    refused with the file named, as ``kbbq_pl.from_pretrained`` and ``kbbq-pl eval`` refuse
+    it, not served with other weights."""
+    import shutil
+
+    folder = Path(shutil.copytree(tiny_chat_quantized, tmp_path / "q"))
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0x10
+    weights.write_bytes(bytes(data))
+    options = ["--port", str(free_port())] if command == "serve" else ["--prompt", "x"]
+    assert main([command, str(folder), *options]) == 2
+    error = one_line_error(capsys, command)
+    assert f"{weights} is corrupted: its SHA-256 does not match" in error
+
+
 def test_chat_answers_from_the_compressed_tensors_export_of_a_float32_folder(
         tiny_chat_quantized, tmp_path, capsys):
     """transformers decompresses an export's FP4 layers to bfloat16: ``--dtype auto`` loads a

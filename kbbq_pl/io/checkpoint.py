@@ -610,9 +610,10 @@ def drop_loader(config_file: Path) -> None:
 def write_hf_files(folder: Path, model: nn.Module, tokenizer: Any = None,
                    dtype: torch.dtype | None = None) -> None:
     """The HuggingFace files beside the weights: ``config.json`` (its ``dtype``: the one given,
-    for tensors written in another dtype than the model is held in; no ``auto_map`` entry
-    naming :data:`LOADER`), ``generation_config.json`` (for models that generate) and the
-    tokenizer's files."""
+    for tensors written in another dtype than the model is held in, else the model's, as
+    ``save_pretrained`` writes it, even where ``model.to(dtype)`` left the config's behind; no
+    ``auto_map`` entry naming :data:`LOADER`), ``generation_config.json`` (for models that
+    generate) and the tokenizer's files."""
     config = getattr(model, "config", None)
     if config is not None:
         if not getattr(config, "architectures", None):  # as PreTrainedModel.save_pretrained
@@ -622,13 +623,15 @@ def write_hf_files(folder: Path, model: nn.Module, tokenizer: Any = None,
 
             custom_object_save(model, folder, config=config)
         held = getattr(config, "dtype", None)
-        if dtype is not None:
-            config.dtype = dtype
+        model_dtype = getattr(model, "dtype", None)
+        written = dtype if dtype is not None else (
+            model_dtype if isinstance(model_dtype, torch.dtype) else None)
+        if written is not None:
+            config.dtype = written
         try:
             config.save_pretrained(folder)
         finally:
-            if dtype is not None:
-                config.dtype = held
+            config.dtype = held
         drop_loader(folder / "config.json")
         # the config of a model loaded with trust_remote_code copies its module beside
         (folder / f"{LOADER}.py").unlink(missing_ok=True)

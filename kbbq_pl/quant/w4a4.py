@@ -450,6 +450,10 @@ def _linear_arguments(args: tuple, kwargs: dict,
     if not isinstance(weight, kind) or isinstance(x, kind):
         raise NotImplementedError(f"{kind.__name__} multiplies only as the weight of "
                                   "F.linear(x, w, b)")
+    if not x.is_floating_point():  # nn.Linear refuses it too; rounding it would truncate
+        name = getattr(weight, "layer_name", "") or f"{kind.__name__}{tuple(weight.shape)}"
+        raise TypeError(f"{name}: input of dtype {x.dtype} (shape {tuple(x.shape)} on "
+                        f"{x.device}); a quantized layer multiplies floating-point inputs")
     return x, weight, bias
 
 

@@ -855,6 +855,24 @@ def test_the_folder_s_generation_config_and_dtype_survive_reloading_and_upgradin
         assert before == after, name
 
 
+def test_a_model_cast_after_quantizing_saves_the_dtype_it_is_held_in(tmp_path):
+    """``model.to(torch.bfloat16)`` leaves ``model.config.dtype`` behind; ``save_quantized``
+    writes the dtype the model holds, as ``save_pretrained`` does, so transformers (which reads
+    it) and ``kbbq_pl.from_pretrained`` (which keeps the stored one) load the same model."""
+    model = tiny_model("llama")
+    quantize_model(model, [{"input_ids": probe(256)}], QuantizationConfig(), progress=False)
+    model.config.dtype = torch.float32
+    model.to(torch.bfloat16)
+    folder = save_quantized(model, tmp_path / "q")
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    assert model.config.dtype == torch.float32  # the model's own config is left as it was
+    with torch.no_grad():
+        ours = kbbq_pl.from_pretrained(folder)(input_ids=probe(256)).logits
+        theirs = causal_lm(folder)(input_ids=probe(256)).logits
+    assert ours.dtype == theirs.dtype == torch.bfloat16
+    assert torch.equal(ours, theirs)
+
+
 def test_a_model_with_another_head_reloads_as_itself_and_names_no_source_code(tmp_path):
     """A classification head (no loader: lm-eval does not build one) reloads through kbbq-pl
     and transformers as that class, with its logits; a source's ``auto_map`` (code the folder

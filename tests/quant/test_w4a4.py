@@ -68,6 +68,19 @@ def test_plain_linear_computes_the_quantized_product():
     assert torch.equal(torch.ops.aten.linear.default(x, weight, linear.bias), y)
 
 
+def test_an_integer_input_is_refused_as_nn_linear_refuses_it():
+    """Rounding an integer input would truncate the product to integers: an error naming the
+    layer, the dtype and the shape, for the stored codes and a trainable master weight."""
+    linear, _, _ = hadamard_linear()
+    trainable = QuantizedLinear.from_linear(nn.Linear(64, 8), "nvfp4", act_scale="dynamic",
+                                            trainable=True)
+    x = torch.randint(-3, 4, (2, 64))
+    with pytest.raises(TypeError, match=r"layer: input of dtype torch.int64 \(shape \(2, 64\)"):
+        linear(x)
+    with pytest.raises(TypeError, match="input of dtype torch.int64 .* floating-point inputs"):
+        trainable(x)
+
+
 def test_bf16_inputs_are_transformed_in_fp32():
     linear, weight, t = hadamard_linear()
     x = torch.randn(6, 64).bfloat16()

@@ -24,6 +24,8 @@ def _formats_demo(args: argparse.Namespace) -> int:
     """Round Gaussian and heavy-tailed tensors onto every format and print what it costs."""
     from kbbq_pl import formats as F
 
+    if args.size < 1:
+        raise ValueError(f"--size must be >= 1, got {args.size}")
     torch.manual_seed(args.seed)
     gaussian = torch.randn(args.size, args.size)
     heavy = torch.distributions.StudentT(3.0).sample((args.size, args.size))

@@ -501,6 +501,9 @@ class CalibrationDataModule(LightningDataModule):
         streaming: bool = False,
     ) -> None:
         super().__init__()
+        if n_tokens < 1 or seq_len < 2 or batch_size < 1:
+            raise ValueError(f"calibration data: need n_tokens >= 1, seq_len >= 2 and "
+                             f"batch_size >= 1, got {n_tokens}, {seq_len} and {batch_size}")
         if streaming and not (isinstance(source, str) and source.startswith("hf:")):
             raise ValueError(f"streaming reads an 'hf:<dataset>' source from the Hub; source "
                              f"{source_name(source)} is read as it is (a file's records drawn "

@@ -27,12 +27,14 @@ from .checkpoint import (
     block_metadata,
     build_quantized_model,
     config_block,
+    header_tensors,
     is_causal_lm_config,
     memory_names,
     model_config,
     read_metadata,
     read_tensors,
     source_class,
+    weight_files,
 )
 from .compressed_tensors import dense_model, is_compressed_tensors_folder, read_compressed_tensors
 from .hf_quantizer import attach_quantizer
@@ -231,9 +233,15 @@ def load_model(
     else:
         config = model_config(folder, trust_remote_code)
         causal = is_causal_lm_config(config) if causal is None else causal
-        model = source_class(config, causal).from_pretrained(
-            folder, dtype="auto" if dtype is None else dtype,
-            **({"trust_remote_code": True} if trust_remote_code else {}))
+        from safetensors import SafetensorError
+
+        try:
+            model = source_class(config, causal).from_pretrained(
+                folder, dtype="auto" if dtype is None else dtype,
+                **({"trust_remote_code": True} if trust_remote_code else {}))
+        except SafetensorError:  # transformers names no file: the one whose header is broken
+            header_tensors(weight_files(folder))
+            raise
         model.to(device)
     model.eval()
     return model, load_tokenizer(folder, trust_remote_code=trust_remote_code)

@@ -186,6 +186,16 @@ def test_quantize_refuses_before_any_work(tiny_llama_dir, tmp_path, capsys, monk
     assert {**digest(regular), **digest(folder), **digest(parent)} == before
 
 
+def test_a_truncated_model_file_is_named_in_one_line(tiny_llama_dir, tmp_path, capsys):
+    weights = tiny_llama_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    before = digest(tiny_llama_dir)
+    assert main(["quantize", "--model", str(tiny_llama_dir), "--output_dir",
+                 str(tmp_path / "q"), *QUICK]) == 2
+    assert f"{weights} cannot be read (" in one_line_error(capsys, "quantize")
+    assert digest(tiny_llama_dir) == before and not (tmp_path / "q").exists()
+
+
 def test_quantize_twice_needs_overwrite(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "q"
     args = ["quantize", "--model", str(tiny_llama_dir), "--output_dir", str(out), *QUICK]
@@ -449,6 +459,13 @@ def test_bad_arguments_and_internal_errors_are_one_line(capsys, monkeypatch):
             (error := one_line_error(capsys, "eval")) and "--tasks fidelity" in error)
     assert main(["eval", "--model", "minilm", "--tasks", "ppl"]) == 2  # a name: once resolved
     assert "minilm holds a BertModel" in one_line_error(capsys, "eval")
+    assert main(["formats", "--size", "-16"]) == 2
+    assert "--size must be >= 1, got -16" in one_line_error(capsys, "formats")
+    for field, value, got in (("batch_size", "0", "4096, 256 and 0"),
+                              ("seq_len", "1", "4096, 1 and 8")):
+        assert main(["quantize", f"--data.init_args.{field}", value]) == 2
+        assert ("need n_tokens >= 1, seq_len >= 2 and batch_size >= 1, got " + got in
+                one_line_error(capsys, "quantize"))
 
     import kbbq_pl.cli.commands as cli
 

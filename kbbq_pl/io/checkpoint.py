@@ -36,6 +36,7 @@ in-memory model that was saved.  A truncated or corrupted file gives an error na
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -67,9 +68,12 @@ SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json",
 normalization, a dense head, each in the folder ``modules.json`` names) and its sequence
 length, by which ``SentenceTransformer(folder)`` and servers of embedding models (vLLM) pool
 and normalize the quantized model as they did the source."""
+log = logging.getLogger(__name__)
+
 CONFIG_NAME = "quantization_config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+
 FORMAT_TAG = "kbbq-pl"
 FORMAT_VERSION = 2
 """Format 2 stores each quantized layer's codes under ``L.weight`` and its transform under
@@ -732,6 +736,12 @@ def read_metadata(folder: str | Path) -> dict[str, Any]:
     if metadata.get("format") != FORMAT_TAG:
         raise CheckpointError(f"{path}: not a kbbq-pl quantization config")
     check_version(metadata.get("version"), path)
+    block = config_block(folder)
+    if block is not None and rewritten_by_transformers(folder):
+        log.warning("%s: the weights were written again since (by transformers' "
+                    "save_pretrained): read as that folder, from config.json's "
+                    "quantization_config, with no file sizes or SHA-256 to check", path)
+        return block_metadata(folder, block)
     for name, expected in metadata.get("files", {}).items():
         file = folder / name
         if not file.is_file():
@@ -744,6 +754,20 @@ def read_metadata(folder: str | Path) -> dict[str, Any]:
             raise CheckpointError(f"{file} is corrupted: its SHA-256 does not match "
                                   f"{CONFIG_NAME}")
     return metadata
+
+
+def rewritten_by_transformers(folder: Path) -> bool:
+    """Whether ``folder``'s weights were written by transformers' ``save_pretrained`` (into a
+    folder kbbq-pl wrote, whose ``quantization_config.json`` then lists the files it replaced):
+    their first file's header lacks the tag every kbbq-pl checkpoint file holds."""
+    files = weight_files(folder)
+    if not files or not files[0].is_file():
+        return False
+    try:
+        with safe_open(str(files[0]), framework="pt") as handle:
+            return (handle.metadata() or {}).get("format") != FORMAT_TAG
+    except (SafetensorError, OSError):
+        return False  # unreadable: the file checks below say which and why
 
 
 def check_version(version: Any, source: str | Path) -> None:

@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
+from transformers import modeling_utils
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
@@ -81,6 +82,11 @@ def register() -> None:
     AUTO_QUANTIZER_MAPPING.pop(QUANT_METHOD, None)
     register_quantization_config(QUANT_METHOD)(KbbqHfConfig)
     register_quantizer(QUANT_METHOD)(KbbqHfQuantizer)
+    # from_pretrained(dtype=None) reads the first file's header on the meta device, through a
+    # table of safetensors dtypes that lacks E8M0 (an MX weight's scales): it stopped there
+    names = getattr(modeling_utils, "str_to_torch_dtype", None)
+    if isinstance(names, dict):
+        names.setdefault("F8_E8M0", torch.float8_e8m0fnu)
     if _attach_after_quantizing not in ON_QUANTIZED:
         ON_QUANTIZED.append(_attach_after_quantizing)
 

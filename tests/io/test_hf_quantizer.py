@@ -220,6 +220,30 @@ def test_save_pretrained_writes_a_folder_that_loads_again(tiny_chat_quantized, t
                            logits)
 
 
+@pytest.mark.parametrize("shard", [None, "20KB"])
+def test_save_pretrained_back_into_its_folder_loads_through_kbbq_pl(tiny_chat_quantized,
+                                                                     tmp_path, caplog, shard):
+    """Saved back where it was loaded from, the folder's ``quantization_config.json`` lists
+    the files transformers replaced: ``kbbq_pl.from_pretrained`` reads it as the folder
+    ``save_pretrained`` writes (config.json's block), with a warning, not as corrupted files;
+    a file kbbq-pl wrote that changed is still refused."""
+    folder = Path(shutil.copytree(tiny_chat_quantized, tmp_path / "q"))
+    model = causal_lm(folder)
+    model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+    assert (folder / "quantization_config.json").is_file()
+    with torch.no_grad():
+        logits = model(input_ids=probe()).logits
+        assert torch.equal(kbbq_pl.from_pretrained(folder)(input_ids=probe()).logits, logits)
+    assert "written again since (by transformers' save_pretrained)" in caplog.text
+    weights = tiny_chat_quantized / "model.safetensors"
+    flipped = Path(shutil.copytree(tiny_chat_quantized, tmp_path / "flipped"))
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0x10
+    (flipped / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="is corrupted: its SHA-256 does not match"):
+        kbbq_pl.from_pretrained(flipped)
+
+
 @pytest.mark.parametrize("made_by", ["quantize_model", "kbbq_pl.from_pretrained"])
 def test_save_pretrained_of_a_model_kbbq_pl_made_writes_the_folder_save_quantized_would(
         tiny_chat_folder, tiny_chat_quantized, tmp_path, made_by):
@@ -853,6 +877,21 @@ def test_the_folder_s_generation_config_and_dtype_survive_reloading_and_upgradin
         before, after = (json.loads((f / name).read_text()) for f in (folder, upgraded))
         before.pop("transformers_version", None), after.pop("transformers_version", None)
         assert before == after, name
+
+
+def test_an_mx_folder_loads_with_dtype_none(tmp_path):
+    """``from_pretrained(folder, dtype=None)`` (as ``torch_dtype=None`` in many scripts) reads
+    the first file's header for a dtype; an MX folder's E8M0 scales stopped it ("Cannot load
+    safetensors of unknown dtype F8_E8M0"). It loads the model ``kbbq_pl.from_pretrained``
+    loads."""
+    model = tiny_model("llama")
+    config = QuantizationConfig(format=FormatConfig("mxfp4"))
+    quantize_model(model, [{"input_ids": probe(256)}], config, progress=False)
+    folder = save_quantized(model, tmp_path / "q")
+    with torch.no_grad():
+        ours = kbbq_pl.from_pretrained(folder)(input_ids=probe(256)).logits
+        theirs = causal_lm(folder, dtype=None)(input_ids=probe(256)).logits
+    assert torch.equal(ours, theirs)
 
 
 def test_a_model_cast_after_quantizing_saves_the_dtype_it_is_held_in(tmp_path):

@@ -172,6 +172,19 @@ def hf_dataset(source: str, streaming: bool = False) -> Any:
     return dataset
 
 
+def checked_file(source: str | Path) -> Path:
+    """The file a local text source names; a FileNotFoundError where it is none."""
+    path = Path(source)
+    if path.is_dir():
+        raise FileNotFoundError(f"text source {str(source)!r} is a folder: "
+                                f"'hf:{source}' reads its data files (datasets' "
+                                "load_dataset), or name one file")
+    if not path.is_file():
+        raise FileNotFoundError(f"text source {str(source)!r} is not a file, "
+                                "'mixed', 'random' or 'hf:<dataset>'")
+    return path
+
+
 def source_name(source: Any) -> str:
     """A text source as an error message names it: a path or name quoted, else its type
     (and size), never the records themselves."""
@@ -279,14 +292,7 @@ def source_records(source: Any, text_key: str = "text", tokenizer: Any = None, *
             from ..resources import calibration_corpus
 
             source, text_key = calibration_corpus(), "text"
-        path = Path(source)
-        if path.is_dir():
-            raise FileNotFoundError(f"text source {str(source)!r} is a folder: "
-                                    f"'hf:{source}' reads its data files (datasets' "
-                                    "load_dataset), or name one file")
-        if not path.is_file():
-            raise FileNotFoundError(f"text source {str(source)!r} is not a file, "
-                                    "'mixed', 'random' or 'hf:<dataset>'")
+        path = checked_file(source)
         if path.suffix == ".jsonl":
             fields = _jsonl_fields(path, text_key)
         elif data_file_format(path):
@@ -504,6 +510,9 @@ class CalibrationDataModule(LightningDataModule):
         if n_tokens < 1 or seq_len < 2 or batch_size < 1:
             raise ValueError(f"calibration data: need n_tokens >= 1, seq_len >= 2 and "
                              f"batch_size >= 1, got {n_tokens}, {seq_len} and {batch_size}")
+        if isinstance(source, (str, Path)) and str(source) not in (MIXED, RANDOM) \
+                and not str(source).startswith("hf:"):
+            checked_file(source)  # before any work, not when the first batch is read
         if streaming and not (isinstance(source, str) and source.startswith("hf:")):
             raise ValueError(f"streaming reads an 'hf:<dataset>' source from the Hub; source "
                              f"{source_name(source)} is read as it is (a file's records drawn "

@@ -217,6 +217,19 @@ def test_datamodule_batches(minilm):
     assert all((b["attention_mask"] == 1).all() for b in batches)
 
 
+def test_a_bad_source_or_size_is_refused_when_the_data_is_declared(tmp_path):
+    """Before any model is loaded or any work is done (the commands build the data module
+    first), not when the first batch is read."""
+    with pytest.raises(FileNotFoundError, match="nofile.txt' is not a file, 'mixed'"):
+        CalibrationDataModule(str(tmp_path / "nofile.txt"))
+    with pytest.raises(FileNotFoundError, match="is a folder: 'hf:"):
+        CalibrationDataModule(tmp_path)
+    with pytest.raises(ValueError, match="batch_size >= 1, got 4096, 256 and 0"):
+        CalibrationDataModule(batch_size=0)
+    for source in ("mixed", "random", "hf:no/such-dataset"):  # the Hub is read at setup
+        assert CalibrationDataModule(source).source == source
+
+
 def test_whole_records_unpacked_and_grouped_by_length(minilm, tmp_path):
     """``packing=False``: each line is its own sequence ([CLS] ... [SEP], cut at ``seq_len``),
     a seeded draw until the budget; lines of one length share a batch, nothing is padded."""

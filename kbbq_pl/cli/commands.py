@@ -283,7 +283,10 @@ def _compare(args: argparse.Namespace) -> int:
                    if value is not None}
     tasks = ([t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks
              else default_tasks(args.model, args.trust_remote_code))
-    lams = [float(lam) for lam in args.lams.split(",") if lam.strip()] if args.lams else []
+    try:
+        lams = [float(lam) for lam in args.lams.split(",") if lam.strip()] if args.lams else []
+    except ValueError:
+        raise ValueError(f"--lams {args.lams!r}: comma-separated numbers in [0, 1]") from None
     # every path is checked before a model is loaded or lm-eval imported
     check_data([t for t in tasks if t not in (*LM_METRICS, FIDELITY)], args.data_dir,
                option="--data-dir")

@@ -105,8 +105,12 @@ def _dataset_fields(source: Any, text_key: str,
 
     dataset = source
     if isinstance(source, Path):
-        dataset = datasets.load_dataset(data_file_format(source), data_files=str(source),
-                                        split="train")
+        try:
+            dataset = datasets.load_dataset(data_file_format(source), data_files=str(source),
+                                            split="train")
+        except ValueError as error:  # a file of no records: datasets names no file
+            raise ValueError(f"text source {source} cannot be read as "
+                             f"{data_file_format(source)} ({error})") from None
     elif isinstance(source, str):
         dataset = hf_dataset(source)
     if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):

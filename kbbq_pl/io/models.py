@@ -73,24 +73,24 @@ def resolve_model_path(path: str | Path) -> Path:
         "'minilm', 'smollm2' or a HuggingFace Hub id such as HuggingFaceTB/SmolLM2-135M-Instruct)")
 
 
-def parse_device(device: str | torch.device) -> torch.device:
+def parse_device(device: str | torch.device, option: str = "--device") -> torch.device:
     """``cpu``, ``cuda`` or ``cuda:N`` as a device this machine has; a one-line ValueError
-    otherwise (no CUDA, an index out of range, a misspelt name)."""
+    naming ``option`` otherwise (no CUDA, an index out of range, a misspelt name)."""
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ValueError(f"--device {device!r} is not a device: use cpu, cuda or cuda:N") from None
+        raise ValueError(f"{option} {device!r} is not a device: use cpu, cuda or cuda:N") from None
     if parsed.type == "cpu":
         return parsed
     if parsed.type != "cuda":
-        raise ValueError(f"--device {device!r}: kbbq-pl runs on cpu or cuda (cuda:N)")
+        raise ValueError(f"{option} {device!r}: kbbq-pl runs on cpu or cuda (cuda:N)")
     if not torch.cuda.is_available():
-        raise ValueError(f"--device {device!r}: CUDA is not available on this machine "
+        raise ValueError(f"{option} {device!r}: CUDA is not available on this machine "
                          f"(torch {torch.__version__}, built with CUDA "
-                         f"{torch.version.cuda or 'none'}); use --device cpu")
+                         f"{torch.version.cuda or 'none'}); use {option} cpu")
     count = torch.cuda.device_count()
     if parsed.index is not None and parsed.index >= count:
-        raise ValueError(f"--device {device!r}: this machine has {count} CUDA device(s), "
+        raise ValueError(f"{option} {device!r}: this machine has {count} CUDA device(s), "
                          f"cuda:0 to cuda:{count - 1}")
     return parsed
 
@@ -108,7 +108,9 @@ def from_pretrained(folder: str | Path, device: str | torch.device = "cpu",
     layers outside the quantized ones, as transformers' ``from_pretrained(dtype=...)`` gives it
     (None: as stored); quantized layers compute from their stored codes either way.
     ``trust_remote_code``: a model of a folder's own code (``auto_map``) is built from it, as
-    in transformers.  ``folder``: a local folder or a HuggingFace Hub id (:mod:`kbbq_pl.io.hub`)."""
+    in transformers.  ``folder``: a local folder or a HuggingFace Hub id (:mod:`kbbq_pl.io.hub`).
+    ``device``: ``cpu``, ``cuda`` or ``cuda:N`` (:func:`parse_device`)."""
+    device = parse_device(device, "device")
     folder = local_folder(folder)
     if not (folder / CONFIG_NAME).is_file() and is_compressed_tensors_folder(folder):
         metadata, tensors = read_compressed_tensors(folder)

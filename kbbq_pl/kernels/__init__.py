@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -198,8 +199,15 @@ def _scale_meta(fmt: Format) -> tuple[int, int, float]:
     return SCALE_E8M0, ROUNDING_CODES[fmt.e8m0_rounding], gain
 
 
-def _device_scalar(value: Tensor | float, device: torch.device, name: str) -> Tensor:
-    """An FP32 0-d tensor on ``device`` (a tensor already there is used as is: no host sync)."""
+def _device_scalar(value: Tensor | float, device: torch.device, name: str,
+                   checked: bool = False) -> Tensor:
+    """An FP32 0-d tensor on ``device`` (a tensor already there is used as is: no host sync).
+    ``checked`` (a caller's scale, not a kernel's output): where it is held on the host (a
+    number, a CPU tensor) it must be positive and finite; one on a GPU is not read back."""
+    if checked and (not isinstance(value, Tensor) or value.device.type == "cpu"):
+        held = torch.as_tensor(value, dtype=torch.float32)
+        if held.numel() == 1 and not 0 < float(held) < math.inf:
+            raise ValueError(f"{name} must be positive and finite, got {float(held)!r}")
     if (isinstance(value, Tensor) and value.dim() == 0 and value.dtype == torch.float32
             and value.device == device):
         return value  # what the conversions below return for it, without their host time
@@ -321,10 +329,8 @@ def _check_activations(x: Tensor, fmt: Format, global_scale, name: str) -> Tenso
     _require(x.device, name)
     if global_scale is not None and not fmt.global_scale:
         raise ValueError(f"{name}: format {fmt.name} has no per-tensor scale to set")
-    if isinstance(global_scale, (int, float)) and not (0 < global_scale < float("inf")):
-        raise ValueError(f"{name}: global_scale must be positive and finite, got {global_scale!r}")
     return None if global_scale is None else _device_scalar(global_scale, x.device,
-                                                            "global_scale")
+                                                            f"{name}: global_scale", checked=True)
 
 
 def _activation_kernel(x: Tensor, transform: Tensor | None, fmt: Format, global_scale,
@@ -574,7 +580,8 @@ def _layer_operands(device: torch.device, k: int, fmt: Format, weight_codes: Ten
     per-tensor scale on the device, prepared weight, transform, bias)``."""
     codes, scale_bytes = _operand(weight_codes, weight_scales, fmt.block_size, "weight", name)
     w_global = (None if weight_global is None
-                else _device_scalar(weight_global, device, "weight_global"))
+                else _device_scalar(weight_global, device, f"{name}: weight_global",
+                                    checked=True))
     if prepared is None:
         prepared = _prepare_weight(codes, scale_bytes, w_global, fmt, host_scalars=False)
     elif prepared.shape != tuple(codes.shape) or prepared.fmt != fmt:

@@ -289,6 +289,15 @@ def flatten_tokens(x: Tensor) -> Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+def check_layer_finite(module: nn.Module, layer: str) -> None:
+    """:func:`check_finite` of a linear ``module``'s weight and bias (a NaN bias would show up
+    as the next layer's input)."""
+    check_finite(linear_weight(module), layer, "weight")
+    bias = getattr(module, "bias", None)
+    if isinstance(bias, Tensor) and not bias.is_meta:
+        check_finite(bias, layer, "bias")
+
+
 @torch.no_grad()
 def check_finite(x: Tensor, layer: str, what: str = "input") -> None:
     """Raise a ValueError naming ``layer`` when ``x`` (its ``what``: input or weight) holds NaN

@@ -60,7 +60,7 @@ from .gptq.quantizer import GPTQ
 from .layers import QuantizedLinear, quantized_linears, swap_module
 from .modules import (
     adapter_linears,
-    check_finite,
+    check_layer_finite,
     find_linears,
     has_own_forward,
     in_out_features,
@@ -139,7 +139,7 @@ def select_layers(model: nn.Module, config: QuantizationConfig) -> tuple[dict[st
                              "kept in full precision")
     for name, module in modules.items():
         if not linear_weight(module).is_meta:  # a streamed block's: checked when it is read
-            check_finite(linear_weight(module), name, "weight")
+            check_layer_finite(module, name)
     if config.format.unaligned == "skip":
         for name, module in list(modules.items()):
             in_features, _ = in_out_features(module)
@@ -269,7 +269,7 @@ def quantize_model(
                         cache_decoded_weights() if propagate == "quantized"
                         else contextlib.nullcontext()):
                     for name in streamed.intersection(linears):
-                        check_finite(linear_weight(linears[name]), name, "weight")
+                        check_layer_finite(linears[name], name)
                     outputs = None
                     if linears:
                         block = Block(step, linears, model, config, collectives, runner.split,

@@ -27,15 +27,20 @@ def test_table_pieces():
     assert "95.2%" in table or "95.3%" in table
 
 
-def test_calibration_overrides_reach_every_recipe():
+def test_calibration_overrides_reach_every_recipe(tmp_path):
     """--calibration-source / -tokens / -text-key / -streaming override the recipe's data
-    module (a chats file's ``messages``, say; a Hub dataset read as a stream)."""
+    module (a chats file's ``messages``, say; a Hub dataset read as a stream); a source that
+    is no file is refused then, before any work."""
     from kbbq_pl.cli.compare import load_recipe
 
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     data, _, stem = load_recipe("gptq_kbbq_nvfp4", "smollm2", {
-        "source": "chats.jsonl", "n_tokens": 512, "text_key": "messages"})
+        "source": str(chats), "n_tokens": 512, "text_key": "messages"})
     assert (data.source, data.n_tokens, data.text_key, stem) == (
-        "chats.jsonl", 512, "messages", "gptq_kbbq_nvfp4")
+        str(chats), 512, "messages", "gptq_kbbq_nvfp4")
+    with pytest.raises(FileNotFoundError, match="missing.jsonl' is not a file"):
+        load_recipe("gptq_kbbq_nvfp4", "smollm2", {"source": str(tmp_path / "missing.jsonl")})
     assert load_recipe("gptq_kbbq_nvfp4", "smollm2", {})[0].text_key == "text"
     streamed = load_recipe("gptq_kbbq_nvfp4", "smollm2", {"source": "hf:allenai/c4:en",
                                                             "streaming": True})[0]

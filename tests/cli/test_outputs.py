@@ -338,6 +338,12 @@ def test_load_model_reads_a_quantized_folder_through_from_pretrained(quantized_d
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
     assert tokenizer is None  # the tiny random Llama has none
+    with pytest.raises(ValueError, match="device 'tpu' is not a device: use cpu, cuda"):
+        from_pretrained(out, device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device 'cuda': CUDA is not available on this "
+                                             "machine .*; use device cpu"):
+            from_pretrained(out, device="cuda")
 
 
 def test_quantizing_a_quantized_model_is_refused(quantized_dir, tmp_path, capsys):
@@ -444,7 +450,7 @@ def test_device_cuda_without_cuda_is_one_line(command, tiny_llama_dir, tmp_path,
         main([command, "--model", str(tiny_llama_dir), "--device", "cuda", *extra, "--debug"])
 
 
-def test_bad_arguments_and_internal_errors_are_one_line(capsys, monkeypatch):
+def test_bad_arguments_and_internal_errors_are_one_line(capsys, monkeypatch, tmp_path):
     assert main(["quantize", "--no_such_flag", "1"]) == 2
     assert "unrecognized arguments" in one_line_error(capsys, "quantize")
     assert main(["law", "--model", "minilm"]) == 2
@@ -459,6 +465,9 @@ def test_bad_arguments_and_internal_errors_are_one_line(capsys, monkeypatch):
             (error := one_line_error(capsys, "eval")) and "--tasks fidelity" in error)
     assert main(["eval", "--model", "minilm", "--tasks", "ppl"]) == 2  # a name: once resolved
     assert "minilm holds a BertModel" in one_line_error(capsys, "eval")
+    assert main(["compare", "--model", "minilm", "--lams", "0,abc", "--output-dir",
+                 str(tmp_path / "c")]) == 2
+    assert "--lams '0,abc': comma-separated numbers in [0, 1]" in one_line_error(capsys, "compare")
     assert main(["formats", "--size", "-16"]) == 2
     assert "--size must be >= 1, got -16" in one_line_error(capsys, "formats")
     for field, value, got in (("batch_size", "0", "4096, 256 and 0"),

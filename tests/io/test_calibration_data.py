@@ -180,6 +180,9 @@ def test_data_files_without_a_record_or_not_read_as_data(tmp_path):
     with pytest.raises(ValueError, match=r"text source '.*corpus.parquet' has no 'body' "
                                          r"column \(columns: \['id', 'text'\]\)"):
         source_records(tmp_path / "corpus.parquet", "body")
+    (tmp_path / "header.csv").write_text("text\n")
+    with pytest.raises(ValueError, match=r"text source .*header.csv cannot be read as csv"):
+        source_records(tmp_path / "header.csv")
 
 
 def test_a_python_list_of_records(minilm, tmp_path):

@@ -442,6 +442,13 @@ def test_activation_argument_errors():
         K.quantize_activations(x.double(), None, "nvfp4")
     with pytest.raises(ValueError, match="positive and finite"):
         K.quantize_activations(x, None, "nvfp4", 0.0)
+    q = F.quantize(torch.randn(8, 64), "nvfp4")
+    for bad in (0.0, -0.5, float("nan"), float("inf")):  # a host tensor is read to check it
+        with pytest.raises(ValueError, match=rf"linear_w4a4: global_scale must be positive and "
+                                             rf"finite, got {bad!r}"):
+            K.linear_w4a4(x, q.qdata, q.scale, q.global_scale, "nvfp4", None, torch.tensor(bad))
+        with pytest.raises(ValueError, match="linear_w4a4: weight_global must be positive"):
+            K.linear_w4a4(x, q.qdata, q.scale, torch.tensor(bad), "nvfp4")
 
 
 # --------------------------------------------------------------------------- GEMM

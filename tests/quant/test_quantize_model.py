@@ -291,6 +291,15 @@ def test_non_finite_weight_names_the_layer_before_calibrating(weight_quantizer):
     assert not calls  # refused before any calibration forward
 
 
+def test_non_finite_bias_names_its_layer_not_the_next_one():
+    model = tiny_model("llama", attention_bias=True)
+    model.model.layers[1].self_attn.k_proj.bias.data[3] = float("nan")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_proj: its bias "
+                                         r"holds 1 NaN and 0 Inf values \(shape \(32,\)"):
+        quantize_model(model, batches_of(torch.randint(0, 256, (2, 8))), QuantizationConfig(),
+                       progress=False)
+
+
 @pytest.mark.parametrize("value, count", [(float("nan"), "16 NaN and 0 Inf"),
                                           (float("inf"), "0 NaN and 16 Inf")])
 @pytest.mark.parametrize("weight_quantizer", ["rtn", "gptq"])

@@ -55,6 +55,23 @@ Batches = Iterable[Mapping[str, Tensor]]
 list or a DataLoader."""
 
 
+def _check_token_ids(model: nn.Module, ids: Any, index: int) -> None:
+    """A ValueError where calibration batch ``index``'s ``input_ids`` name a token outside the
+    rows of ``model``'s input embedding (torch's own error names neither)."""
+    try:
+        embedding = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # not a transformers model, or not a text one
+        return
+    rows = getattr(embedding, "num_embeddings", None)
+    if not isinstance(ids, Tensor) or not isinstance(rows, int) or ids.is_floating_point():
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= rows:
+        raise ValueError(f"calibration batch {index}: 'input_ids' (shape {tuple(ids.shape)}, "
+                         f"{ids.device}) holds token {low if low < 0 else high}, outside the "
+                         f"model's {rows} embedding rows: tokenize with the model's tokenizer")
+
+
 def _log_padding(batches: Sequence[Mapping[str, Any]]) -> None:
     """Say how many of the batches' positions are padding, left out of the calibration, and
     warn of masks whose padding cannot be told (not 2-D)."""
@@ -468,6 +485,7 @@ class SequentialRunner:
                 if isinstance(value, Tensor) and not value.numel():
                     raise ValueError(f"calibration batch {index}: {key!r} is empty (shape "
                                      f"{tuple(value.shape)})")
+            _check_token_ids(model, batch.get("input_ids"), index)
         _log_padding(batches)
         self.split, batches = split_calibration(batches, holdout, seed, shard)
         self.model = model

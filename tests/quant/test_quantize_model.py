@@ -291,6 +291,15 @@ def test_non_finite_weight_names_the_layer_before_calibrating(weight_quantizer):
     assert not calls  # refused before any calibration forward
 
 
+def test_token_ids_past_the_vocabulary_name_the_batch():
+    model = tiny_model("llama")  # 256 embedding rows
+    batches = [{"input_ids": torch.randint(0, 256, (2, 8))},
+               {"input_ids": torch.full((2, 8), 300)}]
+    with pytest.raises(ValueError, match=r"calibration batch 1: 'input_ids' \(shape \(2, 8\), "
+                                         r"cpu\) holds token 300, outside the model's 256"):
+        quantize_model(model, batches, QuantizationConfig(), progress=False)
+
+
 def test_non_finite_bias_names_its_layer_not_the_next_one():
     model = tiny_model("llama", attention_bias=True)
     model.model.layers[1].self_attn.k_proj.bias.data[3] = float("nan")

@@ -417,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
         "eval", help="perplexity, KL to full precision, and benchmarks via lm-eval, offline"
     )
     evaluate.add_argument("--model", required=True,
-                          help="local HF causal-LM folder, 'smollm2', or a kbbq-pl quantized one")
+                          help="a causal LM: a local HF folder, a Hub id, 'smollm2', or a kbbq-pl "
+                               "quantized one")
     add_trust_remote_code(evaluate)
     evaluate.add_argument("--tasks", default="mmlu,gsm8k,hellaswag,winogrande",
                           help="comma-separated, from ppl,kl (on --text) and "

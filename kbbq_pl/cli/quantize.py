@@ -105,8 +105,8 @@ def _parser(prog: str) -> ArgumentParser:
                              "when it is quantized and write it out after (a model larger "
                              "than the machine's memory; bit for bit the in-memory "
                              "checkpoint, written in shards; the fidelity line is left to "
-                             "kbbq-pl eval); default: streamed when the weights exceed half of "
-                             "the memory available")
+                             "kbbq-pl eval, for an encoder to --no-stream); default: streamed "
+                             "when the weights exceed half of the memory available")
     parser.add_argument("--dtype", type=Literal[("auto", *DTYPES)], default="auto",
                         help="the dtype the model is held in while it is quantized (auto: as "
                              "its weights are stored); every block computes in float32 either "

@@ -56,6 +56,8 @@ from ..quant.siblings import group_sibling_linears
 from ..quant.w4a4 import W4A4Weight
 from .fileio import MARKER_NAME, check_output, save_safetensors, sha256_file, write_folder
 
+log = logging.getLogger(__name__)
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt",
                    "vocab.json", "spiece.model")
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json",
@@ -68,12 +70,9 @@ SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json",
 normalization, a dense head, each in the folder ``modules.json`` names) and its sequence
 length, by which ``SentenceTransformer(folder)`` and servers of embedding models (vLLM) pool
 and normalize the quantized model as they did the source."""
-log = logging.getLogger(__name__)
-
 CONFIG_NAME = "quantization_config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-
 FORMAT_TAG = "kbbq-pl"
 FORMAT_VERSION = 2
 """Format 2 stores each quantized layer's codes under ``L.weight`` and its transform under

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from .checkpoint import (
@@ -235,8 +236,6 @@ def load_model(
     else:
         config = model_config(folder, trust_remote_code)
         causal = is_causal_lm_config(config) if causal is None else causal
-        from safetensors import SafetensorError
-
         try:
             model = source_class(config, causal).from_pretrained(
                 folder, dtype="auto" if dtype is None else dtype,

@@ -204,16 +204,14 @@ def _device_scalar(value: Tensor | float, device: torch.device, name: str,
     """An FP32 0-d tensor on ``device`` (a tensor already there is used as is: no host sync).
     ``checked`` (a caller's scale, not a kernel's output): where it is held on the host (a
     number, a CPU tensor) it must be positive and finite; one on a GPU is not read back."""
-    if checked and (not isinstance(value, Tensor) or value.device.type == "cpu"):
-        held = torch.as_tensor(value, dtype=torch.float32)
-        if held.numel() == 1 and not 0 < float(held) < math.inf:
-            raise ValueError(f"{name} must be positive and finite, got {float(held)!r}")
     if (isinstance(value, Tensor) and value.dim() == 0 and value.dtype == torch.float32
-            and value.device == device):
+            and value.device == device and not (checked and value.device.type == "cpu")):
         return value  # what the conversions below return for it, without their host time
     tensor = torch.as_tensor(value, dtype=torch.float32)
     if tensor.numel() != 1:
         raise ValueError(f"{name} must be a scalar, got shape {tuple(tensor.shape)}")
+    if checked and tensor.device.type == "cpu" and not 0 < float(tensor) < math.inf:
+        raise ValueError(f"{name} must be positive and finite, got {float(tensor)!r}")
     return tensor.reshape(()).to(device).contiguous()
 
 

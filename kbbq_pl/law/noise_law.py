@@ -178,7 +178,8 @@ def optimal_block_denominator(singular_values: Tensor) -> Tensor:
 
 def utilization(sigma: Tensor, gram: Tensor, transform: Tensor | None, block: int) -> Tensor:
     """``kappa_bar(T) / kappa_bar(T_WUSH)`` for block-diagonal ``T`` with the real weights:
-    1 at the paired ceiling, which WUSH (KBBQ lambda = 1) attains."""
+    1 at the paired ceiling, which WUSH (KBBQ lambda = 1) fitted on undamped ``sigma`` attains
+    (the default damping keeps it a little below: 0.98 on ill-conditioned data)."""
     s = sigma.to(_F64)
     g = gram.to(_F64)
     spectrum = paired_spectrum(diagonal_blocks(s, block), diagonal_blocks(g, block))

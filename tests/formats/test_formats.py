@@ -557,6 +557,17 @@ def test_mxfp4_no_clip_maps_amax_into_three_to_six():
     assert (err <= scale.unsqueeze(-1)).all()
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_block_at_the_dtypes_largest_value_overflows_only_where_scales_round_up(dtype):
+    """docs/formats.md: NVFP4 and floor MX stay finite at the dtype's largest value; the MX
+    modes whose scale rounds up (and no_clip's amax / 0.75) give Inf there, as torchao's do."""
+    x = torch.full((1, 32), torch.finfo(dtype).max, dtype=dtype)
+    for name in ("nvfp4", "mxfp4"):
+        assert F.fake_quantize(x, name).isfinite().all(), name
+    for name in ("mxfp4_ceil", "mxfp4_even", "mxfp4_rceil", "mxfp4_no_clip"):
+        assert F.fake_quantize(x, name).isinf().all(), name
+
 # ---------------------------------------------------------------- containers
 
 

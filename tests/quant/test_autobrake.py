@@ -188,6 +188,31 @@ def test_auto_lambda_chooses_per_layer_and_refits_on_every_token(quantizer):
                 assert moved <= 1e-2, (row.name, moved)
 
 
+def test_rtn_auto_lambda_scores_candidates_rounded_with_the_stored_scales(monkeypatch):
+    """With ``weights.scale_search: mse`` every candidate is scored rounded with the MSE block
+    scales its layer is stored with, not with min-max ones (max difference 0.75 of a weight
+    before)."""
+    import kbbq_pl.quant.rtn.quantizer as rtn_quantizer
+    from kbbq_pl.quant.rtn import rtn
+
+    scored = []
+
+    def recording(weight, samples, candidate, *args):
+        for lam in (0.25, 1.0):
+            w_hat, transform = candidate(lam)
+            scored.append((w_hat, transform_weight(weight.float(), transform)))
+        return choose_lambda(weight, samples, candidate, *args)
+
+    monkeypatch.setattr(rtn_quantizer, "choose_lambda", recording)
+    config = QuantizationConfig(transform=TransformConfig(lam="auto"),
+                                weights=WeightsConfig(scale_search="mse"),
+                                autobrake=AutoBrakeConfig(grid=(0.25, 1.0)))
+    quantize_model(tiny_model("llama"), _eight_sequences(), config, progress=False)
+    assert len(scored) == 28
+    assert all(torch.equal(w_hat, rtn(w, "nvfp4", search="mse")[1]) for w_hat, w in scored)
+    assert any(not torch.equal(w_hat, fake_quantize(w, "nvfp4")) for w_hat, w in scored)
+
+
 def test_auto_lambda_calibrates_on_sequences_of_different_lengths():
     """An encoder calibrated on whole sentences, one per batch: the split keeps them whole and
     the choice is deterministic."""

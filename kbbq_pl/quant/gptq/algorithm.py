@@ -31,10 +31,10 @@ to the weight GPTQ compensated against (``GPTQResult.values``).
 Layers reading the same inputs (q/k/v) share ``H``; :func:`gptq_layers` runs them as one GPTQ
 on their stacked rows (rows are independent given ``H``), each keeping its own NVFP4 scale.
 
-Transforms (paper Sec. 4): GPTQ on ``W T^-1`` with the Hessian of the transformed inputs
-``T H T^T`` (:func:`transform_hessian`) is exact for any invertible ``T`` (``x_hat = T x``).
-:func:`gptq_refit` is the variant of the WUSH paper, which refits every block ``T_b`` on the
-error-updated weight block inside the loop.
+Transforms (the paper's GPTQ-WUSH and GPTQ-KBBQ, Sec. 5): GPTQ on ``W T^-1`` with the
+Hessian of the transformed inputs ``T H T^T`` (:func:`transform_hessian`) is exact for any
+invertible ``T`` (``x_hat = T x``).  :func:`gptq_refit` is the variant of the WUSH paper, which
+refits every block ``T_b`` on the error-updated weight block inside the loop.
 """
 
 from __future__ import annotations
@@ -466,7 +466,9 @@ def gptq_refit(
     they are ``Q [R | Q^T U_b,>b]``, so the group's recursion runs on ``R`` and its scaled
     errors ``E`` reach the later columns as ``E Q^T`` through the original ``U``.
 
-    ``weight`` and ``h`` are in the original coordinates (``D`` a multiple of the block).
+    ``weight`` and ``h`` are in the original coordinates (``D`` a multiple of the block), and
+    ``damping`` is added to ``h``'s diagonal there (GPTQ on a fixed ``T`` damps ``T H T^T``:
+    a different regularizer for a ``T`` that is not orthogonal; the two agree as it goes to 0).
     Returns the quantized ``W T^-1`` and the fitted ``transform`` blocks.  NVFP4's per-tensor
     scale is fixed before the loop from ``W T_0^-1`` with ``T_0`` fitted on the original weight.
     """

@@ -47,12 +47,16 @@ def auto_transform(weight: Tensor, fit: LayerStatistics, held_out: LayerStatisti
     """KBBQ with the lambda the held-out ``samples`` prefer (:func:`~kbbq_pl.quant.autobrake.
     choose_lambda`; every rank's, gathered), refitted on every token.  The candidates share
     one basis fitted on the fitting part (Cholesky and eigendecomposition of every block,
-    :func:`~kbbq_pl.transforms.fit.kbbq_basis`), each rounded to nearest."""
+    :func:`~kbbq_pl.transforms.fit.kbbq_basis`), each rounded to nearest with the block scales
+    it is stored with (``weights.scale_search``)."""
     basis = kbbq_basis(weight, fit.sigma_blocks(), config.transform.damping, name=name)
 
     def candidate(lam: float) -> tuple[Tensor, Tensor]:
         transform = basis.transform(lam)
-        return fake_quantize(transform_weight(weight.float(), transform), config.fmt), transform
+        transformed = transform_weight(weight.float(), transform)
+        if config.weights.scale_search == "mse":
+            return rtn(transformed, config.fmt, search="mse")[1], transform
+        return fake_quantize(transformed, config.fmt), transform  # min-max: rtn's, faster
 
     samples = pad_features(samples, config.fmt).to(weight.device)
     choice = choose_lambda(weight, samples, candidate, config.fmt, config.autobrake.grid,

@@ -31,9 +31,11 @@ from torch import Tensor, nn
 try:
     from lightning.pytorch import Callback, LightningModule, Trainer
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 except ImportError:  # pragma: no cover - lightning is a dependency
     from pytorch_lightning import Callback, LightningModule, Trainer
     from pytorch_lightning.strategies import FSDPStrategy, ModelParallelStrategy
+    from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
 from kbbq_pl.formats import DeferredChecks, QuantizedTensor, deferred_checks
 from kbbq_pl.io.checkpoint import install_empty_layers, layer_metadata
@@ -217,6 +219,8 @@ class KBBQ(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         refuse_sharding_strategy(trainer.strategy)
+        if stage == "fit" and not quantized_linears(pl_module):
+            refuse_spawned_fit(trainer.strategy)
         # Lightning restores a checkpoint (fit/validate(ckpt_path=...)) after every setup hook
         # and before strategy.setup configures optimizers and wraps the model, and it tells
         # callbacks nothing in between.  So the model is quantized at the start of
@@ -224,11 +228,14 @@ class KBBQ(Callback):
         # load_model_state_dict) has rebuilt the quantized layers from the checkpoint, as the
         # checkpoint holds them (master weights or codes): no calibration is repeated.
         strategy = trainer.strategy
+        for method in ("setup", "load_model_state_dict", "load_optimizer_state_dict"):
+            strategy.__dict__.pop(method, None)  # left by a run that failed before setup
         load_state, setup_strategy = strategy.load_model_state_dict, strategy.setup
 
         def load_model_state_dict(checkpoint, *args, **kwargs):
             if restore_quantized(pl_module, checkpoint):
                 log.info("KBBQ: rebuilt the quantized layers from the checkpoint")
+            self._take_checkpoint_recipe(checkpoint.get(CHECKPOINT_KEY))
             loaded = load_state(checkpoint, *args, **kwargs)
             if stage != "fit":  # evaluated as fit leaves a model: on its stored codes
                 freeze_layers(quantized_linears(pl_module))
@@ -246,6 +253,9 @@ class KBBQ(Callback):
                 def load_optimizer_state_dict(checkpoint):
                     del strategy.load_optimizer_state_dict
                     states = checkpoint.get("optimizer_states") or []
+                    if CHECKPOINT_KEY not in checkpoint:  # saved before any quantization
+                        states = _without_master_weight_states(strategy.optimizers, states,
+                                                               pl_module)
                     adapted = [optimizer_state_for(optimizer, state) for optimizer, state
                                in zip(strategy.optimizers, states)]
                     return load_optimizers({**checkpoint, "optimizer_states": [
@@ -255,6 +265,21 @@ class KBBQ(Callback):
 
         strategy.load_model_state_dict = load_model_state_dict
         strategy.setup = setup_then_restore_methods
+
+    def _take_checkpoint_recipe(self, state: Mapping[str, Any] | None) -> None:
+        """Resume as the checkpoint's layers were quantized: its recipe (recorded again in the
+        checkpoints saved from now on; a different one given to the callback is named in a
+        warning) and whether the user had frozen every layer (no decoded copy, no warning)."""
+        if state is None:
+            return
+        self._left_frozen = bool(state.get("frozen_by_user", False))
+        saved = QuantizationConfig.from_dict(state["config"])
+        if saved != self.config:
+            differences = _recipe_differences(saved.to_dict(), self.config.to_dict())
+            log.warning("KBBQ: the checkpoint's layers were quantized with another recipe than "
+                        "the callback's (%s): they resume as they are, under the checkpoint's",
+                        "; ".join(differences))
+            self.config = saved
 
     def _warn_if_frozen(self, pl_module: LightningModule) -> None:
         layers = quantized_linears(pl_module).values()
@@ -356,6 +381,7 @@ class KBBQ(Callback):
             "config": self.config.to_dict(),
             "layers": {name: layer_metadata(layer) for name, layer in layers.items()},
             "trainable": any(layer.trainable for layer in layers.values()),
+            "frozen_by_user": self._left_frozen,
         }
 
 
@@ -373,6 +399,21 @@ def refuse_sharding_strategy(strategy: Any) -> None:
             "which KBBQ's quantized layers do not support: fine-tune under DDP "
             "(strategy='ddp', each process holding the whole model), and quantize a model too "
             "large for one device with KBBQ(offload=True) or `kbbq-pl quantize --stream`")
+
+
+def refuse_spawned_fit(strategy: Any) -> None:
+    """Refuse ``fit`` on a model not yet quantized under a launcher that trains in worker
+    processes (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``): Lightning then loads the
+    workers' weights into the main process's model, which no callback hook reaches, so it is
+    still unquantized there and cannot take the stored codes (the run was lost at its end)."""
+    if isinstance(getattr(strategy, "launcher", None), _MultiProcessingLauncher):
+        raise ValueError(
+            f"KBBQ: fit under {type(strategy).__name__} with start method "
+            f"{strategy.launcher._start_method!r} (strategy='ddp_spawn', 'ddp_fork' or "
+            "'ddp_notebook') trains in worker processes whose quantized weights Lightning "
+            "loads back into the main process's model, which KBBQ does not reach: use "
+            "strategy='ddp', or quantize the model before fit (kbbq_pl.quantize_model(..., "
+            "trainable=True))")
 
 
 def restore_quantized(pl_module: nn.Module, checkpoint: Mapping[str, Any]) -> bool:
@@ -425,6 +466,43 @@ def optimizer_state_for(optimizer: Any, saved: dict[str, Any]) -> dict[str, Any]
     return {**saved, "param_groups": adapted}
 
 
+def _without_master_weight_states(optimizers: Sequence[Any], states: list[dict[str, Any]],
+                                  pl_module: nn.Module) -> list[dict[str, Any]]:
+    """``states`` (optimizer state dicts saved before quantization) less the state of the
+    parameters that are trainable quantized layers' master weights now: it was ``W``'s, and
+    they train ``W T^-1``; they start afresh, with a warning."""
+    masters = {id(layer.weight) for layer in quantized_linears(pl_module).values()
+               if layer.trainable}
+    dropped, kept = 0, []
+    for optimizer, saved in zip(optimizers, states):
+        drop = {saved_id for group, current in zip(saved.get("param_groups", []),
+                                                   optimizer.param_groups)
+                for saved_id, param in zip(group["params"], current["params"])
+                if id(param) in masters and saved_id in saved.get("state", {})}
+        dropped += len(drop)
+        kept.append({**saved, "state": {k: v for k, v in saved.get("state", {}).items()
+                                        if k not in drop}} if drop else saved)
+    if dropped:
+        log.warning("KBBQ: the checkpoint was saved before quantization: the optimizer state of "
+                    "%d quantized layers' weights (of W, where the layers train W T^-1) is "
+                    "dropped; they start afresh", dropped)
+    return kept + states[len(kept):]
+
+
+def _recipe_differences(saved: Mapping[str, Any], given: Mapping[str, Any],
+                        prefix: str = "") -> list[str]:
+    """The recipe fields in which ``saved`` (the checkpoint's) and ``given`` (the callback's)
+    differ, as ``"field: saved, not given"``."""
+    differences = []
+    for name in saved.keys() | given.keys():
+        ours, theirs = saved.get(name), given.get(name)
+        if isinstance(ours, Mapping) and isinstance(theirs, Mapping):
+            differences += _recipe_differences(ours, theirs, f"{prefix}{name}.")
+        elif ours != theirs:
+            differences.append(f"{prefix}{name}: {ours}, not {theirs}")
+    return sorted(differences)
+
+
 def _warn_if_not_optimized(trainer: Trainer, pl_module: nn.Module) -> None:
     """Warn where a trainable quantized layer's master weight is in no optimizer's parameter
     groups (grouped by module type, a ``QuantizedLinear`` is not an ``nn.Linear``): ``fit``
@@ -441,4 +519,4 @@ def _warn_if_not_optimized(trainer: Trainer, pl_module: nn.Module) -> None:
 
 
 __all__ = ["CalibrationStatistics", "KBBQ", "calibration_batches", "refuse_sharding_strategy",
-           "restore_quantized"]
+           "refuse_spawned_fit", "restore_quantized"]

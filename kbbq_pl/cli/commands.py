@@ -545,8 +545,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="declare weights only (NVFP4A16 / MXFP4A16; mxfp4 needs it): "
                              "activations unquantized")
     export.add_argument("--strict", action="store_true",
-                        help="refuse what stock readers would not compute as kbbq-pl does "
-                             "(without it: a warning naming the layers): per-block transforms "
+                        help="refuse what stock readers would not decode or transform as "
+                             "kbbq-pl does (without it: a warning naming the layers; "
+                             "activations are each reader's to round, MXFP4's otherwise "
+                             "than kbbq-pl's): per-block transforms "
                              "(KBBQ, WUSH, HAAR), the block Hadamard of MR-GPTQ / RTN-HADAMARD "
                              "(vLLM applies it, transformers drops it), padded layers written "
                              "dense; mxfp4: quantized layers outside the experts written dense")

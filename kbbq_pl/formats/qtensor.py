@@ -169,17 +169,51 @@ def _view(func: Any, types: Any, args: Any, kwargs: Any) -> NoReturn:
                               f"has no view of shape {shape}{hint}")
 
 
-_copy_same_layout = QuantizedTensor._ATEN_OP_TABLE[QuantizedTensor][torch.ops.aten.copy_.default]
+_LABELS = ("orig_dtype", "layer_name")
+"""Fields a copy leaves as the target's: the dtype it presents (as a copy into a dense tensor
+casts) and its layer's name."""
+
+
+def _layout_differences(target: QuantizedTensor, source: QuantizedTensor) -> list[str]:
+    """How ``source``'s layout differs from ``target``'s (torchao's ``_same_metadata``, bar
+    :data:`_LABELS`), each as ``"field source's, not target's"``."""
+    if type(source) is not type(target):
+        return [f"class {type(source).__name__}, not {type(target).__name__}"]
+    differences = []
+    if source.shape != target.shape:
+        differences.append(f"shape {tuple(source.shape)}, not {tuple(target.shape)}")
+    for name in (*target.tensor_attribute_names,
+                 *getattr(target, "optional_tensor_attribute_names", ())):
+        ours, theirs = getattr(target, name), getattr(source, name)
+        if name not in _LABELS and ours != theirs:
+            differences.append(f"{name} {getattr(theirs, 'name', theirs)}, "
+                               f"not {getattr(ours, 'name', ours)}")
+    for name in (*target.tensor_data_names, *target.optional_tensor_data_names):
+        ours, theirs = getattr(target, name), getattr(source, name)
+        if (ours is None) != (theirs is None) or (ours is not None
+                                                  and ours.shape != theirs.shape):
+            shown = [None if t is None else tuple(t.shape) for t in (theirs, ours)]
+            differences.append(f"{name} {shown[0]}, not {shown[1]}")
+    return differences
 
 
 @QuantizedTensor.implements(torch.ops.aten.copy_.default)
-def _copy_(func: Any, types: Any, args: Any, kwargs: Any) -> None:
-    """Codes into codes of the same layout (torchao's copy of the inner tensors).  Codes and a
-    dense tensor do not copy into each other (``load_state_dict`` across a quantized and a
-    full-precision model): an error says which model takes which."""
+def _copy_(func: Any, types: Any, args: Any, kwargs: Any) -> QuantizedTensor:
+    """Codes into codes of the same layout (the inner tensors copied, as torchao's copy; the
+    target keeps its presented dtype and its layer's name: ``load_state_dict`` between models
+    whose layers were named differently).  Codes of another layout, and codes and a dense
+    tensor (``load_state_dict`` across a quantized and a full-precision model), do not copy
+    into each other: an error says what differs, or which model takes which."""
     target, source = args[0], args[1]
     if isinstance(target, QuantizedTensor) and isinstance(source, QuantizedTensor):
-        return _copy_same_layout(func, types, args, kwargs)
+        differences = _layout_differences(target, source)
+        if differences:
+            raise ValueError(f"{_described(target)} does not take the codes of "
+                             f"{_described(source)}, of another layout: "
+                             + "; ".join(differences))
+        for name in target.__tensor_flatten__()[0]:
+            getattr(target, name).copy_(getattr(source, name))
+        return target
     codes = source if isinstance(source, QuantizedTensor) else target
     dense = target if codes is source else source
     where = _described(codes, "QuantizedTensor")

@@ -262,14 +262,20 @@ class QuantizedLinear(nn.modules.linear.NonDynamicallyQuantizableLinear, Quantiz
         side = {name: state_dict.get(prefix + name)
                 for name in ("transform", "act_global_scale", "weight_global_scale")}
         if isinstance(value, QuantizedTensor):
-            if not isinstance(value, W4A4Weight):
-                value = W4A4Weight.from_quantized(
-                    value, in_features=self.in_features, transform=side["transform"],
-                    act_scale=self.act_scale, act_global_scale=side["act_global_scale"],
-                    layer_name=self.name)
-            for buffer in side:
-                self._buffers.pop(buffer, None)
-            self.weight = nn.Parameter(value.to(self.weight.device), requires_grad=False)
+            mismatch = self._loaded_codes_mismatch(key, value)
+            if mismatch:
+                error_msgs.append(mismatch)
+            else:
+                if not isinstance(value, W4A4Weight):
+                    value = W4A4Weight.from_quantized(
+                        value, in_features=self.in_features, transform=side["transform"],
+                        act_scale=self.act_scale, act_global_scale=side["act_global_scale"],
+                        layer_name=self.name)
+                for buffer in side:
+                    self._buffers.pop(buffer, None)
+                if not local_metadata.get("assign_to_params_buffers", False):
+                    value = value.to(self.weight.device)
+                self.weight = nn.Parameter(value, requires_grad=False)
             dropped = {key, *(prefix + name for name in side)}
             state_dict = {k: v for k, v in state_dict.items() if k not in dropped}
         else:
@@ -281,6 +287,19 @@ class QuantizedLinear(nn.modules.linear.NonDynamicallyQuantizableLinear, Quantiz
                                       unexpected_keys, error_msgs)
         if isinstance(value, QuantizedTensor) and key in missing_keys:
             missing_keys.remove(key)
+
+    def _loaded_codes_mismatch(self, key: str, codes: QuantizedTensor) -> str | None:
+        """Why stored ``codes`` loaded under ``key`` do not fit this layer (torch's wording for
+        a dense parameter's size mismatch), or None."""
+        if codes.fmt != self.fmt:
+            return (f"format mismatch for {key}: copying {codes.fmt.name} codes from checkpoint, "
+                    f"the format in current model is {self.fmt.name}.")
+        in_features = getattr(codes, "in_features", self.in_features)
+        if codes.shape != self.weight.shape or in_features != self.in_features:
+            return (f"size mismatch for {key}: copying codes of shape {tuple(codes.shape)} "
+                    f"(in_features {in_features}) from checkpoint, the shape in current model "
+                    f"is {tuple(self.weight.shape)} (in_features {self.in_features}).")
+        return None
 
     def extra_repr(self) -> str:
         kind = "none" if self.transform is None else (

@@ -518,6 +518,75 @@ def test_a_strategy_that_shards_the_parameters_is_refused(tmp_path):
     assert not quantized_linears(module)
 
 
+def test_fit_under_a_launcher_that_trains_in_worker_processes_is_refused(tmp_path):
+    """Under ``ddp_spawn`` / ``ddp_fork`` Lightning loads the workers' weights into the main
+    process's model at the end of ``fit``, which KBBQ never reaches (a two-process fit trained,
+    then failed loading its codes into the unquantized model): refused before any work, unless
+    the model is quantized already."""
+    from kbbq_pl.callbacks.kbbq import refuse_spawned_fit
+
+    for strategy in ("ddp_spawn", "ddp_fork"):
+        spawned = trainer(tmp_path, [], devices=2, strategy=strategy)
+        with pytest.raises(ValueError, match=r"KBBQ: fit under DDPStrategy with start method "
+                                             r"'(spawn|fork)'.*use strategy='ddp'"):
+            refuse_spawned_fit(spawned.strategy)
+    refuse_spawned_fit(trainer(tmp_path, [], devices=2, strategy="ddp").strategy)
+
+
+def test_a_fit_that_failed_before_the_strategy_set_up_leaves_the_trainer_usable(tmp_path):
+    """A wrong ``ckpt_path`` fails between the callback's setup and the strategy's; the next
+    ``fit`` on the same Trainer runs (it failed on the strategy methods the first left
+    patched)."""
+    module, dm = TinyLM(), datamodule()
+    fit = trainer(tmp_path, [KBBQ()], max_steps=1, enable_checkpointing=False)
+    with pytest.raises(FileNotFoundError):
+        fit.fit(module, datamodule=dm, ckpt_path=tmp_path / "missing.ckpt")
+    fit.fit(module, datamodule=dm)
+    assert fit.global_step == 1 and len(quantized_linears(module)) == 14
+
+
+def test_a_resume_takes_the_checkpoint_s_recipe_and_names_the_callback_s(tmp_path, caplog):
+    """Resuming MXFP4 layers under a callback given NVFP4: the layers resume as the checkpoint
+    holds them, a warning names the difference, and later checkpoints record the recipe the
+    layers have (they recorded the callback's)."""
+    first = trainer(tmp_path, [KBBQ(MXFP4)], max_steps=1, enable_checkpointing=False)
+    first.fit(TinyLM(), datamodule=datamodule())
+    first.save_checkpoint(tmp_path / "mx.ckpt")
+    module, kbbq = TinyLM(seed=1), KBBQ(calibration=[])
+    resumed = trainer(tmp_path, [kbbq], max_steps=2, enable_checkpointing=False)
+    with caplog.at_level("WARNING", logger="kbbq_pl.callbacks.kbbq"):
+        resumed.fit(module, datamodule=datamodule(), ckpt_path=tmp_path / "mx.ckpt")
+    assert "another recipe than the callback's (format.name: mxfp4, not nvfp4)" in caplog.text
+    assert {layer.fmt.name for layer in quantized_linears(module).values()} == {"mxfp4"}
+    resumed.save_checkpoint(tmp_path / "again.ckpt")
+    saved = torch.load(tmp_path / "again.ckpt", weights_only=False)["kbbq"]["config"]
+    assert saved["format"]["name"] == "mxfp4" and kbbq.config == MXFP4
+
+
+def test_a_resume_from_a_full_precision_checkpoint_drops_the_state_of_the_quantized_weights(
+        tmp_path, caplog):
+    """A checkpoint of a fit without KBBQ resumed with it: the layers quantize the restored
+    weights, and their optimizer state (Adam's moments of ``W``, while the layers train
+    ``W T^-1``) starts afresh, with a warning; the rest of the model keeps its state."""
+    dense = trainer(tmp_path, [], max_steps=2, enable_checkpointing=False)
+    dense.fit(TinyLM(), datamodule=datamodule())
+    dense.save_checkpoint(tmp_path / "dense.ckpt")
+    states = {}
+
+    class Probe(Callback):
+        def on_train_start(self, trainer, pl_module):
+            model = pl_module.model.model
+            optimizer_state = trainer.optimizers[0].state
+            states["q_proj"] = dict(optimizer_state[model.layers[0].self_attn.q_proj.weight])
+            states["embedding"] = int(optimizer_state[model.embed_tokens.weight]["step"])
+
+    resumed = trainer(tmp_path, [KBBQ(), Probe()], max_steps=3, enable_checkpointing=False)
+    with caplog.at_level("WARNING", logger="kbbq_pl.callbacks.kbbq"):
+        resumed.fit(TinyLM(seed=1), datamodule=datamodule(), ckpt_path=tmp_path / "dense.ckpt")
+    assert "the optimizer state of 14 quantized layers' weights" in caplog.text
+    assert states == {"q_proj": {}, "embedding": 2}
+
+
 def test_qlora_through_the_callback_quantizes_the_base_layers_and_trains_the_adapters(
         tmp_path, caplog):
     """A module holding a peft model (LoRA on every linear): the callback quantizes the base
@@ -547,8 +616,8 @@ def test_qlora_through_the_callback_quantizes_the_base_layers_and_trains_the_ada
             cached.append(w4a4._decoded is not None)
 
     with caplog.at_level("WARNING", logger="kbbq_pl.callbacks.kbbq"):
-        trainer(tmp_path, [kbbq, Probe()], max_steps=3, enable_checkpointing=False).fit(
-            module, datamodule=datamodule())
+        fit = trainer(tmp_path, [kbbq, Probe()], max_steps=3, enable_checkpointing=False)
+        fit.fit(module, datamodule=datamodule())
     assert cached == [False] * 3  # decoded per call: no dense FP32 copy of the base (QLoRA)
     layers = quantized_linears(module)
     assert len(layers) == 14 and all(name.endswith(".base_layer") for name in layers)
@@ -558,6 +627,16 @@ def test_qlora_through_the_callback_quantizes_the_base_layers_and_trains_the_ada
     assert any(not torch.equal(p.detach(), adapters[n]) for n, p in module.named_parameters()
                if "lora_B" in n)
     assert not caplog.records  # no "stored codes ... only the rest trains" warning
+    # resumed from a checkpoint of that fit: again no dense copy and no warning (it kept one)
+    fit.save_checkpoint(tmp_path / "qlora.ckpt")
+    cached.clear()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kbbq_pl.callbacks.kbbq"):
+        trainer(tmp_path, [KBBQ(calibration=[]), Probe()], max_steps=5,
+                enable_checkpointing=False).fit(LoRA(), datamodule=datamodule(),
+                                                ckpt_path=tmp_path / "qlora.ckpt")
+    assert cached == [False] * 2
+    assert not [record for record in caplog.records if record.name.startswith("kbbq_pl")]
 
     frozen, seen = TinyLM(), {}
     frozen.model.model.layers[0].requires_grad_(False)

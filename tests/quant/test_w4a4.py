@@ -543,6 +543,66 @@ def test_codes_and_dense_weights_do_not_load_into_each_other():
     model.load_state_dict(copy.deepcopy(model).state_dict())  # codes into codes: as before
 
 
+def test_a_state_dict_assigned_into_a_meta_model_keeps_its_codes():
+    """``load_state_dict(sd, assign=True)`` into a model on the meta device (a skeleton built
+    without memory) takes the loaded codes as they are, as it does a dense parameter (they
+    stayed on meta: the next forward failed)."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    quantize_model(model, [{"input_ids": ids}], QuantizationConfig(), progress=False)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    skeleton = copy.deepcopy(model).to("meta")
+    skeleton.load_state_dict(model.state_dict(), assign=True)
+    assert all(layer.weight.qdata.device.type == "cpu"
+               for layer in quantized_linears(skeleton).values())
+    skeleton.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq  # not in a state dict
+    with torch.no_grad():
+        assert torch.equal(skeleton(input_ids=ids).logits, expected)
+
+
+def test_codes_of_another_shape_or_format_are_a_mismatch_as_a_dense_weight_s_are():
+    """A quantized layer loading codes of another shape or format reports it as torch reports
+    a dense parameter's size mismatch, and keeps its own codes (it took them: the layer then
+    failed in the next layer's forward, or saved a folder that did not load)."""
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    nv, mx = tiny_model("llama"), tiny_model("llama")
+    quantize_model(nv, [{"input_ids": ids}], QuantizationConfig(), progress=False)
+    quantize_model(mx, [{"input_ids": ids}], QuantizationConfig(format=FormatConfig("mxfp4")),
+                   progress=False)
+    state = dict(nv.state_dict())
+    key = "model.layers.0.self_attn.q_proj.weight"
+    state[key] = state["model.layers.0.self_attn.k_proj.weight"]
+    before = nv.get_parameter(key).qdata.clone()
+    with pytest.raises(RuntimeError, match=rf"size mismatch for {key}: copying codes of shape "
+                       r"\(32, 64\) \(in_features 64\) from checkpoint, the shape in current "
+                       r"model is \(64, 64\)"):
+        nv.load_state_dict(state)
+    assert torch.equal(nv.get_parameter(key).qdata, before)
+    with pytest.raises(RuntimeError, match=rf"format mismatch for {key}: copying nvfp4 codes "
+                       "from checkpoint, the format in current model is mxfp4"):
+        mx.load_state_dict(nv.state_dict())
+    assert all(layer.weight.fmt.name == "mxfp4" for layer in quantized_linears(mx).values())
+
+
+def test_codes_copy_between_layers_named_differently_and_name_what_differs():
+    """A copy of codes into codes takes the data and keeps the target's name (a label of its
+    errors; torchao's copy compared it, so state dicts of models converted with and without
+    a filter did not load into each other); codes of another layout are refused, naming the
+    fields."""
+    _, weight, _ = hadamard_linear()
+    target = weight.replace(layer_name="model.q_proj")
+    source = copy.deepcopy(weight)
+    source.qdata.zero_()
+    target.copy_(source)
+    assert torch.equal(target.qdata, source.qdata) and target.layer_name == "model.q_proj"
+    other = hadamard_linear(fmt="mxfp4")[1]
+    with pytest.raises(ValueError, match=r"model.q_proj: a nvfp4 W4A4Weight of shape \(24, 64\) "
+                       r"on cpu does not take the codes of layer: a mxfp4 W4A4Weight .* "
+                       r"another layout: fmt mxfp4, not nvfp4; scale \(24, 2\), not \(24, 4\)"):
+        target.copy_(other)
+
+
 def test_a_quantized_model_cast_to_bf16_presents_and_reloads_as_bf16(tmp_path):
     """``model.to(torch.bfloat16)`` casts each quantized weight as torchao's FP4 tensors cast:
     the dtype it presents and dequantizes to, not its codes; the folder saved from it reloads

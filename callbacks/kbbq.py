@@ -273,7 +273,13 @@ class KBBQ(Callback):
         if state is None:
             return
         self._left_frozen = bool(state.get("frozen_by_user", False))
-        saved = QuantizationConfig.from_dict(state["config"])
+        try:
+            saved = QuantizationConfig.from_dict(state["config"])
+        except (TypeError, ValueError) as error:  # fields an earlier kbbq-pl wrote
+            log.warning("KBBQ: the checkpoint's recipe does not read as a recipe of this "
+                        "kbbq-pl (%s): its layers resume as they are, under the callback's "
+                        "recipe", error)
+            return
         if saved != self.config:
             differences = _recipe_differences(saved.to_dict(), self.config.to_dict())
             log.warning("KBBQ: the checkpoint's layers were quantized with another recipe than "

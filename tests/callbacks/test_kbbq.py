@@ -561,6 +561,16 @@ def test_a_resume_takes_the_checkpoint_s_recipe_and_names_the_callback_s(tmp_pat
     resumed.save_checkpoint(tmp_path / "again.ckpt")
     saved = torch.load(tmp_path / "again.ckpt", weights_only=False)["kbbq"]["config"]
     assert saved["format"]["name"] == "mxfp4" and kbbq.config == MXFP4
+    # a recipe field of an earlier kbbq-pl: the layers resume, under the callback's recipe
+    old = torch.load(tmp_path / "mx.ckpt", weights_only=False)
+    old["kbbq"]["config"]["autobrake"]["scope"] = "model"
+    torch.save(old, tmp_path / "old.ckpt")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kbbq_pl.callbacks.kbbq"):
+        trainer(tmp_path, [KBBQ(calibration=[])], max_steps=2, enable_checkpointing=False).fit(
+            module := TinyLM(seed=1), datamodule=datamodule(), ckpt_path=tmp_path / "old.ckpt")
+    assert "does not read as a recipe of this kbbq-pl (unknown recipe fields" in caplog.text
+    assert {layer.fmt.name for layer in quantized_linears(module).values()} == {"mxfp4"}
 
 
 def test_a_resume_from_a_full_precision_checkpoint_drops_the_state_of_the_quantized_weights(

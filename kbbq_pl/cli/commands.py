@@ -129,8 +129,10 @@ def _scored_text(args: argparse.Namespace, tasks: list[str]) -> Path | None:
         return None
     if args.text:
         text = Path(args.text)
-        if not text.is_file():
-            raise FileNotFoundError(f"--text {text} does not exist (--tasks ppl/kl score it); "
+        if not text.is_file() or not text.stat().st_size:
+            state = ("is empty" if text.is_file() else "is a folder" if text.is_dir()
+                     else "does not exist")
+            raise FileNotFoundError(f"--text {text} {state} (--tasks ppl/kl score it); "
                                     "pass --text FILE, or leave --text out to score "
                                     "DATA_DIR/wikitext2/test.txt or kbbq-pl's excerpt of it")
         print(f"ppl/kl text: {text} (--text)")
@@ -176,6 +178,8 @@ def _eval(args: argparse.Namespace) -> int:
 
     device = parse_device(args.device)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise ValueError(f"--tasks {args.tasks!r} names no task (e.g. ppl,kl,hellaswag)")
     benchmarks = [t for t in tasks if t not in LM_METRICS]
     if args.fewshot_as_multiturn and not args.apply_chat_template:
         raise ValueError("--fewshot-as-multiturn true needs --apply-chat-template")

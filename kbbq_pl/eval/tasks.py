@@ -69,6 +69,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import traceback
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -641,13 +642,20 @@ def run_benchmarks(
     configs = task_configs(tasks, data_dir, cache_dir, num_fewshot, max_gen_toks,
                            mmlu_subjects)
     flat = [config for task in tasks for config in configs[task]]
-    results = simple_evaluate(
-        model=lm, tasks=flat, limit=limit, task_manager=TaskManager(include_defaults=False),
-        confirm_run_unsafe_code="mbpp" in tasks, random_seed=seed, numpy_random_seed=seed,
-        torch_random_seed=seed, fewshot_random_seed=seed, bootstrap_iters=bootstrap_iters,
-        log_samples=False, apply_chat_template=apply_chat_template,
-        fewshot_as_multiturn=fewshot_as_multiturn, system_instruction=system_instruction,
-    )
+    try:
+        results = simple_evaluate(
+            model=lm, tasks=flat, limit=limit, task_manager=TaskManager(include_defaults=False),
+            confirm_run_unsafe_code="mbpp" in tasks, random_seed=seed, numpy_random_seed=seed,
+            torch_random_seed=seed, fewshot_random_seed=seed, bootstrap_iters=bootstrap_iters,
+            log_samples=False, apply_chat_template=apply_chat_template,
+            fewshot_as_multiturn=fewshot_as_multiturn, system_instruction=system_instruction,
+        )
+    except AssertionError as error:  # lm-eval checks what it is given by assert
+        where = traceback.extract_tb(error.__traceback__)[-1]
+        reads = f"; the model reads {context} tokens" if isinstance(context, int) else ""
+        raise ValueError(f"lm-eval stopped on {', '.join(tasks)}: "
+                         f"{str(error) or where.line} ({Path(where.filename).name}:"
+                         f"{where.lineno}){reads}") from error
     summary = summarize(results, configs)
     for entry in summary.values():
         entry.update(chat_template=apply_chat_template, fewshot_as_multiturn=fewshot_as_multiturn)

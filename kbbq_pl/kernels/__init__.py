@@ -99,7 +99,7 @@ from ..formats import Format
 from .exact import FP8_CHUNK, word_order_index
 from .host import triton_version as _triton_version
 from .interpret import interpreting as _interpreting
-from .prepared import PreparedWeight
+from .prepared import PreparedWeight, scale_source
 from .prepared import prepare_weight as _prepare_weight
 from .reference import (
     INPUT_DTYPES,
@@ -301,6 +301,8 @@ def w4a4_matmul(
     _require(device, name)
     if split_k is not None and split_k < 1:
         raise ValueError(f"{name}: split_k must be >= 1, got {split_k}")
+    if a_codes.shape[0] == 0 or n == 0:
+        return torch.empty(a_codes.shape[0], n, dtype=out_dtype, device=device)
     from .blackwell import blackwell_nvfp4_available, blackwell_nvfp4_matmul
 
     if config is None and blackwell_nvfp4_available(device, fmt):  # pragma: no cover - Blackwell
@@ -309,8 +311,6 @@ def w4a4_matmul(
     scale_kind, _, gain = _scale_meta(fmt)
     if bias is not None:
         bias = bias.contiguous()
-    if a_codes.shape[0] == 0 or n == 0:
-        return torch.empty(a_codes.shape[0], n, dtype=out_dtype, device=device)
     return _backend().w4a4_matmul(a_codes, a_scales, a_global, w_codes, w_scales, w_global, d,
                                   scale_kind, gain, bias, out_dtype, config, split_k)
 
@@ -417,7 +417,9 @@ def prepare_weight(codes: Tensor, scales: Tensor, global_scale: Tensor | float |
                                      torch.bfloat16, codes.device))
     return _prepare_weight(codes, scale_bytes, gs, fmt, act_global_scale,
                            keep_decoded=keep_decoded, decode=decode,
-                           fold=fold if folds else None)
+                           fold=fold if folds else None,
+                           scale_sources=(scale_source(global_scale),
+                                          scale_source(act_global_scale)))
 
 
 PREFILL_MIN_M = {"e4m3": 1024, "e8m0": 256}
@@ -458,7 +460,7 @@ def _decode_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | N
 
 def _prefill_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | None,
                   prepared: PreparedWeight, t: Tensor | None, act_gs, bias,
-                  out_dtype: torch.dtype, product: str) -> Tensor:
+                  out_dtype: torch.dtype, product: str, sources: tuple[Any, Any]) -> Tensor:
     fmt = prepared.fmt
     scale_kind, _, gain = _scale_meta(fmt)
     if product == "fp8":  # where it does not apply or a chunk does not fold: as "auto"
@@ -471,7 +473,7 @@ def _prefill_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | 
     w = prepared.decoded
     if w is None:
         w = decode_weight(codes, scales, fmt)
-    alpha = prepared.alpha(static=act_gs is not None)
+    alpha = prepared.alpha(static=act_gs is not None, sources=sources)
     # cuBLAS rounds once where the bias is already bf16 (a wider one would be rounded twice)
     one_rounding = (alpha is not None and out_dtype == torch.bfloat16
                     and (bias is None or bias.dtype == torch.bfloat16))
@@ -661,7 +663,8 @@ def linear_w4a4(
                          out_dtype)
     else:
         y = _prefill_path(x2, codes, scale_bytes, w_global, prepared, t, act_global_scale, bias,
-                          out_dtype, prefill_product)
+                          out_dtype, prefill_product,
+                          (scale_source(weight_global), scale_source(act_global_scale)))
     return y.reshape(*lead, n)
 
 

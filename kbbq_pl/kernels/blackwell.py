@@ -38,7 +38,8 @@ def blackwell_nvfp4_matmul(a_codes: Tensor, a_scales: Tensor, a_global: Tensor,
         to_blocked(w_scales.view(torch.float8_e4m3fn)),
         out_dtype=torch.float32,
     )
-    out = out * a_global * w_global
+    # the smaller scale first, as the Hopper paths' epilogue (the larger first can overflow FP32)
+    out = out * torch.minimum(a_global, w_global) * torch.maximum(a_global, w_global)
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out.to(out_dtype)

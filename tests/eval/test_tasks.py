@@ -342,6 +342,25 @@ def test_cli_eval(tiny_llama, data_dir, cache_dir, tmp_path, capsys):
     assert "winogrande" in capsys.readouterr().out
 
 
+def test_cli_eval_names_what_lm_eval_and_the_arguments_refuse(tiny_llama, data_dir, cache_dir,
+                                                               tmp_path, capsys):
+    """An assertion inside lm-eval (more shots than the subject holds) is a one-line error
+    naming it (exit 2; it was "internal error (AssertionError)", exit 1); no task, and a
+    --text that is a folder or empty, are refused before the model loads."""
+    folder, _, _ = tiny_llama
+    assert main(["eval", "--model", str(folder), "--tasks", "mmlu", "--mmlu-subjects",
+                 "anatomy", "--limit", "1", "--num-fewshot", "mmlu=1000", "--data-dir",
+                 str(data_dir), "--cache-dir", str(cache_dir)]) == 2
+    assert "error: lm-eval stopped on mmlu: " in capsys.readouterr().err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    for argv, message in ((["--tasks", " , "], "--tasks ' , ' names no task"),
+                          (["--tasks", "ppl", "--text", str(tmp_path)], "is a folder"),
+                          (["--tasks", "ppl", "--text", str(empty)], "is empty")):
+        assert main(["eval", "--model", str(folder), *argv]) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_cli_eval_with_the_chat_template(tiny_llama, data_dir, cache_dir, tmp_path, capsys):
     import shutil
 

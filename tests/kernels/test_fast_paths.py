@@ -664,6 +664,31 @@ def test_every_path_is_within_one_rounding_of_the_exact_product(fmt, static):
     assert fp32.dtype == torch.float32 and gemm_error(fp32, ref) <= 1e-5
 
 
+def test_the_prefill_product_takes_the_call_s_scales_whatever_the_weight_was_prepared_with():
+    """A prepared weight's host multiplier (cuBLAS's ``alpha``) serves only a call that passes
+    the scales it read (the same tensors, unchanged, or the same numbers): a call with another
+    activation scale, or after a scale changed in place, is scaled by its own (the product was
+    off by their ratio, 0.5 here, on the prefill path only)."""
+    needs_kernels()
+    x, q = decode_operands("nvfp4", 4, 16, 64)
+    act = torch.tensor(0.002)
+    prepared = K.prepare_weight(q.qdata, q.scale, q.global_scale, "nvfp4", act)
+
+    def check(scale):
+        y = K.linear_w4a4(x, q.qdata, q.scale, q.global_scale, "nvfp4", None, scale,
+                          path="prefill", prepared=prepared)
+        assert_within_one_bf16_rounding(y, exact_product(x.float(), q, "nvfp4", scale=scale))
+
+    for scale in (act, 0.004, torch.tensor(0.004)):
+        check(scale)
+    q.global_scale.mul_(2)
+    check(act)
+    act.mul_(2)
+    check(act)
+    assert prepared.alpha(static=True, sources=(K.scale_source(q.global_scale),
+                                                K.scale_source(act))) is None
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_a_wider_bias_is_rounded_once_with_the_sum(fmt):
     """bf16 activations, an FP32 bias (a layer kept in FP32 beside bf16 activations): each

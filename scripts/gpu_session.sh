@@ -45,12 +45,13 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 # The image has torch, triton, lightning, transformers (older), pytest; not these (the versions
-# installed here travel).  sdist-only packages are built into wheels here.
+# installed here travel; transformers 5.25 refuses the image's huggingface-hub 1.33 at import).  sdist-only packages are built into wheels here.
 PACKAGES="torchao jsonargparse docstring_parser typeshed_client transformers
 datasets dill multiprocess lm_eval evaluate sqlitedict pytablewriter DataProperty mbstrdecoder
 pathvalidate tabledata tcolorpy typepy chardet rouge_score nltk word2number more-itertools
 compressed-tensors pydantic pydantic_core annotated-types typing-inspection loguru gguf pytz
-pytest-timeout"
+pytest-timeout huggingface_hub httpx2 httpcore2 truststore hf-xet click idna anyio safetensors
+accelerate"
 DATA="MANIFEST.md tiny_llama_aidreams260K winogrande llama2_tokenizer wikitext2"
 # a peer of issue 45 (pure Triton; numpy, tqdm and triton are in the image): an sdist, built
 # into a wheel here

@@ -15,7 +15,7 @@ the run goes on, and the summary says what failed or was skipped for time):
   in turn by each program, the last group short); every path of
   ``linear_w4a4`` (decode M = 1, 16, 64; at M = 1024 prefill through cuBLAS and Triton, and
   decode) within one bf16 rounding of the float64 product of the same codes; then the decode
-  path with its GEMM launched as a programmatic dependent, and launched directly after
+  path with its GEMM launched as a programmatic dependent (opt-in), and launched directly after
   Triton's first launch (``kbbq_pl.kernels.direct_launch``), each the same bits as without, eagerly
   and in a CUDA graph (else turned off for the rest of the run); and the opt-in one-row DP4A
   product within one rounding.  The checks are the first to run what no GPU has run yet, so
@@ -34,9 +34,9 @@ the run goes on, and the summary says what failed or was skipped for time):
   rounding of the exact product, on the prefill path the ratio with the weights kept
   decoded (the opt-in ``KEEP_DECODED_WEIGHTS``: no decode per call), and (M = 1 with KBBQ
   blocks) the ratio with the
-  decode GEMM launched after the activation kernel ends instead of as its programmatic
-  dependent (which the ``check`` section first checks gives the same bits, eagerly and in a
-  CUDA graph, else turns off for the run).  Timed as CUDA graphs replaying the call over
+  decode GEMM launched as the activation kernel's programmatic dependent (the opt-in
+  ``DEPENDENT_LAUNCH``, which the ``check`` section first checks gives the same bits, eagerly
+  and in a CUDA graph, else turns off for the run).  Timed as CUDA graphs replaying the call over
   enough copies of the weights to overflow the L2 cache (so weights come from memory, as in a
   model), the median of replays divided by the copies.  For MX, a table of the opt-in FP8
   product (``prefill_product="fp8"``) at the prefill rows: eager (it reads its fold check on
@@ -56,9 +56,9 @@ the run goes on, and the summary says what failed or was skipped for time):
   program, and no L1 prefetch.
 * ``tune`` (opt-in, not in the default list): the decode GEMM alone at M = 1 on K = N = 8192,
   4096 x 4096, 4096 -> 14336 and 4096 -> 1024 at a grid of tiles and K splits (none, and around
-  the autotuned ones), each with its
-  fraction of the copy bandwidth and against the autotuned launch (where the decode GEMM's
-  bandwidth goes, and whether a tile the autotuner does not try reaches it).
+  the ones it would take), each with its
+  fraction of the copy bandwidth and against the launch as shipped (where the decode GEMM's
+  bandwidth goes, and whether another tile reaches it).
 * ``act_few``: the activation kernel of a decode step (M = 1, 16; KBBQ-shaped blocks, the
   decode path's word-ordered values): the FMA chain with and without the L1 prefetch of the
   transforms, and Triton's FMA dot (transforms loaded in one go through shared memory), at
@@ -615,7 +615,10 @@ def dependent_launch_check(run: Run) -> None:
     from kbbq_pl.formats import get_format
     from kbbq_pl.kernels import skinny
 
-    if not (run.cuda and skinny.dependent_launch(run.device)):
+    dependent = mock.patch.object(skinny, "DEPENDENT_LAUNCH", True)
+    with dependent:
+        available = run.cuda and skinny.dependent_launch(run.device)
+    if not available:
         run.notes.append("dependent launch: not available here (needs compute capability 9.0)")
         return
     k, n, same, every = run.shapes["check_k"], run.shapes["check_n"], 0, 0
@@ -634,10 +637,11 @@ def dependent_launch_check(run: Run) -> None:
 
                 with independent:
                     plain = call()
-                eager = call()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    captured = call()
+                with dependent:
+                    eager = call()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        captured = call()
                 x.normal_()  # fresh rows, replayed both ways
                 graph.replay()
                 with independent:
@@ -646,16 +650,15 @@ def dependent_launch_check(run: Run) -> None:
                 every += 2
                 same += int(torch.equal(eager, plain)) + int(torch.equal(captured, fresh))
     except Exception as error:
-        skinny.DEPENDENT_LAUNCH = False
+        switch_off(run, "dependent")
         run.notes.append(f"dependent launch: FAILED ({type(error).__name__}: "
                          f"{str(error).splitlines()[0][:120]}); the run goes on without it")
         run.line("decode path with dependent launch: the same bits as without", "failed",
                  "all", "NO")
         return
     if same < every:
-        skinny.DEPENDENT_LAUNCH = False
-        run.notes.append("dependent launch: results differ from without; the run goes on "
-                         "without it")
+        switch_off(run, "dependent")
+        run.notes.append("dependent launch: results differ from without; its rows are not run")
     run.line("decode path with dependent launch: the same bits as without (eager, graph)",
              f"{same}/{every}", "all", "yes" if same == every else "NO")
 
@@ -663,8 +666,8 @@ def dependent_launch_check(run: Run) -> None:
 SWITCHES = {
     "siblings": ("kbbq_pl.kernels", "MAX_SIBLINGS", 1, "sibling linears launched together"),
     "dp4a": (None, None, None, "the one-row DP4A product's rows (opt-in)"),
-    "dependent": ("kbbq_pl.kernels.skinny", "DEPENDENT_LAUNCH", False,
-                  "the decode GEMM launched as a programmatic dependent"),
+    "dependent": (None, None, None,
+                  "the decode GEMM launched as a programmatic dependent (opt-in)"),
     "direct": ("kbbq_pl.kernels.direct_launch", "DIRECT", False, "direct launches"),
 }
 """The check steps that can be turned off for the rest of the run (``Run.off``, and a module's
@@ -844,7 +847,7 @@ def gemm_section(run: Run) -> None:
                                 fp8_columns, run, K, x, t, q, name, sets, preps, own_calls,
                                 t_bf16), [math.nan] * 5 + ["FAILED"]))
                     one_row, one_row_ok = float("nan"), ""
-                    if m == 1:  # the opt-in one-row product, autotuned as it would run
+                    if m == 1:  # the opt-in one-row product, as it would run
                         one_row, one_row_ok = attempt(
                             run, f"one-row DP4A {name}",
                             functools.partial(dp4a_linear, run, own_calls,
@@ -852,12 +855,13 @@ def gemm_section(run: Run) -> None:
                             (float("nan"), "FAILED"), step="dp4a")
                         if one_row == one_row:
                             ratios.setdefault((m, name, "one-row DP4A"), []).append(one_row)
-                    independent = float("nan")
-                    if (m == 1 and label != "none"  # each costs a compile: one row a shape
-                            and skinny.dependent_launch(device)):
-                        # the same calls, launched one after the other
-                        with mock.patch.object(skinny, "DEPENDENT_LAUNCH", False):
-                            independent = t_bf16 / seconds_per_call(run, own_calls)
+                    dependent = float("nan")
+                    with mock.patch.object(skinny, "DEPENDENT_LAUNCH", True):
+                        if (m == 1 and label != "none"  # each costs a compile: one a shape
+                                and "dependent" not in run.off
+                                and skinny.dependent_launch(device)):
+                            # the same calls, the GEMM a dependent of the activation kernel
+                            dependent = t_bf16 / seconds_per_call(run, own_calls)
                     if label == "none":  # the product alone does not depend on the transform
                         t_product, copy_fraction = product_only(run, K, skinny, tk, x, t, name,
                                                                 sets, preps, q.global_scale, path)
@@ -871,14 +875,14 @@ def gemm_section(run: Run) -> None:
                         ratios.setdefault((m, name, "weights kept decoded"), []).append(
                             kept_decoded)
                     rows.append([f"{k}->{n}", m, name, label, path, t_bf16 * 1e3, t_ours * 1e3,
-                                 ratio, target, dynamic, kept_decoded, independent, one_row,
+                                 ratio, target, dynamic, kept_decoded, dependent, one_row,
                                  one_row_ok, t_product * 1e3,
                                  copy_fraction, "yes" if ok else f"NO ({excess:.2g})"])
                     run.add("gemm", k=k, n=n, m=m, fmt=name, transform=label, path=path,
                             bf16_ms=t_bf16 * 1e3, ours_ms=t_ours * 1e3, speedup=ratio,
                             target=target, dynamic_speedup=dynamic,
                             kept_decoded_speedup=kept_decoded,
-                            independent_speedup=independent, dp4a_speedup=one_row,
+                            dependent_speedup=dependent, dp4a_speedup=one_row,
                             dp4a_within_one_rounding=(one_row_ok == "yes" if m == 1
                                                       else None),
                             product_ms=t_product * 1e3,
@@ -888,13 +892,13 @@ def gemm_section(run: Run) -> None:
     table("linear_w4a4 (activation kernel + product) against bf16 torch.matmul; product: the "
           "GEMM alone (decode: the decode GEMM; prefill: weight decode + product); weights "
           "kept decoded: the prefill path with no decode per call (opt-in); copy: its bytes "
-          "over time against the device copy; not a dependent launch: the decode path with "
-          "its GEMM launched after the activation kernel ends (M = 1, KBBQ blocks); one-row "
-          "DP4A: the decode path with the opt-in integer product at M = 1 (autotuned), and "
+          "over time against the device copy; a dependent launch: the decode path with its "
+          "GEMM the activation kernel's programmatic dependent (opt-in; M = 1, KBBQ blocks); "
+          "one-row DP4A: the decode path with the opt-in integer product at M = 1, and "
           "whether it is within one bf16 rounding of the exact product",
           ["K->N", "M", "format", "transform", "path", "bf16 ms", "W4A4 ms", "x bf16", "target",
            "x bf16, dynamic NVFP4", "x bf16, weights kept decoded",
-           "x bf16, GEMM not a dependent launch", "x bf16, one-row DP4A", "DP4A within one",
+           "x bf16, GEMM a dependent launch", "x bf16, one-row DP4A", "DP4A within one",
            "product ms", "copy fraction", "within one rounding"], rows)
     if fp8_rows:
         table("MX on FP8 tensor cores, the opt-in prefill product 'fp8', against bf16 "
@@ -930,10 +934,10 @@ def gemm_section(run: Run) -> None:
     fractions = [r["copy_fraction"] for r in run.rows if r.get("section") == "gemm"
                  and r["m"] == 1 and r["transform"] == "none"
                  and r["copy_fraction"] == r["copy_fraction"]]
-    gains = [r["speedup"] / r["independent_speedup"] for r in run.rows
-             if r.get("section") == "gemm" and r.get("independent_speedup", math.nan) > 0]
+    gains = [r["speedup"] / r["dependent_speedup"] for r in run.rows
+             if r.get("section") == "gemm" and r.get("dependent_speedup", math.nan) > 0]
     if gains:
-        run.line("decode path: time without dependent launch / with, min/median/max",
+        run.line("decode path: time with dependent launch (opt-in) / without, min/median/max",
                  spread(gains))
     if fractions:
         run.goal("M=1 decode GEMM: fraction of copy bandwidth min/median/max", spread(fractions),
@@ -1116,13 +1120,13 @@ TUNE_TILES = ((16, 64, 256, 4, 3), (16, 64, 256, 4, 5), (16, 64, 128, 4, 6),
               (16, 128, 256, 8, 3), (16, 128, 512, 8, 3), (16, 256, 256, 8, 3),
               (16, 32, 256, 2, 4))
 """Decode GEMM tiles (rows, columns, K, warps, stages) the ``tune`` section times: the
-autotuned ones and their neighbours (deeper pipelines, longer K tiles, a narrow column tile
+once-autotuned ones and their neighbours (deeper pipelines, longer K tiles, a narrow column tile
 on ``mma.sync``); none spills on Triton 3.6 for sm_90 (``/tmp`` compile of each, 3.4 to 3.95
 SASS a weight, 5.2 for MX at 16x32x256)."""
 TUNE_DP4A_TILES = ((1, 32, 128, 4, 4), (1, 32, 128, 4, 6), (1, 64, 128, 8, 4),
                    (1, 128, 256, 8, 3), (1, 128, 256, 4, 3), (1, 256, 128, 8, 3),
                    (1, 64, 512, 4, 3), (1, 64, 256, 4, 4))
-"""The one-row DP4A product's tiles the ``tune`` section times (its autotuned ones and
+"""The one-row DP4A product's tiles the ``tune`` section times (its once-autotuned ones and
 neighbours; ``/tmp`` compile of each on Triton 3.6 for sm_90: 2.1 to 3.0 SASS a weight, no
 spills, 32 to 106 registers; the smallest without a barrier in its loop)."""
 
@@ -1133,10 +1137,11 @@ def tune_section(run: Run) -> None:
     :data:`TUNE_TILES` with K unsplit and at half, once and twice the K splits it would take
     (at small shapes a launch's fixed cost, the split-K reduction among it, weighs most:
     ``bench/gpu_report.py``), and the one-row
-    DP4A product (autotuned and at each of :data:`TUNE_DP4A_TILES`), against the autotuned
-    launch: microseconds and the fraction of the copy bandwidth, each output within one bf16
-    rounding of the exact product.  Opt-in (``--sections tune``): it compiles every
-    tile, what a GPU session spends to find where the decode GEMM's bandwidth goes."""
+    DP4A product (as shipped and at each of :data:`TUNE_DP4A_TILES`), against the shipped
+    launch (one tile for a decode step's rows): microseconds and the fraction of the copy
+    bandwidth, each output within one bf16 rounding of the exact product.  Opt-in
+    (``--sections tune``): it compiles every tile, what a GPU session spends to find where the
+    decode GEMM's bandwidth goes."""
     from kbbq_pl import kernels as K
     from kbbq_pl.formats import get_format
     from kbbq_pl.kernels import skinny
@@ -1177,13 +1182,13 @@ def tune_section(run: Run) -> None:
                 return seconds, nbytes / seconds / run.copy_rate if run.copy_rate else math.nan, ok
 
             tuned = timed(skinny.PRODUCT_DOT, None, None)
-            rows.append([f"{k}->{n}", name, "autotuned", "auto", tuned[0] * 1e6, tuned[1],
+            rows.append([f"{k}->{n}", name, "as shipped", "auto", tuned[0] * 1e6, tuned[1],
                          1.0, "yes" if tuned[2] else "NO"])
             if "dp4a" not in run.off:
-                got = attempt(run, f"tune {name} DP4A autotuned",
+                got = attempt(run, f"tune {name} DP4A as shipped",
                               functools.partial(timed, skinny.PRODUCT_DP4A, None, None),
                               (math.nan, math.nan, False))
-                rows.append([f"{k}->{n}", name, "DP4A autotuned", "auto", got[0] * 1e6,
+                rows.append([f"{k}->{n}", name, "DP4A as shipped", "auto", got[0] * 1e6,
                              got[1], tuned[0] / got[0], "yes" if got[2] else "NO"])
             tiles = [(tile, skinny.PRODUCT_DOT) for tile in TUNE_TILES]
             tiles += [(tile, skinny.PRODUCT_DP4A) for tile in TUNE_DP4A_TILES
@@ -1207,18 +1212,18 @@ def tune_section(run: Run) -> None:
                                  tuned[0] / got[0], "yes" if got[2] else "NO"])
     rows.sort(key=lambda r: (r[0], r[1], -r[5] if r[5] == r[5] else 0))
     table("decode GEMM alone at M = 1, by tile and K splits (tune): microseconds, fraction of "
-          "the copy bandwidth, speed against the autotuned launch",
-          ["K->N", "format", "tile", "splits", "us", "copy fraction", "x autotuned",
+          "the copy bandwidth, speed against the launch as shipped",
+          ["K->N", "format", "tile", "splits", "us", "copy fraction", "x as shipped",
            "within one rounding"], rows)
     for shape, name in dict.fromkeys((r[0], r[1]) for r in rows):
         found = [r for r in rows if (r[0], r[1]) == (shape, name) and r[5] == r[5]]
         if found:
             best = max(found, key=lambda r: r[5])
-            run.line(f"tune {shape} {name}: best tile (copy fraction; x autotuned)",
+            run.line(f"tune {shape} {name}: best tile (copy fraction; x as shipped)",
                      f"{best[2]} splits {best[3]} ({best[5]:.3g}; {best[6]:.3g})")
     for row in rows:
         run.add("tune", shape=row[0], fmt=row[1], tile=row[2], splits=row[3], us=row[4],
-                copy_fraction=row[5], x_autotuned=row[6], within_one_rounding=row[7] == "yes")
+                copy_fraction=row[5], x_shipped=row[6], within_one_rounding=row[7] == "yes")
 
 
 # --------------------------------------------------------------------------- activations

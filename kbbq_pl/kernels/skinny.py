@@ -30,13 +30,13 @@ rows (16 up to 16 rows, 32 to 128 above: :func:`_configs`):
 
 One launch computes the product; with the activation kernel before it a decode-path linear
 is two launches (three for dynamic NVFP4, whose per-tensor scale needs the amax of the whole
-input first).  On sm_90 and later the product is launched as a *programmatic dependent* of the
-activation kernel (CUDA's programmatic dependent launch, as serving stacks chain their small
-decode kernels; :data:`DEPENDENT_LAUNCH`): the activation kernel lets it start at once, its
-programs ask L2 for the first weights of their slices (weights no kernel before it writes)
-and then wait (``griddepcontrol.wait``) until the activation kernel has finished and its
-values are visible, so the launch gap and the activation kernel overlap the weights'
-stream; the results are the same bits either way.
+input first).  Opt-in (:data:`DEPENDENT_LAUNCH`; measured slower), on sm_90 and later the
+product is launched as a *programmatic dependent* of the activation kernel (CUDA's
+programmatic dependent launch, as serving stacks chain their small decode kernels): the
+activation kernel lets it start at once, its programs ask L2 for the first weights of their
+slices (weights no kernel before it writes) and then wait (``griddepcontrol.wait``) until the
+activation kernel has finished and its values are visible, so that the launch gap and the
+activation kernel would overlap the weights' stream; the results are the same bits either way.
 
 No host synchronization, no allocation but the output and the partials.  The split-K
 counters are one buffer per device: decode GEMMs on two streams of one device at the same
@@ -74,8 +74,9 @@ PRODUCT_DP4A = 2
 ONE_ROW_PRODUCT = PRODUCT_DOT
 """The product of a one-row decode GEMM (a batch-1 decode step) in :func:`kbbq_pl.kernels.
 linear_w4a4`: the tensor cores (``PRODUCT_DOT``) or the integer dot products of
-``PRODUCT_DP4A`` (:func:`_dp4a_block_sums`; opt-in until a GPU has timed it and checked its
-bits: ``bench/gpu.py`` times both)."""
+``PRODUCT_DP4A`` (:func:`_dp4a_block_sums`; opt-in: a layer alone runs faster on it, within one
+rounding, but it takes no siblings, whose grouped launches it gives up at batch 1, and
+``bench/gpu.py``'s model section has not yet timed a whole decode step on it)."""
 VALUES_FP32 = 0
 VALUES_FP16 = 1
 VALUES_BF16 = 2
@@ -85,10 +86,11 @@ side); above, 32 to 128."""
 MAX_SPLITS = 16
 ROW_GROUP: tl.constexpr = tl.constexpr(8)
 """Row tiles a column tile is taken down together (``tl.swizzle2d`` in the kernel)."""
-DEPENDENT_LAUNCH = True
+DEPENDENT_LAUNCH = False
 """Launch the decode GEMM as a programmatic dependent of the activation kernel where the GPU
-can (compute capability 9.0 on, not under the interpreter): :func:`dependent_launch`.
-``bench/gpu.py`` sets it False to time the linear without."""
+can (compute capability 9.0 on, not under the interpreter): :func:`dependent_launch`.  Opt-in:
+on an H200 a one-row linear ran 2 to 9% slower with it than without, at 9 of 10 shapes and
+formats (``bench/gpu.py``'s ``gemm`` section times both)."""
 PREFETCH_K: tl.constexpr = tl.constexpr(1024)
 """Elements of its K slice a dependently launched program asks L2 for before it waits."""
 _COUNTERS = 1 << 14
@@ -459,13 +461,18 @@ def _skinny_epilogue(acc, offs_m, offs_n, M, N, shift, a_global_ptr, w_global_pt
 
 
 def _configs():
-    """The tensor-core tiles autotuned on GPUs (BLOCK_K a multiple of the word order's 128),
-    16-row tiles for up to :data:`FEW_ROWS` rows and 32 to 128 above (:func:`_prune_configs`):
-    ``bench/gpu_compile.py --kernels decode_gemm --explore`` printed the registers, spills and
-    loop instructions per weight of a wider grid on sm_90, from which these were kept (no
-    spills, at most 160 KiB of shared memory)."""
-    few = ((16, 64, 256, 4, 3), (16, 64, 512, 4, 2), (16, 128, 256, 4, 3), (16, 128, 256, 8, 3),
-           (16, 256, 256, 8, 3))
+    """The tensor-core tiles (BLOCK_K a multiple of the word order's 128): one 16-row tile for up
+    to :data:`FEW_ROWS` rows, not autotuned, and 32 to 128 rows above, autotuned on GPUs
+    (:func:`_prune_configs`).  ``bench/gpu_compile.py --kernels decode_gemm --explore`` printed
+    the registers, spills and loop instructions per weight of a wider grid on sm_90, from which
+    these were kept (no spills, at most 160 KiB of shared memory).  The 16-row tile, at the K
+    splits :func:`split_count` gives it, came within 12% of the fastest of the ten tiles
+    ``bench/gpu.py``'s ``tune`` section timed on an H200 at every shape and format (weights
+    streamed from memory, a CUDA graph over copies; 5% on average, a tie with the narrower
+    16 x 32 tile on ``mma.sync``); the autotuner, which times each tile alone, had picked among
+    five tiles one up to 1.7 times slower, and not the same one in two runs (a tile's K splits
+    set the order of the sums, and so the last bit)."""
+    few = ((16, 64, 256, 4, 3),)
     more = ((32, 64, 256, 4, 3), (32, 128, 256, 8, 3), (64, 128, 128, 4, 3),
             (64, 128, 256, 8, 3), (128, 128, 128, 8, 2))
     return [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
@@ -496,12 +503,12 @@ def m_bucket(m: int) -> int:
 
 
 def _dp4a_configs():
-    """The DP4A product's one-row tiles autotuned on GPUs (three: each costs a compile a GPU
-    session pays; ``bench/gpu.py``'s ``tune`` section times more): ``bench/gpu_compile.py
-    --kernels decode_gemm`` printed no spills and 2.1 to 3.0 SASS a weight in their loops on
-    Triton 3.6 for sm_90 (3.3 to 4.2 for the tensor-core tiles), the small one without a
-    barrier in its loop."""
-    tiles = ((32, 128, 4, 4), (128, 256, 8, 3), (64, 512, 4, 3))
+    """The DP4A product's one-row tile, not autotuned: of the eight ``bench/gpu.py``'s ``tune``
+    section timed on an H200, the one within 11% of the fastest at every shape and format (the
+    autotuner's pick among three: up to 1.3 times slower).  ``bench/gpu_compile.py --kernels
+    decode_gemm`` printed no spills and 2.1 to 3.0 SASS a weight in the DP4A loops on Triton
+    3.6 for sm_90 (3.3 to 4.2 for the tensor-core tiles)."""
+    tiles = ((64, 512, 4, 3),)
     return [triton.Config({"BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k,
                            "PRODUCT": PRODUCT_DP4A}, num_warps=warps, num_stages=stages)
             for block_n, block_k, warps, stages in tiles]

@@ -867,12 +867,12 @@ def test_gpu_bench_tiny_run(capsys, tmp_path):
     # a goal missed (every speed goal, on the CPU) says by how much
     assert "| 0.35 | 0/1; worst " in summary and "x from the target |" in summary
     assert "FAILED" not in summary
-    # the opt-in tune section: a tile and its K splits against the autotuned launch
+    # the opt-in tune section: a tile and its K splits against the launch as shipped
     module.main(["--tiny", "--formats", "nvfp4", "--sections", "tune"])
     out = capsys.readouterr().out
     summary = out.split("## summary")[1]
-    assert "tune 128->32 nvfp4: best tile (copy fraction; x autotuned)" in summary
-    assert "| 128->32 | nvfp4 | DP4A autotuned | auto |" in out
+    assert "tune 128->32 nvfp4: best tile (copy fraction; x as shipped)" in summary
+    assert "| 128->32 | nvfp4 | DP4A as shipped | auto |" in out
     assert "FAILED" not in summary
     # MX's opt-in FP8 prefill product: checked and timed in the gemm and rows sections
     module.main(["--tiny", "--formats", "mxfp4", "--sections", "check,gemm,rows"])
@@ -1056,8 +1056,9 @@ def test_gpu_bench_checks_in_a_child_process(tmp_path, monkeypatch, scenario, st
                      3.0 if scenario == "slow" else 100.0)
     module.check_in_child(run, [sys.executable, str(script), scenario])
     assert module.switched_off(run) == now_off
-    assert (direct_launch.DIRECT, skinny.DEPENDENT_LAUNCH, K.MAX_SIBLINGS >= 2) == tuple(
-        step not in now_off for step in ("direct", "dependent", "siblings"))
+    assert (direct_launch.DIRECT, K.MAX_SIBLINGS >= 2) == tuple(
+        step not in now_off for step in ("direct", "siblings"))
+    assert not skinny.DEPENDENT_LAUNCH  # opt-in: a failed check leaves out its rows alone
     tried = []
     assert module.attempt(run, "a DP4A row", lambda: tried.append(1), "not run",
                           step="dp4a") == ("not run" if "dp4a" in now_off else None)
@@ -1125,7 +1126,7 @@ def test_gpu_bench_runs_no_dp4a_row_once_its_check_is_off(capsys):
     with mock.patch.object(K, "_activation_kernel", wraps=K._activation_kernel) as activations:
         module.main(["--tiny", "--formats", "nvfp4", "--sections", "tune", "--off", "dp4a"])
     out = capsys.readouterr().out
-    assert "| 128->32 | nvfp4 | autotuned | auto |" in out and "DP4A" not in out.split(
+    assert "| 128->32 | nvfp4 | as shipped | auto |" in out and "DP4A" not in out.split(
         "## tune")[1].split("## summary")[0]
     assert all(call.kwargs.get("values_dtype") != torch.int8
                for call in activations.call_args_list)

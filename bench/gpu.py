@@ -1,7 +1,7 @@
 """W4A4 on one GPU against bf16, in one run: correctness, the GEMM paths, the activation kernel,
 peers, a whole model; a short table of every row against its target printed last.
 
-    python bench/gpu.py [--sections check,gemm,act_few,model,compiled,act,rows,peers,tune]
+    python bench/gpu.py [--sections check,model,gemm,compiled,act_few,act,rows,peers,tune]
                         [--formats nvfp4,mxfp4]
                         [--budget-s 500] [--json PATH]
     python bench/gpu.py --tiny        # (or --dry-run) tiny shapes on the CPU under the interpreter
@@ -49,11 +49,11 @@ the run goes on, and the summary says what failed or was skipped for time):
   those fixed costs read against: an empty kernel, the decode path's kernels and bf16 at the
   smallest shape, in a CUDA graph.
 * ``act``: a device-to-device copy of 8192 x 8192 bf16 (bytes read + written), the activation
-  kernel's codes (exact FMA chain at its tile and at the other, and the FMA dot; each with
-  its code mismatch rate against the chain) and
-  its bf16 values (what the prefill path runs), per byte moved against the copy.  Target 0.8.
-  Beside the default (four row tiles a program, the transforms asked of L1 first): one tile a
-  program, and no L1 prefetch.
+  kernel's codes (the decode and tiled paths) and its bf16 values (what the prefill path
+  reads), per byte moved against the copy.  Target 0.8.  Beside the default (the exact FMA
+  chain, four row tiles a program, the transforms asked of L1 first), each output again at one
+  tile a program, without the L1 prefetch, at the other row tile and with Triton's FMA dot,
+  each with its mismatch rate against the default.
 * ``tune`` (opt-in, not in the default list): the decode GEMM alone at M = 1 on K = N = 8192,
   4096 x 4096, 4096 -> 14336 and 4096 -> 1024 at a grid of tiles and K splits (none, and around
   the ones it would take), each with its
@@ -120,6 +120,7 @@ import argparse
 import contextlib
 import functools
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -1250,9 +1251,7 @@ def act_section(run: Run) -> None:
                 scale_label = ("static" if scale is not None else
                                "dynamic (2 passes)" if fmt_.global_scale else "-")
                 gs = None if scale is None else torch.tensor(scale, device=device)
-                outputs = [("codes", m * k // 2 + m * k // d)]
-                if scale is None:  # the layers' dynamic scales
-                    outputs.append(("bf16 values", 2 * m * k))
+                outputs = [("codes", m * k // 2 + m * k // d), ("bf16 values", 2 * m * k)]
                 for output, written in outputs:
                     if output == "codes":
                         def call(transform=transform, gs=gs):
@@ -1288,28 +1287,37 @@ def act_section(run: Run) -> None:
             others += [(tk.PRODUCT_FMA_DOT, "fma dot", dot_tile, True),
                        (tk.PRODUCT_FMA_DOT, "fma dot, four tiles a program",
                         {**dot_tile, "TILES": 4}, True)]
-            for product, product_label, tile, prefetch in (
-                    others if transform is not None else ()):
+            # each as codes (the decode and tiled paths) and as bf16 values (what prefill reads)
+            values = {"codes": {}, "bf16 values": {"values_dtype": torch.bfloat16,
+                                                   "codes": False}}
+            for (product, product_label, tile, prefetch), output in itertools.product(
+                    others if transform is not None else (), values):
                 gs = None if not fmt_.global_scale else torch.tensor(0.01, device=device)
-                exact = tk.quantize_activations(x, transform, d, kind, rounding, gain, gs)
+                kwargs = values[output]
+                exact = tk.quantize_activations(x, transform, d, kind, rounding, gain, gs,
+                                                **kwargs)
 
                 def other(transform=transform, gs=gs, product=product, tile=tile,
-                          prefetch=prefetch):
+                          prefetch=prefetch, kwargs=kwargs):
                     return tk.quantize_activations(x, transform, d, kind, rounding, gain, gs,
                                                    config=tile, product=product,
-                                                   prefetch_transform=prefetch)
+                                                   prefetch_transform=prefetch, **kwargs)
 
                 seconds = act_seconds(run, other)
-                mismatch = float((other()[0] != exact[0]).float().mean())
-                rate = (2 * m * k + t_read + m * k // 2 + m * k // d) / seconds
+                got = other()
+                first = 0 if output == "codes" else -1  # the codes, or the values
+                mismatch = float((got[first] != exact[first]).float().mean())
+                written = m * k // 2 + m * k // d if output == "codes" else 2 * m * k
+                rate = (2 * m * k + t_read + written) / seconds
                 ratio = rate / run.copy_rate
-                rows.append([name, label, "static" if gs is not None else "-", "codes",
+                rows.append([name, label, "static" if gs is not None else "-", output,
                              product_label, seconds * 1e3, rate / 1e9, ratio, TARGETS["act"],
                              f"{mismatch:.2g}"])
-                run.add("act", fmt=name, transform=label, output="codes", product=product_label,
+                run.add("act", fmt=name, transform=label, output=output, product=product_label,
                         ms=seconds * 1e3, x_copy=ratio, code_mismatch=mismatch)
-                run.goal(f"activation {name} {label} {product_label}: x copy (code mismatch "
-                         "rate)", f"{ratio:.3g} ({mismatch:.2g})", [ratio], TARGETS["act"])
+                run.goal(f"activation {name} {label} {product_label}, {output}: x copy "
+                         "(mismatch rate)", f"{ratio:.3g} ({mismatch:.2g})", [ratio],
+                         TARGETS["act"])
     table(f"activation kernel, {m} x {k} bf16: bytes read + written over time against the copy",
           ["format", "transform", "scale", "output", "product", "ms", "GB/s", "x copy",
            "target", "code mismatch"], rows)
@@ -2265,16 +2273,17 @@ def compiled_section(run: Run) -> None:
 # --------------------------------------------------------------------------- main
 
 
-SECTIONS = {"check": (check_section, 20), "gemm": (gemm_section, 60), "act": (act_section, 20),
+SECTIONS = {"check": (check_section, 190), "gemm": (gemm_section, 75), "act": (act_section, 35),
             "act_few": (act_few_section, 40), "model": (model_section, 230),
             "rows": (rows_section, 60),
             "peers": (peers_section, 60), "compiled": (compiled_section, 150),
             "tune": (tune_section, 60)}
-"""Each section and the seconds of budget it needs to start (the model section measured 198 s
-on an H200 before its profiler and FP8 rows); the default order runs first what decides a
-default or the sibling grouping (check, gemm, act_few, model, compiled), then the activation
-kernel's variants, the rows and the peers (measured: GemLite slower on our operands), which
-take what time is left."""
+"""Each section and the seconds of budget it needs to start (on an H200: the check 187 s and
+the gemm 74 s on 2026-12-04, their compiles; the model section 198 s before its profiler and
+FP8 rows); the default order runs first what decides a default or the sibling grouping
+(check, model, gemm, compiled: the model section did not fit after gemm and act_few on
+2026-12-04), then the decode step's activation kernel, the activation kernel's variants, the
+rows and the peers (measured: GemLite slower on our operands), which take what time is left."""
 
 
 def stopped(signum, frame) -> None:
@@ -2300,7 +2309,7 @@ def commit() -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections",
-                        default="check,gemm,act_few,model,compiled,act,rows,peers",
+                        default="check,model,gemm,compiled,act_few,act,rows,peers",
                         help=f"comma-separated, of {', '.join(SECTIONS)} (run in that order)")
     parser.add_argument("--formats", default="nvfp4,mxfp4")
     parser.add_argument("--budget-s", type=float, default=500.0,

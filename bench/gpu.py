@@ -1239,9 +1239,12 @@ def act_section(run: Run) -> None:
     m, k = run.shapes["act_shape"]
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     rows, best = [], {}
+    # each output's arguments: codes (the decode and tiled paths), bf16 values (what prefill reads)
+    outputs = {"codes": {}, "bf16 values": {"values_dtype": torch.bfloat16, "codes": False}}
     for name in run.formats:
         fmt_ = get_format(name)
         d = fmt_.block_size
+        written = {"codes": m * k // 2 + m * k // d, "bf16 values": 2 * m * k}
         t_blocks = kbbq_blocks(k, d, device)
         scales = [None, 0.01] if fmt_.global_scale else [None]
         kind, rounding, gain = K._scale_meta(fmt_)
@@ -1251,19 +1254,13 @@ def act_section(run: Run) -> None:
                 scale_label = ("static" if scale is not None else
                                "dynamic (2 passes)" if fmt_.global_scale else "-")
                 gs = None if scale is None else torch.tensor(scale, device=device)
-                outputs = [("codes", m * k // 2 + m * k // d), ("bf16 values", 2 * m * k)]
-                for output, written in outputs:
-                    if output == "codes":
-                        def call(transform=transform, gs=gs):
-                            return tk.quantize_activations(x, transform, d, kind, rounding, gain,
-                                                           gs)
-                    else:
-                        def call(transform=transform, gs=gs):
-                            return tk.quantize_activations(x, transform, d, kind, rounding, gain,
-                                                           gs, values_dtype=torch.bfloat16,
-                                                           codes=False)
+                for output, kwargs in outputs.items():
+                    def call(transform=transform, gs=gs, kwargs=kwargs):
+                        return tk.quantize_activations(x, transform, d, kind, rounding, gain, gs,
+                                                       **kwargs)
+
                     seconds = act_seconds(run, call)
-                    rate = (2 * m * k + t_read + written) / seconds
+                    rate = (2 * m * k + t_read + written[output]) / seconds
                     ratio = rate / run.copy_rate if run.copy_rate else float("nan")
                     rows.append([name, label, scale_label, output, "fma chain (exact)",
                                  seconds * 1e3, rate / 1e9, ratio, TARGETS["act"], ""])
@@ -1287,13 +1284,10 @@ def act_section(run: Run) -> None:
             others += [(tk.PRODUCT_FMA_DOT, "fma dot", dot_tile, True),
                        (tk.PRODUCT_FMA_DOT, "fma dot, four tiles a program",
                         {**dot_tile, "TILES": 4}, True)]
-            # each as codes (the decode and tiled paths) and as bf16 values (what prefill reads)
-            values = {"codes": {}, "bf16 values": {"values_dtype": torch.bfloat16,
-                                                   "codes": False}}
             for (product, product_label, tile, prefetch), output in itertools.product(
-                    others if transform is not None else (), values):
+                    others if transform is not None else (), outputs):
                 gs = None if not fmt_.global_scale else torch.tensor(0.01, device=device)
-                kwargs = values[output]
+                kwargs = outputs[output]
                 exact = tk.quantize_activations(x, transform, d, kind, rounding, gain, gs,
                                                 **kwargs)
 
@@ -1307,8 +1301,7 @@ def act_section(run: Run) -> None:
                 got = other()
                 first = 0 if output == "codes" else -1  # the codes, or the values
                 mismatch = float((got[first] != exact[first]).float().mean())
-                written = m * k // 2 + m * k // d if output == "codes" else 2 * m * k
-                rate = (2 * m * k + t_read + written) / seconds
+                rate = (2 * m * k + t_read + written[output]) / seconds
                 ratio = rate / run.copy_rate
                 rows.append([name, label, "static" if gs is not None else "-", output,
                              product_label, seconds * 1e3, rate / 1e9, ratio, TARGETS["act"],

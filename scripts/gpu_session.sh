@@ -45,7 +45,8 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 # The image has torch, triton, lightning, transformers (older), pytest; not these (the versions
-# installed here travel; transformers 5.25 refuses the image's huggingface-hub 1.33 at import).  sdist-only packages are built into wheels here.
+# installed here travel; transformers 5.25 refuses the image's huggingface-hub 1.33 at import).
+# sdist-only packages are built into wheels here.
 PACKAGES="torchao jsonargparse docstring_parser typeshed_client transformers
 datasets dill multiprocess lm_eval evaluate sqlitedict pytablewriter DataProperty mbstrdecoder
 pathvalidate tabledata tcolorpy typepy chardet rouge_score nltk word2number more-itertools

@@ -409,7 +409,7 @@ def check_section(run: Run) -> None:
 
 def run_checks(run: Run) -> None:
     """The ``check`` section, in steps (:meth:`Run.step`): ``codes``, ``paths`` and
-    ``siblings`` (each format), ``dp4a``, ``dependent``, ``direct``; a step among
+    ``siblings`` (each format), ``dp4a``, ``one_dot``, ``dependent``, ``direct``; a step among
     :data:`SWITCHES` in ``run.off`` is left out.  Each launch path runs first in its own step
     (a fault is named by it): the steps before ``dependent`` launch without the dependent
     launch and through Triton, ``dependent`` through Triton; ``direct`` as shipped."""
@@ -418,9 +418,10 @@ def run_checks(run: Run) -> None:
     through_triton = mock.patch.object(direct_launch, "DIRECT", False)
     with mock.patch.object(skinny, "DEPENDENT_LAUNCH", False), through_triton:
         product_checks(run)
-        if "dp4a" not in run.off:
-            run.step("dp4a")
-            dp4a_check(run)
+        for step in OPT_IN:
+            if step not in run.off:
+                run.step(step)
+                opt_in_check(run, step)
     if "dependent" not in run.off:
         run.step("dependent")
         with through_triton:
@@ -519,31 +520,53 @@ def product_checks(run: Run) -> None:
              f"{paths_ok}/{paths_all}", "all", "yes" if paths_ok == paths_all else "NO")
 
 
-def dp4a_check(run: Run) -> None:
-    """The decode path at one row with the opt-in DP4A product (the ``gemm``, ``model`` and
-    ``tune`` sections time it) within one bf16 rounding of the exact product, every format,
-    random blocks."""
-    from kbbq_pl import kernels as K
-    from kbbq_pl.formats import get_format
+OPT_IN = {
+    "dp4a": ("ONE_ROW_PRODUCT", "PRODUCT_DP4A", (1,), "one-row DP4A product", "one-row DP4A"),
+    "one_dot": ("ONE_DOT_A_TRIP", True, (1, 16), "decode GEMM with one product a trip",
+                "one product a trip"),
+}
+"""The opt-in decode products, by check step: (the switch in :mod:`kbbq_pl.kernels.skinny`,
+its value on (a name: that constant of the module), the rows it is checked at, its name, its
+rows' label)."""
+
+
+def opt_in(step: str):
+    """The switch of :data:`OPT_IN`'s ``step`` turned on (a context manager)."""
     from kbbq_pl.kernels import skinny
 
+    attribute, value = OPT_IN[step][:2]
+    return mock.patch.object(skinny, attribute,
+                             getattr(skinny, value) if isinstance(value, str) else value)
+
+
+def opt_in_check(run: Run, step: str) -> None:
+    """The decode path with an opt-in product (:data:`OPT_IN`; the ``gemm``, ``model`` and
+    ``tune`` sections time it) within one bf16 rounding of the exact product, every format,
+    random blocks; where it fails, its rows are not run."""
+    from kbbq_pl import kernels as K
+    from kbbq_pl.formats import get_format
+
+    rows, what = OPT_IN[step][2:4]
     k, n, ok = run.shapes["check_k"], run.shapes["check_n"], 0
     try:
         for name in run.formats:
             t = kbbq_blocks(k, get_format(name).block_size, run.device, seed=4)
             q = quantized(torch.randn(n, k, device=run.device) * 0.02, name)
-            x = torch.randn(1, k, device=run.device, dtype=torch.bfloat16)
-            with mock.patch.object(skinny, "ONE_ROW_PRODUCT", skinny.PRODUCT_DP4A):
-                y = K.linear_w4a4(x, q.qdata, q.scale, q.global_scale, name, t, path="decode")
-            ok += within_one_rounding(y, exact_product(x, t, q, name))[0]
+            for m in rows:
+                x = torch.randn(m, k, device=run.device, dtype=torch.bfloat16)
+                with opt_in(step):
+                    y = K.linear_w4a4(x, q.qdata, q.scale, q.global_scale, name, t,
+                                      path="decode")
+                ok += within_one_rounding(y, exact_product(x, t, q, name))[0]
     except Exception as error:
-        switch_off(run, "dp4a")
-        run.notes.append(f"one-row DP4A: FAILED ({type(error).__name__}: "
+        switch_off(run, step)
+        run.notes.append(f"{what}: FAILED ({type(error).__name__}: "
                          f"{str(error).splitlines()[0][:120]}); its rows are not run")
-        run.line("one-row DP4A product (opt-in): checked", "failed", "all", "NO")
+        run.line(f"{what} (opt-in): checked", "failed", "all", "NO")
         return
-    run.line("one-row DP4A product (opt-in) within one bf16 rounding of the exact product",
-             f"{ok}/{len(run.formats)}", "all", "yes" if ok == len(run.formats) else "NO")
+    every = len(run.formats) * len(rows)
+    run.line(f"{what} (opt-in) within one bf16 rounding of the exact product",
+             f"{ok}/{every}", "all", "yes" if ok == every else "NO")
 
 
 def direct_launch_check(run: Run) -> None:
@@ -667,6 +690,7 @@ def dependent_launch_check(run: Run) -> None:
 SWITCHES = {
     "siblings": ("kbbq_pl.kernels", "MAX_SIBLINGS", 1, "sibling linears launched together"),
     "dp4a": (None, None, None, "the one-row DP4A product's rows (opt-in)"),
+    "one_dot": (None, None, None, "the decode GEMM's one product a trip (opt-in)"),
     "dependent": (None, None, None,
                   "the decode GEMM launched as a programmatic dependent (opt-in)"),
     "direct": ("kbbq_pl.kernels.direct_launch", "DIRECT", False, "direct launches"),
@@ -847,15 +871,20 @@ def gemm_section(run: Run) -> None:
                             run, FP8_ROWS, functools.partial(
                                 fp8_columns, run, K, x, t, q, name, sets, preps, own_calls,
                                 t_bf16), [math.nan] * 5 + ["FAILED"]))
-                    one_row, one_row_ok = float("nan"), ""
-                    if m == 1:  # the opt-in one-row product, as it would run
-                        one_row, one_row_ok = attempt(
-                            run, f"one-row DP4A {name}",
-                            functools.partial(dp4a_linear, run, own_calls,
-                                              exact_product(x, t, q, name, scales[0]), t_bf16),
-                            (float("nan"), "FAILED"), step="dp4a")
-                        if one_row == one_row:
-                            ratios.setdefault((m, name, "one-row DP4A"), []).append(one_row)
+                    opt_ins = {}  # step: (x bf16, within one rounding) of each opt-in product
+                    for step, applies in (("dp4a", m == 1),  # one a compile a format:
+                                          ("one_dot", path == "decode" and label != "none")):
+                        opt_ins[step] = (float("nan"), "")
+                        if applies:
+                            short = OPT_IN[step][4]
+                            opt_ins[step] = attempt(
+                                run, f"{short} {name}", functools.partial(
+                                    opt_in_linear, run, step, own_calls,
+                                    exact_product(x, t, q, name, scales[0]), t_bf16),
+                                (float("nan"), "FAILED"), step=step)
+                            if opt_ins[step][0] == opt_ins[step][0]:
+                                ratios.setdefault((m, name, short), []).append(opt_ins[step][0])
+                    (one_row, one_row_ok), (one_dot, one_dot_ok) = opt_ins.values()
                     dependent = float("nan")
                     with mock.patch.object(skinny, "DEPENDENT_LAUNCH", True):
                         if (m == 1 and label != "none"  # each costs a compile: one a shape
@@ -877,7 +906,7 @@ def gemm_section(run: Run) -> None:
                             kept_decoded)
                     rows.append([f"{k}->{n}", m, name, label, path, t_bf16 * 1e3, t_ours * 1e3,
                                  ratio, target, dynamic, kept_decoded, dependent, one_row,
-                                 one_row_ok, t_product * 1e3,
+                                 one_row_ok, one_dot, one_dot_ok, t_product * 1e3,
                                  copy_fraction, "yes" if ok else f"NO ({excess:.2g})"])
                     run.add("gemm", k=k, n=n, m=m, fmt=name, transform=label, path=path,
                             bf16_ms=t_bf16 * 1e3, ours_ms=t_ours * 1e3, speedup=ratio,
@@ -886,6 +915,9 @@ def gemm_section(run: Run) -> None:
                             dependent_speedup=dependent, dp4a_speedup=one_row,
                             dp4a_within_one_rounding=(one_row_ok == "yes" if m == 1
                                                       else None),
+                            one_dot_speedup=one_dot,
+                            one_dot_within_one_rounding=(one_dot_ok == "yes" if one_dot_ok
+                                                         else None),
                             product_ms=t_product * 1e3,
                             copy_fraction=copy_fraction, within_one_rounding=ok)
             print(f"  [{time.perf_counter() - run.start:.0f} s] {k}->{n} M={m} done", flush=True)
@@ -896,10 +928,13 @@ def gemm_section(run: Run) -> None:
           "over time against the device copy; a dependent launch: the decode path with its "
           "GEMM the activation kernel's programmatic dependent (opt-in; M = 1, KBBQ blocks); "
           "one-row DP4A: the decode path with the opt-in integer product at M = 1, and "
-          "whether it is within one bf16 rounding of the exact product",
+          "whether it is within one bf16 rounding of the exact product; one product a trip: "
+          "the decode path with the decode GEMM's opt-in one tensor-core product a trip "
+          "(KBBQ blocks), and the same check",
           ["K->N", "M", "format", "transform", "path", "bf16 ms", "W4A4 ms", "x bf16", "target",
            "x bf16, dynamic NVFP4", "x bf16, weights kept decoded",
            "x bf16, GEMM a dependent launch", "x bf16, one-row DP4A", "DP4A within one",
+           "x bf16, one product a trip", "one product within one",
            "product ms", "copy fraction", "within one rounding"], rows)
     if fp8_rows:
         table("MX on FP8 tensor cores, the opt-in prefill product 'fp8', against bf16 "
@@ -916,7 +951,8 @@ def gemm_section(run: Run) -> None:
     for m, key in ((1, "decode_1"), (16, "decode_16"), (4096, "prefill")):
         for name in run.formats:
             found = {label: ratios[m, name, label] for label in (
-                "none", "KBBQ blocks", "dynamic scale", "weights kept decoded", "one-row DP4A")
+                "none", "KBBQ blocks", "dynamic scale", "weights kept decoded", "one-row DP4A",
+                "one product a trip")
                 if (m, name, label) in ratios}
             if found:
                 every = [v for label, values in found.items() for v in values
@@ -1062,13 +1098,12 @@ def fp8_kernel_calls(K, x, t, kept) -> list:
     return [functools.partial(call, p) for p in kept]
 
 
-def dp4a_linear(run: Run, calls: list, exact: torch.Tensor, t_bf16: float) -> tuple[float, str]:
-    """bf16's time over the decode path's with the one-row DP4A product (``calls``: the
-    row's linear calls, run with :data:`kbbq_pl.kernels.skinny.ONE_ROW_PRODUCT` set to it),
-    and whether its first output is within one bf16 rounding of ``exact``."""
-    from kbbq_pl.kernels import skinny
-
-    with mock.patch.object(skinny, "ONE_ROW_PRODUCT", skinny.PRODUCT_DP4A):
+def opt_in_linear(run: Run, step: str, calls: list, exact: torch.Tensor, t_bf16: float
+                  ) -> tuple[float, str]:
+    """bf16's time over the decode path's with the opt-in product of :data:`OPT_IN`'s ``step``
+    (``calls``: the row's linear calls), and whether its first output is within one bf16
+    rounding of ``exact``."""
+    with opt_in(step):
         ok, excess = within_one_rounding(calls[0](), exact)
         return t_bf16 / seconds_per_call(run, calls), "yes" if ok else f"NO ({excess:.2g})"
 
@@ -1137,8 +1172,9 @@ def tune_section(run: Run) -> None:
     1024 (a Llama-3-8B layer's key and value projections), at every tile of
     :data:`TUNE_TILES` with K unsplit and at half, once and twice the K splits it would take
     (at small shapes a launch's fixed cost, the split-K reduction among it, weighs most:
-    ``bench/gpu_report.py``), and the one-row
-    DP4A product (as shipped and at each of :data:`TUNE_DP4A_TILES`), against the shipped
+    ``bench/gpu_report.py``), the one-row
+    DP4A product (as shipped and at each of :data:`TUNE_DP4A_TILES`) and the shipped tile with
+    one product a trip (``skinny.ONE_DOT_A_TRIP``), against the shipped
     launch (one tile for a decode step's rows): microseconds and the fraction of the copy
     bandwidth, each output within one bf16 rounding of the exact product.  Opt-in
     (``--sections tune``): it compiles every tile, what a GPU session spends to find where the
@@ -1190,6 +1226,13 @@ def tune_section(run: Run) -> None:
                               functools.partial(timed, skinny.PRODUCT_DP4A, None, None),
                               (math.nan, math.nan, False))
                 rows.append([f"{k}->{n}", name, "DP4A as shipped", "auto", got[0] * 1e6,
+                             got[1], tuned[0] / got[0], "yes" if got[2] else "NO"])
+            if "one_dot" not in run.off:
+                with opt_in("one_dot"):
+                    got = attempt(run, f"tune {name} one product a trip",
+                                  functools.partial(timed, skinny.PRODUCT_DOT, None, None),
+                                  (math.nan, math.nan, False))
+                rows.append([f"{k}->{n}", name, "one product a trip", "auto", got[0] * 1e6,
                              got[1], tuned[0] / got[0], "yes" if got[2] else "NO"])
             tiles = [(tile, skinny.PRODUCT_DOT) for tile in TUNE_TILES]
             tiles += [(tile, skinny.PRODUCT_DP4A) for tile in TUNE_DP4A_TILES
@@ -2147,10 +2190,8 @@ def model_section(run: Run) -> None:
                      f"logits against the bf16 model's: {fp8_logits})",
                      f"{fp8_prefill:.3g}", [fp8_prefill], TARGETS["model_prefill"])
         if 1 in prompts:  # batch-1 decoding with the opt-in one-row DP4A product
-            from kbbq_pl.kernels import skinny
-
             def dp4a_decode(model=model) -> float:
-                with mock.patch.object(skinny, "ONE_ROW_PRODUCT", skinny.PRODUCT_DP4A):
+                with opt_in("dp4a"):
                     tps, _ = decode_tokens_per_second(model, prompts[1], shapes["decode_tokens"],
                                                       cuda)
                 return tps / base[1][0]

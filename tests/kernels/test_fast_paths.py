@@ -256,6 +256,25 @@ def test_decode_gemm_matches_the_exact_product(fmt, m, split):
     assert_within_one_bf16_rounding(y16, ref)
 
 
+@pytest.mark.parametrize("fmt,m,k,split", [("nvfp4", 1, 384, 1), ("mxfp4", 3, 320, 2),
+                                            ("mxfp4_no_clip", 16, 256, 1)])
+def test_decode_gemm_one_product_a_trip(fmt, m, k, split):
+    """``ONE_DOT_A_TRIP``: a trip's four shifts in one tensor-core product, its activations in
+    word order read as they lie; within one rounding of the exact product with and without
+    split-K, K a multiple of the trip (384 in 128-trips) or not (320: a partial chunk)."""
+    needs_kernels()
+    from kbbq_pl.kernels import skinny as S
+
+    x, q = decode_operands(fmt, m, 24, k, seed=k)
+    bias = torch.randn(24)
+    ref = exact_product(x, q, fmt, bias=bias)
+    with mock.patch.object(S, "ONE_DOT_A_TRIP", True):
+        y = skinny(x, q, fmt, bias=bias, split_k=split)
+        y16 = skinny(x, q, fmt, bias=bias, out_dtype=torch.bfloat16, split_k=split)
+    assert gemm_error(y, ref) <= 1e-5
+    assert_within_one_bf16_rounding(y16, ref)
+
+
 def test_decode_gemm_tiles():
     needs_kernels()
     from kbbq_pl.kernels import skinny as S
@@ -847,20 +866,27 @@ import gpu_compile as G
 from kbbq_pl.kernels import skinny as S, triton_kernels as tk
 
 target = GPUTarget("cuda", 90, 32)
-"""
-"""The compile checks' first lines: the bench's compile helpers, the kernels, sm_90."""
+DECODE_FORMATS = ((16, tk.SCALE_E4M3, S.VALUES_FP16, "*fp16"),
+                  (32, tk.SCALE_E8M0, S.VALUES_BF16, "*bf16"))
 
-DECODE_COMPILE_CHECK = SM90_COMPILE + """
-for (d, kind, values, a_type), (rows, cols, depth) in zip(
-        ((16, tk.SCALE_E4M3, S.VALUES_FP16, "*fp16"), (32, tk.SCALE_E8M0, S.VALUES_BF16, "*bf16")),
-        ((16, 64, 256), (64, 128, 128))):  # a decode step's tile; one of more rows'
+
+def decode_tile(d, kind, values, a_type, rows=16, cols=64, depth=256, **extra):
+    # the tensor-core decode GEMM compiled as it launches on sm_90 (MX shift 0)
     constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
                      HAS_BIAS=True, VALUES=values, EXPLICIT_BF16=False, EVEN_K=True,
                      BLOCK_M=rows, BLOCK_N=cols, BLOCK_K=depth, PRODUCT=S.PRODUCT_DOT,
-                     DEPENDENT=True, SHIFTED=False)  # as it launches on sm_90
-    compiled = G.compile_kernel(S._skinny_kernel, dict(G.SKINNY_SIGNATURE, a_ptr=a_type),
-                                constants, target, num_warps=4, num_stages=3,
-                                enable_fp_fusion=True)
+                     DEPENDENT=True, SHIFTED=False, **extra)
+    return G.compile_kernel(S._skinny_kernel, dict(G.SKINNY_SIGNATURE, a_ptr=a_type),
+                            constants, target, num_warps=4, num_stages=3,
+                            enable_fp_fusion=True)
+"""
+"""The compile checks' first lines: the bench's compile helpers, the kernels, sm_90, the
+decode GEMM's tile."""
+
+DECODE_COMPILE_CHECK = SM90_COMPILE + """
+for (d, kind, values, a_type), (rows, cols, depth) in zip(
+        DECODE_FORMATS, ((16, 64, 256), (64, 128, 128))):  # a decode step's tile; more rows'
+    compiled = decode_tile(d, kind, values, a_type, rows, cols, depth)
     found = G.analyse(compiled, cols * depth / 128)
     assert found["wgmma"] > 0, found
     assert found["stack"] == 0, found
@@ -879,17 +905,10 @@ for (d, kind, values, a_type), (rows, cols, depth) in zip(
 # a decode step's tile, both formats (MX's decode shift 0), one layer or three siblings: the
 # decoded weights reach the tensor cores in registers, no shared-memory stores and at most two
 # barriers in the loop, 16-byte weight loads; the siblings' loop as long as one layer's
-for d, kind, values, a_type in ((16, tk.SCALE_E4M3, S.VALUES_FP16, "*fp16"),
-                                (32, tk.SCALE_E8M0, S.VALUES_BF16, "*bf16")):
+for d, kind, values, a_type in DECODE_FORMATS:
     loops = []
     for groups in (1, 3):
-        constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
-                         HAS_BIAS=True, VALUES=values, EXPLICIT_BF16=False, EVEN_K=True,
-                         BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, PRODUCT=S.PRODUCT_DOT,
-                         DEPENDENT=True, SHIFTED=False, GROUPS=groups)
-        compiled = G.compile_kernel(S._skinny_kernel, dict(G.SKINNY_SIGNATURE, a_ptr=a_type),
-                                    constants, target, num_warps=4, num_stages=3,
-                                    enable_fp_fusion=True)
+        compiled = decode_tile(d, kind, values, a_type, GROUPS=groups)
         found = G.analyse(compiled, 64 * 256 / 128)
         loop = G.main_loop(G.sass_ops(compiled.asm["cubin"]))
         stores = sum(op.startswith("STS") for op in loop)
@@ -937,7 +956,7 @@ def test_decode_gemm_compiles_for_hopper_without_a_gpu():
     run_compile_check(DECODE_COMPILE_CHECK)
 
 
-DP4A_COMPILE_CHECK = SM90_COMPILE + """
+OPT_IN_COMPILE_CHECK = SM90_COMPILE + """
 # the one-row DP4A product: byte permutes and integer dot products, 16-byte loads, no spills
 for d, kind in ((16, tk.SCALE_E4M3), (32, tk.SCALE_E8M0)):
     for config in S._DP4A_CONFIGS:
@@ -968,15 +987,28 @@ compiled = G.compile_kernel(tk._quantize_activations_kernel,
                             constants, target, num_warps=warps, enable_fp_fusion=True)
 assert G.analyse(compiled, 32)["stack"] == 0
 assert [op for _, op, _ in G.sass_ops(compiled.asm["cubin"])].count("PREEXIT") == 1
+# one tensor-core product a trip (ONE_DOT_A_TRIP), a decode step's tile: the decoded weights
+# still reach the tensor cores in registers, with at most two waits for them a trip (four
+# products wait four times), no spills
+for d, kind, values, a_type in DECODE_FORMATS:
+    compiled = decode_tile(d, kind, values, a_type, ONE_DOT=True)
+    found = G.analyse(compiled, 64 * 256 / 128)
+    loop = G.main_loop(G.sass_ops(compiled.asm["cubin"]))
+    waits = sum(op.startswith("WARPGROUP.DEPBAR") for op in loop)
+    assert not any(op.startswith("STS") for op in loop) and 1 <= waits <= 2, (d, waits, loop)
+    assert found["stack"] == 0 and found["ldg128"] > 0 and found["wgmma"] > 0, found
+    print(d, "one product a trip", found["per_element"], found["regs"])
 print("ok")
 """
 
 
-@pytest.mark.slow  # an opt-in product (ONE_ROW_PRODUCT), half of the decode GEMM's compile
+@pytest.mark.slow  # the opt-in products (ONE_ROW_PRODUCT, ONE_DOT_A_TRIP), half of the compile
 # checks' time; scripts/gpu_session.sh image-check runs it before a GPU session
-def test_dp4a_product_compiles_for_hopper_without_a_gpu():
+def test_opt_in_products_compile_for_hopper_without_a_gpu():
     """The one-row DP4A product's tiles compiled for sm_90: two ``dp4a`` (``IDP.4A``) per four
     weights in the loop, byte permutes, 16-byte loads, no spills, at most 3.2 SASS per weight
     (2.1 to 3.0 seen with Triton 3.6), launched as a dependent; the activation kernel's
-    int8 output beside it, without spills, letting it launch."""
-    run_compile_check(DP4A_COMPILE_CHECK)
+    int8 output beside it, without spills, letting it launch.  The other opt-in product, one
+    tensor-core product a trip: the weights in registers, at most two waits a trip (four
+    without it), no spills."""
+    run_compile_check(OPT_IN_COMPILE_CHECK)

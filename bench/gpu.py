@@ -1,7 +1,7 @@
 """W4A4 on one GPU against bf16, in one run: correctness, the GEMM paths, the activation kernel,
 peers, a whole model; a short table of every row against its target printed last.
 
-    python bench/gpu.py [--sections check,model,gemm,compiled,act_few,act,rows,peers,tune]
+    python bench/gpu.py [--sections check,model,gemm,compiled,act_few,act,rows,peers,tune,probe]
                         [--formats nvfp4,mxfp4]
                         [--budget-s 500] [--json PATH]
     python bench/gpu.py --tiny        # (or --dry-run) tiny shapes on the CPU under the interpreter
@@ -59,6 +59,10 @@ the run goes on, and the summary says what failed or was skipped for time):
   the ones it would take), each with its
   fraction of the copy bandwidth and against the launch as shipped (where the decode GEMM's
   bandwidth goes, and whether another tile reaches it).
+* ``probe`` (opt-in, not in the default list; a diagnostic): the decode GEMM at M = 1 on
+  ``tune``'s shapes reading the GPU's clocks inside it (:func:`probe_section`): when its
+  programs started, how long their loops, arrivals and split-K sums took, beside its time
+  with and without the probe.
 * ``act_few``: the activation kernel of a decode step (M = 1, 16; KBBQ-shaped blocks, the
   decode path's word-ordered values): the FMA chain with and without the L1 prefetch of the
   transforms, and Triton's FMA dot (transforms loaded in one go through shared memory), at
@@ -1167,6 +1171,42 @@ neighbours; ``/tmp`` compile of each on Triton 3.6 for sm_90: 2.1 to 3.0 SASS a 
 spills, 32 to 106 registers; the smallest without a barrier in its loop)."""
 
 
+def one_row_gemms(run: Run, section: str, reserve: float) -> Iterator[tuple]:
+    """At M = 1, each of ``tune``'s shapes and each format while ``reserve`` seconds are left
+    (else a note naming ``section``): ``(k, n, name, x, q, sets, preps, values, pts)``, the
+    activations rounded to the values the decode GEMM's tensor-core product reads."""
+    from kbbq_pl import kernels as K
+    from kbbq_pl.formats import get_format
+    from kbbq_pl.kernels import skinny
+
+    for k, n, w, _ in gemm_weights(run, section, reserve=reserve, shapes="tune_shapes"):
+        x = torch.randn(1, k, device=run.device, dtype=torch.bfloat16)
+        for name in run.formats:
+            kind = K._scale_meta(get_format(name))[0]
+            q, sets, preps = packed_copies(run, w, name)
+            values, pts = K.quantize_activation_values(x, None, name,
+                                                       dtype=skinny.activation_dtype(kind),
+                                                       word_order=True)
+            yield k, n, name, x, q, sets, preps, values, pts
+
+
+def decode_gemm_calls(a, a_pts, name: str, q, sets, preps, probes=None, **kwargs) -> list:
+    """The decode GEMM on activations ``a`` (per-tensor scale ``a_pts``) and each copy of the
+    weights (``sets``, their prepared ``preps``), bf16 out, with ``kwargs`` (a tile, K splits,
+    DP4A's block scales) and each call's ``probes`` buffer where given."""
+    from kbbq_pl import kernels as K
+    from kbbq_pl.formats import get_format
+    from kbbq_pl.kernels import skinny
+
+    fmt_ = get_format(name)
+    kind, _, gain = K._scale_meta(fmt_)
+    return [functools.partial(skinny.skinny_matmul, a, a.shape[0], c, s.view(torch.uint8), a_pts,
+                              q.global_scale, fmt_.block_size, kind, gain,
+                              p.shift(s.view(torch.uint8)), None, torch.bfloat16,
+                              probe=None if probes is None else probes[i], **kwargs)
+            for i, ((c, s), p) in enumerate(zip(sets, preps))]
+
+
 def tune_section(run: Run) -> None:
     """The decode GEMM alone at M = 1 on K = N = 8192, 4096 x 4096, 4096 -> 14336 and 4096 ->
     1024 (a Llama-3-8B layer's key and value projections), at every tile of
@@ -1186,74 +1226,63 @@ def tune_section(run: Run) -> None:
 
     rows = []
     sms = tk.sm_count(run.device)
-    for k, n, w, _ in gemm_weights(run, "tune", reserve=20, shapes="tune_shapes"):
-        x = torch.randn(1, k, device=run.device, dtype=torch.bfloat16)
-        for name in run.formats:
-            fmt_ = get_format(name)
-            kind, _, gain = K._scale_meta(fmt_)
-            q, sets, preps = packed_copies(run, w, name)
-            values, pts = K.quantize_activation_values(x, None, name,
-                                                       dtype=skinny.activation_dtype(kind),
-                                                       word_order=True)
-            exact = exact_product(x, None, q, name)
-            weight_bytes = sets[0][0].numel() + sets[0][1].numel() + n * 2  # and the output
-            operands = {  # activations, their per-tensor scale and block scales, bytes moved
-                skinny.PRODUCT_DOT: (values, pts, None, weight_bytes + values.numel() * 2)}
-            if "dp4a" not in run.off:
-                _, a_scales, dp4a_pts, doubled = K._activation_kernel(
-                    x, None, fmt_, None, "tune", None, values_dtype=torch.int8, codes=False)
-                operands[skinny.PRODUCT_DP4A] = (
-                    doubled, dp4a_pts, a_scales,
-                    weight_bytes + doubled.numel() + a_scales.numel() * 4)
+    for k, n, name, x, q, sets, preps, values, pts in one_row_gemms(run, "tune", 20):
+        fmt_ = get_format(name)
+        exact = exact_product(x, None, q, name)
+        weight_bytes = sets[0][0].numel() + sets[0][1].numel() + n * 2  # and the output
+        operands = {  # activations, their per-tensor scale and block scales, bytes moved
+            skinny.PRODUCT_DOT: (values, pts, None, weight_bytes + values.numel() * 2)}
+        if "dp4a" not in run.off:
+            _, a_scales, dp4a_pts, doubled = K._activation_kernel(
+                x, None, fmt_, None, "tune", None, values_dtype=torch.int8, codes=False)
+            operands[skinny.PRODUCT_DP4A] = (
+                doubled, dp4a_pts, a_scales,
+                weight_bytes + doubled.numel() + a_scales.numel() * 4)
 
-            def timed(product, config, split):
-                a, a_pts, block_scales, nbytes = operands[product]
-                calls = [functools.partial(skinny.skinny_matmul, a, 1, c,
-                                           s.view(torch.uint8), a_pts, q.global_scale,
-                                           fmt_.block_size, kind, gain,
-                                           p.shift(s.view(torch.uint8)), None, torch.bfloat16,
-                                           config=config, split_k=split, a_scales=block_scales)
-                         for (c, s), p in zip(sets, preps)]
-                ok, _ = within_one_rounding(calls[0](), exact)
-                seconds = seconds_per_call(run, calls)
-                return seconds, nbytes / seconds / run.copy_rate if run.copy_rate else math.nan, ok
+        def timed(product, config, split):
+            a, a_pts, block_scales, nbytes = operands[product]
+            calls = decode_gemm_calls(a, a_pts, name, q, sets, preps, config=config,
+                                      split_k=split, a_scales=block_scales)
+            ok, _ = within_one_rounding(calls[0](), exact)
+            seconds = seconds_per_call(run, calls)
+            return seconds, nbytes / seconds / run.copy_rate if run.copy_rate else math.nan, ok
 
-            tuned = timed(skinny.PRODUCT_DOT, None, None)
-            rows.append([f"{k}->{n}", name, "as shipped", "auto", tuned[0] * 1e6, tuned[1],
-                         1.0, "yes" if tuned[2] else "NO"])
-            if "dp4a" not in run.off:
-                got = attempt(run, f"tune {name} DP4A as shipped",
-                              functools.partial(timed, skinny.PRODUCT_DP4A, None, None),
+        tuned = timed(skinny.PRODUCT_DOT, None, None)
+        rows.append([f"{k}->{n}", name, "as shipped", "auto", tuned[0] * 1e6, tuned[1],
+                     1.0, "yes" if tuned[2] else "NO"])
+        if "dp4a" not in run.off:
+            got = attempt(run, f"tune {name} DP4A as shipped",
+                          functools.partial(timed, skinny.PRODUCT_DP4A, None, None),
+                          (math.nan, math.nan, False))
+            rows.append([f"{k}->{n}", name, "DP4A as shipped", "auto", got[0] * 1e6,
+                         got[1], tuned[0] / got[0], "yes" if got[2] else "NO"])
+        if "one_dot" not in run.off:
+            with opt_in("one_dot"):
+                got = attempt(run, f"tune {name} one product a trip",
+                              functools.partial(timed, skinny.PRODUCT_DOT, None, None),
                               (math.nan, math.nan, False))
-                rows.append([f"{k}->{n}", name, "DP4A as shipped", "auto", got[0] * 1e6,
-                             got[1], tuned[0] / got[0], "yes" if got[2] else "NO"])
-            if "one_dot" not in run.off:
-                with opt_in("one_dot"):
-                    got = attempt(run, f"tune {name} one product a trip",
-                                  functools.partial(timed, skinny.PRODUCT_DOT, None, None),
-                                  (math.nan, math.nan, False))
-                rows.append([f"{k}->{n}", name, "one product a trip", "auto", got[0] * 1e6,
-                             got[1], tuned[0] / got[0], "yes" if got[2] else "NO"])
-            tiles = [(tile, skinny.PRODUCT_DOT) for tile in TUNE_TILES]
-            tiles += [(tile, skinny.PRODUCT_DP4A) for tile in TUNE_DP4A_TILES
-                      if "dp4a" not in run.off]
-            if not run.cuda:  # the CPU's tiny run: one tile of each product
-                tiles = tiles[:1] + tiles[len(TUNE_TILES):len(TUNE_TILES) + 1]
-            for (bm, bn, bk, warps, stages), product in tiles:
-                if run.left() < 10:
-                    run.notes.append(f"tune: stopped at {k} -> {n} {name} for time")
-                    break
-                base = skinny.split_count(n, k, bn, bk, sms, 1, bm)
-                label = ("DP4A " if product == skinny.PRODUCT_DP4A else "") + (
-                    f"{bm}x{bn}x{bk} w={warps} s={stages}")
-                for split in dict.fromkeys((1, max(1, base // 2), base, 2 * base)):
-                    config = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PRODUCT": product,
-                              "num_warps": warps, "num_stages": stages}
-                    got = attempt(run, f"tune {name} {label}",
-                                  functools.partial(timed, product, config, split),
-                                  (math.nan, math.nan, False))
-                    rows.append([f"{k}->{n}", name, label, split, got[0] * 1e6, got[1],
-                                 tuned[0] / got[0], "yes" if got[2] else "NO"])
+            rows.append([f"{k}->{n}", name, "one product a trip", "auto", got[0] * 1e6,
+                         got[1], tuned[0] / got[0], "yes" if got[2] else "NO"])
+        tiles = [(tile, skinny.PRODUCT_DOT) for tile in TUNE_TILES]
+        tiles += [(tile, skinny.PRODUCT_DP4A) for tile in TUNE_DP4A_TILES
+                  if "dp4a" not in run.off]
+        if not run.cuda:  # the CPU's tiny run: one tile of each product
+            tiles = tiles[:1] + tiles[len(TUNE_TILES):len(TUNE_TILES) + 1]
+        for (bm, bn, bk, warps, stages), product in tiles:
+            if run.left() < 10:
+                run.notes.append(f"tune: stopped at {k} -> {n} {name} for time")
+                break
+            base = skinny.split_count(n, k, bn, bk, sms, 1, bm)
+            label = ("DP4A " if product == skinny.PRODUCT_DP4A else "") + (
+                f"{bm}x{bn}x{bk} w={warps} s={stages}")
+            for split in dict.fromkeys((1, max(1, base // 2), base, 2 * base)):
+                config = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PRODUCT": product,
+                          "num_warps": warps, "num_stages": stages}
+                got = attempt(run, f"tune {name} {label}",
+                              functools.partial(timed, product, config, split),
+                              (math.nan, math.nan, False))
+                rows.append([f"{k}->{n}", name, label, split, got[0] * 1e6, got[1],
+                             tuned[0] / got[0], "yes" if got[2] else "NO"])
     rows.sort(key=lambda r: (r[0], r[1], -r[5] if r[5] == r[5] else 0))
     table("decode GEMM alone at M = 1, by tile and K splits (tune): microseconds, fraction of "
           "the copy bandwidth, speed against the launch as shipped",
@@ -1268,6 +1297,52 @@ def tune_section(run: Run) -> None:
     for row in rows:
         run.add("tune", shape=row[0], fmt=row[1], tile=row[2], splits=row[3], us=row[4],
                 copy_fraction=row[5], x_shipped=row[6], within_one_rounding=row[7] == "yes")
+
+
+def probe_section(run: Run) -> None:
+    """Where a decode GEMM launch's time goes, read inside it: at M = 1 on ``tune``'s shapes,
+    the shipped launch and the one with one product a trip (:data:`OPT_IN` ``one_dot``), each
+    once as shipped and once writing its programs' clocks (``skinny_matmul(probe=...)``), in
+    CUDA graphs over copies of the weights as every timing here; the clocks of a call in the
+    middle of the graph read by :func:`gpu_report.probe_summary` (the probed call's time is
+    printed beside the shipped one's: a probe that moved it much tells less).  Opt-in
+    (``--sections probe``); not under the interpreter (it reads the GPU's clocks)."""
+    from kbbq_pl.kernels import skinny
+    from kbbq_pl.kernels import triton_kernels as tk
+
+    if not run.cuda:
+        run.notes.append("probe: not under the interpreter (it reads the GPU's clocks)")
+        return
+    sms = tk.sm_count(run.device)
+    products = {"shipped": contextlib.nullcontext}
+    if "one_dot" not in run.off:
+        products["one product a trip"] = functools.partial(opt_in, "one_dot")
+    for k, n, name, _, q, sets, preps, values, pts in one_row_gemms(run, "probe", 10):
+        count = skinny.programs((n,), k, 1, sms)
+        probes = [torch.zeros(count, skinny.PROBE_SLOTS, dtype=torch.int64,
+                              device=run.device) for _ in sets]
+        for product, switch in products.items():
+            def measured() -> dict:
+                with switch():
+                    shipped = seconds_per_call(run, decode_gemm_calls(
+                        values, pts, name, q, sets, preps))
+                    probed = seconds_per_call(run, decode_gemm_calls(
+                        values, pts, name, q, sets, preps, probes))
+                summary = gpu_report.probe_summary(probes[len(probes) // 2].tolist())
+                return dict(us=shipped * 1e6, probed_us=probed * 1e6, **summary)
+
+            got = attempt(run, f"probe {name} {product}", measured, None)
+            if got is not None:
+                run.add("probe", shape=f"{k}->{n}", fmt=name, product=product,
+                        splits=skinny._splits((n,), k, 1, sms, None,
+                                              *skinny._tile_shapes(skinny._CONFIGS)[0]),
+                        **got)
+    lines = gpu_report.probe_table(run.rows)
+    print("\n### where a decode GEMM launch's time goes, M = 1 (probe): the launch's time in a "
+          "CUDA graph, shipped and probed; its programs and SMs; its span and its last "
+          "program's start on the global timer; the SM clock; medians of each program's "
+          "phases; the program that ended last\n")
+    print("\n".join(lines), flush=True)
 
 
 # --------------------------------------------------------------------------- activations
@@ -2311,7 +2386,7 @@ SECTIONS = {"check": (check_section, 190), "gemm": (gemm_section, 75), "act": (a
             "act_few": (act_few_section, 40), "model": (model_section, 230),
             "rows": (rows_section, 60),
             "peers": (peers_section, 60), "compiled": (compiled_section, 150),
-            "tune": (tune_section, 60)}
+            "tune": (tune_section, 60), "probe": (probe_section, 45)}
 """Each section and the seconds of budget it needs to start (on an H200: the check 187 s and
 the gemm 74 s on 2026-12-04, their compiles; the model section 198 s before its profiler and
 FP8 rows); the default order runs first what decides a default or the sibling grouping

@@ -257,7 +257,7 @@ SKINNY_SIGNATURE = {
     "bias1_ptr": "*bf16", "bias2_ptr": "*bf16", "out1_ptr": "*bf16", "out2_ptr": "*bf16",
     "M": "i32", "N": "i32", "K": "i32", "shift": "i32", "stride_am": "i32", "stride_wn": "i32",
     "stride_wsn": "i32", "stride_om": "i32", "m_bucket": "i32", "N1": "i32", "N2": "i32",
-    "stride_ag": "i32",
+    "stride_ag": "i32", "probe_ptr": "*i64",
 }
 
 def skinny_configs(explore: bool):

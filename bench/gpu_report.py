@@ -115,6 +115,67 @@ def fit_table(records: list[dict], copy_rate: float) -> list[str]:
     return lines
 
 
+PROBE_HEADER = ["programs", "SMs", "most on a SM", "span us", "last start us", "clock GHz",
+                "to loop end us", "loop end to arrival us", "arrival to end us (summing)",
+                "last to end: start us + us"]
+"""The columns of :func:`probe_cells`."""
+
+
+def probe_summary(rows: list[list[int]]) -> dict[str, float]:
+    """Where one decode GEMM launch's time went, from what its programs wrote with ``probe``
+    (``kbbq_pl.kernels.skinny.PROBE_SLOTS``: the global timer at its start, ``%clock64`` at
+    its start, after its loop, at its split's arrival and at its end, its SM, whether it summed
+    the splits, the global timer at its end; rows of zeros are programs that did not run):
+    programs, SMs used and the most programs one SM ran; the launch's span on the global timer
+    and when its last program started; the SM clock (cycles over nanoseconds, summed over the
+    programs); the median program's microseconds from its start to the end of its loop
+    (prologue included), from there to its split's arrival (partial stored, atomic answered),
+    and, over the programs that summed the splits, from the arrival to the end (the partials
+    read and summed, the epilogue); the program that ended last: when it started and how long
+    it ran."""
+    rows = [r for r in rows if any(r)]
+    start = min(r[0] for r in rows)
+    ghz = sum(r[4] - r[1] for r in rows) / max(sum(r[7] - r[0] for r in rows), 1)
+    per_sm: dict[int, int] = {}
+    for r in rows:
+        per_sm[r[5]] = per_sm.get(r[5], 0) + 1
+    summed = [r for r in rows if r[6]]
+    last = max(rows, key=lambda r: r[7])
+
+    def us(cycles: list[int]) -> float:
+        return statistics.median(cycles) / ghz / 1e3 if cycles and ghz > 0 else math.nan
+
+    return dict(programs=len(rows), sms=len(per_sm), most_on_sm=max(per_sm.values()),
+                span_us=(max(r[7] for r in rows) - start) / 1e3,
+                last_start_us=(max(r[0] for r in rows) - start) / 1e3, clock_ghz=ghz,
+                loop_us=us([r[2] - r[1] for r in rows]),
+                arrive_us=us([r[3] - r[2] for r in rows]),
+                sum_us=us([r[4] - r[3] for r in summed]),
+                last_start_offset_us=(last[0] - start) / 1e3,
+                last_duration_us=(last[7] - last[0]) / 1e3)
+
+
+def probe_cells(summary: dict[str, float]) -> list[str]:
+    """:data:`PROBE_HEADER`'s cells of a :func:`probe_summary`."""
+    return [str(summary["programs"]), str(summary["sms"]), str(summary["most_on_sm"]),
+            *(f"{summary[key]:.3g}" for key in ("span_us", "last_start_us", "clock_ghz",
+                                                  "loop_us", "arrive_us", "sum_us")),
+            f"{summary['last_start_offset_us']:.3g} + {summary['last_duration_us']:.3g}"]
+
+
+def probe_table(records: list[dict]) -> list[str]:
+    """Markdown of the ``probe`` records (``bench/gpu.py --sections probe``)."""
+    header = ["K->N", "format", "product", "splits", "us a call", "probed us a call",
+              *PROBE_HEADER]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in records:
+        if r.get("section") == "probe":
+            lines.append("| " + " | ".join(
+                [r["shape"], r["fmt"], r["product"], str(r["splits"]), f"{r['us']:.3g}",
+                 f"{r['probed_us']:.3g}", *probe_cells(r)]) + " |")
+    return lines
+
+
 def read_trace(path: Path) -> dict:
     """A Chrome trace as ``torch.profiler``'s ``export_chrome_trace`` writes it (gzip or not)."""
     opener = gzip.open if path.suffix == ".gz" else open
@@ -269,6 +330,13 @@ def tiny_record(directory: Path) -> Path:
                      "ours_ms": 3e-3 + ours * 1e-6,
                      "copy_fraction": ours / (product_ms / 1e3) / (copy_gb_s * 1e9),
                      "bf16_ms": 2e-3 + (2 * k * n + 2 * (k + n)) * 0.5e-6})
+    # four programs of two K splits on two SMs at 2 GHz, started 100 ns apart: 2 us to their
+    # loops' end, 0.5 us to arrive, the two summing ones 1 us more
+    probe = [[1000 + 100 * i, 10000 * i, 10000 * i + 4000, 10000 * i + 5000,
+              10000 * i + 5000 + 2000 * (i % 2), i % 2, i % 2,
+              1000 + 100 * i + 2500 + 1000 * (i % 2)] for i in range(4)]
+    rows.append({"section": "probe", "shape": "64->64", "fmt": "nvfp4", "product": "shipped",
+                 "splits": 2, "us": 4.0, "probed_us": 4.2, **probe_summary(probe)})
     path = directory / "bench.json"
     path.write_text(json.dumps({"device": "tiny", "commit": "-", "rows": rows}))
     return path
@@ -284,6 +352,9 @@ def report_record(path: Path) -> None:
     print(f"\n### {path.name} ({record.get('device')}, {record.get('commit')}): decode path, "
           "seconds = fixed + bytes / rate over the gemm section's shapes\n")
     print("\n".join(fit_table(record["rows"], copy[0])))
+    if any(r.get("section") == "probe" for r in record["rows"]):
+        print(f"\n### {path.name}: where a decode GEMM launch's time went (probe)\n")
+        print("\n".join(probe_table(record["rows"])))
 
 
 def report_trace(path: Path, top: int) -> None:

@@ -46,6 +46,7 @@ time would share them (run them on one stream, as a model's layers do).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -312,16 +313,72 @@ def _block_multipliers(s, shift, SCALE_KIND: tl.constexpr, VALUES: tl.constexpr)
 
 
 @triton.jit
+def _timer(asm: tl.constexpr):
+    """A special register (``%clock64``, ``%globaltimer``: ``asm`` moves it to ``$0``) read
+    where it stands (0 under the interpreter, which has no clocks)."""
+    if _INTERPRET:
+        return tl.full([], 0, tl.int64)
+    return tl.inline_asm_elementwise(asm, "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _timer_after(x, asm: tl.constexpr):
+    """:func:`_timer` read once every element of ``x`` (int32 or FP32) is computed (each read
+    depends on its element, so that ptxas cannot move it earlier), ``x``'s shape."""
+    if x.dtype != tl.int32:
+        x = x.to(tl.int32, bitcast=True)
+    if _INTERPRET:
+        return x.to(tl.int64) * 0
+    return tl.inline_asm_elementwise(asm, "=l,r", [x], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _probe_store(probe, slot: tl.constexpr, values):
+    """Element ``[0, 0]`` of ``values`` (a 2-D tile) into ``slot``."""
+    rows = tl.arange(0, values.shape[0])[:, None]
+    cols = tl.arange(0, values.shape[1])[None, :]
+    tl.store(probe + slot + rows * 0 + cols * 0, values, mask=(rows == 0) & (cols == 0))
+
+
+@triton.jit
+def _probe_end(probe, x, summed: tl.constexpr):
+    """A program's last slots once ``x`` is computed (a 2-D tile, or the split's arrival)."""
+    if len(x.shape) == 2:
+        _probe_store(probe, 4, _timer_after(x, CLOCK))
+        _probe_store(probe, 7, _timer_after(x, GLOBAL_TIMER))
+    else:
+        tl.store(probe + 4, _timer_after(x, CLOCK))
+        tl.store(probe + 7, _timer_after(x, GLOBAL_TIMER))
+    if _INTERPRET:  # no SMs: the program's place in the grid, for the tests
+        sm = (tl.program_id(0) + 256 * tl.program_id(1) + 65536 * tl.program_id(2)).to(tl.int64)
+    else:
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32,
+                                       is_pure=True, pack=1).to(tl.int64)
+    tl.store(probe + 5, sm)
+    tl.store(probe + 6, tl.full([], summed, tl.int64))
+
+
+CLOCK: tl.constexpr = tl.constexpr("mov.u64 $0, %clock64;")
+GLOBAL_TIMER: tl.constexpr = tl.constexpr("mov.u64 $0, %globaltimer;")
+PROBE_SLOTS = 8
+"""int64 slots a program writes with ``probe`` (:func:`skinny_matmul`): its start on the GPU's
+global timer (ns), ``%clock64`` at its start, after its loop, when its split arrived (the
+atomic's answer; after the loop when K is not split) and at its end (the epilogue's output
+computed; the split-K reduction's for the last split), the SM it ran on, 1 if it summed the
+splits, the global timer at its end."""
+
+
+@triton.jit
 def _skinny_kernel(
     a_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, a_global_ptr, w_global_ptr, bias_ptr,
     a_scale_ptr, table_ptr, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, w_global1_ptr, w_global2_ptr,
     bias1_ptr, bias2_ptr, out1_ptr, out2_ptr, M, N, K, shift, stride_am, stride_wn, stride_wsn,
-    stride_om, m_bucket, N1, N2, stride_ag,
+    stride_om, m_bucket, N1, N2, stride_ag, probe_ptr,
     D: tl.constexpr, SCALE_KIND: tl.constexpr, GAIN2: tl.constexpr, HAS_GLOBAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, VALUES: tl.constexpr, EXPLICIT_BF16: tl.constexpr,
     PRODUCT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, SHIFTED: tl.constexpr, DEPENDENT: tl.constexpr = False,
-    GROUPS: tl.constexpr = 1, ONE_DOT: tl.constexpr = False,
+    GROUPS: tl.constexpr = 1, ONE_DOT: tl.constexpr = False, PROBE: tl.constexpr = False,
 ):
     """``out [M, N] = A W^T`` for word-ordered activation values ``A [M, >=K]`` and packed weights
     ``W`` (codes ``[N, K/2]``, scale bytes ``[N, K/D]``); program (column tile, K split, row
@@ -339,6 +396,12 @@ def _skinny_kernel(
     after those of the one before, each output ``[M, N_g]`` on its own (``out_ptr``,
     ``out1_ptr``, ``out2_ptr``, contiguous): every output with the bits of its layer's own
     launch at the same tile and splits."""
+    if PROBE:  # PROBE_SLOTS: where a launch's time goes
+        program = ((tl.program_id(2) * tl.num_programs(1) + tl.program_id(1))
+                   * tl.num_programs(0) + tl.program_id(0))
+        probe = probe_ptr + program * 8
+        tl.store(probe, _timer(GLOBAL_TIMER))
+        tl.store(probe + 1, _timer(CLOCK))
     # consecutive programs take ROW_GROUP row tiles down one column tile before the next
     # column, so a column tile's weights are read once per group and the group's activations
     # stay in L2 (the grouping of Triton's matmul tutorial)
@@ -466,10 +529,16 @@ def _skinny_kernel(
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     else:
         acc = acc[None, :]
+    if PROBE:
+        loop_end = _timer_after(acc, CLOCK)
+        _probe_store(probe, 2, loop_end)
     if splits == 1:
         _skinny_epilogue(acc, offs_m, offs_n, M, N, shift, a_global_ptr, w_global_ptr, bias_ptr,
                          out_ptr, stride_om, SCALE_KIND, GAIN2, HAS_GLOBAL, HAS_BIAS,
                          EXPLICIT_BF16, PRODUCT)
+        if PROBE:
+            _probe_store(probe, 3, loop_end)
+            _probe_end(probe, acc, 0)
     else:
         part = part_ptr + offs_m[:, None] * part_n + (part_col + offs_n)[None, :]
         # partials [splits, row tiles * BLOCK_M, N (all siblings')]
@@ -478,6 +547,8 @@ def _skinny_kernel(
         tl.store(part + pid_k * split_stride, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is stored before the counter moves
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if PROBE:
+            tl.store(probe + 3, _timer_after(arrived, CLOCK))
         if arrived == splits - 1:
             total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for split in range(splits):  # a fixed order, whoever finished last
@@ -489,6 +560,10 @@ def _skinny_kernel(
             # ready for the next launch (graph replays); relaxed: the launch boundary orders
             # it before the next launch, so it need not wait for the output's stores
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed")
+            if PROBE:
+                _probe_end(probe, total, 1)
+        elif PROBE:
+            _probe_end(probe, arrived, 0)
 
 
 @triton.jit
@@ -685,9 +760,22 @@ def _partial_rows(ns: tuple[int, ...], k: int, m: int, sms: int, split_k: int | 
                default=1)
 
 
+def programs(ns: tuple[int, ...], k: int, m: int, sms: int, split_k: int | None = None,
+             tiles: tuple[tuple[int, int, int], ...] | None = None) -> int:
+    """Programs of the largest grid among the candidate tiles (``(BLOCK_M, BLOCK_N,
+    BLOCK_K)``; None: the tensor-core tiles for ``m`` rows) of a launch over the siblings'
+    outputs ``ns``."""
+    if tiles is None:
+        tiles = _tile_shapes(_prune_configs(_CONFIGS, {"m_bucket": m_bucket(m)}))
+    return max(math.prod(_grid(ns, k, m, sms, split_k, {"BLOCK_M": bm, "BLOCK_N": bn,
+                                                         "BLOCK_K": bk}))
+               for bm, bn, bk in tiles)
+
+
 def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: int,
                   scale_kind: int, gain: float, shift: int, bias, out_dtype,
-                  config: dict | None = None, split_k: int | None = None, a_scales=None):
+                  config: dict | None = None, split_k: int | None = None, a_scales=None,
+                  probe=None):
     """Launch the decode GEMM on word-ordered activation values ``a_values [M, >=K]`` (from
     :func:`kbbq_pl.kernels.triton_kernels.quantize_activations` with ``word_order``); arguments
     checked by :mod:`kbbq_pl.kernels`.  ``config`` pins the tile, ``split_k`` the splits.
@@ -698,7 +786,13 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
     Sibling layers in one launch (the tensor-core product): ``w_codes``, ``w_scales``,
     ``w_global`` and ``bias`` lists of 2 or 3 (contiguous weights of one ``K``, all with a
     bias or none, one decode ``shift``), ``a_values [G, M, >=K]`` and ``a_global`` (NVFP4)
-    ``[G]`` from the siblings' activation launch; returns the list of outputs."""
+    ``[G]`` from the siblings' activation launch; returns the list of outputs.
+
+    ``probe`` (a diagnostic: ``bench/gpu.py --sections probe``): int64 ``[rows, PROBE_SLOTS]``
+    with a row for each program (:func:`programs`), which each program fills with its
+    :data:`PROBE_SLOTS` (row ``(row tile * splits + split) * column tiles + column tile``;
+    under the interpreter the clocks read 0 and the SM is the program's place in the grid,
+    ``column tile + 256 split + 65536 row tile``)."""
     groups = len(w_codes) if isinstance(w_codes, (list, tuple)) else 1
     if groups == 1:
         w_codes, w_scales, w_global, bias = [w_codes], [w_scales], [w_global], [bias]
@@ -727,7 +821,7 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
     meta = dict(D=d, SCALE_KIND=scale_kind, GAIN2=gain * gain, HAS_GLOBAL=has_global,
                 HAS_BIAS=has_bias, VALUES=values_kind(scale_kind),
                 EXPLICIT_BF16=INTERPRET and out_dtype == torch.bfloat16, DEPENDENT=dependent,
-                ONE_DOT=ONE_DOT_A_TRIP and not dp4a,
+                ONE_DOT=ONE_DOT_A_TRIP and not dp4a, PROBE=probe is not None,
                 SHIFTED=shift != 0, GROUPS=groups, **COMPILE_OPTIONS)
     if dependent:
         meta["launch_pdl"] = True
@@ -738,6 +832,13 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
              else _DP4A_TILES if dp4a else None)
     partial = torch.empty(_partial_rows(ns, k, m, sms, split_k, tiles), sum(ns),
                           dtype=torch.float32, device=device)
+    if probe is not None:
+        needed = programs(ns, k, m, sms, split_k, tiles)
+        if (probe.dtype != torch.int64 or probe.dim() != 2 or probe.shape[1] != PROBE_SLOTS
+                or probe.shape[0] < needed or not probe.is_contiguous()):
+            raise ValueError(f"the probe takes a contiguous int64 [>= {needed}, {PROBE_SLOTS}] "
+                             f"tensor (a row a program), got {probe.dtype} "
+                             f"{tuple(probe.shape)}")
 
     def sibling(values: list, i: int):  # sibling i's tensor (the first's where it has none)
         return values[min(i, groups - 1)]
@@ -753,7 +854,7 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
             m, ns[0], k, shift, a_values.stride(-2), w_codes[0].stride(0),
             w_scales[0].stride(0), outs[0].stride(0), m_bucket(m),
             ns[1] if groups > 1 else 0, ns[2] if groups > 2 else 0,
-            a_values.stride(0) if groups > 1 else 0]
+            a_values.stride(0) if groups > 1 else 0, dummy if probe is None else probe]
     if pinned:
         if pinned["PRODUCT"] == PRODUCT_DP4A and pinned["BLOCK_M"] != 1:
             raise ValueError(f"the DP4A product takes one row a tile, got BLOCK_M = "

@@ -431,8 +431,7 @@ def _prepared_weight(kernels: ModuleType, weight: W4A4Weight, act_scale: Tensor 
     kept while its codes live unchanged.  The first product reads the static scales to the
     host: warm a layer up before capturing it in a CUDA graph."""
     key = (weight.qdata._version, weight.scale._version, KEEP_DECODED_WEIGHTS, PREFILL_PRODUCT,
-           *(None if scale is None else (id(scale), scale._version)
-             for scale in (weight.global_scale, act_scale)))
+           kernels.scale_source(weight.global_scale), kernels.scale_source(act_scale))
     entry = _prepared.get(weight.qdata)
     if entry is None or entry[0] != key:
         prepared = kernels.prepare_weight(weight.qdata, weight.scale, weight.global_scale,

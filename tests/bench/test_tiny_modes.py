@@ -78,6 +78,9 @@ TABLES: dict[str, list[str]] = {
         rf"^\| 1 \| nvfp4 \| linear \(activations \+ GEMM\) \| 2 \| 3 \| 1 \| 0\.25 \| "
         rf"{NUMBER} \|$",
         rf"^\| 1 \| nvfp4 \| bf16 torch\.matmul \| 2 \| 2 \| 2 \| 0\.5 \| {NUMBER} \|$",
+        # the tiny probe: four programs, two splits, two SMs, 2 GHz (gpu_report.tiny_record)
+        r"^\| 64->64 \| nvfp4 \| shipped \| 2 \| 4 \| 4\.2 \| 4 \| 2 \| 2 \| 3\.8 \| 0\.3 \| 2 \| "
+        r"2 \| 0\.5 \| 1 \| 0\.3 \+ 3\.5 \|$",
         r"^\| _skinny_kernel \| 64x8x1 \| 128x1x1 \| 96 \| 42\.0 \| 2 \| 20\.0 \| 10\.00 \| "
         r"10\.00 \| 10\.00 \| 0\.645 \|$",
         r"^kernel time 31\.0 us in 7 launches; span 71\.0 us$",

@@ -275,6 +275,32 @@ def test_decode_gemm_one_product_a_trip(fmt, m, k, split):
     assert_within_one_bf16_rounding(y16, ref)
 
 
+@pytest.mark.parametrize("m,split", [(1, 1), (1, 3), (20, 2)])
+def test_decode_gemm_probe_fills_a_row_for_each_program(m, split):
+    """``probe`` (the ``probe`` section's diagnostic; compiled for sm_90 it reads the GPU's
+    clocks, the compile check below): each program fills its row, the last split of each
+    output tile says it summed the splits, the output is unchanged; under the interpreter the
+    SM slot names the program's place in the grid and the clocks read 0."""
+    needs_kernels()
+    from kbbq_pl.kernels import skinny as S
+
+    x, q = decode_operands("nvfp4", m, 40, 384, seed=m)
+    columns, rows = -(-40 // 16), -(-m // 16)  # the interpreter's 16 x 16 x 128 tile
+    needed = S.programs((40,), 384, m, 4, split, ((16, 16, 128),))
+    assert needed == columns * split * rows
+    probe = torch.full((needed + 1, S.PROBE_SLOTS), -1, dtype=torch.int64)
+    y = skinny(x, q, "nvfp4", split_k=split, probe=probe)
+    assert torch.equal(y, skinny(x, q, "nvfp4", split_k=split))
+    place = [column + 256 * k + 65536 * row for row in range(rows) for k in range(split)
+             for column in range(columns)]
+    assert probe[:needed, 5].tolist() == place and (probe[needed] == -1).all()
+    summed = probe[:needed, 6].view(rows, split, columns)
+    assert (summed.sum(1) == (1 if split > 1 else 0)).all()
+    assert (probe[:needed, [0, 1, 2, 3, 4, 7]] == 0).all()
+    with pytest.raises(ValueError, match="int64"):
+        skinny(x, q, "nvfp4", split_k=split, probe=probe[:needed - 1])
+
+
 def test_decode_gemm_tiles():
     needs_kernels()
     from kbbq_pl.kernels import skinny as S
@@ -866,6 +892,7 @@ import gpu_compile as G
 from kbbq_pl.kernels import skinny as S, triton_kernels as tk
 
 target = GPUTarget("cuda", 90, 32)
+import re
 DECODE_FORMATS = ((16, tk.SCALE_E4M3, S.VALUES_FP16, "*fp16"),
                   (32, tk.SCALE_E8M0, S.VALUES_BF16, "*bf16"))
 
@@ -902,6 +929,10 @@ for (d, kind, values, a_type), (rows, cols, depth) in zip(
     assert not any(op.startswith(("LDG", "LDS", "LDL", "ST", "ATOM", "RED"))
                    for op in before), before
     print(d, found["per_element"])
+    # the product reads no clock; the probe (a diagnostic) reads them where it stands
+    assert not re.search(r"SR_CLOCK|SR_GLOBALTIMER", G.cuobjdump(compiled.asm["cubin"], "-sass"))
+probed = G.cuobjdump(decode_tile(*DECODE_FORMATS[0], PROBE=True).asm["cubin"], "-sass")
+assert all(register in probed for register in ("SR_GLOBALTIMERLO", "SR_CLOCKLO", "SMID"))
 # a decode step's tile, both formats (MX's decode shift 0), one layer or three siblings: the
 # decoded weights reach the tensor cores in registers, no shared-memory stores and at most two
 # barriers in the loop, 16-byte weight loads; the siblings' loop as long as one layer's
@@ -952,7 +983,9 @@ def test_decode_gemm_compiles_for_hopper_without_a_gpu():
     before it waits for the activation kernel, which lets it launch; at a decode step's tile
     the decoded weights of both formats reach the tensor cores in registers (with a runtime
     MX shift in the loop, Triton 3.6 staged them through shared memory: 16 stores and 9
-    barriers a step instead of 0 and 2; 3.9 did not, so only 3.6 tells)."""
+    barriers a step instead of 0 and 2; 3.9 did not, so only 3.6 tells).  The shipped kernel
+    reads no clock; with the diagnostic probe it reads the global timer, the SM clock and the
+    SM's number."""
     run_compile_check(DECODE_COMPILE_CHECK)
 
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from kbbq_pl import formats as F
 from kbbq_pl import from_pretrained, save_quantized
+from kbbq_pl.kernels import prepared
 from kbbq_pl.quant import (
     FormatConfig,
     QuantizationConfig,
@@ -174,6 +175,8 @@ class FakeKernels(types.ModuleType):
 
     def available(self, device) -> bool:
         return self.ok
+
+    scale_source = staticmethod(prepared.scale_source)  # the kernels' own key of a scale
 
     def prepare_weight(self, codes, scales, global_scale, fmt, act_global_scale=None, *,
                        keep_decoded=False, prefill_product="auto"):

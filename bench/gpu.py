@@ -413,7 +413,7 @@ def check_section(run: Run) -> None:
 
 def run_checks(run: Run) -> None:
     """The ``check`` section, in steps (:meth:`Run.step`): ``codes``, ``paths`` and
-    ``siblings`` (each format), ``dp4a``, ``one_dot``, ``dependent``, ``direct``; a step among
+    ``siblings`` (each format), ``dp4a``, ``dependent``, ``direct``; a step among
     :data:`SWITCHES` in ``run.off`` is left out.  Each launch path runs first in its own step
     (a fault is named by it): the steps before ``dependent`` launch without the dependent
     launch and through Triton, ``dependent`` through Triton; ``direct`` as shipped."""
@@ -525,13 +525,10 @@ def product_checks(run: Run) -> None:
 
 
 OPT_IN = {
-    "dp4a": ("ONE_ROW_PRODUCT", "PRODUCT_DP4A", (1,), "one-row DP4A product", "one-row DP4A"),
-    "one_dot": ("ONE_DOT_A_TRIP", True, (1, 16), "decode GEMM with one product a trip",
-                "one product a trip"),
+    "dp4a": ("ONE_ROW_PRODUCT", "PRODUCT_DP4A", (1,), "one-row DP4A product"),
 }
 """The opt-in decode products, by check step: (the switch in :mod:`kbbq_pl.kernels.skinny`,
-its value on (a name: that constant of the module), the rows it is checked at, its name, its
-rows' label)."""
+its value on (a name: that constant of the module), the rows it is checked at, its name)."""
 
 
 def opt_in(step: str):
@@ -694,7 +691,6 @@ def dependent_launch_check(run: Run) -> None:
 SWITCHES = {
     "siblings": ("kbbq_pl.kernels", "MAX_SIBLINGS", 1, "sibling linears launched together"),
     "dp4a": (None, None, None, "the one-row DP4A product's rows (opt-in)"),
-    "one_dot": (None, None, None, "the decode GEMM's one product a trip (opt-in)"),
     "dependent": (None, None, None,
                   "the decode GEMM launched as a programmatic dependent (opt-in)"),
     "direct": ("kbbq_pl.kernels.direct_launch", "DIRECT", False, "direct launches"),
@@ -875,20 +871,15 @@ def gemm_section(run: Run) -> None:
                             run, FP8_ROWS, functools.partial(
                                 fp8_columns, run, K, x, t, q, name, sets, preps, own_calls,
                                 t_bf16), [math.nan] * 5 + ["FAILED"]))
-                    opt_ins = {}  # step: (x bf16, within one rounding) of each opt-in product
-                    for step, applies in (("dp4a", m == 1),  # one a compile a format:
-                                          ("one_dot", path == "decode" and label != "none")):
-                        opt_ins[step] = (float("nan"), "")
-                        if applies:
-                            short = OPT_IN[step][4]
-                            opt_ins[step] = attempt(
-                                run, f"{short} {name}", functools.partial(
-                                    opt_in_linear, run, step, own_calls,
-                                    exact_product(x, t, q, name, scales[0]), t_bf16),
-                                (float("nan"), "FAILED"), step=step)
-                            if opt_ins[step][0] == opt_ins[step][0]:
-                                ratios.setdefault((m, name, short), []).append(opt_ins[step][0])
-                    (one_row, one_row_ok), (one_dot, one_dot_ok) = opt_ins.values()
+                    one_row, one_row_ok = float("nan"), ""
+                    if m == 1:  # the opt-in one-row product, as it would run
+                        one_row, one_row_ok = attempt(
+                            run, f"one-row DP4A {name}",
+                            functools.partial(opt_in_linear, run, "dp4a", own_calls,
+                                              exact_product(x, t, q, name, scales[0]), t_bf16),
+                            (float("nan"), "FAILED"), step="dp4a")
+                        if one_row == one_row:
+                            ratios.setdefault((m, name, "one-row DP4A"), []).append(one_row)
                     dependent = float("nan")
                     with mock.patch.object(skinny, "DEPENDENT_LAUNCH", True):
                         if (m == 1 and label != "none"  # each costs a compile: one a shape
@@ -910,7 +901,7 @@ def gemm_section(run: Run) -> None:
                             kept_decoded)
                     rows.append([f"{k}->{n}", m, name, label, path, t_bf16 * 1e3, t_ours * 1e3,
                                  ratio, target, dynamic, kept_decoded, dependent, one_row,
-                                 one_row_ok, one_dot, one_dot_ok, t_product * 1e3,
+                                 one_row_ok, t_product * 1e3,
                                  copy_fraction, "yes" if ok else f"NO ({excess:.2g})"])
                     run.add("gemm", k=k, n=n, m=m, fmt=name, transform=label, path=path,
                             bf16_ms=t_bf16 * 1e3, ours_ms=t_ours * 1e3, speedup=ratio,
@@ -919,9 +910,6 @@ def gemm_section(run: Run) -> None:
                             dependent_speedup=dependent, dp4a_speedup=one_row,
                             dp4a_within_one_rounding=(one_row_ok == "yes" if m == 1
                                                       else None),
-                            one_dot_speedup=one_dot,
-                            one_dot_within_one_rounding=(one_dot_ok == "yes" if one_dot_ok
-                                                         else None),
                             product_ms=t_product * 1e3,
                             copy_fraction=copy_fraction, within_one_rounding=ok)
             print(f"  [{time.perf_counter() - run.start:.0f} s] {k}->{n} M={m} done", flush=True)
@@ -932,13 +920,10 @@ def gemm_section(run: Run) -> None:
           "over time against the device copy; a dependent launch: the decode path with its "
           "GEMM the activation kernel's programmatic dependent (opt-in; M = 1, KBBQ blocks); "
           "one-row DP4A: the decode path with the opt-in integer product at M = 1, and "
-          "whether it is within one bf16 rounding of the exact product; one product a trip: "
-          "the decode path with the decode GEMM's opt-in one tensor-core product a trip "
-          "(KBBQ blocks), and the same check",
+          "whether it is within one bf16 rounding of the exact product",
           ["K->N", "M", "format", "transform", "path", "bf16 ms", "W4A4 ms", "x bf16", "target",
            "x bf16, dynamic NVFP4", "x bf16, weights kept decoded",
            "x bf16, GEMM a dependent launch", "x bf16, one-row DP4A", "DP4A within one",
-           "x bf16, one product a trip", "one product within one",
            "product ms", "copy fraction", "within one rounding"], rows)
     if fp8_rows:
         table("MX on FP8 tensor cores, the opt-in prefill product 'fp8', against bf16 "
@@ -955,8 +940,7 @@ def gemm_section(run: Run) -> None:
     for m, key in ((1, "decode_1"), (16, "decode_16"), (4096, "prefill")):
         for name in run.formats:
             found = {label: ratios[m, name, label] for label in (
-                "none", "KBBQ blocks", "dynamic scale", "weights kept decoded", "one-row DP4A",
-                "one product a trip")
+                "none", "KBBQ blocks", "dynamic scale", "weights kept decoded", "one-row DP4A")
                 if (m, name, label) in ratios}
             if found:
                 every = [v for label, values in found.items() for v in values
@@ -1212,9 +1196,8 @@ def tune_section(run: Run) -> None:
     1024 (a Llama-3-8B layer's key and value projections), at every tile of
     :data:`TUNE_TILES` with K unsplit and at half, once and twice the K splits it would take
     (at small shapes a launch's fixed cost, the split-K reduction among it, weighs most:
-    ``bench/gpu_report.py``), the one-row
-    DP4A product (as shipped and at each of :data:`TUNE_DP4A_TILES`) and the shipped tile with
-    one product a trip (``skinny.ONE_DOT_A_TRIP``), against the shipped
+    ``bench/gpu_report.py``), and the one-row
+    DP4A product (as shipped and at each of :data:`TUNE_DP4A_TILES`), against the shipped
     launch (one tile for a decode step's rows): microseconds and the fraction of the copy
     bandwidth, each output within one bf16 rounding of the exact product.  Opt-in
     (``--sections tune``): it compiles every tile, what a GPU session spends to find where the
@@ -1256,13 +1239,6 @@ def tune_section(run: Run) -> None:
                           (math.nan, math.nan, False))
             rows.append([f"{k}->{n}", name, "DP4A as shipped", "auto", got[0] * 1e6,
                          got[1], tuned[0] / got[0], "yes" if got[2] else "NO"])
-        if "one_dot" not in run.off:
-            with opt_in("one_dot"):
-                got = attempt(run, f"tune {name} one product a trip",
-                              functools.partial(timed, skinny.PRODUCT_DOT, None, None),
-                              (math.nan, math.nan, False))
-            rows.append([f"{k}->{n}", name, "one product a trip", "auto", got[0] * 1e6,
-                         got[1], tuned[0] / got[0], "yes" if got[2] else "NO"])
         tiles = [(tile, skinny.PRODUCT_DOT) for tile in TUNE_TILES]
         tiles += [(tile, skinny.PRODUCT_DP4A) for tile in TUNE_DP4A_TILES
                   if "dp4a" not in run.off]
@@ -1301,9 +1277,9 @@ def tune_section(run: Run) -> None:
 
 def probe_section(run: Run) -> None:
     """Where a decode GEMM launch's time goes, read inside it: at M = 1 on ``tune``'s shapes,
-    the shipped launch and the one with one product a trip (:data:`OPT_IN` ``one_dot``), each
-    once as shipped and once writing its programs' clocks (``skinny_matmul(probe=...)``), in
-    CUDA graphs over copies of the weights as every timing here; the clocks of a call in the
+    the shipped launch timed as shipped and again writing its programs' clocks
+    (``skinny_matmul(probe=...)``), in CUDA graphs over copies of the weights as every timing
+    here; the clocks of a call in the
     middle of the graph read by :func:`gpu_report.probe_summary` (the probed call's time is
     printed beside the shipped one's: a probe that moved it much tells less).  Opt-in
     (``--sections probe``); not under the interpreter (it reads the GPU's clocks)."""
@@ -1314,29 +1290,23 @@ def probe_section(run: Run) -> None:
         run.notes.append("probe: not under the interpreter (it reads the GPU's clocks)")
         return
     sms = tk.sm_count(run.device)
-    products = {"shipped": contextlib.nullcontext}
-    if "one_dot" not in run.off:
-        products["one product a trip"] = functools.partial(opt_in, "one_dot")
     for k, n, name, _, q, sets, preps, values, pts in one_row_gemms(run, "probe", 10):
         count = skinny.programs((n,), k, 1, sms)
         probes = [torch.zeros(count, skinny.PROBE_SLOTS, dtype=torch.int64,
                               device=run.device) for _ in sets]
-        for product, switch in products.items():
-            def measured() -> dict:
-                with switch():
-                    shipped = seconds_per_call(run, decode_gemm_calls(
-                        values, pts, name, q, sets, preps))
-                    probed = seconds_per_call(run, decode_gemm_calls(
-                        values, pts, name, q, sets, preps, probes))
-                summary = gpu_report.probe_summary(probes[len(probes) // 2].tolist())
-                return dict(us=shipped * 1e6, probed_us=probed * 1e6, **summary)
 
-            got = attempt(run, f"probe {name} {product}", measured, None)
-            if got is not None:
-                run.add("probe", shape=f"{k}->{n}", fmt=name, product=product,
-                        splits=skinny._splits((n,), k, 1, sms, None,
-                                              *skinny._tile_shapes(skinny._CONFIGS)[0]),
-                        **got)
+        def measured() -> dict:
+            shipped = seconds_per_call(run, decode_gemm_calls(values, pts, name, q, sets, preps))
+            probed = seconds_per_call(run, decode_gemm_calls(values, pts, name, q, sets, preps,
+                                                             probes))
+            summary = gpu_report.probe_summary(probes[len(probes) // 2].tolist())
+            return dict(us=shipped * 1e6, probed_us=probed * 1e6, **summary)
+
+        got = attempt(run, f"probe {name}", measured, None)
+        if got is not None:
+            run.add("probe", shape=f"{k}->{n}", fmt=name, product="shipped",
+                    splits=skinny._splits((n,), k, 1, sms, None,
+                                          *skinny._tile_shapes(skinny._CONFIGS)[0]), **got)
     lines = gpu_report.probe_table(run.rows)
     print("\n### where a decode GEMM launch's time goes, M = 1 (probe): the launch's time in a "
           "CUDA graph, shipped and probed; its programs and SMs; its span and its last "

@@ -300,17 +300,15 @@ def skinny_rows(target: GPUTarget, explore: bool = False, tune: bool = False) ->
     for fmt, d, kind in FORMATS:
         values = skinny.VALUES_FP16 if kind == tk.SCALE_E4M3 else skinny.VALUES_BF16
         if tune:
-            configs = [(c, 1, False) for c in tune_configs()]
+            configs = [(c, 1) for c in tune_configs()]
         else:
-            configs = [(c, 1, False) for c in [*skinny_configs(explore),
-                                               *skinny._DP4A_CONFIGS]]
-            # a decode step's first tile: 3 siblings; one product a trip (opt-in)
-            configs[1:1] = [(configs[0][0], 3, False), (configs[0][0], 1, True)]
-        for config, groups, one_dot in configs:
+            configs = [(c, 1) for c in [*skinny_configs(explore), *skinny._DP4A_CONFIGS]]
+            configs.insert(1, (configs[0][0], 3))  # a decode step's first tile, 3 siblings
+        for config, groups in configs:
             k = config.kwargs
             constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
                              HAS_BIAS=True, VALUES=values, EXPLICIT_BF16=False, EVEN_K=True,
-                             DEPENDENT=True, SHIFTED=False, GROUPS=groups, ONE_DOT=one_dot,
+                             DEPENDENT=True, SHIFTED=False, GROUPS=groups,
                              **k)  # as on sm_90, MX shift 0
             a_type = ("*i8" if k["PRODUCT"] == skinny.PRODUCT_DP4A
                       else "*fp16" if values == skinny.VALUES_FP16 else "*bf16")
@@ -322,7 +320,6 @@ def skinny_rows(target: GPUTarget, explore: bool = False, tune: bool = False) ->
             per_thread = k["BLOCK_N"] * k["BLOCK_K"] / (32 * config.num_warps)
             product = {skinny.PRODUCT_DOT: "dot", skinny.PRODUCT_DP4A: "dp4a"}[k["PRODUCT"]]
             product += ", 3 siblings" if groups > 1 else ""
-            product += ", one product a trip" if one_dot else ""
             rows.append(_row(f"decode gemm {fmt} {product}",
                              f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w={config.num_warps} "
                              f"s={config.num_stages}", compiled, per_thread, start))

@@ -92,16 +92,6 @@ DEPENDENT_LAUNCH = False
 can (compute capability 9.0 on, not under the interpreter): :func:`dependent_launch`.  Opt-in:
 on an H200 a one-row linear ran 2 to 9% slower with it than without, at 9 of 10 shapes and
 formats (``bench/gpu.py``'s ``gemm`` section times both)."""
-ONE_DOT_A_TRIP = False
-"""Multiply a trip's four shifts of decoded weights in one tensor-core product
-(:func:`_trip_values`) instead of one product a shift.  Triton waits for each product
-(``wgmma``, its weights in registers) to finish before the next shift's decode: four waits a
-trip, two with one product (ptxas issues it as two groups of 8).  Opt-in until a GPU times it
-(``bench/gpu.py``'s ``gemm`` and ``tune`` sections): compiled for sm_90 at 16 x 64 x 256 it
-holds 157 (NVFP4) and 167 (MX) registers a thread against 120 and 119, so three programs fit
-on a SM where four did, and its loop is 515 and 543 SASS a trip against 497 and 532.  Each
-output stays within one rounding of the exact product; its last bit may differ from the four
-products' (the sums are grouped differently)."""
 PREFETCH_K: tl.constexpr = tl.constexpr(1024)
 """Elements of its K slice a dependently launched program asks L2 for before it waits."""
 _COUNTERS = 1 << 14
@@ -252,32 +242,6 @@ def _word_dots(words, mult, a_ptrs, a_mask, acc, SHIFT: tl.constexpr, E_LOW: tl.
 
 
 @triton.jit
-def _shift_pairs(words, mult, SHIFT: tl.constexpr, VALUES: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """The values of one shift of :func:`_word_halves`, ``[BLOCK_N, chunks of 128, 16 words,
-    (low, high)]``."""
-    low, high = _word_halves(words, mult, SHIFT, VALUES)
-    return tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K // 128, 16, 2])
-
-
-@triton.jit
-def _trip_values(words, mult, VALUES: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """Every decoded weight of a trip, ``[BLOCK_N, BLOCK_K]`` in word order
-    (:func:`~kbbq_pl.kernels.exact.word_order_index`: within a chunk of 128, shift ``E_LOW``'s
-    32 values, word by word, low half first), for one tensor-core product a trip
-    (:data:`ONE_DOT_A_TRIP`).  Each word's pair stays in one thread and lands where a lane's
-    operand registers want it (a pair's position, modulo 16, is its word's, as in
-    :func:`_word_dots`), so no value moves between threads."""
-    e3 = _shift_pairs(words, mult, 0, VALUES, BLOCK_N, BLOCK_K)
-    e2 = _shift_pairs(words, mult, 4, VALUES, BLOCK_N, BLOCK_K)
-    e1 = _shift_pairs(words, mult, 8, VALUES, BLOCK_N, BLOCK_K)
-    e0 = _shift_pairs(words, mult, 12, VALUES, BLOCK_N, BLOCK_K)
-    w = tl.join(tl.join(e0, e2), tl.join(e1, e3))  # [.., 16, 2, E_LOW // 2, E_LOW % 2]
-    return tl.reshape(tl.permute(w, (0, 1, 4, 5, 2, 3)), [BLOCK_N, BLOCK_K])
-
-
-@triton.jit
 def _prefetch_slice(w_ptr, ws_ptr, offs_n, n_mask, k_lo, k_hi, K, stride_wn, stride_wsn,
                     D: tl.constexpr):
     """The first :data:`PREFETCH_K` elements of this program's K slice ``[k_lo, k_hi)`` of its
@@ -378,7 +342,7 @@ def _skinny_kernel(
     HAS_BIAS: tl.constexpr, VALUES: tl.constexpr, EXPLICIT_BF16: tl.constexpr,
     PRODUCT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, SHIFTED: tl.constexpr, DEPENDENT: tl.constexpr = False,
-    GROUPS: tl.constexpr = 1, ONE_DOT: tl.constexpr = False, PROBE: tl.constexpr = False,
+    GROUPS: tl.constexpr = 1, PROBE: tl.constexpr = False,
 ):
     """``out [M, N] = A W^T`` for word-ordered activation values ``A [M, >=K]`` and packed weights
     ``W`` (codes ``[N, K/2]``, scale bytes ``[N, K/D]``); program (column tile, K split, row
@@ -459,8 +423,6 @@ def _skinny_kernel(
         offs_p = tl.arange(0, BLOCK_K // 4)  # (word, half) p = 2c + h of one shift's values
         a_col = 128 * (offs_p // 32) + offs_p % 32  # word_order_index, less 32 E_LOW
         a_base = a_ptr + offs_m[None, :] * stride_am + a_col[:, None]
-        offs_q = tl.arange(0, BLOCK_K)  # a trip's activations in word order (ONE_DOT)
-        a_trip = a_ptr + offs_m[None, :] * stride_am + offs_q[:, None]
         for k0 in tl.range(k_lo, k_hi, BLOCK_K):
             if EVEN_K:  # no mask along K: 16-byte loads
                 c_mask = tl.full([BLOCK_K // 8], 1, tl.int1)
@@ -482,18 +444,10 @@ def _skinny_kernel(
             else:
                 p_mask = k0 // 8 + offs_p // 2 < K // 8
             a_mask = p_mask[:, None] & m_mask[None, :]
-            if ONE_DOT:
-                if EVEN_K:
-                    q_mask = tl.full([BLOCK_K], 1, tl.int1)
-                else:  # the word of each position: 16 a chunk, 16 a shift within it
-                    q_mask = k0 // 8 + 16 * (offs_q // 128) + (offs_q % 32) // 2 < K // 8
-                a = tl.load(a_trip + k0, mask=q_mask[:, None] & m_mask[None, :], other=0.0)
-                acc = tl.dot(_trip_values(words, mult, VALUES, BLOCK_N, BLOCK_K), a, acc)
-            else:
-                acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 0, 3, VALUES, BLOCK_N, BLOCK_K)
-                acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 4, 2, VALUES, BLOCK_N, BLOCK_K)
-                acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 8, 1, VALUES, BLOCK_N, BLOCK_K)
-                acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 12, 0, VALUES, BLOCK_N, BLOCK_K)
+            acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 0, 3, VALUES, BLOCK_N, BLOCK_K)
+            acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 4, 2, VALUES, BLOCK_N, BLOCK_K)
+            acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 8, 1, VALUES, BLOCK_N, BLOCK_K)
+            acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 12, 0, VALUES, BLOCK_N, BLOCK_K)
     else:  # PRODUCT_DP4A, one row: exact integer sums per block, then FP32
         NB: tl.constexpr = BLOCK_K // D
         blocks = tl.zeros([BLOCK_N, NB], tl.float32)
@@ -821,7 +775,7 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
     meta = dict(D=d, SCALE_KIND=scale_kind, GAIN2=gain * gain, HAS_GLOBAL=has_global,
                 HAS_BIAS=has_bias, VALUES=values_kind(scale_kind),
                 EXPLICIT_BF16=INTERPRET and out_dtype == torch.bfloat16, DEPENDENT=dependent,
-                ONE_DOT=ONE_DOT_A_TRIP and not dp4a, PROBE=probe is not None,
+                PROBE=probe is not None,
                 SHIFTED=shift != 0, GROUPS=groups, **COMPILE_OPTIONS)
     if dependent:
         meta["launch_pdl"] = True

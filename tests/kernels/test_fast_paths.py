@@ -256,25 +256,6 @@ def test_decode_gemm_matches_the_exact_product(fmt, m, split):
     assert_within_one_bf16_rounding(y16, ref)
 
 
-@pytest.mark.parametrize("fmt,m,k,split", [("nvfp4", 1, 384, 1), ("mxfp4", 3, 320, 2),
-                                            ("mxfp4_no_clip", 16, 256, 1)])
-def test_decode_gemm_one_product_a_trip(fmt, m, k, split):
-    """``ONE_DOT_A_TRIP``: a trip's four shifts in one tensor-core product, its activations in
-    word order read as they lie; within one rounding of the exact product with and without
-    split-K, K a multiple of the trip (384 in 128-trips) or not (320: a partial chunk)."""
-    needs_kernels()
-    from kbbq_pl.kernels import skinny as S
-
-    x, q = decode_operands(fmt, m, 24, k, seed=k)
-    bias = torch.randn(24)
-    ref = exact_product(x, q, fmt, bias=bias)
-    with mock.patch.object(S, "ONE_DOT_A_TRIP", True):
-        y = skinny(x, q, fmt, bias=bias, split_k=split)
-        y16 = skinny(x, q, fmt, bias=bias, out_dtype=torch.bfloat16, split_k=split)
-    assert gemm_error(y, ref) <= 1e-5
-    assert_within_one_bf16_rounding(y16, ref)
-
-
 @pytest.mark.parametrize("m,split", [(1, 1), (1, 3), (20, 2)])
 def test_decode_gemm_probe_fills_a_row_for_each_program(m, split):
     """``probe`` (the ``probe`` section's diagnostic; compiled for sm_90 it reads the GPU's
@@ -989,7 +970,7 @@ def test_decode_gemm_compiles_for_hopper_without_a_gpu():
     run_compile_check(DECODE_COMPILE_CHECK)
 
 
-OPT_IN_COMPILE_CHECK = SM90_COMPILE + """
+DP4A_COMPILE_CHECK = SM90_COMPILE + """
 # the one-row DP4A product: byte permutes and integer dot products, 16-byte loads, no spills
 for d, kind in ((16, tk.SCALE_E4M3), (32, tk.SCALE_E8M0)):
     for config in S._DP4A_CONFIGS:
@@ -1020,28 +1001,15 @@ compiled = G.compile_kernel(tk._quantize_activations_kernel,
                             constants, target, num_warps=warps, enable_fp_fusion=True)
 assert G.analyse(compiled, 32)["stack"] == 0
 assert [op for _, op, _ in G.sass_ops(compiled.asm["cubin"])].count("PREEXIT") == 1
-# one tensor-core product a trip (ONE_DOT_A_TRIP), a decode step's tile: the decoded weights
-# still reach the tensor cores in registers, with at most two waits for them a trip (four
-# products wait four times), no spills
-for d, kind, values, a_type in DECODE_FORMATS:
-    compiled = decode_tile(d, kind, values, a_type, ONE_DOT=True)
-    found = G.analyse(compiled, 64 * 256 / 128)
-    loop = G.main_loop(G.sass_ops(compiled.asm["cubin"]))
-    waits = sum(op.startswith("WARPGROUP.DEPBAR") for op in loop)
-    assert not any(op.startswith("STS") for op in loop) and 1 <= waits <= 2, (d, waits, loop)
-    assert found["stack"] == 0 and found["ldg128"] > 0 and found["wgmma"] > 0, found
-    print(d, "one product a trip", found["per_element"], found["regs"])
 print("ok")
 """
 
 
-@pytest.mark.slow  # the opt-in products (ONE_ROW_PRODUCT, ONE_DOT_A_TRIP), half of the compile
+@pytest.mark.slow  # an opt-in product (ONE_ROW_PRODUCT), half of the decode GEMM's compile
 # checks' time; scripts/gpu_session.sh image-check runs it before a GPU session
-def test_opt_in_products_compile_for_hopper_without_a_gpu():
+def test_dp4a_product_compiles_for_hopper_without_a_gpu():
     """The one-row DP4A product's tiles compiled for sm_90: two ``dp4a`` (``IDP.4A``) per four
     weights in the loop, byte permutes, 16-byte loads, no spills, at most 3.2 SASS per weight
     (2.1 to 3.0 seen with Triton 3.6), launched as a dependent; the activation kernel's
-    int8 output beside it, without spills, letting it launch.  The other opt-in product, one
-    tensor-core product a trip: the weights in registers, at most two waits a trip (four
-    without it), no spills."""
-    run_compile_check(OPT_IN_COMPILE_CHECK)
+    int8 output beside it, without spills, letting it launch."""
+    run_compile_check(DP4A_COMPILE_CHECK)

@@ -1107,10 +1107,9 @@ def test_gpu_bench_check_steps_run_each_launch_path_first_alone(tmp_path, monkey
     assert found["off"] == ["dependent"] and progress.read_text() == "done"
     steps = [line[len("(check step: "):-1] for line in out.splitlines()
              if line.startswith("(check step: ")]
-    assert steps == ["codes", "paths", "siblings", "dp4a", "one_dot", "direct", "done"], steps
-    # 5 paths, 2 x 3 siblings, 1 DP4A, 2 one product a trip: none with the dependent or the
-    # direct launch
-    assert len(launches) == 14 and set(launches) == {(False, False)}, launches
+    assert steps == ["codes", "paths", "siblings", "dp4a", "direct", "done"], steps
+    # 5 paths, 2 x 3 siblings, 1 DP4A: none with the dependent or the direct launch
+    assert len(launches) == 12 and set(launches) == {(False, False)}, launches
     assert direct_launch.DIRECT  # as shipped after the checks
     run = module.Run(module.TINY, torch.device("cuda"), ["nvfp4"], 100.0, progress=progress)
     with mock.patch.object(torch.cuda, "synchronize", side_effect=RuntimeError("fault")), \

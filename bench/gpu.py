@@ -543,7 +543,8 @@ def opt_in(step: str):
 def opt_in_check(run: Run, step: str) -> None:
     """The decode path with an opt-in product (:data:`OPT_IN`; the ``gemm``, ``model`` and
     ``tune`` sections time it) within one bf16 rounding of the exact product, every format,
-    random blocks; where it fails, its rows are not run."""
+    random blocks, a layer alone and three q/k/v-like siblings in one launch pair; where it
+    fails, its rows are not run."""
     from kbbq_pl import kernels as K
     from kbbq_pl.formats import get_format
 
@@ -551,23 +552,30 @@ def opt_in_check(run: Run, step: str) -> None:
     k, n, ok = run.shapes["check_k"], run.shapes["check_n"], 0
     try:
         for name in run.formats:
-            t = kbbq_blocks(k, get_format(name).block_size, run.device, seed=4)
-            q = quantized(torch.randn(n, k, device=run.device) * 0.02, name)
+            d = get_format(name).block_size
+            layers = [(quantized(torch.randn(width, k, device=run.device) * 0.02, name),
+                       kbbq_blocks(k, d, run.device, seed=4 + i))
+                      for i, width in enumerate((n, n // 4, n // 4))]
+            siblings = [K.SiblingLinear(q.qdata, q.scale, q.global_scale, t) for q, t in layers]
+            q, t = layers[0]
             for m in rows:
                 x = torch.randn(m, k, device=run.device, dtype=torch.bfloat16)
                 with opt_in(step):
                     y = K.linear_w4a4(x, q.qdata, q.scale, q.global_scale, name, t,
                                       path="decode")
+                    grouped = K.linear_w4a4_siblings(x, siblings, name)
                 ok += within_one_rounding(y, exact_product(x, t, q, name))[0]
+                ok += all(within_one_rounding(out, exact_product(x, st, sq, name))[0]
+                          for out, (sq, st) in zip(grouped, layers))
     except Exception as error:
         switch_off(run, step)
         run.notes.append(f"{what}: FAILED ({type(error).__name__}: "
                          f"{str(error).splitlines()[0][:120]}); its rows are not run")
         run.line(f"{what} (opt-in): checked", "failed", "all", "NO")
         return
-    every = len(run.formats) * len(rows)
-    run.line(f"{what} (opt-in) within one bf16 rounding of the exact product",
-             f"{ok}/{every}", "all", "yes" if ok == every else "NO")
+    every = 2 * len(run.formats) * len(rows)
+    run.line(f"{what} (opt-in) within one bf16 rounding of the exact product, alone and as "
+             "siblings", f"{ok}/{every}", "all", "yes" if ok == every else "NO")
 
 
 def direct_launch_check(run: Run) -> None:
@@ -1277,12 +1285,15 @@ def tune_section(run: Run) -> None:
 
 def probe_section(run: Run) -> None:
     """Where a decode GEMM launch's time goes, read inside it: at M = 1 on ``tune``'s shapes,
-    the shipped launch timed as shipped and again writing its programs' clocks
+    the shipped launch (the tensor cores, and the opt-in DP4A product) timed as shipped and
+    again writing its programs' clocks
     (``skinny_matmul(probe=...)``), in CUDA graphs over copies of the weights as every timing
     here; the clocks of a call in the
     middle of the graph read by :func:`gpu_report.probe_summary` (the probed call's time is
     printed beside the shipped one's: a probe that moved it much tells less).  Opt-in
     (``--sections probe``); not under the interpreter (it reads the GPU's clocks)."""
+    from kbbq_pl import kernels as K
+    from kbbq_pl.formats import get_format
     from kbbq_pl.kernels import skinny
     from kbbq_pl.kernels import triton_kernels as tk
 
@@ -1290,23 +1301,32 @@ def probe_section(run: Run) -> None:
         run.notes.append("probe: not under the interpreter (it reads the GPU's clocks)")
         return
     sms = tk.sm_count(run.device)
-    for k, n, name, _, q, sets, preps, values, pts in one_row_gemms(run, "probe", 10):
-        count = skinny.programs((n,), k, 1, sms)
-        probes = [torch.zeros(count, skinny.PROBE_SLOTS, dtype=torch.int64,
-                              device=run.device) for _ in sets]
+    for k, n, name, x, q, sets, preps, values, pts in one_row_gemms(run, "probe", 10):
+        # product: (activations, their per-tensor scale, DP4A's block scales, its one tile)
+        products = {"shipped": (values, pts, None, skinny._tile_shapes(skinny._CONFIGS)[:1])}
+        if "dp4a" not in run.off:
+            _, a_scales, dp4a_pts, doubled = K._activation_kernel(
+                x, None, get_format(name), None, "probe", None, values_dtype=torch.int8,
+                codes=False)
+            products["DP4A"] = (doubled, dp4a_pts, a_scales, skinny._DP4A_TILES)
+        for product, (a, a_pts, block_scales, tiles) in products.items():
+            count = skinny.programs((n,), k, 1, sms, tiles=tiles)
+            probes = [torch.zeros(count, skinny.PROBE_SLOTS, dtype=torch.int64,
+                                  device=run.device) for _ in sets]
 
-        def measured() -> dict:
-            shipped = seconds_per_call(run, decode_gemm_calls(values, pts, name, q, sets, preps))
-            probed = seconds_per_call(run, decode_gemm_calls(values, pts, name, q, sets, preps,
-                                                             probes))
-            summary = gpu_report.probe_summary(probes[len(probes) // 2].tolist())
-            return dict(us=shipped * 1e6, probed_us=probed * 1e6, **summary)
+            def measured(a=a, a_pts=a_pts, block_scales=block_scales, probes=probes) -> dict:
+                shipped = seconds_per_call(run, decode_gemm_calls(
+                    a, a_pts, name, q, sets, preps, a_scales=block_scales))
+                probed = seconds_per_call(run, decode_gemm_calls(
+                    a, a_pts, name, q, sets, preps, probes, a_scales=block_scales))
+                summary = gpu_report.probe_summary(probes[len(probes) // 2].tolist())
+                return dict(us=shipped * 1e6, probed_us=probed * 1e6, **summary)
 
-        got = attempt(run, f"probe {name}", measured, None)
-        if got is not None:
-            run.add("probe", shape=f"{k}->{n}", fmt=name, product="shipped",
-                    splits=skinny._splits((n,), k, 1, sms, None,
-                                          *skinny._tile_shapes(skinny._CONFIGS)[0]), **got)
+            got = attempt(run, f"probe {name} {product}", measured, None,
+                          step="dp4a" if product == "DP4A" else None)
+            if got is not None:
+                run.add("probe", shape=f"{k}->{n}", fmt=name, product=product,
+                        splits=skinny._splits((n,), k, 1, sms, None, *tiles[0]), **got)
     lines = gpu_report.probe_table(run.rows)
     print("\n### where a decode GEMM launch's time goes, M = 1 (probe): the launch's time in a "
           "CUDA graph, shipped and probed; its programs and SMs; its span and its last "
@@ -2326,21 +2346,26 @@ def compiled_section(run: Run) -> None:
 
     for name, model, _ in quantized_models(run, "compiled", state, calibration):
         # as loaded (Inductor's post-grad pass runs q/k/v and gate/up as one operator each),
-        # then with every linear its own operator (the pass off), while time is left
-        for label, compile_pass in ((name, config.post_grad_custom_post_pass),
-                                    (f"{name}, each linear on its own", None)):
+        # then, while time is left, the same on the opt-in one-row DP4A product (which decides
+        # whether it becomes the default), then with every linear its own operator (the pass off)
+        grouped = config.post_grad_custom_post_pass
+        for label, compile_pass, step in ((name, grouped, None),
+                                          (f"{name}, one-row DP4A", grouped, "dp4a"),
+                                          (f"{name}, each linear on its own", None, None)):
             if label != name and run.left() < 60:
                 run.notes.append(f"compiled: {label} skipped for time")
                 continue
             torch._dynamo.reset()
-            with config.patch(post_grad_custom_post_pass=compile_pass):
+            with config.patch(post_grad_custom_post_pass=compile_pass), \
+                    (opt_in(step) if step else contextlib.nullcontext()):
                 got, how = attempt(run, f"compiled {label}", functools.partial(
                     decode_tokens_per_second, model, prompt, shapes["decode_tokens"],
-                    run.cuda, compiled=True), (math.nan, "failed"))
+                    run.cuda, compiled=True), (math.nan, "failed"), step=step)
             ratio = got / base
             rows.append([label, got, ratio, how])
             print(f"  {label}: {got:.1f} tok/s ({how})", flush=True)
-            run.add("compiled", fmt=name, grouped=label == name, decode_b1_x=ratio, how=how)
+            run.add("compiled", fmt=name, grouped=compile_pass is not None,
+                    dp4a=step == "dp4a", decode_b1_x=ratio, how=how)
             run.goal(f"model {label} compiled: decode batch 1 x bf16 compiled", f"{ratio:.3g}",
                      [ratio], TARGETS["model_decode_1"])
         del model

@@ -304,6 +304,7 @@ def skinny_rows(target: GPUTarget, explore: bool = False, tune: bool = False) ->
         else:
             configs = [(c, 1) for c in [*skinny_configs(explore), *skinny._DP4A_CONFIGS]]
             configs.insert(1, (configs[0][0], 3))  # a decode step's first tile, 3 siblings
+            configs.append((skinny._DP4A_CONFIGS[0], 3))  # and the one-row product's
         for config, groups in configs:
             k = config.kwargs
             constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,

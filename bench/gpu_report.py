@@ -27,6 +27,7 @@ Two readings, one per kind of file:
 from __future__ import annotations
 
 import argparse
+import collections
 import gzip
 import json
 import math
@@ -136,9 +137,7 @@ def probe_summary(rows: list[list[int]]) -> dict[str, float]:
     rows = [r for r in rows if any(r)]
     start = min(r[0] for r in rows)
     ghz = sum(r[4] - r[1] for r in rows) / max(sum(r[7] - r[0] for r in rows), 1)
-    per_sm: dict[int, int] = {}
-    for r in rows:
-        per_sm[r[5]] = per_sm.get(r[5], 0) + 1
+    per_sm = collections.Counter(r[5] for r in rows)
     summed = [r for r in rows if r[6]]
     last = max(rows, key=lambda r: r[7])
 

@@ -440,6 +440,17 @@ def choose_path(m: int, fmt: str | Format) -> str:
     return "prefill" if m >= PREFILL_MIN_M[fp4_format(fmt).scale_kind] else "decode"
 
 
+def _decode_operand_dtype(m: int, scale_kind: int) -> torch.dtype:
+    """The activation kernel's output a decode GEMM of ``m`` rows reads: int8 ``2q`` where it
+    runs the DP4A product (one row, :data:`kbbq_pl.kernels.skinny.ONE_ROW_PRODUCT`), else the
+    values its tensor cores multiply."""
+    from . import skinny
+
+    if m == 1 and skinny.ONE_ROW_PRODUCT == skinny.PRODUCT_DP4A:
+        return torch.int8
+    return skinny.activation_dtype(scale_kind)
+
+
 def _decode_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | None,
                  prepared: PreparedWeight, t: Tensor | None, act_gs, bias,
                  out_dtype: torch.dtype) -> Tensor:
@@ -448,10 +459,10 @@ def _decode_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | N
     fmt = prepared.fmt
     scale_kind, _, gain = _scale_meta(fmt)
     m = x2.shape[0]
-    dp4a = m == 1 and skinny.ONE_ROW_PRODUCT == skinny.PRODUCT_DP4A
+    operand = _decode_operand_dtype(m, scale_kind)
+    dp4a = operand == torch.int8
     _, a_scales, pts, values = _activation_kernel(
-        x2, t, fmt, act_gs, "linear_w4a4", None,
-        values_dtype=torch.int8 if dp4a else skinny.activation_dtype(scale_kind), codes=False,
+        x2, t, fmt, act_gs, "linear_w4a4", None, values_dtype=operand, codes=False,
         word_order=not dp4a, launch_dependents=skinny.dependent_launch(x2.device))
     return skinny.skinny_matmul(values, m, codes, scales, pts, w_global, fmt.block_size,
                                 scale_kind, gain, prepared.shift(scales), bias, out_dtype,
@@ -698,11 +709,11 @@ def linear_w4a4_siblings(x: Tensor, layers: Sequence[SiblingLinear],
 
     Together means: 2 or 3 layers (:data:`MAX_SIBLINGS`) of one ``K``, all with a transform or
     none, a static activation scale or none, a bias (of one dtype) or none, MX weights of one
-    decode shift, rows below :data:`PREFILL_MIN_M` (and not a one-row step with the opt-in DP4A
-    product).  Otherwise each layer runs :func:`linear_w4a4` on its own.  The grouped decode
-    GEMM chooses its tile and K splits for all the siblings' columns together: where they are
-    a layer's own (as in the CPU tests), its output has that call's bits; else it is within
-    the same one rounding of the exact product."""
+    decode shift, rows below :data:`PREFILL_MIN_M`.  Otherwise each layer runs
+    :func:`linear_w4a4` on its own.  The grouped decode GEMM (the opt-in DP4A product's too,
+    at one row) chooses its tile and K splits for all the siblings' columns together: where
+    they are a layer's own (as in the CPU tests), its output has that call's bits; else it is
+    within the same one rounding of the exact product."""
     fmt = fp4_format(fmt)
     if not layers:
         raise ValueError("linear_w4a4_siblings: no layers")
@@ -718,7 +729,6 @@ def linear_w4a4_siblings(x: Tensor, layers: Sequence[SiblingLinear],
     from . import skinny
 
     if (not 2 <= len(layers) <= MAX_SIBLINGS or m == 0 or choose_path(m, fmt) != "decode"
-            or (m == 1 and skinny.ONE_ROW_PRODUCT == skinny.PRODUCT_DP4A)
             or any(layer.weight_codes.shape[-1] * 2 != k for layer in layers)
             or any(len({getattr(layer, field) is None for layer in layers}) > 1
                    for field in ("transform", "act_global_scale", "bias"))
@@ -738,13 +748,14 @@ def linear_w4a4_siblings(x: Tensor, layers: Sequence[SiblingLinear],
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     scale_kind, rounding, gain = _scale_meta(fmt)
-    _, _, pts, values = _backend().quantize_activations(
+    operand = _decode_operand_dtype(x2.shape[0], scale_kind)
+    dp4a = operand == torch.int8
+    _, a_scales, pts, values = _backend().quantize_activations(
         x2, [t for *_, t, _ in operands], fmt.block_size, scale_kind, rounding, gain,
-        None if act_scales[0] is None else act_scales, None,
-        values_dtype=skinny.activation_dtype(scale_kind), codes=False, word_order=True,
-        launch_dependents=skinny.dependent_launch(x2.device))
+        None if act_scales[0] is None else act_scales, None, values_dtype=operand,
+        codes=False, word_order=not dp4a, launch_dependents=skinny.dependent_launch(x2.device))
     outs = skinny.skinny_matmul(
         values, x2.shape[0], [op[0] for op in operands], [op[1] for op in operands], pts,
         [op[2] for op in operands], fmt.block_size, scale_kind, gain, shifts.pop(),
-        [op[5] for op in operands], out_dtype)
+        [op[5] for op in operands], out_dtype, a_scales=a_scales if dp4a else None)
     return [y.reshape(*lead, y.shape[1]) for y in outs]

@@ -74,10 +74,10 @@ PRODUCT_DOT = 0
 PRODUCT_DP4A = 2
 ONE_ROW_PRODUCT = PRODUCT_DOT
 """The product of a one-row decode GEMM (a batch-1 decode step) in :func:`kbbq_pl.kernels.
-linear_w4a4`: the tensor cores (``PRODUCT_DOT``) or the integer dot products of
-``PRODUCT_DP4A`` (:func:`_dp4a_block_sums`; opt-in: a layer alone runs faster on it, within one
-rounding, but it takes no siblings, whose grouped launches it gives up at batch 1, and
-``bench/gpu.py``'s model section has not yet timed a whole decode step on it)."""
+linear_w4a4` and :func:`~kbbq_pl.kernels.linear_w4a4_siblings`: the tensor cores
+(``PRODUCT_DOT``) or the integer dot products of ``PRODUCT_DP4A`` (:func:`_dp4a_block_sums`;
+opt-in: a layer alone runs faster on it, within one rounding, but ``bench/gpu.py``'s model
+sections have not yet timed a whole decode step on it)."""
 VALUES_FP32 = 0
 VALUES_FP16 = 1
 VALUES_BF16 = 2
@@ -353,8 +353,9 @@ def _skinny_kernel(
     (not 3.9) staged the decoded MX weights through shared memory on their way to the tensor
     cores, 9 barriers a step instead of 2 at 16 x 64 x 256).
 
-    ``GROUPS`` (2 or 3, the tensor-core product): sibling layers in one launch, each with its
-    own activations (``a_ptr + g stride_ag``, per-tensor scale ``a_global_ptr + g``) and
+    ``GROUPS`` (2 or 3): sibling layers in one launch, each with its own activations
+    (``a_ptr + g stride_ag``, per-tensor scale ``a_global_ptr + g``; the DP4A product's block
+    scales at ``a_scale_ptr + g M K/D``) and
     weights ``[N, K/2]``, ``[N1, K/2]``, ``[N2, K/2]`` (codes at ``w_ptr``, ``w1_ptr``,
     ``w2_ptr``, and so the scale bytes, per-tensor scales, biases), the column tiles of one
     after those of the one before, each output ``[M, N_g]`` on its own (``out_ptr``,
@@ -377,7 +378,7 @@ def _skinny_kernel(
     part_n = N  # the partials' row: every sibling's columns, one after the other
     part_col = 0
     if GROUPS > 1:
-        tl.static_assert((PRODUCT == 0) & (GROUPS <= 3))
+        tl.static_assert(GROUPS <= 3)
         part_n = N + N1 + N2
         first1 = tl.cdiv(N, BLOCK_N)
         first2 = first1 + tl.cdiv(N1, BLOCK_N)
@@ -400,6 +401,7 @@ def _skinny_kernel(
             out_ptr = out1_ptr
         stride_om = N
         a_ptr += g * stride_ag
+        a_scale_ptr += g * M * (K // D)  # the DP4A product's block scales [G, M, K/D]
         a_global_ptr += g
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -701,29 +703,34 @@ def _grid(ns: tuple[int, ...], k: int, m: int, sms: int, split_k: int | None, cf
             cdiv(m, cfg["BLOCK_M"]))
 
 
+def _candidate_tiles(m: int, tiles: tuple[tuple[int, int, int], ...] | None
+                     ) -> tuple[tuple[int, int, int], ...]:
+    """``tiles`` (``(BLOCK_M, BLOCK_N, BLOCK_K)``), or where None the tensor-core tiles the
+    autotuner may pick for ``m`` rows."""
+    if tiles is None:
+        tiles = _tile_shapes(_prune_configs(_CONFIGS, {"m_bucket": m_bucket(m)}))
+    return tiles
+
+
 @functools.lru_cache(maxsize=4096)
 def _partial_rows(ns: tuple[int, ...], k: int, m: int, sms: int, split_k: int | None,
                   tiles: tuple[tuple[int, int, int], ...] | None) -> int:
     """Rows of FP32 split-K partials (``[splits x row tiles x BLOCK_M, N]``) the largest of
-    the candidate tiles (``(BLOCK_M, BLOCK_N, BLOCK_K)``; None: the autotuned ones for ``m``)
-    needs; worked out once per shape, not per call (a decode step is latency)."""
-    if tiles is None:
-        tiles = _tile_shapes(_prune_configs(_CONFIGS, {"m_bucket": m_bucket(m)}))
-    splits = [(_splits(ns, k, m, sms, split_k, bm, bn, bk), bm) for bm, bn, bk in tiles]
+    the candidate tiles (:func:`_candidate_tiles`) needs; worked out once per shape, not per
+    call (a decode step is latency)."""
+    splits = [(_splits(ns, k, m, sms, split_k, bm, bn, bk), bm)
+              for bm, bn, bk in _candidate_tiles(m, tiles)]
     return max([split * cdiv(m, bm) * bm for split, bm in splits if split > 1],
                default=1)
 
 
 def programs(ns: tuple[int, ...], k: int, m: int, sms: int, split_k: int | None = None,
              tiles: tuple[tuple[int, int, int], ...] | None = None) -> int:
-    """Programs of the largest grid among the candidate tiles (``(BLOCK_M, BLOCK_N,
-    BLOCK_K)``; None: the tensor-core tiles for ``m`` rows) of a launch over the siblings'
-    outputs ``ns``."""
-    if tiles is None:
-        tiles = _tile_shapes(_prune_configs(_CONFIGS, {"m_bucket": m_bucket(m)}))
+    """Programs of the largest grid among the candidate tiles (:func:`_candidate_tiles`) of a
+    launch over the siblings' outputs ``ns``."""
     return max(math.prod(_grid(ns, k, m, sms, split_k, {"BLOCK_M": bm, "BLOCK_N": bn,
                                                          "BLOCK_K": bk}))
-               for bm, bn, bk in tiles)
+               for bm, bn, bk in _candidate_tiles(m, tiles))
 
 
 def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: int,
@@ -737,10 +744,11 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
     the int8 ``2q`` of the activations in the natural order (``quantize_activations`` with an
     int8 ``values_dtype``), one row a tile.
 
-    Sibling layers in one launch (the tensor-core product): ``w_codes``, ``w_scales``,
-    ``w_global`` and ``bias`` lists of 2 or 3 (contiguous weights of one ``K``, all with a
-    bias or none, one decode ``shift``), ``a_values [G, M, >=K]`` and ``a_global`` (NVFP4)
-    ``[G]`` from the siblings' activation launch; returns the list of outputs.
+    Sibling layers in one launch: ``w_codes``, ``w_scales``, ``w_global`` and ``bias`` lists
+    of 2 or 3 (contiguous weights of one ``K``, all with a bias or none, one decode
+    ``shift``), ``a_values [G, M, >=K]``, ``a_global`` (NVFP4) ``[G]`` and (DP4A)
+    ``a_scales [G, M, K/d]`` from the siblings' activation launch; returns the list of
+    outputs.
 
     ``probe`` (a diagnostic: ``bench/gpu.py --sections probe``): int64 ``[rows, PROBE_SLOTS]``
     with a row for each program (:func:`programs`), which each program fills with its
@@ -757,13 +765,15 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
                          f"{'no' if a_scales is None else 'FP32'} scales")
     if config is not None and (config["PRODUCT"] == PRODUCT_DP4A) != dp4a:
         raise ValueError(f"the tile {config} does not take {a_values.dtype} activations")
-    if groups > 1 and (dp4a or groups > 3 or a_values.shape[0] != groups
+    if groups > 1 and (groups > 3 or a_values.shape[0] != groups
+                       or (dp4a and (a_scales.shape[0] != groups or not a_scales.is_contiguous()))
                        or len({b is None for b in bias}) > 1
                        or len({c.shape[1] for c in w_codes}) > 1
                        or not all(c.is_contiguous() and s.is_contiguous()
                                   for c, s in zip(w_codes, w_scales))):
         raise ValueError("sibling decode GEMMs take 2 or 3 contiguous weights of one K, their "
-                         "activations [G, M, K] (tensor cores), all with a bias or none")
+                         "activations [G, M, K] (DP4A: and contiguous block scales "
+                         "[G, M, K/d]), all with a bias or none")
     ns = tuple(c.shape[0] for c in w_codes)
     k = w_codes[0].shape[1] * 2
     device = w_codes[0].device

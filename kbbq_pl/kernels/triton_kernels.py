@@ -344,9 +344,9 @@ def _quantize_activations_kernel(
     ``GROUPS`` (2 or 3: sibling layers that read the same input, q/k/v or gate/up): program
     ``g`` of the third grid axis rounds ``x`` for sibling ``g``, its transform at ``t_ptr``,
     ``t1_ptr`` or ``t2_ptr`` and its static scale at ``global_ptr``, ``global1_ptr`` or
-    ``global2_ptr``, into ``values_ptr + g stride_vg`` (values only), its amax and per-tensor
-    scale at ``amax_ptr + g`` and ``pts_ptr + g``: one launch for the siblings, each with
-    the bits of its own."""
+    ``global2_ptr``, into ``values_ptr + g stride_vg`` (values only; int8 values' block scales
+    at ``scales_ptr + g M stride_sm``), its amax and per-tensor scale at ``amax_ptr + g`` and
+    ``pts_ptr + g``: one launch for the siblings, each with the bits of its own."""
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
     if GROUPS > 1:
@@ -360,6 +360,7 @@ def _quantize_activations_kernel(
             t_ptr = t2_ptr
             global_ptr = global2_ptr
         values_ptr += g * stride_vg
+        scales_ptr += g * M * stride_sm  # int8 values' FP32 block scales, [G, M, n_blocks]
         amax_ptr += g
         pts_ptr += g
     pid_b = tl.program_id(1)
@@ -634,8 +635,8 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
 
     A list of 2 or 3 transforms (all tensors or all None; ``global_scale`` then a list of as
     many static scales, or None) rounds ``x`` once for each, in one launch (values only): the
-    values ``[G, M, K]`` and the per-tensor scales ``[G]``, each sibling's the bits of its
-    own call.
+    values ``[G, M, K]`` (int8: with their block scales ``[G, M, K/d]``) and the per-tensor
+    scales ``[G]``, each sibling's the bits of its own call.
     """
     if product is None:
         product = PRODUCT_FMA_CHAIN
@@ -647,7 +648,7 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     transforms = list(transform) if groups > 1 else [transform]
     scales_in = (list(global_scale) if groups > 1 and global_scale is not None
                  else [global_scale])
-    if groups > 1 and (codes or values_dtype in (None, torch.int8) or e4m3_inexact is not None
+    if groups > 1 and (codes or values_dtype is None or e4m3_inexact is not None
                        or len({t is None for t in transforms}) > 1
                        or (global_scale is not None and len(scales_in) != groups)):
         raise ValueError("sibling activations come as values alone, one transform (all or none "
@@ -683,7 +684,7 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     if doubled:
         if codes or word_order or e4m3:
             raise ValueError("int8 activation values (2q) come alone, in the natural order")
-        scales_out = torch.empty(m, n_blocks, dtype=torch.float32, device=device)
+        scales_out = torch.empty(*lead, m, n_blocks, dtype=torch.float32, device=device)
     meta = dict(D=d, SCALE_KIND=scale_kind, ROUNDING=rounding, GAIN=gain,
                 HAS_T=transform is not None, STATIC=static, PRODUCT=product,
                 WRITE_CODES=codes, WRITE_VALUES=values is not None, WORD_ORDER=word_order,
@@ -700,7 +701,7 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
             values if values is not None else dummy, e4m3_inexact if e4m3 else dummy,
             columns[1], columns[2], statics[1], statics[2],
             m, n_blocks, x.stride(0), codes_arg.stride(0) if codes or e4m3 else 0,
-            scales_arg.stride(0) if codes or doubled else 0,
+            scales_arg.stride(-2) if codes or doubled else 0,
             values.stride(-2) if values is not None else 0,
             values.stride(0) if groups > 1 else 0, _m_bucket(m)]
 

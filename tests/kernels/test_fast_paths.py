@@ -280,6 +280,16 @@ def test_decode_gemm_probe_fills_a_row_for_each_program(m, split):
     assert (probe[:needed, [0, 1, 2, 3, 4, 7]] == 0).all()
     with pytest.raises(ValueError, match="int64"):
         skinny(x, q, "nvfp4", split_k=split, probe=probe[:needed - 1])
+    if m == 1:  # the one-row DP4A product's programs (the interpreter's 1 x 16 x 128 tile)
+        tile = S.INTERPRETER_DP4A_CONFIG
+        needed = S.programs((40,), 384, 1, 4, split,
+                            ((tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]),))
+        assert needed == columns * split
+        probe = torch.full((needed, S.PROBE_SLOTS), -1, dtype=torch.int64)
+        y = dp4a(x, q, "nvfp4", split_k=split, probe=probe)
+        assert torch.equal(y, dp4a(x, q, "nvfp4", split_k=split))
+        assert probe[:, 5].tolist() == place
+        assert (probe[:, 6].view(split, columns).sum(0) == (1 if split > 1 else 0)).all()
 
 
 def test_decode_gemm_tiles():
@@ -972,11 +982,12 @@ def test_decode_gemm_compiles_for_hopper_without_a_gpu():
 
 DP4A_COMPILE_CHECK = SM90_COMPILE + """
 # the one-row DP4A product: byte permutes and integer dot products, 16-byte loads, no spills
+# (alone and as three siblings in one launch)
 for d, kind in ((16, tk.SCALE_E4M3), (32, tk.SCALE_E8M0)):
-    for config in S._DP4A_CONFIGS:
+    for config, groups in [(c, g) for c in S._DP4A_CONFIGS for g in (1, 3)]:
         constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
                          HAS_BIAS=True, VALUES=S.VALUES_FP32, EXPLICIT_BF16=False, EVEN_K=True,
-                         DEPENDENT=True, SHIFTED=False, **config.kwargs)
+                         DEPENDENT=True, SHIFTED=False, GROUPS=groups, **config.kwargs)
         compiled = G.compile_kernel(S._skinny_kernel, dict(G.SKINNY_SIGNATURE, a_ptr="*i8"),
                                     constants, target, num_warps=config.num_warps,
                                     num_stages=config.num_stages, enable_fp_fusion=True)
@@ -988,7 +999,7 @@ for d, kind in ((16, tk.SCALE_E4M3), (32, tk.SCALE_E8M0)):
         assert found["stack"] == 0 and found["ldg128"] > 0, found
         assert float(found["per_element"]) <= 3.2, found
         assert ops.count("ACQBULK") == 1, ops
-        print(d, "dp4a", found["per_element"])
+        print(d, "dp4a", groups, found["per_element"])
 # the activation kernel's int8 output (2q, FP32 block scales: the product's operand), MX's
 # one-row tile, launching the product as a dependent
 constants = dict(D=32, SCALE_KIND=tk.SCALE_E8M0, ROUNDING=0, GAIN=1.0, HAS_T=True,
@@ -1010,6 +1021,7 @@ print("ok")
 def test_dp4a_product_compiles_for_hopper_without_a_gpu():
     """The one-row DP4A product's tiles compiled for sm_90: two ``dp4a`` (``IDP.4A``) per four
     weights in the loop, byte permutes, 16-byte loads, no spills, at most 3.2 SASS per weight
-    (2.1 to 3.0 seen with Triton 3.6), launched as a dependent; the activation kernel's
+    (2.1 to 3.0 seen with Triton 3.6), launched as a dependent, alone and for three sibling
+    layers; the activation kernel's
     int8 output beside it, without spills, letting it launch."""
     run_compile_check(DP4A_COMPILE_CHECK)

@@ -818,12 +818,14 @@ def test_gpu_bench_tiny_run(capsys, tmp_path):
     summary = out[out.index("## summary"):]
     for row in ("bit for bit the CPU reference | 1/1", "within one bf16 rounding of the exact "
                 "product | 7/7", "one-row DP4A product (opt-in) within one bf16 rounding of the "
-                "exact product | 1/1", "linear M=1 nvfp4", "activation nvfp4 16x16 blocks, exact",
+                "exact product, alone and as siblings | 2/2", "linear M=1 nvfp4",
+                "activation nvfp4 16x16 blocks, exact",
                 "decode-step activation kernel nvfp4: time of 'fma dot, 4 warps'",
                 "model nvfp4: decode batch 2", "model nvfp4: prefill",
                 "rows from which prefill beats decode, nvfp4", "peers: skipped",
                 "model nvfp4 compiled: decode batch 1 x bf16 compiled",
                 "model nvfp4, each linear on its own compiled: decode batch 1 x bf16 compiled",
+                "model nvfp4, one-row DP4A compiled: decode batch 1 x bf16 compiled",
                 "model nvfp4: decode batch 1 x bf16, one-row DP4A product (opt-in)",
                 "model nvfp4: decode batch 1 x bf16, each linear launched on its own",
                 "model nvfp4: decode batch 1 x bf16, both without a CUDA graph"):
@@ -845,25 +847,35 @@ def test_gpu_bench_tiny_run(capsys, tmp_path):
     model_row = next(line for line in out.splitlines() if line.startswith("| mxfp4 | ")
                      and line.count("|") == 15)
     assert float(model_row.split("|")[12]) < 1e-2, model_row
-    # compiled, the sibling pass runs q/k/v and gate/up as one operator each (then, the pass
-    # off, each linear alone)
+    # compiled, the sibling pass runs q/k/v and gate/up as one operator each (then the same on
+    # the one-row DP4A product, one launch for each group's siblings too; then, the pass off,
+    # each linear alone)
+    from kbbq_pl.kernels import skinny
     from kbbq_pl.quant import siblings
 
-    made = []
+    made, dp4a_groups = [], []
 
     def merge(graph):
         made.append(real_merge(graph))
         return made[-1]
 
-    real_merge = siblings.merge_sibling_linears
+    def decode_gemm(*args, **kwargs):
+        if kwargs.get("a_scales") is not None:
+            dp4a_groups.append(len(args[2]) if isinstance(args[2], list) else 1)
+        return real_gemm(*args, **kwargs)
+
+    real_merge, real_gemm = siblings.merge_sibling_linears, skinny.skinny_matmul
     # compiled afresh: a graph Inductor cached (this test's first run made it) skips the pass
     with mock.patch.object(siblings, "merge_sibling_linears", merge), \
             mock.patch.object(K, "linear_w4a4_siblings", wraps=K.linear_w4a4_siblings) as grouped, \
+            mock.patch.object(skinny, "skinny_matmul", decode_gemm), \
             torch._inductor.config.patch(force_disable_caches=True):
         module.main(["--tiny", "--formats", "mxfp4", "--sections", "compiled"])
     compiled_out = capsys.readouterr().out
     assert 2 in made and grouped.call_count > 0, made
     assert "| mxfp4, each linear on its own | " in compiled_out
+    assert "| mxfp4, one-row DP4A | " in compiled_out and "FAILED" not in compiled_out
+    assert {2, 3} <= set(dp4a_groups), dp4a_groups  # gate/up and q/k/v on DP4A, grouped
     # a goal missed (every speed goal, on the CPU) says by how much
     assert "| 0.35 | 0/1; worst " in summary and "x from the target |" in summary
     assert "FAILED" not in summary

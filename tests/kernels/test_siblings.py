@@ -84,6 +84,60 @@ def test_siblings_run_in_two_launches_with_each_layers_bits(fmt, static):
         assert_each_layers_bits(x, layers, fmt, outputs)
 
 
+@pytest.mark.parametrize("fmt, static", [("nvfp4", True), ("nvfp4", False), ("mxfp4", False)])
+def test_one_row_dp4a_siblings_run_in_two_launches_with_each_layers_bits(fmt, static):
+    """With the one-row DP4A product switched on, three siblings at one row still take one
+    activation launch (int8 ``2q`` and block scales for each) and one DP4A decode GEMM, each
+    output the bits of its own DP4A call; K split in two as well (each split's partials in
+    order, the counters left at zero)."""
+    needs_kernels()
+    from kbbq_pl.kernels import skinny as S
+    from kbbq_pl.kernels import triton_kernels as tk
+
+    k = 1024
+    layers = siblings(fmt, (48, 16, 40), k, static, seed=7)
+    x = (torch.randn(1, k - 9) * 2).to(torch.bfloat16)
+    act, gemm = Counted(tk, "quantize_activations"), Counted(S, "skinny_matmul")
+    products = []
+    real = S.skinny_matmul
+
+    def spy(*args, **kwargs):
+        products.append(kwargs.get("a_scales") is not None)
+        return real(*args, **kwargs)
+
+    with mock.patch.object(S, "ONE_ROW_PRODUCT", S.PRODUCT_DP4A):
+        with act.patch, gemm.patch, mock.patch.object(S, "skinny_matmul", spy):
+            outputs = K.linear_w4a4_siblings(x, layers, fmt)
+        assert (act.calls, products) == (1, [True])
+        assert_each_layers_bits(x, layers, fmt, outputs)
+    kind, rounding, gain = K._scale_meta(F.get_format(fmt))
+    d = F.get_format(fmt).block_size
+    x = torch.randn(1, k).to(torch.bfloat16)
+    _, a_scales, pts, doubled = tk.quantize_activations(
+        x, [layer.transform for layer in layers], d, kind, rounding, gain,
+        [layer.act_global_scale for layer in layers] if static else None,
+        values_dtype=torch.int8, codes=False)
+    assert doubled.shape == (3, 1, k) and a_scales.shape == (3, 1, k // d)
+    codes = [layer.weight_codes for layer in layers]
+    scales = [layer.weight_scales.view(torch.uint8) for layer in layers]
+    w_global = [layer.weight_global for layer in layers]
+    biases = [layer.bias for layer in layers]
+    shift = K.prepare_weight(codes[0], layers[0].weight_scales, None, fmt).shift(
+        layers[0].weight_scales)
+    pts = pts if pts is not None else [None] * 3
+    grouped = S.skinny_matmul(doubled, 1, codes, scales, pts, w_global, d, kind, gain, shift,
+                              biases, torch.float32, split_k=2, a_scales=a_scales)
+    for g, y in enumerate(grouped):
+        alone = S.skinny_matmul(doubled[g], 1, codes[g], scales[g], pts[g], w_global[g], d,
+                                kind, gain, shift, biases[g], torch.float32, split_k=2,
+                                a_scales=a_scales[g])
+        assert torch.equal(y, alone), g
+    assert int(S._counter(CPU).abs().sum()) == 0
+    with pytest.raises(ValueError, match="block scales"):
+        S.skinny_matmul(doubled, 1, codes, scales, pts, w_global, d, kind, gain, shift, biases,
+                        torch.float32, a_scales=a_scales[:2])
+
+
 def test_siblings_that_cannot_launch_together_run_alone():
     """A transform on one sibling only, a static scale on one only, MX weights of different
     decode shifts, biases of two dtypes (one kernel pointer type), rows on the prefill path,

@@ -826,6 +826,8 @@ def test_gpu_bench_tiny_run(capsys, tmp_path):
                 "model nvfp4 compiled: decode batch 1 x bf16 compiled",
                 "model nvfp4, each linear on its own compiled: decode batch 1 x bf16 compiled",
                 "model nvfp4, one-row DP4A compiled: decode batch 1 x bf16 compiled",
+                "model nvfp4 compiled batch 1: tok/s on the one-row DP4A product over the "
+                "default's",
                 "model nvfp4: decode batch 1 x bf16, one-row DP4A product (opt-in)",
                 "model nvfp4: decode batch 1 x bf16, each linear launched on its own",
                 "model nvfp4: decode batch 1 x bf16, both without a CUDA graph"):

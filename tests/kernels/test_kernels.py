@@ -1122,8 +1122,9 @@ def test_gpu_bench_check_steps_run_each_launch_path_first_alone(tmp_path, monkey
     steps = [line[len("(check step: "):-1] for line in out.splitlines()
              if line.startswith("(check step: ")]
     assert steps == ["codes", "paths", "siblings", "dp4a", "direct", "done"], steps
-    # 5 paths, 2 x 3 siblings, 1 DP4A: none with the dependent or the direct launch
-    assert len(launches) == 12 and set(launches) == {(False, False)}, launches
+    # 5 paths, 2 x 3 siblings, 1 DP4A linear and 3 DP4A siblings: none with the dependent or
+    # the direct launch
+    assert len(launches) == 15 and set(launches) == {(False, False)}, launches
     assert direct_launch.DIRECT  # as shipped after the checks
     run = module.Run(module.TINY, torch.device("cuda"), ["nvfp4"], 100.0, progress=progress)
     with mock.patch.object(torch.cuda, "synchronize", side_effect=RuntimeError("fault")), \

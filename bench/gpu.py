@@ -1392,6 +1392,10 @@ def act_section(run: Run) -> None:
             others += [(tk.PRODUCT_FMA_DOT, "fma dot", dot_tile, True),
                        (tk.PRODUCT_FMA_DOT, "fma dot, four tiles a program",
                         {**dot_tile, "TILES": 4}, True)]
+            # tensor cores: x (bf16) times T as three bf16 parts, not the chain's rounding
+            others += [(tk.PRODUCT_BF16X3, "bf16x3 tensor cores", tk.BF16X3_TILE, True),
+                       (tk.PRODUCT_BF16X3, "bf16x3 tensor cores, four tiles a program",
+                        {**tk.BF16X3_TILE, "TILES": 4}, True)]
             for (product, product_label, tile, prefetch), output in itertools.product(
                     others if transform is not None else (), outputs):
                 gs = None if not fmt_.global_scale else torch.tensor(0.01, device=device)
@@ -2386,7 +2390,7 @@ def compiled_section(run: Run) -> None:
 # --------------------------------------------------------------------------- main
 
 
-SECTIONS = {"check": (check_section, 190), "gemm": (gemm_section, 75), "act": (act_section, 35),
+SECTIONS = {"check": (check_section, 190), "gemm": (gemm_section, 75), "act": (act_section, 45),
             "act_few": (act_few_section, 40), "model": (model_section, 230),
             "rows": (rows_section, 60),
             "peers": (peers_section, 60), "compiled": (compiled_section, 150),

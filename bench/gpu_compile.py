@@ -223,7 +223,11 @@ def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> l
                 runs.append((_tile_config(tk.FEW_ROWS_TILES[d]), tk.PRODUCT_FMA_CHAIN, 3))
             if has_t and not explore and dtype != "*i8":
                 runs.append((FMA_DOT_TILES[d], tk.PRODUCT_FMA_DOT, 1))
+                runs.append((_tile_config(tk.BF16X3_TILE), tk.PRODUCT_BF16X3, 1))
             for config, product, groups in runs:
+                parts = product == tk.PRODUCT_BF16X3  # the transforms as bf16 parts
+                run_signature = (dict(signature, t_ptr="*bf16", t1_ptr="*bf16", t2_ptr="*bf16")
+                                 if parts else signature)
                 constants = dict(D=d, SCALE_KIND=kind, ROUNDING=0, GAIN=1.0, HAS_T=has_t,
                                  STATIC=False, AMAX_ONLY=False, PRODUCT=product,
                                  WRITE_CODES=not out_values, WRITE_VALUES=out_values,
@@ -231,7 +235,7 @@ def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> l
                                  LAUNCH_DEPENDENTS=word_order, PREFETCH_T=True, GROUPS=groups,
                                  **config.kwargs)
                 start = time.perf_counter()
-                compiled = compile_kernel(tk._quantize_activations_kernel, signature, constants,
+                compiled = compile_kernel(tk._quantize_activations_kernel, run_signature, constants,
                                           target, num_warps=config.num_warps,
                                           enable_fp_fusion=True)
                 per_thread = (config.kwargs["BLOCK_M"] * config.kwargs["NB"] * d
@@ -240,7 +244,8 @@ def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> l
                     "act values word-order" if word_order else
                     "act values int8 (DP4A)" if dtype == "*i8" else "act values bf16")
                 name += "" if has_t else ", no transform"
-                name += ", fma dot" if product == tk.PRODUCT_FMA_DOT else ""
+                name += {tk.PRODUCT_FMA_DOT: ", fma dot", tk.PRODUCT_BF16X3: ", bf16x3"}.get(
+                    product, "")
                 name += ", 3 siblings" if groups > 1 else ""
                 memory = ", from memory" if config.kwargs.get("FROM_MEMORY") else ""
                 rows.append(_row(f"{name} {fmt}", f"BM={config.kwargs['BLOCK_M']} "

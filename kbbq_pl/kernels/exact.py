@@ -126,6 +126,23 @@ def decoded_weight_bytes(n: int, k: int, block: int) -> int:
     return n * k // 2 + n * (k // block) + 2 * n * k
 
 
+def split_bf16x3(t: Tensor) -> Tensor:
+    """FP32 ``t`` as three bf16 parts, ``[3, *t.shape]``, whose sum is ``t`` exactly: each part
+    the remainder after the ones before rounded to bf16 (8 significant bits each, 24 in all,
+    FP32's), from the largest.  A bf16 operand times a part is exact in FP32, so three bf16
+    tensor-core products give ``x t`` up to their accumulation.  ValueError where the sum is not
+    ``t`` (a remainder under bf16's subnormals: ``|t|`` below about ``2^-110``)."""
+    high = t.to(torch.bfloat16)
+    rest = t - high.float()
+    middle = rest.to(torch.bfloat16)
+    low = (rest - middle.float()).to(torch.bfloat16)
+    parts = torch.stack([high, middle, low])
+    if not torch.equal(high.float() + middle.float() + low.float(), t.float()):
+        raise ValueError(f"{tuple(t.shape)} on {t.device}: not the sum of three bf16 parts "
+                         f"(smallest nonzero magnitude {t[t != 0].abs().min().item():.3g})")
+    return parts
+
+
 # --------------------------------------------------------------------- MX on FP8 tensor cores
 
 FP8_CHUNK = 128

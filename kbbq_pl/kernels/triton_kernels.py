@@ -24,7 +24,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from ..formats.rounding import NVFP4_MIN_GLOBAL_SCALE, NVFP4_SCALE_DIVISOR
 from .direct_launch import launch
-from .exact import FP8_FLOOR, FP8_HEADROOM
+from .exact import FP8_FLOOR, FP8_HEADROOM, split_bf16x3
 from .host import cdiv, next_power_of_2, triton_version
 from .interpret import interpreting
 
@@ -35,6 +35,9 @@ _FP8_FLOOR = tl.constexpr(FP8_FLOOR)
 _NO_BLOCK = tl.constexpr(-(1 << 20))  # below every block exponent: a chunk of no counted block
 
 INTERPRET = interpreting()
+_DOT_FP32: tl.constexpr = tl.constexpr(INTERPRET)
+"""Tensor-core products of bf16 operands multiply FP32 copies under the interpreter (which
+stores bf16 as integers); bf16 times bf16 is exact in FP32, so the terms are the same."""
 COMPILE_OPTIONS = {"enable_fp_fusion": True}
 """Triton's compile options of every kernel launch: FP fusion on (``a * b + c`` one FMA), as
 every kernel's bits, tests and compile reports were made; Triton 3.10 turns its default off
@@ -54,6 +57,7 @@ SCALE_E4M3 = 0
 SCALE_E8M0 = 1
 PRODUCT_FMA_CHAIN = 0
 PRODUCT_FMA_DOT = 1
+PRODUCT_BF16X3 = 2
 ROUNDING_CODES = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3, "no_clip": 0}
 
 
@@ -217,17 +221,26 @@ def _block_parts(rows, blocks, D: tl.constexpr, PARTS_FIRST: tl.constexpr):
 
 @triton.jit
 def _load_blocks(x_ptr, tile, M, n_blocks, blocks, stride_xm, D: tl.constexpr,
-                 BLOCK_M: tl.constexpr, PARTS_FIRST: tl.constexpr):
+                 BLOCK_M: tl.constexpr, PARTS_FIRST: tl.constexpr, WHOLE: tl.constexpr):
     """The activations of row tile ``tile`` in ``blocks``, as stored (zeros outside ``M`` rows
     and ``n_blocks`` blocks).  A row's block is loaded as ``D / 4`` parts of 4 elements, the
     parts on the dimension to which Triton's coalescing gives lanes last (:data:`PARTS_FIRST`),
     so that one thread holds the whole block: the chain, the block's amax and its scale then
     stay in the thread (a ``[.., D]`` load would share each block between two or four threads,
-    16 bytes each)."""
+    16 bytes each).  ``WHOLE`` (a tensor-core product, which lays the block out itself) loads
+    ``[NB, BLOCK_M, D]`` instead."""
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    part, b4, r4 = _block_parts(rows, blocks, D, PARTS_FIRST)
-    return tl.load(x_ptr + r4 * stride_xm + b4 * D + part, mask=(b4 < n_blocks) & (r4 < M),
-                   other=0.0)
+    if WHOLE:
+        offs = tl.arange(0, D)[None, None, :]
+        b3 = blocks[:, None, None]
+        r3 = rows[None, :, None]
+        x = tl.load(x_ptr + r3 * stride_xm + b3 * D + offs, mask=(b3 < n_blocks) & (r3 < M),
+                    other=0.0)
+    else:
+        part, b4, r4 = _block_parts(rows, blocks, D, PARTS_FIRST)
+        x = tl.load(x_ptr + r4 * stride_xm + b4 * D + part, mask=(b4 < n_blocks) & (r4 < M),
+                    other=0.0)
+    return x
 
 
 @triton.jit
@@ -245,31 +258,64 @@ def _transformed_blocks(x4, t_ptr, rows, blocks, n_blocks, D: tl.constexpr, NB: 
     :func:`kbbq_pl.kernels.reference.reference_transform`, ``x_j`` picked from the thread's
     registers and column ``j`` of ``T`` loaded once for all the thread's rows of the block;
     ``PRODUCT_FMA_DOT`` (Triton's FP32 FMA dot: the same chain, operands staged in shared
-    memory) is kept for benchmarks."""
-    part, b4, r4 = _block_parts(rows, blocks, D, PARTS_FIRST)
-    h4 = x4.to(tl.float32)
-    if HAS_T and PRODUCT == 0:  # PRODUCT_FMA_CHAIN
-        bits = h4.to(tl.int32, bitcast=True)
-        # column 0 of T (its block kept in bounds: a masked block's x is 0) for every row, in
-        # x's shape and hence x's layout
-        t_col = t_ptr + tl.minimum(b4, n_blocks - 1) * (D * D) + r4 * 0 + part
-        h4 = tl.zeros(h4.shape, tl.float32)
-        for j in tl.static_range(D):
-            # x[..., j]: a sum of one element and zeros within a thread, which compiles away;
-            # kept as a dimension of size 1 so that it broadcasts over the block
-            xj = tl.sum(tl.sum(tl.where(part == j, bits, 0), axis=3, keep_dims=True),
-                        axis=0 if PARTS_FIRST else 2, keep_dims=True)
-            h4 = tl.fma(xj.to(tl.float32, bitcast=True), tl.load(t_col + j * D), h4)
-    if PARTS_FIRST:
-        h4 = tl.permute(h4, (1, 2, 0, 3))
-    h = tl.reshape(h4, [NB, BLOCK_M, D])
-    if HAS_T and PRODUCT != 0:
-        offs_d = tl.arange(0, D)
-        t_t = tl.load(t_ptr + tl.minimum(blocks, n_blocks - 1)[:, None, None] * (D * D)
-                      + offs_d[None, :, None] * D + offs_d[None, None, :])  # [NB, j, i]
-        acc = tl.zeros([NB, BLOCK_M, D], tl.float32)
-        h = tl.dot(h, t_t, acc, input_precision="ieee")  # PRODUCT_FMA_DOT
+    memory) and ``PRODUCT_BF16X3`` (:func:`_bf16x3_blocks`, tensor cores, not exact) are kept
+    for benchmarks."""
+    if HAS_T and PRODUCT == 2:  # PRODUCT_BF16X3
+        h = _bf16x3_blocks(x4, t_ptr, blocks, n_blocks, D, NB, BLOCK_M)
+    else:
+        part, b4, r4 = _block_parts(rows, blocks, D, PARTS_FIRST)
+        h4 = x4.to(tl.float32)
+        if HAS_T and PRODUCT == 0:  # PRODUCT_FMA_CHAIN
+            bits = h4.to(tl.int32, bitcast=True)
+            # column 0 of T (its block kept in bounds: a masked block's x is 0) for every row, in
+            # x's shape and hence x's layout
+            t_col = t_ptr + tl.minimum(b4, n_blocks - 1) * (D * D) + r4 * 0 + part
+            h4 = tl.zeros(h4.shape, tl.float32)
+            for j in tl.static_range(D):
+                # x[..., j]: a sum of one element and zeros within a thread, which compiles away;
+                # kept as a dimension of size 1 so that it broadcasts over the block
+                xj = tl.sum(tl.sum(tl.where(part == j, bits, 0), axis=3, keep_dims=True),
+                            axis=0 if PARTS_FIRST else 2, keep_dims=True)
+                h4 = tl.fma(xj.to(tl.float32, bitcast=True), tl.load(t_col + j * D), h4)
+        if PARTS_FIRST:
+            h4 = tl.permute(h4, (1, 2, 0, 3))
+        h = tl.reshape(h4, [NB, BLOCK_M, D])
+        if HAS_T and PRODUCT != 0:
+            offs_d = tl.arange(0, D)
+            t_t = tl.load(t_ptr + tl.minimum(blocks, n_blocks - 1)[:, None, None] * (D * D)
+                          + offs_d[None, :, None] * D + offs_d[None, None, :])  # [NB, j, i]
+            acc = tl.zeros([NB, BLOCK_M, D], tl.float32)
+            h = tl.dot(h, t_t, acc, input_precision="ieee")  # PRODUCT_FMA_DOT
     return h
+
+
+@triton.jit
+def _bf16x3_blocks(x4, t_ptr, blocks, n_blocks, D: tl.constexpr, NB: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
+    """``h = T_b x_b`` in FP32 on tensor cores, ``[NB, BLOCK_M, D]``, from bf16 activations
+    ``x4 [NB, BLOCK_M, D]`` (:func:`_load_blocks`, ``WHOLE``) and each block's transposed
+    transform as three bf16 parts (``t_ptr``: :func:`transform_columns_bf16x3`, part ``p`` at
+    ``p * n_blocks * D^2``): three products of exact terms, accumulated in FP32 from the
+    smallest part up.  Not the chain's rounding: a code may differ from the chain's where
+    ``T x`` lies within the two sums' rounding errors of a rounding boundary (``bench/gpu.py``'s
+    ``act`` section prints the rate)."""
+    xb = x4
+    offs = tl.arange(0, D)
+    t_at = (t_ptr + tl.minimum(blocks, n_blocks - 1)[:, None, None] * (D * D)
+            + offs[None, :, None] * D + offs[None, None, :])  # [NB, j, i] = T_b[i, j]
+    part = n_blocks * (D * D)
+    if _DOT_FP32:
+        xb = xb.to(tl.float32)
+    if NB == 1:  # a 2-D product: Triton 3.6 gives each warp the whole of a batched one
+        xb = tl.reshape(xb, [BLOCK_M, D])
+        t_at = tl.reshape(t_at, [D, D])
+    h = tl.zeros(xb.shape, tl.float32)
+    for p in tl.static_range(2, -1, -1):
+        t = tl.load(t_at + p * part)
+        if _DOT_FP32:
+            t = t.to(tl.float32)
+        h = tl.dot(xb, t, h)
+    return tl.reshape(h, [NB, BLOCK_M, D])
 
 
 @triton.jit
@@ -386,12 +432,13 @@ def _quantize_activations_kernel(
         first = tl.program_id(0) * TILES
         last = tl.minimum(first + TILES, tl.cdiv(M, BLOCK_M))
         x4 = _load_blocks(x_ptr, first, M, n_blocks, blocks, stride_xm, D, BLOCK_M,
-                          PARTS_FIRST)
+                          PARTS_FIRST, HAS_T and PRODUCT == 2)
         for tile in range(first, last):
             x_tile = x4
             if TILES > 1:  # the next tile's loads in flight while this one is computed
                 x4 = _load_blocks(x_ptr, tile + 1, tl.minimum(M, last * BLOCK_M), n_blocks,
-                                  blocks, stride_xm, D, BLOCK_M, PARTS_FIRST)
+                                  blocks, stride_xm, D, BLOCK_M, PARTS_FIRST,
+                                  HAS_T and PRODUCT == 2)
             h = _transformed_blocks(x_tile, t_ptr, tile * BLOCK_M + tl.arange(0, BLOCK_M),
                                     blocks, n_blocks, D, NB, BLOCK_M, HAS_T, PRODUCT,
                                     PARTS_FIRST)
@@ -562,6 +609,10 @@ E4M3_TILE = {"BLOCK_M": 32 if _TRITON_3_7 else 64, "NB": 4, "num_warps": 4}
 """The activation kernel's tile when it folds MX values to E4M3 (a whole chunk of 128 a
 program: four blocks; as many block rows a thread as :data:`ACT_TILES`' MX tile)."""
 INTERPRETER_E4M3_CONFIG = {"BLOCK_M": 16, "NB": 4}
+BF16X3_TILE = {"BLOCK_M": 256, "NB": 1, "num_warps": 8}
+"""The ``PRODUCT_BF16X3`` tile: one block a program, as a 2-D ``wgmma`` product (a batched one
+gives each warp the whole product on Triton 3.6); on sm_90 with Triton 3.6, 17.8 SASS an element
+for MX and 31.9 for NVFP4, 80 and 64 registers, no spills (``bench/gpu_compile.py``)."""
 
 
 PROGRAMS_PER_SM = 4
@@ -585,18 +636,30 @@ def sm_count(device: torch.device) -> int:
 
 
 _COLUMNS = WeakIdKeyDictionary()
+_BF16X3 = WeakIdKeyDictionary()
+
+
+def _per_version(cache: WeakIdKeyDictionary, transform, make):
+    """``make(transform)``, kept in ``cache`` while ``transform`` lives and made again after an
+    in-place change of it (seen by its version counter)."""
+    entry = cache.get(transform)
+    if entry is None or entry[0] != transform._version:
+        entry = cache[transform] = (transform._version, make(transform))
+    return entry[1]
 
 
 def transform_columns(transform):
     """``transform [K/d, d, d]`` with each block transposed (``[b, j, i] = T_b[i, j]``), as the
     activation kernel reads it: column ``j`` of a block in 16-byte loads.  Made once per
-    transform tensor and kept while it lives (a layer's transform is transposed at its first
-    call; an in-place change of it, seen by its version counter, transposes it again)."""
-    entry = _COLUMNS.get(transform)
-    if entry is None or entry[0] != transform._version:
-        entry = _COLUMNS[transform] = (transform._version,
-                                       transform.transpose(1, 2).contiguous())
-    return entry[1]
+    transform tensor and version (a layer's transform is transposed at its first call)."""
+    return _per_version(_COLUMNS, transform, lambda t: t.transpose(1, 2).contiguous())
+
+
+def transform_columns_bf16x3(transform):
+    """:func:`transform_columns` as three bf16 parts that sum to it exactly (``[3, K/d, d, d]``,
+    :func:`~kbbq_pl.kernels.exact.split_bf16x3`): the operand of ``PRODUCT_BF16X3``, made once
+    per transform tensor and version."""
+    return _per_version(_BF16X3, transform, lambda t: split_bf16x3(transform_columns(t)))
 
 
 def _m_bucket(m: int) -> int:
@@ -622,7 +685,8 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     natural order) gives ``2q`` as the values and the FP32 block scales ``[M, K/d]`` as the
     scales (the decode GEMM's DP4A product).  Dynamic NVFP4 runs
     the kernel twice (see :func:`kbbq_pl.kernels.quantize_activations`).  ``product``
-    overrides how ``T x`` is multiplied (benchmarks: ``PRODUCT_FMA_DOT``).
+    overrides how ``T x`` is multiplied (benchmarks: ``PRODUCT_FMA_DOT``; ``PRODUCT_BF16X3``,
+    bf16 ``x`` only).
     ``launch_dependents``: the last launch lets the next kernel start early (the decode GEMM
     launched as its programmatic dependent: :func:`kbbq_pl.kernels.skinny.dependent_launch`).
     ``e4m3_inexact`` (MX, ``K`` a multiple of 128; an int32 ``[1]`` counter): instead of the
@@ -693,7 +757,11 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
                 **COMPILE_OPTIONS)
     codes_arg = codes_out if codes or e4m3 else dummy
     scales_arg = scales_out if codes or e4m3 or doubled else dummy
-    columns = [transform_columns(t) if t is not None else dummy for t in transforms]
+    if product == PRODUCT_BF16X3 and x.dtype != torch.bfloat16:
+        raise ValueError(f"the bf16x3 product multiplies bf16 activations, not {x.dtype} "
+                         f"({tuple(x.shape)} on {device})")
+    operand = transform_columns_bf16x3 if product == PRODUCT_BF16X3 else transform_columns
+    columns = [operand(t) if t is not None else dummy for t in transforms]
     statics = scales_in if static else [dummy] * groups
     columns += columns[-1:] * (3 - groups)  # the unused siblings' pointers: any tensor's
     statics += statics[-1:] * (3 - groups)
@@ -712,7 +780,7 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     elif config is None and m <= FEW_ROWS and not INTERPRET:
         config = REGISTER_FEW_ROWS_TILES[d]
     elif config is None and not INTERPRET:
-        config = ACT_TILES[d]
+        config = BF16X3_TILE if product == PRODUCT_BF16X3 else ACT_TILES[d]
         if config.get("TILES", 1) > 1:
             config = dict(config, TILES=tiles_per_program(
                 cdiv(m, config["BLOCK_M"]) * cdiv(n_blocks, config["NB"]) * groups,

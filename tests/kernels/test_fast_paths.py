@@ -119,6 +119,21 @@ def test_mx_decode_multipliers_give_q_times_two_to_e_minus_shift():
     assert exact.mx_shift(torch.tensor([0, 133], dtype=torch.uint8)) == 5
 
 
+def test_split_bf16x3_parts_sum_to_the_fp32_operand():
+    """Three bf16 parts, each under the one before, sum to any FP32 transform exactly (three
+    times bf16's 8 significant bits: FP32's 24); a value whose last part would be under bf16's
+    subnormals is refused, with its magnitude named."""
+    t = torch.randn(64, 32, 32, generator=torch.Generator().manual_seed(0)) / 5.6
+    t[0, 0, :4] = torch.tensor([0.0, -0.0, 1.0 + 2 ** -23, -(2 ** -100)])
+    parts = exact.split_bf16x3(t)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (3, *t.shape)
+    assert torch.equal(parts[0].float() + parts[1].float() + parts[2].float(), t)
+    assert (parts[1].float().abs() <= parts[0].float().abs() * 2 ** -8).all()
+    assert not torch.equal(parts[2], torch.zeros_like(parts[2]))  # all three parts are used
+    with pytest.raises(ValueError, match="three bf16 parts"):
+        exact.split_bf16x3(torch.tensor([1.0 + 2 ** -23, 2 ** -120 * (1 + 2 ** -23)]))
+
+
 def test_word_order_is_a_permutation_within_each_chunk():
     k = torch.arange(384)
     index = exact.word_order_index(k)

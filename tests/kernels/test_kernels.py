@@ -392,6 +392,39 @@ def test_gpu_product_path_runs_under_the_interpreter():
     assert scales < 0.05
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_bf16x3_product_multiplies_by_each_block_transform(fmt, monkeypatch):
+    """The tensor-core product (bench only: x in bf16 times T as three bf16 parts) reads each
+    block's own transform, transposed, and all three parts: with signed permutations (every
+    term exact, whatever the summation) its codes and scales are the reference's; with random
+    transforms (the parts sum to T) it rounds as the chain does up to a few boundary cases;
+    both sides of ``PARTS_FIRST``.  bf16 activations only."""
+    needs_kernels()
+    from kbbq_pl.kernels import triton_kernels as tk
+
+    d = block(fmt)
+    k = 6 * d
+    kind, rounding, gain = K._scale_meta(F.get_format(fmt))
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(48, k, generator=gen) * 3).to(torch.bfloat16)
+    signs = torch.where(torch.rand(k // d, d, generator=gen) < 0.5, -1.0, 1.0)
+    order = torch.stack([torch.randperm(d, generator=gen) for _ in range(k // d)])
+    permutations = torch.zeros(k // d, d, d).scatter_(2, order[:, :, None], signs[:, :, None])
+    random = make_transform("random", k, d, seed=4)
+    for parts_first in (False, True):
+        monkeypatch.setattr(tk, "PARTS_FIRST", parts_first)
+        for t, most in ((permutations, 0.0), (random, 1e-3)):
+            got = tk.quantize_activations(x, t, d, kind, rounding, gain, None,
+                                          product=tk.PRODUCT_BF16X3)
+            want = K.reference_quantize_activations(x, t, fmt)
+            codes = float((got[0] != want[0]).float().mean())
+            scales = float((bits(got[1]) != bits(want[1])).float().mean())
+            assert codes <= most and scales <= most, (fmt, parts_first, most, codes, scales)
+    with pytest.raises(ValueError, match="bf16 activations"):
+        tk.quantize_activations(x.half(), random, d, kind, rounding, gain, None,
+                                product=tk.PRODUCT_BF16X3)
+
+
 def test_tiny_dynamic_scale_quantizes_to_zeros():
     needs_kernels()
     x = torch.full((3, 32), 1e-35)  # amax / (448 * 6) < 2^-121: unusable, codes are zeros

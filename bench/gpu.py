@@ -284,6 +284,22 @@ def attempt(run: Run, what: str, call, fallback, step: str | None = None):
 
 
 FP8_ROWS = "MX on FP8 tensor cores"
+BF16X3_ROWS = "prefill on tensor-core activations"
+
+
+def bf16x3_prefill(run: Run, calls: list, t_bf16: float, name: str) -> list:
+    """The prefill path's ``calls`` with the opt-in activation product ``PRODUCT_BF16X3``:
+    ``[x bf16, the fraction of outputs whose bits differ from the default path's]``."""
+    from kbbq_pl.kernels import triton_kernels as tk
+
+    default = calls[0]()
+    with mock.patch.object(tk, "PREFILL_PRODUCT", tk.PRODUCT_BF16X3):
+        seconds = seconds_per_call(run, calls)
+        got = calls[0]()
+    differing = float((got.view(torch.int16) != default.view(torch.int16)).float().mean())
+    run.add("prefill_bf16x3", fmt=name, m=default.shape[0], speedup=t_bf16 / seconds,
+            differing=differing)
+    return [t_bf16 / seconds, differing]
 
 
 def table(title: str, header: list[str], rows: list[list]) -> None:
@@ -834,7 +850,7 @@ def gemm_section(run: Run) -> None:
     from kbbq_pl.kernels import triton_kernels as tk
 
     device = run.device
-    rows, ratios, fp8_rows = [], {}, []
+    rows, ratios, fp8_rows, bf16x3_rows = [], {}, [], []
     for k, n, w, w_set in gemm_weights(run, "gemm", reserve=30):
         packed = {name: packed_copies(run, w, name) for name in run.formats}
         for m in run.shapes["gemm_m"]:
@@ -873,6 +889,11 @@ def gemm_section(run: Run) -> None:
                                               scales[0], prepared=p)
                             for (c, s), p in zip(sets, decoded)])
                         del decoded
+                    if path == "prefill" and t is not None:  # activations on tensor cores
+                        bf16x3_rows.append([f"{k}->{n}", m, name, t_bf16 / t_ours] + attempt(
+                            run, BF16X3_ROWS, functools.partial(bf16x3_prefill, run, own_calls,
+                                                                t_bf16, name),
+                            [float("nan"), "FAILED"]))
                     if path == "prefill" and fmt_.scale_kind == "e8m0":
                         fp8_rows.append([f"{k}->{n}", m, name, label, t_bf16 * 1e3,
                                          t_bf16 / t_ours] + attempt(
@@ -945,6 +966,21 @@ def gemm_section(run: Run) -> None:
                "FP8 x bf16, eager", "FP8 x bf16, eager, weights kept folded",
                "FP8 x bf16, graph, no host read", "FP8 / default, eager",
                "FP8 ms, graph", "FP8 check"], fp8_rows)
+    if bf16x3_rows:
+        table("the prefill path with its activations' transform on tensor cores (opt-in: "
+              "triton_kernels.PREFILL_PRODUCT = PRODUCT_BF16X3; x in bf16 times T as three "
+              "bf16 parts, not the exact chain's rounding) against bf16 torch.matmul, beside "
+              "the default path (the exact chain); the fraction of outputs whose bits differ "
+              "from the default's", ["K->N", "M", "format", "default x bf16", "bf16x3 x bf16",
+                                     "outputs differing"], bf16x3_rows)
+        for name in run.formats:
+            found = [r for r in run.rows if r.get("section") == "prefill_bf16x3"
+                     and r["fmt"] == name]
+            if found:
+                run.line(f"linear M=4096 {name}, KBBQ blocks, activations on tensor cores "
+                         "(opt-in): x bf16 min / median / max; outputs differing, most",
+                         f"{spread([r['speedup'] for r in found])}; "
+                         f"{max(r['differing'] for r in found):.2g}")
     for m, key in ((1, "decode_1"), (16, "decode_16"), (4096, "prefill")):
         for name in run.formats:
             found = {label: ratios[m, name, label] for label in (
@@ -2390,7 +2426,7 @@ def compiled_section(run: Run) -> None:
 # --------------------------------------------------------------------------- main
 
 
-SECTIONS = {"check": (check_section, 190), "gemm": (gemm_section, 75), "act": (act_section, 45),
+SECTIONS = {"check": (check_section, 190), "gemm": (gemm_section, 85), "act": (act_section, 45),
             "act_few": (act_few_section, 40), "model": (model_section, 230),
             "rows": (rows_section, 60),
             "peers": (peers_section, 60), "compiled": (compiled_section, 150),

@@ -609,6 +609,11 @@ E4M3_TILE = {"BLOCK_M": 32 if _TRITON_3_7 else 64, "NB": 4, "num_warps": 4}
 """The activation kernel's tile when it folds MX values to E4M3 (a whole chunk of 128 a
 program: four blocks; as many block rows a thread as :data:`ACT_TILES`' MX tile)."""
 INTERPRETER_E4M3_CONFIG = {"BLOCK_M": 16, "NB": 4}
+PREFILL_PRODUCT = PRODUCT_FMA_CHAIN
+"""The product of ``T x`` where the activation kernel writes the bf16 values of more than
+:data:`FEW_ROWS` rows of bf16 activations alone (the prefill path's operand): the exact chain.
+``PRODUCT_BF16X3`` is opt-in (``bench/gpu.py``'s ``gemm`` section times the prefill path on
+it): faster by its compile counts, but a code may differ from the CPU reference's."""
 BF16X3_TILE = {"BLOCK_M": 256, "NB": 1, "num_warps": 8}
 """The ``PRODUCT_BF16X3`` tile: one block a program, as a 2-D ``wgmma`` product (a batched one
 gives each warp the whole product on Triton 3.6); on sm_90 with Triton 3.6, 17.8 SASS an element
@@ -686,7 +691,8 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     scales (the decode GEMM's DP4A product).  Dynamic NVFP4 runs
     the kernel twice (see :func:`kbbq_pl.kernels.quantize_activations`).  ``product``
     overrides how ``T x`` is multiplied (benchmarks: ``PRODUCT_FMA_DOT``; ``PRODUCT_BF16X3``,
-    bf16 ``x`` only).
+    bf16 ``x`` only); None: the FMA chain, or :data:`PREFILL_PRODUCT` for the prefill path's
+    operand.
     ``launch_dependents``: the last launch lets the next kernel start early (the decode GEMM
     launched as its programmatic dependent: :func:`kbbq_pl.kernels.skinny.dependent_launch`).
     ``e4m3_inexact`` (MX, ``K`` a multiple of 128; an int32 ``[1]`` counter): instead of the
@@ -702,8 +708,6 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     values ``[G, M, K]`` (int8: with their block scales ``[G, M, K/d]``) and the per-tensor
     scales ``[G]``, each sibling's the bits of its own call.
     """
-    if product is None:
-        product = PRODUCT_FMA_CHAIN
     m, k = x.shape
     n_blocks = k // d
     device = x.device
@@ -744,6 +748,10 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     if values_dtype is not None:
         width = -(-k // 128) * 128 if word_order else k  # a partial chunk keeps its slots
         values = torch.empty(*lead, m, width, dtype=values_dtype, device=device)
+    if product is None:  # the prefill path's operand: PREFILL_PRODUCT
+        prefill = (values_dtype == torch.bfloat16 and not codes and not e4m3 and groups == 1
+                   and m > FEW_ROWS and x.dtype == torch.bfloat16)
+        product = PREFILL_PRODUCT if prefill else PRODUCT_FMA_CHAIN
     doubled = values_dtype == torch.int8  # 2q and the FP32 block scales
     if doubled:
         if codes or word_order or e4m3:

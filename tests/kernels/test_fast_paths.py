@@ -741,6 +741,38 @@ def test_the_prefill_product_takes_the_call_s_scales_whatever_the_weight_was_pre
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_the_prefill_path_can_take_its_activations_from_tensor_cores(fmt, monkeypatch):
+    """``PREFILL_PRODUCT = PRODUCT_BF16X3`` (opt-in): the prefill path's activation kernel
+    multiplies each block's transform split into bf16 parts (split once per transform), and
+    where every term is exact (signed permutations) the linear is within one bf16 rounding of
+    the exact product; the decode path keeps the chain (no split)."""
+    needs_kernels()
+    from kbbq_pl.kernels import triton_kernels as tk
+
+    d = block(fmt)
+    k, n = 4 * d, 32
+    x, q = decode_operands(fmt, 20, n, k, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    order = torch.stack([torch.randperm(d, generator=gen) for _ in range(k // d)])
+    signs = torch.where(torch.rand(k // d, d, generator=gen) < 0.5, -1.0, 1.0)
+    t = torch.zeros(k // d, d, d).scatter_(2, order[:, :, None], signs[:, :, None])
+    splits = []
+
+    def split(columns):
+        splits.append(columns.shape)
+        return exact.split_bf16x3(columns)
+
+    monkeypatch.setattr(tk, "split_bf16x3", split)
+    monkeypatch.setattr(tk, "PREFILL_PRODUCT", tk.PRODUCT_BF16X3)
+    for _ in range(2):
+        y = K.linear_w4a4(x, q.qdata, q.scale, q.global_scale, fmt, t, None, path="prefill")
+        assert_within_one_bf16_rounding(y, exact_product(x.float(), q, fmt, t))
+    assert splits == [(k // d, d, d)]
+    K.linear_w4a4(x[:3], q.qdata, q.scale, q.global_scale, fmt, t.clone(), None, path="decode")
+    assert len(splits) == 1
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_a_wider_bias_is_rounded_once_with_the_sum(fmt):
     """bf16 activations, an FP32 bias (a layer kept in FP32 beside bf16 activations): each
     output is the exact sum rounded once to bf16 on every path and product, except where the

@@ -863,7 +863,8 @@ def test_gpu_bench_tiny_run(capsys, tmp_path):
                 "default's",
                 "model nvfp4: decode batch 1 x bf16, one-row DP4A product (opt-in)",
                 "model nvfp4: decode batch 1 x bf16, each linear launched on its own",
-                "model nvfp4: decode batch 1 x bf16, both without a CUDA graph"):
+                "model nvfp4: decode batch 1 x bf16, both without a CUDA graph",
+                "linear M=4096 nvfp4, KBBQ blocks, activations on tensor cores (opt-in)"):
         assert row in summary, row
     assert "; one-row DP4A " in summary  # the linear at M = 1 with the opt-in product
     assert "| x bf16, one-row DP4A | DP4A within one |" in out

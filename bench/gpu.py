@@ -110,7 +110,9 @@ the run goes on, and the summary says what failed or was skipped for time):
   through ``torch.compile`` on both sides (a W4A4 linear is one custom operator to the
   compiler; q/k/v and gate/up one operator each, by the sibling pass the loaders install),
   replayed from a CUDA graph; then again with each linear its own operator (the pass off:
-  the grouping's gain).  Target 2.0x, as eager.
+  the grouping's gain).  Each row's step once more under ``torch.profiler``: its kernels by
+  launch shape, and in the summary its kernel time, launches and span against the step's
+  time (whether a step's time is in its kernels or between them).  Target 2.0x, as eager.
 
 ``--tiny`` runs every section's logic on tiny shapes on the CPU under Triton's interpreter
 (timings meaningless; of the peers only the GemLite-on-ours rows, where a test stands in for
@@ -1449,7 +1451,9 @@ def act_section(run: Run) -> None:
                 got = other()
                 first = 0 if output == "codes" else -1  # the codes, or the values
                 mismatch = float((got[first] != exact[first]).float().mean())
-                rate = (2 * m * k + t_read + written[output]) / seconds
+                # bf16x3 reads T as three bf16 parts: 6 bytes an entry, not FP32's 4
+                t_bytes = t_read * 3 // 2 if product == tk.PRODUCT_BF16X3 else t_read
+                rate = (2 * m * k + t_bytes + written[output]) / seconds
                 ratio = rate / run.copy_rate
                 rows.append([name, label, "static" if gs is not None else "-", output,
                              product_label, seconds * 1e3, rate / 1e9, ratio, TARGETS["act"],
@@ -2003,10 +2007,12 @@ def weight_bytes(model: nn.Module, linears_only: bool) -> int:
 
 
 def decode_tokens_per_second(model, prompt: torch.Tensor, tokens: int, use_graphs: bool,
-                             compiled: bool = False):
+                             compiled: bool = False, trace: Path | None = None):
     """Greedy decoding of ``prompt [batch, length]``; returns (tokens/s summed over the batch,
     how it ran).  ``compiled``: each step's forward through ``torch.compile`` (Inductor's
-    default mode, one shape, no graphs of its own: the step is still captured here)."""
+    default mode, one shape, no graphs of its own: the step is still captured here).
+    ``trace``: after the timing, one more step as it was timed (a CUDA graph's replay: its
+    kernels, not their launches) under ``torch.profiler``, written there as a Chrome trace."""
     from transformers import StaticCache
 
     from kbbq_pl._compat import cache_argument
@@ -2067,6 +2073,20 @@ def decode_tokens_per_second(model, prompt: torch.Tensor, tokens: int, use_graph
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
+        if trace is not None:  # a failing profile costs the trace, not the timing
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + (
+                [ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            try:
+                with profile(activities=activities) as prof:
+                    run()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                trace.parent.mkdir(parents=True, exist_ok=True)
+                prof.export_chrome_trace(str(trace))
+            except Exception:
+                traceback.print_exc()
     return batch * (tokens - 1) / seconds, how
 
 
@@ -2154,6 +2174,17 @@ def profile_steps(run: Run, model, prompt: torch.Tensor, batch: torch.Tensor, na
                         attempt(run, f"decode step by module {name}", functools.partial(
                             module_line, run, trace, f"model {name}: one eager decode step "
                             f"({rows})"), None)
+
+
+def step_kernels_line(run: Run, trace: Path, what: str, step_us: float) -> None:
+    """A profiled decode step's kernels by launch shape (``gpu_report``), and the summary's
+    line of its kernel time and launches against the step's time: where a step is far longer
+    than its kernels, the time is between them (launches, the graph's gaps), not in them."""
+    gpu_report.report_trace(trace, 12)
+    summary = gpu_report.summarize(gpu_report.read_trace(trace))
+    run.line(f"{what}: one batch-1 step's kernel time, launches and span (us), against the "
+             f"step's {step_us:.0f} us", f"{summary.total_us:.0f}, {summary.launches}, "
+             f"{summary.span_us:.0f}")
 
 
 def module_line(run: Run, trace: Path, what: str) -> None:
@@ -2376,10 +2407,16 @@ def compiled_section(run: Run) -> None:
     calibration = torch.randint(0, shapes["vocab"], (1, shapes["prefill"][1]),
                                 generator=torch.Generator().manual_seed(2)).to(device)
     reference = llama(shapes, device)
+    traces = run.trace_dir or Path(tempfile.mkdtemp(prefix="kbbq_compiled_"))
+    trace = traces / "trace_bf16_compiled.json.gz"
+    trace.unlink(missing_ok=True)
     base, how = decode_tokens_per_second(reference, prompt, shapes["decode_tokens"], run.cuda,
-                                         compiled=True)
+                                         compiled=True, trace=trace)
     rows = [["bf16", base, 1.0, how]]
     print(f"  bf16: {base:.1f} tok/s ({how})", flush=True)
+    if trace.exists():
+        attempt(run, "compiled step kernels bf16", functools.partial(
+            step_kernels_line, run, trace, "model bf16 compiled", 1e6 / base), None)
     state = {k: v.clone() for k, v in reference.state_dict().items()}
     del reference
     from torch._inductor import config
@@ -2401,14 +2438,19 @@ def compiled_section(run: Run) -> None:
                 # opaque W4A4 operators, when they run (the CUDA graph is captured again)
                 torch._dynamo.reset()
             compiled_with = compile_pass
+            trace = traces / f"trace_{label.replace(', ', '_').replace(' ', '-')}_compiled.json.gz"
+            trace.unlink(missing_ok=True)
             with config.patch(post_grad_custom_post_pass=compile_pass), \
                     (opt_in(step) if step else contextlib.nullcontext()):
                 got, how = attempt(run, f"compiled {label}", functools.partial(
                     decode_tokens_per_second, model, prompt, shapes["decode_tokens"],
-                    run.cuda, compiled=True), (math.nan, "failed"), step=step)
+                    run.cuda, compiled=True, trace=trace), (math.nan, "failed"), step=step)
             ratio = got / base
             rows.append([label, got, ratio, how])
             print(f"  {label}: {got:.1f} tok/s ({how})", flush=True)
+            if trace.exists():
+                attempt(run, f"compiled step kernels {label}", functools.partial(
+                    step_kernels_line, run, trace, f"model {label} compiled", 1e6 / got), None)
             run.add("compiled", fmt=name, grouped=compile_pass is not None,
                     dp4a=step == "dp4a", decode_b1_x=ratio, how=how)
             run.goal(f"model {label} compiled: decode batch 1 x bf16 compiled", f"{ratio:.3g}",

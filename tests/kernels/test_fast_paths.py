@@ -752,10 +752,7 @@ def test_the_prefill_path_can_take_its_activations_from_tensor_cores(fmt, monkey
     d = block(fmt)
     k, n = 4 * d, 32
     x, q = decode_operands(fmt, 20, n, k, seed=5)
-    gen = torch.Generator().manual_seed(6)
-    order = torch.stack([torch.randperm(d, generator=gen) for _ in range(k // d)])
-    signs = torch.where(torch.rand(k // d, d, generator=gen) < 0.5, -1.0, 1.0)
-    t = torch.zeros(k // d, d, d).scatter_(2, order[:, :, None], signs[:, :, None])
+    t = make_transform("signed_permutation", k, d, seed=6)
     splits = []
 
     def split(columns):

@@ -77,6 +77,10 @@ def make_transform(kind: str | None, k: int, d: int, seed: int = 0) -> torch.Ten
     if kind == "hadamard":
         return hadamard(d, torch.float32).expand(k // d, d, d).contiguous()
     gen = torch.Generator().manual_seed(seed)
+    if kind == "signed_permutation":  # every product term exact, whatever the summation
+        order = torch.stack([torch.randperm(d, generator=gen) for _ in range(k // d)])
+        signs = torch.where(torch.rand(k // d, d, generator=gen) < 0.5, -1.0, 1.0)
+        return torch.zeros(k // d, d, d).scatter_(2, order[:, :, None], signs[:, :, None])
     return torch.randn(k // d, d, d, generator=gen) / math.sqrt(d)
 
 
@@ -407,9 +411,7 @@ def test_bf16x3_product_multiplies_by_each_block_transform(fmt, monkeypatch):
     kind, rounding, gain = K._scale_meta(F.get_format(fmt))
     gen = torch.Generator().manual_seed(5)
     x = (torch.randn(48, k, generator=gen) * 3).to(torch.bfloat16)
-    signs = torch.where(torch.rand(k // d, d, generator=gen) < 0.5, -1.0, 1.0)
-    order = torch.stack([torch.randperm(d, generator=gen) for _ in range(k // d)])
-    permutations = torch.zeros(k // d, d, d).scatter_(2, order[:, :, None], signs[:, :, None])
+    permutations = make_transform("signed_permutation", k, d, seed=6)
     random = make_transform("random", k, d, seed=4)
     for parts_first in (False, True):
         monkeypatch.setattr(tk, "PARTS_FIRST", parts_first)
@@ -861,6 +863,8 @@ def test_gpu_bench_tiny_run(capsys, tmp_path):
                 "model nvfp4, one-row DP4A compiled: decode batch 1 x bf16 compiled",
                 "model nvfp4 compiled batch 1: tok/s on the one-row DP4A product over the "
                 "default's",
+                "model nvfp4, each linear on its own compiled: one batch-1 step's kernel time, "
+                "launches and span (us), against the step's",
                 "model nvfp4: decode batch 1 x bf16, one-row DP4A product (opt-in)",
                 "model nvfp4: decode batch 1 x bf16, each linear launched on its own",
                 "model nvfp4: decode batch 1 x bf16, both without a CUDA graph",
@@ -911,6 +915,7 @@ def test_gpu_bench_tiny_run(capsys, tmp_path):
     assert 2 in made and grouped.call_count > 0, made
     assert "| mxfp4, each linear on its own | " in compiled_out
     assert "| mxfp4, one-row DP4A | " in compiled_out and "FAILED" not in compiled_out
+    assert "trace_mxfp4_one-row-DP4A_compiled.json.gz: kernels by launch shape" in compiled_out
     assert {2, 3} <= set(dp4a_groups), dp4a_groups  # gate/up and q/k/v on DP4A, grouped
     # a goal missed (every speed goal, on the CPU) says by how much
     assert "| 0.35 | 0/1; worst " in summary and "x from the target |" in summary

@@ -10,6 +10,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Compiling a kernel costs seconds; the suite runs eager kernels and tests/formats/test_formats.py
 # checks the compiled ones against them bit for bit.
 os.environ.setdefault("KBBQ_PL_COMPILE", "0")
+# Under pytest-xdist (the README's ``-n 2``) each worker takes its share of the cores, so that
+# the workers' threads (and their subprocesses') do not outnumber them.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+THREADS = max(1, (_CORES or 1) // _WORKERS)
+"""torch's threads in this process: its share of the cores."""
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
 from pathlib import Path  # noqa: E402
 
@@ -98,6 +106,16 @@ def one_thread():
     (``pytestmark = pytest.mark.usefixtures("one_thread")`` in a module)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def worker_threads():
+    """A heavy test's torch threads: this process's share of the cores (all of them without
+    pytest-xdist), whatever an earlier test left set; restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
     yield
     torch.set_num_threads(threads)
 
@@ -210,13 +228,19 @@ def tiny_chat_quantized(tiny_chat_folder, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def _smollm2_cache(tmp_path_factory) -> Path:
     """A kbbq-pl cache holding SmolLM2-135M-Instruct converted from its GGUF file once a
-    session (about 35 s on two cores)."""
+    run (about 25 s on two cores): under pytest-xdist the workers share it, the first to ask
+    converting it while the others wait on a lock."""
+    from filelock import FileLock
+
     from kbbq_pl.io.models import resolve_model_path
 
-    cache = tmp_path_factory.mktemp("kbbq_pl_cache")
-    with pytest.MonkeyPatch.context() as patch:
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this run's folder, above each worker's own
+    cache = root / "kbbq_pl_cache_smollm2"
+    with FileLock(f"{cache}.lock"), pytest.MonkeyPatch.context() as patch:
         patch.setenv("KBBQ_PL_CACHE", str(cache))
-        resolve_model_path("smollm2")
+        resolve_model_path("smollm2")  # converts only what the cache lacks
     return cache
 
 

@@ -99,7 +99,8 @@ def test_ci_runs_the_readme_install_and_test_command():
     body = markdown_section("Install and test")[1]
     block = re.findall(r"```bash\n(.*?)```", body, re.S)[0].splitlines()
     line = block[block.index("# install and run the tests") + 1]
-    assert line.startswith("python3 -m venv .venv") and line.endswith("python -m pytest"), line
+    assert line.startswith("python3 -m venv .venv"), line
+    assert line.endswith("python -m pytest -n 2 --dist loadfile"), line
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
     assert line in ci, (line, ci)
 

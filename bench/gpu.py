@@ -2180,8 +2180,7 @@ def step_kernels_line(run: Run, trace: Path, what: str, step_us: float) -> None:
     """A profiled decode step's kernels by launch shape (``gpu_report``), and the summary's
     line of its kernel time and launches against the step's time: where a step is far longer
     than its kernels, the time is between them (launches, the graph's gaps), not in them."""
-    gpu_report.report_trace(trace, 12)
-    summary = gpu_report.summarize(gpu_report.read_trace(trace))
+    summary = gpu_report.report_trace(trace, 12)
     run.line(f"{what}: one batch-1 step's kernel time, launches and span (us), against the "
              f"step's {step_us:.0f} us", f"{summary.total_us:.0f}, {summary.launches}, "
              f"{summary.span_us:.0f}")

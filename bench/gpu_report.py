@@ -356,8 +356,9 @@ def report_record(path: Path) -> None:
         print("\n".join(probe_table(record["rows"])))
 
 
-def report_trace(path: Path, top: int) -> None:
-    """The launch-shape table of a trace, then its by-module table where it has the spans."""
+def report_trace(path: Path, top: int) -> Summary:
+    """The launch-shape table of a trace, then its by-module table where it has the spans;
+    returns the trace's summary."""
     trace = read_trace(path)
     summary = summarize(trace)
     print(f"\n### {path.name}: kernels by launch shape\n")
@@ -368,6 +369,7 @@ def report_trace(path: Path, top: int) -> None:
     if modules:
         print(f"\n### {path.name}: kernels by the module that launched them\n")
         print("\n".join(module_table(modules)))
+    return summary
 
 
 def main(argv: list[str] | None = None) -> None:

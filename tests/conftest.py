@@ -1,7 +1,9 @@
 """Test configuration: offline, deterministic, eager kernels unless a test asks for compiled."""
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -100,24 +102,31 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
 
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``count``, and restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Small tensors: starting threads costs more than the work, badly so on a shared machine
     (``pytestmark = pytest.mark.usefixtures("one_thread")`` in a module)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture
 def worker_threads():
     """A heavy test's torch threads: this process's share of the cores (all of them without
-    pytest-xdist), whatever an earlier test left set; restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    yield
-    torch.set_num_threads(threads)
+    pytest-xdist), whatever an earlier test left set."""
+    with torch_threads(THREADS):
+        yield
 
 
 @pytest.fixture(autouse=True)

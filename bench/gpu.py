@@ -1,7 +1,8 @@
 """W4A4 on one GPU against bf16, in one run: correctness, the GEMM paths, the activation kernel,
 peers, a whole model; a short table of every row against its target printed last.
 
-    python bench/gpu.py [--sections check,model,gemm,compiled,act_few,act,rows,peers,tune,probe]
+    python bench/gpu.py [--sections check,model,gemm,compiled,act_few,act,rows,peers,tune,probe,
+                                    stream]
                         [--formats nvfp4,mxfp4]
                         [--budget-s 500] [--json PATH]
     python bench/gpu.py --tiny        # (or --dry-run) tiny shapes on the CPU under the interpreter
@@ -63,6 +64,12 @@ the run goes on, and the summary says what failed or was skipped for time):
   ``tune``'s shapes reading the GPU's clocks inside it (:func:`probe_section`): when its
   programs started, how long their loops, arrivals and split-K sums took, beside its time
   with and without the probe.
+* ``stream`` (opt-in, not in the default list; a diagnostic): at M = 1 on ``tune``'s shapes,
+  the decode GEMM beside its weight reads alone (``bench/_gpu_stream.py``: codes and scales
+  read at its grid, K splits, tile and pipeline depth and XORed, as stored and copied tile by
+  tile, at its stages and twice them) and beside itself on the tile-by-tile copy
+  (``skinny.tile_major``), each as a fraction of the copy bandwidth: whether the GEMM's reads
+  or its own work hold its rate.
 * ``act_few``: the activation kernel of a decode step (M = 1, 16; KBBQ-shaped blocks, the
   decode path's word-ordered values): the FMA chain with and without the L1 prefetch of the
   transforms, and Triton's FMA dot (transforms loaded in one go through shared memory), at
@@ -146,20 +153,20 @@ import torch
 from torch import nn
 
 
-def _gpu_report():
-    """``bench/gpu_report.py``, loaded by its path: the tests load this module by path, and
+def _bench_module(name: str):
+    """``bench/{name}.py``, loaded by its path: the tests load this module by path, and
     ``bench/`` (whose scripts' names are generic: ``formats``, ``quantize``) stays off their
     ``sys.path``."""
-    if "gpu_report" not in sys.modules:
-        path = Path(__file__).with_name("gpu_report.py")
-        spec = importlib.util.spec_from_file_location("gpu_report", path)
+    if name not in sys.modules:
+        path = Path(__file__).with_name(f"{name}.py")
+        spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
-        sys.modules["gpu_report"] = module  # its dataclasses look their module up there
+        sys.modules[name] = module  # its dataclasses look their module up there
         spec.loader.exec_module(module)
-    return sys.modules["gpu_report"]
+    return sys.modules[name]
 
 
-gpu_report = _gpu_report()
+gpu_report = _bench_module("gpu_report")
 
 FULL = dict(act_shape=(8192, 8192), check_k=4096, check_n=4096, check_m=(1, 16, 256, 2304),
             gemm_shapes=((8192, 8192), (4096, 4096), (4096, 6144), (4096, 14336),
@@ -1373,6 +1380,100 @@ def probe_section(run: Run) -> None:
     print("\n".join(lines), flush=True)
 
 
+def stream_section(run: Run) -> None:
+    """How fast the decode GEMM's weight reads stream without its decode and product
+    (``bench/_gpu_stream.py``): at M = 1 on ``tune``'s shapes, each format, the weights read at
+    the grid, K splits, tile and pipeline depth of the shipped decode-step launch and XORed,
+    each result checked against torch's: the codes alone as stored, then codes and scale bytes
+    (what the GEMM reads) as stored (``rows``) and copied tile by tile (``tiles``), at its
+    stages and at twice them; beside them the shipped decode GEMM on the same weights, as
+    stored and tile by tile (``skinny_matmul`` reads ``tile_major``'s layout: the same bits).
+    Microseconds and the fraction of the copy bandwidth (the bytes read; for the GEMM codes,
+    scales, activations and output).  Opt-in (``--sections stream``): it asks whether the
+    GEMM's reads or its own work hold its rate."""
+    from kbbq_pl.kernels import skinny
+    from kbbq_pl.kernels import triton_kernels as tk
+
+    stream = _bench_module("_gpu_stream")
+    if run.cuda:  # the decode-step tile (up to 16 rows)
+        shipped = skinny._CONFIGS[0]
+        _, block_n, block_k = skinny._tile_shapes([shipped])[0]
+        warps, stages = shipped.num_warps, shipped.num_stages
+    else:  # the interpreter's tile (skinny_matmul pins it there)
+        pinned = skinny.INTERPRETER_CONFIG
+        block_n, block_k, warps, stages = pinned["BLOCK_N"], pinned["BLOCK_K"], 4, 2
+    variants = [("codes rows", False, False, stages), ("weights rows", True, False, stages),
+                ("weights tiles", True, True, stages), ("weights rows", True, False, 2 * stages),
+                ("weights tiles", True, True, 2 * stages)]
+    sms = tk.sm_count(run.device)
+    rows = []
+    for k, n, name, _, q, sets, preps, values, pts in one_row_gemms(run, "stream", 10):
+        splits = skinny._splits((n,), k, 1, sms, None, skinny.FEW_ROWS, block_n, block_k)
+        weights = [(c, s.view(torch.uint8)) for c, s in sets]
+        codes_bytes, scale_bytes = weights[0][0].numel(), weights[0][1].numel()
+        gemm_bytes = codes_bytes + scale_bytes + values.numel() * 2 + n * 2
+
+        def gemm(name=name, q=q, sets=sets, preps=preps, values=values, pts=pts,
+                 gemm_bytes=gemm_bytes):
+            seconds = seconds_per_call(run, decode_gemm_calls(values, pts, name, q, sets, preps))
+            return seconds, gemm_bytes / seconds / run.copy_rate if run.copy_rate else math.nan
+
+        t_gemm, f_gemm = attempt(run, f"stream: decode GEMM {name}", gemm, (math.nan, math.nan))
+        rows.append([f"{k}->{n}", name, "decode GEMM", splits, t_gemm * 1e6, f_gemm, 1.0, "-"])
+        if n % block_n or k % (block_k * splits):
+            run.notes.append(f"stream: {k} -> {n} skipped (not whole {block_n} x {block_k} "
+                             f"tiles at {splits} splits)")
+            continue
+        tiled = [skinny.tile_major(c, s, block_n, block_k) for c, s in weights]
+        for what, with_scales, tiles, depth in variants:
+            def timed(with_scales=with_scales, tiles=tiles, depth=depth):
+                calls = [functools.partial(stream.stream_words, c, splits, block_n, block_k,
+                                           s if with_scales else None, t if tiles else None,
+                                           depth, warps)
+                         for (c, s), t in zip(weights, tiled)]
+                c, s = weights[0]
+                same = torch.equal(calls[0](), stream.stream_reference(
+                    c, splits, s if with_scales else None))
+                seconds = seconds_per_call(run, calls)
+                nbytes = codes_bytes + (scale_bytes if with_scales else 0)
+                rate = nbytes / seconds / run.copy_rate if run.copy_rate else math.nan
+                return seconds, rate, same
+
+            got = attempt(run, f"stream {k}->{n} {name} {what} s={depth}", timed,
+                          (math.nan, math.nan, False))
+            rows.append([f"{k}->{n}", name, f"{what}, s={depth}", splits, got[0] * 1e6, got[1],
+                         t_gemm / got[0], "yes" if got[2] else "NO"])
+
+        def gemm_by_tile(name=name, q=q, tiled=tiled, preps=preps, values=values, pts=pts,
+                         gemm_bytes=gemm_bytes, weights=weights):
+            as_stored = decode_gemm_calls(values, pts, name, q, weights[:1], preps[:1])[0]()
+            calls = decode_gemm_calls(values, pts, name, q, tiled, preps)
+            same = torch.equal(calls[0]().view(torch.int16), as_stored.view(torch.int16))
+            seconds = seconds_per_call(run, calls)
+            rate = gemm_bytes / seconds / run.copy_rate if run.copy_rate else math.nan
+            return seconds, rate, same
+
+        got = attempt(run, f"stream: decode GEMM {name} tile by tile", gemm_by_tile,
+                      (math.nan, math.nan, False))
+        rows.append([f"{k}->{n}", name, "decode GEMM tiles", splits, got[0] * 1e6, got[1],
+                     t_gemm / got[0], "same bits" if got[2] else "NO"])
+    table(f"the decode GEMM's weight reads alone at M = 1 (stream): {block_n} x {block_k} tiles, "
+          f"{warps} warps; microseconds, fraction of the copy bandwidth, the decode GEMM's time "
+          "over this row's", ["K->N", "format", "what", "splits", "us", "copy fraction",
+                              "GEMM time / this", "checked"], rows)
+    for shape, name in dict.fromkeys((r[0], r[1]) for r in rows):
+        found = {r[2]: r[5] for r in rows if (r[0], r[1]) == (shape, name)}
+        run.line(f"stream {shape} {name}: copy fraction of the weights read as stored / tile by "
+                 f"tile (s={stages}); the codes alone as stored; the decode GEMM's as stored / "
+                 "tile by tile", "{} / {}; {}; {} / {}".format(*(
+                     fmt(found.get(what, math.nan)) for what in (
+                         f"weights rows, s={stages}", f"weights tiles, s={stages}",
+                         f"codes rows, s={stages}", "decode GEMM", "decode GEMM tiles"))))
+    for row in rows:
+        run.add("stream", shape=row[0], fmt=row[1], what=row[2], splits=row[3], us=row[4],
+                copy_fraction=row[5], gemm_over_this=row[6], same=row[7])
+
+
 # --------------------------------------------------------------------------- activations
 
 
@@ -2471,7 +2572,8 @@ SECTIONS = {"check": (check_section, 190), "gemm": (gemm_section, 85), "act": (a
             "act_few": (act_few_section, 40), "model": (model_section, 230),
             "rows": (rows_section, 60),
             "peers": (peers_section, 60), "compiled": (compiled_section, 150),
-            "tune": (tune_section, 60), "probe": (probe_section, 45)}
+            "tune": (tune_section, 60), "probe": (probe_section, 45),
+            "stream": (stream_section, 30)}
 """Each section and the seconds of budget it needs to start (on an H200: the check 187 s and
 the gemm 74 s on 2026-12-04, their compiles; the model section 198 s before its profiler and
 FP8 rows); the default order runs first what decides a default or the sibling grouping

@@ -89,7 +89,7 @@ def resources(cubin: bytes) -> dict[str, int]:
 ALIGNED = {"stride_xm", "stride_cm", "stride_sm", "stride_vm", "n_blocks", "N", "K", "R",
            "stride_am", "stride_asm", "stride_wn", "stride_wsn", "stride_om", "stride_cr",
            "stride_sr", "stride_or", "stride_wr", "stride_er", "stride_vr", "N1", "N2",
-           "stride_ag", "stride_vg"}
+           "stride_ag", "stride_vg", "stride_sn", "K_WORDS"}
 """Integer arguments taken as multiples of 16, as Triton specializes them at launch for the
 benchmark's shapes (K = N = 8192); pointers are 16-byte aligned too."""
 

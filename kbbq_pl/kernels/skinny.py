@@ -342,7 +342,7 @@ def _skinny_kernel(
     HAS_BIAS: tl.constexpr, VALUES: tl.constexpr, EXPLICIT_BF16: tl.constexpr,
     PRODUCT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, SHIFTED: tl.constexpr, DEPENDENT: tl.constexpr = False,
-    GROUPS: tl.constexpr = 1, PROBE: tl.constexpr = False,
+    GROUPS: tl.constexpr = 1, PROBE: tl.constexpr = False, TILED: tl.constexpr = False,
 ):
     """``out [M, N] = A W^T`` for word-ordered activation values ``A [M, >=K]`` and packed weights
     ``W`` (codes ``[N, K/2]``, scale bytes ``[N, K/D]``); program (column tile, K split, row
@@ -360,7 +360,11 @@ def _skinny_kernel(
     ``w2_ptr``, and so the scale bytes, per-tensor scales, biases), the column tiles of one
     after those of the one before, each output ``[M, N_g]`` on its own (``out_ptr``,
     ``out1_ptr``, ``out2_ptr``, contiguous): every output with the bits of its layer's own
-    launch at the same tile and splits."""
+    launch at the same tile and splits.
+
+    ``TILED`` (tensor-core product, whole tiles; a diagnostic of ``bench/gpu.py --sections
+    stream``): the codes and scale bytes in :func:`tile_major`'s layout for this tile, each
+    trip of a column tile one run of memory; the same products in the same order."""
     if PROBE:  # PROBE_SLOTS: where a launch's time goes
         program = ((tl.program_id(2) * tl.num_programs(1) + tl.program_id(1))
                    * tl.num_programs(0) + tl.program_id(0))
@@ -419,9 +423,17 @@ def _skinny_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         offs_c = tl.arange(0, BLOCK_K // 8)  # word c of a tile row: elements 8c .. 8c + 7
         words_ptr = w_ptr.to(tl.pointer_type(tl.int32))
-        w_ptrs = words_ptr + offs_n[:, None] * (stride_wn // 4) + offs_c[None, :]
         offs_b = tl.arange(0, BLOCK_K // D)  # block b of a tile row: words b D/8 .. (b+1) D/8
-        s_ptrs = ws_ptr + offs_n[:, None] * stride_wsn + offs_b[None, :]
+        if TILED:  # [N / BLOCK_N, K / BLOCK_K, BLOCK_N, BLOCK_K / 8 (/ D)]
+            rows = tl.arange(0, BLOCK_N)[:, None]
+            w_ptrs = (words_ptr + pid_n * BLOCK_N * (K // 8) + rows * (BLOCK_K // 8)
+                      + offs_c[None, :])
+            s_ptrs = ws_ptr + pid_n * BLOCK_N * (K // D) + rows * (BLOCK_K // D) + offs_b[None, :]
+            TRIP: tl.constexpr = BLOCK_N  # a trip's words and bytes: BLOCK_N rows of them
+        else:
+            w_ptrs = words_ptr + offs_n[:, None] * (stride_wn // 4) + offs_c[None, :]
+            s_ptrs = ws_ptr + offs_n[:, None] * stride_wsn + offs_b[None, :]
+            TRIP: tl.constexpr = 1
         offs_p = tl.arange(0, BLOCK_K // 4)  # (word, half) p = 2c + h of one shift's values
         a_col = 128 * (offs_p // 32) + offs_p % 32  # word_order_index, less 32 E_LOW
         a_base = a_ptr + offs_m[None, :] * stride_am + a_col[:, None]
@@ -431,14 +443,15 @@ def _skinny_kernel(
             else:
                 c_mask = k0 // 8 + offs_c < K // 8
             w_mask = n_mask[:, None] & c_mask[None, :]
-            words = tl.load(w_ptrs + k0 // 8, mask=w_mask, other=0, eviction_policy="evict_first")
+            words = tl.load(w_ptrs + (k0 // 8) * TRIP, mask=w_mask, other=0,
+                            eviction_policy="evict_first")
             words = tl.reshape(words, [BLOCK_N, BLOCK_K // D, D // 8])
             if EVEN_K:
                 b_mask = tl.full([BLOCK_K // D], 1, tl.int1)
             else:
                 b_mask = k0 // D + offs_b < K // D
-            s = tl.load(s_ptrs + k0 // D, mask=n_mask[:, None] & b_mask[None, :], other=0,
-                        eviction_policy="evict_first")  # one scale byte per block, contiguous
+            s = tl.load(s_ptrs + (k0 // D) * TRIP, mask=n_mask[:, None] & b_mask[None, :],
+                        other=0, eviction_policy="evict_first")  # a scale byte a block
             mult = _block_multipliers(s, decode_shift, SCALE_KIND, VALUES)[:, :, None]
             a_ptrs = a_base + k0
             if EVEN_K:
@@ -638,6 +651,30 @@ def _counter(device: torch.device) -> torch.Tensor:
     return counter
 
 
+def decode_step_tile() -> tuple[int, int]:
+    """``(BLOCK_N, BLOCK_K)`` of a decode step's launch (up to :data:`FEW_ROWS` rows): the one
+    tile of :func:`_configs` there, the interpreter's (:data:`INTERPRETER_CONFIG`) under it."""
+    config = INTERPRETER_CONFIG if INTERPRET else _CONFIGS[0].kwargs
+    return config["BLOCK_N"], config["BLOCK_K"]
+
+
+def tile_major(codes: torch.Tensor, scales: torch.Tensor, block_n: int, block_k: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes ``[N, K/2]`` (uint8, as stored) and scale bytes ``[N, K/D]`` copied tile by tile
+    for a ``block_n x block_k`` tile: int32 words ``[N / block_n, K / block_k, block_n,
+    block_k / 8]`` and bytes ``[N / block_n, K / block_k, block_n, block_k / D]``, contiguous,
+    so that each trip of a column tile reads one run of memory of each (a layout prepared once,
+    as Marlin's is; :func:`skinny_matmul` takes it, a diagnostic: nothing stores weights so)."""
+    n, half_k = codes.shape
+    d = 2 * half_k // scales.shape[1]
+    if n % block_n or (2 * half_k) % block_k or block_k % d:
+        raise ValueError(f"tile_major takes whole {block_n} x {block_k} tiles, got codes "
+                         f"{tuple(codes.shape)}, scales {tuple(scales.shape)}")
+    words = codes.contiguous().view(torch.int32).view(n // block_n, block_n, -1, block_k // 8)
+    blocks = scales.contiguous().view(torch.uint8).view(n // block_n, block_n, -1, block_k // d)
+    return (words.permute(0, 2, 1, 3).contiguous(), blocks.permute(0, 2, 1, 3).contiguous())
+
+
 def split_count(n: int, k: int, block_n: int, block_k: int, sms: int, m: int = 1,
                 block_m: int = FEW_ROWS) -> int:
     """K splits for ``[N, K]`` weights in ``block_n``-column tiles (and ``m`` rows in
@@ -754,11 +791,26 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
     with a row for each program (:func:`programs`), which each program fills with its
     :data:`PROBE_SLOTS` (row ``(row tile * splits + split) * column tiles + column tile``;
     under the interpreter the clocks read 0 and the SM is the program's place in the grid,
-    ``column tile + 256 split + 65536 row tile``)."""
+    ``column tile + 256 split + 65536 row tile``).
+
+    Codes and scales in :func:`tile_major`'s layout (4-D; a diagnostic: ``bench/gpu.py
+    --sections stream``) are read tile by tile: one layer, the tensor cores, at most
+    :data:`FEW_ROWS` rows, in the tile they were copied for (``config``'s, else
+    :func:`decode_step_tile`); the same products in the same order, so the same bits."""
     groups = len(w_codes) if isinstance(w_codes, (list, tuple)) else 1
     if groups == 1:
         w_codes, w_scales, w_global, bias = [w_codes], [w_scales], [w_global], [bias]
     dp4a = a_scales is not None
+    tiled = w_codes[0].dim() == 4
+    if tiled:
+        tile = (config["BLOCK_N"], config["BLOCK_K"]) if config else decode_step_tile()
+        if (groups > 1 or dp4a or m > FEW_ROWS or tuple(w_codes[0].shape[2:]) != (
+                tile[0], tile[1] // 8) or tuple(w_scales[0].shape[2:]) != (tile[0], tile[1] // d)):
+            raise ValueError(f"tile-major weights (tile_major) take one layer on the tensor "
+                             f"cores, at most {FEW_ROWS} rows, in the launch's tile "
+                             f"{tile[0]} x {tile[1]}: got codes {tuple(w_codes[0].shape)}, "
+                             f"scales {tuple(w_scales[0].shape)}, {m} rows"
+                             f"{', the DP4A product' if dp4a else ''}")
     if dp4a != (a_values.dtype == torch.int8):
         raise ValueError("the DP4A product takes int8 activations (2q) with their FP32 block "
                          f"scales, got {a_values.dtype} values and "
@@ -774,19 +826,21 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
         raise ValueError("sibling decode GEMMs take 2 or 3 contiguous weights of one K, their "
                          "activations [G, M, K] (DP4A: and contiguous block scales "
                          "[G, M, K/d]), all with a bias or none")
-    ns = tuple(c.shape[0] for c in w_codes)
-    k = w_codes[0].shape[1] * 2
+    if tiled:
+        ns, k = (w_codes[0].shape[0] * tile[0],), w_codes[0].shape[1] * tile[1]
+    else:
+        ns, k = tuple(c.shape[0] for c in w_codes), w_codes[0].shape[1] * 2
     device = w_codes[0].device
     outs = [torch.empty(m, n, dtype=out_dtype, device=device) for n in ns]
     has_global = scale_kind == SCALE_E4M3
     has_bias = bias[0] is not None
     dummy = outs[0]
-    dependent = dependent_launch(device)
+    dependent = dependent_launch(device) and not tiled
     meta = dict(D=d, SCALE_KIND=scale_kind, GAIN2=gain * gain, HAS_GLOBAL=has_global,
                 HAS_BIAS=has_bias, VALUES=values_kind(scale_kind),
                 EXPLICIT_BF16=INTERPRET and out_dtype == torch.bfloat16, DEPENDENT=dependent,
                 PROBE=probe is not None,
-                SHIFTED=shift != 0, GROUPS=groups, **COMPILE_OPTIONS)
+                SHIFTED=shift != 0, GROUPS=groups, TILED=tiled, **COMPILE_OPTIONS)
     if dependent:
         meta["launch_pdl"] = True
     sms = sm_count(device)

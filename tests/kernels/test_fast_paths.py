@@ -307,6 +307,43 @@ def test_decode_gemm_probe_fills_a_row_for_each_program(m, split):
         assert (probe[:, 6].view(split, columns).sum(0) == (1 if split > 1 else 0)).all()
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("m,split", [(1, 1), (3, 2), (16, 4)])
+def test_decode_gemm_reads_tile_major_weights_to_the_same_bits(fmt, m, split):
+    """Weights in ``tile_major``'s layout (the ``stream`` section's diagnostic: each trip of a
+    column tile one run of memory) give the decode GEMM the same products in the same order,
+    so the bits of the weights as stored; the tiles in another order do not; it refuses more
+    rows than a decode step's, the DP4A product and another tile than the launch's."""
+    needs_kernels()
+    from types import SimpleNamespace
+
+    from kbbq_pl.kernels import skinny as S
+
+    x, q = decode_operands(fmt, m, 32, 512, seed=m)  # 4 trips of the interpreter's 128
+    codes, scales = S.tile_major(q.qdata, q.scale.view(torch.uint8), *S.decode_step_tile())
+    tiled = SimpleNamespace(qdata=codes, scale=scales.view(q.scale.dtype),
+                            global_scale=q.global_scale)
+    as_stored = skinny(x, q, fmt, out_dtype=torch.bfloat16, split_k=split)
+    by_tile = skinny(x, tiled, fmt, out_dtype=torch.bfloat16, split_k=split)
+    assert torch.equal(by_tile.view(torch.int16), as_stored.view(torch.int16))
+    swapped = SimpleNamespace(qdata=codes.flip(1).contiguous(),
+                              scale=scales.flip(1).contiguous().view(q.scale.dtype),
+                              global_scale=q.global_scale)
+    assert not torch.equal(skinny(x, swapped, fmt, out_dtype=torch.bfloat16, split_k=split),
+                           as_stored)
+    if m == 1:
+        with pytest.raises(ValueError, match="tile-major weights"):
+            dp4a(x, tiled, fmt, split_k=split)
+        x17, _ = decode_operands(fmt, 17, 32, 512, seed=m)
+        with pytest.raises(ValueError, match="at most 16 rows"):
+            skinny(x17, tiled, fmt, split_k=split)
+        with pytest.raises(ValueError, match="in the launch's tile 32 x 128"):
+            skinny(x, tiled, fmt, config={"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128,
+                                          "PRODUCT": S.PRODUCT_DOT})
+        with pytest.raises(ValueError, match="whole 16 x 128 tiles"):
+            S.tile_major(q.qdata[:24], q.scale.view(torch.uint8)[:24], 16, 128)
+
+
 def test_decode_gemm_tiles():
     needs_kernels()
     from kbbq_pl.kernels import skinny as S
@@ -983,6 +1020,14 @@ for d, kind, values, a_type in DECODE_FORMATS:
         assert found["stack"] == 0 and found["ldg128"] > 0, found
         loops.append(len(loop))
     assert loops[1] <= loops[0] + 16, (d, loops)
+    # the same tile reading tile_major's layout (the stream section's diagnostic): the same loop
+    # but its addresses, no spills, 16-byte loads
+    compiled = decode_tile(d, kind, values, a_type, TILED=True)
+    found = G.analyse(compiled, 64 * 256 / 128)
+    loop = G.main_loop(G.sass_ops(compiled.asm["cubin"]))
+    assert found["stack"] == 0 and found["ldg128"] > 0 and found["wgmma"] > 0, found
+    assert not any(op.startswith("STS") for op in loop), loop
+    assert abs(len(loop) - loops[0]) <= 8, (d, len(loop), loops)
 # the activation kernel before it lets it launch (launch_dependents: PREEXIT in SASS)
 constants = dict(D=16, SCALE_KIND=tk.SCALE_E4M3, ROUNDING=0, GAIN=1.0, HAS_T=True, STATIC=True,
                  AMAX_ONLY=False, PRODUCT=tk.PRODUCT_FMA_CHAIN, WRITE_CODES=False,
@@ -1020,7 +1065,7 @@ def test_decode_gemm_compiles_for_hopper_without_a_gpu():
     MX shift in the loop, Triton 3.6 staged them through shared memory: 16 stores and 9
     barriers a step instead of 0 and 2; 3.9 did not, so only 3.6 tells).  The shipped kernel
     reads no clock; with the diagnostic probe it reads the global timer, the SM clock and the
-    SM's number."""
+    SM's number.  Reading ``tile_major``'s layout its loop is the same but for its addresses."""
     run_compile_check(DECODE_COMPILE_CHECK)
 
 

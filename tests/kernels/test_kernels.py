@@ -1033,6 +1033,98 @@ def test_gpu_bench_gemlite_on_our_operands(capsys):
         assert "FAILED" not in summary and "peers: skipped" not in summary
 
 
+def bench_module(name: str):
+    """``bench/{name}.py`` as a module."""
+    path = Path(__file__).resolve().parents[2] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_stream_reads_every_byte_of_its_slice(splits):
+    """The stream diagnostic (``bench/_gpu_stream.py``) XORs every word of codes (and every
+    scale byte, where given) of each K slice, read as stored and from the tile-by-tile copies
+    (``skinny.tile_major``): torch's XOR every way; a wrong tile order fails."""
+    needs_kernels()
+    from kbbq_pl.kernels import skinny
+
+    stream = bench_module("_gpu_stream")
+    gen = torch.Generator().manual_seed(splits)
+    codes = torch.randint(0, 256, (64, 512), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(0, 256, (64, 64), dtype=torch.uint8, generator=gen)  # D = 16
+    tiled = skinny.tile_major(codes, scales, 32, 128)
+    for with_scales in (None, scales):
+        expected = stream.stream_reference(codes, splits, with_scales)
+        for layout in (None, tiled):
+            got = stream.stream_words(codes, splits, 32, 128, with_scales, layout)
+            assert torch.equal(got, expected), (with_scales is None, layout is None)
+    assert not torch.equal(expected, stream.stream_reference(codes, splits))  # scales count
+    if splits > 1:  # each column tile's trips in the wrong order
+        swapped = tuple(part.flip(1).contiguous() for part in tiled)
+        assert not torch.equal(stream.stream_words(codes, splits, 32, 128, scales, swapped),
+                               expected)
+    with pytest.raises(ValueError, match="N a multiple of 32 and K of 128 x 16 splits"):
+        stream.stream_words(codes, 16, 32, 128)
+
+
+def test_gpu_bench_stream_section(capsys):
+    """``--sections stream`` times the decode GEMM beside its weight reads alone, as stored
+    and tile by tile, each read checked against torch's, and says it in the summary."""
+    needs_kernels()
+    gpu_bench().main(["--tiny", "--formats", "nvfp4,mxfp4", "--sections", "stream"])
+    out = capsys.readouterr().out
+    summary = out[out.index("## summary"):]
+    for fmt in ("nvfp4", "mxfp4"):
+        for what in ("decode GEMM", "codes rows, s=2", "weights rows, s=2",
+                     "weights tiles, s=2", "weights rows, s=4", "weights tiles, s=4"):
+            assert f"| 128->32 | {fmt} | {what} | 1 |" in out, (fmt, what)
+        assert (f"stream 128->32 {fmt}: copy fraction of the weights read as stored / tile by "
+                "tile (s=2); the codes alone as stored; the decode GEMM's") in summary
+    assert out.count("| yes |") == 10 and "| NO |" not in out
+    assert "FAILED" not in summary
+
+
+STREAM_COMPILE_CHECK = """
+import sys
+sys.path.insert(0, {bench!r})
+from triton.backends.compiler import GPUTarget
+import gpu_compile as G, _gpu_stream
+from kbbq_pl.kernels import skinny as S
+
+config = S._CONFIGS[0]  # the decode step's tile: the stream reads as its loop does
+block_n, block_k = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
+signature = {{"w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*i32", "K_WORDS": "i32",
+             "stride_wn": "i32", "stride_sn": "i32"}}
+for tiled in (False, True):
+    for d in (0, 16, 32):
+        smem = []
+        for stages in (config.num_stages, 2 * config.num_stages):
+            compiled = G.compile_kernel(
+                _gpu_stream._stream_kernel, signature,
+                dict(TILED=tiled, D=d, BLOCK_N=block_n, BLOCK_C=block_k // 8, STAGES=stages),
+                GPUTarget("cuda", 90, 32), num_warps=config.num_warps)
+            loop = G.main_loop(G.sass_ops(compiled.asm["cubin"]))
+            assert any(op.startswith("LDGSTS") and ".128" in op for op in loop), loop
+            assert not any(op.startswith("LDG.") for op in loop), loop
+            smem.append(compiled.metadata.shared)
+        # a stage of the tile's codes and scale bytes in shared memory for each stage but the
+        # one in use
+        trip = block_n * block_k // 2 + (block_n * block_k // d if d else 0)
+        assert smem[1] - smem[0] == config.num_stages * trip, (tiled, d, smem)
+print("ok")
+"""
+
+
+def test_stream_compiles_to_the_decode_gemms_loads():
+    """Compiled for sm_90, the stream's loop loads through ``cp.async`` (16-byte ``LDGSTS``, no
+    loads to registers), a stage of its tile's codes and scale bytes in shared memory for every
+    stage of its depth but one, as the decode GEMM's loop does: what it times is that loop's
+    reads."""
+    run_compile_check(STREAM_COMPILE_CHECK)
+
+
 def test_gpu_bench_peers_stop_for_time(capsys):
     """A peer row that would start with less than its reserve of the budget left is not
     started (GemLite compiles for minutes on a new shape): said once in the summary."""

@@ -1387,7 +1387,8 @@ def stream_section(run: Run) -> None:
     each result checked against torch's: the codes alone as stored, then codes and scale bytes
     (what the GEMM reads) as stored (``rows``) and copied tile by tile (``tiles``), at its
     stages and at twice them; beside them the shipped decode GEMM on the same weights, as
-    stored and tile by tile (``skinny_matmul`` reads ``tile_major``'s layout: the same bits).
+    stored, tile by tile (``skinny_matmul`` reads ``tile_major``'s layout: the same bits) and
+    without its decode (``decode=False``: the words' bits to the tensor cores; time only).
     Microseconds and the fraction of the copy bandwidth (the bytes read; for the GEMM codes,
     scales, activations and output).  Opt-in (``--sections stream``): it asks whether the
     GEMM's reads or its own work hold its rate."""
@@ -1457,6 +1458,17 @@ def stream_section(run: Run) -> None:
                       (math.nan, math.nan, False))
         rows.append([f"{k}->{n}", name, "decode GEMM tiles", splits, got[0] * 1e6, got[1],
                      t_gemm / got[0], "same bits" if got[2] else "NO"])
+
+        def gemm_undecoded(name=name, q=q, sets=sets, preps=preps, values=values, pts=pts,
+                           gemm_bytes=gemm_bytes):
+            seconds = seconds_per_call(run, decode_gemm_calls(values, pts, name, q, sets, preps,
+                                                              decode=False))
+            return seconds, gemm_bytes / seconds / run.copy_rate if run.copy_rate else math.nan
+
+        got = attempt(run, f"stream: decode GEMM {name} without its decode", gemm_undecoded,
+                      (math.nan, math.nan))
+        rows.append([f"{k}->{n}", name, "decode GEMM, no decode", splits, got[0] * 1e6, got[1],
+                     t_gemm / got[0], "-"])
     table(f"the decode GEMM's weight reads alone at M = 1 (stream): {block_n} x {block_k} tiles, "
           f"{warps} warps; microseconds, fraction of the copy bandwidth, the decode GEMM's time "
           "over this row's", ["K->N", "format", "what", "splits", "us", "copy fraction",
@@ -1465,10 +1477,11 @@ def stream_section(run: Run) -> None:
         found = {r[2]: r[5] for r in rows if (r[0], r[1]) == (shape, name)}
         run.line(f"stream {shape} {name}: copy fraction of the weights read as stored / tile by "
                  f"tile (s={stages}); the codes alone as stored; the decode GEMM's as stored / "
-                 "tile by tile", "{} / {}; {}; {} / {}".format(*(
+                 "tile by tile / without its decode", "{} / {}; {}; {} / {} / {}".format(*(
                      fmt(found.get(what, math.nan)) for what in (
                          f"weights rows, s={stages}", f"weights tiles, s={stages}",
-                         f"codes rows, s={stages}", "decode GEMM", "decode GEMM tiles"))))
+                         f"codes rows, s={stages}", "decode GEMM", "decode GEMM tiles",
+                         "decode GEMM, no decode"))))
     for row in rows:
         run.add("stream", shape=row[0], fmt=row[1], what=row[2], splits=row[3], us=row[4],
                 copy_fraction=row[5], gemm_over_this=row[6], same=row[7])
@@ -2573,7 +2586,7 @@ SECTIONS = {"check": (check_section, 190), "gemm": (gemm_section, 85), "act": (a
             "rows": (rows_section, 60),
             "peers": (peers_section, 60), "compiled": (compiled_section, 150),
             "tune": (tune_section, 60), "probe": (probe_section, 45),
-            "stream": (stream_section, 30)}
+            "stream": (stream_section, 60)}
 """Each section and the seconds of budget it needs to start (on an H200: the check 187 s and
 the gemm 74 s on 2026-12-04, their compiles; the model section 198 s before its profiler and
 FP8 rows); the default order runs first what decides a default or the sibling grouping

@@ -26,8 +26,10 @@ Triton compiles for any NVIDIA target on a CPU-only machine (its wheel ships ``p
 Kernels: the activation kernel writing codes (``act``) or values (``act_values``: fp16/bf16 in
 word order for the decode GEMM, bf16 for the prefill product), the decode GEMM (``decode_gemm``,
 its autotuned tiles, 16 rows high and 32 to 128 for more rows, and the one-row DP4A
-product's; ``--tune``: the tiles ``bench/gpu.py``'s ``tune`` section times), the prefill
-path's weight decode
+product's; ``--tune``: the tiles ``bench/gpu.py``'s ``tune`` section times), what the
+``stream`` section sets beside it (``stream``: a decode step's tile as stored, tile by tile and
+without its decode, and ``bench/_gpu_stream.py``'s reads alone), the prefill path's weight
+decode
 (``weight_decode``) and product on decoded operands (``gemm_decoded``), and the tiled GEMM
 (``gemm_small``, ``gemm_large``).  ``--explore`` compiles candidate tiles instead of the ones
 that run.  It times nothing.
@@ -332,6 +334,57 @@ def skinny_rows(target: GPUTarget, explore: bool = False, tune: bool = False) ->
     return rows
 
 
+STREAM_SIGNATURE = {"w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*i32", "K_WORDS": "i32",
+                    "stride_wn": "i32", "stride_sn": "i32"}
+
+
+def stream_rows(target: GPUTarget) -> list[dict]:
+    """What ``bench/gpu.py``'s ``stream`` section sets side by side, at a decode step's tile
+    (each format): the decode GEMM as stored, on ``skinny.tile_major``'s layout and without its
+    decode (``RAW``); ``bench/_gpu_stream.py``'s reads alone (the codes; codes and scale bytes
+    as stored and tile by tile) at the tile's stages and twice them."""
+    import _gpu_stream  # bench/_gpu_stream.py, beside this script
+
+    from kbbq_pl.kernels import skinny
+
+    config = skinny._CONFIGS[0]
+    k = config.kwargs
+    per_thread = k["BLOCK_N"] * k["BLOCK_K"] / (32 * config.num_warps)
+    rows = []
+    for fmt, d, kind in FORMATS:
+        values = skinny.VALUES_FP16 if kind == tk.SCALE_E4M3 else skinny.VALUES_BF16
+        for label, extra in (("as stored", {}), ("tile by tile", {"TILED": True}),
+                             ("without its decode", {"RAW": True})):
+            constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
+                             HAS_BIAS=True, VALUES=values, EXPLICIT_BF16=False, EVEN_K=True,
+                             SHIFTED=False, **k, **extra)
+            signature = dict(SKINNY_SIGNATURE, a_ptr="*fp16" if values == skinny.VALUES_FP16
+                             else "*bf16")
+            start = time.perf_counter()
+            compiled = compile_kernel(skinny._skinny_kernel, signature, constants, target,
+                                      num_warps=config.num_warps,
+                                      num_stages=config.num_stages, enable_fp_fusion=True)
+            rows.append(_row(f"decode gemm {fmt} {label}", f"{k['BLOCK_M']}x{k['BLOCK_N']}x"
+                             f"{k['BLOCK_K']} w={config.num_warps} s={config.num_stages}",
+                             compiled, per_thread, start))
+        for label, tiled, scales in (("codes as stored", False, False),
+                                     ("weights as stored", False, True),
+                                     ("weights tile by tile", True, True)):
+            if not scales and fmt != FORMATS[0][0]:
+                continue  # the codes alone do not depend on the format
+            for stages in (config.num_stages, 2 * config.num_stages):
+                start = time.perf_counter()
+                compiled = compile_kernel(
+                    _gpu_stream._stream_kernel, STREAM_SIGNATURE,
+                    dict(TILED=tiled, D=d if scales else 0, BLOCK_N=k["BLOCK_N"],
+                         BLOCK_C=k["BLOCK_K"] // 8, STAGES=stages), target,
+                    num_warps=config.num_warps)
+                rows.append(_row(f"stream {fmt if scales else ''} {label}".replace("  ", " "),
+                                 f"{k['BLOCK_N']}x{k['BLOCK_K']} w={config.num_warps} "
+                                 f"s={stages}", compiled, per_thread, start))
+    return rows
+
+
 DECODE_SIGNATURE = {"codes_ptr": "*u8", "scales_ptr": "*u8", "out_ptr": "*bf16", "R": "i32",
                     "K": "i32", "stride_cr": "i32", "stride_sr": "i32", "stride_or": "i32"}
 
@@ -412,7 +465,7 @@ def gemm_rows(target: GPUTarget, small: bool, configs, decoded: bool = False) ->
     return rows
 
 
-KERNELS = ("act", "act_values", "decode_gemm", "weight_decode", "fold", "gemm_small",
+KERNELS = ("act", "act_values", "decode_gemm", "stream", "weight_decode", "fold", "gemm_small",
            "gemm_large", "gemm_decoded")
 HEADER = ("kernel", "config", "regs", "stack", "smem", "loop_sass", "per_element", "ldg128",
           "ldg_narrow", "ptx_v4", "wgmma", "mma_sync", "loop_smem", "loop_bar", "fma", "div_rn",
@@ -454,6 +507,8 @@ def main(argv: list[str] | None = None) -> None:
         rows += activation_rows(target, args.explore, values=True)
     if "decode_gemm" in wanted:
         rows += skinny_rows(target, args.explore, args.tune)
+    if "stream" in wanted:
+        rows += stream_rows(target)
     if "weight_decode" in wanted:
         rows += decode_rows(target)
     if "fold" in wanted:

@@ -230,14 +230,23 @@ def _dp4a_weight_scales(s, shift, SCALE_KIND: tl.constexpr):
 
 @triton.jit
 def _word_dots(words, mult, a_ptrs, a_mask, acc, SHIFT: tl.constexpr, E_LOW: tl.constexpr,
-               VALUES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               VALUES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               RAW: tl.constexpr = False):
     """Accumulate the products of the two nibbles of every word that ``SHIFT`` brings to the
     top of its halves, element ``E_LOW`` (low half) and ``E_LOW + 4`` (high half) of each
     8-element word, kept side by side (``[low_c, high_c]``, one 32-bit register), against
-    their activations (:func:`~kbbq_pl.kernels.exact.word_order_index`)."""
-    low, high = _word_halves(words, mult, SHIFT, VALUES)  # [BLOCK_N, BLOCK_K / D, D / 8]
-    w = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K // 4])
+    their activations (:func:`~kbbq_pl.kernels.exact.word_order_index`).  ``RAW`` (a
+    diagnostic): the words' two halves as they are, not decoded."""
     a = tl.load(a_ptrs + 32 * E_LOW, mask=a_mask, other=0.0)
+    if RAW and VALUES == 0:  # VALUES_FP32 (the interpreter's MX values): as bf16 in FP32
+        low = (words << 16).to(tl.float32, bitcast=True)
+        high = (words & -65536).to(tl.float32, bitcast=True)  # 0xFFFF0000
+    elif RAW:
+        low = words.to(tl.int16).to(a.dtype, bitcast=True)
+        high = (words >> 16).to(tl.int16).to(a.dtype, bitcast=True)
+    else:
+        low, high = _word_halves(words, mult, SHIFT, VALUES)  # [BLOCK_N, BLOCK_K / D, D / 8]
+    w = tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K // 4])
     return tl.dot(w, a, acc)
 
 
@@ -343,6 +352,7 @@ def _skinny_kernel(
     PRODUCT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, SHIFTED: tl.constexpr, DEPENDENT: tl.constexpr = False,
     GROUPS: tl.constexpr = 1, PROBE: tl.constexpr = False, TILED: tl.constexpr = False,
+    RAW: tl.constexpr = False,
 ):
     """``out [M, N] = A W^T`` for word-ordered activation values ``A [M, >=K]`` and packed weights
     ``W`` (codes ``[N, K/2]``, scale bytes ``[N, K/D]``); program (column tile, K split, row
@@ -364,7 +374,11 @@ def _skinny_kernel(
 
     ``TILED`` (tensor-core product, whole tiles; a diagnostic of ``bench/gpu.py --sections
     stream``): the codes and scale bytes in :func:`tile_major`'s layout for this tile, each
-    trip of a column tile one run of memory; the same products in the same order."""
+    trip of a column tile one run of memory; the same products in the same order.  ``RAW``
+    (tensor-core product; the same diagnostic): the code words' bits are the operand as they
+    are, each XORed with its block's scale byte (so that the scales are still read), instead
+    of the decoded weights: the loop's reads and products without the decode, whose result
+    means nothing."""
     if PROBE:  # PROBE_SLOTS: where a launch's time goes
         program = ((tl.program_id(2) * tl.num_programs(1) + tl.program_id(1))
                    * tl.num_programs(0) + tl.program_id(0))
@@ -452,17 +466,25 @@ def _skinny_kernel(
                 b_mask = k0 // D + offs_b < K // D
             s = tl.load(s_ptrs + (k0 // D) * TRIP, mask=n_mask[:, None] & b_mask[None, :],
                         other=0, eviction_policy="evict_first")  # a scale byte a block
-            mult = _block_multipliers(s, decode_shift, SCALE_KIND, VALUES)[:, :, None]
+            if RAW:
+                words = words ^ s.to(tl.int32)[:, :, None]
+                mult = s
+            else:
+                mult = _block_multipliers(s, decode_shift, SCALE_KIND, VALUES)[:, :, None]
             a_ptrs = a_base + k0
             if EVEN_K:
                 p_mask = tl.full([BLOCK_K // 4], 1, tl.int1)
             else:
                 p_mask = k0 // 8 + offs_p // 2 < K // 8
             a_mask = p_mask[:, None] & m_mask[None, :]
-            acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 0, 3, VALUES, BLOCK_N, BLOCK_K)
-            acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 4, 2, VALUES, BLOCK_N, BLOCK_K)
-            acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 8, 1, VALUES, BLOCK_N, BLOCK_K)
-            acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 12, 0, VALUES, BLOCK_N, BLOCK_K)
+            acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 0, 3, VALUES, BLOCK_N,
+                             BLOCK_K, RAW)
+            acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 4, 2, VALUES, BLOCK_N,
+                             BLOCK_K, RAW)
+            acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 8, 1, VALUES, BLOCK_N,
+                             BLOCK_K, RAW)
+            acc = _word_dots(words, mult, a_ptrs, a_mask, acc, 12, 0, VALUES, BLOCK_N,
+                             BLOCK_K, RAW)
     else:  # PRODUCT_DP4A, one row: exact integer sums per block, then FP32
         NB: tl.constexpr = BLOCK_K // D
         blocks = tl.zeros([BLOCK_N, NB], tl.float32)
@@ -773,7 +795,7 @@ def programs(ns: tuple[int, ...], k: int, m: int, sms: int, split_k: int | None 
 def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: int,
                   scale_kind: int, gain: float, shift: int, bias, out_dtype,
                   config: dict | None = None, split_k: int | None = None, a_scales=None,
-                  probe=None):
+                  probe=None, decode: bool = True):
     """Launch the decode GEMM on word-ordered activation values ``a_values [M, >=K]`` (from
     :func:`kbbq_pl.kernels.triton_kernels.quantize_activations` with ``word_order``); arguments
     checked by :mod:`kbbq_pl.kernels`.  ``config`` pins the tile, ``split_k`` the splits.
@@ -796,7 +818,10 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
     Codes and scales in :func:`tile_major`'s layout (4-D; a diagnostic: ``bench/gpu.py
     --sections stream``) are read tile by tile: one layer, the tensor cores, at most
     :data:`FEW_ROWS` rows, in the tile they were copied for (``config``'s, else
-    :func:`decode_step_tile`); the same products in the same order, so the same bits."""
+    :func:`decode_step_tile`); the same products in the same order, so the same bits.
+    ``decode=False`` (the same diagnostic; the tensor cores): the code words' bits go to the
+    product undecoded (the kernel's ``RAW``): the loop's reads and products without its
+    decode; the output means nothing, only the time."""
     groups = len(w_codes) if isinstance(w_codes, (list, tuple)) else 1
     if groups == 1:
         w_codes, w_scales, w_global, bias = [w_codes], [w_scales], [w_global], [bias]
@@ -811,6 +836,8 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
                              f"{tile[0]} x {tile[1]}: got codes {tuple(w_codes[0].shape)}, "
                              f"scales {tuple(w_scales[0].shape)}, {m} rows"
                              f"{', the DP4A product' if dp4a else ''}")
+    if not decode and dp4a:
+        raise ValueError("decode=False (a diagnostic) runs the tensor-core product, not DP4A")
     if dp4a != (a_values.dtype == torch.int8):
         raise ValueError("the DP4A product takes int8 activations (2q) with their FP32 block "
                          f"scales, got {a_values.dtype} values and "
@@ -840,7 +867,8 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
                 HAS_BIAS=has_bias, VALUES=values_kind(scale_kind),
                 EXPLICIT_BF16=INTERPRET and out_dtype == torch.bfloat16, DEPENDENT=dependent,
                 PROBE=probe is not None,
-                SHIFTED=shift != 0, GROUPS=groups, TILED=tiled, **COMPILE_OPTIONS)
+                SHIFTED=shift != 0, GROUPS=groups, TILED=tiled, RAW=not decode,
+                **COMPILE_OPTIONS)
     if dependent:
         meta["launch_pdl"] = True
     sms = sm_count(device)

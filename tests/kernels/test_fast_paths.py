@@ -307,6 +307,31 @@ def test_decode_gemm_probe_fills_a_row_for_each_program(m, split):
         assert (probe[:, 6].view(split, columns).sum(0) == (1 if split > 1 else 0)).all()
 
 
+@pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # raw bits: inf, NaN
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_decode_gemm_without_its_decode_reads_codes_and_scales(fmt):
+    """``decode=False`` (the ``stream`` section's diagnostic) multiplies the code words' bits,
+    each XORed with its block's scale byte, as they are: nothing where both are zero, something
+    where either is not (both are read), not the product; the tensor cores only."""
+    needs_kernels()
+    from types import SimpleNamespace
+
+    x, q = decode_operands(fmt, 2, 32, 512, seed=7)
+
+    def raw(codes, scale_bytes):
+        weights = SimpleNamespace(qdata=codes, scale=scale_bytes.view(q.scale.dtype),
+                                  global_scale=q.global_scale)
+        return skinny(x, weights, fmt, split_k=2, decode=False)
+
+    zeros = torch.zeros_like(q.scale.view(torch.uint8))
+    assert (raw(torch.zeros_like(q.qdata), zeros) == 0).all()
+    assert (raw(torch.zeros_like(q.qdata), zeros + 1) != 0).any()
+    undecoded = raw(q.qdata, zeros)
+    assert (undecoded != 0).any() and not torch.equal(undecoded, skinny(x, q, fmt, split_k=2))
+    with pytest.raises(ValueError, match="decode=False"):
+        dp4a(x[:1], q, fmt, decode=False)
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("m,split", [(1, 1), (3, 2), (16, 4)])
 def test_decode_gemm_reads_tile_major_weights_to_the_same_bits(fmt, m, split):
@@ -969,6 +994,10 @@ DECODE_FORMATS = ((16, tk.SCALE_E4M3, S.VALUES_FP16, "*fp16"),
                   (32, tk.SCALE_E8M0, S.VALUES_BF16, "*bf16"))
 
 
+def count_ops(ops, *names):
+    return sum(op.startswith(names) for op in ops)
+
+
 def decode_tile(d, kind, values, a_type, rows=16, cols=64, depth=256, **extra):
     # the tensor-core decode GEMM compiled as it launches on sm_90 (MX shift 0)
     constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
@@ -1028,6 +1057,11 @@ for d, kind, values, a_type in DECODE_FORMATS:
     assert found["stack"] == 0 and found["ldg128"] > 0 and found["wgmma"] > 0, found
     assert not any(op.startswith("STS") for op in loop), loop
     assert abs(len(loop) - loops[0]) <= 8, (d, len(loop), loops)
+    # and without its decode (decode=False): the same loads and products, no decode
+    raw = G.main_loop(G.sass_ops(decode_tile(d, kind, values, a_type, RAW=True).asm["cubin"]))
+    assert count_ops(raw, "HMUL2") == 0 and len(raw) < 0.6 * loops[0], (d, len(raw), loops)
+    assert count_ops(raw, "HGMMA") == count_ops(loop, "HGMMA") > 0, raw
+    assert count_ops(raw, "LDGSTS") == count_ops(loop, "LDGSTS") > 0, raw
 # the activation kernel before it lets it launch (launch_dependents: PREEXIT in SASS)
 constants = dict(D=16, SCALE_KIND=tk.SCALE_E4M3, ROUNDING=0, GAIN=1.0, HAS_T=True, STATIC=True,
                  AMAX_ONLY=False, PRODUCT=tk.PRODUCT_FMA_CHAIN, WRITE_CODES=False,
@@ -1065,7 +1099,8 @@ def test_decode_gemm_compiles_for_hopper_without_a_gpu():
     MX shift in the loop, Triton 3.6 staged them through shared memory: 16 stores and 9
     barriers a step instead of 0 and 2; 3.9 did not, so only 3.6 tells).  The shipped kernel
     reads no clock; with the diagnostic probe it reads the global timer, the SM clock and the
-    SM's number.  Reading ``tile_major``'s layout its loop is the same but for its addresses."""
+    SM's number.  Reading ``tile_major``'s layout its loop is the same but for its addresses;
+    without its decode (a diagnostic) it keeps its loads and products."""
     run_compile_check(DECODE_COMPILE_CHECK)
 
 

@@ -1069,20 +1069,25 @@ def test_stream_reads_every_byte_of_its_slice(splits):
         stream.stream_words(codes, 16, 32, 128)
 
 
+@pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # raw bits: inf, NaN
 def test_gpu_bench_stream_section(capsys):
     """``--sections stream`` times the decode GEMM beside its weight reads alone, as stored
-    and tile by tile, each read checked against torch's, and says it in the summary."""
+    and tile by tile, each read checked against torch's, and beside itself on the tiles (the
+    same bits) and without its decode, and says it in the summary."""
     needs_kernels()
     gpu_bench().main(["--tiny", "--formats", "nvfp4,mxfp4", "--sections", "stream"])
     out = capsys.readouterr().out
     summary = out[out.index("## summary"):]
     for fmt in ("nvfp4", "mxfp4"):
         for what in ("decode GEMM", "codes rows, s=2", "weights rows, s=2",
-                     "weights tiles, s=2", "weights rows, s=4", "weights tiles, s=4"):
+                     "weights tiles, s=2", "weights rows, s=4", "weights tiles, s=4",
+                     "decode GEMM tiles", "decode GEMM, no decode"):
             assert f"| 128->32 | {fmt} | {what} | 1 |" in out, (fmt, what)
         assert (f"stream 128->32 {fmt}: copy fraction of the weights read as stored / tile by "
-                "tile (s=2); the codes alone as stored; the decode GEMM's") in summary
-    assert out.count("| yes |") == 10 and "| NO |" not in out
+                "tile (s=2); the codes alone as stored; the decode GEMM's as stored / tile by "
+                "tile / without its decode") in summary
+    assert out.count("| yes |") == 10 and out.count("| same bits |") == 2
+    assert "| NO |" not in out
     assert "FAILED" not in summary
 
 
@@ -1113,6 +1118,9 @@ for tiled in (False, True):
         # one in use
         trip = block_n * block_k // 2 + (block_n * block_k // d if d else 0)
         assert smem[1] - smem[0] == config.num_stages * trip, (tiled, d, smem)
+# bench/gpu_compile.py --kernels stream: every row compiles, nothing spills
+rows = G.stream_rows(GPUTarget("cuda", 90, 32))
+assert len(rows) == 16 and all(row["stack"] == 0 for row in rows), rows
 print("ok")
 """
 
@@ -1121,7 +1129,7 @@ def test_stream_compiles_to_the_decode_gemms_loads():
     """Compiled for sm_90, the stream's loop loads through ``cp.async`` (16-byte ``LDGSTS``, no
     loads to registers), a stage of its tile's codes and scale bytes in shared memory for every
     stage of its depth but one, as the decode GEMM's loop does: what it times is that loop's
-    reads."""
+    reads; ``bench/gpu_compile.py --kernels stream`` compiles every row."""
     run_compile_check(STREAM_COMPILE_CHECK)
 
 

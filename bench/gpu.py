@@ -1227,6 +1227,19 @@ def one_row_gemms(run: Run, section: str, reserve: float) -> Iterator[tuple]:
             yield k, n, name, x, q, sets, preps, values, pts
 
 
+def decode_gemm_rate(run: Run, a, a_pts, name: str, q, sets, preps, nbytes: int,
+                     same_as=None, **kwargs) -> tuple[float, float, bool]:
+    """The decode GEMM's seconds a call over ``sets`` (:func:`decode_gemm_calls`, with
+    ``kwargs``), ``nbytes`` over them as a fraction of the copy bandwidth, and whether its
+    output's bits are those of the launch on ``same_as[0]`` (True where not given)."""
+    calls = decode_gemm_calls(a, a_pts, name, q, sets, preps, **kwargs)
+    same = same_as is None or torch.equal(
+        calls[0]().view(torch.int16),
+        decode_gemm_calls(a, a_pts, name, q, same_as[:1], preps[:1])[0]().view(torch.int16))
+    seconds = seconds_per_call(run, calls)
+    return seconds, nbytes / seconds / run.copy_rate if run.copy_rate else math.nan, same
+
+
 def decode_gemm_calls(a, a_pts, name: str, q, sets, preps, probes=None, **kwargs) -> list:
     """The decode GEMM on activations ``a`` (per-tensor scale ``a_pts``) and each copy of the
     weights (``sets``, their prepared ``preps``), bf16 out, with ``kwargs`` (a tile, K splits,
@@ -1412,14 +1425,11 @@ def stream_section(run: Run) -> None:
         splits = skinny._splits((n,), k, 1, sms, None, skinny.FEW_ROWS, block_n, block_k)
         weights = [(c, s.view(torch.uint8)) for c, s in sets]
         codes_bytes, scale_bytes = weights[0][0].numel(), weights[0][1].numel()
-        gemm_bytes = codes_bytes + scale_bytes + values.numel() * 2 + n * 2
-
-        def gemm(name=name, q=q, sets=sets, preps=preps, values=values, pts=pts,
-                 gemm_bytes=gemm_bytes):
-            seconds = seconds_per_call(run, decode_gemm_calls(values, pts, name, q, sets, preps))
-            return seconds, gemm_bytes / seconds / run.copy_rate if run.copy_rate else math.nan
-
-        t_gemm, f_gemm = attempt(run, f"stream: decode GEMM {name}", gemm, (math.nan, math.nan))
+        gemm = functools.partial(decode_gemm_rate, run, values, pts, name, q,
+                                 nbytes=codes_bytes + scale_bytes + values.numel() * 2 + n * 2)
+        failed = (math.nan, math.nan, False)
+        t_gemm, f_gemm, _ = attempt(run, f"stream: decode GEMM {name}",
+                                    functools.partial(gemm, sets, preps), failed)
         rows.append([f"{k}->{n}", name, "decode GEMM", splits, t_gemm * 1e6, f_gemm, 1.0, "-"])
         if n % block_n or k % (block_k * splits):
             run.notes.append(f"stream: {k} -> {n} skipped (not whole {block_n} x {block_k} "
@@ -1440,35 +1450,16 @@ def stream_section(run: Run) -> None:
                 rate = nbytes / seconds / run.copy_rate if run.copy_rate else math.nan
                 return seconds, rate, same
 
-            got = attempt(run, f"stream {k}->{n} {name} {what} s={depth}", timed,
-                          (math.nan, math.nan, False))
+            got = attempt(run, f"stream {k}->{n} {name} {what} s={depth}", timed, failed)
             rows.append([f"{k}->{n}", name, f"{what}, s={depth}", splits, got[0] * 1e6, got[1],
                          t_gemm / got[0], "yes" if got[2] else "NO"])
-
-        def gemm_by_tile(name=name, q=q, tiled=tiled, preps=preps, values=values, pts=pts,
-                         gemm_bytes=gemm_bytes, weights=weights):
-            as_stored = decode_gemm_calls(values, pts, name, q, weights[:1], preps[:1])[0]()
-            calls = decode_gemm_calls(values, pts, name, q, tiled, preps)
-            same = torch.equal(calls[0]().view(torch.int16), as_stored.view(torch.int16))
-            seconds = seconds_per_call(run, calls)
-            rate = gemm_bytes / seconds / run.copy_rate if run.copy_rate else math.nan
-            return seconds, rate, same
-
-        got = attempt(run, f"stream: decode GEMM {name} tile by tile", gemm_by_tile,
-                      (math.nan, math.nan, False))
-        rows.append([f"{k}->{n}", name, "decode GEMM tiles", splits, got[0] * 1e6, got[1],
-                     t_gemm / got[0], "same bits" if got[2] else "NO"])
-
-        def gemm_undecoded(name=name, q=q, sets=sets, preps=preps, values=values, pts=pts,
-                           gemm_bytes=gemm_bytes):
-            seconds = seconds_per_call(run, decode_gemm_calls(values, pts, name, q, sets, preps,
-                                                              decode=False))
-            return seconds, gemm_bytes / seconds / run.copy_rate if run.copy_rate else math.nan
-
-        got = attempt(run, f"stream: decode GEMM {name} without its decode", gemm_undecoded,
-                      (math.nan, math.nan))
-        rows.append([f"{k}->{n}", name, "decode GEMM, no decode", splits, got[0] * 1e6, got[1],
-                     t_gemm / got[0], "-"])
+        for what, operands, kwargs in (("decode GEMM tiles", tiled, {"same_as": sets}),
+                                       ("decode GEMM, no decode", sets, {"decode": False})):
+            got = attempt(run, f"stream: {what} {name}",
+                          functools.partial(gemm, operands, preps, **kwargs), failed)
+            check = "-" if "decode" in kwargs else "same bits" if got[2] else "NO"
+            rows.append([f"{k}->{n}", name, what, splits, got[0] * 1e6, got[1], t_gemm / got[0],
+                         check])
     table(f"the decode GEMM's weight reads alone at M = 1 (stream): {block_n} x {block_k} tiles, "
           f"{warps} warps; microseconds, fraction of the copy bandwidth, the decode GEMM's time "
           "over this row's", ["K->N", "format", "what", "splits", "us", "copy fraction",

@@ -1409,13 +1409,9 @@ def stream_section(run: Run) -> None:
     from kbbq_pl.kernels import triton_kernels as tk
 
     stream = _bench_module("_gpu_stream")
-    if run.cuda:  # the decode-step tile (up to 16 rows)
-        shipped = skinny._CONFIGS[0]
-        _, block_n, block_k = skinny._tile_shapes([shipped])[0]
-        warps, stages = shipped.num_warps, shipped.num_stages
-    else:  # the interpreter's tile (skinny_matmul pins it there)
-        pinned = skinny.INTERPRETER_CONFIG
-        block_n, block_k, warps, stages = pinned["BLOCK_N"], pinned["BLOCK_K"], 4, 2
+    block_n, block_k = skinny.decode_step_tile()  # the interpreter's under it
+    shipped = skinny._CONFIGS[0]
+    warps, stages = (shipped.num_warps, shipped.num_stages) if run.cuda else (4, 2)
     variants = [("codes rows", False, False, stages), ("weights rows", True, False, stages),
                 ("weights tiles", True, True, stages), ("weights rows", True, False, 2 * stages),
                 ("weights tiles", True, True, 2 * stages)]

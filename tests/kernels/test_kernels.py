@@ -1033,15 +1033,6 @@ def test_gpu_bench_gemlite_on_our_operands(capsys):
         assert "FAILED" not in summary and "peers: skipped" not in summary
 
 
-def bench_module(name: str):
-    """``bench/{name}.py`` as a module."""
-    path = Path(__file__).resolve().parents[2] / "bench" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("splits", [1, 2, 4])
 def test_stream_reads_every_byte_of_its_slice(splits):
     """The stream diagnostic (``bench/_gpu_stream.py``) XORs every word of codes (and every
@@ -1050,7 +1041,7 @@ def test_stream_reads_every_byte_of_its_slice(splits):
     needs_kernels()
     from kbbq_pl.kernels import skinny
 
-    stream = bench_module("_gpu_stream")
+    stream = gpu_bench()._bench_module("_gpu_stream")
     gen = torch.Generator().manual_seed(splits)
     codes = torch.randint(0, 256, (64, 512), dtype=torch.uint8, generator=gen)
     scales = torch.randint(0, 256, (64, 64), dtype=torch.uint8, generator=gen)  # D = 16

@@ -13,42 +13,36 @@ the run goes on, and the summary says what failed or was skipped for time):
 * ``check``: the activation kernel's codes and scales bit for bit the CPU reference
   (``kbbq_pl.kernels.reference``) and its values the reference codes decoded, NVFP4 (dynamic)
   and MXFP4 with random 16 x 16 / 32 x 32 blocks at M = 1, 16, 256 and 2,304 (row tiles taken
-  in turn by each program, the last group short); every path of
-  ``linear_w4a4`` (decode M = 1, 16, 64; at M = 1024 prefill through cuBLAS and Triton, and
-  decode) within one bf16 rounding of the float64 product of the same codes; then the decode
-  path with its GEMM launched as a programmatic dependent (opt-in), and launched directly after
-  Triton's first launch (``kbbq_pl.kernels.direct_launch``), each the same bits as without, eagerly
-  and in a CUDA graph (else turned off for the rest of the run); and the opt-in one-row DP4A
-  product within one rounding.  The checks are the first to run what no GPU has run yet, so
-  they run in a child process (:func:`check_in_child`), each launch path first in its own
+  in turn by each program, the last group short); every path of ``linear_w4a4`` (decode M = 1,
+  16, 64; at M = 1024 prefill through cuBLAS and Triton, and decode) within one bf16 rounding
+  of the float64 product of the same codes; then the decode path launched directly after
+  Triton's first launch (``kbbq_pl.kernels.direct_launch``), the same bits as through Triton,
+  eagerly and in a CUDA graph (else turned off for the rest of the run); and the opt-in one-row
+  DP4A product within one rounding.  The checks are the first to run what no GPU has run yet,
+  so they run in a child process (:func:`check_in_child`), each launch path first in its own
   step: a fault there (an illegal address, a launch that never ends) does not leave this
   process's CUDA context unusable for the sections after.  A launch path that faults (the
-  sibling launches, the DP4A product, the dependent launch, the direct launches) is turned off
-  for the run and the checks run again without it; a fault of the kernels themselves is noted.
+  sibling launches, the DP4A product, the direct launches) is turned off for the run and the
+  checks run again without it; a fault of the kernels themselves is noted.
 * ``gemm``: ``linear_w4a4`` as a layer runs it (activation kernel + product, no transform and
   KBBQ-shaped random blocks; NVFP4 with a static activation scale, as every recipe ships, and
   beside it the dynamic scale's ratio: one launch more) against bf16 ``torch.matmul`` at
-  K = N = 8192 and the Llama-3-8B shapes 4096 -> 4096, 4096 -> 6144, 4096 -> 14336,
-  14336 -> 4096, M = 1, 16, 4096.  Targets: 2.5x at M = 1, 2.2x at M = 16, 0.95x at
-  M = 4096.  Beside each: the product alone, its fraction of the copy bandwidth (packed codes,
-  scales, activations and output, each once), whether the output is within one bf16
-  rounding of the exact product, on the prefill path the ratio with the weights kept
-  decoded (the opt-in ``KEEP_DECODED_WEIGHTS``: no decode per call), and (M = 1 with KBBQ
-  blocks) the ratio with the
-  decode GEMM launched as the activation kernel's programmatic dependent (the opt-in
-  ``DEPENDENT_LAUNCH``, which the ``check`` section first checks gives the same bits, eagerly
-  and in a CUDA graph, else turns off for the run).  Timed as CUDA graphs replaying the call over
+  K = N = 8192 and the Llama-3-8B shapes 4096 -> 4096, 4096 -> 6144, 4096 -> 14336, 14336 ->
+  4096, M = 1, 16, 4096.  Targets: 2.5x at M = 1, 2.2x at M = 16, 0.95x at M = 4096.  Beside
+  each: the product alone, its fraction of the copy bandwidth (packed codes, scales,
+  activations and output, each once), whether the output is within one bf16 rounding of the
+  exact product, on the prefill path the ratio with the weights kept decoded (the opt-in
+  ``KEEP_DECODED_WEIGHTS``: no decode per call).  Timed as CUDA graphs replaying the call over
   enough copies of the weights to overflow the L2 cache (so weights come from memory, as in a
   model), the median of replays divided by the copies.  For MX, a table of the opt-in FP8
   product (``prefill_product="fp8"``) at the prefill rows: eager (it reads its fold check on
   the host), folding the weights per call and keeping them folded, and its kernels in a CUDA
-  graph without the host read; its time over the default path's; whether it ran on FP8,
-  within one rounding, and the fraction of its outputs whose bits differ from the default
-  path's.  Last, the decode path (M = 1, 16; no transform) fitted over the shapes as
-  ``seconds = fixed + bytes / rate`` for the GEMM alone, the linear and bf16
-  (``bench/gpu_report.py``, which reads the same from a saved ``--json``), and the floors
-  those fixed costs read against: an empty kernel, the decode path's kernels and bf16 at the
-  smallest shape, in a CUDA graph.
+  graph without the host read; its time over the default path's; whether it ran on FP8, within
+  one rounding, and the fraction of its outputs whose bits differ from the default path's.
+  Last, the decode path (M = 1, 16; no transform) fitted over the shapes as ``seconds = fixed +
+  bytes / rate`` for the GEMM alone, the linear and bf16 (``bench/gpu_report.py``, which reads
+  the same from a saved ``--json``), and the floors those fixed costs read against: an empty
+  kernel, the decode path's kernels and bf16 at the smallest shape, in a CUDA graph.
 * ``act``: a device-to-device copy of 8192 x 8192 bf16 (bytes read + written), the activation
   kernel's codes (the decode and tiled paths) and its bf16 values (what the prefill path
   reads), per byte moved against the copy.  Target 0.8.  Beside the default (the exact FMA
@@ -438,23 +432,17 @@ def check_section(run: Run) -> None:
 
 def run_checks(run: Run) -> None:
     """The ``check`` section, in steps (:meth:`Run.step`): ``codes``, ``paths`` and
-    ``siblings`` (each format), ``dp4a``, ``dependent``, ``direct``; a step among
-    :data:`SWITCHES` in ``run.off`` is left out.  Each launch path runs first in its own step
-    (a fault is named by it): the steps before ``dependent`` launch without the dependent
-    launch and through Triton, ``dependent`` through Triton; ``direct`` as shipped."""
-    from kbbq_pl.kernels import direct_launch, skinny
+    ``siblings`` (each format), ``dp4a``, ``direct``; a step among :data:`SWITCHES` in
+    ``run.off`` is left out.  Each launch path runs first in its own step (a fault is named by
+    it): the steps before ``direct`` launch through Triton, ``direct`` as shipped."""
+    from kbbq_pl.kernels import direct_launch
 
-    through_triton = mock.patch.object(direct_launch, "DIRECT", False)
-    with mock.patch.object(skinny, "DEPENDENT_LAUNCH", False), through_triton:
+    with mock.patch.object(direct_launch, "DIRECT", False):
         product_checks(run)
         for step in OPT_IN:
             if step not in run.off:
                 run.step(step)
                 opt_in_check(run, step)
-    if "dependent" not in run.off:
-        run.step("dependent")
-        with through_triton:
-            dependent_launch_check(run)
     if "direct" not in run.off:
         run.step("direct")
         direct_launch_check(run)
@@ -665,67 +653,9 @@ def direct_launch_check(run: Run) -> None:
              f"{same}/{every}", "all", "yes" if same == every else "NO")
 
 
-def dependent_launch_check(run: Run) -> None:
-    """The decode path with the GEMM launched as a programmatic dependent against without:
-    the same bits, eagerly and replayed from a CUDA graph (M = 1, 16, 64; every format, random
-    blocks).  Where it fails, the rest of the run goes on without it (noted)."""
-    from kbbq_pl import kernels as K
-    from kbbq_pl.formats import get_format
-    from kbbq_pl.kernels import skinny
-
-    dependent = mock.patch.object(skinny, "DEPENDENT_LAUNCH", True)
-    with dependent:
-        available = run.cuda and skinny.dependent_launch(run.device)
-    if not available:
-        run.notes.append("dependent launch: not available here (needs compute capability 9.0)")
-        return
-    k, n, same, every = run.shapes["check_k"], run.shapes["check_n"], 0, 0
-    independent = mock.patch.object(skinny, "DEPENDENT_LAUNCH", False)
-    try:
-        for name in run.formats:
-            t = kbbq_blocks(k, get_format(name).block_size, run.device, seed=3)
-            q = quantized(torch.randn(n, k, device=run.device) * 0.02, name)
-            prepared = K.prepare_weight(q.qdata, q.scale, q.global_scale, name)
-            for m in (1, 16, 64):
-                x = torch.randn(m, k, device=run.device, dtype=torch.bfloat16)
-
-                def call(x=x, t=t, q=q, name=name, prepared=prepared):
-                    return K.linear_w4a4(x, q.qdata, q.scale, q.global_scale, name, t,
-                                         prepared=prepared, path="decode")
-
-                with independent:
-                    plain = call()
-                with dependent:
-                    eager = call()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        captured = call()
-                x.normal_()  # fresh rows, replayed both ways
-                graph.replay()
-                with independent:
-                    fresh = call()
-                torch.cuda.synchronize()
-                every += 2
-                same += int(torch.equal(eager, plain)) + int(torch.equal(captured, fresh))
-    except Exception as error:
-        switch_off(run, "dependent")
-        run.notes.append(f"dependent launch: FAILED ({type(error).__name__}: "
-                         f"{str(error).splitlines()[0][:120]}); the run goes on without it")
-        run.line("decode path with dependent launch: the same bits as without", "failed",
-                 "all", "NO")
-        return
-    if same < every:
-        switch_off(run, "dependent")
-        run.notes.append("dependent launch: results differ from without; its rows are not run")
-    run.line("decode path with dependent launch: the same bits as without (eager, graph)",
-             f"{same}/{every}", "all", "yes" if same == every else "NO")
-
-
 SWITCHES = {
     "siblings": ("kbbq_pl.kernels", "MAX_SIBLINGS", 1, "sibling linears launched together"),
     "dp4a": (None, None, None, "the one-row DP4A product's rows (opt-in)"),
-    "dependent": (None, None, None,
-                  "the decode GEMM launched as a programmatic dependent (opt-in)"),
     "direct": ("kbbq_pl.kernels.direct_launch", "DIRECT", False, "direct launches"),
 }
 """The check steps that can be turned off for the rest of the run (``Run.off``, and a module's
@@ -918,13 +848,6 @@ def gemm_section(run: Run) -> None:
                             (float("nan"), "FAILED"), step="dp4a")
                         if one_row == one_row:
                             ratios.setdefault((m, name, "one-row DP4A"), []).append(one_row)
-                    dependent = float("nan")
-                    with mock.patch.object(skinny, "DEPENDENT_LAUNCH", True):
-                        if (m == 1 and label != "none"  # each costs a compile: one a shape
-                                and "dependent" not in run.off
-                                and skinny.dependent_launch(device)):
-                            # the same calls, the GEMM a dependent of the activation kernel
-                            dependent = t_bf16 / seconds_per_call(run, own_calls)
                     if label == "none":  # the product alone does not depend on the transform
                         t_product, copy_fraction = product_only(run, K, skinny, tk, x, t, name,
                                                                 sets, preps, q.global_scale, path)
@@ -938,14 +861,14 @@ def gemm_section(run: Run) -> None:
                         ratios.setdefault((m, name, "weights kept decoded"), []).append(
                             kept_decoded)
                     rows.append([f"{k}->{n}", m, name, label, path, t_bf16 * 1e3, t_ours * 1e3,
-                                 ratio, target, dynamic, kept_decoded, dependent, one_row,
+                                 ratio, target, dynamic, kept_decoded, one_row,
                                  one_row_ok, t_product * 1e3,
                                  copy_fraction, "yes" if ok else f"NO ({excess:.2g})"])
                     run.add("gemm", k=k, n=n, m=m, fmt=name, transform=label, path=path,
                             bf16_ms=t_bf16 * 1e3, ours_ms=t_ours * 1e3, speedup=ratio,
                             target=target, dynamic_speedup=dynamic,
                             kept_decoded_speedup=kept_decoded,
-                            dependent_speedup=dependent, dp4a_speedup=one_row,
+                            dp4a_speedup=one_row,
                             dp4a_within_one_rounding=(one_row_ok == "yes" if m == 1
                                                       else None),
                             product_ms=t_product * 1e3,
@@ -955,13 +878,12 @@ def gemm_section(run: Run) -> None:
     table("linear_w4a4 (activation kernel + product) against bf16 torch.matmul; product: the "
           "GEMM alone (decode: the decode GEMM; prefill: weight decode + product); weights "
           "kept decoded: the prefill path with no decode per call (opt-in); copy: its bytes "
-          "over time against the device copy; a dependent launch: the decode path with its "
-          "GEMM the activation kernel's programmatic dependent (opt-in; M = 1, KBBQ blocks); "
-          "one-row DP4A: the decode path with the opt-in integer product at M = 1, and "
-          "whether it is within one bf16 rounding of the exact product",
+          "over time against the device copy; one-row DP4A: the decode path with the opt-in "
+          "integer product at M = 1, and whether it is within one bf16 rounding of the exact "
+          "product",
           ["K->N", "M", "format", "transform", "path", "bf16 ms", "W4A4 ms", "x bf16", "target",
            "x bf16, dynamic NVFP4", "x bf16, weights kept decoded",
-           "x bf16, GEMM a dependent launch", "x bf16, one-row DP4A", "DP4A within one",
+           "x bf16, one-row DP4A", "DP4A within one",
            "product ms", "copy fraction", "within one rounding"], rows)
     if fp8_rows:
         table("MX on FP8 tensor cores, the opt-in prefill product 'fp8', against bf16 "
@@ -1012,11 +934,6 @@ def gemm_section(run: Run) -> None:
     fractions = [r["copy_fraction"] for r in run.rows if r.get("section") == "gemm"
                  and r["m"] == 1 and r["transform"] == "none"
                  and r["copy_fraction"] == r["copy_fraction"]]
-    gains = [r["speedup"] / r["dependent_speedup"] for r in run.rows
-             if r.get("section") == "gemm" and r.get("dependent_speedup", math.nan) > 0]
-    if gains:
-        run.line("decode path: time with dependent launch (opt-in) / without, min/median/max",
-                 spread(gains))
     if fractions:
         run.goal("M=1 decode GEMM: fraction of copy bandwidth min/median/max", spread(fractions),
                  fractions, TARGETS["copy_m1"])

@@ -234,7 +234,7 @@ def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> l
                                  STATIC=False, AMAX_ONLY=False, PRODUCT=product,
                                  WRITE_CODES=not out_values, WRITE_VALUES=out_values,
                                  WORD_ORDER=word_order, PARTS_FIRST=tk.PARTS_FIRST,
-                                 LAUNCH_DEPENDENTS=word_order, PREFETCH_T=True, GROUPS=groups,
+                                 PREFETCH_T=True, GROUPS=groups,
                                  **config.kwargs)
                 start = time.perf_counter()
                 compiled = compile_kernel(tk._quantize_activations_kernel, run_signature, constants,
@@ -316,7 +316,7 @@ def skinny_rows(target: GPUTarget, explore: bool = False, tune: bool = False) ->
             k = config.kwargs
             constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
                              HAS_BIAS=True, VALUES=values, EXPLICIT_BF16=False, EVEN_K=True,
-                             DEPENDENT=True, SHIFTED=False, GROUPS=groups,
+                             SHIFTED=False, GROUPS=groups,
                              **k)  # as on sm_90, MX shift 0
             a_type = ("*i8" if k["PRODUCT"] == skinny.PRODUCT_DP4A
                       else "*fp16" if values == skinny.VALUES_FP16 else "*bf16")
@@ -422,7 +422,7 @@ def fold_rows(target: GPUTarget) -> list[dict]:
     constants = dict(D=32, SCALE_KIND=tk.SCALE_E8M0, ROUNDING=0, GAIN=1.0, HAS_T=True,
                      STATIC=False, AMAX_ONLY=False, PRODUCT=tk.PRODUCT_FMA_CHAIN,
                      WRITE_CODES=False, WRITE_VALUES=False, WORD_ORDER=False,
-                     PARTS_FIRST=tk.PARTS_FIRST, LAUNCH_DEPENDENTS=False, WRITE_E4M3=True,
+                     PARTS_FIRST=tk.PARTS_FIRST, WRITE_E4M3=True,
                      **tile)
     signature = dict(ACT_SIGNATURE, scales_ptr="*fp32")
     start = time.perf_counter()

@@ -1,7 +1,7 @@
 """Bytes, FLOPs and predicted times of the W4A4 linear on Hopper, counted before a GPU run.
 
     python bench/kernel_budget.py [--copy-gbs 3000] [--bf16-tflops 697] [--gap-us 1.5]
-                                  [--sass-per-weight 4.8] [--dynamic] [--independent]
+                                  [--sass-per-weight 4.8] [--dynamic]
                                   [--keep-decoded] [--fp8-tflops 1200] [--sync-us 10]
     python bench/kernel_budget.py --tiny     # one shape (K = N = 8192), M = 1
 
@@ -26,10 +26,7 @@ written once) and the FLOPs, and from them:
   the promotion of every 128 along K; to be measured) after ``--sync-us`` for the host read
   of its fold check (an assumption), the activation kernel at ``ACT_E4M3_SASS`` and the
   weights' fold at ``FOLD_SASS`` per element or 80% of the copy, whichever is slower,
-  and ``--gap-us`` per kernel boundary inside a CUDA graph (an assumption: to be measured),
-  except between the activation kernel and the decode GEMM, which launches as its
-  programmatic dependent (already resident, prefetching its weights, when the activation
-  kernel ends; ``--independent``: a gap there too, as before 2026-11-28).
+  and ``--gap-us`` per kernel boundary inside a CUDA graph (an assumption: to be measured).
   Above 16 rows the decode GEMM takes the longest of its bytes (70%), its FLOPs (the bf16
   rate) and its main loop's instructions (``--sass-per-weight`` for every weight of every
   128-row tile, at 128 per SM clock on 132 SMs at 1.98 GHz), as if they overlapped;
@@ -95,10 +92,9 @@ def kernels(path: str, two_passes: bool, keep_decoded: bool = False) -> int:
     return (2 if two_passes else 1) + (1 if path == "decode" or keep_decoded else 2)
 
 
-def gaps(path: str, two_passes: bool, dependent: bool, keep_decoded: bool = False) -> int:
-    """Kernel boundaries of one linear that cost a launch gap: all but the one before a
-    decode GEMM launched as a programmatic dependent."""
-    return kernels(path, two_passes, keep_decoded) - 1 - (path == "decode" and dependent)
+def gaps(path: str, two_passes: bool, keep_decoded: bool = False) -> int:
+    """Kernel boundaries of one linear: each costs a launch gap."""
+    return kernels(path, two_passes, keep_decoded) - 1
 
 
 def fold_bytes(rows: int, k: int, d: int) -> int:
@@ -115,7 +111,7 @@ def paths(m: int, fmt: str = "nvfp4") -> tuple[str, ...]:
 
 def predict(m: int, k: int, n: int, fmt: str, copy: float, bf16_rate: float,
             gap: float, path: str = "decode", sass_per_weight: float = 4.8,
-            dynamic: bool = False, dependent: bool = True, keep_decoded: bool = False,
+            dynamic: bool = False, keep_decoded: bool = False,
             fp8_rate: float = 1200e12, sync: float = 10e-6) -> dict:
     """The figures of one row (seconds, bytes, FLOPs) as the module docstring defines them."""
     d = FORMATS[fmt]
@@ -132,7 +128,7 @@ def predict(m: int, k: int, n: int, fmt: str, copy: float, bf16_rate: float,
         if m > 16:
             issue = n * k * math.ceil(m / 128) * sass_per_weight / ISSUE_RATE
             gemm = max(gemm, flops / bf16_rate, issue)
-        predicted = act_time + gemm + gap * gaps(path, two_passes, dependent)
+        predicted = act_time + gemm + gap * gaps(path, two_passes)
         decode_fraction = product / copy
     elif path == "fp8":  # activations folded, the weights' fold, the FP8 product after a read
         act = 2 * m * k + 4 * k * d + m * k + 4 * m * (k // 128)
@@ -153,7 +149,7 @@ def predict(m: int, k: int, n: int, fmt: str, copy: float, bf16_rate: float,
         floor = (act + decode) / copy + max(flops / bf16_rate, operands / copy)
         predicted = (act_time + decode / (STREAM_FRACTION * copy)
                      + max(flops / bf16_rate, operands / (BF16_GEMV_FRACTION * copy))
-                     + gap * gaps(path, two_passes, dependent, keep_decoded))
+                     + gap * gaps(path, two_passes, keep_decoded))
         decode_fraction = float("nan")
     return dict(k=k, n=n, m=m, fmt=fmt, path=path, ours_mb=ours_bytes / 1e6,
                 bf16_mb=bf16_bytes(m, k, n) / 1e6, gflop=flops / 1e9, floor_us=floor * 1e6,
@@ -176,9 +172,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dynamic", action="store_true",
                         help="dynamic NVFP4 activation scales (an amax pass first); default "
                              "static, as every recipe ships")
-    parser.add_argument("--independent", action="store_true",
-                        help="the decode GEMM launched after the activation kernel ends (a "
-                             "launch gap between them), not as its programmatic dependent")
     parser.add_argument("--keep-decoded", action="store_true",
                         help="the prefill path with the weights kept decoded to bf16 "
                              "(kbbq_pl.quant.w4a4.KEEP_DECODED_WEIGHTS: no weight decode per "
@@ -192,8 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     shapes, rows = (SHAPES[:1], ROWS[:1]) if args.tiny else (SHAPES, ROWS)
     copy, rate, gap = args.copy_gbs * 1e9, args.bf16_tflops * 1e12, args.gap_us * 1e-6
     print(f"predictions (not measurements): copy {args.copy_gbs:.0f} GB/s, bf16 "
-          f"{args.bf16_tflops:.0f} TFLOP/s at M = 4096, {args.gap_us} us per kernel boundary"
-          f"{'' if args.independent else ' (none before a dependently launched decode GEMM)'}; "
+          f"{args.bf16_tflops:.0f} TFLOP/s at M = 4096, {args.gap_us} us per kernel boundary; "
           f"per-block transforms on, {'dynamic' if args.dynamic else 'static'} NVFP4 "
           f"activation scales{'; prefill weights kept decoded' if args.keep_decoded else ''}\n")
     header = ["K->N", "M", "format", "path", "W4A4 MB", "bf16 MB", "GFLOP", "W4A4 floor us",
@@ -206,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
             for fmt in FORMATS:
                 for path in paths(m, fmt):
                     r = predict(m, k, n, fmt, copy, rate, gap, path, args.sass_per_weight,
-                                args.dynamic, not args.independent, args.keep_decoded,
+                                args.dynamic, args.keep_decoded,
                                 args.fp8_tflops * 1e12, args.sync_us * 1e-6)
                     gemm_floor = r["gemm_floor_us"]
                     cells = [f"{k}->{n}", m, fmt, path, f"{r['ours_mb']:.1f}",

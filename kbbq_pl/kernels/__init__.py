@@ -463,7 +463,7 @@ def _decode_path(x2: Tensor, codes: Tensor, scales: Tensor, w_global: Tensor | N
     dp4a = operand == torch.int8
     _, a_scales, pts, values = _activation_kernel(
         x2, t, fmt, act_gs, "linear_w4a4", None, values_dtype=operand, codes=False,
-        word_order=not dp4a, launch_dependents=skinny.dependent_launch(x2.device))
+        word_order=not dp4a)
     return skinny.skinny_matmul(values, m, codes, scales, pts, w_global, fmt.block_size,
                                 scale_kind, gain, prepared.shift(scales), bias, out_dtype,
                                 a_scales=a_scales if dp4a else None)
@@ -753,7 +753,7 @@ def linear_w4a4_siblings(x: Tensor, layers: Sequence[SiblingLinear],
     _, a_scales, pts, values = _backend().quantize_activations(
         x2, [t for *_, t, _ in operands], fmt.block_size, scale_kind, rounding, gain,
         None if act_scales[0] is None else act_scales, None, values_dtype=operand,
-        codes=False, word_order=not dp4a, launch_dependents=skinny.dependent_launch(x2.device))
+        codes=False, word_order=not dp4a)
     outs = skinny.skinny_matmul(
         values, x2.shape[0], [op[0] for op in operands], [op[1] for op in operands], pts,
         [op[2] for op in operands], fmt.block_size, scale_kind, gain, shifts.pop(),

@@ -30,13 +30,7 @@ rows (16 up to 16 rows, 32 to 128 above: :func:`_configs`):
 
 One launch computes the product; with the activation kernel before it a decode-path linear
 is two launches (three for dynamic NVFP4, whose per-tensor scale needs the amax of the whole
-input first).  Opt-in (:data:`DEPENDENT_LAUNCH`; measured slower), on sm_90 and later the
-product is launched as a *programmatic dependent* of the activation kernel (CUDA's
-programmatic dependent launch, as serving stacks chain their small decode kernels): the
-activation kernel lets it start at once, its programs ask L2 for the first weights of their
-slices (weights no kernel before it writes) and then wait (``griddepcontrol.wait``) until the
-activation kernel has finished and its values are visible, so that the launch gap and the
-activation kernel would overlap the weights' stream; the results are the same bits either way.
+input first).
 
 No host synchronization, no allocation but the output and the partials.  The split-K
 counters are one buffer per device: decode GEMMs on two streams of one device at the same
@@ -51,7 +45,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from .direct_launch import launch
 from .exact import MX_MULTIPLIER_BIAS, NVFP4_DECODE_SHIFT, WORD_ORDER_CHUNK
@@ -64,7 +57,6 @@ from .triton_kernels import (
     _e2m1_values,
     _epilogue,
     _pow2,
-    _prefetch,
     sm_count,
 )
 
@@ -87,13 +79,6 @@ side); above, 32 to 128."""
 MAX_SPLITS = 16
 ROW_GROUP: tl.constexpr = tl.constexpr(8)
 """Row tiles a column tile is taken down together (``tl.swizzle2d`` in the kernel)."""
-DEPENDENT_LAUNCH = False
-"""Launch the decode GEMM as a programmatic dependent of the activation kernel where the GPU
-can (compute capability 9.0 on, not under the interpreter): :func:`dependent_launch`.  Opt-in:
-on an H200 a one-row linear ran 2 to 9% slower with it than without, at 9 of 10 shapes and
-formats (``bench/gpu.py``'s ``gemm`` section times both)."""
-PREFETCH_K: tl.constexpr = tl.constexpr(1024)
-"""Elements of its K slice a dependently launched program asks L2 for before it waits."""
 _COUNTERS = 1 << 14
 """Output tiles a device's split-K counters cover (beyond them K is not split)."""
 
@@ -251,21 +236,6 @@ def _word_dots(words, mult, a_ptrs, a_mask, acc, SHIFT: tl.constexpr, E_LOW: tl.
 
 
 @triton.jit
-def _prefetch_slice(w_ptr, ws_ptr, offs_n, n_mask, k_lo, k_hi, K, stride_wn, stride_wsn,
-                    D: tl.constexpr):
-    """The first :data:`PREFETCH_K` elements of this program's K slice ``[k_lo, k_hi)`` of its
-    weight rows (codes and scale bytes) requested into L2, while the activation kernel before
-    it runs; every address stays inside its row (a prefetch is a hint, but never of memory
-    that is not the weights')."""
-    lines = tl.arange(0, PREFETCH_K // 256)  # 128-byte lines of codes per row
-    end = tl.maximum(tl.minimum(k_hi, K) // 2 - 1, 0)  # the slice's last byte in a row
-    offset = tl.minimum(k_lo // 2 + lines * 128, end)
-    rows = tl.where(n_mask, offs_n, 0)
-    _prefetch(w_ptr + rows[:, None] * stride_wn + offset[None, :], 2)
-    _prefetch(ws_ptr + rows * stride_wsn + tl.minimum(k_lo // D, K // D - 1), 2)
-
-
-@triton.jit
 def _block_multipliers(s, shift, SCALE_KIND: tl.constexpr, VALUES: tl.constexpr):
     """The decode multiplier of each scale byte ``s`` (uint8): NVFP4 the E4M3 scale (fp16;
     FP32 times 2^112, so that FP32 values are ``q * s * 2^-14`` too), MX ``2^(e - shift + 126)``
@@ -350,7 +320,7 @@ def _skinny_kernel(
     D: tl.constexpr, SCALE_KIND: tl.constexpr, GAIN2: tl.constexpr, HAS_GLOBAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, VALUES: tl.constexpr, EXPLICIT_BF16: tl.constexpr,
     PRODUCT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, SHIFTED: tl.constexpr, DEPENDENT: tl.constexpr = False,
+    EVEN_K: tl.constexpr, SHIFTED: tl.constexpr,
     GROUPS: tl.constexpr = 1, PROBE: tl.constexpr = False, TILED: tl.constexpr = False,
     RAW: tl.constexpr = False,
 ):
@@ -429,10 +399,6 @@ def _skinny_kernel(
     k_lo = pid_k * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
     decode_shift = shift if SHIFTED else 0  # the loops' MX shift: a constant where it is 0
-    if DEPENDENT:  # launched while the activation kernel runs: its weights first, then wait
-        _prefetch_slice(w_ptr, ws_ptr, offs_n, n_mask, k_lo, k_hi, K, stride_wn, stride_wsn,
-                        D)
-        gdc_wait()  # the previous kernel has finished and its writes are visible
     if PRODUCT == 0:  # PRODUCT_DOT: 32-bit words of 8 codes, two values per operation
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         offs_c = tl.arange(0, BLOCK_K // 8)  # word c of a tile row: elements 8c .. 8c + 7
@@ -710,19 +676,6 @@ def split_count(n: int, k: int, block_n: int, block_k: int, sms: int, m: int = 1
     return split
 
 
-@functools.lru_cache(maxsize=16)
-def _capability(device: torch.device) -> int:
-    return torch.cuda.get_device_capability(device)[0]
-
-
-def dependent_launch(device: torch.device) -> bool:
-    """Whether decode GEMMs on ``device`` launch as programmatic dependents
-    (:data:`DEPENDENT_LAUNCH`, a CUDA device of compute capability 9.0 or later, compiled
-    kernels): the activation kernel before one is then told to let it start."""
-    return (DEPENDENT_LAUNCH and not INTERPRET and device.type == "cuda"
-            and _capability(device) >= 9)
-
-
 def values_kind(scale_kind: int) -> int:
     """The 16-bit type a format's decode path multiplies (FP32 where the interpreter cannot
     multiply bf16)."""
@@ -862,15 +815,12 @@ def skinny_matmul(a_values, m: int, w_codes, w_scales, a_global, w_global, d: in
     has_global = scale_kind == SCALE_E4M3
     has_bias = bias[0] is not None
     dummy = outs[0]
-    dependent = dependent_launch(device) and not tiled
     meta = dict(D=d, SCALE_KIND=scale_kind, GAIN2=gain * gain, HAS_GLOBAL=has_global,
                 HAS_BIAS=has_bias, VALUES=values_kind(scale_kind),
-                EXPLICIT_BF16=INTERPRET and out_dtype == torch.bfloat16, DEPENDENT=dependent,
+                EXPLICIT_BF16=INTERPRET and out_dtype == torch.bfloat16,
                 PROBE=probe is not None,
                 SHIFTED=shift != 0, GROUPS=groups, TILED=tiled, RAW=not decode,
                 **COMPILE_OPTIONS)
-    if dependent:
-        meta["launch_pdl"] = True
     sms = sm_count(device)
     interpreter_config = INTERPRETER_DP4A_CONFIG if dp4a else INTERPRETER_CONFIG
     pinned = dict(config or interpreter_config) if config is not None or INTERPRET else None

@@ -20,7 +20,6 @@ import torch
 import triton
 import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from ..formats.rounding import NVFP4_MIN_GLOBAL_SCALE, NVFP4_SCALE_DIVISOR
 from .direct_launch import launch
@@ -130,16 +129,11 @@ def _pow2(e):
 
 
 @triton.jit
-def _prefetch(ptrs, LEVEL: tl.constexpr):
-    """Ask the cache of ``LEVEL`` (1: the SM's L1, 2: L2) for the 128-byte line of each address
-    of ``ptrs`` (a hint: no register is written, nothing waits for it; compiled GPUs only, the
-    interpreter runs no PTX)."""
-    if LEVEL == 1:
-        tl.inline_asm_elementwise("prefetch.global.L1 [$1]; // $0", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+def _prefetch_l1(ptrs):
+    """Ask the SM's L1 for the 128-byte line of each address of ``ptrs`` (a hint: no register
+    is written, nothing waits for it; compiled GPUs only, the interpreter runs no PTX)."""
+    tl.inline_asm_elementwise("prefetch.global.L1 [$1]; // $0", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -357,7 +351,7 @@ def _quantize_activations_kernel(
     PRODUCT: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
     WRITE_CODES: tl.constexpr = True, WRITE_VALUES: tl.constexpr = False,
     WORD_ORDER: tl.constexpr = False, PARTS_FIRST: tl.constexpr = False,
-    LAUNCH_DEPENDENTS: tl.constexpr = False, WRITE_E4M3: tl.constexpr = False,
+    WRITE_E4M3: tl.constexpr = False,
     TILES: tl.constexpr = 1, PREFETCH_T: tl.constexpr = False,
     FROM_MEMORY: tl.constexpr = False, GROUPS: tl.constexpr = 1,
 ):
@@ -372,8 +366,7 @@ def _quantize_activations_kernel(
     int8 ``values_ptr`` takes ``2q`` instead (the integers the decode GEMM's DP4A product
     multiplies; 0 in a non-finite block) and ``scales_ptr`` the FP32 block scales ``s`` (NaN
     in a non-finite block).
-    ``LAUNCH_DEPENDENTS`` lets a kernel launched after it as a programmatic dependent (the
-    decode GEMM) start at once: it waits for this one's results itself.  ``WRITE_E4M3`` (MX,
+    ``WRITE_E4M3`` (MX,
     a program holding whole chunks of 128: ``NB * D == 128``) stores the values folded to
     E4M3 as :func:`kbbq_pl.kernels.exact.fold_mx_to_e4m3` folds the codes (bytes in
     ``codes_ptr``, row stride ``stride_cm``), the chunk's FP32 scale in ``scales_ptr`` (chunk
@@ -393,8 +386,6 @@ def _quantize_activations_kernel(
     ``global2_ptr``, into ``values_ptr + g stride_vg`` (values only; int8 values' block scales
     at ``scales_ptr + g M stride_sm``), its amax and per-tensor scale at ``amax_ptr + g`` and
     ``pts_ptr + g``: one launch for the siblings, each with the bits of its own."""
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
     if GROUPS > 1:
         tl.static_assert((WRITE_VALUES == 1) & (WRITE_CODES == 0) & (WRITE_E4M3 == 0)
                          & (GROUPS <= 3))
@@ -428,7 +419,7 @@ def _quantize_activations_kernel(
             # another
             lines = tl.arange(0, NB * D * D // 32)
             block = tl.minimum(pid_b * NB + lines // (D * D // 32), n_blocks - 1)
-            _prefetch(t_ptr + block * (D * D) + (lines % (D * D // 32)) * 32, 1)
+            _prefetch_l1(t_ptr + block * (D * D) + (lines % (D * D // 32)) * 32)
         first = tl.program_id(0) * TILES
         last = tl.minimum(first + TILES, tl.cdiv(M, BLOCK_M))
         x4 = _load_blocks(x_ptr, first, M, n_blocks, blocks, stride_xm, D, BLOCK_M,
@@ -599,8 +590,7 @@ def _prune_act_configs(configs, named_args, **kwargs):
 _quantize_activations_tuned = triton.autotune(
     configs=_act_configs(),
     key=["n_blocks", "m_bucket", "D", "HAS_T", "AMAX_ONLY", "SCALE_KIND", "PRODUCT",
-         "WRITE_CODES", "WRITE_VALUES", "WORD_ORDER", "PARTS_FIRST", "LAUNCH_DEPENDENTS",
-         "GROUPS"],
+         "WRITE_CODES", "WRITE_VALUES", "WORD_ORDER", "PARTS_FIRST", "GROUPS"],
     prune_configs_by={"early_config_prune": _prune_act_configs},
 )(_quantize_activations_kernel)
 
@@ -680,8 +670,8 @@ def _act_grid(m: int, n_blocks: int, groups: int, tile: dict) -> tuple[int, int,
 def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, gain: float,
                          global_scale, config: dict | None = None, product: int | None = None,
                          values_dtype: torch.dtype | None = None, codes: bool = True,
-                         word_order: bool = False, launch_dependents: bool = False,
-                         e4m3_inexact=None, prefetch_transform: bool | None = None):
+                         word_order: bool = False, e4m3_inexact=None,
+                         prefetch_transform: bool | None = None):
     """Launch the activation kernel(s); arguments already checked by :mod:`kbbq_pl.kernels`.
 
     Returns ``(codes uint8 [M, K/2], scales uint8 [M, K/d], pts fp32 [] or None, values)``:
@@ -693,8 +683,6 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     overrides how ``T x`` is multiplied (benchmarks: ``PRODUCT_FMA_DOT``; ``PRODUCT_BF16X3``,
     bf16 ``x`` only); None: the FMA chain, or :data:`PREFILL_PRODUCT` for the prefill path's
     operand.
-    ``launch_dependents``: the last launch lets the next kernel start early (the decode GEMM
-    launched as its programmatic dependent: :func:`kbbq_pl.kernels.skinny.dependent_launch`).
     ``e4m3_inexact`` (MX, ``K`` a multiple of 128; an int32 ``[1]`` counter): instead of the
     codes, the values folded to E4M3 for the FP8 product (``codes``: float8_e4m3fn ``[M, K]``;
     ``scales``: FP32 ``[M, K/128]``, strides ``(1, M)``; the inexact chunks added to the
@@ -797,7 +785,7 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
         config = None
 
     def launch_pass(amax_only: bool) -> None:
-        passes = dict(AMAX_ONLY=amax_only, LAUNCH_DEPENDENTS=launch_dependents and not amax_only)
+        passes = dict(AMAX_ONLY=amax_only)
         if config is not None or INTERPRET:
             cfg = few_rows_tile(dict(config or INTERPRETER_ACT_CONFIG), m)
             warps = cfg.pop("num_warps", 4)

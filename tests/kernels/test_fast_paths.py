@@ -431,44 +431,6 @@ def test_decode_gemm_autotuned_launch_under_the_interpreter():
     assert [tile for m, tile in tried if m == 40] == [32, 64]
 
 
-class _Launches:
-    """Stands in for a jitted kernel: records each launch's keyword arguments, runs nothing."""
-
-    def __init__(self):
-        self.kwargs: list[dict] = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.kwargs.append(kwargs)
-
-
-@pytest.mark.parametrize("dependent", [False, True])
-def test_decode_path_launches_its_gemm_as_a_dependent_where_it_can(dependent):
-    """Where :func:`skinny.dependent_launch` says so (sm_90 on: not here, so it is stubbed),
-    the decode path's activation kernel lets the next kernel start (its values pass only, not
-    dynamic NVFP4's amax pass) and the decode GEMM launches as its programmatic dependent;
-    elsewhere neither.  The kernels themselves are stubbed (the interpreter runs no
-    ``griddepcontrol``): the compile test checks what the flags compile to."""
-    needs_kernels()
-    from kbbq_pl.kernels import skinny as S
-    from kbbq_pl.kernels import triton_kernels as tk
-
-    act, gemm = _Launches(), _Launches()
-    w = torch.randn(24, 64) * 0.02
-    q = F.quantize(w, "nvfp4")
-    x = torch.randn(2, 64, dtype=torch.bfloat16)
-    with mock.patch.object(S, "dependent_launch", lambda device: dependent), \
-            mock.patch.object(tk, "_quantize_activations_kernel", act), \
-            mock.patch.object(S, "_skinny_kernel", gemm):
-        for act_scale in (None, 0.01):  # dynamic: an amax pass first; static
-            K.linear_w4a4(x, q.qdata, q.scale, q.global_scale, "nvfp4", None, act_scale,
-                          path="decode")
-    assert [(k["AMAX_ONLY"], k["LAUNCH_DEPENDENTS"]) for k in act.kwargs] == [
-        (True, False), (False, dependent), (False, dependent)]
-    assert [(k["DEPENDENT"], k.get("launch_pdl", False)) for k in gemm.kwargs] == [
-        (dependent, dependent)] * 2
-    assert not S.dependent_launch(CPU)
-
-
 @pytest.mark.parametrize("fmt, act_scale, fills", [("nvfp4", 0.01, 0), ("mxfp4", None, 0),
                                                    ("nvfp4", None, 1)])
 def test_activation_kernel_fills_nothing_it_does_not_read(fmt, act_scale, fills):
@@ -1003,7 +965,7 @@ def decode_tile(d, kind, values, a_type, rows=16, cols=64, depth=256, **extra):
     constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
                      HAS_BIAS=True, VALUES=values, EXPLICIT_BF16=False, EVEN_K=True,
                      BLOCK_M=rows, BLOCK_N=cols, BLOCK_K=depth, PRODUCT=S.PRODUCT_DOT,
-                     DEPENDENT=True, SHIFTED=False, **extra)
+                     SHIFTED=False, **extra)
     return G.compile_kernel(S._skinny_kernel, dict(G.SKINNY_SIGNATURE, a_ptr=a_type),
                             constants, target, num_warps=4, num_stages=3,
                             enable_fp_fusion=True)
@@ -1021,14 +983,6 @@ for (d, kind, values, a_type), (rows, cols, depth) in zip(
     assert found["ptx_v4"] > 0 and found["ldg128"] > 0, found
     assert float(found["per_element"]) <= 5.0, found
     assert found["div_approx"] == 0 and found["ftz"] == 0, found
-    # a dependent launch: L2 prefetches, then griddepcontrol.wait (ACQBULK) before any load,
-    # store or atomic: nothing the activation kernel writes is read before it has finished
-    ops = [op for _, op, _ in G.sass_ops(compiled.asm["cubin"])]
-    assert ops.count("ACQBULK") == 1, ops
-    before = ops[:ops.index("ACQBULK")]
-    assert any(op.startswith("CCTL") for op in before), before
-    assert not any(op.startswith(("LDG", "LDS", "LDL", "ST", "ATOM", "RED"))
-                   for op in before), before
     print(d, found["per_element"])
     # the product reads no clock; the probe (a diagnostic) reads them where it stands
     assert not re.search(r"SR_CLOCK|SR_GLOBALTIMER", G.cuobjdump(compiled.asm["cubin"], "-sass"))
@@ -1062,17 +1016,16 @@ for d, kind, values, a_type in DECODE_FORMATS:
     assert count_ops(raw, "HMUL2") == 0 and len(raw) < 0.6 * loops[0], (d, len(raw), loops)
     assert count_ops(raw, "HGMMA") == count_ops(loop, "HGMMA") > 0, raw
     assert count_ops(raw, "LDGSTS") == count_ops(loop, "LDGSTS") > 0, raw
-# the activation kernel before it lets it launch (launch_dependents: PREEXIT in SASS)
+# the activation kernel's decode-step tile, for three siblings in one launch: no spills, as
+# long as one layer's but the pointers
 constants = dict(D=16, SCALE_KIND=tk.SCALE_E4M3, ROUNDING=0, GAIN=1.0, HAS_T=True, STATIC=True,
                  AMAX_ONLY=False, PRODUCT=tk.PRODUCT_FMA_CHAIN, WRITE_CODES=False,
                  WRITE_VALUES=True, WORD_ORDER=True, PARTS_FIRST=tk.PARTS_FIRST,
-                 LAUNCH_DEPENDENTS=True, **tk.FEW_ROWS_TILES[16])
+                 **tk.FEW_ROWS_TILES[16])
 warps = constants.pop("num_warps")
 compiled = G.compile_kernel(tk._quantize_activations_kernel,
                             dict(G.ACT_SIGNATURE, values_ptr="*fp16"), constants, target,
                             num_warps=warps, enable_fp_fusion=True)
-assert [op for _, op, _ in G.sass_ops(compiled.asm["cubin"])].count("PREEXIT") == 1
-# and for three siblings in one launch: no spills, as long as one layer's but the pointers
 sass = len(G.sass_ops(compiled.asm["cubin"]))
 compiled = G.compile_kernel(tk._quantize_activations_kernel,
                             dict(G.ACT_SIGNATURE, values_ptr="*fp16"), dict(constants, GROUPS=3),
@@ -1093,8 +1046,7 @@ def test_decode_gemm_compiles_for_hopper_without_a_gpu():
     """The decode GEMM compiled for sm_90 (its PTX multiply included), at a decode step's tile
     (NVFP4) and at a 64-row tile (MXFP4): Hopper's wgmma, 16-byte loads of the codes, no
     spills, at most 5 SASS per weight in its loop (3.3 to 4.9 seen with Triton 3.6 and 3.9),
-    every division correctly rounded; launched as a programmatic dependent, it only prefetches
-    before it waits for the activation kernel, which lets it launch; at a decode step's tile
+    every division correctly rounded; at a decode step's tile
     the decoded weights of both formats reach the tensor cores in registers (with a runtime
     MX shift in the loop, Triton 3.6 staged them through shared memory: 16 stores and 9
     barriers a step instead of 0 and 2; 3.9 did not, so only 3.6 tells).  The shipped kernel
@@ -1111,31 +1063,28 @@ for d, kind in ((16, tk.SCALE_E4M3), (32, tk.SCALE_E8M0)):
     for config, groups in [(c, g) for c in S._DP4A_CONFIGS for g in (1, 3)]:
         constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
                          HAS_BIAS=True, VALUES=S.VALUES_FP32, EXPLICIT_BF16=False, EVEN_K=True,
-                         DEPENDENT=True, SHIFTED=False, GROUPS=groups, **config.kwargs)
+                         SHIFTED=False, GROUPS=groups, **config.kwargs)
         compiled = G.compile_kernel(S._skinny_kernel, dict(G.SKINNY_SIGNATURE, a_ptr="*i8"),
                                     constants, target, num_warps=config.num_warps,
                                     num_stages=config.num_stages, enable_fp_fusion=True)
         per_thread = config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_K"] / (32 * config.num_warps)
         found = G.analyse(compiled, per_thread)
-        ops = [op for _, op, _ in G.sass_ops(compiled.asm["cubin"])]
         loop = G.main_loop(G.sass_ops(compiled.asm["cubin"]))
         assert loop.count("IDP.4A.S8.S8") == per_thread // 2 and "PRMT" in loop, found
         assert found["stack"] == 0 and found["ldg128"] > 0, found
         assert float(found["per_element"]) <= 3.2, found
-        assert ops.count("ACQBULK") == 1, ops
         print(d, "dp4a", groups, found["per_element"])
 # the activation kernel's int8 output (2q, FP32 block scales: the product's operand), MX's
-# one-row tile, launching the product as a dependent
+# one-row tile
 constants = dict(D=32, SCALE_KIND=tk.SCALE_E8M0, ROUNDING=0, GAIN=1.0, HAS_T=True,
                  STATIC=False, AMAX_ONLY=False, PRODUCT=tk.PRODUCT_FMA_CHAIN,
                  WRITE_CODES=False, WRITE_VALUES=True, WORD_ORDER=False,
-                 PARTS_FIRST=tk.PARTS_FIRST, LAUNCH_DEPENDENTS=True, **tk.FEW_ROWS_TILES[32])
+                 PARTS_FIRST=tk.PARTS_FIRST, **tk.FEW_ROWS_TILES[32])
 warps = constants.pop("num_warps")
 compiled = G.compile_kernel(tk._quantize_activations_kernel,
                             dict(G.ACT_SIGNATURE, values_ptr="*i8", scales_ptr="*fp32"),
                             constants, target, num_warps=warps, enable_fp_fusion=True)
 assert G.analyse(compiled, 32)["stack"] == 0
-assert [op for _, op, _ in G.sass_ops(compiled.asm["cubin"])].count("PREEXIT") == 1
 print("ok")
 """
 
@@ -1145,7 +1094,6 @@ print("ok")
 def test_dp4a_product_compiles_for_hopper_without_a_gpu():
     """The one-row DP4A product's tiles compiled for sm_90: two ``dp4a`` (``IDP.4A``) per four
     weights in the loop, byte permutes, 16-byte loads, no spills, at most 3.2 SASS per weight
-    (2.1 to 3.0 seen with Triton 3.6), launched as a dependent, alone and for three sibling
-    layers; the activation kernel's
-    int8 output beside it, without spills, letting it launch."""
+    (2.1 to 3.0 seen with Triton 3.6), alone and for three sibling layers; the activation
+    kernel's int8 output beside it, without spills."""
     run_compile_check(DP4A_COMPILE_CHECK)

@@ -749,7 +749,7 @@ for d, kind, values in ((16, tk.SCALE_E4M3, "*fp16"), (32, tk.SCALE_E8M0, "*bf16
         constants = dict(D=d, SCALE_KIND=kind, ROUNDING=0, GAIN=1.0, HAS_T=True, STATIC=True,
                          AMAX_ONLY=False, PRODUCT=tk.PRODUCT_FMA_CHAIN, WRITE_CODES=False,
                          WRITE_VALUES=True, WORD_ORDER=True, PARTS_FIRST=tk.PARTS_FIRST,
-                         LAUNCH_DEPENDENTS=True, PREFETCH_T=True, **tile)
+                         PREFETCH_T=True, **tile)
         compiled = G.compile_kernel(tk._quantize_activations_kernel,
                                     dict(G.ACT_SIGNATURE, values_ptr=values), constants, target,
                                     num_warps=warps, enable_fp_fusion=True)
@@ -1149,7 +1149,7 @@ with open(pathlib.Path(args.json).parent.parent / "runs", "a") as runs:
     runs.write(",".join(off) + ";")
 record = dict(rows=[dict(section="check", kind="stand-in")], notes=["child note"],
               summary=[["child row", "1/1", "all", "yes"]], off=off, failed=[])
-step = {"direct": "direct", "dp4a": "dp4a", "paths": "paths", "hang": "dependent",
+step = {"direct": "direct", "dp4a": "dp4a", "paths": "paths", "hang": "siblings",
         "slow": "dp4a"}.get(scenario)
 if scenario == "start":
     sys.exit(1)
@@ -1169,7 +1169,7 @@ pathlib.Path(args.json).write_text(json.dumps(record))
 @pytest.mark.parametrize("scenario, stopped, now_off", [
     ("direct", "stopped in step 'direct' (exit code 3); direct launches off", ["direct"]),
     ("dp4a", "stopped in step 'dp4a' (exit code 3); the one-row DP4A", ["dp4a"]),
-    ("hang", "stopped in step 'dependent' (no end in 2 s); the decode GEMM", ["dependent"]),
+    ("hang", "stopped in step 'siblings' (no end in 2 s); sibling linears", ["siblings"]),
     ("paths", "stopped in step 'paths' (exit code 3); the run goes on", []),
     ("slow", "stopped in step 'dp4a' (out of the run's time); the run goes on", []),
     ("differs", None, ["siblings"]),
@@ -1183,7 +1183,7 @@ def test_gpu_bench_checks_in_a_child_process(tmp_path, monkeypatch, scenario, st
     the run's time running out, is noted, with what the child found before; what the child
     turned off, and the opt-in rows that failed there, are off here; its rows, summary lines
     and notes join the run's; a child that began no step is replaced by the checks here."""
-    from kbbq_pl.kernels import direct_launch, skinny
+    from kbbq_pl.kernels import direct_launch
 
     module = gpu_bench()
     for path, attribute, _, _ in module.SWITCHES.values():
@@ -1202,7 +1202,6 @@ def test_gpu_bench_checks_in_a_child_process(tmp_path, monkeypatch, scenario, st
     assert module.switched_off(run) == now_off
     assert (direct_launch.DIRECT, K.MAX_SIBLINGS >= 2) == tuple(
         step not in now_off for step in ("direct", "siblings"))
-    assert not skinny.DEPENDENT_LAUNCH  # opt-in: a failed check leaves out its rows alone
     tried = []
     assert module.attempt(run, "a DP4A row", lambda: tried.append(1), "not run",
                           step="dp4a") == ("not run" if "dp4a" in now_off else None)
@@ -1226,35 +1225,32 @@ def test_gpu_bench_checks_in_a_child_process(tmp_path, monkeypatch, scenario, st
 
 
 def test_gpu_bench_check_steps_run_each_launch_path_first_alone(tmp_path, monkeypatch, capsys):
-    """The check's child (here in this process) runs the products with neither the dependent
-    nor the direct launch (a fault of either is named by its own step), leaves out a step
-    turned off (--off) and reports it off; a step's fault in the device's earlier work is
-    raised before the step is named."""
-    from kbbq_pl.kernels import direct_launch, skinny
+    """The check's child (here in this process) runs the products without the direct launch
+    (a fault there is named by its own step), leaves out a step turned off (--off) and reports
+    it off; a step's fault in the device's earlier work is raised before the step is named."""
+    from kbbq_pl.kernels import direct_launch
 
     module = gpu_bench()
-    monkeypatch.setattr(skinny, "DEPENDENT_LAUNCH", True)
     monkeypatch.setattr(direct_launch, "DIRECT", True)
     launches = []
 
     def checked(y, ref):
-        launches.append((skinny.DEPENDENT_LAUNCH, direct_launch.DIRECT))
+        launches.append(direct_launch.DIRECT)
         return within(y, ref)
 
     within = module.within_one_rounding
     monkeypatch.setattr(module, "within_one_rounding", checked)
     record, progress = tmp_path / "check.json", tmp_path / "step"
     module.main(["--tiny", "--formats", "nvfp4", "--check-child", str(progress), "--off",
-                 "dependent", "--json", str(record)])
+                 "dp4a", "--json", str(record)])
     out = capsys.readouterr().out
     found = json.loads(record.read_text())
-    assert found["off"] == ["dependent"] and progress.read_text() == "done"
+    assert found["off"] == ["dp4a"] and progress.read_text() == "done"
     steps = [line[len("(check step: "):-1] for line in out.splitlines()
              if line.startswith("(check step: ")]
-    assert steps == ["codes", "paths", "siblings", "dp4a", "direct", "done"], steps
-    # 5 paths, 2 x 3 siblings, 1 DP4A linear and 3 DP4A siblings: none with the dependent or
-    # the direct launch
-    assert len(launches) == 15 and set(launches) == {(False, False)}, launches
+    assert steps == ["codes", "paths", "siblings", "direct", "done"], steps
+    # 5 paths and 2 x 3 siblings (the DP4A step off), none launched directly
+    assert len(launches) == 11 and set(launches) == {False}, launches
     assert direct_launch.DIRECT  # as shipped after the checks
     run = module.Run(module.TINY, torch.device("cuda"), ["nvfp4"], 100.0, progress=progress)
     with mock.patch.object(torch.cuda, "synchronize", side_effect=RuntimeError("fault")), \

@@ -221,12 +221,15 @@ class Run:
 
     def step(self, name: str) -> None:
         """The check's child begins step ``name`` (:func:`check_in_child`): the device's work so
-        far finished first (a fault there is raised now, under the step that launched it)."""
+        far finished first (a fault there is raised now, under the step that launched it).  The
+        line it prints says when, in seconds since the child began: where the check's time
+        goes (mostly compiles)."""
         if self.cuda:
             torch.cuda.synchronize()
         if self.progress is not None:
             self.progress.write_text(name)
-            print(f"(check step: {name})", flush=True)
+            print(f"(check step: {name}, at {time.perf_counter() - self.start:.0f} s)",
+                  flush=True)
 
     def goal(self, what: str, measured, values: list[float], target: float,
              higher: bool = True) -> None:

@@ -13,6 +13,7 @@ import functools
 import importlib.util
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -1246,8 +1247,7 @@ def test_gpu_bench_check_steps_run_each_launch_path_first_alone(tmp_path, monkey
     out = capsys.readouterr().out
     found = json.loads(record.read_text())
     assert found["off"] == ["dp4a"] and progress.read_text() == "done"
-    steps = [line[len("(check step: "):-1] for line in out.splitlines()
-             if line.startswith("(check step: ")]
+    steps = re.findall(r"^\(check step: (\w+), at \d+ s\)$", out, re.MULTILINE)
     assert steps == ["codes", "paths", "siblings", "direct", "done"], steps
     # 5 paths and 2 x 3 siblings (the DP4A step off), none launched directly
     assert len(launches) == 11 and set(launches) == {False}, launches

@@ -46,9 +46,9 @@ the run goes on, and the summary says what failed or was skipped for time):
 * ``act``: a device-to-device copy of 8192 x 8192 bf16 (bytes read + written), the activation
   kernel's codes (the decode and tiled paths) and its bf16 values (what the prefill path
   reads), per byte moved against the copy.  Target 0.8.  Beside the default (the exact FMA
-  chain, four row tiles a program, the transforms asked of L1 first), each output again at one
-  tile a program, without the L1 prefetch, at the other row tile and with Triton's FMA dot,
-  each with its mismatch rate against the default.
+  chain, four row tiles a program), each output again at one tile a program, at the other row
+  tile, with Triton's FMA dot and on tensor cores (bf16x3), each with its mismatch rate against
+  the default.
 * ``tune`` (opt-in, not in the default list): the decode GEMM alone at M = 1 on K = N = 8192,
   4096 x 4096, 4096 -> 14336 and 4096 -> 1024 at a grid of tiles and K splits (none, and around
   the ones it would take), each with its
@@ -65,8 +65,8 @@ the run goes on, and the summary says what failed or was skipped for time):
   (``skinny.tile_major``), each as a fraction of the copy bandwidth: whether the GEMM's reads
   or its own work hold its rate.
 * ``act_few``: the activation kernel of a decode step (M = 1, 16; KBBQ-shaped blocks, the
-  decode path's word-ordered values): the FMA chain with and without the L1 prefetch of the
-  transforms, and Triton's FMA dot (transforms loaded in one go through shared memory), at
+  decode path's word-ordered values): the FMA chain from memory (the default) and in
+  registers, and Triton's FMA dot (transforms loaded in one go through shared memory), at
   every K of the GEMM shapes, in microseconds, each variant's codes against the chain's.
 * ``model``: a random-init Llama (hidden 4096, 8 layers, intermediate 14336) in bf16 and with
   every decoder linear a ``W4A4Weight`` (random per-block transforms, each layer its own;
@@ -1440,22 +1440,19 @@ def act_section(run: Run) -> None:
             # tile it ran at (64 rows by 64 elements)
             default = tk.ACT_TILES[d]
             others = [(tk.PRODUCT_FMA_CHAIN, "fma chain, one tile a program",
-                       {**default, "TILES": 1}, True),
-                      (tk.PRODUCT_FMA_CHAIN, "fma chain, one tile a program, no L1 prefetch",
-                       {**default, "TILES": 1}, False),
-                      (tk.PRODUCT_FMA_CHAIN, "fma chain, no L1 prefetch", default, False)]
+                       {**default, "TILES": 1})]
             others += [(tk.PRODUCT_FMA_CHAIN, f"fma chain {rows_}x1",
-                        {**default, "BLOCK_M": rows_}, True)
+                        {**default, "BLOCK_M": rows_})
                        for rows_ in (128, 256) if rows_ != default["BLOCK_M"]]
             dot_tile = {"BLOCK_M": 64, "NB": 64 // d, "num_warps": 4}
-            others += [(tk.PRODUCT_FMA_DOT, "fma dot", dot_tile, True),
+            others += [(tk.PRODUCT_FMA_DOT, "fma dot", dot_tile),
                        (tk.PRODUCT_FMA_DOT, "fma dot, four tiles a program",
-                        {**dot_tile, "TILES": 4}, True)]
+                        {**dot_tile, "TILES": 4})]
             # tensor cores: x (bf16) times T as three bf16 parts, not the chain's rounding
-            others += [(tk.PRODUCT_BF16X3, "bf16x3 tensor cores", tk.BF16X3_TILE, True),
+            others += [(tk.PRODUCT_BF16X3, "bf16x3 tensor cores", tk.BF16X3_TILE),
                        (tk.PRODUCT_BF16X3, "bf16x3 tensor cores, four tiles a program",
-                        {**tk.BF16X3_TILE, "TILES": 4}, True)]
-            for (product, product_label, tile, prefetch), output in itertools.product(
+                        {**tk.BF16X3_TILE, "TILES": 4})]
+            for (product, product_label, tile), output in itertools.product(
                     others if transform is not None else (), outputs):
                 gs = None if not fmt_.global_scale else torch.tensor(0.01, device=device)
                 kwargs = outputs[output]
@@ -1463,10 +1460,9 @@ def act_section(run: Run) -> None:
                                                 **kwargs)
 
                 def other(transform=transform, gs=gs, product=product, tile=tile,
-                          prefetch=prefetch, kwargs=kwargs):
+                          kwargs=kwargs):
                     return tk.quantize_activations(x, transform, d, kind, rounding, gain, gs,
-                                                   config=tile, product=product,
-                                                   prefetch_transform=prefetch, **kwargs)
+                                                   config=tile, product=product, **kwargs)
 
                 seconds = act_seconds(run, other)
                 got = other()
@@ -1497,29 +1493,26 @@ def act_section(run: Run) -> None:
 
 
 FEW_ROWS_VARIANTS = (
-    ("from memory", None, None, True),
-    ("from memory, one row a program", None, lambda tk, d: dict(tk.FEW_ROWS_TILES[d], BLOCK_M=1),
-     True),
-    ("registers, L1 prefetch", None, lambda tk, d: tk.REGISTER_FEW_ROWS_TILES[d], True),
-    ("registers, no L1 prefetch", None, lambda tk, d: tk.REGISTER_FEW_ROWS_TILES[d], False),
-    ("fma dot, 4 warps", 1, lambda tk, d: {"BLOCK_M": 16, "NB": 64 // d, "num_warps": 4}, True))
+    ("from memory", None, None),
+    ("from memory, one row a program", None, lambda tk, d: dict(tk.FEW_ROWS_TILES[d], BLOCK_M=1)),
+    ("registers", None, lambda tk, d: tk.REGISTER_FEW_ROWS_TILES[d]),
+    ("fma dot, 4 warps", 1, lambda tk, d: {"BLOCK_M": 16, "NB": 64 // d, "num_warps": 4}))
 """The decode step's activation kernels ``act_few`` times: (label, product (None: the chain),
 the tile of ``triton_kernels`` ``tk`` for block size ``d`` (None: the default,
 ``FEW_ROWS_TILES``: one output of a block a lane, the operands loaded column by column; the
 tile before it held a block row a thread, the chain in registers; the FMA dot takes 64 elements
-of blocks a program, its MX kernel spills on Triton 3.6 with one warp, not with four), L1
-prefetch of the transforms (the register tiles))."""
+of blocks a program, its MX kernel spills on Triton 3.6 with one warp, not with four))."""
 
 
 def act_few_section(run: Run) -> None:
     """The activation kernel of a decode step (M = 1 and 16 rows) with KBBQ-shaped blocks, as
     the decode path runs it (word-ordered values for the decode GEMM; NVFP4 with a static
     scale): the FMA chain from memory, one output a lane (the default), the chain in
-    registers, a block row a thread (the tile before it), with and without asking L1 for each
-    program's transforms first, and Triton's FMA dot (its operands staged in shared memory, the
-    transforms loaded in one go), at every K of the GEMM shapes: microseconds a call in a CUDA
-    graph cycling through copies of the transforms (they come from memory, as in a model, where
-    every layer has its own), and whether each variant's codes are the default's."""
+    registers, a block row a thread (the tile before it), and Triton's FMA dot (its operands
+    staged in shared memory, the transforms loaded in one go), at every K of the GEMM shapes:
+    microseconds a call in a CUDA graph cycling through copies of the transforms (they come
+    from memory, as in a model, where every layer has its own), and whether each variant's
+    codes are the default's."""
     from kbbq_pl import kernels as K
     from kbbq_pl.formats import get_format
     from kbbq_pl.kernels import skinny
@@ -1540,9 +1533,9 @@ def act_few_section(run: Run) -> None:
             for m in (1, 16):
                 x = torch.randn(m, k, device=run.device, dtype=torch.bfloat16)
                 default = tk.quantize_activations(x, first, d, kind, rounding, gain, gs)[0]
-                for label, product, tile, prefetch in FEW_ROWS_VARIANTS:
+                for label, product, tile in FEW_ROWS_VARIANTS:
                     config = None if tile is None else dict(tile(tk, d))
-                    options = dict(config=config, product=product, prefetch_transform=prefetch)
+                    options = dict(config=config, product=product)
                     calls = [functools.partial(
                         tk.quantize_activations, x, t, d, kind, rounding, gain, gs,
                         values_dtype=skinny.activation_dtype(kind), codes=False,

@@ -234,7 +234,7 @@ def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> l
                                  STATIC=False, AMAX_ONLY=False, PRODUCT=product,
                                  WRITE_CODES=not out_values, WRITE_VALUES=out_values,
                                  WORD_ORDER=word_order, PARTS_FIRST=tk.PARTS_FIRST,
-                                 PREFETCH_T=True, GROUPS=groups,
+                                 GROUPS=groups,
                                  **config.kwargs)
                 start = time.perf_counter()
                 compiled = compile_kernel(tk._quantize_activations_kernel, run_signature, constants,

@@ -129,14 +129,6 @@ def _pow2(e):
 
 
 @triton.jit
-def _prefetch_l1(ptrs):
-    """Ask the SM's L1 for the 128-byte line of each address of ``ptrs`` (a hint: no register
-    is written, nothing waits for it; compiled GPUs only, the interpreter runs no PTX)."""
-    tl.inline_asm_elementwise("prefetch.global.L1 [$1]; // $0", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _e8m0_exponent(amax, ROUNDING: tl.constexpr):
     """:func:`kbbq_pl.formats.rounding.e8m0_exponent` on FP32 ``amax >= 0`` (int32)."""
     if ROUNDING == 3:  # rceil: ceil(log2(amax / 6))
@@ -352,7 +344,7 @@ def _quantize_activations_kernel(
     WRITE_CODES: tl.constexpr = True, WRITE_VALUES: tl.constexpr = False,
     WORD_ORDER: tl.constexpr = False, PARTS_FIRST: tl.constexpr = False,
     WRITE_E4M3: tl.constexpr = False,
-    TILES: tl.constexpr = 1, PREFETCH_T: tl.constexpr = False,
+    TILES: tl.constexpr = 1,
     FROM_MEMORY: tl.constexpr = False, GROUPS: tl.constexpr = 1,
 ):
     """``TILES`` tiles of ``BLOCK_M`` rows by ``NB`` blocks, one after the other: transform,
@@ -376,9 +368,8 @@ def _quantize_activations_kernel(
     grid axis takes tiles ``i TILES`` to ``(i + 1) TILES - 1``), each tile's activations
     loaded into registers while the one before is transformed and rounded, so that loads are
     in flight while the chain runs (with one load, one chain and one store per program, the
-    memory waited for the chain).  ``PREFETCH_T`` (compiled GPUs) asks L1 for the program's
-    transforms before the first tile.  Every row is computed as with one tile a program: the
-    same bits.
+    memory waited for the chain).  Every row is computed as with one tile a program: the same
+    bits.
 
     ``GROUPS`` (2 or 3: sibling layers that read the same input, q/k/v or gate/up): program
     ``g`` of the third grid axis rounds ``x`` for sibling ``g``, its transform at ``t_ptr``,
@@ -413,13 +404,6 @@ def _quantize_activations_kernel(
             D, SCALE_KIND, ROUNDING, GAIN, STATIC, AMAX_ONLY, BLOCK_M, NB,
             WRITE_CODES, WRITE_VALUES, WORD_ORDER, WRITE_E4M3)
     else:
-        if HAS_T and PRODUCT == 0 and PREFETCH_T:  # PRODUCT_FMA_CHAIN
-            # every 128-byte line of the program's transforms asked for at once: the chain
-            # then finds each column in L1 instead of waiting for one line of memory after
-            # another
-            lines = tl.arange(0, NB * D * D // 32)
-            block = tl.minimum(pid_b * NB + lines // (D * D // 32), n_blocks - 1)
-            _prefetch_l1(t_ptr + block * (D * D) + (lines % (D * D // 32)) * 32)
         first = tl.program_id(0) * TILES
         last = tl.minimum(first + TILES, tl.cdiv(M, BLOCK_M))
         x4 = _load_blocks(x_ptr, first, M, n_blocks, blocks, stride_xm, D, BLOCK_M,
@@ -670,8 +654,7 @@ def _act_grid(m: int, n_blocks: int, groups: int, tile: dict) -> tuple[int, int,
 def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, gain: float,
                          global_scale, config: dict | None = None, product: int | None = None,
                          values_dtype: torch.dtype | None = None, codes: bool = True,
-                         word_order: bool = False, e4m3_inexact=None,
-                         prefetch_transform: bool | None = None):
+                         word_order: bool = False, e4m3_inexact=None):
     """Launch the activation kernel(s); arguments already checked by :mod:`kbbq_pl.kernels`.
 
     Returns ``(codes uint8 [M, K/2], scales uint8 [M, K/d], pts fp32 [] or None, values)``:
@@ -686,10 +669,7 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
     ``e4m3_inexact`` (MX, ``K`` a multiple of 128; an int32 ``[1]`` counter): instead of the
     codes, the values folded to E4M3 for the FP8 product (``codes``: float8_e4m3fn ``[M, K]``;
     ``scales``: FP32 ``[M, K/128]``, strides ``(1, M)``; the inexact chunks added to the
-    counter), as :func:`fold_e4m3` folds the codes.  ``prefetch_transform`` (None or True: on
-    compiled GPUs, the interpreter runs no PTX) asks L1 for each program's transforms first
-    (benchmarks turn it off); the decode-step tile (``FROM_MEMORY``) has nothing to prefetch
-    and ignores it.
+    counter), as :func:`fold_e4m3` folds the codes.
 
     A list of 2 or 3 transforms (all tensors or all None; ``global_scale`` then a list of as
     many static scales, or None) rounds ``x`` once for each, in one launch (values only): the
@@ -749,7 +729,7 @@ def quantize_activations(x, transform, d: int, scale_kind: int, rounding: int, g
                 HAS_T=transform is not None, STATIC=static, PRODUCT=product,
                 WRITE_CODES=codes, WRITE_VALUES=values is not None, WORD_ORDER=word_order,
                 PARTS_FIRST=PARTS_FIRST, WRITE_E4M3=e4m3,
-                PREFETCH_T=not INTERPRET and prefetch_transform is not False, GROUPS=groups,
+                GROUPS=groups,
                 **COMPILE_OPTIONS)
     codes_arg = codes_out if codes or e4m3 else dummy
     scales_arg = scales_out if codes or e4m3 or doubled else dummy

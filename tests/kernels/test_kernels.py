@@ -750,7 +750,7 @@ for d, kind, values in ((16, tk.SCALE_E4M3, "*fp16"), (32, tk.SCALE_E8M0, "*bf16
         constants = dict(D=d, SCALE_KIND=kind, ROUNDING=0, GAIN=1.0, HAS_T=True, STATIC=True,
                          AMAX_ONLY=False, PRODUCT=tk.PRODUCT_FMA_CHAIN, WRITE_CODES=False,
                          WRITE_VALUES=True, WORD_ORDER=True, PARTS_FIRST=tk.PARTS_FIRST,
-                         PREFETCH_T=True, **tile)
+                         **tile)
         compiled = G.compile_kernel(tk._quantize_activations_kernel,
                                     dict(G.ACT_SIGNATURE, values_ptr=values), constants, target,
                                     num_warps=warps, enable_fp_fusion=True)

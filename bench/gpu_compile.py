@@ -234,8 +234,7 @@ def activation_rows(target: GPUTarget, explore: bool, values: bool = False) -> l
                                  STATIC=False, AMAX_ONLY=False, PRODUCT=product,
                                  WRITE_CODES=not out_values, WRITE_VALUES=out_values,
                                  WORD_ORDER=word_order, PARTS_FIRST=tk.PARTS_FIRST,
-                                 GROUPS=groups,
-                                 **config.kwargs)
+                                 GROUPS=groups, **config.kwargs)
                 start = time.perf_counter()
                 compiled = compile_kernel(tk._quantize_activations_kernel, run_signature, constants,
                                           target, num_warps=config.num_warps,
@@ -316,8 +315,7 @@ def skinny_rows(target: GPUTarget, explore: bool = False, tune: bool = False) ->
             k = config.kwargs
             constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
                              HAS_BIAS=True, VALUES=values, EXPLICIT_BF16=False, EVEN_K=True,
-                             SHIFTED=False, GROUPS=groups,
-                             **k)  # as on sm_90, MX shift 0
+                             SHIFTED=False, GROUPS=groups, **k)  # as on sm_90, MX shift 0
             a_type = ("*i8" if k["PRODUCT"] == skinny.PRODUCT_DP4A
                       else "*fp16" if values == skinny.VALUES_FP16 else "*bf16")
             signature = dict(SKINNY_SIGNATURE, a_ptr=a_type)

@@ -343,8 +343,7 @@ def _quantize_activations_kernel(
     PRODUCT: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
     WRITE_CODES: tl.constexpr = True, WRITE_VALUES: tl.constexpr = False,
     WORD_ORDER: tl.constexpr = False, PARTS_FIRST: tl.constexpr = False,
-    WRITE_E4M3: tl.constexpr = False,
-    TILES: tl.constexpr = 1,
+    WRITE_E4M3: tl.constexpr = False, TILES: tl.constexpr = 1,
     FROM_MEMORY: tl.constexpr = False, GROUPS: tl.constexpr = 1,
 ):
     """``TILES`` tiles of ``BLOCK_M`` rows by ``NB`` blocks, one after the other: transform,
@@ -358,11 +357,11 @@ def _quantize_activations_kernel(
     int8 ``values_ptr`` takes ``2q`` instead (the integers the decode GEMM's DP4A product
     multiplies; 0 in a non-finite block) and ``scales_ptr`` the FP32 block scales ``s`` (NaN
     in a non-finite block).
-    ``WRITE_E4M3`` (MX,
-    a program holding whole chunks of 128: ``NB * D == 128``) stores the values folded to
-    E4M3 as :func:`kbbq_pl.kernels.exact.fold_mx_to_e4m3` folds the codes (bytes in
-    ``codes_ptr``, row stride ``stride_cm``), the chunk's FP32 scale in ``scales_ptr`` (chunk
-    major: ``[chunk * M + row]``) and adds its inexact chunks to ``inexact_ptr``.
+    ``WRITE_E4M3`` (MX, a program holding whole chunks of 128: ``NB * D == 128``) stores the
+    values folded to E4M3 as :func:`kbbq_pl.kernels.exact.fold_mx_to_e4m3` folds the codes
+    (bytes in ``codes_ptr``, row stride ``stride_cm``), the chunk's FP32 scale in
+    ``scales_ptr`` (chunk major: ``[chunk * M + row]``) and adds its inexact chunks to
+    ``inexact_ptr``.
 
     ``TILES``: the row tiles a program takes one after the other (program ``i`` of the first
     grid axis takes tiles ``i TILES`` to ``(i + 1) TILES - 1``), each tile's activations

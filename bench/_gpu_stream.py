@@ -102,11 +102,12 @@ def stream_reference(codes: torch.Tensor, splits: int,
                      scales: torch.Tensor | None = None) -> torch.Tensor:
     """What :func:`stream_words` computes, in torch."""
     n = codes.shape[0]
-    parts = [codes.contiguous().view(torch.int32).view(n, splits, -1)]
+    parts = codes.contiguous().view(torch.int32).view(n, splits, -1)
     if scales is not None:
-        parts.append(scales.contiguous().view(torch.uint8).to(torch.int32).view(n, splits, -1))
-    out = torch.zeros(n, splits, dtype=torch.int32, device=codes.device)
-    for part in parts:
-        for i in range(part.shape[2]):
-            out ^= part[:, :, i]
-    return out.T.contiguous()
+        parts = torch.cat([parts, scales.contiguous().view(torch.uint8).to(torch.int32)
+                           .view(n, splits, -1)], dim=2)
+    while parts.shape[2] > 1:  # XOR the halves together (an odd last one carried along)
+        half = parts.shape[2] // 2
+        parts = torch.cat([parts[:, :, :half] ^ parts[:, :, half:2 * half],
+                           parts[:, :, 2 * half:]], dim=2)
+    return parts[:, :, 0].T.contiguous()

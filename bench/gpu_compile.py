@@ -299,12 +299,29 @@ def tune_configs():
             for (m, n, k, w, st), product in tiles]
 
 
+def compile_decode_gemm(target: GPUTarget, d: int, kind: int, config: triton.Config,
+                        **extra):
+    """The decode GEMM compiled as it launches on sm_90 (MX shift 0) at ``config``'s tile and
+    product; ``extra``: further constants (``GROUPS``, ``TILED``, ``RAW``)."""
+    from kbbq_pl.kernels import skinny
+
+    values = skinny.VALUES_FP16 if kind == tk.SCALE_E4M3 else skinny.VALUES_BF16
+    k = config.kwargs
+    constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
+                     HAS_BIAS=True, VALUES=values, EXPLICIT_BF16=False, EVEN_K=True,
+                     SHIFTED=False, **k, **extra)
+    a_type = ("*i8" if k["PRODUCT"] == skinny.PRODUCT_DP4A
+              else "*fp16" if values == skinny.VALUES_FP16 else "*bf16")
+    return compile_kernel(skinny._skinny_kernel, dict(SKINNY_SIGNATURE, a_ptr=a_type),
+                          constants, target, num_warps=config.num_warps,
+                          num_stages=config.num_stages, enable_fp_fusion=True)
+
+
 def skinny_rows(target: GPUTarget, explore: bool = False, tune: bool = False) -> list[dict]:
     from kbbq_pl.kernels import skinny
 
     rows = []
     for fmt, d, kind in FORMATS:
-        values = skinny.VALUES_FP16 if kind == tk.SCALE_E4M3 else skinny.VALUES_BF16
         if tune:
             configs = [(c, 1) for c in tune_configs()]
         else:
@@ -313,16 +330,8 @@ def skinny_rows(target: GPUTarget, explore: bool = False, tune: bool = False) ->
             configs.append((skinny._DP4A_CONFIGS[0], 3))  # and the one-row product's
         for config, groups in configs:
             k = config.kwargs
-            constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
-                             HAS_BIAS=True, VALUES=values, EXPLICIT_BF16=False, EVEN_K=True,
-                             SHIFTED=False, GROUPS=groups, **k)  # as on sm_90, MX shift 0
-            a_type = ("*i8" if k["PRODUCT"] == skinny.PRODUCT_DP4A
-                      else "*fp16" if values == skinny.VALUES_FP16 else "*bf16")
-            signature = dict(SKINNY_SIGNATURE, a_ptr=a_type)
             start = time.perf_counter()
-            compiled = compile_kernel(skinny._skinny_kernel, signature, constants, target,
-                                      num_warps=config.num_warps, num_stages=config.num_stages,
-                                      enable_fp_fusion=True)
+            compiled = compile_decode_gemm(target, d, kind, config, GROUPS=groups)
             per_thread = k["BLOCK_N"] * k["BLOCK_K"] / (32 * config.num_warps)
             product = {skinny.PRODUCT_DOT: "dot", skinny.PRODUCT_DP4A: "dp4a"}[k["PRODUCT"]]
             product += ", 3 siblings" if groups > 1 else ""
@@ -350,18 +359,10 @@ def stream_rows(target: GPUTarget) -> list[dict]:
     per_thread = k["BLOCK_N"] * k["BLOCK_K"] / (32 * config.num_warps)
     rows = []
     for fmt, d, kind in FORMATS:
-        values = skinny.VALUES_FP16 if kind == tk.SCALE_E4M3 else skinny.VALUES_BF16
         for label, extra in (("as stored", {}), ("tile by tile", {"TILED": True}),
                              ("without its decode", {"RAW": True})):
-            constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
-                             HAS_BIAS=True, VALUES=values, EXPLICIT_BF16=False, EVEN_K=True,
-                             SHIFTED=False, **k, **extra)
-            signature = dict(SKINNY_SIGNATURE, a_ptr="*fp16" if values == skinny.VALUES_FP16
-                             else "*bf16")
             start = time.perf_counter()
-            compiled = compile_kernel(skinny._skinny_kernel, signature, constants, target,
-                                      num_warps=config.num_warps,
-                                      num_stages=config.num_stages, enable_fp_fusion=True)
+            compiled = compile_decode_gemm(target, d, kind, config, **extra)
             rows.append(_row(f"decode gemm {fmt} {label}", f"{k['BLOCK_M']}x{k['BLOCK_N']}x"
                              f"{k['BLOCK_K']} w={config.num_warps} s={config.num_stages}",
                              compiled, per_thread, start))

@@ -962,13 +962,9 @@ def count_ops(ops, *names):
 
 def decode_tile(d, kind, values, a_type, rows=16, cols=64, depth=256, **extra):
     # the tensor-core decode GEMM compiled as it launches on sm_90 (MX shift 0)
-    constants = dict(D=d, SCALE_KIND=kind, GAIN2=1.0, HAS_GLOBAL=kind == tk.SCALE_E4M3,
-                     HAS_BIAS=True, VALUES=values, EXPLICIT_BF16=False, EVEN_K=True,
-                     BLOCK_M=rows, BLOCK_N=cols, BLOCK_K=depth, PRODUCT=S.PRODUCT_DOT,
-                     SHIFTED=False, **extra)
-    return G.compile_kernel(S._skinny_kernel, dict(G.SKINNY_SIGNATURE, a_ptr=a_type),
-                            constants, target, num_warps=4, num_stages=3,
-                            enable_fp_fusion=True)
+    config = triton.Config({{"BLOCK_M": rows, "BLOCK_N": cols, "BLOCK_K": depth,
+                            "PRODUCT": S.PRODUCT_DOT}}, num_warps=4, num_stages=3)
+    return G.compile_decode_gemm(target, d, kind, config, **extra)
 """
 """The compile checks' first lines: the bench's compile helpers, the kernels, sm_90, the
 decode GEMM's tile."""

@@ -115,6 +115,10 @@ the run goes on, and the summary says what failed or was skipped for time):
   launch shape, and in the summary its kernel time, launches and span against the step's
   time (whether a step's time is in its kernels or between them).  Target 2.0x, as eager.
 
+Each section's note (under the summary) gives its seconds and, where it compiled, how many
+Triton kernels in how many seconds and how many came from Triton's cache; the check's note the
+same for each of its steps (:class:`Compiles`): the device time spent compiling, not measuring.
+
 ``--tiny`` runs every section's logic on tiny shapes on the CPU under Triton's interpreter
 (timings meaningless; of the peers only the GemLite-on-ours rows, where a test stands in for
 GemLite), which ``tests/kernels/test_kernels.py`` does so that this script
@@ -186,6 +190,38 @@ TARGETS = {"act": 0.8, "decode_1": 2.5, "decode_16": 2.2, "prefill": 0.95, "pref
 
 
 @dataclass
+class Compiles:
+    """Triton's compiles in this process, as its compilation listener sees them
+    (``triton.knobs.compilation.listener``, installed by :func:`main`): the device time a GPU
+    run spends compiling rather than measuring, and what a cache carried from an earlier GPU
+    session saved (``scripts/gpu_session.sh`` keeps Triton's cache from one session to the
+    next).  Seconds are the compile pipeline's (source to cubin), not the launcher's build."""
+
+    kernels: int = 0  # compiled here
+    hits: int = 0  # found in Triton's cache
+    seconds: float = 0.0
+
+    def __call__(self, *, src, metadata, metadata_group, times, cache_hit) -> None:
+        if cache_hit:
+            self.hits += 1
+            return
+        self.kernels += 1
+        self.seconds += (times.ir_initialization + sum(us for _, us in times.lowering_stages)
+                         + times.store_results) / 1e6
+
+    def copy(self) -> Compiles:
+        return Compiles(self.kernels, self.hits, self.seconds)
+
+    def since(self, before: Compiles) -> Compiles:
+        return Compiles(self.kernels - before.kernels, self.hits - before.hits,
+                        self.seconds - before.seconds)
+
+    def __str__(self) -> str:
+        kernels = f"{self.kernels} Triton kernel{'s' * (self.kernels != 1)}"
+        return f"compiling {kernels}: {self.seconds:.0f} s; {self.hits} from the cache"
+
+
+@dataclass
 class Run:
     """Shapes, device, time budget, and what every section found (rows for the JSON, lines
     for the summary)."""
@@ -205,6 +241,8 @@ class Run:
     reserved_s: float = 0.0  # the needs of the sections after the running one (peers leave it)
     progress: Path | None = None  # the check's child process: where it names its step
     off: frozenset[str] = frozenset()  # the SWITCHES turned off: not checked, not run
+    compiles: Compiles = field(default_factory=Compiles)  # main installs it as the listener
+    step_began: tuple[str, float, Compiles] | None = None  # the check's running step
 
     @property
     def cuda(self) -> bool:
@@ -226,10 +264,16 @@ class Run:
         goes (mostly compiles)."""
         if self.cuda:
             torch.cuda.synchronize()
+        now = time.perf_counter()
+        if self.step_began is not None:  # the step that ends here: its time and compiles
+            last, began, compiles = self.step_began
+            spent = self.compiles.since(compiles)
+            self.add("compiles", step=f"check: {last}", wall_s=now - began, kernels=spent.kernels,
+                     hits=spent.hits, compile_s=spent.seconds)
+        self.step_began = (name, now, self.compiles.copy())
         if self.progress is not None:
             self.progress.write_text(name)
-            print(f"(check step: {name}, at {time.perf_counter() - self.start:.0f} s)",
-                  flush=True)
+            print(f"(check step: {name}, at {now - self.start:.0f} s)", flush=True)
 
     def goal(self, what: str, measured, values: list[float], target: float,
              higher: bool = True) -> None:
@@ -255,7 +299,7 @@ def section(run: Run, name: str, needs_s: float = 0.0):
         print(f"\n## {name}: skipped ({run.left():.0f} s left)")
         yield False
         return
-    began = time.perf_counter()
+    began, compiles = time.perf_counter(), run.compiles.copy()
     try:  # the heading inside: a signal right after it still notes the section as stopped
         print(f"\n## {name}", flush=True)
         yield True
@@ -270,7 +314,11 @@ def section(run: Run, name: str, needs_s: float = 0.0):
                          f"{time.perf_counter() - began:.0f} s")
         raise
     else:
-        run.notes.append(f"{name}: {time.perf_counter() - began:.0f} s")
+        spent = run.compiles.since(compiles)
+        run.notes.append(f"{name}: {time.perf_counter() - began:.0f} s"
+                         + f" ({spent})" * bool(spent.kernels or spent.hits))
+        run.add("compiles", step=name, wall_s=time.perf_counter() - began,
+                kernels=spent.kernels, hits=spent.hits, compile_s=spent.seconds)
 
 
 def attempt(run: Run, what: str, call, fallback, step: str | None = None):
@@ -450,6 +498,10 @@ def run_checks(run: Run) -> None:
         run.step("direct")
         direct_launch_check(run)
     run.step("done")
+    run.notes.append("check steps, s (compiling s; Triton kernels compiled, from the cache): "
+                     + ", ".join(f"{r['step'][7:]} {r['wall_s']:.0f} ({r['compile_s']:.0f}; "
+                                 f"{r['kernels']}, {r['hits']})" for r in run.rows
+                                 if r["section"] == "compiles" and r["step"][:7] == "check: "))
 
 
 def product_checks(run: Run) -> None:
@@ -2565,6 +2617,7 @@ def main(argv: list[str] | None = None) -> None:
         switch_off(run, step)
     import triton
 
+    listener, triton.knobs.compilation.listener = triton.knobs.compilation.listener, run.compiles
     where = (f"{torch.cuda.get_device_name(device)}" if cuda else
              "CPU under the Triton interpreter (tiny shapes: timings are not GPU figures)")
     print(f"{where}; torch {torch.__version__}, triton {triton.__version__}, commit {commit()}")
@@ -2606,6 +2659,7 @@ def main(argv: list[str] | None = None) -> None:
                 write_json()
     finally:
         signal.signal(signal.SIGTERM, previous)
+        triton.knobs.compilation.listener = listener
         write_json()
         if not args.check_child:  # the parent's summary holds the child's lines
             print_summary(run, where)

@@ -7,9 +7,11 @@
 #   bash scripts/gpu_session.sh prepare   # here, with network: wheels the image lacks -> .whl/
 #                                         # (GemLite 0.6 among them), the shared data the GPU
 #                                         # tests read -> .devrun/data
-#   device run, carry [".whl", ".devrun"], timeout_s 600:
+#   device run, carry [".whl", ".devrun", ".devcache"], timeout_s 600:
 #       bash scripts/gpu_session.sh run kernels    # issue 45: bench/gpu.py, every section
 #       bash scripts/gpu_session.sh run [tests|bench|all]
+#   bash scripts/gpu_session.sh keep-cache DIR  # here, after the last call: the compile cache it
+#                                         # left (DIR: the call's files_at) for the next session
 #
 # `run kernels` is the one prepared call of issue 45 (about 9 minutes on an H100: installing the
 # wheels ~30 s, then bench/gpu.py within its budget, cut before the call's limit): it
@@ -26,10 +28,19 @@
 # read `status` for budget_left_s after the first call and give the second CALL_S = its
 # timeout_s, e.g. CALL_S=230 and timeout_s 230; call give_back after it).  The limits follow
 # the call's: CALL_S (the device call's timeout_s, default 600) less the seconds already spent
-# less 15 is the bench's cut (BENCH_S), 40 s less its budget (BENCH_BUDGET); a warm machine's
-# second call reuses the installed wheels.  A section the `timeout` below stops still leaves
+# less 25 (leave_caches) is the bench's cut (BENCH_S), 40 s less its budget (BENCH_BUDGET); a
+# warm machine's second call reuses the installed wheels.  A section the `timeout` below stops still leaves
 # the summary and the JSON of every section before it (bench/gpu.py writes it after each, and
 # turns SIGTERM into an orderly exit).
+#
+# Compiles cost device time (the check took 187 s on 2026-12-04, mostly compiling): `run` keeps
+# Triton's and Inductor's caches at one path (a Triton cache entry names its files by absolute
+# path) and leaves them in $OUT/compile-cache.tar.gz (cubins and metadata, no intermediate IR;
+# up to CACHE_MIB) with the profiler traces in $OUT/traces.tar (at most 8 files come back).
+# Here, after the session's last call, `bash scripts/gpu_session.sh keep-cache <files_at>` puts
+# it in .devcache/ and the next session's calls carry it (carry [".whl", ".devrun", ".devcache"]):
+# a kernel whose source, Triton and options are unchanged is then not compiled again, and
+# bench/gpu.py says per section how many kernels it compiled and how many came from the cache.
 #
 # Measured on an H200 (2026-11-26): the 92 GPU tests need more than 250 s (the kernels' codes
 # against the CPU reference 33 to 42 s per format, the compiled roundings 6 to 11 s each);
@@ -41,7 +52,7 @@
 # BENCH_BUDGET; BENCH_ARGS is passed to bench/gpu.py; TESTS (node ids, run in that order)
 # narrows the tests and PYTEST_ARGS adds options (`--runxfail` shows why an xfail test fails).
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
 
 # The image has torch, triton, lightning, transformers (older), pytest; not these (the versions
@@ -60,6 +71,8 @@ GEMLITE="gemlite==0.6.0.post2"
 
 # The image's torch (research/2026-11-26-first-gpu-run.md); its wheel pins the image's Triton
 IMAGE_TORCH=2.11.0
+# where the device keeps its compile caches (leave_caches)
+CACHE=/tmp/kbbq-compile-cache
 
 image_check() {
     # The CPU suite runs the newest torch and Triton; the GPU machine runs the image's, where
@@ -112,6 +125,7 @@ run() {
     fi
     export PYTHONPATH=/tmp/pkg:/tmp/site PATH=/tmp/pkg/bin:/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
     export HF_HUB_OFFLINE=1 KBBQ_PL_FAILURE_LOG=$OUT/failures.txt
+    restore_caches
     mkdir -p ../shared && rm -rf ../shared/data && cp -r .devrun/data ../shared/data
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     python3 -c "import torch, triton, transformers, torchao; print('torch', torch.__version__,
@@ -131,7 +145,7 @@ run() {
     fi
     if [ "$what" = kernels ]; then
         # the cut and the budget follow what is left of the call (the header)
-        local cut=${BENCH_S:-$(( ${CALL_S:-600} - SECONDS - 15 ))}
+        local cut=${BENCH_S:-$(( ${CALL_S:-600} - SECONDS - 25 ))}
         local budget=${BENCH_BUDGET:-$(( cut - 40 ))}
         echo "bench: cut at $cut s, budget $budget s ($SECONDS s spent before it)"
         # the full log goes to $OUT; the summary table is the last thing bench/gpu.py prints
@@ -141,12 +155,71 @@ run() {
             --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "IndexKernel.cu" |
             tee "$OUT/bench_gpu.txt"
     fi
+    leave_caches
 }
 
+restore_caches() {
+    # an earlier session's compile caches (keep_cache), unless this machine has its own
+    local archive=${1:-.devcache/compile-cache.tar.gz}
+    export TRITON_CACHE_DIR=$CACHE/triton TORCHINDUCTOR_CACHE_DIR=$CACHE/inductor
+    if [ ! -d "$CACHE" ] && [ -f "$archive" ]; then
+        tar -C "$(dirname "$CACHE")" -xzf "$archive" &&
+            echo "compile cache of $(cat "$(dirname "$archive")/from" 2>/dev/null || echo '?'):" \
+                "$(find "$CACHE/triton" -name '__grp__*' | wc -l) Triton kernels"
+    fi
+}
+
+leave_caches() {
+    # the traces in one file; the compile caches, only Triton's where both exceed CACHE_MIB
+    if compgen -G "$OUT/trace_*.json.gz" >/dev/null; then
+        (cd "$OUT" && tar -cf traces.tar trace_*.json.gz && rm -f trace_*.json.gz)
+    fi
+    [ -d "$CACHE/triton" ] || return 0
+    # the project's kernels keep their cubin and metadata (what a hit reads; their group files
+    # list no more: Triton 3.9 takes a group with a missing file for a miss); Inductor's
+    # (triton_*) stay whole
+    python3 - "$CACHE/triton" <<'EOF'
+import json, pathlib, sys
+for group in pathlib.Path(sys.argv[1]).glob("*/__grp__*.json"):
+    children = json.loads(group.read_text())["child_paths"]
+    if group.name.startswith("__grp__triton_"):
+        continue
+    for name, path in children.items():
+        if name.rsplit(".", 1)[-1] not in ("cubin", "json"):
+            pathlib.Path(path).unlink(missing_ok=True)
+    kept = {name: path for name, path in children.items() if pathlib.Path(path).exists()}
+    group.write_text(json.dumps({"child_paths": kept}))
+EOF
+    local limit=$(( ${CACHE_MIB:-12} * 1048576 )) part packed=/tmp/compile-cache.tar.gz
+    for part in "$(basename "$CACHE")" "$(basename "$CACHE")/triton"; do
+        # packed outside $OUT, then moved: a call cut short leaves no half-written archive
+        timeout 20 tar -C "$(dirname "$CACHE")" -czf "$packed" "$part" &&
+            [ "$(stat -c %s "$packed")" -le "$limit" ] && mv "$packed" "$OUT/" &&
+            { echo "compile cache left in \$OUT: $part, $(du -h "$OUT/compile-cache.tar.gz" | cut -f1)"
+              return 0; }
+    done
+    rm -f "$packed"
+    echo "compile cache not left: over ${CACHE_MIB:-12} MiB even without Inductor's"
+}
+
+keep_cache() {
+    # here, after a GPU session's last call: its compile cache for the next session's calls
+    local from=${1:?usage: keep-cache <files_at of the last call>}
+    [ -f "$from/compile-cache.tar.gz" ] || { echo "no compile-cache.tar.gz in $from"; exit 1; }
+    grep -qx "/.devcache/" .git/info/exclude 2>/dev/null || echo "/.devcache/" >> .git/info/exclude
+    mkdir -p .devcache && cp "$from/compile-cache.tar.gz" .devcache/ &&
+        cp .devrun/commit .devcache/from 2>/dev/null
+    du -h .devcache/compile-cache.tar.gz
+}
+
+
+# sourced (the tests), only the functions
+[ "${BASH_SOURCE[0]}" = "$0" ] || return 0
 case "${1:-}" in
     prepare) prepare ;;
     image-check) shift; image_check "$@" ;;
     run) shift; run "$@" ;;
-    *) echo "usage: bash scripts/gpu_session.sh image-check | prepare | run [kernels|tests|bench|all]" >&2
+    keep-cache) shift; keep_cache "$@" ;;
+    *) echo "usage: bash scripts/gpu_session.sh image-check | prepare | run [kernels|tests|bench|all] | keep-cache DIR" >&2
        exit 2 ;;
 esac

@@ -1125,6 +1125,41 @@ def test_stream_compiles_to_the_decode_gemms_loads():
     run_compile_check(STREAM_COMPILE_CHECK)
 
 
+COMPILES_CHECK = """
+import importlib.util, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+sys.path.insert(0, {bench!r})
+import gpu_compile as G
+from kbbq_pl.kernels import skinny as S
+
+spec = importlib.util.spec_from_file_location("bench_gpu", {bench!r} + "/gpu.py")
+module = importlib.util.module_from_spec(spec)
+sys.modules["bench_gpu"] = module
+spec.loader.exec_module(module)
+triton.knobs.cache.dir = tempfile.mkdtemp()  # nothing compiled before
+run = module.Run(module.TINY, None, ["nvfp4"], 100.0)
+triton.knobs.compilation.listener = run.compiles
+for _ in range(2):  # compiled, then found in the cache
+    with module.section(run, "stream"):
+        G.compile_decode_gemm(GPUTarget("cuda", 90, 32), 16, G.tk.SCALE_E4M3, S._CONFIGS[0])
+first, second = [r for r in run.rows if r["section"] == "compiles"]
+counts = [(row["kernels"], row["hits"]) for row in (first, second)]
+assert counts == [(1, 0), (0, 1)], run.rows
+assert 0 < first["compile_s"] <= first["wall_s"] and second["compile_s"] == 0, run.rows
+assert run.notes[0].startswith("stream: ") and "(compiling 1 Triton kernel: " in run.notes[0]
+assert run.notes[1].endswith("(compiling 0 Triton kernels: 0 s; 1 from the cache)"), run.notes
+print("ok")
+"""
+
+
+def test_gpu_bench_counts_its_compiles_and_cache_hits():
+    """``bench/gpu.py`` counts Triton's compiles through its listener: each section's note and
+    row say how many kernels it compiled, in how many seconds, and how many came from the
+    cache (a GPU session carries the cache to the next); compiled for sm_90 here."""
+    run_compile_check(COMPILES_CHECK)
+
+
 def test_gpu_bench_peers_stop_for_time(capsys):
     """A peer row that would start with less than its reserve of the budget left is not
     started (GemLite compiles for minutes on a new shape): said once in the summary."""
@@ -1228,7 +1263,9 @@ def test_gpu_bench_checks_in_a_child_process(tmp_path, monkeypatch, scenario, st
 def test_gpu_bench_check_steps_run_each_launch_path_first_alone(tmp_path, monkeypatch, capsys):
     """The check's child (here in this process) runs the products without the direct launch
     (a fault there is named by its own step), leaves out a step turned off (--off) and reports
-    it off; a step's fault in the device's earlier work is raised before the step is named."""
+    it off; a step's fault in the device's earlier work is raised before the step is named.
+    Each step's seconds and compiles are a row, and a note (none compile under the
+    interpreter)."""
     from kbbq_pl.kernels import direct_launch
 
     module = gpu_bench()
@@ -1249,6 +1286,10 @@ def test_gpu_bench_check_steps_run_each_launch_path_first_alone(tmp_path, monkey
     assert found["off"] == ["dp4a"] and progress.read_text() == "done"
     steps = re.findall(r"^\(check step: (\w+), at \d+ s\)$", out, re.MULTILINE)
     assert steps == ["codes", "paths", "siblings", "direct", "done"], steps
+    timed = [r["step"] for r in found["rows"] if r["section"] == "compiles"]
+    assert timed == ["check: codes", "check: paths", "check: siblings", "check: direct"], timed
+    assert re.search(r"check steps, s .*: codes \d+ \(0; 0, 0\), paths .* direct \d+ "
+                     r"\(0; 0, 0\)$", "\n".join(found["notes"]), re.MULTILINE), found["notes"]
     # 5 paths and 2 x 3 siblings (the DP4A step off), none launched directly
     assert len(launches) == 11 and set(launches) == {False}, launches
     assert direct_launch.DIRECT  # as shipped after the checks

@@ -117,7 +117,9 @@ the run goes on, and the summary says what failed or was skipped for time):
 
 Each section's note (under the summary) gives its seconds and, where it compiled, how many
 Triton kernels in how many seconds and how many came from Triton's cache; the check's note the
-same for each of its steps (:class:`Compiles`): the device time spent compiling, not measuring.
+same for each of its steps (``bench/_gpu_compiles.py``): the device time spent compiling, not
+measuring.  With ``--specs`` the run first compiles, in parallel processes, every kernel
+specialization an earlier run recorded there, and records its own.
 
 ``--tiny`` runs every section's logic on tiny shapes on the CPU under Triton's interpreter
 (timings meaningless; of the peers only the GemLite-on-ours rows, where a test stands in for
@@ -165,6 +167,7 @@ def _bench_module(name: str):
 
 
 gpu_report = _bench_module("gpu_report")
+gpu_compiles = _bench_module("_gpu_compiles")
 
 FULL = dict(act_shape=(8192, 8192), check_k=4096, check_n=4096, check_m=(1, 16, 256, 2304),
             gemm_shapes=((8192, 8192), (4096, 4096), (4096, 6144), (4096, 14336),
@@ -190,38 +193,6 @@ TARGETS = {"act": 0.8, "decode_1": 2.5, "decode_16": 2.2, "prefill": 0.95, "pref
 
 
 @dataclass
-class Compiles:
-    """Triton's compiles in this process, as its compilation listener sees them
-    (``triton.knobs.compilation.listener``, installed by :func:`main`): the device time a GPU
-    run spends compiling rather than measuring, and what a cache carried from an earlier GPU
-    session saved (``scripts/gpu_session.sh`` keeps Triton's cache from one session to the
-    next).  Seconds are the compile pipeline's (source to cubin), not the launcher's build."""
-
-    kernels: int = 0  # compiled here
-    hits: int = 0  # found in Triton's cache
-    seconds: float = 0.0
-
-    def __call__(self, *, src, metadata, metadata_group, times, cache_hit) -> None:
-        if cache_hit:
-            self.hits += 1
-            return
-        self.kernels += 1
-        self.seconds += (times.ir_initialization + sum(us for _, us in times.lowering_stages)
-                         + times.store_results) / 1e6
-
-    def copy(self) -> Compiles:
-        return Compiles(self.kernels, self.hits, self.seconds)
-
-    def since(self, before: Compiles) -> Compiles:
-        return Compiles(self.kernels - before.kernels, self.hits - before.hits,
-                        self.seconds - before.seconds)
-
-    def __str__(self) -> str:
-        kernels = f"{self.kernels} Triton kernel{'s' * (self.kernels != 1)}"
-        return f"compiling {kernels}: {self.seconds:.0f} s; {self.hits} from the cache"
-
-
-@dataclass
 class Run:
     """Shapes, device, time budget, and what every section found (rows for the JSON, lines
     for the summary)."""
@@ -241,8 +212,11 @@ class Run:
     reserved_s: float = 0.0  # the needs of the sections after the running one (peers leave it)
     progress: Path | None = None  # the check's child process: where it names its step
     off: frozenset[str] = frozenset()  # the SWITCHES turned off: not checked, not run
-    compiles: Compiles = field(default_factory=Compiles)  # main installs it as the listener
-    step_began: tuple[str, float, Compiles] | None = None  # the check's running step
+    # Triton's compiles and the kernel specializations launched (main records both)
+    compiles: gpu_compiles.Compiles = field(default_factory=gpu_compiles.Compiles)
+    specializations: gpu_compiles.Specializations = field(
+        default_factory=gpu_compiles.Specializations)
+    step_began: tuple | None = None  # the check's running step: name, start, compiles then
 
     @property
     def cuda(self) -> bool:
@@ -790,6 +764,7 @@ def merge_child(run: Run, found: dict) -> None:
     run.summary += found["summary"]
     run.notes += found["notes"]
     run.failed |= set(found["failed"])
+    run.specializations.found.update(found.get("specializations", {}))
 
 
 def watch_child(run: Run, command: list[str], progress: Path) -> tuple[int | str | None, str, str]:
@@ -2547,6 +2522,11 @@ FP8 rows); the default order runs first what decides a default or the sibling gr
 rows and the peers (measured: GemLite slower on our operands), which take what time is left."""
 
 
+PRECOMPILE_S = 90.0
+"""The most seconds the compiles of recorded kernels may take before the first section (a
+quarter of the budget at most)."""
+
+
 def stopped(signum, frame) -> None:
     """SIGTERM (``timeout`` at the end of the device call's limit): leave through ``main``'s
     ``finally``, which writes the JSON and prints the summary of what was measured."""
@@ -2576,6 +2556,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget-s", type=float, default=500.0,
                         help="seconds the run may take; a section that would not fit is skipped")
     parser.add_argument("--json", type=Path, help="write every row here")
+    parser.add_argument("--specs", type=Path,
+                        help="the kernel specializations an earlier run recorded here are "
+                             "compiled first, in parallel processes, and this run's recorded")
     parser.add_argument("--gemlite-autotune", default="default",
                         choices=("default", "fast", "max"),
                         help="GemLite's autotuning for the peers: its 'fast' compiles about 25 "
@@ -2617,7 +2600,6 @@ def main(argv: list[str] | None = None) -> None:
         switch_off(run, step)
     import triton
 
-    listener, triton.knobs.compilation.listener = triton.knobs.compilation.listener, run.compiles
     where = (f"{torch.cuda.get_device_name(device)}" if cuda else
              "CPU under the Triton interpreter (tiny shapes: timings are not GPU figures)")
     print(f"{where}; torch {torch.__version__}, triton {triton.__version__}, commit {commit()}")
@@ -2637,16 +2619,24 @@ def main(argv: list[str] | None = None) -> None:
             args.json.write_text(json.dumps(dict(device=where, commit=commit(), rows=run.rows,
                                                  summary=run.summary, notes=run.notes,
                                                  off=switched_off(run),
-                                                 failed=sorted(run.failed)), indent=1,
-                                            default=str))
+                                                 failed=sorted(run.failed),
+                                                 specializations=run.specializations.found),
+                                            indent=1, default=str))
 
     try:
         with contextlib.ExitStack() as stack:
             for patch in patches:
                 stack.enter_context(patch)
+            stack.enter_context(gpu_compiles.recording(run.compiles, run.specializations))
             if args.check_child:  # an error stops this process: the parent names the step
                 run_checks(run)
                 return
+            if cuda and args.specs is not None and args.specs.exists():
+                arch = triton.runtime.driver.active.get_current_target().arch
+                said = gpu_compiles.precompile(args.specs, arch, (os.cpu_count() or 2) - 2,
+                                               min(PRECOMPILE_S, 0.25 * run.left()))
+                print(said, flush=True)
+                run.notes.append(said)
             with section(run, "device copy"):
                 copy_rate(run)
             for index, name in enumerate(sections):
@@ -2659,8 +2649,9 @@ def main(argv: list[str] | None = None) -> None:
                 write_json()
     finally:
         signal.signal(signal.SIGTERM, previous)
-        triton.knobs.compilation.listener = listener
         write_json()
+        if args.specs is not None and not args.check_child:
+            run.specializations.save(args.specs, commit())
         if not args.check_child:  # the parent's summary holds the child's lines
             print_summary(run, where)
 

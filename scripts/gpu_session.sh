@@ -41,6 +41,8 @@
 # it in .devcache/ and the next session's calls carry it (carry [".whl", ".devrun", ".devcache"]):
 # a kernel whose source, Triton and options are unchanged is then not compiled again, and
 # bench/gpu.py says per section how many kernels it compiled and how many came from the cache.
+# It also records there the kernel specializations it launched (specs.json) and, at the next
+# run, compiles them first in parallel processes (a changed kernel too: bench/_gpu_compiles.py).
 #
 # Measured on an H200 (2026-11-26): the 92 GPU tests need more than 250 s (the kernels' codes
 # against the CPU reference 33 to 42 s per format, the compiled roundings 6 to 11 s each);
@@ -89,7 +91,7 @@ image_check() {
     # KBBQ_PL_SLOW=1: the device script's own tiny runs (bench/gpu.py), slow tests in CI
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_INTERPRET=1 HF_HUB_OFFLINE=1 KBBQ_PL_SLOW=1 \
         "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs tests/kernels \
-        tests/quant/test_w4a4_compile.py "$@"
+        tests/quant/test_w4a4_compile.py tests/bench/test_gpu_session.py "$@"
 }
 
 prepare() {
@@ -151,8 +153,8 @@ run() {
         # the full log goes to $OUT; the summary table is the last thing bench/gpu.py prints
         KBBQ_PL_COMMIT=$(cat .devrun/commit 2>/dev/null ||
                          git describe --always --dirty --abbrev=7) \
-        timeout -k 5 "$cut" python3 bench/gpu.py --budget-s "$budget" \
-            --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "IndexKernel.cu" |
+        timeout -k 5 "$cut" python3 bench/gpu.py --budget-s "$budget" --json "$OUT/bench.json" \
+            --specs "$CACHE/specs.json" ${BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "IndexKernel.cu" |
             tee "$OUT/bench_gpu.txt"
     fi
     leave_caches
@@ -191,9 +193,12 @@ for group in pathlib.Path(sys.argv[1]).glob("*/__grp__*.json"):
     group.write_text(json.dumps({"child_paths": kept}))
 EOF
     local limit=$(( ${CACHE_MIB:-12} * 1048576 )) part packed=/tmp/compile-cache.tar.gz
-    for part in "$(basename "$CACHE")" "$(basename "$CACHE")/triton"; do
+    local name; name=$(basename "$CACHE")
+    [ -f "$CACHE/specs.json" ] || echo "[]" > "$CACHE/specs.json"
+    for part in "$name" "$name/triton $name/specs.json"; do
         # packed outside $OUT, then moved: a call cut short leaves no half-written archive
-        timeout 20 tar -C "$(dirname "$CACHE")" -czf "$packed" "$part" &&
+        # shellcheck disable=SC2086  # $part: one or two paths
+        timeout 20 tar -C "$(dirname "$CACHE")" -czf "$packed" $part 2>/dev/null &&
             [ "$(stat -c %s "$packed")" -le "$limit" ] && mv "$packed" "$OUT/" &&
             { echo "compile cache left in \$OUT: $part, $(du -h "$OUT/compile-cache.tar.gz" | cut -f1)"
               return 0; }

@@ -1,5 +1,7 @@
-"""``scripts/gpu_session.sh``'s compile cache: what a GPU call leaves in ``$OUT`` and the next
-session's calls restore is a cache Triton hits (compiled here for sm_90, as on the device)."""
+"""What spares a GPU session's device time compiles: ``scripts/gpu_session.sh``'s compile cache
+(what a call leaves in ``$OUT`` and the next session's calls restore is a cache Triton hits) and
+``bench/_gpu_compiles.py``'s precompile (the kernel specializations a run recorded, compiled
+again by parallel processes into hits).  Compiled here for sm_90, as on the device."""
 
 from __future__ import annotations
 
@@ -11,20 +13,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+import _gpu_compiles  # noqa: E402
 
 COMPILE = """
-import importlib.util, sys
+import sys
 import triton
 from triton.backends.compiler import GPUTarget
 sys.path.insert(0, {bench!r})
-import gpu_compile as G
+import _gpu_compiles, gpu_compile as G
 from kbbq_pl.kernels import skinny as S
 
-spec = importlib.util.spec_from_file_location("bench_gpu", {bench!r} + "/gpu.py")
-module = importlib.util.module_from_spec(spec)
-sys.modules["bench_gpu"] = module
-spec.loader.exec_module(module)
-compiles = module.Compiles()
+compiles = _gpu_compiles.Compiles()
 triton.knobs.compilation.listener = compiles
 G.compile_decode_gemm(GPUTarget("cuda", 90, 32), 16, G.tk.SCALE_E4M3, S._CONFIGS[0])
 print(compiles.kernels, compiles.hits)
@@ -73,3 +73,82 @@ def test_the_compile_cache_a_call_leaves_is_hit_after_it_is_restored(tmp_path):
     assert said.endswith(": 1 Triton kernels\n"), said
     assert not any(cache.rglob("*.ptx")) and any(cache.rglob("*.cubin"))
     assert compiled(cache) == (0, 1)
+
+
+PRECOMPILE = """
+import shutil, sys
+import torch, triton
+sys.path.insert(0, {bench!r})
+import _gpu_compiles as C, _gpu_stream
+from kbbq_pl.kernels import triton_kernels as tk
+
+codes, scales = torch.zeros(64, 128, dtype=torch.uint8), torch.zeros(64, 16, dtype=torch.uint8)
+out, words = torch.empty(64, 256, dtype=torch.bfloat16), torch.empty(1, 64, dtype=torch.int32)
+
+
+def launch():  # as a run launches them (warmup: compiled, not run), a package's and a script's
+    tk._decode_kernel.warmup(codes, scales, out, 64, 256, 128, 16, 256, D=16,
+                             SCALE_KIND=tk.SCALE_E4M3, BLOCK_R=16, BLOCK_K=64, grid=(1,),
+                             num_warps=4)
+    _gpu_stream._stream_kernel.warmup(codes, scales, words, 32, 32, 16, TILED=False, D=16,
+                                      BLOCK_N=64, BLOCK_C=32, STAGES=3, grid=(1, 1),
+                                      num_warps=4)
+
+
+compiles, specs = C.Compiles(), C.Specializations()
+with C.compile_only(90), C.recording(compiles, specs):
+    launch()
+assert (compiles.kernels, compiles.hits, len(specs.found)) == (2, 0, 2), (compiles, specs.found)
+modules = {{s["module"] for s in specs.found.values()}}
+assert modules == {{"kbbq_pl.kernels.triton_kernels", "_gpu_stream"}}, modules
+specs.save({specs!r}, "abc")
+shutil.rmtree({cache!r})  # a fresh machine: nothing compiled
+said = C.precompile({specs!r}, 90, 2, 240)
+assert said.startswith("precompile: 2 of 2 recorded kernels compiled, 0 failed, 0 left"), said
+for kernel in (tk._decode_kernel, _gpu_stream._stream_kernel):
+    kernel.device_caches.clear()  # this process's own kernels forgotten
+again = C.Compiles()
+with C.compile_only(90), C.recording(again, C.Specializations()):
+    launch()
+assert (again.kernels, again.hits) == (0, 2), again
+print("ok")
+"""
+
+
+def test_recorded_kernels_precompiled_in_parallel_are_hits(tmp_path):
+    """The kernel specializations a run launched (Triton's post-compile hook), saved and
+    compiled again by parallel worker processes with no GPU context (``precompile``), are
+    cache hits when the run launches them again: a package's kernel and a script's."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    script = PRECOMPILE.format(bench=str(ROOT / "bench"), specs=str(tmp_path / "specs.json"),
+                               cache=str(tmp_path / "cache"))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=env, timeout=600, check=False)
+    if "ptxas" in result.stderr and "not found" in result.stderr:
+        pytest.skip("triton's ptxas is not available on this machine")
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_recorded_kernels_are_kept_for_two_commits(tmp_path):
+    """A run adds its specializations to those recorded at its commit and the one before (a
+    session's second call adds its sections'); older ones are dropped, and the same
+    specialization is kept once, at its latest commit."""
+    path = tmp_path / "specs.json"
+
+    def save(commit: str, *names: str) -> None:
+        specs = _gpu_compiles.Specializations()
+        for name in names:
+            specs.found[f"data {name}"] = dict(module="kbbq_pl.x", name=name, path=None)
+        specs.save(path, commit)
+
+    save("a", "one", "two")
+    save("a", "three")
+    save("b", "two", "four")
+    found = {s["name"]: s["commit"] for s in _gpu_compiles.load(path)}
+    assert found == {"one": "a", "two": "b", "three": "a", "four": "b"}, found
+    save("c", "five")
+    found = {s["name"]: s["commit"] for s in _gpu_compiles.load(path)}
+    assert found == {"two": "b", "four": "b", "five": "c"}, found
+    assert not path.with_suffix(".partial").exists()

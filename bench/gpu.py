@@ -473,15 +473,17 @@ def run_checks(run: Run) -> None:
         direct_launch_check(run)
     run.step("done")
     run.notes.append("check steps, s (compiling s; Triton kernels compiled, from the cache): "
-                     + ", ".join(f"{r['step'][7:]} {r['wall_s']:.0f} ({r['compile_s']:.0f}; "
-                                 f"{r['kernels']}, {r['hits']})" for r in run.rows
-                                 if r["section"] == "compiles" and r["step"][:7] == "check: "))
+                     + ", ".join(f"{r['step'].removeprefix('check: ')} {r['wall_s']:.0f} "
+                                 f"({r['compile_s']:.0f}; {r['kernels']}, {r['hits']})"
+                                 for r in run.rows if r["section"] == "compiles"
+                                 and r["step"].startswith("check: ")))
 
 
 def product_checks(run: Run) -> None:
     """The steps ``codes``, ``paths`` and ``siblings`` of :func:`run_checks`."""
     from kbbq_pl import kernels as K
     from kbbq_pl.formats import get_format
+    from kbbq_pl.kernels.reference import reference_decoded_activations
 
     device, k, n = run.device, run.shapes["check_k"], run.shapes["check_n"]
     codes_ok = codes_all = paths_ok = paths_all = 0
@@ -497,7 +499,7 @@ def product_checks(run: Run) -> None:
             bad = int((got[0].cpu() != want[0]).sum())
             bad += int((got[1].cpu().view(torch.uint8) != want[1].view(torch.uint8)).sum())
             values, _ = K.quantize_activation_values(x.to(device), t, name, dtype=torch.bfloat16)
-            ref_values, _ = K.reference_activation_values(x, t.cpu(), name, None, torch.bfloat16)
+            ref_values = reference_decoded_activations(*want[:2], name, torch.bfloat16)
             bad_values = int((values.cpu().view(torch.int16) != ref_values.view(torch.int16))
                              .sum())
             codes_all += 1
@@ -2620,7 +2622,8 @@ def main(argv: list[str] | None = None) -> None:
                                                  summary=run.summary, notes=run.notes,
                                                  off=switched_off(run),
                                                  failed=sorted(run.failed),
-                                                 specializations=run.specializations.found),
+                                                 **({"specializations": run.specializations.found}
+                                                    if args.check_child else {})),
                                             indent=1, default=str))
 
     try:

@@ -10,7 +10,7 @@
 #   device run, carry [".whl", ".devrun", ".devcache"], timeout_s 600:
 #       bash scripts/gpu_session.sh run kernels    # issue 45: bench/gpu.py, every section
 #       bash scripts/gpu_session.sh run [tests|bench|all]
-#   bash scripts/gpu_session.sh keep-cache DIR  # here, after the last call: the compile cache it
+#   bash scripts/gpu_session.sh keep-cache DIR  # here, after each call: the compile cache it
 #                                         # left (DIR: the call's files_at) for the next session
 #
 # `run kernels` is the one prepared call of issue 45 (about 9 minutes on an H100: installing the
@@ -35,14 +35,14 @@
 #
 # Compiles cost device time (the check took 187 s on 2026-12-04, mostly compiling): `run` keeps
 # Triton's and Inductor's caches at one path (a Triton cache entry names its files by absolute
-# path) and leaves them in $OUT/compile-cache.tar.gz (cubins and metadata, no intermediate IR;
-# up to CACHE_MIB) with the profiler traces in $OUT/traces.tar (at most 8 files come back).
-# Here, after the session's last call, `bash scripts/gpu_session.sh keep-cache <files_at>` puts
-# it in .devcache/ and the next session's calls carry it (carry [".whl", ".devrun", ".devcache"]):
-# a kernel whose source, Triton and options are unchanged is then not compiled again, and
-# bench/gpu.py says per section how many kernels it compiled and how many came from the cache.
-# It also records there the kernel specializations it launched (specs.json) and, at the next
-# run, compiles them first in parallel processes (a changed kernel too: bench/_gpu_compiles.py).
+# path) and leaves them in $OUT/compile-cache.tar.gz (the project's kernels as cubins and
+# metadata; up to CACHE_MIB), the profiler traces in $OUT/traces.tar (at most 8 files come
+# back).  Here, after each call, `bash scripts/gpu_session.sh keep-cache <files_at>` puts it in
+# .devcache/ and the next calls carry it (carry [".whl", ".devrun", ".devcache"]): a kernel
+# whose source, Triton and options are unchanged is then not compiled again.  bench/gpu.py
+# says per section how many kernels it compiled and how many came from the cache; it records
+# in the cache the kernel specializations it launched (specs.json) and, at the next run,
+# compiles them first in parallel processes (a changed kernel too: bench/_gpu_compiles.py).
 #
 # Measured on an H200 (2026-11-26): the 92 GPU tests need more than 250 s (the kernels' codes
 # against the CPU reference 33 to 42 s per format, the compiled roundings 6 to 11 s each);
@@ -208,7 +208,7 @@ EOF
 }
 
 keep_cache() {
-    # here, after a GPU session's last call: its compile cache for the next session's calls
+    # here, after a GPU call: its compile cache for the next calls (a fresh machine, a session)
     local from=${1:?usage: keep-cache <files_at of the last call>}
     [ -f "$from/compile-cache.tar.gz" ] || { echo "no compile-cache.tar.gz in $from"; exit 1; }
     grep -qx "/.devcache/" .git/info/exclude 2>/dev/null || echo "/.devcache/" >> .git/info/exclude

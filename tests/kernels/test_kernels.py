@@ -139,6 +139,38 @@ def test_fma_f32_rounds_once():
     assert naive[-1] != got[-1]  # the case above does catch double rounding
 
 
+def test_fma_f32_rounds_once_at_every_kind_of_midpoint():
+    """Where the float64 sum lands on an FP32 midpoint, the only place one rounding and two
+    differ: above and below the midpoint, among normal numbers, FP32 subnormals and at the
+    overflow threshold; then signed zeros, infinities and NaN, as ``fma.rn.f32`` gives them."""
+    cases = [  # (a, b, c): a * b exact, a * b + c within 2^-36 of a midpoint of c's neighbours
+        ((2**12 + 1) * 2.0**-60, float(2**24 - 2**12 + 1), 1.0),  # 1 + 2^-24 + 2^-60: up
+        ((2**18 - 1) * 2.0**-30, (2**18 + 1) * 2.0**-30, 1.0 + 2.0**-23),  # midpoint - 2^-60
+        ((2**20 - 1) * 2.0**-95, (2**20 + 1) * 2.0**-95, (2**20 + 1) * 2.0**-149),  # subnormal
+        ((2**12 + 1) * 2.0**-93, float(2**24 - 2**12 + 1) * 2.0**-93, 2.0**-130),  # subnormal
+        ((2**20 - 1) * 2.0**31, (2**20 + 1) * 2.0**32, (2 - 2.0**-23) * 2.0**127),  # < overflow
+        (float(2**24 - 2**12 + 1), (2**12 + 1) * 2.0**67, (2 - 2.0**-23) * 2.0**127),  # inf
+    ]
+    a, b, c = (torch.tensor(column, dtype=torch.float32) for column in zip(*cases))
+    assert all(float(x) == y for x, y in zip(a, (case[0] for case in cases)))  # exact FP32
+    got = fma_f32(a, b, c)
+    naive = (a.double() * b.double() + c.double()).float()
+    for x, y, z, r in zip(a.tolist(), b.tolist(), c.tolist(), got.tolist()):
+        exact = Fraction(x) * Fraction(y) + Fraction(z)
+        top = (2 - Fraction(2) ** -23) * Fraction(2) ** 127  # FP32's largest finite
+        want = (exact_fp32(exact) if abs(exact) <= top else float(top) if exact < top + Fraction(
+            2) ** 103 else math.inf)  # positive here: overflow from halfway past the largest
+        assert r == want, (x, y, z, r, want)
+    # two roundings get each wrong but the last (ties to even overflow there too)
+    assert (naive != got).tolist() == [True] * 5 + [False], (naive, got)
+    inf, nan = math.inf, math.nan
+    special = torch.tensor([[-0.0, 1.0, -0.0], [0.0, -1.0, 0.0], [inf, 1.0, -1.0],
+                            [inf, 0.0, 1.0], [1.0, 1.0, nan], [inf, 1.0, -inf],
+                            [2.0**-100, 2.0**-100, -0.0]])
+    got = fma_f32(special[:, 0], special[:, 1], special[:, 2]).tolist()
+    assert [str(v) for v in got] == ["-0.0", "0.0", "inf", "nan", "nan", "nan", "0.0"], got
+
+
 def test_reference_transform_is_t_times_x():
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     t = make_transform("random", 64, 16)

@@ -29,9 +29,9 @@
 # timeout_s, e.g. CALL_S=230 and timeout_s 230; call give_back after it).  The limits follow
 # the call's: CALL_S (the device call's timeout_s, default 600) less the seconds already spent
 # less 25 (leave_caches) is the bench's cut (BENCH_S), 40 s less its budget (BENCH_BUDGET); a
-# warm machine's second call reuses the installed wheels.  A section the `timeout` below stops still leaves
-# the summary and the JSON of every section before it (bench/gpu.py writes it after each, and
-# turns SIGTERM into an orderly exit).
+# warm machine's second call reuses the installed wheels.  A section the `timeout` below stops
+# still leaves the summary and the JSON of every section before it (bench/gpu.py writes it
+# after each, and turns SIGTERM into an orderly exit).
 #
 # Compiles cost device time (the check took 187 s on 2026-12-04, mostly compiling): `run` keeps
 # Triton's and Inductor's caches at one path (a Triton cache entry names its files by absolute
@@ -154,8 +154,8 @@ run() {
         KBBQ_PL_COMMIT=$(cat .devrun/commit 2>/dev/null ||
                          git describe --always --dirty --abbrev=7) \
         timeout -k 5 "$cut" python3 bench/gpu.py --budget-s "$budget" --json "$OUT/bench.json" \
-            --specs "$CACHE/specs.json" ${BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "IndexKernel.cu" |
-            tee "$OUT/bench_gpu.txt"
+            --specs "$CACHE/specs.json" ${BENCH_ARGS:-} 2>&1 |
+            grep --line-buffered -v "IndexKernel.cu" | tee "$OUT/bench_gpu.txt"
     fi
     leave_caches
 }
@@ -200,8 +200,8 @@ EOF
         # shellcheck disable=SC2086  # $part: one or two paths
         timeout 20 tar -C "$(dirname "$CACHE")" -czf "$packed" $part 2>/dev/null &&
             [ "$(stat -c %s "$packed")" -le "$limit" ] && mv "$packed" "$OUT/" &&
-            { echo "compile cache left in \$OUT: $part, $(du -h "$OUT/compile-cache.tar.gz" | cut -f1)"
-              return 0; }
+            { echo "compile cache left in \$OUT: $part," \
+                   "$(du -h "$OUT/compile-cache.tar.gz" | cut -f1)"; return 0; }
     done
     rm -f "$packed"
     echo "compile cache not left: over ${CACHE_MIB:-12} MiB even without Inductor's"
@@ -216,7 +216,6 @@ keep_cache() {
         cp .devrun/commit .devcache/from 2>/dev/null
     du -h .devcache/compile-cache.tar.gz
 }
-
 
 # sourced (the tests), only the functions
 [ "${BASH_SOURCE[0]}" = "$0" ] || return 0

@@ -1,13 +1,13 @@
 """Triton's compiles in a ``bench/gpu.py`` run on a GPU: counted (:class:`Compiles`, Triton's
 compilation listener), recorded (:class:`Specializations`, its post-compile hook: each kernel
 specialization the run launched, as Triton serializes it for ``JITFunction.preload``) and, at
-the next run, compiled again before the first section by parallel processes
-(:func:`precompile`): one compile after another on one core took most of the check's 187 s
-on an H200 (2026-12-04), while the machine has 16.  A precompiled kernel is a hit in Triton's
-cache when the run launches it: the same source, specialization, options and Triton give the
-same cache key, whichever process compiled it (``scripts/gpu_session.sh`` also carries the
-cache itself from one GPU session to the next).  A specialization whose kernel changed its
-signature since fails or goes unused; the run compiles what it needs either way.
+the next run, compiled again by parallel processes beside the check (:class:`Precompile`).
+The check took 187 s on an H200 (2026-12-04), thought to be mostly compiles, one after another
+on one core of the machine's 16.  A precompiled kernel is a hit in Triton's cache when the run
+launches it: the same source, specialization, options and Triton give the same cache key,
+whichever process compiled it (``scripts/gpu_session.sh`` also carries the cache itself from
+one GPU session to the next).  A specialization whose kernel changed its signature since fails
+or goes unused; the run compiles what it needs either way.
 
     python bench/_gpu_compiles.py SPECS RANK WORKERS ARCH   # one precompile worker
 """
@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,53 +167,63 @@ def kernel(entry: dict):
 
 
 def worker(specs: Path, rank: int, workers: int, arch: int) -> None:
-    """Compile every ``workers``-th specialization recorded in ``specs`` from ``rank`` on; print
-    how many compiled and failed."""
-    done = failed = 0
+    """Compile every ``workers``-th specialization recorded in ``specs`` from ``rank`` on,
+    printing ``compiled`` or ``failed: why`` for each as it ends."""
     with compile_only(arch):
         for index, entry in enumerate(load(specs)):
             if index % workers != rank:
                 continue
             try:
                 kernel(entry).preload(entry["data"])
-                done += 1
+                print("compiled", flush=True)
             except Exception as error:  # a kernel changed or gone since it was recorded
-                failed += 1
+                why = str(error).splitlines()[0][:160] if str(error) else ""
                 print(f"failed: {entry['module']}.{entry['name']}: {type(error).__name__}: "
-                      f"{str(error).splitlines()[0][:160] if str(error) else ''}", file=sys.stderr)
-    print(f"precompiled {done} failed {failed}")
+                      f"{why}", flush=True)
 
 
-def precompile(specs: Path | str, arch: int, workers: int, budget_s: float) -> str:
+class Precompile:
     """Every specialization recorded in ``specs`` compiled into Triton's cache for sm_``arch``
-    by ``workers`` processes (this script), stopped after ``budget_s``: a line saying how many
-    compiled, failed and were left, in how many seconds."""
-    entries = len(load(specs))
-    if not entries:
-        return "precompile: no kernels recorded"
-    workers = max(1, min(workers, entries))
-    began = time.perf_counter()
-    processes = [subprocess.Popen([sys.executable, str(Path(__file__)), str(specs), str(rank),
-                                   str(workers), str(arch)], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
-                 for rank in range(workers)]
-    done = failed = 0
-    why: list[str] = []
-    for process in processes:
-        try:
-            out, err = process.communicate(timeout=max(0.0, budget_s - (time.perf_counter()
-                                                                         - began)))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            out, err = process.communicate()
-        counts = [line.split() for line in out.splitlines() if line.startswith("precompiled ")]
-        if counts:
-            done, failed = done + int(counts[-1][1]), failed + int(counts[-1][3])
-        why += [line for line in err.splitlines() if line.startswith("failed: ")][:1]
-    return (f"precompile: {done} of {entries} recorded kernels compiled, {failed} failed, "
-            f"{entries - done - failed} left (time or a worker's failure), by {workers} "
-            f"processes in {time.perf_counter() - began:.0f} s"
-            + "".join(f"; {line[:200]}" for line in why[:2]))
+    by up to ``workers`` processes (this script), which start at once and run beside the run
+    (the check, whose kernels were recorded first) until :meth:`finish`."""
+
+    def __init__(self, specs: Path | str, arch: int, workers: int) -> None:
+        self.entries = len(load(specs))
+        self.began = time.perf_counter()
+        self.logs = tempfile.TemporaryDirectory(prefix="kbbq_precompile_")
+        self.processes = []
+        for rank in range(max(1, min(workers, self.entries)) if self.entries else 0):
+            with open(Path(self.logs.name) / f"{rank}.log", "w") as log:
+                self.processes.append(subprocess.Popen(
+                    [sys.executable, str(Path(__file__)), str(specs), str(rank),
+                     str(min(workers, self.entries)), str(arch)], stdout=log,
+                    stderr=subprocess.STDOUT))
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.began
+
+    def finish(self, wait_s: float) -> str:
+        """The workers given ``wait_s`` more to end, then stopped (a kernel half compiled is
+        not in the cache: Triton writes each file whole): a line saying how many compiled,
+        failed and were not reached, in how many seconds."""
+        deadline = time.perf_counter() + wait_s
+        for process in self.processes:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.perf_counter()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        lines = [line for log in sorted(Path(self.logs.name).glob("*.log"))
+                 for line in log.read_text().splitlines()]
+        self.logs.cleanup()
+        if not self.entries:
+            return "precompile: no kernels recorded"
+        done = lines.count("compiled")
+        failed = [line for line in lines if line.startswith("failed: ")]
+        return (f"precompile: {done} of {self.entries} recorded kernels compiled, "
+                f"{len(failed)} failed, {self.entries - done - len(failed)} not reached, by "
+                f"{len(self.processes)} processes in {self.seconds():.0f} s"
+                + "".join(f"; {line[:200]}" for line in failed[:2]))
 
 
 if __name__ == "__main__":

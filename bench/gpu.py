@@ -118,8 +118,8 @@ the run goes on, and the summary says what failed or was skipped for time):
 Each section's note (under the summary) gives its seconds and, where it compiled, how many
 Triton kernels in how many seconds and how many came from Triton's cache; the check's note the
 same for each of its steps (``bench/_gpu_compiles.py``): the device time spent compiling, not
-measuring.  With ``--specs`` the run first compiles, in parallel processes, every kernel
-specialization an earlier run recorded there, and records its own.
+measuring.  With ``--specs`` the run compiles, in parallel processes beside the check, every
+kernel specialization an earlier run recorded there, and records its own.
 
 ``--tiny`` runs every section's logic on tiny shapes on the CPU under Triton's interpreter
 (timings meaningless; of the peers only the GemLite-on-ours rows, where a test stands in for
@@ -2525,8 +2525,9 @@ rows and the peers (measured: GemLite slower on our operands), which take what t
 
 
 PRECOMPILE_S = 90.0
-"""The most seconds the compiles of recorded kernels may take before the first section (a
-quarter of the budget at most)."""
+"""The most seconds the compiles of recorded kernels (``--specs``) may run: beside the check,
+whose own compiles then find them in the cache, and before any other section starts (none
+runs beside a timing)."""
 
 
 def stopped(signum, frame) -> None:
@@ -2560,7 +2561,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, help="write every row here")
     parser.add_argument("--specs", type=Path,
                         help="the kernel specializations an earlier run recorded here are "
-                             "compiled first, in parallel processes, and this run's recorded")
+                             "compiled by parallel processes beside the check; this run's "
+                             "are recorded here")
     parser.add_argument("--gemlite-autotune", default="default",
                         choices=("default", "fast", "max"),
                         help="GemLite's autotuning for the peers: its 'fast' compiles about 25 "
@@ -2626,6 +2628,7 @@ def main(argv: list[str] | None = None) -> None:
                                                     if args.check_child else {})),
                                             indent=1, default=str))
 
+    precompiling = None
     try:
         with contextlib.ExitStack() as stack:
             for patch in patches:
@@ -2634,15 +2637,19 @@ def main(argv: list[str] | None = None) -> None:
             if args.check_child:  # an error stops this process: the parent names the step
                 run_checks(run)
                 return
-            if cuda and args.specs is not None and args.specs.exists():
-                arch = triton.runtime.driver.active.get_current_target().arch
-                said = gpu_compiles.precompile(args.specs, arch, (os.cpu_count() or 2) - 2,
-                                               min(PRECOMPILE_S, 0.25 * run.left()))
-                print(said, flush=True)
-                run.notes.append(said)
             with section(run, "device copy"):
                 copy_rate(run)
+            if cuda and args.specs is not None and args.specs.exists():
+                arch = triton.runtime.driver.active.get_current_target().arch
+                precompiling = gpu_compiles.Precompile(args.specs, arch,
+                                                       (os.cpu_count() or 2) - 2)
+                print(f"precompiling the {precompiling.entries} kernels recorded in "
+                      f"{args.specs} in {len(precompiling.processes)} processes", flush=True)
             for index, name in enumerate(sections):
+                if precompiling is not None and name != "check":  # nothing beside a timing
+                    run.notes.append(precompiling.finish(PRECOMPILE_S - precompiling.seconds()))
+                    print(run.notes[-1], flush=True)
+                    precompiling = None
                 function, needs = SECTIONS[name]
                 run.reserved_s = sum(SECTIONS[later][1] for later in sections[index + 1:]
                                      ) if cuda else 0.0
@@ -2652,6 +2659,8 @@ def main(argv: list[str] | None = None) -> None:
                 write_json()
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if precompiling is not None:
+            run.notes.append(precompiling.finish(0.0))
         write_json()
         if args.specs is not None and not args.check_child:
             run.specializations.save(args.specs, commit())

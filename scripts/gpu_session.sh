@@ -42,7 +42,8 @@
 # whose source, Triton and options are unchanged is then not compiled again.  bench/gpu.py
 # says per section how many kernels it compiled and how many came from the cache; it records
 # in the cache the kernel specializations it launched (specs.json) and, at the next run,
-# compiles them first in parallel processes (a changed kernel too: bench/_gpu_compiles.py).
+# compiles them in parallel processes beside the check (a changed kernel too:
+# bench/_gpu_compiles.py).
 #
 # Measured on an H200 (2026-11-26): the 92 GPU tests need more than 250 s (the kernels' codes
 # against the CPU reference 33 to 42 s per format, the compiled roundings 6 to 11 s each);

@@ -8,7 +8,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -103,8 +105,9 @@ modules = {{s["module"] for s in specs.found.values()}}
 assert modules == {{"kbbq_pl.kernels.triton_kernels", "_gpu_stream"}}, modules
 specs.save({specs!r}, "abc")
 shutil.rmtree({cache!r})  # a fresh machine: nothing compiled
-said = C.precompile({specs!r}, 90, 2, 240)
-assert said.startswith("precompile: 2 of 2 recorded kernels compiled, 0 failed, 0 left"), said
+said = C.Precompile({specs!r}, 90, 2).finish(240)
+assert said.startswith("precompile: 2 of 2 recorded kernels compiled, 0 failed, 0 not reached, "
+                       "by 2 processes in "), said
 for kernel in (tk._decode_kernel, _gpu_stream._stream_kernel):
     kernel.device_caches.clear()  # this process's own kernels forgotten
 again = C.Compiles()
@@ -129,6 +132,29 @@ def test_recorded_kernels_precompiled_in_parallel_are_hits(tmp_path):
     if "ptxas" in result.stderr and "not found" in result.stderr:
         pytest.skip("triton's ptxas is not available on this machine")
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_precompile_stops_its_workers_and_says_what_it_reached(tmp_path):
+    """``finish`` stops the workers still compiling when its wait ends, and counts what they
+    compiled and failed from what each printed; a kernel gone since it was recorded fails with
+    its name; no recorded kernels, no processes."""
+    path = tmp_path / "specs.json"
+    gone = dict(module="kbbq_pl.kernels.skinny", name="_no_such_kernel", path=None)
+    _gpu_compiles.Specializations.save(types.SimpleNamespace(found={"{}": gone}), path, "a")
+    said = _gpu_compiles.Precompile(path, 90, 4).finish(120)
+    assert said.startswith("precompile: 0 of 1 recorded kernels compiled, 1 failed, 0 not "
+                           "reached, by 1 processes in "), said
+    assert "failed: kbbq_pl.kernels.skinny._no_such_kernel: AttributeError" in said, said
+    sleeper = tmp_path / "sleeper"  # stands for a worker still compiling when the wait ends
+    sleeper.write_text("#!/bin/sh\nsleep 60\n")
+    sleeper.chmod(0o755)
+    with mock.patch.object(sys, "executable", str(sleeper)):
+        slow = _gpu_compiles.Precompile(path, 90, 2)
+    assert "0 of 1 recorded kernels compiled, 0 failed, 1 not reached" in slow.finish(0.5)
+    assert slow.processes[0].returncode is not None  # stopped
+    path.write_text("[]")
+    none = _gpu_compiles.Precompile(path, 90, 4)
+    assert none.processes == [] and none.finish(0.0) == "precompile: no kernels recorded"
 
 
 def test_recorded_kernels_are_kept_for_two_commits(tmp_path):

@@ -44,13 +44,15 @@ class Compiles:
     hits: int = 0  # found in Triton's cache
     seconds: float = 0.0
 
-    def __call__(self, *, src, metadata, metadata_group, times, cache_hit) -> None:
+    def __call__(self, *, times, cache_hit, **_) -> None:
         if cache_hit:
             self.hits += 1
             return
         self.kernels += 1
-        self.seconds += (times.ir_initialization + sum(us for _, us in times.lowering_stages)
-                         + times.store_results) / 1e6
+        with contextlib.suppress(AttributeError, TypeError):  # a count never fails a compile
+            self.seconds += (times.ir_initialization + sum(us for _, us in
+                                                           times.lowering_stages)
+                             + times.store_results) / 1e6
 
     def copy(self) -> Compiles:
         return Compiles(self.kernels, self.hits, self.seconds)
@@ -73,12 +75,15 @@ class Specializations:
         self.found: dict[str, dict] = {}
 
     def __call__(self, *, fn, compile, **_) -> None:
-        if not hasattr(fn, "jit_function"):  # Inductor's call of the hook (off by default)
+        data = compile.get("specialization_data") if isinstance(compile, dict) else None
+        if data is None or not hasattr(fn, "jit_function"):  # not serializable; Inductor's
             return
-        path = inspect.getsourcefile(fn.jit_function.fn)
+        try:
+            path = inspect.getsourcefile(fn.jit_function.fn)
+        except TypeError:
+            return
         if fn.module.split(".")[0] in RECORDED or (path and Path(path).parent == BENCH):
-            self.found[compile["specialization_data"]] = dict(module=fn.module, name=fn.name,
-                                                              path=path)
+            self.found[data] = dict(module=fn.module, name=fn.name, path=path)
 
     def save(self, path: Path | str, commit: str) -> None:
         """Written to ``path`` (atomically) with the earlier ones recorded there at this commit
@@ -105,16 +110,29 @@ def load(path: Path | str) -> list[dict]:
 
 @contextlib.contextmanager
 def recording(compiles: Compiles, specializations: Specializations):
-    """Triton's compilation listener and post-compile hook set to these for the block."""
+    """Triton's compilation listener and post-compile hook set to these for the block.  Triton
+    serializes a specialization for the hook before calling it, and a constant it cannot write
+    as JSON would fail the launch: its serializer is wrapped to give None instead."""
     import triton
+    from triton.runtime import jit
 
     knobs = triton.knobs
+    serialize = jit.serialize_specialization_data
+
+    def serialized(*args, **kwargs) -> str | None:
+        try:
+            return serialize(*args, **kwargs)
+        except (TypeError, ValueError):
+            return None
+
     before = knobs.compilation.listener, knobs.runtime.jit_post_compile_hook
     knobs.compilation.listener, knobs.runtime.jit_post_compile_hook = compiles, specializations
+    jit.serialize_specialization_data = serialized
     try:
         yield
     finally:
         knobs.compilation.listener, knobs.runtime.jit_post_compile_hook = before
+        jit.serialize_specialization_data = serialize
 
 
 class CompileOnly:

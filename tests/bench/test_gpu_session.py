@@ -114,14 +114,29 @@ again = C.Compiles()
 with C.compile_only(90), C.recording(again, C.Specializations()):
     launch()
 assert (again.kernels, again.hits) == (0, 2), again
+from triton.runtime import jit  # a constant Triton cannot write as JSON: launched, not recorded
+
+
+def unwritable(*args, **kwargs):
+    raise TypeError("not JSON serializable")
+
+
+jit.serialize_specialization_data = unwritable
+for kernel in (tk._decode_kernel, _gpu_stream._stream_kernel):
+    kernel.device_caches.clear()
+quiet = C.Specializations()
+with C.compile_only(90), C.recording(C.Compiles(), quiet):
+    launch()
+assert quiet.found == {{}} and jit.serialize_specialization_data is unwritable, quiet.found
 print("ok")
 """
 
 
 def test_recorded_kernels_precompiled_in_parallel_are_hits(tmp_path):
     """The kernel specializations a run launched (Triton's post-compile hook), saved and
-    compiled again by parallel worker processes with no GPU context (``precompile``), are
-    cache hits when the run launches them again: a package's kernel and a script's."""
+    compiled again by parallel worker processes with no GPU context (``Precompile``), are
+    cache hits when the run launches them again: a package's kernel and a script's.  A
+    specialization Triton cannot serialize is launched all the same, and not recorded."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")

@@ -54,9 +54,6 @@ class Compiles:
                                                            times.lowering_stages)
                              + times.store_results) / 1e6
 
-    def copy(self) -> Compiles:
-        return Compiles(self.kernels, self.hits, self.seconds)
-
     def since(self, before: Compiles) -> Compiles:
         return Compiles(self.kernels - before.kernels, self.hits - before.hits,
                         self.seconds - before.seconds)
@@ -169,15 +166,13 @@ def compile_only(arch: int):
 def kernel(entry: dict):
     """The ``triton.jit`` function an entry of :class:`Specializations` names: its module
     imported, or loaded from its file (this folder's scripts) under the same name."""
-    module = sys.modules.get(entry["module"])
-    if module is None:
-        try:
-            module = importlib.import_module(entry["module"])
-        except ImportError:
-            spec = importlib.util.spec_from_file_location(entry["module"], entry["path"])
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[entry["module"]] = module
-            spec.loader.exec_module(module)
+    try:
+        module = importlib.import_module(entry["module"])
+    except ImportError:
+        spec = importlib.util.spec_from_file_location(entry["module"], entry["path"])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[entry["module"]] = module
+        spec.loader.exec_module(module)
     found = module
     for part in entry["name"].split("."):
         found = getattr(found, part)
@@ -210,12 +205,12 @@ class Precompile:
         self.began = time.perf_counter()
         self.logs = tempfile.TemporaryDirectory(prefix="kbbq_precompile_")
         self.processes = []
-        for rank in range(max(1, min(workers, self.entries)) if self.entries else 0):
+        count = max(1, min(workers, self.entries)) if self.entries else 0
+        for rank in range(count):
             with open(Path(self.logs.name) / f"{rank}.log", "w") as log:
                 self.processes.append(subprocess.Popen(
-                    [sys.executable, str(Path(__file__)), str(specs), str(rank),
-                     str(min(workers, self.entries)), str(arch)], stdout=log,
-                    stderr=subprocess.STDOUT))
+                    [sys.executable, str(Path(__file__)), str(specs), str(rank), str(count),
+                     str(arch)], stdout=log, stderr=subprocess.STDOUT))
 
     def seconds(self) -> float:
         return time.perf_counter() - self.began

@@ -145,7 +145,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from unittest import mock
 
@@ -231,20 +231,27 @@ class Run:
     def line(self, what: str, measured, target="", met="") -> None:
         self.summary.append([what, measured, target, met])
 
+    def compiled_since(self, step: str, began: float, compiles: gpu_compiles.Compiles
+                       ) -> gpu_compiles.Compiles:
+        """The compiles since ``compiles`` (taken at ``began``), as a ``compiles`` row for
+        ``step`` (a section, or ``check: `` and a check step) with its seconds."""
+        spent = self.compiles.since(compiles)
+        self.add("compiles", step=step, wall_s=time.perf_counter() - began,
+                 kernels=spent.kernels, hits=spent.hits, compile_s=spent.seconds)
+        return spent
+
     def step(self, name: str) -> None:
         """The check's child begins step ``name`` (:func:`check_in_child`): the device's work so
         far finished first (a fault there is raised now, under the step that launched it).  The
-        line it prints says when, in seconds since the child began: where the check's time
-        goes (mostly compiles)."""
+        line it prints says when, in seconds since the child began, and the ending step's
+        ``compiles`` row how much of its time went to compiling."""
         if self.cuda:
             torch.cuda.synchronize()
         now = time.perf_counter()
         if self.step_began is not None:  # the step that ends here: its time and compiles
             last, began, compiles = self.step_began
-            spent = self.compiles.since(compiles)
-            self.add("compiles", step=f"check: {last}", wall_s=now - began, kernels=spent.kernels,
-                     hits=spent.hits, compile_s=spent.seconds)
-        self.step_began = (name, now, self.compiles.copy())
+            self.compiled_since(f"check: {last}", began, compiles)
+        self.step_began = (name, now, replace(self.compiles))
         if self.progress is not None:
             self.progress.write_text(name)
             print(f"(check step: {name}, at {now - self.start:.0f} s)", flush=True)
@@ -273,7 +280,7 @@ def section(run: Run, name: str, needs_s: float = 0.0):
         print(f"\n## {name}: skipped ({run.left():.0f} s left)")
         yield False
         return
-    began, compiles = time.perf_counter(), run.compiles.copy()
+    began, compiles = time.perf_counter(), replace(run.compiles)
     try:  # the heading inside: a signal right after it still notes the section as stopped
         print(f"\n## {name}", flush=True)
         yield True
@@ -288,11 +295,9 @@ def section(run: Run, name: str, needs_s: float = 0.0):
                          f"{time.perf_counter() - began:.0f} s")
         raise
     else:
-        spent = run.compiles.since(compiles)
+        spent = run.compiled_since(name, began, compiles)
         run.notes.append(f"{name}: {time.perf_counter() - began:.0f} s"
                          + f" ({spent})" * bool(spent.kernels or spent.hits))
-        run.add("compiles", step=name, wall_s=time.perf_counter() - began,
-                kernels=spent.kernels, hits=spent.hits, compile_s=spent.seconds)
 
 
 def attempt(run: Run, what: str, call, fallback, step: str | None = None):

@@ -184,9 +184,9 @@ leave_caches() {
     python3 - "$CACHE/triton" <<'EOF'
 import json, pathlib, sys
 for group in pathlib.Path(sys.argv[1]).glob("*/__grp__*.json"):
-    children = json.loads(group.read_text())["child_paths"]
     if group.name.startswith("__grp__triton_"):
         continue
+    children = json.loads(group.read_text())["child_paths"]
     for name, path in children.items():
         if name.rsplit(".", 1)[-1] not in ("cubin", "json"):
             pathlib.Path(path).unlink(missing_ok=True)
